@@ -1,0 +1,141 @@
+"""The ``mixprec`` command line. Sits on top of the library; nothing imports it.
+
+Subcommands are registered in ``_COMMANDS``; each takes parsed args and returns an exit
+code. rich is imported lazily, only to print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(soft_wrap=False, width=max(120, Console().width))
+
+
+def _num(v: float) -> str:
+    if v == 0 or math.isnan(v) or math.isinf(v):
+        return str(v)
+    return f"{v:.6g}" if 1e-4 <= abs(v) < 1e7 else f"{v:.4e}"
+
+
+def cmd_formats(args: argparse.Namespace) -> int:
+    import torch
+    from rich.table import Table
+
+    from mixprec import formats
+
+    names = args.formats.split(",") if args.formats else formats.names()
+    fmts = [formats.get(n) for n in names]
+    con = _console()
+    if args.value is None:
+        t = Table(title="Floating-point formats (mixprec.formats)")
+        for col in ("format", "bits s/e/m", "bias", "max", "min normal", "min subnormal",
+                    "eps", "digits", "inf/NaN", "torch dtype"):
+            t.add_column(col, justify="right" if col not in ("format", "inf/NaN") else "left")
+        for f in fmts:
+            special = ("inf+NaN" if f.has_inf else {"single": "NaN only", "none": "neither",
+                                                    "ieee": "NaN"}[f.nan])
+            t.add_row(f.name, f"{int(f.signed)}/{f.exponent_bits}/{f.mantissa_bits}",
+                      str(f.bias), _num(f.max), _num(f.min_normal), _num(f.min_subnormal),
+                      _num(f.eps), f"{f.decimal_digits:.2f}", special,
+                      str(f.torch_dtype).replace("torch.", "") if f.torch_dtype else "-")
+        con.print(t)
+        return 0
+
+    x = torch.tensor([args.value], dtype=torch.float64)
+    title = f"{args.value!r} in each format"
+    if args.update is not None:
+        title += f", then + {args.update!r}"
+    t = Table(title=title)
+    cols = ["format", "stored", "rel. error", "spacing there", "what happens"]
+    if args.update is not None:
+        cols += ["after update", "update", "survives for |w| below"]
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("format", "what happens", "update") else "right")
+    for f in fmts:
+        q = formats.quantize(x, f).item()
+        step = formats.ulp(torch.tensor([q if math.isfinite(q) else f.max],
+                                        dtype=torch.float64), f).item()
+        rel = abs(q - args.value) / abs(args.value) if args.value and math.isfinite(q) else 0.0
+        a = abs(args.value)
+        if math.isnan(q):
+            what = "NaN (overflow: no inf in this format)" if not math.isnan(args.value) else "NaN"
+        elif math.isinf(q):
+            what = "overflows to inf"
+        elif q == 0 and a > 0:
+            what = f"underflows to 0 (below {_num(f.min_subnormal)})"
+        elif a > f.max:
+            what = f"clamped to max {_num(f.max)}"
+        elif 0 < a < f.min_normal:
+            what = f"subnormal (below {_num(f.min_normal)}): precision lost"
+        else:
+            what = "normal"
+        row = [f.name, _num(q), f"{rel:.2e}", _num(step), what]
+        if args.update is not None:
+            after = formats.quantize(torch.tensor([q + args.update], dtype=torch.float64),
+                                     f).item()
+            kept = after != q
+            row += [_num(after), "survives" if kept else "[red]vanishes[/red]",
+                    _num(_survival_bound(f, args.update))]
+        t.add_row(*row)
+    con.print(t)
+    if args.update is not None:
+        con.print("An update survives where it is more than half the spacing of the "
+                  "stored value: |update| > ulp(w)/2.")
+    return 0
+
+
+def _survival_bound(f, update: float) -> float:
+    """Largest power of two w such that w + update still rounds away from w."""
+    u = abs(update)
+    if u == 0:
+        return 0.0
+    # ulp at binade E is 2^(E-m); survival needs 2^(E-m) < 2u  =>  E < log2(2u) + m.
+    e = math.floor(math.log2(2 * u)) + f.mantissa_bits
+    if math.ldexp(1.0, e - f.mantissa_bits) >= 2 * u:
+        e -= 1
+    return min(math.ldexp(2.0, e) if e < 1024 else math.inf, f.max)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mixprec",
+        description="Mixed-precision training toolkit for PyTorch.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    f = sub.add_parser("formats", help="table of number formats; where a value lands in each")
+    f.add_argument("--value", type=float, help="show this value stored in each format")
+    f.add_argument("--update", type=float,
+                   help="with --value: does adding this to the stored value survive?")
+    f.add_argument("--formats", help="comma-separated subset, e.g. fp32,bf16,fp16")
+    f.set_defaults(func=cmd_formats)
+    for name, (help_, add, func) in _COMMANDS.items():
+        s = sub.add_parser(name, help=help_)
+        add(s)
+        s.set_defaults(func=func)
+    return p
+
+
+# name -> (help, add_arguments(parser), run(args) -> int); other rooms register here.
+_COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, PermissionError, NotImplementedError) as e:
+        print(f"mixprec {args.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,327 @@
+"""Recipe: which precision each part of training lives in, as one frozen value.
+
+A recipe is data. It is built from a named preset plus ``key=value`` overrides::
+
+    >>> from mixprec import Recipe
+    >>> r = Recipe.parse("fp16,init_scale=1024,growth_interval=3")
+    >>> r.compute, r.loss_scale, r.init_scale
+    ('fp16', 'dynamic', 1024.0)
+    >>> Recipe.parse(str(r)) == r
+    True
+
+Everything in mixprec that takes a recipe accepts a ``Recipe`` or such a string
+(``Recipe.coerce``). Bad input raises ``ValueError`` naming the field, the value and the
+valid choices; combinations that cannot train raise, useless-but-harmless ones warn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args
+
+import torch
+
+__all__ = ["Recipe", "PRESETS", "KEEP_FP32_CHOICES", "DEFAULT_KEEP_FP32", "preset_names"]
+
+ComputeDtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+StoreDtype = Literal["fp32", "bf16", "fp16"]
+MasterDtype = Literal["fp32", "none"]
+LossScaleKind = Literal["none", "static", "dynamic"]
+Fp8Scaling = Literal["delayed", "current"]
+Fp8Format = Literal["hybrid", "e4m3"]
+AmaxAlgo = Literal["max", "most_recent"]
+OnSkipLimit = Literal["warn", "raise"]
+
+#: What ``keep_fp32`` may name: module families and functional ops run in FP32.
+KEEP_FP32_CHOICES = (
+    "layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm",
+    "softmax", "log_softmax", "loss",
+)
+DEFAULT_KEEP_FP32 = (
+    "layer_norm", "rms_norm", "group_norm", "batch_norm", "softmax", "log_softmax", "loss",
+)
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """The precision of every part of a training step.
+
+    Fields (dtype names are mixprec format names):
+
+    - ``compute``: precision of matmul/conv inputs (autocast dtype; ``fp8`` converts
+      Linears to FP8 and runs the rest under bf16 autocast; ``tf32`` sets torch's matmul
+      precision knobs).
+    - ``params``: dtype the model's parameters are stored in (the working copy).
+    - ``master``: ``fp32`` keeps an FP32 master copy that the optimizer updates.
+    - ``grads``: dtype gradients are accumulated in across micro-batches.
+    - ``comm``: dtype gradients are reduced in across data-parallel ranks.
+    - ``loss_scale``: ``none``, ``static`` (always ``init_scale``) or ``dynamic``; the
+      dynamic rule: any inf/NaN skips the step and, after ``hysteresis`` consecutive
+      overflows, multiplies the scale by ``backoff_factor`` (not below ``min_scale``);
+      ``growth_interval`` clean steps in a row multiply it by ``growth_factor`` (not
+      above ``max_scale``).
+    - ``skip_limit`` / ``on_skip_limit``: after this many consecutive skipped steps the
+      engine warns or raises, so a run never skips silently forever (0 disables).
+    - ``keep_fp32``: module families and ops computed in FP32 (``KEEP_FP32_CHOICES``).
+    - ``emulate``: round to the compute format in software instead of running its kernels.
+    - fp8: ``fp8_scaling`` (delayed from an amax history, or current), ``fp8_format``
+      (``hybrid``: e4m3 forward, e5m2 gradients; or ``e4m3`` everywhere),
+      ``amax_history_len``, ``amax_compute_algo``, ``margin`` (scale = max / amax / 2^m).
+    """
+
+    compute: ComputeDtype = "fp32"
+    params: StoreDtype = "fp32"
+    master: MasterDtype = "none"
+    grads: StoreDtype = "fp32"
+    comm: StoreDtype = "fp32"
+    loss_scale: LossScaleKind = "none"
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    skip_limit: int = 100
+    on_skip_limit: OnSkipLimit = "warn"
+    keep_fp32: tuple[str, ...] = DEFAULT_KEEP_FP32
+    emulate: bool = False
+    fp8_scaling: Fp8Scaling = "delayed"
+    fp8_format: Fp8Format = "hybrid"
+    amax_history_len: int = 16
+    amax_compute_algo: AmaxAlgo = "max"
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            choices = _literal_choices(f.name)
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(
+                    f"recipe field {f.name!r}: unknown value {getattr(self, f.name)!r}; "
+                    f"valid: {', '.join(map(str, choices))}"
+                )
+        ok = isinstance(self.keep_fp32, tuple)
+        bad = [k for k in self.keep_fp32 if k not in KEEP_FP32_CHOICES] if ok else []
+        if bad or not ok:
+            raise ValueError(
+                f"recipe field 'keep_fp32': unknown entries {bad or self.keep_fp32!r}; "
+                f"valid: {', '.join(KEEP_FP32_CHOICES)} (join several with '+', or 'none')"
+            )
+        self._check_numbers()
+        self._check_combinations()
+
+    # --- validation ---------------------------------------------------------------
+
+    def _check_numbers(self) -> None:
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"recipe field {name!r}: {getattr(self, name)!r} is invalid; "
+                                 f"it must be {rule}")
+
+        for name in ("init_scale", "min_scale", "max_scale"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and math.isfinite(v) and v > 0, name,
+                 "a finite number > 0")
+        need(self.growth_factor > 1, "growth_factor", "> 1")
+        need(0 < self.backoff_factor < 1, "backoff_factor", "between 0 and 1 (exclusive)")
+        need(self.min_scale <= self.max_scale, "min_scale", f"<= max_scale ({self.max_scale})")
+        if self.loss_scale != "none":
+            need(self.min_scale <= self.init_scale <= self.max_scale, "init_scale",
+                 f"within [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]")
+        for name, lo in (("growth_interval", 1), ("hysteresis", 1), ("skip_limit", 0),
+                         ("amax_history_len", 1), ("margin", 0)):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= lo, name,
+                 f"an integer >= {lo}")
+        need(isinstance(self.emulate, bool), "emulate", "true or false")
+
+    def _check_combinations(self) -> None:
+        if self.compute == "fp8" and self.params == "fp16":
+            raise ValueError(
+                "recipe: compute='fp8' with params='fp16' is not supported: fp8 runs the "
+                "rest of the model under bf16 autocast. Use params=fp32 or params=bf16."
+            )
+        if self.params == "fp16" and self.master == "none" and self.loss_scale == "none":
+            raise ValueError(
+                "recipe: params='fp16' with master='none' and loss_scale='none' cannot train: "
+                "fp16 gradients underflow and fp16 weights swallow small updates. "
+                "Set master=fp32 and loss_scale=dynamic (preset 'fp16-master'), or use bf16."
+            )
+        if self.grads == "fp16" and self.loss_scale == "none":
+            raise ValueError(
+                "recipe: grads='fp16' with loss_scale='none' loses every gradient below "
+                "6e-8. Set loss_scale=dynamic, or grads=fp32 (the default)."
+            )
+        if self.loss_scale != "none" and "fp16" not in (self.compute, self.params, self.grads):
+            warnings.warn(
+                f"recipe: loss_scale={self.loss_scale!r} with compute={self.compute!r}: "
+                "nothing is stored in fp16, so scaling buys nothing (bf16 has fp32's "
+                "range). It is harmless; set loss_scale=none to drop it.",
+                stacklevel=3,
+            )
+        if self.master == "fp32" and self.params == "fp32":
+            warnings.warn(
+                "recipe: master='fp32' with params='fp32' keeps a second fp32 copy of "
+                "every weight for nothing; set master=none.",
+                stacklevel=3,
+            )
+
+    # --- parsing ------------------------------------------------------------------
+
+    @classmethod
+    def parse(cls, text: str) -> Recipe:
+        """Parse ``"preset[,key=value...]"`` or ``"key=value,..."`` (preset ``fp32``).
+
+        Values are validated as for the constructor; each key may appear once.
+        ``keep_fp32`` takes ``+``-joined names (``keep_fp32=layer_norm+softmax``) or
+        ``none``; booleans take true/false/1/0/yes/no.
+        """
+        if not isinstance(text, str):
+            raise ValueError(f"recipe must be a string or Recipe, got {type(text).__name__}")
+        parts = [p.strip() for p in text.split(",")]
+        if not text.strip() or any(p == "" for p in parts):
+            raise ValueError(f"recipe {text!r}: empty fragment; expected "
+                             f"'preset[,key=value...]' with a preset from {preset_names()}")
+        base = "fp32"
+        if "=" not in parts[0]:
+            base = parts.pop(0).lower()
+            if base not in PRESETS:
+                raise ValueError(f"recipe {text!r}: unknown preset {base!r}; "
+                                 f"valid presets: {', '.join(preset_names())}")
+        overrides: dict[str, Any] = {}
+        names = [f.name for f in fields(cls)]
+        for p in parts:
+            if "=" not in p:
+                raise ValueError(f"recipe {text!r}: fragment {p!r} is not key=value (only "
+                                 "the first fragment may be a preset name)")
+            key, _, raw = p.partition("=")
+            key, raw = key.strip(), raw.strip()
+            if key not in names:
+                raise ValueError(f"recipe {text!r}: unknown field {key!r}; "
+                                 f"valid fields: {', '.join(names)}")
+            if key in overrides:
+                raise ValueError(f"recipe {text!r}: field {key!r} given twice")
+            overrides[key] = _convert(key, raw)
+        return PRESETS[base].replace(**overrides) if overrides else PRESETS[base]
+
+    @classmethod
+    def coerce(cls, recipe: Recipe | str) -> Recipe:
+        """A Recipe from a Recipe or a recipe string."""
+        if isinstance(recipe, Recipe):
+            return recipe
+        return cls.parse(recipe)
+
+    def replace(self, **changes: Any) -> Recipe:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def __str__(self) -> str:
+        best_name, best_diff = "fp32", None
+        for name, p in PRESETS.items():
+            diff = _diff(p, self)
+            if best_diff is None or len(diff) < len(best_diff):
+                best_name, best_diff = name, diff
+        return ",".join([best_name, *(f"{k}={_format(v)}" for k, v in best_diff)])
+
+    # --- derived facts used by the engine -----------------------------------------
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """torch dtype of the autocast region (fp8 recipes: bf16 around the fp8 Linears)."""
+        return {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
+                "fp16": torch.float16, "fp8": torch.bfloat16}[self.compute]
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return _TORCH[self.params]
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return _TORCH[self.grads]
+
+    @property
+    def comm_dtype(self) -> torch.dtype:
+        return _TORCH[self.comm]
+
+    @property
+    def uses_autocast(self) -> bool:
+        return self.compute in ("bf16", "fp16", "fp8")
+
+
+_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+_LITERALS = {
+    "compute": ComputeDtype, "params": StoreDtype, "master": MasterDtype, "grads": StoreDtype,
+    "comm": StoreDtype, "loss_scale": LossScaleKind, "on_skip_limit": OnSkipLimit,
+    "fp8_scaling": Fp8Scaling, "fp8_format": Fp8Format, "amax_compute_algo": AmaxAlgo,
+}
+
+
+def _literal_choices(name: str) -> tuple:
+    lit = _LITERALS.get(name)
+    return get_args(lit) if lit is not None else ()
+
+
+def _convert(key: str, raw: str) -> Any:
+    if key in _LITERALS:
+        return raw.lower()
+    if key == "keep_fp32":
+        if raw.lower() == "none":
+            return ()
+        return tuple(x.strip().lower() for x in raw.split("+"))
+    if key == "emulate":
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise ValueError(f"recipe field 'emulate': {raw!r} is not a boolean; "
+                         "use true or false")
+    default = next(f.default for f in fields(Recipe) if f.name == key)
+    try:
+        if isinstance(default, int):
+            return int(raw)
+        v = float(raw)
+    except ValueError:
+        kind = "an integer" if isinstance(default, int) else "a number"
+        raise ValueError(f"recipe field {key!r}: {raw!r} is not {kind}") from None
+    return v
+
+
+def _format(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, tuple):
+        return "+".join(v) if v else "none"
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+def _diff(a: Recipe, b: Recipe) -> list[tuple[str, Any]]:
+    return [(f.name, getattr(b, f.name)) for f in fields(Recipe)
+            if getattr(a, f.name) != getattr(b, f.name)]
+
+
+PRESETS: dict[str, Recipe] = {
+    "fp32": Recipe(),
+    "tf32": Recipe(compute="tf32"),
+    "bf16": Recipe(compute="bf16"),
+    "bf16-master": Recipe(compute="bf16", params="bf16", master="fp32"),
+    "fp16": Recipe(compute="fp16", loss_scale="dynamic"),
+    "fp16-master": Recipe(compute="fp16", params="fp16", master="fp32", loss_scale="dynamic"),
+    "fp8": Recipe(compute="fp8"),
+    "fp8-current": Recipe(compute="fp8", fp8_scaling="current"),
+}
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+torch.serialization.add_safe_globals([Recipe])
