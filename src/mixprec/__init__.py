@@ -1,11 +1,16 @@
 """mixprec: mixed-precision training for PyTorch.
 
 Public API: ``formats`` (number formats and exact rounding), ``Recipe`` (which
-precision each part of training uses).
+precision each part of training uses), ``MixedPrecision`` (the training engine),
+``LossScaler`` and ``precision_context``.
 """
 
 from mixprec import formats
+from mixprec.context import precision_context
+from mixprec.engine import MixedPrecision, SkipLimitError, StepResult
 from mixprec.recipe import PRESETS, Recipe
+from mixprec.scaler import LossScaler
 
-__all__ = ["formats", "Recipe", "PRESETS", "__version__"]
+__all__ = ["formats", "Recipe", "PRESETS", "MixedPrecision", "StepResult", "SkipLimitError",
+           "LossScaler", "precision_context", "__version__"]
 __version__ = "0.1.0"

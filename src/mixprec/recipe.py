@@ -34,6 +34,7 @@ Fp8Scaling = Literal["delayed", "current"]
 Fp8Format = Literal["hybrid", "e4m3"]
 AmaxAlgo = Literal["max", "most_recent"]
 OnSkipLimit = Literal["warn", "raise"]
+GradAccum = Literal["plain", "kahan"]
 
 #: What ``keep_fp32`` may name: module families and functional ops run in FP32.
 KEEP_FP32_CHOICES = (
@@ -59,7 +60,8 @@ class Recipe:
       precision knobs).
     - ``params``: dtype the model's parameters are stored in (the working copy).
     - ``master``: ``fp32`` keeps an FP32 master copy that the optimizer updates.
-    - ``grads``: dtype gradients are accumulated in across micro-batches.
+    - ``grads``: dtype gradients are accumulated in across micro-batches;
+      ``grad_accum``: ``plain`` additions or ``kahan`` (compensated) summation.
     - ``comm``: dtype gradients are reduced in across data-parallel ranks.
     - ``loss_scale``: ``none``, ``static`` (always ``init_scale``) or ``dynamic``; the
       dynamic rule: any inf/NaN skips the step and, after ``hysteresis`` consecutive
@@ -79,6 +81,7 @@ class Recipe:
     params: StoreDtype = "fp32"
     master: MasterDtype = "none"
     grads: StoreDtype = "fp32"
+    grad_accum: GradAccum = "plain"
     comm: StoreDtype = "fp32"
     loss_scale: LossScaleKind = "none"
     init_scale: float = 2.0**16
@@ -258,7 +261,8 @@ _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 _LITERALS = {
     "compute": ComputeDtype, "params": StoreDtype, "master": MasterDtype, "grads": StoreDtype,
-    "comm": StoreDtype, "loss_scale": LossScaleKind, "on_skip_limit": OnSkipLimit,
+    "comm": StoreDtype, "grad_accum": GradAccum, "loss_scale": LossScaleKind,
+    "on_skip_limit": OnSkipLimit,
     "fp8_scaling": Fp8Scaling, "fp8_format": Fp8Format, "amax_compute_algo": AmaxAlgo,
 }
 

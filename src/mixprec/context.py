@@ -1,0 +1,176 @@
+"""The precision context: torch.autocast plus FP32 islands.
+
+``precision_context(recipe, device)`` is what ``MixedPrecision.autocast()`` enters:
+
+- ``torch.autocast`` on the device with the recipe's compute dtype (bf16 / fp16; fp8
+  recipes run everything but their Float8 Linears under bf16);
+- FP32 islands for what ``recipe.keep_fp32`` names. Norms (``F.layer_norm``,
+  ``F.rms_norm``, ``F.group_norm``, ``F.batch_norm``, ``F.instance_norm``), softmax,
+  log_softmax and the loss functions get their floating inputs (and weights) upcast to
+  fp32 and run with autocast off. Their outputs are **fp32**, as CUDA autocast already
+  does for layer_norm and softmax. The next low-precision op casts them down again.
+  CPU autocast leaves layer_norm and softmax in bf16, and these islands fix that. It is
+  done with a ``TorchFunctionMode`` at the functional level, so it covers ``nn.LayerNorm``
+  and your own code that calls ``F.layer_norm``. Modules from other libraries that
+  compute a norm by hand (a ``LlamaRMSNorm``, say) are matched by class name and run
+  whole in fp32;
+- for ``tf32``: ``torch.backends.cuda.matmul.allow_tf32``, ``cudnn.allow_tf32`` and
+  ``torch.set_float32_matmul_precision("high")``, restored on exit.
+
+Hardware checks live in ``device_supports`` so tests can monkeypatch one function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from mixprec.recipe import Recipe
+
+__all__ = ["precision_context", "Fp32Islands", "device_supports", "fp32_island_modules",
+           "wrap_fp32_modules"]
+
+_NORM_FUNCS: dict[str, tuple[Callable, ...]] = {
+    "layer_norm": (F.layer_norm, torch.layer_norm),
+    "rms_norm": tuple(f for f in (getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None))
+                      if f is not None),
+    "group_norm": (F.group_norm, torch.group_norm),
+    "batch_norm": (F.batch_norm, torch.batch_norm),
+    "instance_norm": (F.instance_norm, torch.instance_norm),
+    "softmax": (F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax),
+    "log_softmax": (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
+                    torch.special.log_softmax),
+    "loss": (F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss,
+             F.huber_loss, F.binary_cross_entropy, F.binary_cross_entropy_with_logits,
+             F.kl_div, F.cosine_embedding_loss, F.soft_margin_loss, F.poisson_nll_loss,
+             F.gaussian_nll_loss),
+}
+
+# Class-name suffixes of norm modules from other libraries, run whole in fp32.
+_MODULE_SUFFIXES = {
+    "layer_norm": ("LayerNorm",),
+    "rms_norm": ("RMSNorm", "RmsNorm"),
+    "group_norm": ("GroupNorm",),
+    "batch_norm": ("BatchNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d"),
+    "instance_norm": ("InstanceNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"),
+}
+_TORCH_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase,
+                getattr(nn, "RMSNorm", nn.LayerNorm))
+
+
+def device_supports(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``device`` can compute in ``dtype`` at all (speed is the doctor's job)."""
+    if device.type == "cuda":
+        if dtype == torch.bfloat16:
+            return torch.cuda.is_bf16_supported()
+        if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return torch.cuda.get_device_capability(device) >= (8, 9)
+        return True
+    if device.type == "cpu":
+        return dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16,
+                         torch.float8_e4m3fn, torch.float8_e5m2)
+    return dtype == torch.float32
+
+
+def _up(x):
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:
+        return x.float()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_up(v) for v in x)
+    return x
+
+
+class Fp32Islands(TorchFunctionMode):
+    """Run the listed functions in fp32: inputs upcast, autocast off, fp32 outputs."""
+
+    def __init__(self, keep: tuple[str, ...], device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.funcs = frozenset(f for k in keep for f in _NORM_FUNCS.get(k, ()))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self.funcs:
+            return func(*args, **kwargs)
+        if kwargs.get("dtype") is not None:  # softmax(x, dim, dtype=...) asked for a dtype
+            kwargs = {**kwargs, "dtype": torch.float32}
+        with torch.autocast(self.device_type, enabled=False):
+            return func(*_up(args), **{k: _up(v) for k, v in kwargs.items()})
+
+
+def fp32_island_modules(model: nn.Module, keep: tuple[str, ...]) -> list[nn.Module]:
+    """Modules from other libraries that ``keep`` names by class-name suffix.
+
+    torch's own norm modules are not listed: the functional islands already cover them.
+    """
+    suffixes = tuple(s for k in keep for s in _MODULE_SUFFIXES.get(k, ()))
+    if not suffixes:
+        return []
+    return [m for m in model.modules()
+            if not isinstance(m, _TORCH_NORMS) and type(m).__name__.endswith(suffixes)]
+
+
+def wrap_fp32_modules(modules: list[nn.Module], device_type: str) -> Callable[[], None]:
+    """Make each module run its forward in fp32 (inputs upcast, autocast off).
+
+    Overrides ``forward`` on the instance; returns a function that undoes it.
+    """
+    originals = []
+    for m in modules:
+        orig = m.forward
+
+        @functools.wraps(orig)
+        def fwd(*args, __orig=orig, **kwargs):
+            with torch.autocast(device_type, enabled=False):
+                return __orig(*_up(args), **{k: _up(v) for k, v in kwargs.items()})
+
+        m.forward = fwd
+        originals.append((m, orig))
+
+    def undo() -> None:
+        for m, _ in originals:
+            if "forward" in m.__dict__:
+                del m.forward
+
+    return undo
+
+
+@contextlib.contextmanager
+def _tf32() -> Iterator[None]:
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision())
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
+        torch.set_float32_matmul_precision(saved[2])
+
+
+@contextlib.contextmanager
+def precision_context(recipe: Recipe | str, device: torch.device | str) -> Iterator[None]:
+    """Enter the recipe's precision for a forward pass (and the loss).
+
+    >>> import torch
+    >>> with precision_context("bf16", "cpu"):
+    ...     torch.softmax(torch.randn(2, 3).bfloat16(), -1).dtype
+    torch.float32
+    """
+    r = Recipe.coerce(recipe)
+    dev = torch.device(device)
+    with contextlib.ExitStack() as stack:
+        if r.compute == "tf32":
+            stack.enter_context(_tf32())
+        if r.uses_autocast:
+            stack.enter_context(torch.autocast(dev.type, dtype=r.compute_dtype))
+        if r.keep_fp32 and (r.uses_autocast or r.params != "fp32"):
+            stack.enter_context(Fp32Islands(r.keep_fp32, dev.type))
+        yield

@@ -1,0 +1,405 @@
+"""MixedPrecision: the one object a training loop drives.
+
+It composes the rooms: the precision context (``context``), master weights and
+accumulation buffers (``master``), the loss scaler (``scaler``). It holds no math.
+
+Example::
+
+    engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), fused=True),
+                            recipe="bf16", grad_accum_steps=4, max_grad_norm=1.0)
+    for x, y in batches:
+        with engine.autocast():
+            loss = F.cross_entropy(model(x), y)
+        engine.backward(loss)
+        result = engine.step()     # "accumulating" until 4 micro-batches went through
+
+What ``step()`` does once the micro-batches are in: unscale and check for inf/NaN in
+one fused pass -> (if all finite) clip on the true gradients -> optimizer step on the
+fp32 parameters -> refresh the low-precision working copy -> update the loss scale ->
+zero the buffers. A step with non-finite gradients leaves parameters, masters and
+optimizer state bit-identical.
+
+Host synchronisation: none in ``backward()`` or ``step()`` when every optimizer takes
+``found_inf`` on the device (torch's Adam, AdamW and SGD with ``fused=True``). For those
+the step reads the gradients once (their global norm, which is also the non-finite
+check) and the fused kernel unscales and clips as it updates. Any other optimizer costs
+one sync per step to decide the skip, as with torch's GradScaler, and an explicit
+unscale pass. An
+attached LR scheduler costs one too: it advances only on applied steps, so it needs to
+know whether the step was skipped.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mixprec.context import (
+    device_supports,
+    fp32_island_modules,
+    precision_context,
+    wrap_fp32_modules,
+)
+from mixprec.master import GradState
+from mixprec.recipe import Recipe
+from mixprec.scaler import LossScaler
+
+__all__ = ["MixedPrecision", "StepResult", "SkipLimitError"]
+
+
+class SkipLimitError(RuntimeError):
+    """Raised when a run has skipped ``recipe.skip_limit`` steps in a row."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a call to ``step()`` did. Tensors stay on the device: ``bool(r.skipped)``,
+    ``float(r.scale)`` and ``float(r.grad_norm)`` are the caller's choice to sync.
+
+    - ``accumulating``: True while fewer than ``grad_accum_steps`` micro-batches went
+      through (no update happened; ``skipped`` is then False).
+    - ``skipped``: True if gradients were non-finite and the update was skipped.
+    - ``scale``: the loss scale after this step's update.
+    - ``grad_norm``: global L2 norm of the unscaled gradients before clipping (None
+      while accumulating).
+    """
+
+    accumulating: bool
+    skipped: torch.Tensor | bool
+    scale: torch.Tensor
+    grad_norm: torch.Tensor | None
+
+
+class _HostMirror:
+    """An async device->host copy of a small tensor, read when it has landed.
+
+    On CUDA the copy goes into pinned memory with an event; ``read()`` returns None
+    until the event has completed, so nothing ever waits. On the CPU it is immediate.
+    """
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.buf = torch.zeros(n, dtype=torch.float64, pin_memory=self.cuda)
+        self.event = torch.cuda.Event() if self.cuda else None
+        self.pending = False
+
+    def push(self, t: torch.Tensor) -> None:
+        self.buf.copy_(t.to(torch.float64), non_blocking=self.cuda)
+        if self.event is not None:
+            self.event.record()
+        self.pending = True
+
+    def read(self) -> list[float] | None:
+        if not self.pending or (self.event is not None and not self.event.query()):
+            return None
+        self.pending = False
+        return self.buf.numpy().tolist()
+
+
+class MixedPrecision:
+    """Mixed-precision training of any ``nn.Module`` under a ``Recipe``.
+
+    Args:
+        model: the module to train; ``-master`` recipes cast its parameters to the
+            recipe's ``params`` dtype in place and keep fp32 masters for the optimizer.
+        optimizer: one optimizer or a list, built over ``model.parameters()`` (before
+            the engine exists). For ``-master`` recipes their param groups are pointed
+            at the fp32 masters, so optimizer states are fp32.
+        recipe: a ``Recipe`` or a recipe string (``"bf16"``, ``"fp16,init_scale=1024"``).
+        grad_accum_steps: micro-batches per optimizer step; ``backward`` divides the
+            loss by it.
+        max_grad_norm: clip the global L2 norm of the unscaled gradients to this.
+        scheduler: LR scheduler(s) to advance after each *applied* step (costs one host
+            sync per step to know whether it was skipped).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+        recipe: Recipe | str = "bf16",
+        *,
+        grad_accum_steps: int = 1,
+        max_grad_norm: float | None = None,
+        scheduler=None,
+    ) -> None:
+        self.recipe = r = Recipe.coerce(recipe)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        self.optimizers = ([optimizer] if isinstance(optimizer, torch.optim.Optimizer)
+                           else list(optimizer))
+        if not self.optimizers or not all(isinstance(o, torch.optim.Optimizer)
+                                          for o in self.optimizers):
+            raise TypeError("optimizer must be a torch.optim.Optimizer or a list of them")
+        if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be an integer >= 1, got "
+                             f"{grad_accum_steps!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        if r.compute == "fp8":
+            raise NotImplementedError(
+                f"recipe {str(r)!r}: FP8 training (Float8Linear) is not implemented yet; "
+                "use 'bf16' meanwhile (see the README's 'Not there yet')")
+        if r.emulate:
+            raise NotImplementedError(
+                f"recipe {str(r)!r}: emulate=true is not implemented yet; drop it to run "
+                "the format's real kernels")
+        self.model = model
+        self.grad_accum_steps = grad_accum_steps
+        self.max_grad_norm = max_grad_norm
+        self.schedulers = ([] if scheduler is None else
+                           list(scheduler) if isinstance(scheduler, (list, tuple))
+                           else [scheduler])
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("model has no parameters that require grad")
+        self.device = params[0].device
+        self._check_device(r)
+        ids = {id(p): i for i, p in enumerate(params)}
+        for o in self.optimizers:
+            for g in o.param_groups:
+                for p in g["params"]:
+                    if id(p) not in ids:
+                        raise ValueError(
+                            "an optimizer holds a parameter that is not a trainable "
+                            f"parameter of the model (shape {tuple(p.shape)}); build the "
+                            "optimizer over model.parameters()")
+        if r.master == "fp32" and any(o.state for o in self.optimizers):
+            raise ValueError("the optimizer already has state (it has stepped); create "
+                             "MixedPrecision before the first optimizer step")
+        self.grads = GradState(params, r)
+        if self.grads.has_master:
+            for o in self.optimizers:
+                for g in o.param_groups:
+                    g["params"] = [self.grads.masters[ids[id(p)]] for p in g["params"]]
+        self._fused = [self._takes_found_inf(o) for o in self.optimizers]
+        self._all_fused = all(self._fused)
+        self.scaler = LossScaler.from_recipe(r, self.device)
+        self._undo_islands = wrap_fp32_modules(
+            fp32_island_modules(model, r.keep_fp32), self.device.type
+        ) if r.uses_autocast or r.params != "fp32" else (lambda: None)
+        self._micro = self._seen = 0
+        self._steps = 0
+        self._mirror = _HostMirror(2, self.device)
+        self._warned_streak = 0
+        if r.compute == "fp16" and self.device.type == "cpu":
+            warnings.warn(
+                "fp16 compute on the CPU: there is no fast fp16 matmul kernel here (often "
+                "tens of times slower than fp32). bf16 has fast kernels on recent CPUs.",
+                stacklevel=2,
+            )
+
+    # --- checks -----------------------------------------------------------------------
+
+    def _check_device(self, r: Recipe) -> None:
+        for dt in {r.compute_dtype, r.param_dtype, r.grad_dtype}:
+            if not device_supports(self.device, dt):
+                raise ValueError(
+                    f"recipe {str(r)!r} needs {dt} but device {self.device} cannot compute "
+                    "in it; use a recipe with "
+                    + ("fp16 (bf16 needs Ampere or newer)" if dt == torch.bfloat16
+                       else "bf16 or fp32"))
+
+    @staticmethod
+    def _takes_found_inf(opt: torch.optim.Optimizer) -> bool:
+        return bool(getattr(opt, "_step_supports_amp_scaling", False)) and all(
+            g.get("fused") for g in opt.param_groups)
+
+    # --- the loop ---------------------------------------------------------------------
+
+    @contextmanager
+    def autocast(self) -> Iterator[None]:
+        """The recipe's precision for the forward pass and the loss."""
+        with precision_context(self.recipe, self.device):
+            yield
+
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
+        """Backward of ``loss * scale / grad_accum_steps``; grads go to the buffers."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("backward() takes the scalar loss tensor; reduce it first "
+                             "(e.g. loss.mean())")
+        if not loss.requires_grad:
+            raise ValueError("the loss does not require grad: was it computed under "
+                             "torch.no_grad(), or from detached outputs?")
+        if self._micro >= self.grad_accum_steps:
+            raise RuntimeError(
+                f"backward() called {self._micro + 1} times since the last update but "
+                f"grad_accum_steps={self.grad_accum_steps}; call step() after each backward")
+        self.scaler.scale_loss(loss, self.grad_accum_steps).backward(retain_graph=retain_graph)
+        self.grads.accumulate()
+        self._micro += 1
+
+    def step(self) -> StepResult:
+        """Finish a micro-batch; update the weights once ``grad_accum_steps`` are in."""
+        if self._micro == self._seen:
+            raise RuntimeError(
+                "step() called without backward() since the last step() (or twice for the "
+                "same gradients): each step() consumes the backward() calls before it")
+        self._seen = self._micro
+        if self._micro < self.grad_accum_steps:
+            return StepResult(True, False, self.scaler.scale, None)
+        grads = self.grads.grads()
+        if self._all_fused and all(g.device == self.device for g in grads):
+            found_inf, norm, grad_scale = self._check_fused(grads)
+        else:
+            found_inf = self._agree(self.scaler.unscale_(grads))
+            norm = self._clip(grads)
+            grad_scale = None
+        self.grads.hand_to_optimizer()
+        for opt, fused in zip(self.optimizers, self._fused):
+            if fused:
+                opt.found_inf, opt.grad_scale = found_inf, grad_scale
+                try:
+                    opt.step()
+                finally:
+                    del opt.found_inf, opt.grad_scale
+            elif not found_inf.item():  # one host sync: this optimizer cannot skip itself
+                opt.step()
+        self.grads.refresh_working()
+        self.scaler.update(found_inf)
+        self.grads.zero()
+        self._micro = self._seen = 0
+        self._steps += 1
+        if self.schedulers and not found_inf.item():
+            for s in self.schedulers:
+                s.step()
+        self._watch_skips()
+        return StepResult(False, found_inf > 0, self.scaler.scale, norm)
+
+    def _check_fused(self, grads: list[torch.Tensor]):
+        """One read of the gradients for fused optimizers: the global norm of the
+        *scaled* gradients is both the non-finite check (inf/NaN anywhere makes it
+        non-finite) and, divided by the scale, the true norm. Unscaling and clipping
+        are left to the optimizer's kernel through ``grad_scale = scale / clip_coef``
+        (it divides each gradient by it), so no pass writes the gradients here.
+        A norm that overflows fp32 (> 3.4e38) counts as an overflow too."""
+        if grads:
+            norm_scaled = torch.linalg.vector_norm(
+                torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
+        else:
+            norm_scaled = torch.zeros((), device=self.device)
+        found_inf = self._agree((~torch.isfinite(norm_scaled)).float())
+        scaled = self.scaler.kind != "none"
+        norm = norm_scaled / self.scaler.scale if scaled else norm_scaled
+        grad_scale = self.scaler.scale if scaled else None
+        if self.max_grad_norm is not None:
+            coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+            grad_scale = (grad_scale if scaled else 1.0) / coef
+        return found_inf, norm, grad_scale
+
+    def _agree(self, found_inf: torch.Tensor) -> torch.Tensor:
+        """Hook for data-parallel training: every rank must take the same decision."""
+        return found_inf
+
+    def _clip(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), device=self.device)
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+        norm = torch.linalg.vector_norm(torch.stack(norms))
+        if self.max_grad_norm is not None:
+            coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coef)
+        return norm
+
+    def _watch_skips(self) -> None:
+        limit = self.recipe.skip_limit
+        if not limit:
+            return
+        seen = self._mirror.read()
+        self._mirror.push(torch.stack([self.scaler.skip_streak.double(),
+                                       self.scaler.scale.double()]))
+        if seen is None and self.device.type == "cpu":
+            seen = self._mirror.read()
+        if seen is None:
+            return
+        streak, scale = int(seen[0]), seen[1]
+        if streak < limit:
+            self._warned_streak = 0
+            return
+        if self._warned_streak and streak < self._warned_streak + limit:
+            return
+        self._warned_streak = streak
+        msg = (f"{streak} consecutive steps skipped for non-finite gradients (loss scale "
+               f"now {scale:g}, recipe {str(self.recipe)!r}): the weights have not moved. "
+               "Look for NaN/inf in the data or loss, lower the learning rate, or keep "
+               "the overflowing layer in fp32 / use bf16.")
+        if self.recipe.on_skip_limit == "raise":
+            raise SkipLimitError(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    def zero_grad(self) -> None:
+        """Drop any accumulated gradients and start a fresh accumulation."""
+        for p in self.grads.working:
+            p.grad = None
+        self.grads.zero()
+        self._micro = self._seen = 0
+
+    # --- introspection ----------------------------------------------------------------
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.scaler.scale
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (applied or skipped)."""
+        return self._steps
+
+    @property
+    def skipped_steps(self) -> torch.Tensor:
+        return self.scaler.skipped_total
+
+    @property
+    def master_params(self) -> list[nn.Parameter]:
+        """The parameters the optimizer updates (fp32 masters, or the model's own)."""
+        return list(self.grads.opt_params)
+
+    # --- checkpoints ------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Everything to resume bit-identically; loads with ``weights_only=True``."""
+        if self._micro:
+            raise RuntimeError("state_dict() in the middle of gradient accumulation: save "
+                               "after step() has updated the weights")
+        return {
+            "recipe": self.recipe,
+            "model": self.model.state_dict(),
+            "masters": ([m.detach().clone() for m in self.grads.masters]
+                        if self.grads.has_master else None),
+            "optimizers": [o.state_dict() for o in self.optimizers],
+            "scaler": self.scaler.state_dict(),
+            "steps": self._steps,
+            "schedulers": [s.state_dict() for s in self.schedulers],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state.get("recipe")
+        if saved != self.recipe:
+            raise ValueError(
+                f"checkpoint was saved with recipe {str(saved)!r} but this engine runs "
+                f"{str(self.recipe)!r}; build the engine with the checkpoint's recipe")
+        if len(state["optimizers"]) != len(self.optimizers):
+            raise ValueError(f"checkpoint has {len(state['optimizers'])} optimizer(s), this "
+                             f"engine has {len(self.optimizers)}")
+        self.model.load_state_dict(state["model"])
+        if self.grads.has_master:
+            with torch.no_grad():
+                for m, s in zip(self.grads.masters, state["masters"], strict=True):
+                    m.copy_(s)
+        for o, s in zip(self.optimizers, state["optimizers"]):
+            o.load_state_dict(s)
+        self.scaler.load_state_dict(state["scaler"])
+        for sch, s in zip(self.schedulers, state.get("schedulers", [])):
+            sch.load_state_dict(s)
+        self._steps = int(state["steps"])
+        self.zero_grad()
+
+    def close(self) -> None:
+        """Undo the fp32 wrapping of third-party norm modules."""
+        self._undo_islands()

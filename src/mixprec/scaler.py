@@ -1,0 +1,154 @@
+"""LossScaler: none, static and dynamic loss scaling with state on the device.
+
+One interface for all three kinds, so the training loop has no ``if fp16:`` branch:
+``scale_loss(loss)``, ``unscale_(grads) -> found_inf``, ``update(found_inf)``.
+
+Every piece of state is a tensor on the gradients' device: the scale, the count of
+clean steps since the last change (growth tracker), the count of consecutive
+overflows (for hysteresis), and the count of consecutive skipped steps. Unscaling
+and the non-finite check are one fused pass
+(``torch._amp_foreach_non_finite_check_and_unscale_``) and the update is a handful
+of tensor ops, so nothing here waits for the device.
+
+Dynamic rule (seeds 000, 002, 003, 004; seed 001 §2 states it backwards):
+any inf/NaN -> the step is skipped; after ``hysteresis`` consecutive overflows the
+scale is multiplied by ``backoff_factor``, never below ``min_scale``; after
+``growth_interval`` consecutive clean steps it is multiplied by ``growth_factor``,
+never above ``max_scale``. Clamping keeps the scale away from 0 and inf (torch's
+GradScaler reaches 0.0 after ~166 consecutive overflows from 2^16 and never recovers).
+With ``hysteresis=1`` and no clamp in play, the sequence of scales equals GradScaler's.
+
+Example::
+
+    >>> import torch
+    >>> s = LossScaler("dynamic", init_scale=8.0, growth_interval=2)
+    >>> g = [torch.tensor([8.0, float("inf")])]
+    >>> found = s.unscale_(g); s.update(found); float(s.scale)
+    4.0
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from mixprec.recipe import Recipe
+
+__all__ = ["LossScaler"]
+
+Kind = Literal["none", "static", "dynamic"]
+
+
+class LossScaler:
+    """Loss scaling of one of three kinds; see the module docstring for the rule."""
+
+    def __init__(
+        self,
+        kind: Kind = "dynamic",
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if kind not in ("none", "static", "dynamic"):
+            raise ValueError(f"LossScaler kind {kind!r}; valid: none, static, dynamic")
+        self.kind = kind
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.hysteresis = int(hysteresis)
+        self.min_scale = float(min_scale)
+        self.max_scale = float(max_scale)
+        dev = torch.device(device)
+        start = 1.0 if kind == "none" else float(init_scale)
+        self.scale = torch.full((), start, dtype=torch.float32, device=dev)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32, device=dev)
+        self.overflow_streak = torch.zeros((), dtype=torch.int32, device=dev)
+        self.skip_streak = torch.zeros((), dtype=torch.int32, device=dev)
+        self.skipped_total = torch.zeros((), dtype=torch.int64, device=dev)
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe, device: torch.device | str = "cpu") -> LossScaler:
+        r = recipe
+        return cls(r.loss_scale, init_scale=r.init_scale, growth_factor=r.growth_factor,
+                   backoff_factor=r.backoff_factor, growth_interval=r.growth_interval,
+                   hysteresis=r.hysteresis, min_scale=r.min_scale, max_scale=r.max_scale,
+                   device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.scale.device
+
+    def scale_loss(self, loss: torch.Tensor, divide_by: int = 1) -> torch.Tensor:
+        """loss * scale / divide_by, in fp32 (the product can exceed fp16's range)."""
+        out = loss.float()
+        if self.kind != "none":
+            out = out * self.scale.to(out.device)
+        return out / divide_by if divide_by != 1 else out
+
+    def unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Divide grads by the scale in place; return found_inf (1.0 if any is inf/NaN).
+
+        Runs the non-finite check for every kind, ``none`` included, so a recipe without
+        scaling (bf16) still skips a step whose gradients are not finite.
+        """
+        found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
+        if not grads:
+            return found_inf
+        inv = torch.reciprocal(self.scale) if self.kind != "none" else torch.ones_like(
+            self.scale)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        for dev, gs in by_device.items():
+            f = found_inf if dev == self.device else torch.zeros((), device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, f, inv.to(dev))
+            if f is not found_inf:
+                found_inf = torch.maximum(found_inf, f.to(self.device))
+        return found_inf
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """Advance the state after a step; tensor ops only."""
+        found = found_inf.to(self.device) > 0
+        zero = torch.zeros_like(self.skip_streak)
+        self.skip_streak = torch.where(found, self.skip_streak + 1, zero)
+        self.skipped_total = self.skipped_total + found.to(torch.int64)
+        if self.kind != "dynamic":
+            return
+        streak = torch.where(found, self.overflow_streak + 1, zero)
+        backoff = found & (streak >= self.hysteresis)
+        tracker = torch.where(found, zero, self.growth_tracker + 1)
+        grow = tracker >= self.growth_interval
+        scale = torch.where(backoff, self.scale * self.backoff_factor, self.scale)
+        scale = torch.where(grow, scale * self.growth_factor, scale)
+        self.scale = scale.clamp(self.min_scale, self.max_scale)
+        self.growth_tracker = torch.where(grow, zero, tracker)
+        self.overflow_streak = streak
+
+    def state_dict(self) -> dict[str, object]:
+        return {
+            "kind": self.kind,
+            "scale": self.scale.clone(),
+            "growth_tracker": self.growth_tracker.clone(),
+            "overflow_streak": self.overflow_streak.clone(),
+            "skip_streak": self.skip_streak.clone(),
+            "skipped_total": self.skipped_total.clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        if state.get("kind") != self.kind:
+            raise ValueError(f"loss scaler state is for kind {state.get('kind')!r}, this "
+                             f"scaler is {self.kind!r}; use the recipe the state was saved with")
+        for key in ("scale", "growth_tracker", "overflow_streak", "skip_streak",
+                    "skipped_total"):
+            cur = getattr(self, key)
+            setattr(self, key, torch.as_tensor(state[key]).to(cur.device, cur.dtype).clone())
+
+    def __repr__(self) -> str:
+        return f"LossScaler({self.kind!r}, device={self.device})"

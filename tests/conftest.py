@@ -1,0 +1,52 @@
+"""Shared test helpers: small models of several kinds, and CUDA skipping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.workbench import GPT, GPTConfig
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+def mlp(seed: int = 0, d_in: int = 16, hidden: int = 32, d_out: int = 4) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.LayerNorm(hidden), nn.GELU(),
+                         nn.Linear(hidden, d_out))
+
+
+def cnn(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+
+class TiedLM(nn.Module):
+    """Embedding whose weight is reused as the output head (shared parameter)."""
+
+    def __init__(self, vocab: int = 32, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.mix = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.mix(self.emb(idx))))
+
+
+def tiny_gpt(seed: int = 0, **kw) -> GPT:
+    torch.manual_seed(seed)
+    cfg = dict(vocab=64, seq_len=32, n_layers=2, d_model=32, n_heads=2)
+    cfg.update(kw)
+    return GPT(GPTConfig(**cfg))

@@ -1,0 +1,102 @@
+"""The precision context: FP32 islands on CPU autocast, tf32 knobs, third-party norms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec import precision_context
+from mixprec.context import fp32_island_modules, wrap_fp32_modules
+
+
+def test_cpu_autocast_leaves_norm_and_softmax_in_bf16_and_we_fix_it():
+    torch.manual_seed(0)
+    lin, ln = nn.Linear(8, 8), nn.LayerNorm(8)
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = lin(x)
+        assert ln(h).dtype == torch.bfloat16          # torch's CPU autocast: bf16
+        assert torch.softmax(h, -1).dtype == torch.bfloat16
+    with precision_context("bf16", "cpu"):
+        h = lin(x)
+        assert h.dtype == torch.bfloat16              # matmuls stay low precision
+        assert ln(h).dtype == torch.float32
+        assert torch.softmax(h, -1).dtype == torch.float32
+        assert h.log_softmax(-1).dtype == torch.float32
+        assert F.cross_entropy(h, torch.tensor([0, 1, 2, 3])).dtype == torch.float32
+
+
+def test_islands_compute_in_fp32_not_just_cast():
+    """The island's result equals fp32 layer_norm of the bf16 input, not a bf16 one."""
+    torch.manual_seed(0)
+    h = (torch.randn(64, 256) * 3 + 5).bfloat16()
+    ln = nn.LayerNorm(256)
+    with precision_context("bf16", "cpu"):
+        got = ln(h)
+    ref = F.layer_norm(h.float(), (256,), ln.weight, ln.bias)
+    assert torch.equal(got, ref)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf = ln(h)
+    assert not torch.equal(bf.float(), ref)
+
+
+def test_norm_with_bf16_weights_runs_and_grads_flow():
+    ln = nn.LayerNorm(8).bfloat16()
+    x = torch.randn(2, 8, requires_grad=True)
+    with precision_context("bf16-master", "cpu"):
+        y = ln(x)
+    y.sum().backward()
+    assert y.dtype == torch.float32 and ln.weight.grad.dtype == torch.bfloat16
+
+
+def test_keep_fp32_none_turns_islands_off():
+    with precision_context("bf16,keep_fp32=none", "cpu"):
+        assert torch.softmax(torch.randn(2, 2).bfloat16(), -1).dtype == torch.bfloat16
+
+
+def test_tf32_knobs_set_and_restored():
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
+    with precision_context("tf32", "cpu"):
+        assert torch.backends.cuda.matmul.allow_tf32
+        assert torch.get_float32_matmul_precision() == "high"
+    assert (torch.backends.cuda.matmul.allow_tf32,
+            torch.get_float32_matmul_precision()) == before
+
+
+class LlamaRMSNorm(nn.Module):
+    """A third-party style RMSNorm that does the arithmetic by hand."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_third_party_norm_modules_run_in_fp32():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), LlamaRMSNorm(8))
+    x = torch.randn(16, 8) * 40
+    mods = fp32_island_modules(model, ("rms_norm",))
+    assert mods == [model[1]]
+    with precision_context("bf16", "cpu"):
+        h = model[0](x)
+        plain = model[1](h)  # bf16 pow/mean/rsqrt, promoted to fp32 only at the weight
+    undo = wrap_fp32_modules(mods, "cpu")
+    with precision_context("bf16", "cpu"):
+        wrapped = model(x)
+    undo()
+    ref = model[1](h.float())  # the whole norm in fp32
+    assert torch.equal(wrapped, ref)
+    assert not torch.equal(plain, ref)
+    assert "forward" not in model[1].__dict__  # undo restored the class forward
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp16"])
+def test_matmuls_run_in_compute_dtype(recipe):
+    with precision_context(recipe, "cpu"):
+        y = nn.Linear(4, 4)(torch.randn(2, 4))
+    assert y.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[recipe]
