@@ -18,7 +18,7 @@ from mixprec import MixedPrecision
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 compute on the CPU:UserWarning")
 
-RECIPES = ["bf16", "bf16-master", "fp16", "fp16-master"]
+RECIPES = ["bf16", "bf16-master", "fp16", "fp16-master", "fp8", "fp8-current"]
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """MixedPrecision: the one object a training loop drives.
 
 It composes the rooms: the precision context (``context``), master weights and
-accumulation buffers (``master``), the loss scaler (``scaler``). It holds no math.
+accumulation buffers (``master``), the loss scaler (``scaler``) and, for fp8 recipes,
+the Float8Linear swap and its delayed scales (``fp8``). It holds no math.
 
 Example::
 
@@ -45,6 +46,8 @@ from mixprec.context import (
     precision_context,
     wrap_fp32_modules,
 )
+from mixprec.fp8.convert import convert as fp8_convert
+from mixprec.fp8.linear import Float8Linear
 from mixprec.master import GradState
 from mixprec.recipe import Recipe
 from mixprec.scaler import LossScaler
@@ -141,10 +144,6 @@ class MixedPrecision:
                              f"{grad_accum_steps!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
-        if r.compute == "fp8":
-            raise NotImplementedError(
-                f"recipe {str(r)!r}: FP8 training (Float8Linear) is not implemented yet; "
-                "use 'bf16' meanwhile (see the README's 'Not there yet')")
         if r.emulate:
             raise NotImplementedError(
                 f"recipe {str(r)!r}: emulate=true is not implemented yet; drop it to run "
@@ -161,6 +160,11 @@ class MixedPrecision:
             raise ValueError("model has no parameters that require grad")
         self.device = params[0].device
         self._check_device(r)
+        self.fp8_report = None
+        if r.compute == "fp8":
+            # the swap reuses the Parameters, so the optimizer and `params` stay valid
+            self.fp8_report = fp8_convert(model, r)
+        self.fp8_modules = [m for m in model.modules() if isinstance(m, Float8Linear)]
         ids = {id(p): i for i, p in enumerate(params)}
         for o in self.optimizers:
             for g in o.param_groups:
@@ -198,6 +202,11 @@ class MixedPrecision:
     # --- checks -----------------------------------------------------------------------
 
     def _check_device(self, r: Recipe) -> None:
+        if r.compute == "fp8" and not device_supports(self.device, torch.float8_e4m3fn):
+            raise ValueError(
+                f"recipe {str(r)!r}: device {self.device} has no fp8 GEMM (CUDA needs "
+                "compute capability 8.9+, e.g. L4/H100); use 'bf16', or run fp8 on the "
+                "CPU, where mixprec computes fp8 products exactly with bf16 kernels")
         for dt in {r.compute_dtype, r.param_dtype, r.grad_dtype}:
             if not device_supports(self.device, dt):
                 raise ValueError(
@@ -262,6 +271,8 @@ class MixedPrecision:
             elif not found_inf.item():  # one host sync: this optimizer cannot skip itself
                 opt.step()
         self.grads.refresh_working()
+        for m in self.fp8_modules:
+            m.update_scales(found_inf)  # a skipped step drops its amaxes
         self.scaler.update(found_inf)
         self.grads.zero()
         self._micro = self._seen = 0

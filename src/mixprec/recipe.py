@@ -33,6 +33,7 @@ LossScaleKind = Literal["none", "static", "dynamic"]
 Fp8Scaling = Literal["delayed", "current"]
 Fp8Format = Literal["hybrid", "e4m3"]
 AmaxAlgo = Literal["max", "most_recent"]
+Fp8Gemm = Literal["auto", "scaled_mm", "dequant"]
 OnSkipLimit = Literal["warn", "raise"]
 GradAccum = Literal["plain", "kahan"]
 
@@ -74,7 +75,9 @@ class Recipe:
     - ``emulate``: round to the compute format in software instead of running its kernels.
     - fp8: ``fp8_scaling`` (delayed from an amax history, or current), ``fp8_format``
       (``hybrid``: e4m3 forward, e5m2 gradients; or ``e4m3`` everywhere),
-      ``amax_history_len``, ``amax_compute_algo``, ``margin`` (scale = max / amax / 2^m).
+      ``amax_history_len``, ``amax_compute_algo``, ``margin`` (scale = max / amax / 2^m),
+      ``fp8_gemm`` (``scaled_mm``: torch._scaled_mm; ``dequant``: exact upcast + bf16/fp32
+      GEMM; ``auto``: scaled_mm on CUDA, dequant on the CPU).
     """
 
     compute: ComputeDtype = "fp32"
@@ -100,6 +103,7 @@ class Recipe:
     amax_history_len: int = 16
     amax_compute_algo: AmaxAlgo = "max"
     margin: int = 0
+    fp8_gemm: Fp8Gemm = "auto"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -264,6 +268,7 @@ _LITERALS = {
     "comm": StoreDtype, "grad_accum": GradAccum, "loss_scale": LossScaleKind,
     "on_skip_limit": OnSkipLimit,
     "fp8_scaling": Fp8Scaling, "fp8_format": Fp8Format, "amax_compute_algo": AmaxAlgo,
+    "fp8_gemm": Fp8Gemm,
 }
 
 

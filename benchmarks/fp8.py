@@ -1,0 +1,181 @@
+"""FP8 numerics, training and a side-by-side with torchao, on this machine.
+
+    python benchmarks/fp8.py [--steps 300] [--skip-torchao]
+
+1. SQNR (dB) of Float8Linear against a bf16 nn.Linear on Gaussian data, for the output
+   and both gradients, per scaling mode and shape (delayed: after one step that fills
+   the history, as in training).
+2. The workbench GPT trained ``--steps`` steps on the built-in corpus with bf16, fp8
+   (delayed) and fp8-current from the same seed and data; final validation loss.
+3. torchao's ``convert_to_float8_training`` (tensorwise, dynamic) against mixprec
+   ``fp8-current`` on a tiny GPT: step time and loss. torchao calls ``torch._scaled_mm``,
+   which on this CPU is a reference kernel (~0.1 GFLOP/s), so mixprec runs twice: with its
+   CPU default (``fp8_gemm=dequant``) and on the same ``_scaled_mm`` kernel.
+   Needs ``pip install torchao`` (a benchmark dependency only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from mixprec import MixedPrecision
+from mixprec.fp8 import Float8Linear
+from mixprec.workbench import GPT, GPTConfig
+from mixprec.workbench.data import load_corpus, sample_batch, val_batches
+
+
+def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref, x = ref.double(), x.double()
+    return 20 * math.log10(ref.norm().item() / (ref - x).norm().item())
+
+
+def sqnr_table() -> None:
+    print("\n## SQNR of Float8Linear vs bf16 nn.Linear (dB; higher is better)")
+    print(f"{'scaling':<9} {'M x K x N':<18} {'output':>7} {'dgrad':>7} {'wgrad':>7}")
+    for scaling in ("delayed", "current"):
+        for m, k, n in [(16, 16, 16), (256, 512, 128), (1024, 1024, 1024), (512, 4096, 64),
+                        (2048, 4096, 4096)]:
+            torch.manual_seed(0)
+            ref = nn.Linear(k, n)
+            f8 = Float8Linear.from_linear(nn.Linear(k, n), f"fp8,fp8_scaling={scaling}")
+            f8.load_state_dict(ref.state_dict(), strict=False)
+            x, gy = torch.randn(m, k), torch.randn(m, n)
+
+            def run(mod, x=x, gy=gy):
+                xi = x.clone().requires_grad_()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y = mod(xi)
+                y.backward(gy.to(y.dtype))
+                dw = mod.weight.grad.clone()
+                mod.weight.grad = mod.bias.grad = None
+                return y.float(), xi.grad.float(), dw
+
+            if scaling == "delayed":
+                run(f8)
+                f8.update_scales()
+            y8, dx8, dw8 = run(f8)
+            y, dx, dw = run(ref)
+            print(f"{scaling:<9} {f'{m}x{k}x{n}':<18} {sqnr(y, y8):>7.1f} {sqnr(dx, dx8):>7.1f} "
+                  f"{sqnr(dw, dw8):>7.1f}")
+
+
+def train(recipe: str, cfg: GPTConfig, corpus, steps: int, batch: int, lr: float,
+          seed: int = 0):
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True)
+    engine = MixedPrecision(model, opt, recipe, max_grad_norm=1.0)
+    g = torch.Generator().manual_seed(seed)
+    times = []
+    for _ in range(steps):
+        x, y = sample_batch(corpus.train, batch, cfg.seq_len, g)
+        t = time.perf_counter()
+        with engine.autocast():
+            loss = model(x, y)
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - t)
+    model.eval()
+    with torch.no_grad():
+        vals = [model(x, y).item() for x, y in val_batches(corpus.val, batch, cfg.seq_len)]
+    return sum(vals) / len(vals), statistics.median(times)
+
+
+def training_comparison(steps: int) -> None:
+    corpus = load_corpus(max_bytes=2_000_000)
+    cfg = GPTConfig(n_layers=4, d_model=128, n_heads=4, seq_len=128)
+    print(f"\n## {steps} steps, GPT {cfg.n_layers}x{cfg.d_model} seq {cfg.seq_len}, batch 16, "
+          f"AdamW lr 3e-3, corpus {corpus.fingerprint}: final validation loss (fp32 eval)")
+    results = {r: train(r, cfg, corpus, steps, 16, 3e-3) for r in ("bf16", "fp8", "fp8-current")}
+    base = results["bf16"][0]
+    print(f"{'recipe':<12} {'val loss':>9} {'vs bf16':>8} {'step (ms)':>10}")
+    for r, (v, t) in results.items():
+        print(f"{r:<12} {v:>9.4f} {(v / base - 1) * 100:>+7.2f}% {t * 1e3:>10.1f}")
+
+
+def torchao_comparison(steps: int = 20) -> None:
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        print("\n## torchao: not installed (pip install torchao); skipped")
+        return
+    cfg = GPTConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab=256)
+    g0 = torch.Generator().manual_seed(0)
+    corpus = load_corpus(max_bytes=500_000)
+    batches = [sample_batch(corpus.train, 4, cfg.seq_len, g0) for _ in range(steps)]
+
+    def fresh():
+        torch.manual_seed(0)
+        return GPT(cfg)
+
+    def last_linear_is_head(mod, fqn):  # same policy as mixprec: keep the tied head
+        return fqn != "head"
+
+    ao = fresh()
+    convert_to_float8_training(ao, config=Float8LinearConfig(),
+                               module_filter_fn=last_linear_is_head)
+    ao_opt = torch.optim.AdamW(ao.parameters(), lr=3e-3, fused=True)
+
+    def ao_step(x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ao(x, y)
+        loss.backward()
+        ao_opt.step()
+        ao_opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    runs = {"torchao tensorwise": ao_step}
+    for name, recipe in (("mixprec fp8-current", "fp8-current"),
+                         ("mixprec fp8-current, _scaled_mm", "fp8-current,fp8_gemm=scaled_mm")):
+        m = fresh()
+        e = MixedPrecision(m, torch.optim.AdamW(m.parameters(), lr=3e-3, fused=True), recipe)
+
+        def step(x, y, m=m, e=e):
+            with e.autocast():
+                loss = m(x, y)
+            e.backward(loss)
+            e.step()
+            return loss.item()
+
+        runs[name] = step
+    times = {k: [] for k in runs}
+    losses = {k: [] for k in runs}
+    for i, (x, y) in enumerate(batches):  # interleaved, order rotating
+        names = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]
+        for k in names:
+            t = time.perf_counter()
+            losses[k].append(runs[k](x, y))
+            times[k].append(time.perf_counter() - t)
+    ref_t = statistics.median(times["torchao tensorwise"])
+    ref_l = statistics.mean(losses["torchao tensorwise"][-5:])
+    print(f"\n## vs torchao float8 (tiny GPT {cfg.n_layers}x{cfg.d_model}, batch 4x{cfg.seq_len},"
+          f" {steps} interleaved steps; loss = mean of the last 5 training losses)")
+    print(f"{'run':<34} {'step (ms)':>10} {'speed vs torchao':>17} {'loss':>8} {'Δloss':>8}")
+    for k in runs:
+        t, l_ = statistics.median(times[k]), statistics.mean(losses[k][-5:])
+        print(f"{k:<34} {t * 1e3:>10.1f} {ref_t / t:>16.2f}x {l_:>8.4f} "
+              f"{(l_ / ref_l - 1) * 100:>+7.2f}%")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--skip-torchao", action="store_true")
+    args = ap.parse_args()
+    print(f"# benchmarks/fp8.py: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{platform.machine()}")
+    sqnr_table()
+    training_comparison(args.steps)
+    if not args.skip_torchao:
+        torchao_comparison()
+
+
+if __name__ == "__main__":
+    main()

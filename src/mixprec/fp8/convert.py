@@ -1,0 +1,82 @@
+"""Swap a model's eligible nn.Linear modules for Float8Linear, and say why for the rest.
+
+Example::
+
+    report = mixprec.fp8.convert(model, "fp8")
+    print(report)            # converted layers, and each one left alone with its reason
+
+Default policy: convert every plain ``nn.Linear`` whose dims are multiples of 16, except
+the output head. The head is the last Linear, or one whose weight is tied to an
+embedding: its logits feed the loss directly and fp8 costs the most accuracy there.
+``filter(module, fqn) -> bool`` replaces the policy (dims still apply). The swap reuses the
+same Parameter objects, so an optimizer already built over the model keeps working.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from mixprec.fp8.linear import Float8Linear
+from mixprec.recipe import Recipe
+
+__all__ = ["convert", "ConvertReport"]
+
+
+@dataclass(frozen=True)
+class ConvertReport:
+    """What ``convert`` did: fqns converted, and (fqn, reason) for each Linear skipped."""
+
+    converted: tuple[str, ...]
+    skipped: tuple[tuple[str, str], ...]
+
+    def __str__(self) -> str:
+        lines = [f"fp8: converted {len(self.converted)} Linear(s), left "
+                 f"{len(self.skipped)} in higher precision"]
+        lines += [f"  fp8   {fqn}" for fqn in self.converted]
+        lines += [f"  kept  {fqn}: {why}" for fqn, why in self.skipped]
+        return "\n".join(lines)
+
+
+def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
+            filter: Callable[[nn.Module, str], bool] | None = None) -> ConvertReport:
+    """Replace eligible ``nn.Linear`` modules of ``model`` in place; return a report."""
+    r = Recipe.coerce(recipe or "fp8")
+    linears = [(fqn, m) for fqn, m in model.named_modules()
+               if isinstance(m, nn.Linear) and not isinstance(m, Float8Linear)]
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    last = linears[-1][0] if linears else None
+    converted, skipped = [], []
+    for fqn, m in linears:
+        why = None
+        if type(m) is not nn.Linear:
+            why = (f"{type(m).__name__} is a Linear subclass whose owner may use its weight "
+                   "directly (e.g. nn.MultiheadAttention.out_proj)")
+        elif filter is not None:
+            if not filter(m, fqn):
+                why = "filter returned False"
+        elif id(m.weight) in tied:
+            why = "output head: weight tied to an embedding"
+        elif fqn == last:
+            why = "output head: the last Linear"
+        if why is None and (m.in_features % 16 or m.out_features % 16):
+            why = (f"in_features={m.in_features}, out_features={m.out_features}: fp8 GEMMs "
+                   "need both divisible by 16")
+        if why is not None:
+            skipped.append((fqn, why))
+            continue
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Float8Linear.from_linear(m, r))
+        converted.append(fqn)
+    report = ConvertReport(tuple(converted), tuple(skipped))
+    if not converted:
+        warnings.warn(
+            "fp8: no Linear was converted, so nothing runs in fp8. "
+            + ("; ".join(f"{f}: {w}" for f, w in skipped[:5]) if skipped
+               else "The model has no nn.Linear."),
+            stacklevel=2)
+    return report

@@ -1,0 +1,159 @@
+"""Float8Linear: a drop-in nn.Linear whose three GEMMs run on fp8 operands.
+
+Forward ``y = x_e4m3 @ w_e4m3ᵀ``; backward ``dgrad = g @ w_e4m3`` and
+``wgrad = gᵀ @ x_e4m3`` with ``g`` in e5m2 (``fp8_format="hybrid"``) or e4m3. Every
+operand is cast with its own per-tensor scale (``scaling.py``). Accumulation is fp32,
+and the bias is added in fp32. The output dtype follows the surrounding autocast (bf16
+under the fp8 recipes), else the input's dtype. Backward saves the fp8 copies of ``x``
+and ``w``, one byte per element.
+
+GEMM backends (``gemm_backend(device, recipe.fp8_gemm)``):
+
+- ``scaled_mm``: ``torch._scaled_mm``, the hardware fp8 GEMM (CUDA sm89+). This
+  project's CPU also has it, but only as a reference kernel at ~0.1 GFLOP/s, far too
+  slow to train with (see README);
+- ``dequant``: the fp8 operands upcast exactly to bf16 (e4m3/e5m2 values are bf16
+  values) and multiplied with fp32 accumulation. For fp32 outputs it uses an fp32 GEMM
+  and is exact up to summation order. For bf16 outputs it uses a bf16 GEMM, which rounds
+  once before the scale is applied, so it is within 1 bf16 ulp of ``_scaled_mm``.
+  Rounding, saturation and scales are the fp8 ones in both backends; only the matmul
+  instruction differs. ``auto`` picks ``scaled_mm`` on CUDA and ``dequant`` on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mixprec.fp8.scaling import FP8_MAX, amax_to_scale, cast_to_fp8, update_delayed_scales
+from mixprec.recipe import Recipe
+
+__all__ = ["Float8Linear", "fp8_gemm", "gemm_backend"]
+
+
+def gemm_backend(device: torch.device, choice: str = "auto") -> str:
+    """The GEMM backend for ``device``: ``scaled_mm`` or ``dequant``."""
+    if choice != "auto":
+        return choice
+    return "scaled_mm" if torch.device(device).type == "cuda" else "dequant"
+
+
+def fp8_gemm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
+             out_dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """(a · inv_a) @ (b · inv_b) for fp8 ``a`` (M, K) and ``b`` (K, N), fp32 accumulation."""
+    if backend == "scaled_mm":
+        a = a.contiguous()
+        b = b if b.stride(0) == 1 else b.t().contiguous().t()  # _scaled_mm: b column-major
+        return torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
+    if backend != "dequant":
+        raise ValueError(f"fp8 GEMM backend {backend!r}; valid: scaled_mm, dequant, auto")
+    work = torch.float32 if out_dtype == torch.float32 else torch.bfloat16
+    y = torch.mm(a.to(work), b.to(work))
+    return (y.float() * (inv_a * inv_b)).to(out_dtype)
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, mod, out_dtype):
+        with torch.autocast(x2d.device.type, enabled=False):
+            x8, x_inv = mod._cast(x2d, 0, torch.float8_e4m3fn)
+            w8, w_inv = mod._cast(weight, 1, torch.float8_e4m3fn)
+            y = fp8_gemm(x8, w8.t(), x_inv, w_inv, out_dtype, mod.backend)
+        ctx.save_for_backward(x8, w8, x_inv, w_inv)
+        ctx.mod, ctx.x_dtype, ctx.w_dtype = mod, x2d.dtype, weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x8, w8, x_inv, w_inv = ctx.saved_tensors
+        mod = ctx.mod
+        with torch.autocast(gy.device.type, enabled=False):
+            g8, g_inv = mod._cast(gy, 2, mod.grad_dtype)
+            dx = dw = None
+            if ctx.needs_input_grad[0]:
+                dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
+                dx = fp8_gemm(g8, w8, g_inv, w_inv, dx_dtype, mod.backend).to(ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                dw = fp8_gemm(g8.t(), x8, g_inv, x_inv, torch.float32, mod.backend)
+                dw = dw.to(ctx.w_dtype)
+        return dx, dw, None, None
+
+
+class Float8Linear(nn.Linear):
+    """nn.Linear with fp8 GEMMs and per-tensor scaling; build with ``from_linear``.
+
+    Buffers (in ``state_dict``, so a resumed run continues bit-identically):
+    ``fp8_amax_history`` (3 roles × ``amax_history_len``: input, weight, grad_output) and
+    ``fp8_scale`` (3,). Both dims must be multiples of 16 (the fp8 GEMM's rule).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 recipe: Recipe | str = "fp8", device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self._configure(Recipe.coerce(recipe))
+
+    def _configure(self, r: Recipe) -> None:
+        if self.in_features % 16 or self.out_features % 16:
+            raise ValueError(
+                f"Float8Linear needs in_features and out_features divisible by 16, got "
+                f"{self.in_features} x {self.out_features}; keep this layer in bf16")
+        self.scaling = r.fp8_scaling
+        self.amax_algo = r.amax_compute_algo
+        self.margin = r.margin
+        self.grad_dtype = torch.float8_e5m2 if r.fp8_format == "hybrid" else torch.float8_e4m3fn
+        self.gemm_choice = r.fp8_gemm
+        dev = self.weight.device
+        self.register_buffer("fp8_amax_history",
+                             torch.zeros(3, r.amax_history_len, device=dev))
+        self.register_buffer("fp8_scale", torch.ones(3, device=dev))
+        maxes = [FP8_MAX[torch.float8_e4m3fn]] * 2 + [FP8_MAX[self.grad_dtype]]
+        self.register_buffer("fp8_max", torch.tensor(maxes, device=dev), persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Recipe | str = "fp8") -> Float8Linear:
+        """A Float8Linear that shares ``linear``'s weight and bias Parameters (so an
+        optimizer built over the model still holds them)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new._configure(Recipe.coerce(recipe))
+        return new
+
+    @property
+    def backend(self) -> str:
+        return gemm_backend(self.weight.device, self.gemm_choice)
+
+    def _cast(self, t: torch.Tensor, role: int, dtype: torch.dtype):
+        amax = t.detach().abs().amax().float()
+        if self.scaling == "current":
+            scale = amax_to_scale(amax, self.fp8_max[role], self.margin,
+                                  torch.ones((), device=t.device))
+        else:
+            slot = self.fp8_amax_history[role, 0]
+            slot.copy_(torch.maximum(slot, amax))  # max over micro-batches of this step
+            scale = self.fp8_scale[role]
+        return cast_to_fp8(t, scale, dtype), torch.reciprocal(scale)
+
+    def update_scales(self, found_inf: torch.Tensor | None = None) -> None:
+        """Delayed scaling: advance the history once per optimizer step (no-op for current)."""
+        if self.scaling == "delayed":
+            with torch.no_grad():
+                update_delayed_scales(self.fp8_amax_history, self.fp8_scale, self.fp8_max,
+                                      algo=self.amax_algo, margin=self.margin,
+                                      found_inf=found_inf)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dev = x.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        x2d = x.reshape(-1, x.shape[-1])
+        y = _Fp8Matmul.apply(x2d, self.weight, self, out_dtype)
+        if self.bias is not None:
+            y = (y.float() + self.bias.float()).to(out_dtype)  # bias in high precision
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, scaling={self.scaling}, "
+                f"grad={'e5m2' if self.grad_dtype == torch.float8_e5m2 else 'e4m3'}, "
+                f"gemm={self.gemm_choice}")

@@ -1,0 +1,289 @@
+"""FP8: scaling arithmetic by hand, GEMM backends against torch._scaled_mm, SQNR against
+a bf16 nn.Linear, the module swap and its report, and fp8 training in the engine."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import TiedLM, tiny_gpt
+from mixprec import MixedPrecision, formats
+from mixprec.fp8 import Float8Linear, convert, fp8_gemm, update_delayed_scales
+from mixprec.fp8.scaling import cast_to_fp8
+
+E4M3, E5M2 = 448.0, 57344.0
+
+
+def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref, x = ref.double(), x.double()
+    return 20 * math.log10(ref.norm().item() / (ref - x).norm().item())
+
+
+# --- scaling ---------------------------------------------------------------------------
+
+def test_delayed_scaling_against_hand_computation():
+    """A known amax sequence, with a 0 and an inf, through history length 3."""
+    hist = torch.zeros(1, 3)
+    scale = torch.ones(1)
+    fmax = torch.tensor([E4M3])
+    seq = [2.0, 4.0, 0.0, 1.0, math.inf, 0.5, 0.25, 0.125]
+    want_hist, h, s = [], [0.0, 0.0, 0.0], 1.0
+    for a in seq:
+        h[0] = a
+        m = max(h)
+        if 0 < m < math.inf:
+            s = E4M3 / m
+        h = [0.0, h[0], h[1]]
+        want_hist.append((list(h), s))
+    for a, (wh, ws) in zip(seq, want_hist):
+        hist[0, 0] = a
+        update_delayed_scales(hist, scale, fmax, algo="max", margin=0)
+        assert hist[0].tolist() == wh
+        assert scale.item() == pytest.approx(ws, rel=1e-7)
+    # the inf stayed in the window for 3 steps and the scale was kept meanwhile; the 0
+    # changed nothing (the max over the window was still 4)
+    assert [s for _, s in want_hist] == [E4M3 / 2, *[E4M3 / 4] * 6, E4M3 / 0.5]
+
+
+def test_most_recent_algo_and_margin():
+    hist, scale = torch.zeros(1, 4), torch.ones(1)
+    for a in (8.0, 1.0):
+        hist[0, 0] = a
+        update_delayed_scales(hist, scale, torch.tensor([E4M3]), algo="most_recent", margin=2)
+    assert scale.item() == E4M3 / 1.0 / 4
+
+
+def test_skipped_step_drops_its_amax_and_keeps_the_scale():
+    hist, scale = torch.zeros(1, 3), torch.ones(1)
+    hist[0, 0] = 2.0
+    update_delayed_scales(hist, scale, torch.tensor([E4M3]))
+    before = (hist.clone(), scale.clone())
+    hist[0, 0] = math.inf
+    update_delayed_scales(hist, scale, torch.tensor([E4M3]), found_inf=torch.tensor(1.0))
+    assert torch.equal(scale, before[1])
+    assert hist[0].tolist() == [0.0, 2.0, 0.0]
+    assert torch.isfinite(hist).all()
+
+
+def test_margin_prevents_overflow_while_amax_grows_slower_than_2_pow_m():
+    m = 2
+    hist, scale = torch.zeros(1, 4), torch.ones(1)
+    amax = 1.0
+    g = torch.Generator().manual_seed(0)
+    for step in range(30):
+        x = torch.randn(4096, generator=g)
+        x = x / x.abs().max() * amax
+        if step > 0:  # from the second step on, the scale comes from the history
+            assert (x * scale).abs().max().item() < E4M3
+        hist[0, 0] = max(hist[0, 0].item(), x.abs().max().item())
+        update_delayed_scales(hist, scale, torch.tensor([E4M3]), margin=m)
+        amax *= 2**m * 0.99  # grows by just under 2^m per step
+    # without the margin the same growth saturates at once
+    hist, scale = torch.zeros(1, 4), torch.ones(1)
+    hist[0, 0] = 1.0
+    update_delayed_scales(hist, scale, torch.tensor([E4M3]), margin=0)
+    assert (torch.tensor(1.0 * 2**m * 0.99) * scale).item() > E4M3
+
+
+def test_cast_saturates_and_rounds_like_formats_quantize():
+    x = torch.randn(10_000) * 300
+    x[0] = 1e9
+    q = cast_to_fp8(x, torch.tensor(1.0), torch.float8_e4m3fn).float()
+    assert torch.equal(q, formats.quantize(x, "fp8_e4m3", saturate=True))
+    q = cast_to_fp8(x, torch.tensor(2.0), torch.float8_e5m2).float()
+    assert torch.equal(q, formats.quantize(x * 2, "fp8_e5m2", saturate=True))
+
+
+# --- GEMM backends ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_gemm_backends_against_float64(out_dtype):
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(32, 64, generator=g) * 50).to(torch.float8_e4m3fn)
+    b = (torch.randn(48, 64, generator=g) * 3000).to(torch.float8_e5m2)
+    ia, ib = torch.tensor(0.37), torch.tensor(1.9e-3)
+    exact = (a.double() @ b.double().t()) * (ia.double() * ib.double())
+    real = fp8_gemm(a, b.t(), ia, ib, out_dtype, "scaled_mm").double()
+    deq = fp8_gemm(a, b.t(), ia, ib, out_dtype, "dequant").double()
+    top = exact.abs().max()
+    if out_dtype == torch.float32:
+        # dequant: fp32 accumulation of exact products; torch's CPU _scaled_mm (a
+        # reference kernel) is looser, ~2e-4 of the largest output here
+        assert (deq - exact).abs().max() <= 1e-6 * top
+        assert (real - exact).abs().max() <= 1e-3 * top
+    else:  # each is within 1 bf16 ulp of the correctly rounded result, and of each other
+        want = formats.quantize(exact, "bf16")
+        ulp = formats.ulp(want, "bf16")
+        assert ((deq - want).abs() <= ulp).all()
+        assert ((deq - real).abs() <= ulp).all()
+
+
+# --- numerics against a bf16 nn.Linear -------------------------------------------------
+
+SHAPES = [(16, 16, 16), (256, 512, 128), (512, 4096, 64), (64, 256, 4096)]
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+@pytest.mark.parametrize("mkn", SHAPES)
+def test_sqnr_against_bf16_linear(scaling, mkn):
+    m, k, n = mkn
+    torch.manual_seed(0)
+    ref = nn.Linear(k, n)
+    f8 = Float8Linear.from_linear(nn.Linear(k, n), f"fp8,fp8_scaling={scaling}")
+    f8.load_state_dict(ref.state_dict(), strict=False)
+    x = torch.randn(m, k)
+    gy = torch.randn(m, n)
+
+    def run(mod):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = mod(xi)
+        y.backward(gy.to(y.dtype))
+        w_grad = mod.weight.grad.clone()
+        mod.weight.grad = None
+        mod.bias.grad = None
+        return y.float(), xi.grad.float(), w_grad
+
+    if scaling == "delayed":  # one step to fill the history, as in training
+        run(f8)
+        f8.update_scales()
+    y8, dx8, dw8 = run(f8)
+    y, dx, dw = run(ref)
+    assert sqnr_db(y, y8) >= 25
+    assert sqnr_db(dx, dx8) >= 20
+    assert sqnr_db(dw, dw8) >= 20
+
+
+# --- convert ---------------------------------------------------------------------------
+
+def test_convert_report_lists_everything():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(32, 64)
+            self.odd = nn.Linear(64, 10)
+            self.b = nn.Linear(10, 32)
+            self.attn = nn.MultiheadAttention(32, 2)
+            self.head = nn.Linear(32, 16)
+
+    net = Net()
+    w = net.a.weight
+    report = convert(net)
+    assert report.converted == ("a",)
+    assert isinstance(net.a, Float8Linear) and net.a.weight is w
+    reasons = dict(report.skipped)
+    assert "divisible by 16" in reasons["odd"] and "divisible by 16" in reasons["b"]
+    assert "out_proj" in reasons["attn.out_proj"]
+    assert reasons["head"] == "output head: the last Linear"
+    assert "kept  head" in str(report)
+
+
+def test_convert_tied_head_and_filter():
+    model = TiedLM(vocab=32, d=16)
+    report = convert(model)
+    assert dict(report.skipped)["head"] == "output head: weight tied to an embedding"
+    model = TiedLM(vocab=32, d=16)
+    report = convert(model, filter=lambda mod, fqn: fqn == "head")
+    assert report.converted == ("head",)
+    assert dict(report.skipped)["mix"] == "filter returned False"
+
+
+def test_no_eligible_linear_warns():
+    with pytest.warns(UserWarning, match="no Linear was converted"):
+        convert(nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 3)))
+
+
+def test_float8linear_rejects_bad_dims():
+    with pytest.raises(ValueError, match="divisible by 16"):
+        Float8Linear(10, 32)
+
+
+# --- in the engine ---------------------------------------------------------------------
+
+def _fp8_engine(recipe="fp8", seed=0):
+    model = tiny_gpt(seed=seed, d_model=32, seq_len=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    return model, MixedPrecision(model, opt, recipe)
+
+
+def _batches(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 64, (4, 33), generator=g) for _ in range(n)]
+
+
+def _train(model, engine, batches, bad=()):
+    losses = []
+    for i, idx in enumerate(batches):
+        with engine.autocast():
+            loss = model(idx[:, :-1], idx[:, 1:])
+        engine.backward(loss * math.inf if i in bad else loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_engine_converts_and_updates_delayed_scales():
+    model, engine = _fp8_engine()
+    assert len(engine.fp8_modules) == 8
+    mod = engine.fp8_modules[0]
+    _train(model, engine, _batches(3, 0))
+    assert (mod.fp8_scale != 1).all()          # scales moved off their initial value
+    assert (mod.fp8_amax_history[:, 1] > 0).all()
+
+
+def test_skipped_step_does_not_pollute_amax_history():
+    model, engine = _fp8_engine()
+    _train(model, engine, _batches(3, 0))
+    hist = [m.fp8_amax_history.clone() for m in engine.fp8_modules]
+    scales = [m.fp8_scale.clone() for m in engine.fp8_modules]
+    _train(model, engine, _batches(1, 1), bad={0})
+    for m, h, s in zip(engine.fp8_modules, hist, scales):
+        assert torch.isfinite(m.fp8_amax_history).all()
+        assert torch.equal(m.fp8_scale, s)
+        assert torch.equal(m.fp8_amax_history[:, 1:], h[:, 1:])
+
+
+def test_fp8_state_resumes_bit_identically():
+    model, engine = _fp8_engine()
+    _train(model, engine, _batches(4, 0))
+    buf = io.BytesIO()
+    torch.save(engine.state_dict(), buf)
+    assert any("fp8_amax_history" in k for k in engine.state_dict()["model"])
+    tail = _train(model, engine, _batches(4, 1))
+    buf.seek(0)
+    model2, engine2 = _fp8_engine(seed=9)
+    engine2.load_state_dict(torch.load(buf, weights_only=True))
+    assert _train(model2, engine2, _batches(4, 1)) == tail
+
+
+def test_fp8_trains_close_to_bf16():
+    """Short version of the 300-step comparison in benchmarks/fp8.py."""
+    finals = {}
+    for recipe in ("bf16", "fp8", "fp8-current"):
+        model, engine = _fp8_engine(recipe)
+        losses = _train(model, engine, [b for b in _batches(8, 0)] * 8)
+        finals[recipe] = sum(losses[-8:]) / 8
+    assert finals["fp8"] == pytest.approx(finals["bf16"], rel=0.05)
+    assert finals["fp8-current"] == pytest.approx(finals["bf16"], rel=0.05)
+
+
+def test_device_without_fp8_is_a_clear_error(monkeypatch):
+    import mixprec.engine as eng
+    monkeypatch.setattr(eng, "device_supports", lambda d, dt: dt != torch.float8_e4m3fn)
+    model = tiny_gpt()
+    with pytest.raises(ValueError, match="has no fp8 GEMM"):
+        MixedPrecision(model, torch.optim.AdamW(model.parameters()), "fp8")
+
+
+def test_float8_output_dtype_follows_autocast_or_input():
+    lin = Float8Linear.from_linear(nn.Linear(32, 16))
+    x = torch.randn(4, 32)
+    assert lin(x).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lin(x).dtype == torch.bfloat16
+    assert F.mse_loss(lin(x), torch.zeros(4, 16)).requires_grad
