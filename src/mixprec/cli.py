@@ -124,8 +124,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _memory_args(p):
+    from mixprec.memory_cli import add_arguments
+
+    add_arguments(p)
+
+
+def _memory_run(args):
+    from mixprec.memory_cli import run
+
+    return run(args)
+
+
 # name -> (help, add_arguments(parser), run(args) -> int); other rooms register here.
-_COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
+_COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
+    "memory": ("bytes per rank of each item a recipe costs (planner)", _memory_args,
+               _memory_run),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,7 +23,7 @@ from torch import nn
 from mixprec.fp8.linear import Float8Linear
 from mixprec.recipe import Recipe
 
-__all__ = ["convert", "ConvertReport"]
+__all__ = ["convert", "plan", "ConvertReport"]
 
 
 @dataclass(frozen=True)
@@ -41,15 +41,14 @@ class ConvertReport:
         return "\n".join(lines)
 
 
-def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
-            filter: Callable[[nn.Module, str], bool] | None = None) -> ConvertReport:
-    """Replace eligible ``nn.Linear`` modules of ``model`` in place; return a report."""
-    r = Recipe.coerce(recipe or "fp8")
+def plan(model: nn.Module, filter: Callable[[nn.Module, str], bool] | None = None
+         ) -> list[tuple[str, nn.Linear, str | None]]:
+    """Each Linear of ``model`` with the reason it stays in high precision (None: fp8)."""
     linears = [(fqn, m) for fqn, m in model.named_modules()
                if isinstance(m, nn.Linear) and not isinstance(m, Float8Linear)]
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     last = linears[-1][0] if linears else None
-    converted, skipped = [], []
+    out = []
     for fqn, m in linears:
         why = None
         if type(m) is not nn.Linear:
@@ -65,6 +64,16 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
         if why is None and (m.in_features % 16 or m.out_features % 16):
             why = (f"in_features={m.in_features}, out_features={m.out_features}: fp8 GEMMs "
                    "need both divisible by 16")
+        out.append((fqn, m, why))
+    return out
+
+
+def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
+            filter: Callable[[nn.Module, str], bool] | None = None) -> ConvertReport:
+    """Replace eligible ``nn.Linear`` modules of ``model`` in place; return a report."""
+    r = Recipe.coerce(recipe or "fp8")
+    converted, skipped = [], []
+    for fqn, m, why in plan(model, filter):
         if why is not None:
             skipped.append((fqn, why))
             continue

@@ -1,0 +1,130 @@
+"""``mixprec memory``: the planner's tables and a stacked-bar plot (matplotlib, lazily)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from mixprec.memory import GB, ITEMS, Breakdown, TransformerSpec, estimate
+
+__all__ = ["add_arguments", "run", "plot_breakdowns", "parse_bytes"]
+
+
+def parse_bytes(text: str) -> float:
+    """``80GB``, ``80G``, ``141e9``, ``24GiB`` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(gib|gb|g|mib|mb|m|tb|t)?\s*",
+                     text.lower())
+    if not m:
+        raise ValueError(f"--device-memory {text!r}: expected e.g. 80GB, 24GiB or 141e9")
+    mult = {None: 1, "gb": 1e9, "g": 1e9, "gib": 2**30, "mb": 1e6, "m": 1e6, "mib": 2**20,
+            "tb": 1e12, "t": 1e12}[m.group(2)]
+    return float(m.group(1)) * mult
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", required=True, help="parameter count, e.g. 70B, 7.5e9, 350M")
+    p.add_argument("--recipe", default="fp32,bf16-master,fp16-master",
+                   help="presets to compare, comma-separated; recipes with overrides are "
+                        "separated by ';', e.g. 'fp32;fp16-master,grads=fp16'")
+    p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd_momentum, sgd")
+    p.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (FSDP = 3)")
+    p.add_argument("--gpus", type=int, default=1, help="data-parallel ranks to shard over")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--batch", type=int, default=1, help="micro-batch per rank")
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--attention", choices=["materialized", "flash"], default="flash")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    p.add_argument("--device-memory", help="capacity per device, e.g. 80GB: says what fits")
+    p.add_argument("--plot", help="write a stacked bar chart comparing the recipes (.png/.svg)")
+
+
+def _recipes(text: str) -> list[str]:
+    """``a;b`` -> two recipes; ``fp32,bf16`` (presets only) -> two; ``fp16,init_scale=8``
+    (a fragment with ``=`` and no ``;``) -> one recipe with overrides."""
+    if ";" in text or "=" in text:
+        return [r.strip() for r in text.split(";") if r.strip()]
+    return [r.strip() for r in text.split(",") if r.strip()]
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    spec = None
+    shape = (args.layers, args.hidden, args.heads, args.seq)
+    if any(v is not None for v in shape):
+        if not all(v is not None for v in shape):
+            raise ValueError("activations need all of --layers, --hidden, --heads, --seq")
+        spec = TransformerSpec(layers=args.layers, hidden=args.hidden, heads=args.heads,
+                               seq_len=args.seq, micro_batch=args.batch, vocab=args.vocab,
+                               attention=args.attention, recompute=args.recompute,
+                               dropout=False)
+    results = {r: estimate(args.params, r, optimizer=args.optimizer, zero_stage=args.zero,
+                           world_size=args.gpus, activations=spec)
+               for r in _recipes(args.recipe)}
+    cap = parse_bytes(args.device_memory) if args.device_memory else None
+    title = (f"{args.params} parameters, {args.optimizer}, ZeRO-{args.zero} over "
+             f"{args.gpus} rank(s): GB (1e9 bytes) per rank")
+    t = Table(title=title)
+    t.add_column("item")
+    for r in results:
+        t.add_column(r, justify="right")
+    used = [k for k in ITEMS if any(b[k] for b in results.values())]
+    for k in used:
+        t.add_row(k, *(f"{b[k] / GB:,.2f}" for b in results.values()))
+    t.add_row("[bold]total[/bold]", *(f"[bold]{b.total / GB:,.2f}[/bold]"
+                                      for b in results.values()))
+    if cap:
+        t.add_row(f"fits {cap / GB:g} GB?", *("yes" if b.total <= cap else "[red]no[/red]"
+                                             for b in results.values()))
+    con = Console(width=160)
+    con.print(t)
+    for n in next(iter(results.values())).notes:
+        con.print(f"note: {n}")
+    if args.plot:
+        out = plot_breakdowns(results, args.plot, title=title, capacity=cap)
+        con.print(f"plot written to {out}")
+    return 0
+
+
+def plot_breakdowns(results: dict[str, Breakdown], path: str | Path, *, title: str = "",
+                    capacity: float | None = None) -> Path:
+    """A stacked bar per recipe, one colour per item, GB on the y axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    if path.suffix.lower() not in (".png", ".svg"):
+        raise ValueError(f"--plot {str(path)!r}: use a .png or .svg file name")
+    if not path.parent.exists():
+        raise FileNotFoundError(f"--plot: folder {str(path.parent)!r} does not exist")
+    used = [k for k in ITEMS if any(b[k] for b in results.values())]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(results), 4.8), dpi=120)
+    names = list(results)
+    labels = [n.replace(",", ",\n") for n in names]  # long recipe strings wrap
+    bottom = [0.0] * len(names)
+    colors = plt.get_cmap("tab10").colors
+    for i, k in enumerate(used):
+        vals = [results[n][k] / GB for n in names]
+        ax.bar(labels, vals, bottom=bottom, label=k, color=colors[i % 10], width=0.6)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for x, total in enumerate(bottom):
+        ax.text(x, total, f"{total:,.0f}" if total >= 10 else f"{total:.2f}", ha="center",
+                va="bottom", fontsize=9)
+    if capacity:
+        ax.axhline(capacity / GB, color="black", linestyle="--", linewidth=1)
+        ax.text(len(names) - 0.5, capacity / GB, f" device {capacity / GB:g} GB", va="bottom",
+                ha="right", fontsize=8)
+    ax.set_ylabel("GB per rank (1e9 bytes)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
