@@ -95,8 +95,23 @@ def test_third_party_norm_modules_run_in_fp32():
     assert "forward" not in model[1].__dict__  # undo restored the class forward
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp16"])
+@pytest.mark.parametrize("recipe", ["bf16", "fp16,emulate=false"])
 def test_matmuls_run_in_compute_dtype(recipe):
     with precision_context(recipe, "cpu"):
         y = nn.Linear(4, 4)(torch.randn(2, 4))
-    assert y.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[recipe]
+    assert y.dtype == {"bf16": torch.bfloat16, "fp16,emulate=false": torch.float16}[recipe]
+
+
+def test_fp16_emulated_where_slow(monkeypatch):
+    import mixprec.kernels as k
+    from mixprec import formats
+
+    monkeypatch.setattr(k, "relative_speed", lambda dev, dt: 0.02)
+    torch.manual_seed(0)
+    lin, x = nn.Linear(16, 16), torch.randn(4, 16)
+    with precision_context("fp16", "cpu"):
+        y = lin(x)
+    assert y.dtype == torch.float32  # fp32 storage ...
+    assert torch.equal(y, formats.quantize(y, "fp16"))  # ... holding fp16 values
+    with precision_context("fp16,emulate=false", "cpu"):
+        assert torch.equal(lin(x).float(), y)  # the same bits as the real fp16 kernel

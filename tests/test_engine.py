@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import math
 import random
-import warnings
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from conftest import TiedLM, cnn, mlp, tiny_gpt
 from mixprec import PRESETS, MixedPrecision, Recipe, SkipLimitError
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 compute on the CPU:UserWarning",
+                                        "ignore:fp16 has no fast kernels:UserWarning",
                                         "ignore:recipe. loss_scale:UserWarning")
 
 
@@ -32,7 +32,7 @@ def test_matches_torch_gradscaler_decisions_scales_and_params():
     steps, inject_loss, inject_grad = 40, {5, 6, 19}, {11, 30}
     kw = dict(init_scale=2.0**20, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
     recipe = Recipe.parse("fp16,init_scale=1048576,growth_interval=3,hysteresis=1,"
-                          "min_scale=1e-30,max_scale=1e30")
+                          "min_scale=1e-30,max_scale=1e30,emulate=false")
     gen = torch.Generator().manual_seed(1)
     data = [(torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen) * 1e3)
             for _ in range(steps)]
@@ -504,9 +504,23 @@ def test_bad_arguments():
         e.backward(torch.tensor(1.0))
 
 
-def test_fp16_on_cpu_warns_about_speed():
+def test_slow_fp16_is_emulated_by_itself_and_says_so(monkeypatch):
+    import mixprec.kernels as k
+
+    monkeypatch.setattr(k, "relative_speed", lambda dev, dt: 0.02)  # a CPU without fp16
     m = mlp()
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        MixedPrecision(m, torch.optim.AdamW(m.parameters()), "fp16")
-    assert any("no fast fp16 matmul" in str(x.message) for x in w)
+    with pytest.warns(UserWarning, match="fp16 has no fast kernels on cpu.*emulates it"):
+        e = MixedPrecision(m, torch.optim.AdamW(m.parameters()), "fp16")
+    assert e.emulating
+    m = mlp()
+    with pytest.warns(UserWarning, match="emulate=false on cpu: this device has no fast"):
+        e = MixedPrecision(m, torch.optim.AdamW(m.parameters()), "fp16,emulate=false")
+    assert not e.emulating
+
+
+def test_fast_fp16_runs_real_kernels(monkeypatch):
+    import mixprec.kernels as k
+
+    monkeypatch.setattr(k, "relative_speed", lambda dev, dt: 1.0)  # AVX512-FP16, say
+    m = mlp()
+    assert not MixedPrecision(m, torch.optim.AdamW(m.parameters()), "fp16").emulating

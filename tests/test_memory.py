@@ -11,7 +11,8 @@ from mixprec.cli import main
 from mixprec.memory import TransformerSpec, activation_bytes, estimate, measure, parse_count
 from mixprec.workbench import GPT, GPTConfig
 
-pytestmark = pytest.mark.filterwarnings("ignore:fp16 compute on the CPU:UserWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:fp16 compute on the CPU:UserWarning",
+                                        "ignore:fp16 has no fast kernels:UserWarning")
 
 PURE_FP16 = "fp16,params=fp16,grads=fp16"          # no master: states in fp16 too
 MIXED_FP16_GRADS = "fp16-master,grads=fp16"        # fp16 working copy and grads, fp32 rest
@@ -107,7 +108,8 @@ def _gpt_loss(idx):
     return lambda m: m(idx[:, :-1], idx[:, 1:])
 
 
-@pytest.mark.parametrize("recipe", ["fp32", "bf16", "bf16-master", "fp16-master", "fp8"])
+@pytest.mark.parametrize("recipe", ["fp32", "bf16", "bf16-master", "fp16-master",
+                                    "fp16-master,emulate=false", "fp8"])
 def test_measure_equals_estimate_on_gpt(recipe):
     torch.manual_seed(0)
     cfg = GPTConfig(n_layers=2, d_model=64, n_heads=4, seq_len=64)

@@ -16,7 +16,8 @@ import torch
 from conftest import tiny_gpt
 from mixprec import MixedPrecision
 
-pytestmark = pytest.mark.filterwarnings("ignore:fp16 compute on the CPU:UserWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:fp16 compute on the CPU:UserWarning",
+                                        "ignore:fp16 has no fast kernels:UserWarning")
 
 RECIPES = ["bf16", "bf16-master", "fp16", "fp16-master", "fp8", "fp8-current"]
 

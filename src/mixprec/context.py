@@ -15,7 +15,9 @@
   compute a norm by hand (a ``LlamaRMSNorm``, say) are matched by class name and run
   whole in fp32;
 - for ``tf32``: ``torch.backends.cuda.matmul.allow_tf32``, ``cudnn.allow_tf32`` and
-  ``torch.set_float32_matmul_precision("high")``, restored on exit.
+  ``torch.set_float32_matmul_precision("high")``, restored on exit;
+- under emulation (``emulating(recipe, device)``): an ``EmulationMode`` that turns the
+  low-precision arithmetic into exact rounding on fp32 kernels (``mixprec.emulate``).
 
 Hardware checks live in ``device_supports`` so tests can monkeypatch one function.
 """
@@ -34,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from mixprec.recipe import Recipe
 
 __all__ = ["precision_context", "Fp32Islands", "device_supports", "fp32_island_modules",
-           "wrap_fp32_modules"]
+           "wrap_fp32_modules", "has_fast_kernels", "emulating", "make_emulation_mode"]
 
 _NORM_FUNCS: dict[str, tuple[Callable, ...]] = {
     "layer_norm": (F.layer_norm, torch.layer_norm),
@@ -64,6 +66,28 @@ _TORCH_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase,
                 getattr(nn, "RMSNorm", nn.LayerNorm))
 
 
+def has_fast_kernels(device: torch.device, compute: str) -> bool:
+    """Whether ``device`` has fast kernels for a recipe's compute format: measured once
+    (``mixprec.kernels``). fp16 on a CPU is fast only on chips with fp16 arithmetic
+    (AVX512-FP16, AMX-FP16); the MX formats have no torch kernels anywhere."""
+    if compute in ("fp6_e3m2", "fp6_e2m3", "fp4_e2m1", "fp8_e4m3", "fp8_e5m2"):
+        return False
+    if compute in ("fp16", "bf16") and torch.device(device).type == "cpu":
+        from mixprec.kernels import FAST_ENOUGH, relative_speed
+
+        dt = torch.float16 if compute == "fp16" else torch.bfloat16
+        return relative_speed(device, dt) >= FAST_ENOUGH
+    return True
+
+
+def emulating(recipe: Recipe, device: torch.device) -> bool:
+    """Resolve ``recipe.emulate`` (None = auto) for ``device``."""
+    if recipe.emulate is not None:
+        return recipe.emulate
+    return recipe.compute not in ("fp32", "tf32", "fp8") and not has_fast_kernels(
+        torch.device(device), recipe.compute)
+
+
 def device_supports(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``device`` can compute in ``dtype`` at all (speed is the doctor's job)."""
     if device.type == "cuda":
@@ -79,11 +103,17 @@ def device_supports(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _up(x):
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:
-        return x.float()
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        if _EMULATION and _EMULATION[-1] is not None:
+            return _EMULATION[-1](x)
+        return x.float() if x.dtype != torch.float32 else x
     if isinstance(x, (list, tuple)):
         return type(x)(_up(v) for v in x)
     return x
+
+
+# set by precision_context when emulating: mixprec.emulate.leave_low_precision
+_EMULATION: list = []
 
 
 class Fp32Islands(TorchFunctionMode):
@@ -155,8 +185,18 @@ def _tf32() -> Iterator[None]:
         torch.set_float32_matmul_precision(saved[2])
 
 
+def make_emulation_mode(recipe: Recipe):
+    """The EmulationMode for a recipe (one per engine, so backward sees forward's tags)."""
+    from mixprec.emulate import EmulationMode
+
+    if recipe.is_mx:
+        return EmulationMode("bf16", torch.bfloat16, mx=recipe.compute)
+    return EmulationMode(recipe.compute, recipe.compute_dtype)
+
+
 @contextlib.contextmanager
-def precision_context(recipe: Recipe | str, device: torch.device | str) -> Iterator[None]:
+def precision_context(recipe: Recipe | str, device: torch.device | str,
+                      emulate: bool | None = None, mode=None) -> Iterator[None]:
     """Enter the recipe's precision for a forward pass (and the loss).
 
     >>> import torch
@@ -171,6 +211,15 @@ def precision_context(recipe: Recipe | str, device: torch.device | str) -> Itera
             stack.enter_context(_tf32())
         if r.uses_autocast:
             stack.enter_context(torch.autocast(dev.type, dtype=r.compute_dtype))
+        emulate = emulating(r, dev) if emulate is None else emulate
+        leave = None
+        if emulate and r.uses_autocast and r.compute != "fp8":
+            from mixprec.emulate import leave_low_precision
+
+            stack.enter_context(mode if mode is not None else make_emulation_mode(r))
+            leave = leave_low_precision
+        _EMULATION.append(leave)
+        stack.callback(_EMULATION.pop)
         if r.keep_fp32 and (r.uses_autocast or r.params != "fp32"):
             stack.enter_context(Fp32Islands(r.keep_fp32, dev.type))
         yield

@@ -42,7 +42,10 @@ from torch import nn
 
 from mixprec.context import (
     device_supports,
+    emulating,
     fp32_island_modules,
+    has_fast_kernels,
+    make_emulation_mode,
     precision_context,
     wrap_fp32_modules,
 )
@@ -144,10 +147,6 @@ class MixedPrecision:
                              f"{grad_accum_steps!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
-        if r.emulate:
-            raise NotImplementedError(
-                f"recipe {str(r)!r}: emulate=true is not implemented yet; drop it to run "
-                "the format's real kernels")
         self.model = model
         self.grad_accum_steps = grad_accum_steps
         self.max_grad_norm = max_grad_norm
@@ -160,10 +159,15 @@ class MixedPrecision:
             raise ValueError("model has no parameters that require grad")
         self.device = params[0].device
         self._check_device(r)
+        self.emulating = emulating(r, self.device)
+        # one mode for the engine's life: backward must see the tags forward made
+        self._emu_mode = (make_emulation_mode(r) if self.emulating and r.uses_autocast
+                          and r.compute != "fp8" else None)
         self.fp8_report = None
         if r.compute == "fp8":
             # the swap reuses the Parameters, so the optimizer and `params` stay valid
-            self.fp8_report = fp8_convert(model, r)
+            fr = r.replace(fp8_gemm="dequant") if r.emulate and r.fp8_gemm == "auto" else r
+            self.fp8_report = fp8_convert(model, fr)
         self.fp8_modules = [m for m in model.modules() if isinstance(m, Float8Linear)]
         ids = {id(p): i for i, p in enumerate(params)}
         for o in self.optimizers:
@@ -177,7 +181,7 @@ class MixedPrecision:
         if r.master == "fp32" and any(o.state for o in self.optimizers):
             raise ValueError("the optimizer already has state (it has stepped); create "
                              "MixedPrecision before the first optimizer step")
-        self.grads = GradState(params, r)
+        self.grads = GradState(params, r, emulate=self.emulating)
         if self.grads.has_master:
             for o in self.optimizers:
                 for g in o.param_groups:
@@ -192,10 +196,19 @@ class MixedPrecision:
         self._steps = 0
         self._mirror = _HostMirror(2, self.device)
         self._warned_streak = 0
-        if r.compute == "fp16" and self.device.type == "cpu":
+        if self.emulating and r.emulate is None:
             warnings.warn(
-                "fp16 compute on the CPU: there is no fast fp16 matmul kernel here (often "
-                "tens of times slower than fp32). bf16 has fast kernels on recent CPUs.",
+                f"{r.compute} has no fast kernels on {self.device.type} (measured: "
+                "mixprec.kernels.relative_speed): mixprec emulates it exactly on fp32 "
+                "kernels. Set emulate=false to run the real kernels.",
+                stacklevel=2,
+            )
+        elif (r.emulate is False and r.uses_autocast and r.compute != "fp8"
+              and not has_fast_kernels(self.device, r.compute)):
+            warnings.warn(
+                f"{r.compute} compute with emulate=false on {self.device.type}: this device "
+                "has no fast kernel for it (measured); emulate=auto would run it exactly "
+                "on fp32 kernels instead.",
                 stacklevel=2,
             )
 
@@ -207,7 +220,10 @@ class MixedPrecision:
                 f"recipe {str(r)!r}: device {self.device} has no fp8 GEMM (CUDA needs "
                 "compute capability 8.9+, e.g. L4/H100); use 'bf16', or run fp8 on the "
                 "CPU, where mixprec computes fp8 products exactly with bf16 kernels")
-        for dt in {r.compute_dtype, r.param_dtype, r.grad_dtype}:
+        needed = {r.param_dtype, r.grad_dtype}
+        if not emulating(r, self.device):
+            needed.add(r.compute_dtype)
+        for dt in needed:
             if not device_supports(self.device, dt):
                 raise ValueError(
                     f"recipe {str(r)!r} needs {dt} but device {self.device} cannot compute "
@@ -225,7 +241,8 @@ class MixedPrecision:
     @contextmanager
     def autocast(self) -> Iterator[None]:
         """The recipe's precision for the forward pass and the loss."""
-        with precision_context(self.recipe, self.device):
+        with precision_context(self.recipe, self.device, emulate=self.emulating,
+                               mode=self._emu_mode):
             yield
 
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
@@ -240,7 +257,12 @@ class MixedPrecision:
             raise RuntimeError(
                 f"backward() called {self._micro + 1} times since the last update but "
                 f"grad_accum_steps={self.grad_accum_steps}; call step() after each backward")
-        self.scaler.scale_loss(loss, self.grad_accum_steps).backward(retain_graph=retain_graph)
+        scaled = self.scaler.scale_loss(loss, self.grad_accum_steps)
+        if self._emu_mode is not None:
+            with self._emu_mode:  # backward ops round like the real low-precision kernels
+                scaled.backward(retain_graph=retain_graph)
+        else:
+            scaled.backward(retain_graph=retain_graph)
         self.grads.accumulate()
         self._micro += 1
 

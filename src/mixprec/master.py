@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mixprec.emulate import round_
 from mixprec.recipe import Recipe
 
 __all__ = ["GradState"]
@@ -33,11 +34,16 @@ __all__ = ["GradState"]
 class GradState:
     """Master copies, accumulation buffers and the moves between them."""
 
-    def __init__(self, params: list[nn.Parameter], recipe: Recipe) -> None:
+    def __init__(self, params: list[nn.Parameter], recipe: Recipe,
+                 emulate: bool = False) -> None:
         self.recipe = recipe
+        # under emulation low-precision params stay fp32 tensors holding rounded values
+        self.round_to = recipe.params if emulate and recipe.params != "fp32" else None
         self.working = params
         self.has_master = recipe.master == "fp32"
         pdt, gdt = recipe.param_dtype, recipe.grad_dtype
+        if self.round_to is not None:
+            pdt = torch.float32  # gradient buffers stay real: adds are cheap everywhere
         if self.has_master:
             half = [p for p in params if p.dtype != torch.float32]
             if half:
@@ -55,6 +61,8 @@ class GradState:
             for p in params:
                 if p.dtype != pdt:
                     p.data = p.data.to(pdt)
+        if self.round_to is not None:
+            round_(params, self.round_to)
         self.opt_params = self.masters if self.has_master else self.working
         self.kahan = recipe.grad_accum == "kahan"
         self.direct = (not self.has_master and not self.kahan
@@ -121,6 +129,8 @@ class GradState:
         skipped step (masters unchanged) leaves the working copy bit-identical."""
         if self.has_master:
             torch._foreach_copy_(self.working, self.masters)
+            if self.round_to is not None:
+                round_(self.working, self.round_to)
 
     def zero(self) -> None:
         """Clear the accumulated gradients after an optimizer step."""

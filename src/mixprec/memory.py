@@ -167,8 +167,8 @@ def parse_count(params: int | float | str | nn.Module) -> int:
     return parse_count(float(m.group(1)) * _SUFFIX[m.group(2)])
 
 
-def _state_bytes(r: Recipe) -> int:
-    return 4 if r.master == "fp32" else _BYTES[r.params]
+def _state_bytes(r: Recipe, param_bytes: int) -> int:
+    return 4 if r.master == "fp32" else param_bytes
 
 
 def estimate(
@@ -183,6 +183,10 @@ def estimate(
 
     >>> round(estimate("70B", "fp32").gb())       # seed 000 §1: ~1120 GB
     1120
+
+    For a module, emulation is resolved on its device (fp16 on a CPU is emulated by
+    default, and its working copy then lives in fp32 tensors). For a bare count, only
+    ``emulate=true`` counts as emulated.
     """
     r = Recipe.coerce(recipe)
     opt = optimizer.lower().replace("-", "_")
@@ -194,6 +198,15 @@ def estimate(
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     n = parse_count(params)
     notes = []
+    from mixprec.context import emulating
+
+    dev = torch.device("cpu")
+    if isinstance(params, nn.Module):
+        dev = next(params.parameters()).device
+    emulated = (emulating(r, dev) if isinstance(params, nn.Module) else bool(r.emulate))
+    param_bytes = 4 if emulated else _BYTES[r.params]
+    if emulated and r.params != "fp32":
+        notes.append(f"emulated {r.params}: the working copy is stored in fp32 tensors")
     n_tensors = 0
     buffers = fp8_bytes = 0.0
     if isinstance(params, nn.Module):
@@ -208,10 +221,10 @@ def estimate(
              for k, lvl in (("optimizer", 1), ("grads", 2), ("params", 3))}
     grads_per = _BYTES[r.grads] * (2 if r.grad_accum == "kahan" else 1)
     items = {
-        "params": n * _BYTES[r.params] / shard["params"],
+        "params": n * param_bytes / shard["params"],
         "grads": n * grads_per / shard["grads"],
         "master": (n * 4 if r.master == "fp32" else 0) / shard["optimizer"],
-        "optimizer": (n * _STATES[opt] * _state_bytes(r)
+        "optimizer": (n * _STATES[opt] * _state_bytes(r, param_bytes)
                       + (4 * n_tensors if opt in ("adam", "adamw") else 0)) / shard["optimizer"],
         "fp8": fp8_bytes,
         "buffers": buffers,

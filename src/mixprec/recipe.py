@@ -24,9 +24,13 @@ from typing import Any, Literal, get_args
 
 import torch
 
-__all__ = ["Recipe", "PRESETS", "KEEP_FP32_CHOICES", "DEFAULT_KEEP_FP32", "preset_names"]
+__all__ = ["Recipe", "PRESETS", "MX_COMPUTE", "KEEP_FP32_CHOICES", "DEFAULT_KEEP_FP32",
+           "preset_names"]
 
-ComputeDtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+ComputeDtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8",
+                       "fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3", "fp4_e2m1"]
+#: compute formats that mean OCP MX block scaling (emulated: no torch kernels for them)
+MX_COMPUTE = ("fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3", "fp4_e2m1")
 StoreDtype = Literal["fp32", "bf16", "fp16"]
 MasterDtype = Literal["fp32", "none"]
 LossScaleKind = Literal["none", "static", "dynamic"]
@@ -72,7 +76,13 @@ class Recipe:
     - ``skip_limit`` / ``on_skip_limit``: after this many consecutive skipped steps the
       engine warns or raises, so a run never skips silently forever (0 disables).
     - ``keep_fp32``: module families and ops computed in FP32 (``KEEP_FP32_CHOICES``).
-    - ``emulate``: round to the compute format in software instead of running its kernels.
+    - ``emulate``: round to the compute format exactly on fp32 kernels instead of running
+      the format's own kernels (``true``), never (``false``), or ``auto`` (the default,
+      ``None``): emulate where the device has no fast kernel for the format (fp16 on a
+      CPU; the MX formats everywhere).
+    - ``compute`` may also name an OCP MX element format (``fp8_e4m3``, ``fp8_e5m2``,
+      ``fp6_e3m2``, ``fp6_e2m3``, ``fp4_e2m1``): matmul operands are block-scaled (32
+      elements per e8m0 scale) and always emulated.
     - fp8: ``fp8_scaling`` (delayed from an amax history, or current), ``fp8_format``
       (``hybrid``: e4m3 forward, e5m2 gradients; or ``e4m3`` everywhere),
       ``amax_history_len``, ``amax_compute_algo``, ``margin`` (scale = max / amax / 2^m),
@@ -97,7 +107,7 @@ class Recipe:
     skip_limit: int = 100
     on_skip_limit: OnSkipLimit = "warn"
     keep_fp32: tuple[str, ...] = DEFAULT_KEEP_FP32
-    emulate: bool = False
+    emulate: bool | None = None
     fp8_scaling: Fp8Scaling = "delayed"
     fp8_format: Fp8Format = "hybrid"
     amax_history_len: int = 16
@@ -146,9 +156,14 @@ class Recipe:
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= lo, name,
                  f"an integer >= {lo}")
-        need(isinstance(self.emulate, bool), "emulate", "true or false")
+        need(self.emulate is None or isinstance(self.emulate, bool), "emulate",
+             "true, false or auto")
 
     def _check_combinations(self) -> None:
+        if self.compute in MX_COMPUTE and self.emulate is False:
+            raise ValueError(
+                f"recipe: compute={self.compute!r} (MX block scaling) has no torch kernels; "
+                "it runs emulated only. Drop emulate=false (or set emulate=true).")
         if self.compute == "fp8" and self.params == "fp16":
             raise ValueError(
                 "recipe: compute='fp8' with params='fp16' is not supported: fp8 runs the "
@@ -165,7 +180,8 @@ class Recipe:
                 "recipe: grads='fp16' with loss_scale='none' loses every gradient below "
                 "6e-8. Set loss_scale=dynamic, or grads=fp32 (the default)."
             )
-        if self.loss_scale != "none" and "fp16" not in (self.compute, self.params, self.grads):
+        if self.loss_scale != "none" and "fp16" not in (self.compute, self.params, self.grads) \
+                and self.compute not in MX_COMPUTE:
             warnings.warn(
                 f"recipe: loss_scale={self.loss_scale!r} with compute={self.compute!r}: "
                 "nothing is stored in fp16, so scaling buys nothing (bf16 has fp32's "
@@ -242,7 +258,7 @@ class Recipe:
     def compute_dtype(self) -> torch.dtype:
         """torch dtype of the autocast region (fp8 recipes: bf16 around the fp8 Linears)."""
         return {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
-                "fp16": torch.float16, "fp8": torch.bfloat16}[self.compute]
+                "fp16": torch.float16}.get(self.compute, torch.bfloat16)
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -258,7 +274,11 @@ class Recipe:
 
     @property
     def uses_autocast(self) -> bool:
-        return self.compute in ("bf16", "fp16", "fp8")
+        return self.compute not in ("fp32", "tf32")
+
+    @property
+    def is_mx(self) -> bool:
+        return self.compute in MX_COMPUTE
 
 
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -285,12 +305,14 @@ def _convert(key: str, raw: str) -> Any:
             return ()
         return tuple(x.strip().lower() for x in raw.split("+"))
     if key == "emulate":
+        if raw.lower() == "auto":
+            return None
         if raw.lower() in _TRUE:
             return True
         if raw.lower() in _FALSE:
             return False
-        raise ValueError(f"recipe field 'emulate': {raw!r} is not a boolean; "
-                         "use true or false")
+        raise ValueError(f"recipe field 'emulate': {raw!r} is not valid; "
+                         "use true, false or auto")
     default = next(f.default for f in fields(Recipe) if f.name == key)
     try:
         if isinstance(default, int):
@@ -303,6 +325,8 @@ def _convert(key: str, raw: str) -> Any:
 
 
 def _format(v: Any) -> str:
+    if v is None:
+        return "auto"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, tuple):

@@ -1,0 +1,247 @@
+"""Exact emulation: run a low-precision format's numerics on fp32 kernels.
+
+``EmulationMode(fmt, carrier)`` is a ``TorchDispatchMode`` used together with a real
+``torch.autocast(dtype=carrier)``. Autocast decides which ops run in low precision, as
+it would on hardware. Its casts to ``carrier`` reach this mode as ``aten._to_copy`` and
+become fp32 tensors holding the exactly rounded values (``formats.quantize``), tagged as
+*virtually* low-precision. Every later op, backward included since backward ops dispatch
+here too, runs on fp32 kernels. Its floating outputs are rounded to the format when its
+floating inputs are all virtual: the result a real low-precision kernel returns, since it
+too computes in fp32 and rounds once. If any input is a real fp32 tensor, type promotion
+makes the result fp32, so it is left alone. As in torch, 0-dim tensors defer to
+dimensioned ones. fp16 arithmetic then costs fp32 speed plus the rounding passes. On
+this CPU a real fp16 matmul is ~70x slower than fp32.
+
+Tensors under emulation report ``dtype=torch.float32``; their values are the format's.
+Backward must run under the same mode instance. ``MixedPrecision.backward`` does that,
+and so does ``loss.backward()`` called inside the context. Where an emulated tensor is
+upcast, the gradient that comes back must be rounded, as a real cast's backward does.
+The FP32 islands (norms, softmax, losses) upcast through ``leave_low_precision``, which
+does this. A ``.float()`` in your own code is a no-op on an fp32 tensor and cannot be
+seen. Its gradient then enters the low-precision region unrounded, which is the one
+known gap. Compute losses through the islands (``F.cross_entropy``, ``F.mse_loss`` and
+the rest) rather than ``y.float()`` by hand.
+
+MX block formats (OCP Microscaling v1.0: fp8/fp6/fp4 elements, one e8m0 scale per 32
+elements): ``mx_quantize`` rounds a tensor block by block along a dimension. With
+``EmulationMode(mx=fmt)`` every matmul (``mm``, ``addmm``, ``bmm``, ``matmul``) quantizes
+each operand along its reduction dimension, computes in fp32, and rounds its output to
+the carrier (bf16), as MX hardware returns bf16 or fp32. Convolutions run in bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from mixprec import formats
+from mixprec.formats import Format
+
+__all__ = ["EmulationMode", "mx_quantize", "mx_scales", "MX_BLOCK", "round_", "active_mode",
+           "leave_low_precision"]
+
+_ACTIVE: list[EmulationMode] = []
+
+
+def active_mode() -> EmulationMode | None:
+    """The innermost EmulationMode in effect, if any."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+class _LeaveLowPrecision(torch.autograd.Function):
+    """Upcast out of an emulated low-precision tensor: forward gives a *real* fp32 copy,
+    backward rounds the gradient to the format, as the real cast's backward does."""
+
+    @staticmethod
+    def forward(ctx, x, mode):
+        ctx.mode = mode
+        out = x.clone()
+        mode.virtual.pop(out, None)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        mode = ctx.mode
+        if active_mode() is mode:
+            return g.to(mode.carrier), None  # through the mode: rounded, tagged virtual
+        return _round(g, mode.fmt if mode.mx is None else mode.out_fmt), None
+
+
+def leave_low_precision(x: torch.Tensor) -> torch.Tensor:
+    """``x.float()`` that keeps emulation exact (used by the FP32 islands)."""
+    mode = active_mode()
+    if mode is not None and isinstance(x, torch.Tensor) and x in mode.virtual:
+        return _LeaveLowPrecision.apply(x, mode)
+    return x.float() if x.dtype != torch.float32 else x
+
+aten = torch.ops.aten
+MX_BLOCK = 32
+_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
+            aten.baddbmm.default}
+# Ops whose outputs are inputs' values (or zero): representable in, representable out.
+_EXACT = {getattr(aten, n) for n in (
+    "relu", "threshold_backward", "neg", "abs", "clone", "cat", "stack", "where",
+    "index_select", "gather", "embedding", "embedding_dense_backward", "masked_fill",
+    "zeros_like", "ones_like", "fill", "copy", "_to_copy", "contiguous", "constant_pad_nd",
+    "max_pool2d_with_indices", "flip", "roll", "repeat", "select_backward",
+    "slice_backward", "new_zeros", "zero") if hasattr(aten, n)}
+
+
+_FAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _round(t: torch.Tensor, f: Format) -> torch.Tensor:
+    """quantize(t, f) in fp32; for fp16/bf16 via a round trip through the real dtype
+    (the same bits: torch's casts round to nearest-even with IEEE overflow, which
+    tests/test_formats.py checks against quantize on 10^6 values)."""
+    t = t if t.dtype == torch.float32 else t.float()
+    fast = _FAST.get(f.name)
+    return t.to(fast).float() if fast is not None else formats.quantize(t, f)
+
+
+def round_(tensors, fmt: str | Format) -> None:
+    """Round fp32 tensors in place to ``fmt`` (parameters stored in low precision)."""
+    f = formats.get(fmt)
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(_round(t.detach(), f))
+
+
+def mx_scales(x: torch.Tensor, fmt: str | Format, dim: int = -1,
+              block: int = MX_BLOCK) -> torch.Tensor:
+    """Per-block e8m0 scales of the OCP MX spec: ``2^(floor(log2(amax)) - emax_elem)``.
+
+    A block of zeros gets the scale 2^-127 (the spec's choice is free there; any scale
+    gives zeros). Shape: ``x`` with ``dim`` divided by ``block``.
+    """
+    f = formats.get(fmt)
+    xb = _blocks(x, dim, block)
+    amax = xb.abs().amax(dim=-1)
+    e = torch.floor(torch.log2(amax.double())).clamp(min=-127 - f.emax)
+    e = torch.where(amax > 0, e, torch.full_like(e, -127.0 - f.emax))
+    return torch.exp2((e - f.emax).clamp(-127, 127)).to(torch.float32)
+
+
+def mx_quantize(x: torch.Tensor, fmt: str | Format, dim: int = -1,
+                block: int = MX_BLOCK) -> torch.Tensor:
+    """The values of ``x`` after MX conversion: scale per block, elements saturated and
+    rounded to nearest-even in ``fmt``, then scaled back (fp32 result)."""
+    f = formats.get(fmt)
+    dim = dim % x.dim()
+    scale = mx_scales(x, f, dim, block)
+    xb = _blocks(x.float(), dim, block)
+    q = formats.quantize(xb / scale.unsqueeze(-1), f, saturate=True) * scale.unsqueeze(-1)
+    return _unblocks(q, x.shape, dim)
+
+
+def _blocks(x: torch.Tensor, dim: int, block: int) -> torch.Tensor:
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    if n % block:
+        raise ValueError(f"MX needs the reduction dimension divisible by {block}, got {n}")
+    moved = x.movedim(dim, -1)
+    return moved.reshape(*moved.shape[:-1], n // block, block)
+
+
+def _unblocks(xb: torch.Tensor, shape: torch.Size, dim: int) -> torch.Tensor:
+    moved_shape = list(shape)
+    moved_shape.append(moved_shape.pop(dim))
+    return xb.reshape(moved_shape).movedim(-1, dim)
+
+
+class EmulationMode(TorchDispatchMode):
+    """Round to ``fmt`` where a real ``carrier``-dtype kernel would (see module doc).
+
+    Args:
+        fmt: the format low-precision tensors hold (fp16, bf16, or any narrower one).
+        carrier: the dtype the surrounding ``torch.autocast`` casts to.
+        mx: an MX element format: matmul operands are block-quantized along the
+            reduction dimension (outputs rounded to ``carrier``'s format).
+    """
+
+    def __init__(self, fmt: str | Format, carrier: torch.dtype = torch.float16,
+                 mx: str | Format | None = None) -> None:
+        super().__init__()
+        self.fmt = formats.get(fmt)
+        self.carrier = carrier
+        self.out_fmt = formats.get(carrier) if mx is not None else self.fmt
+        self.mx = formats.get(mx) if mx is not None else None
+        self.virtual = WeakTensorKeyDictionary()
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if _ACTIVE and _ACTIVE[-1] is self:
+            _ACTIVE.pop()
+        return super().__exit__(*exc)
+
+    def mark(self, tensors) -> None:
+        """Declare tensors (e.g. parameters stored in low precision) as virtual."""
+        for t in tensors:
+            self.virtual[t] = True
+
+    def _q(self, t: torch.Tensor, fmt: Format | None = None) -> torch.Tensor:
+        out = _round(t, fmt or self.out_fmt)
+        self.virtual[out] = True
+        return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten._to_copy.default and kwargs.get("dtype") == self.carrier:
+            src = args[0]
+            out = func(src, **{**kwargs, "dtype": torch.float32})
+            return self._q(out, self.fmt if self.mx is None else self.out_fmt)
+        if self.mx is not None and func in _MATMULS:
+            return self._mx_matmul(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if "dtype" in kwargs or not self._all_virtual(args):
+            return out
+        if func.is_view or func.overloadpacket in _EXACT:
+            for o in tree_flatten(out)[0]:
+                if isinstance(o, torch.Tensor) and o.is_floating_point():
+                    self.virtual[o] = True
+            return out
+        inputs = {id(a) for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)}
+
+        def fix(o):
+            if not (isinstance(o, torch.Tensor) and o.is_floating_point()):
+                return o
+            if id(o) in inputs:  # in place: round the tensor itself
+                with torch.no_grad():
+                    o.copy_(_round(o, self.out_fmt))
+                self.virtual[o] = True
+                return o
+            return self._q(o)
+
+        return tree_map(fix, out)
+
+    def _all_virtual(self, args) -> bool:
+        flt = [a for a in tree_flatten(args)[0]
+               if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        dimensioned = [a for a in flt if a.dim() > 0]
+        pool = dimensioned or flt  # torch: 0-dim tensors do not promote dimensioned ones
+        return bool(pool) and all(a in self.virtual for a in pool)
+
+    def _mx_matmul(self, func, args, kwargs):
+        f = self.mx
+        if func is aten.addmm.default:
+            bias, a, b = args[:3]
+            out = torch.mm(mx_quantize(a, f, -1), mx_quantize(b, f, 0))
+            beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+            out = alpha * out + beta * bias.float()
+        elif func is aten.baddbmm.default:
+            bias, a, b = args[:3]
+            out = torch.bmm(mx_quantize(a, f, -1), mx_quantize(b, f, -2))
+            out = kwargs.get("alpha", 1) * out + kwargs.get("beta", 1) * bias.float()
+        else:
+            a, b = args[:2]
+            out = func(mx_quantize(a, f, -1), mx_quantize(b, f, -2 if b.dim() > 1 else 0))
+        return self._q(out)
+
+    def __repr__(self) -> str:
+        mx = f", mx={self.mx.name}" if self.mx is not None else ""
+        return f"EmulationMode({self.fmt.name}, carrier={self.carrier}{mx})"
