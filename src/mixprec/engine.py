@@ -32,12 +32,14 @@ know whether the step was skipped.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mixprec.context import (
@@ -48,6 +50,15 @@ from mixprec.context import (
     make_emulation_mode,
     precision_context,
     wrap_fp32_modules,
+)
+from mixprec.distributed import (
+    CommStats,
+    _HookState,
+    all_reduce_max_,
+    broadcast_module_,
+    ddp_comm_hook,
+    fsdp_policy,
+    require_process_group,
 )
 from mixprec.fp8.convert import convert as fp8_convert
 from mixprec.fp8.linear import Float8Linear
@@ -122,6 +133,8 @@ class MixedPrecision:
         max_grad_norm: clip the global L2 norm of the unscaled gradients to this.
         scheduler: LR scheduler(s) to advance after each *applied* step (costs one host
             sync per step to know whether it was skipped).
+        parallel: ``"ddp"`` or ``"fsdp"`` inside an initialised process group (see
+            ``mixprec.distributed``); call ``engine.model`` (the wrapped module) then.
     """
 
     def __init__(
@@ -133,6 +146,7 @@ class MixedPrecision:
         grad_accum_steps: int = 1,
         max_grad_norm: float | None = None,
         scheduler=None,
+        parallel: str | None = None,
     ) -> None:
         self.recipe = r = Recipe.coerce(recipe)
         if not isinstance(model, nn.Module):
@@ -147,13 +161,30 @@ class MixedPrecision:
                              f"{grad_accum_steps!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
-        self.model = model
+        self.module = self.model = model
+        self.parallel = parallel
+        self.world_size = 1
+        self.comm_stats = None
+        if parallel is not None:
+            require_process_group(parallel)
+            self.world_size = dist.get_world_size()
+            if r.compute == "fp8" and parallel == "fsdp":
+                raise NotImplementedError(
+                    "fp8 recipes with parallel='fsdp' are not supported: Float8Linear "
+                    "casts the whole weight, which FSDP2 keeps sharded. Use parallel='ddp'.")
         self.grad_accum_steps = grad_accum_steps
         self.max_grad_norm = max_grad_norm
         self.schedulers = ([] if scheduler is None else
                            list(scheduler) if isinstance(scheduler, (list, tuple))
                            else [scheduler])
 
+        if parallel is not None:
+            broadcast_module_(model)  # every rank starts from rank 0's weights
+        if parallel == "fsdp":
+            model = self._shard(model, r)
+            r_state = r.replace(params="fp32", master="none", grads="fp32")
+        else:
+            r_state = r
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no parameters that require grad")
@@ -181,11 +212,13 @@ class MixedPrecision:
         if r.master == "fp32" and any(o.state for o in self.optimizers):
             raise ValueError("the optimizer already has state (it has stepped); create "
                              "MixedPrecision before the first optimizer step")
-        self.grads = GradState(params, r, emulate=self.emulating)
+        self.grads = GradState(params, r_state, emulate=self.emulating)
         if self.grads.has_master:
             for o in self.optimizers:
                 for g in o.param_groups:
                     g["params"] = [self.grads.masters[ids[id(p)]] for p in g["params"]]
+        if parallel == "ddp":
+            self.model = self._wrap_ddp(model, r)
         self._fused = [self._takes_found_inf(o) for o in self.optimizers]
         self._all_fused = all(self._fused)
         self.scaler = LossScaler.from_recipe(r, self.device)
@@ -211,6 +244,34 @@ class MixedPrecision:
                 "on fp32 kernels instead.",
                 stacklevel=2,
             )
+
+    # --- data parallel ----------------------------------------------------------------
+
+    def _wrap_ddp(self, model: nn.Module, r: Recipe) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model, broadcast_buffers=True, gradient_as_bucket_view=True)
+        self.comm_stats = CommStats()
+        ddp.register_comm_hook(_HookState(self, r.comm_dtype, self.comm_stats), ddp_comm_hook)
+        return ddp
+
+    def _shard(self, model: nn.Module, r: Recipe) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        before = dict(model.named_parameters())
+        fully_shard(model, mp_policy=fsdp_policy(r))
+        after = dict(model.named_parameters())
+        new_of = {id(p): after[name] for name, p in before.items()}
+        for o in self.optimizers:
+            if o.state:
+                raise ValueError("the optimizer already has state; create MixedPrecision "
+                                 "before the first optimizer step")
+            for g in o.param_groups:  # the optimizer now updates the fp32 shards
+                g["params"] = [new_of.get(id(p), p) for p in g["params"]]
+        return model
+
+    def _local(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
 
     # --- checks -----------------------------------------------------------------------
 
@@ -258,10 +319,15 @@ class MixedPrecision:
                 f"backward() called {self._micro + 1} times since the last update but "
                 f"grad_accum_steps={self.grad_accum_steps}; call step() after each backward")
         scaled = self.scaler.scale_loss(loss, self.grad_accum_steps)
-        if self._emu_mode is not None:
-            with self._emu_mode:  # backward ops round like the real low-precision kernels
-                scaled.backward(retain_graph=retain_graph)
-        else:
+        last = self._micro == self.grad_accum_steps - 1
+        with contextlib.ExitStack() as stack:
+            if self.parallel == "ddp" and not last:
+                stack.enter_context(self.model.no_sync())  # reduce once, on the last one
+            if self.parallel == "fsdp" and not last:
+                self.model.set_requires_gradient_sync(False)
+                stack.callback(self.model.set_requires_gradient_sync, True)
+            if self._emu_mode is not None:  # backward ops round like real kernels do
+                stack.enter_context(self._emu_mode)
             scaled.backward(retain_graph=retain_graph)
         self.grads.accumulate()
         self._micro += 1
@@ -275,7 +341,7 @@ class MixedPrecision:
         self._seen = self._micro
         if self._micro < self.grad_accum_steps:
             return StepResult(True, False, self.scaler.scale, None)
-        grads = self.grads.grads()
+        grads = self._local(self.grads.grads())
         if self._all_fused and all(g.device == self.device for g in grads):
             found_inf, norm, grad_scale = self._check_fused(grads)
         else:
@@ -293,6 +359,7 @@ class MixedPrecision:
             elif not found_inf.item():  # one host sync: this optimizer cannot skip itself
                 opt.step()
         self.grads.refresh_working()
+        self._agree_amax()
         for m in self.fp8_modules:
             m.update_scales(found_inf)  # a skipped step drops its amaxes
         self.scaler.update(found_inf)
@@ -312,11 +379,7 @@ class MixedPrecision:
         are left to the optimizer's kernel through ``grad_scale = scale / clip_coef``
         (it divides each gradient by it), so no pass writes the gradients here.
         A norm that overflows fp32 (> 3.4e38) counts as an overflow too."""
-        if grads:
-            norm_scaled = torch.linalg.vector_norm(
-                torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
-        else:
-            norm_scaled = torch.zeros((), device=self.device)
+        norm_scaled = self._global_norm(grads)
         found_inf = self._agree((~torch.isfinite(norm_scaled)).float())
         scaled = self.scaler.kind != "none"
         norm = norm_scaled / self.scaler.scale if scaled else norm_scaled
@@ -327,14 +390,33 @@ class MixedPrecision:
         return found_inf, norm, grad_scale
 
     def _agree(self, found_inf: torch.Tensor) -> torch.Tensor:
-        """Hook for data-parallel training: every rank must take the same decision."""
+        """Data parallel: every rank takes the same skip decision (MAX across ranks)."""
+        if self.parallel is not None:
+            all_reduce_max_(found_inf)
         return found_inf
 
+    def _agree_amax(self) -> None:
+        """Data parallel fp8: this step's amaxes become the max over ranks."""
+        if self.parallel is None or not self.fp8_modules:
+            return
+        cur = torch.stack([m.fp8_amax_history[:, 0] for m in self.fp8_modules])
+        all_reduce_max_(cur)
+        for m, row in zip(self.fp8_modules, cur):
+            m.fp8_amax_history[:, 0] = row
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """L2 norm of all gradients; with FSDP the shards' squares are summed across ranks
+        (DDP's gradients are already identical on every rank after the all-reduce)."""
+        if grads:
+            sq = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
+        else:
+            sq = torch.zeros((), device=self.device)
+        if self.parallel == "fsdp":
+            dist.all_reduce(sq)
+        return sq.sqrt()
+
     def _clip(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        if not grads:
-            return torch.zeros((), device=self.device)
-        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-        norm = torch.linalg.vector_norm(torch.stack(norms))
+        norm = self._global_norm(grads)
         if self.max_grad_norm is not None:
             coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coef)
@@ -402,7 +484,8 @@ class MixedPrecision:
                                "after step() has updated the weights")
         return {
             "recipe": self.recipe,
-            "model": self.model.state_dict(),
+            "world_size": self.world_size,
+            "model": self.module.state_dict(),
             "masters": ([m.detach().clone() for m in self.grads.masters]
                         if self.grads.has_master else None),
             "optimizers": [o.state_dict() for o in self.optimizers],
@@ -417,10 +500,16 @@ class MixedPrecision:
             raise ValueError(
                 f"checkpoint was saved with recipe {str(saved)!r} but this engine runs "
                 f"{str(self.recipe)!r}; build the engine with the checkpoint's recipe")
+        saved_ws = state.get("world_size", 1)
+        if saved_ws != self.world_size:
+            raise ValueError(
+                f"checkpoint was saved by {saved_ws} rank(s) but this run has "
+                f"{self.world_size}; resharding is not supported: resume with "
+                f"--nproc-per-node {saved_ws}")
         if len(state["optimizers"]) != len(self.optimizers):
             raise ValueError(f"checkpoint has {len(state['optimizers'])} optimizer(s), this "
                              f"engine has {len(self.optimizers)}")
-        self.model.load_state_dict(state["model"])
+        self.module.load_state_dict(state["model"])
         if self.grads.has_master:
             with torch.no_grad():
                 for m, s in zip(self.grads.masters, state["masters"], strict=True):

@@ -10,7 +10,7 @@ matmul runs at fp32's speed, and without it at a small fraction of that.
 from __future__ import annotations
 
 import time
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -21,7 +21,7 @@ __all__ = ["matmul_gflops", "relative_speed", "FAST_ENOUGH"]
 FAST_ENOUGH = 0.5
 
 
-@lru_cache(maxsize=None)
+@cache
 def matmul_gflops(device: str, dtype: torch.dtype, n: int = 512, seconds: float = 0.05
                   ) -> float:
     """Measured GFLOP/s of an n×n matmul in ``dtype`` on ``device`` (cached)."""

@@ -64,6 +64,7 @@ class GradState:
         if self.round_to is not None:
             round_(params, self.round_to)
         self.opt_params = self.masters if self.has_master else self.working
+        self.index = {id(p): i for i, p in enumerate(params)}
         self.kahan = recipe.grad_accum == "kahan"
         self.direct = (not self.has_master and not self.kahan
                        and all(p.dtype == gdt for p in params))

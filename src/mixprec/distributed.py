@@ -1,0 +1,148 @@
+"""Data-parallel mixed precision on torch.distributed: DDP and FSDP2.
+
+``MixedPrecision(model, opt, recipe, parallel="ddp" | "fsdp")`` inside an initialised
+process group (``torchrun`` + ``init_process_group("gloo" | "nccl")``). Then call the
+wrapped module, ``engine.model``, for the forward pass. ``prepare()`` returns both.
+
+**DDP.** A communication hook reduces gradients in the recipe's ``comm`` dtype. Before
+a 16-bit all-reduce it divides by the world size: if every rank's value is within the
+format's range (|g| <= max), then so is the mean, so the reduction cannot overflow where
+the inputs did not. Summing first can overflow with as few as two ranks. For recipes
+whose gradients live in fp32 buffers (``-master``, ``grad_accum=kahan``), the hook adds
+the rank's accumulated buffer to the last micro-batch's gradient, reduces, and writes the
+result straight into the fp32 buffers. Nothing goes back through a bf16 ``.grad``.
+Micro-batches before the last one run under ``no_sync()``, so one reduction serves the
+whole accumulation. The hook counts the bytes each rank sends (``CommStats``).
+
+**FSDP2** (``fully_shard``): a ``MixedPrecisionPolicy`` from the recipe
+(``param_dtype`` = the recipe's working dtype, ``reduce_dtype`` = ``comm``). FSDP's fp32
+sharded parameters are the masters and the optimizer states are sharded (ZeRO-3). The
+loss scaler checks the local shards, and the global gradient norm is reduced across ranks.
+
+**Agreement.** ``found_inf`` is all-reduced (MAX) before the skip decision, so every
+rank skips together. The clipping norm is global. fp8 amaxes are all-reduced (MAX)
+before the scales move, so every rank uses the same scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["CommStats", "require_process_group", "ddp_comm_hook", "fsdp_policy", "prepare",
+           "all_reduce_max_", "broadcast_module_"]
+
+
+@dataclass
+class CommStats:
+    """Bytes this rank sent in gradient reductions (numel × element size of the
+    reduced tensor, once per all-reduce call)."""
+
+    bytes_sent: int = 0
+    calls: int = 0
+    dtype: torch.dtype | None = None
+    per_call: list[int] = field(default_factory=list)
+
+    def record(self, t: torch.Tensor) -> None:
+        n = t.numel() * t.element_size()
+        self.bytes_sent += n
+        self.calls += 1
+        self.dtype = t.dtype
+        self.per_call.append(n)
+
+
+def require_process_group(parallel: str) -> None:
+    if parallel not in ("ddp", "fsdp"):
+        raise ValueError(f"parallel={parallel!r}; valid: 'ddp', 'fsdp' or None")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"parallel={parallel!r} needs an initialised process group: launch with "
+            "`torchrun --nproc-per-node N ...` and call "
+            "torch.distributed.init_process_group('gloo' on CPU, 'nccl' on GPU) first")
+
+
+def broadcast_module_(model: nn.Module, src: int = 0) -> None:
+    """Make every rank start from rank ``src``'s parameters and buffers."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src)
+
+
+def all_reduce_max_(t: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
+class _HookState:
+    def __init__(self, engine, comm_dtype: torch.dtype, stats: CommStats) -> None:
+        self.engine = engine
+        self.comm_dtype = comm_dtype
+        self.stats = stats
+        self.world = dist.get_world_size()
+
+
+def ddp_comm_hook(state: _HookState, bucket):
+    """All-reduce a DDP bucket in the comm dtype (see the module docstring)."""
+    eng = state.engine
+    grads = bucket.gradients()
+    params = bucket.parameters()
+    gs = eng.grads
+    if gs.direct:
+        flat = bucket.buffer()
+        send = flat.to(state.comm_dtype)
+    else:  # fold the fp32 accumulation buffers in; the result goes back into them
+        index = gs.index
+        bufs = [gs.bufs[index[id(p)]] for p in params]
+        parts = [(b.float() + g.float()).flatten() for b, g in zip(bufs, grads)]
+        send = torch.cat(parts).to(state.comm_dtype)
+    send.div_(state.world)  # pre-divide: the mean cannot overflow where the inputs did not
+    state.stats.record(send)
+    fut = dist.all_reduce(send, async_op=True).get_future()
+
+    def done(f):
+        reduced = f.value()[0]
+        if gs.direct:
+            return reduced.to(bucket.buffer().dtype)
+        off = 0
+        for b in bufs:
+            n = b.numel()
+            b.copy_(reduced[off:off + n].view_as(b))
+            off += n
+        return torch.zeros_like(bucket.buffer())  # .grad gets 0: accumulate() adds nothing
+
+    return fut.then(done)
+
+
+# DDP checks the hook's return annotation as an object (postponed annotations are strings)
+ddp_comm_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
+
+def fsdp_policy(recipe):
+    """``MixedPrecisionPolicy`` for a recipe: working dtype for params, comm for grads."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param_dtype = recipe.param_dtype if recipe.master == "fp32" else None
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=recipe.comm_dtype)
+
+
+def prepare(model: nn.Module, optimizer, recipe="bf16", parallel: str = "ddp", **kwargs):
+    """``(module to call, engine)`` for data-parallel training.
+
+    Example (``torchrun --nproc-per-node 2 train.py``)::
+
+        dist.init_process_group("gloo")
+        model = MyModel()
+        opt = torch.optim.AdamW(model.parameters(), fused=True)
+        ddp_model, engine = mixprec.distributed.prepare(model, opt, "bf16", "ddp")
+        with engine.autocast():
+            loss = loss_fn(ddp_model(x), y)
+        engine.backward(loss)
+        engine.step()
+    """
+    from mixprec.engine import MixedPrecision
+
+    engine = MixedPrecision(model, optimizer, recipe, parallel=parallel, **kwargs)
+    return engine.model, engine

@@ -1,0 +1,177 @@
+"""Rank functions for tests/test_distributed.py (spawned with torch.multiprocessing).
+
+Each worker joins a gloo group through a file store in ``tmp`` and writes what it saw to
+``tmp/<name>_rank<r>.pt`` for the test process to compare.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec import MixedPrecision
+
+warnings.simplefilter("ignore")
+
+
+def _init(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                            world_size=world)
+
+
+def _save(tmp: str, name: str, rank: int, obj) -> None:
+    torch.save(obj, os.path.join(tmp, f"{name}_rank{rank}.pt"))
+
+
+def make_mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 32),
+                         nn.GELU(), nn.Linear(32, 4))
+
+
+def make_data(steps: int, batch: int = 16, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 16, generator=g), torch.randint(0, 4, (batch,), generator=g))
+            for _ in range(steps)]
+
+
+def train_reference(recipe: str, steps: int, accum: int = 1) -> list[torch.Tensor]:
+    """One process, the whole batch of 16 each step."""
+    model = make_mlp(seed=0)
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe,
+                            grad_accum_steps=accum)
+    for x, y in make_data(steps):
+        for xs, ys in zip(x.chunk(accum), y.chunk(accum)):
+            with engine.autocast():
+                loss = F.cross_entropy(model(xs), ys)
+            engine.backward(loss)
+            engine.step()
+    return [p.detach().clone() for p in engine.master_params]
+
+
+def equivalence(rank, world, tmp, recipe, parallel, steps, accum):
+    """2 ranks x 8 samples per step (in `accum` micro-batches)."""
+    _init(rank, world, tmp)
+    model = make_mlp(seed=rank)  # different on purpose: rank 0's weights are broadcast
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe,
+                            parallel=parallel, grad_accum_steps=accum)
+    for x, y in make_data(steps):
+        xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+        for xm, ym in zip(xs.chunk(accum), ys.chunk(accum)):
+            with engine.autocast():
+                loss = F.cross_entropy(engine.model(xm), ym)
+            engine.backward(loss)
+            engine.step()
+    params = [p.detach() for p in engine.master_params]
+    if parallel == "fsdp":
+        params = [p.full_tensor() for p in params]
+    stats = engine.comm_stats
+    _save(tmp, "equivalence", rank, {"params": [p.clone() for p in params],
+                                     "bytes": stats.bytes_sent if stats else None})
+    dist.destroy_process_group()
+
+
+def rank_local_inf(rank, world, tmp, recipe, parallel):
+    """Step 1: inf in rank 1's gradient before the reduction. Step 2: inf only in rank
+    1's local buffer after it (a rank-local fault): both ranks must skip both."""
+    _init(rank, world, tmp)
+    model = make_mlp(seed=0)
+    engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True),
+                            recipe, parallel=parallel)
+    skipped = []
+    data = make_data(4)
+    for i, (x, y) in enumerate(data):
+        xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+        if i == 1 and rank == 1:
+            xs = xs.clone()
+            xs[0, 0] = math.inf
+        with engine.autocast():
+            loss = F.cross_entropy(engine.model(xs), ys)
+        engine.backward(loss)
+        if i == 2 and rank == 1:
+            g = engine.grads.grads()[0]
+            (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = math.inf
+        skipped.append(bool(engine.step().skipped))
+    params = [p.detach() for p in engine.master_params]
+    if parallel == "fsdp":
+        params = [p.full_tensor() for p in params]
+    _save(tmp, "inf", rank, {"skipped": skipped, "params": [p.clone() for p in params]})
+    dist.destroy_process_group()
+
+
+def fp8_outlier(rank, world, tmp):
+    _init(rank, world, tmp)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.Linear(32, 16))
+    engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), fused=True), "fp8",
+                            parallel="ddp")
+    g = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        x = torch.randn(8, 32, generator=g)
+        if rank == 1 and step == 1:
+            x[0, 0] = 1000.0  # an activation outlier on one rank only
+        with engine.autocast():
+            loss = engine.model(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    _save(tmp, "fp8", rank, {
+        "scales": [m.fp8_scale.clone() for m in engine.fp8_modules],
+        "hist": [m.fp8_amax_history.clone() for m in engine.fp8_modules]})
+    dist.destroy_process_group()
+
+
+def fp16_comm(rank, world, tmp):
+    """Gradients of 40000 on every rank: the fp16 sum (80000) overflows, the mean does not."""
+    _init(rank, world, tmp)
+    lin = nn.Linear(16, 16, bias=False)
+    engine = MixedPrecision(lin, torch.optim.SGD(lin.parameters(), lr=0.0),
+                            "fp32,comm=fp16", parallel="ddp")
+    engine.backward((engine.model(torch.full((1, 16), 16.0)) * 2500.0).sum())  # d/dw = 40000
+    pre_divided = engine.grads.grads()[0].clone()
+    naive = torch.full((16, 16), 40000.0).half()
+    dist.all_reduce(naive)  # sum first, then divide: what pre-division avoids
+    _save(tmp, "fp16", rank, {"pre": pre_divided, "naive": (naive.float() / world)})
+    dist.destroy_process_group()
+
+
+def resume(rank, world, tmp, recipe):
+    """Train 3 steps, checkpoint, train 3; a fresh engine from the checkpoint must
+    repeat the last 3 steps bit for bit."""
+    _init(rank, world, tmp)
+
+    def fresh(seed):
+        m = make_mlp(seed)
+        return MixedPrecision(m, torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True),
+                              recipe, parallel="ddp")
+
+    def run(engine, batches):
+        out = []
+        for x, y in batches:
+            with engine.autocast():
+                loss = F.cross_entropy(engine.model(x.chunk(world)[rank]), y.chunk(world)[rank])
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out
+
+    data = make_data(6)
+    a = fresh(0)
+    run(a, data[:3])
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    tail_a = run(a, data[3:])
+    b = fresh(7)
+    buf.seek(0)
+    b.load_state_dict(torch.load(buf, weights_only=True))
+    tail_b = run(b, data[3:])
+    same = all(torch.equal(p, q) for p, q in zip(a.master_params, b.master_params))
+    _save(tmp, "resume", rank, {"a": tail_a, "b": tail_b, "same": same})
+    dist.destroy_process_group()

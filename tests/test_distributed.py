@@ -1,0 +1,92 @@
+"""Data parallel on torch.distributed with gloo: ranks spawned by the tests themselves."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import dist_workers as w
+from mixprec import MixedPrecision
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def spawn(fn, *args, world=2):
+    tmp = tempfile.mkdtemp(prefix="mixprec-dist-")
+    mp.spawn(fn, args=(world, tmp, *args), nprocs=world, join=True)
+    name = {"equivalence": "equivalence", "rank_local_inf": "inf", "fp8_outlier": "fp8",
+            "fp16_comm": "fp16", "resume": "resume"}[fn.__name__]
+    return [torch.load(os.path.join(tmp, f"{name}_rank{r}.pt"), weights_only=False)
+            for r in range(world)]
+
+
+def _max_rel(a, b):
+    return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("parallel,recipe,accum,tol", [
+    ("ddp", "fp32", 1, 1e-5),
+    ("ddp", "bf16-master", 2, 1e-2),       # bf16 working grads: per-rank rounding
+    ("ddp", "fp32,comm=bf16", 1, 5e-3),    # documented bound for bf16 communication
+    ("fsdp", "fp32", 1, 1e-5),
+    ("fsdp", "bf16-master", 1, 1e-2),
+])
+def test_two_ranks_of_8_equal_one_rank_of_16(parallel, recipe, accum, tol):
+    ranks = spawn(w.equivalence, recipe, parallel, 20, accum)
+    ref = w.train_reference(recipe.split(",comm")[0], 20)
+    for r in ranks:
+        assert _max_rel(r["params"], ref) <= tol, (_max_rel(r["params"], ref), tol)
+    for p, q in zip(ranks[0]["params"], ranks[1]["params"]):
+        assert torch.equal(p, q)  # replicas identical
+
+
+@pytest.mark.parametrize("parallel,recipe", [("ddp", "bf16-master"), ("fsdp", "bf16")])
+def test_inf_on_one_rank_makes_every_rank_skip(parallel, recipe):
+    ranks = spawn(w.rank_local_inf, recipe, parallel)
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] == [False, True, True, False]
+    for p, q in zip(ranks[0]["params"], ranks[1]["params"]):
+        assert torch.equal(p, q)
+
+
+def test_fp8_outlier_on_one_rank_gives_identical_scales():
+    ranks = spawn(w.fp8_outlier)
+    for a, b in zip(ranks[0]["scales"], ranks[1]["scales"]):
+        assert torch.equal(a, b)
+    for a, b in zip(ranks[0]["hist"], ranks[1]["hist"]):
+        assert torch.equal(a, b)
+    assert ranks[0]["hist"][0][0].max() >= 1000.0  # rank 1's outlier reached rank 0
+
+
+def test_fp16_comm_pre_division_never_overflows_where_sum_first_does():
+    ranks = spawn(w.fp16_comm)
+    for r in ranks:
+        assert torch.isinf(r["naive"]).all()                  # 40000 + 40000 > 65504
+        assert torch.equal(r["pre"], torch.full((16, 16), 40000.0))  # 20000 + 20000
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp16-master"])
+def test_two_rank_checkpoint_resumes_bit_identically(recipe):
+    ranks = spawn(w.resume, recipe)
+    for r in ranks:
+        assert r["a"] == r["b"] and r["same"]
+
+
+def test_parallel_without_process_group_is_an_error():
+    m = w.make_mlp()
+    with pytest.raises(ValueError, match="needs an initialised process group.*torchrun"):
+        MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), "bf16", parallel="ddp")
+    with pytest.raises(ValueError, match="parallel='zero'"):
+        MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), "bf16", parallel="zero")
+
+
+def test_resume_with_another_world_size_is_an_error():
+    m = w.make_mlp()
+    e = MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), "bf16")
+    state = e.state_dict()
+    state["world_size"] = 2
+    with pytest.raises(ValueError, match="saved by 2 rank.*this run has 1.*nproc-per-node 2"):
+        e.load_state_dict(state)
