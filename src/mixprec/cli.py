@@ -136,10 +136,24 @@ def _memory_run(args):
     return run(args)
 
 
+def _doctor_args(p):
+    from mixprec.diagnostics.cli import add_arguments
+
+    add_arguments(p)
+
+
+def _doctor_run(args):
+    from mixprec.diagnostics.cli import run
+
+    return run(args)
+
+
 # name -> (help, add_arguments(parser), run(args) -> int); other rooms register here.
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "memory": ("bytes per rank of each item a recipe costs (planner)", _memory_args,
                _memory_run),
+    "doctor": ("diagnose a recipe: overflow origins, underflow, dtypes, kernel speed",
+               _doctor_args, _doctor_run),
 }
 
 

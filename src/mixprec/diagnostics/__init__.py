@@ -1,0 +1,18 @@
+"""Numerics diagnostics: per-layer statistics, non-finite tracing, the fp32 reference
+comparison, audits, and the doctor that turns them into advice."""
+
+from mixprec.diagnostics.audit import (
+    audit_dtypes,
+    audit_kernel_speed,
+    audit_scale_history,
+    matmul_coverage,
+)
+from mixprec.diagnostics.doctor import doctor
+from mixprec.diagnostics.findings import Finding, Report
+from mixprec.diagnostics.monitor import NumericsMonitor
+from mixprec.diagnostics.reference import compare_to_fp32
+from mixprec.diagnostics.trace import trace_nonfinite
+
+__all__ = ["doctor", "Finding", "Report", "NumericsMonitor", "trace_nonfinite",
+           "compare_to_fp32", "audit_dtypes", "audit_scale_history", "matmul_coverage",
+           "audit_kernel_speed"]

@@ -1,0 +1,175 @@
+"""Audits: dtypes against the recipe, the loss-scale history, low-precision coverage
+of the matmul FLOPs, and the measured kernel speed of this device."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mixprec.diagnostics.findings import Finding
+from mixprec.recipe import Recipe
+
+__all__ = ["audit_dtypes", "audit_scale_history", "matmul_coverage", "audit_kernel_speed"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def audit_dtypes(model: nn.Module, optimizer_or_engine, recipe: Recipe | str) -> list[Finding]:
+    """Check what is stored in which dtype: model params, what the optimizer updates,
+    optimizer states and gradient buffers (seed 004's first check: print the dtypes
+    and confirm the master is fp32)."""
+    r = Recipe.coerce(recipe)
+    engine = optimizer_or_engine if hasattr(optimizer_or_engine, "grads") else None
+    opts = engine.optimizers if engine else [optimizer_or_engine]
+    out = []
+    updated = [p for o in opts for g in o.param_groups for p in g["params"]]
+    half_updated = Counter(_name(p.dtype) for p in updated if p.dtype in _HALF)
+    if half_updated and (r.master == "fp32" or r.params == "fp32"):
+        n = sum(half_updated.values())
+        out.append(Finding(
+            "error", "master-dtype",
+            f"the optimizer updates {n} {', '.join(half_updated)} parameter(s), not fp32 "
+            "masters",
+            f"recipe {str(r)!r} expects fp32 master weights; found "
+            f"{dict(half_updated)} among {len(updated)} optimizer parameters",
+            "updates smaller than half an ulp vanish in 16-bit weights (1e-4 on a bf16 "
+            "weight of 1.0 is lost). Build MixedPrecision on the fp32 model with a -master "
+            "recipe (e.g. 'bf16-master'), which keeps fp32 masters for the optimizer",
+            {"dtypes": dict(half_updated)}))
+    states = Counter(_name(v.dtype) for o in opts for st in o.state.values()
+                     for k, v in st.items()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0 and v.dtype in _HALF)
+    if states and r.master == "fp32":
+        out.append(Finding("warning", "optimizer-state-dtype",
+                           "optimizer states are stored in 16 bits",
+                           f"state tensors by dtype: {dict(states)}",
+                           "keep Adam moments in fp32: the second moment's tiny values "
+                           "underflow in fp16 and lose precision in bf16", {}))
+    want = r.param_dtype
+    model_dt = Counter(_name(p.dtype) for p in model.parameters())
+    if engine is not None and not engine.emulating and r.params != "fp32" and \
+            _name(want) not in model_dt:
+        out.append(Finding("warning", "param-dtype", "model parameters are not in the "
+                           "recipe's working dtype", f"found {dict(model_dt)}, recipe says "
+                           f"{r.params}", "let MixedPrecision cast the model (pass the fp32 "
+                           "model to it)", {}))
+    if engine is not None and engine.grads.bufs:
+        bad = {_name(b.dtype) for b in engine.grads.bufs} - {r.grads}
+        bad -= {"float32"} if r.grads == "fp32" else set()
+        if bad:
+            out.append(Finding("warning", "grad-dtype", "gradient buffers differ from the "
+                               "recipe", f"buffers in {bad}, recipe grads={r.grads}",
+                               "accumulate gradients in fp32 (grads=fp32)", {}))
+    return out
+
+
+def audit_scale_history(history: list[float], recipe: Recipe | str) -> list[Finding]:
+    """A scale that never moves means overflow handling is not wired (or the scale is
+    pinned at a bound). Frequent backoffs mean instability (seed 004 §4)."""
+    r = Recipe.coerce(recipe)
+    if r.loss_scale != "dynamic" or len(history) < 2:
+        return []
+    out = []
+    n = len(history)
+    if n >= 2 * r.growth_interval and len(set(history)) == 1:
+        s = history[0]
+        pinned = (" — pinned at max_scale" if s >= r.max_scale else
+                  " — pinned at min_scale" if s <= r.min_scale else "")
+        out.append(Finding(
+            "warning", "scale-constant",
+            f"the loss scale never changed over {n} steps{pinned}",
+            f"scale {s:g} for all {n} steps with growth_interval={r.growth_interval}: a "
+            "dynamic scale grows after every clean interval and backs off on overflow",
+            "check that the scaled loss is what backward() runs on and that step() sees "
+            "the gradients (seed 004: a flat scale means the detection is not wired). If "
+            "it sits at max_scale, raise max_scale or ignore this.",
+            {"steps": n, "scale": s}))
+    backoffs = sum(1 for a, b in zip(history, history[1:]) if b < a)
+    if n >= 20 and backoffs / n > 0.1:
+        out.append(Finding(
+            "warning", "scale-unstable",
+            f"the loss scale backed off {backoffs} times in {n} steps",
+            f"{backoffs / n:.0%} of steps overflowed; last scale {history[-1]:g}",
+            "overflows this frequent point at the model rather than the scale: lower the "
+            "learning rate, check for NaN in the data, keep the overflowing layer in fp32 "
+            "(the tracer names it), or use bf16",
+            {"backoffs": backoffs, "steps": n}))
+    if n >= 10 and all(h <= r.min_scale for h in history[-10:]):
+        out.append(Finding("error", "scale-at-min", "the loss scale is stuck at min_scale",
+                           f"the last 10 scales are {r.min_scale:g}",
+                           "the gradients overflow even unscaled: see the non-finite "
+                           "tracer; use bf16", {}))
+    return out
+
+
+class _FlopsByDtype(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.flops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        aten = torch.ops.aten
+        if func in (aten.mm.default, aten.bmm.default, aten.addmm.default):
+            a, b = (args[1], args[2]) if func is aten.addmm.default else (args[0], args[1])
+            self.flops[a.dtype] += 2 * a.numel() * b.shape[-1]
+        elif func is aten.convolution.default:
+            w = args[1]
+            self.flops[args[0].dtype] += 2 * out.numel() * w[0].numel()
+        elif "scaled_dot_product" in func.__name__ and "backward" not in func.__name__:
+            q, k = args[0], args[1]
+            self.flops[q.dtype] += 4 * q.numel() * k.shape[-2]
+        return out
+
+
+def matmul_coverage(run) -> dict[str, float]:
+    """Share of matmul/conv/attention FLOPs of ``run()`` per input dtype."""
+    mode = _FlopsByDtype()
+    with mode:
+        run()
+    total = sum(mode.flops.values()) or 1
+    return {_name(k): v / total for k, v in mode.flops.items()}
+
+
+def audit_kernel_speed(device: torch.device, recipe: Recipe | str) -> tuple[list[Finding],
+                                                                            dict]:
+    """Measured matmul throughput in fp32/bf16/fp16 here; a finding when the recipe's
+    compute dtype is much slower than another 16-bit one, or no faster than fp32."""
+    from mixprec.kernels import matmul_gflops
+
+    r = Recipe.coerce(recipe)
+    dev = str(torch.device(device))
+    speed = {n: matmul_gflops(dev, dt) for n, dt in
+             (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))}
+    facts = {"matmul_gflops": {k: round(v, 1) for k, v in speed.items()}}
+    if r.compute not in ("bf16", "fp16"):
+        return [], facts
+    mine = speed[r.compute]
+    other = "bf16" if r.compute == "fp16" else "fp16"
+    rel = {k: v / speed["fp32"] for k, v in speed.items()}
+    if mine < 0.5 * speed["fp32"]:
+        return [Finding(
+            "warning", "kernel-slow",
+            f"{r.compute} matmuls are {speed['fp32'] / mine:.0f}x slower than fp32 on {dev}",
+            f"measured {mine:.0f} GFLOP/s in {r.compute}, {speed['fp32']:.0f} in fp32, "
+            f"{speed[other]:.0f} in {other}",
+            f"use {other} if it is fast here ({rel[other]:.1f}x fp32), or emulate={r.compute}"
+            " exactly at fp32 speed (emulate=true)", {"relative": rel})], facts
+    if speed[other] > 1.5 * mine:
+        return [Finding(
+            "warning", "kernel-better-dtype",
+            f"{other} matmuls are {speed[other] / mine:.1f}x faster than {r.compute} on {dev}",
+            f"measured {r.compute} {mine:.0f} GFLOP/s ({rel[r.compute]:.1f}x fp32), {other} "
+            f"{speed[other]:.0f} GFLOP/s ({rel[other]:.1f}x fp32)",
+            f"use the {other} recipe here" + (" (no loss scaling needed: fp32's range)"
+                                             if other == "bf16" else ""),
+            {"relative": rel})], facts
+    return [], facts

@@ -1,0 +1,86 @@
+"""``mixprec doctor``: diagnose a recipe on the workbench GPT or on your own model."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import torch
+
+__all__ = ["add_arguments", "run", "load_target"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", default="bf16", help="recipe to diagnose (default bf16)")
+    p.add_argument("--model", default="workbench",
+                   help="'workbench' (a small GPT on the built-in corpus) or "
+                        "'package.module:factory', where factory() returns "
+                        "(model, batch_fn) and batch_fn(model, step) returns the loss")
+    p.add_argument("--steps", type=int, default=10, help="training steps to watch")
+    p.add_argument("--reference-steps", type=int, default=3,
+                   help="steps of the layer-by-layer comparison against fp32 (0: skip)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plots", help="folder for the gradient histogram and other plots")
+
+
+def load_target(spec: str):
+    """(model_factory, batch_fn) for 'workbench' or 'package.module:factory'."""
+    if spec == "workbench":
+        from mixprec.workbench import GPT, GPTConfig
+        from mixprec.workbench.data import load_corpus, sample_batch
+
+        corpus = load_corpus(max_bytes=500_000)
+        cfg = GPTConfig(n_layers=2, d_model=64, n_heads=4, seq_len=64)
+        g = torch.Generator().manual_seed(0)
+        data = [sample_batch(corpus.train, 8, cfg.seq_len, g) for _ in range(64)]
+
+        def factory():
+            torch.manual_seed(0)
+            return GPT(cfg)
+
+        def batch_fn(model, step):
+            x, y = data[step % len(data)]
+            return model(x, y)
+
+        return factory, batch_fn
+    mod_name, sep, attr = spec.partition(":")
+    if not sep:
+        raise ValueError(f"--model {spec!r}: expected 'workbench' or 'package.module:factory'")
+    try:
+        factory = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--model {spec!r}: cannot load it ({e})") from None
+    out = factory()
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError(f"--model {spec!r}: factory() must return (model, batch_fn)")
+    model, batch_fn = out
+    import copy
+
+    return (lambda: copy.deepcopy(model)), batch_fn
+
+
+def run(args: argparse.Namespace) -> int:
+    from mixprec.diagnostics.doctor import doctor
+
+    factory, batch_fn = load_target(args.model)
+    report = doctor(factory, batch_fn, args.recipe, steps=args.steps,
+                    reference_steps=args.reference_steps, plots=args.plots)
+    if args.json:
+        print(report.to_json())
+    else:
+        from rich.console import Console
+
+        con = Console(width=120)
+        con.print(f"[bold]{str(report).splitlines()[0]}[/bold]")
+        style = {"error": "red", "warning": "yellow", "info": "cyan"}
+        for f in report.findings:
+            con.print(f"[{style[f.severity]}]{f.severity}[/] {f.title}")
+            con.print(f"  evidence: {f.evidence}", highlight=False)
+            con.print(f"  advice:   {f.advice}", highlight=False)
+        g = report.facts.get("matmul_gflops")
+        if g:
+            con.print("measured matmul GFLOP/s here: " + ", ".join(f"{k} {v:g}"
+                                                                   for k, v in g.items()))
+        for pth in report.facts.get("plots", []):
+            con.print(f"plot: {pth}")
+    return 1 if any(f.severity == "error" for f in report.findings) else 0

@@ -1,0 +1,210 @@
+"""``mixprec.doctor``: run a few steps, look everywhere, say what to change.
+
+    report = mixprec.doctor(model_factory, batch_fn, "fp16", steps=20)
+    print(report); report.to_json()
+
+``model_factory()`` builds the model (called once per run, so the fp32 reference starts
+from the same weights). ``batch_fn(model, step)`` returns the loss for batch ``step``,
+which makes the doctor work on any model and data.
+
+Checks, each turned into a finding with evidence and advice:
+
+1. kernel speed of this device in fp32/bf16/fp16 (measured);
+2. non-finite steps: the first module whose output or gradient went inf/NaN (tracer);
+3. gradient underflow: a fp32 pass measures how many gradient elements would flush to
+   zero in the recipe's gradient format at its loss scale;
+4. dtype audit of what the optimizer updates, its states and the gradient buffers;
+5. the loss-scale history (the run's own, or one you pass);
+6. the recipe against fp32, layer by layer (gradient cosine and norm ratio);
+7. low-precision coverage of the matmul FLOPs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mixprec import formats
+from mixprec.diagnostics.audit import (
+    audit_dtypes,
+    audit_kernel_speed,
+    audit_scale_history,
+    matmul_coverage,
+)
+from mixprec.diagnostics.findings import Finding, Report
+from mixprec.diagnostics.monitor import NumericsMonitor
+from mixprec.diagnostics.reference import compare_to_fp32
+from mixprec.diagnostics.trace import trace_nonfinite
+from mixprec.recipe import Recipe
+
+__all__ = ["doctor", "COSINE_FLAG", "RATIO_FLAG"]
+
+#: a layer whose gradient's cosine similarity to fp32 falls below this is flagged
+COSINE_FLAG = 0.99
+#: ... or whose gradient norm differs from fp32's by more than this factor
+RATIO_FLAG = 1.25
+
+
+def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
+           batch_fn: Callable[[nn.Module, int], torch.Tensor],
+           recipe: Recipe | str = "bf16", *, steps: int = 10, lr: float = 1e-3,
+           reference_steps: int = 3, scale_history: list[float] | None = None,
+           plots: str | Path | None = None, optimizer: str = "adamw") -> Report:
+    """Diagnose ``recipe`` on a model; see the module docstring."""
+    from mixprec.engine import MixedPrecision
+
+    r = Recipe.coerce(recipe)
+    if isinstance(model_factory, nn.Module):
+        import copy
+
+        template = model_factory
+        model_factory = lambda: copy.deepcopy(template)  # noqa: E731
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    findings: list[Finding] = []
+    facts: dict = {"steps": steps}
+
+    model = model_factory()
+    device = next(model.parameters()).device
+    kf, kfacts = audit_kernel_speed(device, r)
+    findings += kf
+    facts.update(kfacts)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = (torch.optim.AdamW(model.parameters(), lr=lr) if optimizer == "adamw"
+               else torch.optim.SGD(model.parameters(), lr=lr))
+        try:
+            engine = MixedPrecision(model, opt, r)
+        except ValueError as e:  # e.g. a model already in bf16 under a -master recipe
+            findings += audit_dtypes(model, opt, r) or [Finding(
+                "error", "engine", "the recipe cannot run on this model", str(e),
+                "see the message", {})]
+            return Report(str(r), findings, {**facts, "engine_error": str(e)})
+    scales, losses, skipped_at = [], [], []
+    for step in range(steps):
+        with engine.autocast():
+            loss = batch_fn(model, step)
+        engine.backward(loss)
+        res = engine.step()
+        scales.append(float(res.scale))
+        losses.append(loss.item())
+        if bool(res.skipped):
+            skipped_at.append(step)
+    facts.update(losses=losses, scales=scales, skipped=skipped_at)
+
+    if skipped_at:
+        step = skipped_at[0]
+
+        def rerun():
+            with engine.autocast():
+                loss = batch_fn(model, step)
+            (loss.float() * float(engine.scale)).backward()
+
+        origin = trace_nonfinite(model, rerun)
+        for p in model.parameters():
+            p.grad = None
+        engine.zero_grad()
+        findings.append(_nonfinite_finding(r, origin, len(skipped_at), steps))
+
+    findings += _underflow(model_factory, batch_fn, r)
+    findings += audit_dtypes(model, engine, r)
+    findings += audit_scale_history(scale_history if scale_history is not None else scales, r)
+    if reference_steps and r.compute != "fp32":
+        table, rec_losses, ref_losses = compare_to_fp32(model_factory, batch_fn, r,
+                                                        reference_steps, lr)
+        facts["reference"] = [vars(t) for t in table]
+        bad = [t for t in table if t.cosine < COSINE_FLAG
+               or not (1 / RATIO_FLAG <= t.norm_ratio <= RATIO_FLAG)]
+        if bad:
+            worst = bad[0]
+            findings.append(Finding(
+                "warning", "reference-divergence",
+                f"{len(bad)} layer(s) compute gradients far from fp32; worst: {worst.layer}",
+                "; ".join(f"{t.layer}: cosine {t.cosine:.4f}, norm ratio {t.norm_ratio:.3f}"
+                          for t in bad[:5]),
+                f"keep {worst.layer} in fp32 (a norm or softmax there belongs in keep_fp32; "
+                "a custom module can run under torch.autocast(enabled=False)), or use bf16",
+                {"layers": [t.layer for t in bad]}))
+    if r.uses_autocast and not engine.emulating:
+        cov = matmul_coverage(lambda: _forward(engine, model, batch_fn))
+        low = sum(v for k, v in cov.items() if k in ("bfloat16", "float16",
+                                                     "float8_e4m3fn", "float8_e5m2"))
+        facts["matmul_flops_by_dtype"] = cov
+        if low < 0.5:
+            findings.append(Finding(
+                "warning", "coverage", f"only {low:.0%} of matmul FLOPs ran in low precision",
+                f"FLOPs by input dtype: {cov}",
+                "run the forward inside engine.autocast(); custom ops may need inputs cast",
+                {}))
+    order = {"error": 0, "warning": 1, "info": 2}
+    findings.sort(key=lambda f: order[f.severity])
+    report = Report(str(r), findings, facts)
+    if plots:
+        from mixprec.diagnostics.plots import draw_plots
+
+        facts["plots"] = draw_plots(model_factory, batch_fn, r, scales, Path(plots))
+    return report
+
+
+def _forward(engine, model, batch_fn):
+    with torch.no_grad(), engine.autocast():
+        batch_fn(model, 0)
+
+
+def _nonfinite_finding(r: Recipe, origin, n: int, steps: int) -> Finding:
+    if origin is None:
+        return Finding("warning", "nonfinite", f"{n} of {steps} steps had non-finite gradients",
+                       "the tracer found no module output or gradient that was non-finite "
+                       "on a re-run: the loss or the data itself may be non-finite",
+                       "check the batch for NaN/inf and the loss for log(0) or 0/0", {})
+    fmt = {"fp16": "fp16", "bf16": "bf16"}.get(r.compute, "fp16")
+    limit = formats.get(fmt).max
+    overflow = origin.phase == "forward"
+    advice = (f"{origin.module} overflows {fmt} (max {limit:g}): use bf16 (fp32's range), or "
+              f"keep {origin.module} in fp32" if r.compute == "fp16" else
+              f"keep {origin.module} in fp32 and check its inputs")
+    return Finding(
+        "error", "nonfinite-origin",
+        f"{n} of {steps} steps skipped; inf/NaN first appears in {origin.module}",
+        origin.describe(), advice,
+        {"module": origin.module, "phase": origin.phase, "op": origin.op,
+         "forward_overflow": overflow})
+
+
+def _underflow(model_factory, batch_fn, r: Recipe) -> list[Finding]:
+    """fp32 pass at the recipe's loss scale: share of gradient elements that would flush
+    to zero in the gradient format (fp16 when compute or grads are fp16)."""
+    fmt = "fp16" if "fp16" in (r.compute, r.grads, r.params) else (
+        "fp8_e5m2" if r.compute == "fp8" else None)
+    if fmt is None:
+        return []
+    scale = r.init_scale if r.loss_scale != "none" else 1.0
+    model = model_factory()
+    mon = NumericsMonitor(model)
+    with mon.sample(0):
+        loss = batch_fn(model, 0)
+        (loss.float() * scale).backward()
+    mon.remove()
+    summary = mon.summary()
+    tot = under = 0.0
+    for key, st in summary.items():
+        if key.startswith("param_grad:"):
+            tot += st["numel"]
+            under += st["numel"] * st[f"{fmt}_to_zero"]
+    share = under / tot if tot else 0.0
+    if share < 0.05:
+        return []
+    sev = "error" if share > 0.5 else "warning"
+    fix = ("enable dynamic loss scaling (preset 'fp16') or use bf16" if r.loss_scale == "none"
+           else "raise init_scale, or use bf16")
+    return [Finding(sev, "grad-underflow",
+                    f"{share:.0%} of gradient elements underflow to zero in {fmt}",
+                    f"fp32 reference at loss scale {scale:g}: {under:.0f} of {tot:.0f} "
+                    f"gradient elements are below {fmt}'s smallest subnormal "
+                    f"({formats.get(fmt).min_subnormal:.3g}) / 2",
+                    fix, {"share": share})]

@@ -1,0 +1,218 @@
+"""The doctor finds each planted fault and gives the right advice; no false alarms."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import tiny_gpt
+from mixprec.diagnostics import (
+    NumericsMonitor,
+    audit_dtypes,
+    audit_scale_history,
+    doctor,
+    trace_nonfinite,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+class Scale(nn.Module):
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        return x * self.k
+
+
+class Offset(nn.Module):
+    def __init__(self, c: float = 300.0) -> None:
+        super().__init__()
+        self.c = c
+
+    def forward(self, x):
+        return x + self.c
+
+
+def mlp_factory(middle: nn.Module | None = None, d: int = 64):
+    def make():
+        torch.manual_seed(0)
+        layers = [nn.Linear(16, d), nn.GELU()]
+        if middle is not None:
+            layers.append(middle)
+        layers.append(nn.Linear(d, 4))
+        return nn.Sequential(*layers)
+    return make
+
+
+def batches(scale: float = 1.0):
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))
+            for _ in range(20)]
+
+    def fn(model, step):
+        x, y = data[step % len(data)]
+        return F.cross_entropy(model(x), y) * scale
+    return fn
+
+
+def test_a_overflowing_layer_is_named_as_the_origin():
+    report = doctor(mlp_factory(Scale(1e5)), batches(), "fp16,emulate=false", steps=3,
+                    reference_steps=0)
+    f = next(f for f in report.findings if f.code == "nonfinite-origin")
+    assert f.data["module"] == "2" and f.data["op"] == "Scale" and f.data["phase"] == "forward"
+    assert "bf16" in f.advice and "keep 2 in fp32" in f.advice
+    assert f.severity == "error"
+
+
+def test_tracer_direct():
+    model = mlp_factory(Scale(1e5))()
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randn(4, 16))
+        out.float().sum().backward()
+    origin = trace_nonfinite(model, run)
+    assert origin.module == "2" and origin.phase == "forward"
+
+
+def test_b_tiny_gradients_without_loss_scaling_underflow():
+    report = doctor(mlp_factory(), batches(scale=1e-9), "fp16,loss_scale=none,emulate=false",
+                    steps=2, reference_steps=0)
+    f = next(f for f in report.findings if f.code == "grad-underflow")
+    assert f.data["share"] > 0.5
+    assert "dynamic loss scaling" in f.advice and "bf16" in f.advice
+    # with dynamic scaling (2^16) far fewer of the same gradients underflow
+    scaled = doctor(mlp_factory(), batches(scale=1e-9), "fp16,emulate=false", steps=2,
+                    reference_steps=0)
+    rest = [x.data["share"] for x in scaled.findings if x.code == "grad-underflow"]
+    assert not rest or rest[0] < f.data["share"] / 4
+
+
+def test_c_master_weights_in_bf16_are_flagged():
+    model = mlp_factory()().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters())
+    findings = audit_dtypes(model, opt, "bf16-master")
+    f = next(f for f in findings if f.code == "master-dtype")
+    assert f.severity == "error" and "bfloat16" in f.title and "bf16-master" in f.advice
+
+
+def test_c_doctor_reports_a_half_model_instead_of_crashing():
+    make = lambda: mlp_factory()().to(torch.bfloat16)  # noqa: E731
+    report = doctor(make, batches(), "bf16-master", steps=2, reference_steps=0)
+    assert "master-dtype" in report.codes()
+
+
+class CastNorm(nn.Module):
+    """A LayerNorm forced into the autocast dtype (as a wrapper around a 16-bit-only
+    fused kernel would be): fp16 under an fp16 recipe, fp32 in the fp32 reference."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        if torch.is_autocast_enabled("cpu"):
+            x = x.to(torch.get_autocast_dtype("cpu"))
+        mu = x.mean(-1, keepdim=True)
+        y = (x - mu) / torch.sqrt(((x - mu) ** 2).mean(-1, keepdim=True) + 1e-5)
+        return y * self.weight + self.bias
+
+
+def test_d_layernorm_forced_to_fp16_is_flagged_by_the_reference():
+    """Features with a large offset (1500 ± 1): an fp32 LayerNorm centres them exactly;
+    in fp16 (spacing 1 at 1500) the centred values keep about one bit."""
+    def make(norm):
+        def f():
+            torch.manual_seed(0)
+            return nn.Sequential(Offset(1500.0), norm(16), nn.Linear(16, 64), nn.GELU(),
+                                 nn.Linear(64, 4))
+        return f
+    report = doctor(make(CastNorm), batches(), "fp16,emulate=false", steps=2,
+                    reference_steps=3)
+    f = next(f for f in report.findings if f.code == "reference-divergence")
+    assert "1" in f.data["layers"]  # the forced-fp16 norm (and what it feeds)
+    clean = doctor(make(nn.LayerNorm), batches(), "fp16,emulate=false", steps=2,
+                   reference_steps=3)
+    assert "reference-divergence" not in clean.codes(), str(clean)
+
+
+def test_e_fp16_on_this_cpu_gets_the_measured_kernel_finding(monkeypatch):
+    from mixprec import kernels
+
+    rates = {torch.float32: 300.0, torch.bfloat16: 1800.0, torch.float16: 300.0}
+    monkeypatch.setattr(kernels, "matmul_gflops", lambda dev, dt, *a: rates[dt])
+    report = doctor(mlp_factory(), batches(), "fp16,emulate=false", steps=1,
+                    reference_steps=0)
+    f = next(f for f in report.findings if f.code == "kernel-better-dtype")
+    assert "6.0x faster" in f.title and "bf16" in f.advice
+    rates[torch.float16] = 4.0  # a CPU without fp16 units (the issue's 70x)
+    report = doctor(mlp_factory(), batches(), "fp16,emulate=false", steps=1,
+                    reference_steps=0)
+    f = next(f for f in report.findings if f.code == "kernel-slow")
+    assert "75x slower" in f.title and "emulate=true" in f.advice
+
+
+def test_e_real_measurement_runs():
+    report = doctor(mlp_factory(), batches(), "fp16,emulate=false", steps=1,
+                    reference_steps=0)
+    g = report.facts["matmul_gflops"]
+    assert g["fp32"] > 0 and g["bf16"] > 0 and g["fp16"] > 0
+
+
+def test_f_constant_loss_scale_over_5000_steps_is_flagged():
+    f = audit_scale_history([65536.0] * 5000, "fp16")
+    assert [x.code for x in f] == ["scale-constant"]
+    assert "5000 steps" in f[0].title
+    report = doctor(mlp_factory(), batches(), "fp16,emulate=false", steps=1,
+                    reference_steps=0, scale_history=[65536.0] * 5000)
+    assert "scale-constant" in report.codes()
+    moving = [65536.0 * 2 ** (i // 2000) for i in range(5000)]
+    assert audit_scale_history(moving, "fp16") == []
+
+
+def test_g_clean_bf16_run_has_no_false_alarms():
+    model_factory = lambda: tiny_gpt(d_model=32, seq_len=32)  # noqa: E731
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 64, (4, 33), generator=g) for _ in range(10)]
+
+    def fn(model, step):
+        idx = data[step]
+        return model(idx[:, :-1], idx[:, 1:])
+
+    report = doctor(model_factory, fn, "bf16", steps=10, reference_steps=3)
+    assert report.ok, str(report)
+    assert report.facts["matmul_flops_by_dtype"].get("bfloat16", 0) > 0.9
+    json.loads(report.to_json())
+
+
+def test_monitor_samples_every_n_steps():
+    model = mlp_factory()()
+    mon = NumericsMonitor(model, every=3)
+    fn = batches()
+    for step in range(7):
+        with mon.sample(step):
+            fn(model, step).backward()
+    recs = mon.records["activation:0"]
+    assert len(recs) == 3  # steps 0, 3, 6
+    s = mon.summary()["param_grad:0.weight"]
+    assert 0 <= s["fp16_to_zero"] <= 1 and s["amax"] > 0
+    mon.remove()
+
+
+def test_cli_doctor_json_and_plots(tmp_path, capsys):
+    from mixprec.cli import main
+
+    code = main(["doctor", "--recipe", "bf16", "--steps", "2", "--reference-steps", "1",
+                 "--json", "--plots", str(tmp_path)])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["recipe"] == "bf16"
+    for name in ("grad_histogram.png", "underflow.png", "loss_scale.png"):
+        assert (tmp_path / name).stat().st_size > 5_000
+    assert main(["doctor", "--model", "no.such.module:factory"]) == 2
