@@ -148,12 +148,29 @@ def _doctor_run(args):
     return run(args)
 
 
+def _lazy(module: str, name: str):
+    def f(*a):
+        import importlib
+
+        return getattr(importlib.import_module(module), name)(*a)
+    return f
+
+
 # name -> (help, add_arguments(parser), run(args) -> int); other rooms register here.
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "memory": ("bytes per rank of each item a recipe costs (planner)", _memory_args,
                _memory_run),
     "doctor": ("diagnose a recipe: overflow origins, underflow, dtypes, kernel speed",
                _doctor_args, _doctor_run),
+    "train": ("train the workbench GPT under a recipe (checkpoints, --resume, --parallel)",
+              _lazy("mixprec.workbench.cli", "add_train_arguments"),
+              _lazy("mixprec.workbench.cli", "run_train")),
+    "bench": ("speed of each recipe against the hardware and hand-written PyTorch",
+              _lazy("mixprec.workbench.bench", "add_arguments"),
+              _lazy("mixprec.workbench.bench", "run")),
+    "compare": ("train several recipes side by side and write report.html",
+                _lazy("mixprec.workbench.cli", "add_compare_arguments"),
+                _lazy("mixprec.workbench.cli", "run_compare")),
 }
 
 

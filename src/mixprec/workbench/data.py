@@ -55,9 +55,11 @@ def load_corpus(max_bytes: int = 4_000_000, val_fraction: float = 0.1, seed: int
             continue
         chunks.append(b)
         total += len(b)
-        if total >= max_bytes:
+        if total >= max_bytes and len(chunks) >= 10:  # at least a few files per split
             break
-    n_val = max(1, int(len(chunks) * val_fraction))
+    if len(chunks) < 2:
+        raise FileNotFoundError(f"need at least 2 readable .py files under {base}")
+    n_val = min(max(1, int(len(chunks) * val_fraction)), len(chunks) - 1)
     as_tensor = lambda bs: torch.frombuffer(bytearray(b"".join(bs)), dtype=torch.uint8)  # noqa: E731
     return Corpus(train=as_tensor(chunks[n_val:]), val=as_tensor(chunks[:n_val]),
                   source=str(base), n_files=len(chunks))

@@ -54,7 +54,10 @@ class GPTConfig:
 SIZES = {
     "tiny": GPTConfig(seq_len=64, n_layers=2, d_model=64, n_heads=4),
     "small": GPTConfig(seq_len=128, n_layers=4, d_model=128, n_heads=4),
+    "medium": GPTConfig(seq_len=128, n_layers=4, d_model=256, n_heads=4),
     "base": GPTConfig(),  # 6 layers, d=512: the benchmark model
+    # compute-bound on an H100/H200 (benchmarks/gpu.sh): ~600M parameters
+    "large": GPTConfig(seq_len=2048, n_layers=12, d_model=2048, n_heads=16),
 }
 
 

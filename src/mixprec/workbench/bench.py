@@ -1,0 +1,214 @@
+"""``mixprec bench``: each recipe against the hardware and against hand-written PyTorch.
+
+For each recipe on the workbench GPT (and a plain MLP) it reports the following. Each
+recipe is timed in its own phase, interleaved step by step with its hand-written twin:
+
+- step time (median) and tokens/s;
+- achieved FLOP/s (``GPTConfig.flops_per_token`` × tokens / step time) and its share of
+  this device's peak matmul rate for the compute dtype, measured by the command itself on
+  a large GEMM;
+- the engine's overhead against the equivalent hand-written loop, where torch has one:
+  fp32 (plain), bf16 and fp16 (``torch.autocast`` + ``torch.amp.GradScaler`` for fp16);
+- bytes held (``memory.measure``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from mixprec.engine import MixedPrecision
+from mixprec.kernels import matmul_gflops
+from mixprec.recipe import Recipe
+from mixprec.workbench.model import GPT, SIZES
+
+__all__ = ["bench", "peak_gflops"]
+
+_PEAK_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
+               "fp16": torch.float16, "fp8": torch.bfloat16}
+
+
+def peak_gflops(device: str, compute: str) -> float:
+    """Measured GEMM rate for a recipe's compute dtype (fp8 on CUDA: torch._scaled_mm; on
+    the CPU mixprec's fp8 GEMMs run as bf16, so bf16's rate is the ceiling)."""
+    dev = torch.device(device)
+    if compute == "fp8" and dev.type == "cuda":
+        n = 8192
+        a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=dev)
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(20):
+            torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        return 20 * 2 * n**3 / (time.perf_counter() - t) / 1e9
+    n = 8192 if dev.type == "cuda" else 2048
+    return matmul_gflops(str(dev), _PEAK_DTYPE.get(compute, torch.float32), n, 0.5)
+
+
+def _mlp(d: int = 1024) -> nn.Module:
+    return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.GELU(),
+                         nn.Linear(d, d))
+
+
+def bench(recipes=("fp32", "bf16", "bf16-master", "fp16", "fp8"), *, size: str = "base",
+          batch: int = 8, seq: int | None = None, steps: int = 6, warmup: int = 2,
+          device: str = "cpu", model: str = "gpt") -> dict:
+    """Run the benchmark; returns a dict (``--json`` prints it)."""
+    dev = torch.device(device)
+    cfg = SIZES[size]
+    seq = seq or cfg.seq_len
+    g = torch.Generator().manual_seed(0)
+    if model == "gpt":
+        idx = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=g).to(dev)
+        inputs, tokens = (idx[:, :-1], idx[:, 1:]), batch * seq
+        flops_per_step = cfg.flops_per_token() * tokens
+
+        def build():
+            torch.manual_seed(0)
+            return GPT(cfg).to(dev)
+
+        def loss_of(m):
+            return m(*inputs)
+    elif model == "mlp":
+        x = torch.randn(batch * seq, 1024, generator=g).to(dev)
+        tokens = batch * seq
+        flops_per_step = 6 * sum(p.numel() for p in _mlp().parameters()) * tokens
+
+        def build():
+            torch.manual_seed(0)
+            return _mlp().to(dev)
+
+        def loss_of(m):
+            return m(x).float().pow(2).mean()
+    else:
+        raise ValueError(f"model {model!r}; valid: gpt, mlp")
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    loops, hand = {}, {}
+    for r in recipes:
+        rec = Recipe.coerce(r)
+        m = build()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            e = MixedPrecision(m, torch.optim.AdamW(m.parameters(), fused=True), rec)
+
+        def step(m=m, e=e):
+            with e.autocast():
+                loss = loss_of(m)
+            e.backward(loss)
+            e.step()
+        loops[r] = (step, m, e)
+        if rec.compute in ("fp32", "bf16", "fp16") and rec.params == "fp32" and \
+                not e.emulating:
+            hand[r] = _hand_loop(build(), rec, dev, loss_of)
+    # One phase per recipe: the engine and its hand-written twin interleaved (order
+    # rotating). Phases are kept apart because a big loop's allocations perturb the one
+    # after it; speed-ups compare phase medians.
+    times = {}
+    for r in loops:
+        fns = {r: loops[r][0]}
+        if r in hand:
+            fns[f"hand:{r}"] = hand[r]
+        names = list(fns)
+        for k in names:
+            times[k] = []
+        for i in range(warmup + steps):
+            for k in names[i % len(names):] + names[:i % len(names)]:
+                sync()
+                t = time.perf_counter()
+                fns[k]()
+                sync()
+                if i >= warmup:
+                    times[k].append(time.perf_counter() - t)
+    rows = []
+    from mixprec.memory import measure
+
+    for r, (_, m, e) in loops.items():
+        rec = Recipe.coerce(r)
+        med = statistics.median(times[r])
+        peak = peak_gflops(device, rec.compute)
+        achieved = flops_per_step / med / 1e9
+        over = (med / statistics.median(times[f"hand:{r}"]) - 1) if r in hand else None
+        mem = measure(m, e).total
+        rows.append({"recipe": r, "step_ms": med * 1e3, "tokens_per_s": tokens / med,
+                     "gflops": achieved, "peak_gflops": peak, "mfu": achieved / peak,
+                     "overhead_vs_hand": over, "model_state_bytes": mem,
+                     "emulated": e.emulating})
+    base = next((x for x in rows if x["recipe"] == "fp32"), None)
+    for x in rows:
+        x["speedup_vs_fp32"] = base["step_ms"] / x["step_ms"] if base else None
+    return {"model": model, "size": size, "batch": batch, "seq": seq, "device": device,
+            "steps": steps, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "flops_per_step": flops_per_step, "rows": rows}
+
+
+def _hand_loop(model, rec: Recipe, dev, loss_of):
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    if rec.compute == "fp32":
+        def step():
+            loss = loss_of(model)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+    dtype = torch.bfloat16 if rec.compute == "bf16" else torch.float16
+    scaler = torch.amp.GradScaler(dev.type) if rec.compute == "fp16" else None
+
+    def step():
+        with torch.autocast(dev.type, dtype=dtype):
+            loss = loss_of(model)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def format_table(result: dict) -> str:
+    lines = [f"# mixprec bench: {result['model']} {result['size']}, batch {result['batch']}x"
+             f"{result['seq']}, {result['device']}, torch {result['torch']}, "
+             f"{result['threads']} threads, median of {result['steps']} interleaved steps",
+             f"{'recipe':<14}{'step ms':>9}{'tok/s':>9}{'vs fp32':>8}{'GFLOP/s':>9}"
+             f"{'peak':>8}{'of peak':>8}{'overhead':>9}{'state MiB':>10}"]
+    for x in result["rows"]:
+        ov = x["overhead_vs_hand"]
+        lines.append(
+            f"{x['recipe']:<14}{x['step_ms']:>9.1f}{x['tokens_per_s']:>9,.0f}"
+            f"{x['speedup_vs_fp32']:>7.2f}x{x['gflops']:>9.0f}{x['peak_gflops']:>8.0f}"
+            f"{x['mfu'] * 100:>7.0f}%{(f'{ov * 100:+.1f}%' if ov is not None else '–'):>9}"
+            f"{x['model_state_bytes'] / 2**20:>10.1f}")
+    return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--recipes", default="fp32,bf16,bf16-master,fp16,fp8")
+    p.add_argument("--size", default="base", help="workbench size (base: 6x512)")
+    p.add_argument("--model", choices=["gpt", "mlp"], default="gpt")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--json", action="store_true")
+
+
+def run(args) -> int:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here")
+    sep = ";" if ";" in args.recipes or "=" in args.recipes else ","
+    result = bench([r for r in args.recipes.split(sep) if r], size=args.size,
+                   batch=args.batch, seq=args.seq, steps=args.steps, device=args.device,
+                   model=args.model)
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0

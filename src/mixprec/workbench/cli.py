@@ -1,0 +1,98 @@
+"""``mixprec train`` and ``mixprec compare``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+__all__ = ["add_train_arguments", "run_train", "add_compare_arguments", "run_compare"]
+
+
+def _common(p: argparse.ArgumentParser, steps: int, size: str) -> None:
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--size", default=size, help="tiny | small | medium | base")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, help="context length (default: the size's)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", default="bf16")
+    _common(p, steps=200, size="small")
+    p.add_argument("--out", default="runs/train", help="metrics, checkpoint, config")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--parallel", choices=["ddp", "fsdp"],
+                   help="data parallel under torchrun (gloo on CPU, nccl on GPU)")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from mixprec.workbench.train import TrainConfig, train
+
+    cfg = TrainConfig(recipe=args.recipe, steps=args.steps, size=args.size, batch=args.batch,
+                      seq=args.seq, lr=args.lr, seed=args.seed, ckpt_every=args.ckpt_every,
+                      eval_every=args.eval_every)
+    dist_started = False
+    if args.parallel:
+        import torch.distributed as dist
+
+        if "RANK" not in os.environ:
+            raise ValueError("--parallel needs torchrun: torchrun --nproc-per-node 2 -m "
+                             f"mixprec train --parallel {args.parallel} ...")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if _cuda() else "gloo")
+            dist_started = True
+    try:
+        res = train(cfg, args.out, resume=args.resume, progress=not args.no_progress and None,
+                    parallel=args.parallel)
+    finally:
+        if dist_started:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{cfg.recipe}: final validation loss {res.final_val_loss:.4f}, "
+              f"{res.tokens_per_s:,.0f} tokens/s, {res.skipped} skipped steps; "
+              f"metrics in {args.out}/metrics.jsonl")
+    return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def add_compare_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipes", help="comma-separated presets, or ';'-separated recipes "
+                                     "(default: fp32,bf16,bf16-master,fp16,fp8)")
+    _common(p, steps=150, size="medium")
+    p.add_argument("--out", default="runs/compare", help="report.html, report.json, runs")
+    p.add_argument("--scenario", choices=["overflow"],
+                   help="overflow: seed 001's fp16-without-loss-scaling story")
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from mixprec.workbench.compare import compare
+
+    recipes = None
+    if args.recipes:
+        sep = ";" if (";" in args.recipes or "=" in args.recipes) else ","
+        recipes = [r.strip() for r in args.recipes.split(sep) if r.strip()]
+    report = compare(recipes, steps=args.steps, size=args.size, batch=args.batch,
+                     seq=args.seq, lr=args.lr, seed=args.seed, out=args.out,
+                     scenario=args.scenario, progress=False if args.no_progress else None)
+    print(f"{'recipe':<22}{'val loss':>10}{'vs fp32':>9}{'tokens/s':>11}{'speed-up':>9}"
+          f"{'skipped':>8}")
+    for r in report["summary"]:
+        vs = r["val_loss_vs_fp32"]
+        sp = r["speedup_vs_fp32"]
+        print(f"{r['recipe']:<22}{r['final_val_loss']:>10.4f}"
+              f"{(f'{vs * 100:+.2f}%' if vs is not None else '–'):>9}"
+              f"{r['tokens_per_s']:>11,.0f}{(f'{sp:.2f}x' if sp else '–'):>9}"
+              f"{r['skipped_steps']:>8}")
+    print(f"report: {os.path.join(args.out, 'report.html')}")
+    return 0

@@ -1,0 +1,328 @@
+"""The workbench training loop: the small GPT on the built-in corpus under any recipe.
+
+Writes to ``out/``:
+
+- ``metrics.jsonl``: one line per step (loss, scale, skipped, grad norm, tokens/s) and
+  one per evaluation (fp32 validation loss);
+- ``ckpt.pt``: the last complete checkpoint, written atomically (temp file, fsync,
+  rename, fsync of the folder), so a kill at any moment leaves the previous one intact;
+- ``config.json``; TensorBoard scalars in ``tb/`` when tensorboard is installed.
+
+``resume=True`` continues from ``ckpt.pt``: model, masters, optimizer, scaler, fp8
+histories, the data sampler's RNG and the step counter. The loss trajectory is then
+bit-identical to an uninterrupted run on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mixprec.engine import MixedPrecision
+from mixprec.recipe import Recipe
+from mixprec.workbench.data import load_corpus, sample_batch, val_batches
+from mixprec.workbench.model import GPT, SIZES
+
+__all__ = ["TrainConfig", "TrainResult", "train", "CheckpointError", "save_atomic"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: unreadable, or from another run's settings."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One workbench run. ``size``: tiny | small | base (see workbench.model.SIZES)."""
+
+    recipe: str = "bf16"
+    size: str = "small"
+    steps: int = 200
+    batch: int = 16
+    seq: int | None = None          # default: the size's context length
+    lr: float = 3e-3
+    warmup: int = 20
+    seed: int = 0
+    eval_every: int = 50
+    eval_batches: int = 4
+    ckpt_every: int = 50
+    max_grad_norm: float | None = 1.0
+    corpus_bytes: int = 2_000_000
+    loss_multiplier: float = 1.0    # scenarios: 1e-7 makes fp16 gradients underflow
+
+    def __post_init__(self) -> None:
+        if self.size not in SIZES:
+            raise ValueError(f"size {self.size!r}; valid: {', '.join(SIZES)}")
+        Recipe.coerce(self.recipe)  # raises ValueError naming the bad field
+        for name in ("steps", "batch", "eval_every", "ckpt_every", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq is not None and not 1 <= self.seq <= SIZES[self.size].seq_len:
+            raise ValueError(f"seq {self.seq} must be in 1..{SIZES[self.size].seq_len} for "
+                             f"size {self.size!r}")
+
+    @property
+    def seq_len(self) -> int:
+        return self.seq or SIZES[self.size].seq_len
+
+
+@dataclass
+class TrainResult:
+    config: TrainConfig
+    steps: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+    emulated: bool = False
+    memory: dict = field(default_factory=dict)
+    fp8_report: str | None = None
+
+    @property
+    def final_val_loss(self) -> float:
+        return self.evals[-1]["val_loss"] if self.evals else math.nan
+
+    @property
+    def tokens_per_s(self) -> float:
+        tps = [s["tokens_per_s"] for s in self.steps[len(self.steps) // 5:]]
+        return statistics.median(tps) if tps else math.nan
+
+    @property
+    def skipped(self) -> int:
+        return sum(s["skipped"] for s in self.steps)
+
+
+def save_atomic(obj, path: Path) -> None:
+    """torch.save to a temp file, fsync, rename over ``path``, fsync the folder."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_out(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"  # one per process: ranks share out
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise PermissionError(f"--out {str(out)!r} is not writable ({e.strerror}); choose "
+                              "another folder") from None
+
+
+def _load_checkpoint(path: Path, cfg: TrainConfig) -> dict:
+    import torch.distributed.tensor  # noqa: F401  (FSDP checkpoints hold DTensors)
+
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as e:  # truncated zip, bad pickle, ...
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is unreadable ({type(e).__name__}: {e}); it may be "
+            "truncated or corrupt. Nothing was changed: delete it to start over") from None
+    saved = state.get("config", {})
+    for key in ("recipe", "size", "batch", "seq", "seed"):
+        want = getattr(cfg, key)
+        if saved.get(key) != want:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} was written with {key}={saved.get(key)!r} but "
+                f"this run asks for {key}={want!r}; resume with the same settings or use "
+                "another --out folder. Nothing was changed")
+    return state
+
+
+def _read_metrics(path: Path, upto_step: int) -> list[dict]:
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a line cut by a kill: the rest is not trusted
+            if rec["step"] <= upto_step:
+                out.append(rec)
+    return out
+
+
+def _lr_at(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def train(cfg: TrainConfig, out: str | Path | None = None, *, resume: bool = False,
+          progress: bool | None = None, parallel: str | None = None,
+          measure_memory: bool = False, stop_after: int | None = None) -> TrainResult:
+    """Train the workbench GPT under ``cfg``; see the module docstring.
+
+    ``stop_after=n`` returns after step n (the schedule still spans ``cfg.steps``), as a
+    run that is interrupted and later resumed would.
+    """
+    out = Path(out) if out is not None else None
+    if out is not None:
+        _check_out(out)
+    recipe = Recipe.coerce(cfg.recipe)
+    state = None
+    rank = 0
+    if parallel is not None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    # FSDP state is sharded: every rank keeps its own file; otherwise rank 0 writes one
+    ckpt_name = f"ckpt-rank{rank}.pt" if parallel == "fsdp" else "ckpt.pt"
+    ckpt = out / ckpt_name if out is not None else None
+    writes_ckpt = parallel == "fsdp" or rank == 0
+    if resume:
+        if ckpt is None or not ckpt.exists():
+            raise CheckpointError(f"--resume: no checkpoint in {str(out)!r} (expected "
+                                  f"{ckpt_name}); run without --resume first")
+        state = _load_checkpoint(ckpt, cfg)
+
+    corpus = load_corpus(max_bytes=cfg.corpus_bytes, seed=cfg.seed)
+    mcfg = dataclasses.replace(SIZES[cfg.size], seq_len=cfg.seq_len)
+    torch.manual_seed(cfg.seed)
+    model = GPT(mcfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                            weight_decay=0.0, fused=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = MixedPrecision(model, opt, recipe, max_grad_norm=cfg.max_grad_norm,
+                                parallel=parallel)
+    net = engine.model
+    g = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
+    start = 0
+    result = TrainResult(cfg, emulated=engine.emulating,
+                         fp8_report=str(engine.fp8_report) if engine.fp8_report else None)
+    if state is not None:
+        engine.load_state_dict(state["engine"])
+        g.set_state(state["data_rng"])
+        start = state["step"]
+    metrics_path = out / "metrics.jsonl" if out is not None and rank == 0 else None
+    if metrics_path is not None:
+        kept = _read_metrics(metrics_path, start - 1) if resume else []
+        result.steps = [r for r in kept if "loss" in r]
+        result.evals = [r for r in kept if "val_loss" in r]
+        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    tb = _tensorboard(out) if out is not None and rank == 0 else None
+    vals = val_batches(corpus.val, cfg.batch, cfg.seq_len, cfg.eval_batches)
+    tokens = cfg.batch * cfg.seq_len
+    show = (sys.stderr.isatty() if progress is None else progress) and rank == 0
+    bar = _Progress(cfg, start, show)
+    mf = open(metrics_path, "a") if metrics_path is not None else None
+    try:
+        end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+        for step in range(start, end):
+            for group in opt.param_groups:
+                group["lr"] = _lr_at(cfg, step)
+            x, y = sample_batch(corpus.train, cfg.batch, cfg.seq_len, g)
+            t0 = time.perf_counter()
+            with engine.autocast():
+                loss = net(x, y)
+            engine.backward(loss * cfg.loss_multiplier)
+            res = engine.step()
+            dt = time.perf_counter() - t0
+            rec = {"step": step, "loss": loss.item(), "scale": float(res.scale),
+                   "skipped": bool(res.skipped), "grad_norm": float(res.grad_norm),
+                   "tokens_per_s": tokens / dt, "lr": _lr_at(cfg, step)}
+            result.steps.append(rec)
+            lines = [rec]
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                ev = {"step": step, "val_loss": _evaluate(model, vals)}
+                result.evals.append(ev)
+                lines.append(ev)
+            if mf is not None:
+                mf.write("".join(json.dumps(r) + "\n" for r in lines))
+                mf.flush()
+            if tb is not None:
+                tb.add_scalar("loss/train", rec["loss"], step)
+                tb.add_scalar("loss_scale", rec["scale"], step)
+                if len(lines) > 1:
+                    tb.add_scalar("loss/val", lines[1]["val_loss"], step)
+            bar.update(rec, result)
+            done = step + 1
+            if ckpt is not None and writes_ckpt and (done % cfg.ckpt_every == 0
+                                                     or done == cfg.steps):
+                save_atomic({"engine": engine.state_dict(), "step": done,
+                             "data_rng": g.get_state(),
+                             "config": dataclasses.asdict(cfg)}, ckpt)
+    finally:
+        bar.close()
+        if mf is not None:
+            mf.close()
+        if tb is not None:
+            tb.close()
+    if measure_memory:
+        from mixprec.memory import measure
+
+        x, y = sample_batch(corpus.train, cfg.batch, cfg.seq_len,
+                            torch.Generator().manual_seed(12345))
+        result.memory = measure(model, engine, (x, y)).items
+    return result
+
+
+@torch.no_grad()
+def _evaluate(model, batches) -> float:
+    """Validation loss in fp32 (the model's own dtype for -master recipes is upcast)."""
+    was = model.training
+    model.eval()
+    try:
+        losses = []
+        for x, y in batches:
+            with torch.autocast("cpu", enabled=False):
+                logits = model(x)
+            losses.append(torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), y.flatten()).item())
+        return sum(losses) / len(losses)
+    finally:
+        model.train(was)
+
+
+def _tensorboard(out: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except Exception:
+        return None
+    return SummaryWriter(str(out / "tb"))
+
+
+class _Progress:
+    """A rich progress bar with loss, tokens/s, loss scale and skipped steps."""
+
+    def __init__(self, cfg: TrainConfig, start: int, show: bool) -> None:
+        self.bar = None
+        if not show:
+            return
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn(f"[bold]{cfg.recipe}[/]"), BarColumn(),
+                            TextColumn("{task.completed}/{task.total}"),
+                            TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+        self.bar.start()
+        self.task = self.bar.add_task("train", total=cfg.steps, completed=start, info="")
+
+    def update(self, rec: dict, result: TrainResult) -> None:
+        if self.bar is None:
+            return
+        info = (f"loss {rec['loss']:.3f}  {rec['tokens_per_s']:,.0f} tok/s  "
+                f"scale {rec['scale']:g}  skipped {result.skipped}")
+        self.bar.update(self.task, advance=1, info=info)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()

@@ -1,0 +1,51 @@
+"""CUDA checks (marked; skipped without a GPU). benchmarks/gpu.sh runs them on a lent GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mixprec import MixedPrecision, formats
+from mixprec.fp8 import fp8_gemm
+from mixprec.fp8.scaling import cast_to_fp8
+from mixprec.workbench import GPT, GPTConfig
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "bf16-master", "fp16", "fp8", "tf32"])
+def test_engine_trains_on_cuda(recipe):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layers=2, d_model=128, n_heads=4, seq_len=128)).cuda()
+    engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True),
+                            recipe)
+    pattern = torch.randint(0, 256, (7,), device="cuda")
+    losses = []
+    for _ in range(40):
+        off = torch.randint(0, 7, (8,), device="cuda")
+        idx = pattern[(torch.arange(129, device="cuda")[None] + off[:, None]) % 7]
+        with engine.autocast():
+            loss = model(idx[:, :-1], idx[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_scaled_mm_on_cuda_matches_exact_rounding():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(256, 512, generator=g), torch.randn(384, 512, generator=g) * 0.1
+    sx, sw = torch.tensor(448.0) / x.abs().max(), torch.tensor(448.0) / w.abs().max()
+    x8 = cast_to_fp8(x.cuda(), sx.cuda(), torch.float8_e4m3fn)
+    w8 = cast_to_fp8(w.cuda(), sw.cuda(), torch.float8_e4m3fn)
+    real = fp8_gemm(x8, w8.t(), (1 / sx).cuda(), (1 / sw).cuda(), torch.bfloat16,
+                    "scaled_mm").float().cpu()
+    exact = formats.quantize((x8.cpu().double() @ w8.cpu().double().t()) /
+                             (sx.double() * sw.double()), "bf16").float()
+    assert ((real - exact).abs() <= formats.ulp(exact, "bf16")).float().mean() >= 0.999
+
+
+def test_quantize_on_cuda_equals_cpu():
+    x = torch.randn(1 << 20) * 1000
+    for name in ("fp16", "bf16", "fp8_e4m3", "fp4_e2m1"):
+        assert torch.equal(formats.quantize(x.cuda(), name).cpu(), formats.quantize(x, name))

@@ -1,0 +1,194 @@
+"""The workbench: corpus, training, atomic checkpoints and resume, compare, the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mixprec.cli import main
+from mixprec.workbench.compare import compare
+from mixprec.workbench.data import load_corpus, sample_batch
+from mixprec.workbench.train import CheckpointError, TrainConfig, train
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+TINY = dict(size="tiny", batch=4, steps=12, eval_every=6, ckpt_every=3,
+            corpus_bytes=300_000)
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text()
+            .splitlines() if "loss" in json.loads(line)]
+
+
+def test_corpus_is_deterministic_and_split_by_file():
+    a, b = load_corpus(max_bytes=200_000, seed=3), load_corpus(max_bytes=200_000, seed=3)
+    assert a.fingerprint == b.fingerprint and a.val.numel() > 0 and a.train.numel() > 0
+    assert load_corpus(max_bytes=200_000, seed=4).fingerprint != a.fingerprint
+    x, y = sample_batch(a.train, 2, 16, torch.Generator().manual_seed(0))
+    assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+@pytest.mark.parametrize("recipe", ["fp16-master", "fp8"])
+def test_resume_in_process_is_bit_identical(tmp_path, recipe):
+    cfg = TrainConfig(recipe=recipe, **TINY)
+    full = train(cfg, tmp_path / "full", progress=False)
+    part = tmp_path / "part"
+    train(cfg, part, progress=False, stop_after=7)  # checkpoints at 3 and 6; step 7 lost
+    train(cfg, part, resume=True, progress=False)
+    assert losses(part) == [s["loss"] for s in full.steps]
+
+
+SCRIPT = """
+import sys
+from mixprec.workbench.train import TrainConfig, train
+cfg = TrainConfig(recipe=sys.argv[2], size="tiny", batch=4, steps=int(sys.argv[3]),
+                  eval_every=10, ckpt_every=2, corpus_bytes=300_000)
+train(cfg, sys.argv[1], resume=len(sys.argv) > 4, progress=False)
+"""
+
+
+def _run(args, kill_after=None):
+    p = subprocess.Popen([sys.executable, "-c", SCRIPT, *args], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if kill_after is None:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()[-2000:]
+        return True
+    time.sleep(kill_after)
+    p.send_signal(signal.SIGKILL)  # no chance to clean up, mid-write included
+    p.wait()
+    return False
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp16"])
+def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path, recipe):
+    steps = 40
+    ref = tmp_path / "ref"
+    _run([str(ref), recipe, str(steps)])
+    out = tmp_path / "killed"
+    rng = random.Random(recipe)
+    resumed = 0
+    _run([str(out), recipe, str(steps)], kill_after=rng.uniform(3.0, 5.0))
+    for _ in range(3):
+        if (out / "ckpt.pt").exists():
+            resumed += 1
+            _run([str(out), recipe, str(steps), "resume"], kill_after=rng.uniform(3.0, 5.0))
+    assert resumed >= 1  # the kills landed mid-run, after a checkpoint existed
+    _run([str(out), recipe, str(steps), "resume"])
+    assert losses(out) == losses(ref)
+    torch.load(out / "ckpt.pt", weights_only=True)  # ckpt.pt is always a complete file
+
+
+def test_torn_temp_file_is_ignored_and_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    cfg = TrainConfig(recipe="bf16", **{**TINY, "steps": 6})
+    out = tmp_path / "run"
+    train(cfg, out, progress=False)
+    (out / "ckpt.pt.tmp").write_bytes(b"PK\x03\x04 half a zip")  # killed mid-write
+    train(TrainConfig(**{**cfg.__dict__, "steps": 9}), out, resume=True, progress=False)
+    good = (out / "ckpt.pt").read_bytes()
+    (out / "ckpt.pt").write_bytes(good[: len(good) // 2])  # truncated on disk
+    before = (out / "metrics.jsonl").read_bytes()
+    with pytest.raises(CheckpointError, match="unreadable.*truncated or corrupt"):
+        train(TrainConfig(**{**cfg.__dict__, "steps": 12}), out, resume=True, progress=False)
+    assert (out / "metrics.jsonl").read_bytes() == before  # nothing overwritten
+
+
+def test_resume_with_another_recipe_or_size_is_refused(tmp_path):
+    out = tmp_path / "run"
+    train(TrainConfig(recipe="bf16", **{**TINY, "steps": 3}), out, progress=False)
+    before = (out / "ckpt.pt").read_bytes()
+    with pytest.raises(CheckpointError, match="recipe='bf16'.*recipe='fp32'"):
+        train(TrainConfig(recipe="fp32", **{**TINY, "steps": 6}), out, resume=True,
+              progress=False)
+    with pytest.raises(CheckpointError, match="size='tiny'.*size='small'"):
+        train(TrainConfig(recipe="bf16", **{**TINY, "size": "small", "steps": 6}), out,
+              resume=True, progress=False)
+    assert (out / "ckpt.pt").read_bytes() == before
+
+
+def test_cli_errors(tmp_path, capsys):
+    assert main(["train", "--recipe", "bf17", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown preset 'bf17'" in capsys.readouterr().err
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    if os.geteuid() != 0:  # root can write anywhere
+        assert main(["train", "--out", str(ro / "sub"), "--steps", "1"]) == 2
+        assert "not writable" in capsys.readouterr().err
+    assert main(["train", "--size", "tiny", "--out", str(tmp_path / "n"), "--resume"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+    assert main(["compare", "--recipes", "fp32,bf99", "--out", str(tmp_path / "c")]) == 2
+    assert not (tmp_path / "c").exists()  # validated before any training
+
+
+def test_unwritable_out_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(PermissionError, match="not writable"):
+        train(TrainConfig(**TINY), blocker / "sub", progress=False)
+
+
+def test_overflow_scenario_outcome_from_the_runs_own_metrics(tmp_path):
+    rep = compare(steps=40, size="tiny", batch=8, out=tmp_path, scenario="overflow",
+                  progress=False, doctor_steps=0)
+    rows = {r["recipe"]: r for r in rep["summary"]}
+    stalled = rows["fp16,loss_scale=none"]
+    # fp16 without loss scaling: the gradients flush to zero and the loss does not move
+    assert stalled["nan_loss"] or stalled["loss_last5"] > 0.97 * stalled["loss_first5"]
+    for r in ("fp32", "bf16", "fp16"):  # the others learn
+        assert rows[r]["loss_last5"] < 0.85 * rows[r]["loss_first5"], (r, rows[r])
+    assert "stalls" in rep["story"]
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+@pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium (.ci/run installs it)")
+def test_report_renders_in_headless_chromium(tmp_path):
+    compare(["fp32", "bf16", "fp16"], steps=8, size="tiny", batch=4, out=tmp_path,
+            progress=False, doctor_steps=1)
+    page = tmp_path / "report.html"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update",
+             "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([_chromium(), *flags, "--dump-dom", page.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    html = dom.stdout
+    assert "<table" in html and "fp16" in html
+    for fig in ("train_loss", "val_loss", "speed", "memory", "scale"):
+        start = html.index(f'id="{fig}"')
+        body = html[start:html.index("</figure>", start)]
+        assert "<svg" in body and body.count("<path") >= 3, fig  # drawn, not empty
+    shot = tmp_path / "report.png"
+    r = subprocess.run([_chromium(), *flags, "--window-size=1200,1600",
+                        f"--screenshot={shot}", page.as_uri()],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and shot.stat().st_size > 20_000
+    print(f"report screenshot: {shot}")
+
+
+def test_bench_reports_every_column(capsys):
+    assert main(["bench", "--size", "tiny", "--batch", "2", "--seq", "32", "--steps", "1",
+                 "--recipes", "fp32,bf16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["recipe"]: r for r in out["rows"]}
+    assert rows["fp32"]["speedup_vs_fp32"] == 1.0
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] and r["peak_gflops"] > 0
+        assert r["overhead_vs_hand"] is not None and r["model_state_bytes"] > 0
