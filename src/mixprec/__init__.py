@@ -8,9 +8,10 @@ precision each part of training uses), ``MixedPrecision`` (the training engine),
 from mixprec import distributed, formats, fp8
 from mixprec.context import precision_context
 from mixprec.diagnostics import doctor
-from mixprec.engine import MixedPrecision, SkipLimitError, StepResult
+from mixprec.engine import MixedPrecision, StepResult
 from mixprec.recipe import PRESETS, Recipe
 from mixprec.scaler import LossScaler
+from mixprec.watch import SkipLimitError
 
 __all__ = ["distributed", "formats", "fp8", "Recipe", "PRESETS", "MixedPrecision",
            "StepResult", "SkipLimitError", "LossScaler", "precision_context", "doctor",

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["CommStats", "require_process_group", "ddp_comm_hook", "fsdp_policy", "prepare",
-           "all_reduce_max_", "broadcast_module_"]
+           "all_reduce_max_", "broadcast_module_", "wrap_ddp", "shard_fsdp", "agree_amax_"]
 
 
 @dataclass
@@ -118,6 +118,44 @@ def ddp_comm_hook(state: _HookState, bucket):
 
 # DDP checks the hook's return annotation as an object (postponed annotations are strings)
 ddp_comm_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
+
+def wrap_ddp(engine, model: nn.Module, recipe):
+    """DDP around ``model`` with mixprec's comm hook; returns (ddp module, CommStats)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, broadcast_buffers=True, gradient_as_bucket_view=True)
+    stats = CommStats()
+    ddp.register_comm_hook(_HookState(engine, recipe.comm_dtype, stats), ddp_comm_hook)
+    return ddp, stats
+
+
+def shard_fsdp(model: nn.Module, recipe, optimizers) -> nn.Module:
+    """``fully_shard`` with the recipe's policy; the optimizers, built over the unsharded
+    model, are re-pointed at the fp32 shards (matched by parameter name)."""
+    from torch.distributed.fsdp import fully_shard
+
+    before = dict(model.named_parameters())
+    fully_shard(model, mp_policy=fsdp_policy(recipe))
+    after = dict(model.named_parameters())
+    new_of = {id(p): after[name] for name, p in before.items()}
+    for o in optimizers:
+        if o.state:
+            raise ValueError("the optimizer already has state; create MixedPrecision "
+                             "before the first optimizer step")
+        for g in o.param_groups:
+            g["params"] = [new_of.get(id(p), p) for p in g["params"]]
+    return model
+
+
+def agree_amax_(fp8_modules) -> None:
+    """This step's fp8 amaxes become the max over ranks (one all-reduce)."""
+    if not fp8_modules:
+        return
+    cur = torch.stack([m.fp8_amax_history[:, 0] for m in fp8_modules])
+    all_reduce_max_(cur)
+    for m, row in zip(fp8_modules, cur):
+        m.fp8_amax_history[:, 0] = row
 
 
 def fsdp_policy(recipe):

@@ -52,25 +52,21 @@ from mixprec.context import (
     wrap_fp32_modules,
 )
 from mixprec.distributed import (
-    CommStats,
-    _HookState,
+    agree_amax_,
     all_reduce_max_,
     broadcast_module_,
-    ddp_comm_hook,
-    fsdp_policy,
     require_process_group,
+    shard_fsdp,
+    wrap_ddp,
 )
 from mixprec.fp8.convert import convert as fp8_convert
 from mixprec.fp8.linear import Float8Linear
 from mixprec.master import GradState
 from mixprec.recipe import Recipe
 from mixprec.scaler import LossScaler
+from mixprec.watch import SkipLimitError, SkipWatch
 
 __all__ = ["MixedPrecision", "StepResult", "SkipLimitError"]
-
-
-class SkipLimitError(RuntimeError):
-    """Raised when a run has skipped ``recipe.skip_limit`` steps in a row."""
 
 
 @dataclass(frozen=True)
@@ -90,32 +86,6 @@ class StepResult:
     skipped: torch.Tensor | bool
     scale: torch.Tensor
     grad_norm: torch.Tensor | None
-
-
-class _HostMirror:
-    """An async device->host copy of a small tensor, read when it has landed.
-
-    On CUDA the copy goes into pinned memory with an event; ``read()`` returns None
-    until the event has completed, so nothing ever waits. On the CPU it is immediate.
-    """
-
-    def __init__(self, n: int, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.buf = torch.zeros(n, dtype=torch.float64, pin_memory=self.cuda)
-        self.event = torch.cuda.Event() if self.cuda else None
-        self.pending = False
-
-    def push(self, t: torch.Tensor) -> None:
-        self.buf.copy_(t.to(torch.float64), non_blocking=self.cuda)
-        if self.event is not None:
-            self.event.record()
-        self.pending = True
-
-    def read(self) -> list[float] | None:
-        if not self.pending or (self.event is not None and not self.event.query()):
-            return None
-        self.pending = False
-        return self.buf.numpy().tolist()
 
 
 class MixedPrecision:
@@ -181,7 +151,7 @@ class MixedPrecision:
         if parallel is not None:
             broadcast_module_(model)  # every rank starts from rank 0's weights
         if parallel == "fsdp":
-            model = self._shard(model, r)
+            model = shard_fsdp(model, r, self.optimizers)
             r_state = r.replace(params="fp32", master="none", grads="fp32")
         else:
             r_state = r
@@ -218,7 +188,7 @@ class MixedPrecision:
                 for g in o.param_groups:
                     g["params"] = [self.grads.masters[ids[id(p)]] for p in g["params"]]
         if parallel == "ddp":
-            self.model = self._wrap_ddp(model, r)
+            self.model, self.comm_stats = wrap_ddp(self, model, r)
         self._fused = [self._takes_found_inf(o) for o in self.optimizers]
         self._all_fused = all(self._fused)
         self.scaler = LossScaler.from_recipe(r, self.device)
@@ -227,8 +197,7 @@ class MixedPrecision:
         ) if r.uses_autocast or r.params != "fp32" else (lambda: None)
         self._micro = self._seen = 0
         self._steps = 0
-        self._mirror = _HostMirror(2, self.device)
-        self._warned_streak = 0
+        self._skips = SkipWatch(self.device)
         if self.emulating and r.emulate is None:
             warnings.warn(
                 f"{r.compute} has no fast kernels on {self.device.type} (measured: "
@@ -246,29 +215,6 @@ class MixedPrecision:
             )
 
     # --- data parallel ----------------------------------------------------------------
-
-    def _wrap_ddp(self, model: nn.Module, r: Recipe) -> nn.Module:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        ddp = DDP(model, broadcast_buffers=True, gradient_as_bucket_view=True)
-        self.comm_stats = CommStats()
-        ddp.register_comm_hook(_HookState(self, r.comm_dtype, self.comm_stats), ddp_comm_hook)
-        return ddp
-
-    def _shard(self, model: nn.Module, r: Recipe) -> nn.Module:
-        from torch.distributed.fsdp import fully_shard
-
-        before = dict(model.named_parameters())
-        fully_shard(model, mp_policy=fsdp_policy(r))
-        after = dict(model.named_parameters())
-        new_of = {id(p): after[name] for name, p in before.items()}
-        for o in self.optimizers:
-            if o.state:
-                raise ValueError("the optimizer already has state; create MixedPrecision "
-                                 "before the first optimizer step")
-            for g in o.param_groups:  # the optimizer now updates the fp32 shards
-                g["params"] = [new_of.get(id(p), p) for p in g["params"]]
-        return model
 
     def _local(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
@@ -397,12 +343,8 @@ class MixedPrecision:
 
     def _agree_amax(self) -> None:
         """Data parallel fp8: this step's amaxes become the max over ranks."""
-        if self.parallel is None or not self.fp8_modules:
-            return
-        cur = torch.stack([m.fp8_amax_history[:, 0] for m in self.fp8_modules])
-        all_reduce_max_(cur)
-        for m, row in zip(self.fp8_modules, cur):
-            m.fp8_amax_history[:, 0] = row
+        if self.parallel is not None:
+            agree_amax_(self.fp8_modules)
 
     def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm of all gradients; with FSDP the shards' squares are summed across ranks
@@ -423,30 +365,7 @@ class MixedPrecision:
         return norm
 
     def _watch_skips(self) -> None:
-        limit = self.recipe.skip_limit
-        if not limit:
-            return
-        seen = self._mirror.read()
-        self._mirror.push(torch.stack([self.scaler.skip_streak.double(),
-                                       self.scaler.scale.double()]))
-        if seen is None and self.device.type == "cpu":
-            seen = self._mirror.read()
-        if seen is None:
-            return
-        streak, scale = int(seen[0]), seen[1]
-        if streak < limit:
-            self._warned_streak = 0
-            return
-        if self._warned_streak and streak < self._warned_streak + limit:
-            return
-        self._warned_streak = streak
-        msg = (f"{streak} consecutive steps skipped for non-finite gradients (loss scale "
-               f"now {scale:g}, recipe {str(self.recipe)!r}): the weights have not moved. "
-               "Look for NaN/inf in the data or loss, lower the learning rate, or keep "
-               "the overflowing layer in fp32 / use bf16.")
-        if self.recipe.on_skip_limit == "raise":
-            raise SkipLimitError(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        self._skips.check(self.scaler, self.recipe)
 
     def zero_grad(self) -> None:
         """Drop any accumulated gradients and start a fresh accumulation."""
