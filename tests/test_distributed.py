@@ -19,7 +19,8 @@ def spawn(fn, *args, world=2):
     tmp = tempfile.mkdtemp(prefix="mixprec-dist-")
     mp.spawn(fn, args=(world, tmp, *args), nprocs=world, join=True)
     name = {"equivalence": "equivalence", "rank_local_inf": "inf", "fp8_outlier": "fp8",
-            "fp16_comm": "fp16", "resume": "resume"}[fn.__name__]
+            "fp16_comm": "fp16", "resume": "resume",
+            "fp8_fsdp_refused": "fp8fsdp"}[fn.__name__]
     return [torch.load(os.path.join(tmp, f"{name}_rank{r}.pt"), weights_only=False)
             for r in range(world)]
 
@@ -90,3 +91,8 @@ def test_resume_with_another_world_size_is_an_error():
     state["world_size"] = 2
     with pytest.raises(ValueError, match="saved by 2 rank.*this run has 1.*nproc-per-node 2"):
         e.load_state_dict(state)
+
+
+def test_fp8_with_fsdp_is_a_clear_error():
+    (r,) = spawn(w.fp8_fsdp_refused, world=1)
+    assert r["msg"] and "parallel='ddp'" in r["msg"]
