@@ -9,4 +9,31 @@ def test_probe_measures_and_caches():
     a = matmul_gflops("cpu", torch.float32, 128, 0.01)
     assert a > 0
     assert matmul_gflops("cpu", torch.float32, 128, 0.01) == a  # cached: same number
-    assert relative_speed("cpu", torch.float32) == 1.0
+    assert 0.5 < relative_speed("cpu", torch.float32) < 2.0  # fp32 against itself, timed apart
+
+
+def test_emulation_decision_is_recorded_and_checked_on_resume(monkeypatch):
+    import pytest
+    from torch import nn
+
+    import mixprec.kernels as k
+    from mixprec import MixedPrecision
+
+    def engine(speed):
+        monkeypatch.setattr(k, "relative_speed", lambda dev, dt: speed)
+        m = nn.Linear(4, 4)
+        with pytest.warns(UserWarning) if speed < k.FAST_ENOUGH else _nothing():
+            return MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), "fp16")
+
+    state = engine(0.01).state_dict()  # auto resolved to emulation
+    assert state["emulating"] is True
+    with pytest.raises(ValueError, match="trained with emulation on.*emulate=true"):
+        engine(1.0).load_state_dict(state)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

@@ -403,6 +403,7 @@ class MixedPrecision:
                                "after step() has updated the weights")
         return {
             "recipe": self.recipe,
+            "emulating": self.emulating,
             "world_size": self.world_size,
             "model": self.module.state_dict(),
             "masters": ([m.detach().clone() for m in self.grads.masters]
@@ -419,6 +420,12 @@ class MixedPrecision:
             raise ValueError(
                 f"checkpoint was saved with recipe {str(saved)!r} but this engine runs "
                 f"{str(self.recipe)!r}; build the engine with the checkpoint's recipe")
+        if state.get("emulating", self.emulating) != self.emulating:
+            raise ValueError(
+                f"checkpoint was trained with emulation {'on' if state['emulating'] else 'off'}"
+                f" but this engine resolved emulate=auto to {'on' if self.emulating else 'off'}"
+                f"; set emulate={'true' if state['emulating'] else 'false'} in the recipe to "
+                "resume with the same numerics")
         saved_ws = state.get("world_size", 1)
         if saved_ws != self.world_size:
             raise ValueError(
