@@ -16,7 +16,8 @@ from mixprec import PRESETS, MixedPrecision, Recipe, SkipLimitError
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 compute on the CPU:UserWarning",
                                         "ignore:fp16 has no fast kernels:UserWarning",
-                                        "ignore:recipe. loss_scale:UserWarning")
+                                        "ignore:recipe. loss_scale:UserWarning",
+                                        "ignore:recipe. params=.fp16. with master:UserWarning")
 
 
 def relu_mlp(seed=0):
@@ -524,3 +525,55 @@ def test_fast_fp16_runs_real_kernels(monkeypatch):
     monkeypatch.setattr(k, "relative_speed", lambda dev, dt: 1.0)  # AVX512-FP16, say
     m = mlp()
     assert not MixedPrecision(m, torch.optim.AdamW(m.parameters()), "fp16").emulating
+
+
+@pytest.mark.parametrize("recipe,opt", [
+    ("bf16,grads=bf16", "adamw"),             # bf16 accumulation buffers on fp32 params
+    ("fp16,params=fp16,grads=fp16", "sgd"),   # pure fp16 with dynamic scaling, no master
+    ("bf16-master,grad_accum=kahan", "adamw"),  # compensated fp32 buffers
+    ("tf32", "adamw"),
+    ("fp16-master,loss_scale=static,init_scale=1024", "adamw"),
+    ("bf16-master,comm=bf16,keep_fp32=layer_norm+loss", "adamw"),
+])
+def test_non_preset_recipes_train(recipe, opt):
+    model = mlp(seed=2)
+    optim = (torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True) if opt == "adamw"
+             else torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
+    engine = MixedPrecision(model, optim, recipe, grad_accum_steps=2, max_grad_norm=1.0)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
+    losses = []
+    for _ in range(30):
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):
+            with engine.autocast():
+                loss = F.cross_entropy(model(xs), ys)
+            engine.backward(loss)
+            engine.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses[::5]
+    assert int(engine.skipped_steps) == 0
+
+
+def test_pure_fp16_with_adam_warns_and_why():
+    with pytest.warns(UserWarning, match="second moment underflows.*fp16-master"):
+        Recipe.parse("fp16,params=fp16,grads=fp16")
+
+
+def test_fused_sgd_on_half_params_is_refused_when_torch_cannot_update_them():
+    """torch 2.13's fused CPU SGD leaves fp16/bf16 parameters untouched; the engine probes
+    for that and refuses, instead of a run that silently never learns."""
+    from mixprec.engine import _fused_updates
+
+    p = torch.nn.Parameter(torch.ones(32, dtype=torch.float16))
+    p.grad = torch.ones_like(p)
+    torch.optim.SGD([p], lr=0.1, fused=True).step()
+    broken = bool((p.detach() == 1).all())
+    assert _fused_updates(torch.optim.SGD, torch.float16, "cpu") is (not broken)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    if broken:
+        with pytest.raises(ValueError, match="does not update torch.float16.*fused=False"):
+            MixedPrecision(model, opt, "fp16,params=fp16,grads=fp16")
+    model = mlp()  # fp32 masters are unaffected: allowed
+    MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1, fused=True),
+                   "fp16-master")

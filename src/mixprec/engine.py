@@ -33,6 +33,7 @@ know whether the step was skipped.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -86,6 +87,31 @@ class StepResult:
     skipped: torch.Tensor | bool
     scale: torch.Tensor
     grad_norm: torch.Tensor | None
+
+
+@functools.cache
+def _fused_updates(cls: type, dtype: torch.dtype, device: str) -> bool:
+    """Whether ``cls(fused=True)`` really moves a 32-element ``dtype`` parameter. torch
+    2.13's fused SGD on the CPU leaves fp16/bf16 parameters of >= 16 elements untouched."""
+    p = nn.Parameter(torch.ones(32, dtype=dtype, device=device))
+    p.grad = torch.ones_like(p)
+    try:
+        cls([p], lr=0.1, fused=True).step()
+    except Exception:
+        return True  # not this optimizer's kind of failure; let the real step report it
+    return bool((p.detach() != 1).all())
+
+
+def _check_fused_updates(opt: torch.optim.Optimizer) -> None:
+    half = {(p.dtype, p.device.type) for g in opt.param_groups for p in g["params"]
+            if p.dtype in (torch.float16, torch.bfloat16)}
+    for dtype, dev in half:
+        if not _fused_updates(type(opt), dtype, dev):
+            raise ValueError(
+                f"{type(opt).__name__}(fused=True) does not update {dtype} parameters on "
+                f"{dev} in torch {torch.__version__} (a torch bug: the step leaves them "
+                "unchanged). Use fused=False, or a -master recipe so that the optimizer "
+                "updates fp32 masters.")
 
 
 class MixedPrecision:
@@ -191,6 +217,9 @@ class MixedPrecision:
             self.model, self.comm_stats = wrap_ddp(self, model, r)
         self._fused = [self._takes_found_inf(o) for o in self.optimizers]
         self._all_fused = all(self._fused)
+        for o, fused in zip(self.optimizers, self._fused):
+            if fused:
+                _check_fused_updates(o)
         self.scaler = LossScaler.from_recipe(r, self.device)
         self._undo_islands = wrap_fp32_modules(
             fp32_island_modules(model, r.keep_fp32), self.device.type

@@ -188,6 +188,13 @@ class Recipe:
                 "range). It is harmless; set loss_scale=none to drop it.",
                 stacklevel=3,
             )
+        if self.params == "fp16" and self.master == "none":
+            warnings.warn(
+                "recipe: params='fp16' with master='none' keeps the optimizer's states in "
+                "fp16 too: Adam's second moment underflows there and its updates blow up, "
+                "and updates below half an fp16 ulp vanish. Prefer 'fp16-master'.",
+                stacklevel=3,
+            )
         if self.master == "fp32" and self.params == "fp32":
             warnings.warn(
                 "recipe: master='fp32' with params='fp32' keeps a second fp32 copy of "
