@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from mixprec.recipe import Recipe
+from mixprec.recipe import MX_COMPUTE, Recipe
 
 __all__ = ["precision_context", "Fp32Islands", "device_supports", "fp32_island_modules",
            "wrap_fp32_modules", "has_fast_kernels", "emulating", "make_emulation_mode"]
@@ -70,7 +70,7 @@ def has_fast_kernels(device: torch.device, compute: str) -> bool:
     """Whether ``device`` has fast kernels for a recipe's compute format: measured once
     (``mixprec.kernels``). fp16 on a CPU is fast only on chips with fp16 arithmetic
     (AVX512-FP16, AMX-FP16); the MX formats have no torch kernels anywhere."""
-    if compute in ("fp6_e3m2", "fp6_e2m3", "fp4_e2m1", "fp8_e4m3", "fp8_e5m2"):
+    if compute in MX_COMPUTE:
         return False
     if compute in ("fp16", "bf16") and torch.device(device).type == "cpu":
         from mixprec.kernels import FAST_ENOUGH, relative_speed
@@ -186,9 +186,12 @@ def _tf32() -> Iterator[None]:
 
 
 def make_emulation_mode(recipe: Recipe):
-    """The EmulationMode for a recipe (one per engine, so backward sees forward's tags)."""
+    """The EmulationMode for a recipe (one per engine, so backward sees forward's tags),
+    or None when emulation has nothing to do for it."""
     from mixprec.emulate import EmulationMode
 
+    if not recipe.emulatable:
+        return None
     if recipe.is_mx:
         return EmulationMode("bf16", torch.bfloat16, mx=recipe.compute)
     return EmulationMode(recipe.compute, recipe.compute_dtype)
@@ -212,14 +215,16 @@ def precision_context(recipe: Recipe | str, device: torch.device | str,
         if r.uses_autocast:
             stack.enter_context(torch.autocast(dev.type, dtype=r.compute_dtype))
         emulate = emulating(r, dev) if emulate is None else emulate
+        if emulate and mode is None:
+            mode = make_emulation_mode(r)
         leave = None
-        if emulate and r.uses_autocast and r.compute != "fp8":
+        if emulate and mode is not None:
             from mixprec.emulate import leave_low_precision
 
-            stack.enter_context(mode if mode is not None else make_emulation_mode(r))
+            stack.enter_context(mode)
             leave = leave_low_precision
         _EMULATION.append(leave)
         stack.callback(_EMULATION.pop)
-        if r.keep_fp32 and (r.uses_autocast or r.params != "fp32"):
+        if r.has_fp32_islands:
             stack.enter_context(Fp32Islands(r.keep_fp32, dev.type))
         yield

@@ -185,11 +185,10 @@ class MixedPrecision:
         if not params:
             raise ValueError("model has no parameters that require grad")
         self.device = params[0].device
-        self._check_device(r)
         self.emulating = emulating(r, self.device)
+        self._check_device(r)
         # one mode for the engine's life: backward must see the tags forward made
-        self._emu_mode = (make_emulation_mode(r) if self.emulating and r.uses_autocast
-                          and r.compute != "fp8" else None)
+        self._emu_mode = make_emulation_mode(r) if self.emulating else None
         self.fp8_report = None
         if r.compute == "fp8":
             # the swap reuses the Parameters, so the optimizer and `params` stay valid
@@ -223,7 +222,7 @@ class MixedPrecision:
         self.scaler = LossScaler.from_recipe(r, self.device)
         self._undo_islands = wrap_fp32_modules(
             fp32_island_modules(model, r.keep_fp32), self.device.type
-        ) if r.uses_autocast or r.params != "fp32" else (lambda: None)
+        ) if r.has_fp32_islands else (lambda: None)
         self._micro = self._seen = 0
         self._steps = 0
         self._skips = SkipWatch(self.device)
@@ -234,7 +233,7 @@ class MixedPrecision:
                 "kernels. Set emulate=false to run the real kernels.",
                 stacklevel=2,
             )
-        elif (r.emulate is False and r.uses_autocast and r.compute != "fp8"
+        elif (r.emulate is False and r.emulatable
               and not has_fast_kernels(self.device, r.compute)):
             warnings.warn(
                 f"{r.compute} compute with emulate=false on {self.device.type}: this device "
@@ -257,7 +256,7 @@ class MixedPrecision:
                 "compute capability 8.9+, e.g. L4/H100); use 'bf16', or run fp8 on the "
                 "CPU, where mixprec computes fp8 products exactly with bf16 kernels")
         needed = {r.param_dtype, r.grad_dtype}
-        if not emulating(r, self.device):
+        if not self.emulating:
             needed.add(r.compute_dtype)
         for dt in needed:
             if not device_supports(self.device, dt):

@@ -78,8 +78,8 @@ class GradState:
                 self.bufs.append(b)
             if self.kahan:
                 self.comps = [torch.zeros_like(b) for b in self.bufs]
-        self._same = [not self.direct and b.dtype == q.dtype and q.grad is b
-                      for b, q in zip(self.bufs, self.opt_params)] if self.bufs else []
+        # True where the buffer already is the optimizer parameter's .grad
+        self._same = [q.grad is b for b, q in zip(self.bufs, self.opt_params)]
 
     # --- after each backward ------------------------------------------------------
 
@@ -99,10 +99,8 @@ class GradState:
             t = torch._foreach_add(bufs, y)
             diff = torch._foreach_sub(t, bufs)
             torch._foreach_sub_(diff, y)
-            for c, d in zip(comps, diff):
-                c.copy_(d)
-            for b, tt in zip(bufs, t):
-                b.copy_(tt)
+            torch._foreach_copy_(comps, diff)
+            torch._foreach_copy_(bufs, t)
         else:
             torch._foreach_add_(bufs, new)
         for i in idx:

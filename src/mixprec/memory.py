@@ -231,7 +231,7 @@ def estimate(
     }
     if isinstance(activations, TransformerSpec):
         per = {"fp32": 4, "tf32": 4}.get(r.compute, 2)
-        islands = r.uses_autocast or r.params != "fp32"
+        islands = r.has_fp32_islands
         spec = activations
         if spec.fp32_norms is None:
             spec = dataclasses.replace(spec, fp32_norms=islands and "layer_norm" in r.keep_fp32)

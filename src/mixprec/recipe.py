@@ -287,6 +287,17 @@ class Recipe:
     def is_mx(self) -> bool:
         return self.compute in MX_COMPUTE
 
+    @property
+    def has_fp32_islands(self) -> bool:
+        """Whether ``keep_fp32`` applies: something runs or is stored in low precision."""
+        return bool(self.keep_fp32) and (self.uses_autocast or self.params != "fp32")
+
+    @property
+    def emulatable(self) -> bool:
+        """Whether emulation has anything to do: autocast runs in a 16-bit or MX format
+        (fp8 recipes are exact already: Float8Linear rounds with the fp8 casts)."""
+        return self.uses_autocast and self.compute != "fp8"
+
 
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
