@@ -136,6 +136,8 @@ def test_d_layernorm_forced_to_fp16_is_flagged_by_the_reference():
         return f
     report = doctor(make(CastNorm), batches(), "fp16,emulate=false", steps=2,
                     reference_steps=3)
+    curves = report.facts["reference_losses"]  # both runs' loss curves, same batches
+    assert len(curves["recipe"]) == len(curves["fp32"]) == 3
     f = next(f for f in report.findings if f.code == "reference-divergence")
     assert "1" in f.data["layers"]  # the forced-fp16 norm (and what it feeds)
     clean = doctor(make(nn.LayerNorm), batches(), "fp16,emulate=false", steps=2,

@@ -179,11 +179,6 @@ class EmulationMode(TorchDispatchMode):
             _ACTIVE.pop()
         return super().__exit__(*exc)
 
-    def mark(self, tensors) -> None:
-        """Declare tensors (e.g. parameters stored in low precision) as virtual."""
-        for t in tensors:
-            self.virtual[t] = True
-
     def _q(self, t: torch.Tensor, fmt: Format | None = None) -> torch.Tensor:
         out = _round(t, fmt or self.out_fmt)
         self.virtual[out] = True

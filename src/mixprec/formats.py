@@ -265,7 +265,7 @@ def quantize(
     m = f.mantissa_bits
     a = x.abs()
     e = _binade(a, f)
-    _, cm, cbias, _ = _CONTAINERS[x.dtype]
+    cbias = _CONTAINERS[x.dtype][2]
     # y = |x| / spacing, in [0, 2^(m+1)). Every factor is an exact power of two inside
     # the container's normal range: one factor 2^(m-e) when that fits (the narrow
     # formats), else 2^(1-e) * 2^(m-1) (bf16/tf32 subnormals, and inf inputs whose e

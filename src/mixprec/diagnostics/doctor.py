@@ -118,6 +118,7 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
         table, rec_losses, ref_losses = compare_to_fp32(model_factory, batch_fn, r,
                                                         reference_steps, lr)
         facts["reference"] = [vars(t) for t in table]
+        facts["reference_losses"] = {"recipe": rec_losses, "fp32": ref_losses}
         bad = [t for t in table if t.cosine < COSINE_FLAG
                or not (1 / RATIO_FLAG <= t.norm_ratio <= RATIO_FLAG)]
         if bad:
