@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from mixprec.emulate import leave_low_precision
 from mixprec.recipe import MX_COMPUTE, Recipe
 
 __all__ = ["precision_context", "Fp32Islands", "device_supports", "fp32_island_modules",
@@ -104,16 +105,11 @@ def device_supports(device: torch.device, dtype: torch.dtype) -> bool:
 
 def _up(x):
     if isinstance(x, torch.Tensor) and x.is_floating_point():
-        if _EMULATION and _EMULATION[-1] is not None:
-            return _EMULATION[-1](x)
-        return x.float() if x.dtype != torch.float32 else x
+        # under an active EmulationMode this also rounds the gradient coming back
+        return leave_low_precision(x)
     if isinstance(x, (list, tuple)):
         return type(x)(_up(v) for v in x)
     return x
-
-
-# set by precision_context when emulating: mixprec.emulate.leave_low_precision
-_EMULATION: list = []
 
 
 class Fp32Islands(TorchFunctionMode):
@@ -217,14 +213,8 @@ def precision_context(recipe: Recipe | str, device: torch.device | str,
         emulate = emulating(r, dev) if emulate is None else emulate
         if emulate and mode is None:
             mode = make_emulation_mode(r)
-        leave = None
         if emulate and mode is not None:
-            from mixprec.emulate import leave_low_precision
-
             stack.enter_context(mode)
-            leave = leave_low_precision
-        _EMULATION.append(leave)
-        stack.callback(_EMULATION.pop)
         if r.has_fp32_islands:
             stack.enter_context(Fp32Islands(r.keep_fp32, dev.type))
         yield
