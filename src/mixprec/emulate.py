@@ -9,18 +9,21 @@ here too, runs on fp32 kernels. Its floating outputs are rounded to the format w
 floating inputs are all virtual: the result a real low-precision kernel returns, since it
 too computes in fp32 and rounds once. If any input is a real fp32 tensor, type promotion
 makes the result fp32, so it is left alone. As in torch, 0-dim tensors defer to
-dimensioned ones. fp16 arithmetic then costs fp32 speed plus the rounding passes. On
-this CPU a real fp16 matmul is ~70x slower than fp32.
+dimensioned ones. fp16 arithmetic then costs fp32 speed plus the rounding passes.
+Kernels that round *inside* are replaced by a model of where they round: torch's CPU
+flash attention (``mixprec.emulate_attention``).
 
 Tensors under emulation report ``dtype=torch.float32``; their values are the format's.
 Backward must run under the same mode instance. ``MixedPrecision.backward`` does that,
 and so does ``loss.backward()`` called inside the context. Where an emulated tensor is
-upcast, the gradient that comes back must be rounded, as a real cast's backward does.
-The FP32 islands (norms, softmax, losses) upcast through ``leave_low_precision``, which
-does this. A ``.float()`` in your own code is a no-op on an fp32 tensor and cannot be
-seen. Its gradient then enters the low-precision region unrounded, which is the one
-known gap. Compute losses through the islands (``F.cross_entropy``, ``F.mse_loss`` and
-the rest) rather than ``y.float()`` by hand.
+upcast, the gradient that comes back must be rounded, as a real cast's backward does;
+where an fp32 tensor is cast down, the gradient that comes back is fp32 again and must
+no longer be rounded. Autocast's casts down are seen here and hooked (``_hook_casts``).
+The FP32 islands (norms, softmax, losses) upcast through ``leave_low_precision``. A
+``.float()`` in your own code is a no-op on an fp32 tensor and cannot be seen. Its
+gradient then enters the low-precision region unrounded, which is the one known gap.
+Compute losses through the islands (``F.cross_entropy``, ``F.mse_loss`` and the rest)
+rather than ``y.float()`` by hand.
 
 MX block formats (OCP Microscaling v1.0: fp8/fp6/fp4 elements, one e8m0 scale per 32
 elements): ``mx_quantize`` rounds a tensor block by block along a dimension. With
@@ -31,12 +34,14 @@ the carrier (bf16), as MX hardware returns bf16 or fp32. Convolutions run in bf1
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from mixprec import formats
+from mixprec import emulate_attention, formats
 from mixprec.formats import Format
 
 __all__ = ["EmulationMode", "mx_quantize", "mx_scales", "MX_BLOCK", "round_", "active_mode",
@@ -90,6 +95,9 @@ _EXACT = {getattr(aten, n) for n in (
 
 
 _FAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# Kernels that round inside, replaced by a model of where they round.
+_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
 def _round(t: torch.Tensor, f: Format) -> torch.Tensor:
@@ -169,15 +177,37 @@ class EmulationMode(TorchDispatchMode):
         self.out_fmt = formats.get(carrier) if mx is not None else self.fmt
         self.mx = formats.get(mx) if mx is not None else None
         self.virtual = WeakTensorKeyDictionary()
+        self._casts: list[weakref.ref] = []  # differentiable casts awaiting their node
 
     def __enter__(self):
         _ACTIVE.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
+        self._hook_casts()
         if _ACTIVE and _ACTIVE[-1] is self:
             _ACTIVE.pop()
         return super().__exit__(*exc)
+
+    def _hook_casts(self) -> None:
+        """Make the backward of each cast into the format leave low precision.
+
+        A real cast's backward converts the gradient back to fp32. Here both dtypes are
+        fp32, so autograd passes the very same (emulated) gradient on, and fp32 ops
+        downstream of the cast would round as if they ran in the format. A hook on the
+        cast's autograd node untags the gradient it hands back. The node exists only
+        after this mode returns, so hooks are added at the next dispatch.
+        """
+        casts, self._casts = self._casts, []
+        for ref in casts:
+            t = ref()
+            if t is not None and t.grad_fn is not None:
+                t.grad_fn.register_hook(self._leave_virtual)
+
+    def _leave_virtual(self, grad_inputs, grad_outputs):
+        for g in grad_inputs:
+            if isinstance(g, torch.Tensor):
+                self.virtual.pop(g, None)
 
     def _q(self, t: torch.Tensor, fmt: Format | None = None) -> torch.Tensor:
         out = _round(t, fmt or self.out_fmt)
@@ -186,12 +216,21 @@ class EmulationMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._casts:
+            self._hook_casts()
         if func is aten._to_copy.default and kwargs.get("dtype") == self.carrier:
             src = args[0]
             out = func(src, **{**kwargs, "dtype": torch.float32})
-            return self._q(out, self.fmt if self.mx is None else self.out_fmt)
+            out = self._q(out, self.fmt if self.mx is None else self.out_fmt)
+            if src.requires_grad and src not in self.virtual:
+                self._casts.append(weakref.ref(out))
+            return out
         if self.mx is not None and func in _MATMULS:
             return self._mx_matmul(func, args, kwargs)
+        if func in (_FLASH, _FLASH_BWD):
+            modelled = self._flash(func, args, kwargs)
+            if modelled is not None:
+                return modelled
         out = func(*args, **kwargs)
         if "dtype" in kwargs or not self._all_virtual(args):
             return out
@@ -220,6 +259,34 @@ class EmulationMode(TorchDispatchMode):
         dimensioned = [a for a in flt if a.dim() > 0]
         pool = dimensioned or flt  # torch: 0-dim tensors do not promote dimensioned ones
         return bool(pool) and all(a in self.virtual for a in pool)
+
+    def _flash(self, func, args, kwargs):
+        """CPU flash attention through emulate_attention's model of its rounding, when
+        its low-precision inputs are all emulated and the call takes the modelled path.
+        """
+        ea = emulate_attention
+        rnd = lambda t: _round(t, self.out_fmt)  # noqa: E731
+        if func is _FLASH:
+            names = ("dropout_p", "is_causal")
+            q, k, v, *rest = args
+            opt = {**dict(zip(names, rest)), **kwargs}
+            if not (ea.modelled(q, k, v, opt.get("dropout_p", 0.0), opt.get("attn_mask"))
+                    and all(t in self.virtual for t in (q, k, v))):
+                return None
+            out, lse = ea.flash_attention_forward(q, k, v, opt.get("is_causal", False),
+                                                  opt.get("scale"), rnd)
+            self.virtual[out] = True
+            return out, lse
+        grad_out, q, k, v, out, lse, *rest = args
+        opt = {**dict(zip(("dropout_p", "is_causal"), rest)), **kwargs}
+        if not (ea.modelled(q, k, v, opt.get("dropout_p", 0.0), opt.get("attn_mask"))
+                and all(t in self.virtual for t in (grad_out, q, k, v, out))):
+            return None
+        grads = ea.flash_attention_backward(grad_out, q, k, v, out, lse,
+                                            opt.get("is_causal", False), opt.get("scale"), rnd)
+        for g in grads:
+            self.virtual[g] = True
+        return grads
 
     def _mx_matmul(self, func, args, kwargs):
         f = self.mx
