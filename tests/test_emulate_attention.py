@@ -114,15 +114,46 @@ def test_emulation_mode_uses_the_model(fmt):
         assert near >= 0.995, near
 
 
-def test_masked_or_dropout_calls_take_the_generic_rule():
+MASKS = {
+    "bool": lambda t, h: torch.rand(t, t) > 0.3,
+    "alibi": lambda t, h: -0.1 * (torch.arange(t)[:, None] - torch.arange(t)[None]).abs()
+    .float().expand(1, h, t, t) * torch.rand(1, h, 1, 1),
+    "whole rows masked": lambda t, h: torch.ones(t, t, dtype=torch.bool).index_fill_(
+        0, torch.tensor([3, 7]), False),
+}
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("kind", list(MASKS))
+def test_masks_through_emulation_match_the_kernel(fmt, kind):
+    torch.manual_seed(4)
+    x = torch.randn(2, 4, 200, 32)
+    mask = MASKS[kind](200, 4)
+
+    def attend(recipe):
+        xx = x.clone().requires_grad_()
+        with precision_context(recipe, "cpu"):
+            q = F.linear(xx, torch.eye(32))
+            y = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+            F.mse_loss(y, torch.zeros_like(y)).backward()
+        return [y.detach().float(), xx.grad]
+
+    emulated, real = attend(f"{fmt},emulate=true"), attend(f"{fmt},emulate=false")
+    for a, b in zip(emulated, real):
+        assert not a.isnan().any()
+        near = ((a - b.float()).abs() <= formats.ulp(b.float(), fmt)).float().mean().item()
+        assert near >= 0.995, (kind, near)
+
+
+def test_dropout_and_gqa_take_the_generic_rule():
     q = torch.randn(1, 2, 8, 4)
     assert modelled(q, q, q)
-    assert not modelled(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    assert modelled(q, q, q, attn_mask=torch.zeros(8, 8))
+    assert not modelled(q, q, q, attn_mask=torch.zeros(3, 8))  # does not broadcast
     assert not modelled(q, q, q, dropout_p=0.1)
     assert not modelled(q, torch.randn(1, 1, 8, 4), torch.randn(1, 1, 8, 4))  # GQA
-    mask = torch.ones(8, 8, dtype=torch.bool).tril()
     with precision_context("bf16,emulate=true", "cpu"):
         y = F.scaled_dot_product_attention(F.linear(q, torch.eye(4)), q.bfloat16(), q.bfloat16(),
-                                           attn_mask=mask)
-    assert torch.equal(y, y.bfloat16().float())  # output still rounded to bf16
+                                           dropout_p=0.5)
+    assert torch.equal(y, y.bfloat16().float())  # the output is still rounded to bf16
     assert math.isfinite(y.sum().item())

@@ -274,7 +274,7 @@ class EmulationMode(TorchDispatchMode):
                     and all(t in self.virtual for t in (q, k, v))):
                 return None
             out, lse = ea.flash_attention_forward(q, k, v, opt.get("is_causal", False),
-                                                  opt.get("scale"), rnd)
+                                                  opt.get("scale"), rnd, opt.get("attn_mask"))
             self.virtual[out] = True
             return out, lse
         grad_out, q, k, v, out, lse, *rest = args
@@ -283,7 +283,8 @@ class EmulationMode(TorchDispatchMode):
                 and all(t in self.virtual for t in (grad_out, q, k, v, out))):
             return None
         grads = ea.flash_attention_backward(grad_out, q, k, v, out, lse,
-                                            opt.get("is_causal", False), opt.get("scale"), rnd)
+                                            opt.get("is_causal", False), opt.get("scale"), rnd,
+                                            opt.get("attn_mask"))
         for g in grads:
             self.virtual[g] = True
         return grads

@@ -24,8 +24,9 @@ where ``P`` rounds; without it only ~90% of outputs match exactly. Measured agai
 torch 2.13's kernel on an AVX-512 CPU: >= 99% of outputs and gradients bit-identical,
 >= 99.5% within 1 ulp, for bf16 and fp16, sequences of 40 to 1100 (tests/test_emulate_attention.py).
 
-Only the kernel's plain path is modelled (no ``attn_mask``, no dropout, equal head
-counts); other calls fall back to EmulationMode's generic rule (output rounded once).
+Modelled: causal or not, additive masks (bool masks reach the kernel as 0 / -inf).
+Dropout and unequal head counts (GQA) fall back to EmulationMode's generic rule
+(output rounded once).
 """
 
 from __future__ import annotations
@@ -96,9 +97,17 @@ def _kernel_exp_(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def modelled(q, k, v, dropout_p=0.0, attn_mask=None) -> bool:
-    """Whether this call takes the kernel path the model reproduces."""
-    return (attn_mask is None and not dropout_p and q.dim() == 4
-            and q.shape[:2] == k.shape[:2] == v.shape[:2])
+    """Whether this call takes the kernel path the model reproduces: no dropout, equal
+    head counts, and a mask (if any) that broadcasts to (B, H, Tq, Tk)."""
+    if dropout_p or q.dim() != 4 or not q.shape[:2] == k.shape[:2] == v.shape[:2]:
+        return False
+    if attn_mask is None:
+        return True
+    try:
+        torch.broadcast_shapes(attn_mask.shape, (*q.shape[:-1], k.shape[-2]))
+    except RuntimeError:
+        return False
+    return attn_mask.is_floating_point()
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:
@@ -115,28 +124,39 @@ def _causal_(s: torch.Tensor, r0: int, c0: int, fill: float) -> torch.Tensor:
 _ROWS = 64  # query rows per chunk: rows are independent, chunks only bound memory
 
 
-def flash_attention_forward(q, k, v, is_causal: bool, scale: float | None,
-                            rnd) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_attention_forward(q, k, v, is_causal: bool, scale: float | None, rnd,
+                            attn_mask: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, logsumexp)`` of the kernel for (B, H, T, D) inputs holding format values.
 
     ``rnd`` rounds an fp32 tensor to the format. ``out`` is rounded; ``lse`` is fp32.
-    Causal chunks skip keys every row of the chunk masks (their ``exp`` is 0 anyway).
+    ``attn_mask`` is additive (the kernel gets bool masks as 0 / -inf), added after the
+    scale. Causal chunks skip keys every row of the chunk masks (their ``exp`` is 0).
     """
     sc = _scale(q, scale)
     tq, tk = q.shape[-2], k.shape[-2]
     kt = k.transpose(-2, -1).contiguous()  # bmm on a transposed view is 3x slower
     q, v = q.contiguous(), v.contiguous()
+    mask = _full_mask(attn_mask, q, k)
     outs, lses = [], []
     for r0 in range(0, tq, _ROWS):
         r1 = min(r0 + _ROWS, tq)
         keys = min(r1, tk) if is_causal else tk
-        o, lse = _forward_rows(q[..., r0:r1, :], kt, v, r0, keys, is_causal, sc, rnd)
+        rows_mask = None if mask is None else mask[..., r0:r1, :]
+        o, lse = _forward_rows(q[..., r0:r1, :], kt, v, r0, keys, is_causal, sc, rnd,
+                               rows_mask)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs, -2), torch.cat(lses, -1)
 
 
-def _forward_rows(q, kt, v, r0, keys, is_causal, sc, rnd):
+def _full_mask(attn_mask, q, k):
+    if attn_mask is None:
+        return None
+    return attn_mask.float().expand(*q.shape[:-1], k.shape[-2])
+
+
+def _forward_rows(q, kt, v, r0, keys, is_causal, sc, rnd, mask):
     tk = kt.shape[-1]
     row_max = row_sum = acc = None
     for n in range(0, keys, _KV_SPLIT):
@@ -145,6 +165,8 @@ def _forward_rows(q, kt, v, r0, keys, is_causal, sc, rnd):
         s = (q @ kt[..., n:c1]).mul_(sc)
         if is_causal:
             _causal_(s, r0, n, float("-inf"))
+        if mask is not None:
+            s.add_(mask[..., n:c1])
         new_max = s.amax(-1, keepdim=True)
         if row_max is not None:
             new_max = torch.maximum(row_max, new_max)
@@ -168,7 +190,8 @@ def _q_split(tq: int) -> int:
 
 
 def flash_attention_backward(grad_out, q, k, v, out, lse, is_causal: bool,
-                             scale: float | None, rnd):
+                             scale: float | None, rnd,
+                             attn_mask: torch.Tensor | None = None):
     """``(dq, dk, dv)`` of the kernel, each rounded as its half-precision buffer is."""
     sc = _scale(q, scale)
     tq, tk = q.shape[-2], k.shape[-2]
@@ -178,6 +201,7 @@ def flash_attention_backward(grad_out, q, k, v, out, lse, is_causal: bool,
     dk, dv = (torch.zeros(t.shape, device=t.device) for t in (k, v))
     dsum = (grad_out * out).sum(-1, keepdim=True)
     lse = lse.unsqueeze(-1)
+    mask = _full_mask(attn_mask, q, k)
     step = _q_split(tq)
     for r0 in range(0, tq, step):
         r1 = min(r0 + step, tq)
@@ -185,7 +209,10 @@ def flash_attention_backward(grad_out, q, k, v, out, lse, is_causal: bool,
         q_b, do_b = q[..., r0:r1, :], grad_out[..., r0:r1, :]
         for c0 in range(0, keys, _KV_SPLIT):
             c1 = min(c0 + _KV_SPLIT, keys)  # masked keys add exact zeros: skipped
-            a = (q_b @ kt[..., c0:c1]).mul_(sc).sub_(lse[..., r0:r1, :]).exp_()
+            a = (q_b @ kt[..., c0:c1]).mul_(sc)
+            if mask is not None:
+                a.add_(mask[..., r0:r1, c0:c1])
+            a = a.sub_(lse[..., r0:r1, :]).exp_()
             if is_causal:
                 _causal_(a, r0, c0, 0.0)
             # each += rounds: the gradients live in half-precision buffers
