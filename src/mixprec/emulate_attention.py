@@ -18,11 +18,12 @@ backward, per query block (32, 64 or 256 rows by sequence length) and key block:
 
 The fast exponential is the kernel's degree-3 polynomial bit trick (Malossi et al.,
 "Fast exponential computation on SIMD architectures"), applied to the vectorized
-multiple-of-16 prefix of each row block; the remainder uses an accurate exp. Its error
-is ~1e-4 relative (``fast_exp(0) = 0.99994659``), far above fp32 rounding, so it decides
-where ``P`` rounds; without it only ~90% of outputs match exactly. Measured against
-torch 2.13's kernel on an AVX-512 CPU: >= 99% of outputs and gradients bit-identical,
->= 99.5% within 1 ulp, for bf16 and fp16, sequences of 40 to 1100 (tests/test_emulate_attention.py).
+multiple-of-16 prefix of each row block (8 on AVX2 builds); the rest of the row uses
+an accurate exp. Its error is ~1e-4 relative (``fast_exp(0) = 0.99994659``), far above
+fp32 rounding, so it decides where ``P`` rounds; without it only ~90% of outputs match
+exactly. Measured against torch 2.13's kernel on an AVX-512 CPU: >= 99% of outputs and
+gradients bit-identical, >= 99.5% within 1 ulp, bf16 and fp16, sequences of 40 to 1100
+(tests/test_emulate_attention.py). Other torch versions may round elsewhere.
 
 Modelled: causal or not, additive masks (bool masks reach the kernel as 0 / -inf).
 Dropout and unequal head counts (GQA) fall back to EmulationMode's generic rule
@@ -38,7 +39,10 @@ import torch
 __all__ = ["fast_exp", "flash_attention_forward", "flash_attention_backward", "modelled"]
 
 _KV_SPLIT = 512
-_VEC = 16  # fp32 lanes of an AVX-512 register: the kernel's vectorized stride
+# fp32 lanes of the vector unit torch's kernels were dispatched for: the stride of the
+# kernel's vectorized loop, which uses the fast exp; 0 where the fast exp is not the
+# x86 one modelled here (other CPUs: accurate exp everywhere, as far as modelled).
+_VEC = {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(), 0)
 
 
 def _f32(bits: int) -> float:
@@ -87,7 +91,7 @@ def _fast_exp_(x: torch.Tensor) -> torch.Tensor:
 def _kernel_exp_(x: torch.Tensor, block: int) -> torch.Tensor:
     """In place: exp of a row block of ``block`` keys (``x`` may hold only its first
     columns) as the kernel does it, fast on the block's multiple-of-16 prefix."""
-    n = min(_VEC * (block // _VEC), x.shape[-1])
+    n = min(_VEC * (block // _VEC), x.shape[-1]) if _VEC else 0
     if n == x.shape[-1]:
         return _fast_exp_(x)
     if n:
