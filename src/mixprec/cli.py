@@ -106,6 +106,7 @@ def _survival_bound(f, update: float) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``mixprec`` argument parser: one subcommand per room (formats, memory, ...)."""
     p = argparse.ArgumentParser(
         prog="mixprec",
         description="Mixed-precision training toolkit for PyTorch.",
@@ -175,6 +176,7 @@ _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``mixprec`` command line; returns the process exit code (2: bad input)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -55,6 +55,7 @@ class CommStats:
 
 
 def require_process_group(parallel: str) -> None:
+    """Raise with the fix unless ``parallel`` is ddp/fsdp and a process group is up."""
     if parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel={parallel!r}; valid: 'ddp', 'fsdp' or None")
     if not (dist.is_available() and dist.is_initialized()):
@@ -72,6 +73,7 @@ def broadcast_module_(model: nn.Module, src: int = 0) -> None:
 
 
 def all_reduce_max_(t: torch.Tensor) -> torch.Tensor:
+    """In place: the elementwise max of ``t`` over all ranks (skip flags, amaxes)."""
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
 

@@ -23,6 +23,7 @@ def parse_bytes(text: str) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``mixprec memory``."""
     p.add_argument("--params", required=True, help="parameter count, e.g. 70B, 7.5e9, 350M")
     p.add_argument("--recipe", default="fp32,bf16-master,fp16-master",
                    help="presets to compare, comma-separated; recipes with overrides are "
@@ -51,6 +52,7 @@ def _recipes(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``mixprec memory``: the byte table per recipe, predicted (and measured on request)."""
     from rich.console import Console
     from rich.table import Table
 

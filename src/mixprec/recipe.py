@@ -372,6 +372,7 @@ PRESETS: dict[str, Recipe] = {
 
 
 def preset_names() -> list[str]:
+    """Names accepted by ``Recipe.parse`` as the first field (fp32, bf16, ...)."""
     return list(PRESETS)
 
 

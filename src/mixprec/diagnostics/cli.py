@@ -11,6 +11,7 @@ __all__ = ["add_arguments", "run", "load_target"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``mixprec doctor``."""
     p.add_argument("--recipe", default="bf16", help="recipe to diagnose (default bf16)")
     p.add_argument("--model", default="workbench",
                    help="'workbench' (a small GPT on the built-in corpus) or "
@@ -60,6 +61,7 @@ def load_target(spec: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    """``mixprec doctor``: diagnose a recipe on a model and print the findings."""
     from mixprec.diagnostics.doctor import doctor
 
     factory, batch_fn = load_target(args.model)

@@ -13,6 +13,8 @@ Severity = Literal["error", "warning", "info"]
 
 @dataclass(frozen=True)
 class Finding:
+    """One diagnosis: what was seen (evidence) and what to change (advice)."""
+
     severity: Severity
     code: str
     title: str

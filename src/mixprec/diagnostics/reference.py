@@ -19,6 +19,8 @@ __all__ = ["LayerComparison", "compare_to_fp32"]
 
 @dataclass(frozen=True)
 class LayerComparison:
+    """How one layer's gradient under a recipe compares with fp32's over the steps."""
+
     layer: str
     cosine: float      # worst over the steps
     norm_ratio: float  # recipe / fp32, farthest from 1 over the steps

@@ -14,6 +14,8 @@ __all__ = ["NonFiniteOrigin", "trace_nonfinite"]
 
 @dataclass(frozen=True)
 class NonFiniteOrigin:
+    """The first module whose output (or input gradient) went inf/NaN, and the evidence."""
+
     phase: str            # "forward" or "backward"
     module: str           # fully qualified name
     op: str               # module class

@@ -19,6 +19,7 @@ def _common(p: argparse.ArgumentParser, steps: int, size: str) -> None:
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``mixprec train``."""
     p.add_argument("--recipe", default="bf16")
     _common(p, steps=200, size="small")
     p.add_argument("--out", default="runs/train", help="metrics, checkpoint, config")
@@ -30,6 +31,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    """``mixprec train``: one recipe on the workbench GPT, with checkpoints and resume."""
     from mixprec.workbench.train import TrainConfig, train
 
     cfg = TrainConfig(recipe=args.recipe, steps=args.steps, size=args.size, batch=args.batch,
@@ -67,6 +69,7 @@ def _cuda() -> bool:
 
 
 def add_compare_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``mixprec compare``."""
     p.add_argument("--recipes", help="comma-separated presets, or ';'-separated recipes "
                                      "(default: fp32,bf16,bf16-master,fp16,fp8)")
     _common(p, steps=150, size="medium")
@@ -76,6 +79,7 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    """``mixprec compare``: several recipes on the same data, one HTML/JSON report."""
     from mixprec.workbench.compare import compare
 
     recipes = None

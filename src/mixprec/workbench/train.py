@@ -77,6 +77,8 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
+    """What ``train`` returns: per-step metrics, evaluations, and whether it emulated."""
+
     config: TrainConfig
     steps: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
