@@ -111,7 +111,7 @@ _VALUES = ["fp16", "bf16", "fp32", "none", "dynamic", "1e9", "-1", "0", "3", "na
            "softmax+loss", "true", "x", "", "=", "fp8"]
 
 
-@pytest.mark.filterwarnings("ignore:recipe. params=:UserWarning")  # valid but unwise combos
+@pytest.mark.filterwarnings("ignore:recipe. :UserWarning")  # advice on valid but unwise combos
 @settings(max_examples=400, deadline=None)
 @given(st.one_of(
     st.text(max_size=40),
