@@ -49,3 +49,28 @@ def test_quantize_on_cuda_equals_cpu():
     x = torch.randn(1 << 20) * 1000
     for name in ("fp16", "bf16", "fp8_e4m3", "fp4_e2m1"):
         assert torch.equal(formats.quantize(x.cuda(), name).cpu(), formats.quantize(x, name))
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_emulation_matches_real_kernels_on_cuda(fmt):
+    from torch import nn
+    from torch.nn import functional as F
+
+    from mixprec import precision_context
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.LayerNorm(64),
+                          nn.Linear(64, 8)).cuda()
+    x = torch.randn(32, 64, device="cuda")
+
+    def run(recipe):
+        model.zero_grad(set_to_none=True)
+        with precision_context(recipe, "cuda"):
+            y = model(x)
+            F.mse_loss(y, torch.zeros_like(y)).backward()
+        return [y.detach().float()] + [p.grad for p in model.parameters()]
+
+    emulated, real = run(f"{fmt},emulate=true"), run(f"{fmt},emulate=false")
+    ok = torch.cat([((e - r.float()).abs() <= formats.ulp(r.float(), fmt)).flatten()
+                    for e, r in zip(emulated, real)])
+    assert ok.float().mean() >= 0.99
