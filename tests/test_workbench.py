@@ -58,17 +58,28 @@ train(cfg, sys.argv[1], resume=len(sys.argv) > 4, progress=False)
 """
 
 
-def _run(args, kill_after=None):
+def _run(args, kill_after_ckpt=None):
+    """Run SCRIPT; with ``kill_after_ckpt=(path, delay)``, SIGKILL it ``delay`` seconds
+    after it writes a checkpoint of its own (polled, so a slow start cannot make the
+    kill land before any checkpoint exists)."""
     p = subprocess.Popen([sys.executable, "-c", SCRIPT, *args], stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if kill_after is None:
+    if kill_after_ckpt is None:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err.decode()[-2000:]
         return True
-    time.sleep(kill_after)
+    ckpt, delay = kill_after_ckpt
+    before = ckpt.stat().st_mtime_ns if ckpt.exists() else None
+    deadline = time.monotonic() + 120
+    while p.poll() is None and time.monotonic() < deadline:
+        if ckpt.exists() and ckpt.stat().st_mtime_ns != before:
+            break
+        time.sleep(0.01)
+    time.sleep(delay)
+    alive = p.poll() is None
     p.send_signal(signal.SIGKILL)  # no chance to clean up, mid-write included
     p.wait()
-    return False
+    return alive
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp16"])
@@ -78,13 +89,13 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path, recipe
     _run([str(ref), recipe, str(steps)])
     out = tmp_path / "killed"
     rng = random.Random(recipe)
-    resumed = 0
-    _run([str(out), recipe, str(steps)], kill_after=rng.uniform(3.0, 5.0))
+    ckpt = out / "ckpt.pt"
+    killed = [_run([str(out), recipe, str(steps)], kill_after_ckpt=(ckpt, rng.uniform(0, 0.3)))]
     for _ in range(3):
-        if (out / "ckpt.pt").exists():
-            resumed += 1
-            _run([str(out), recipe, str(steps), "resume"], kill_after=rng.uniform(3.0, 5.0))
-    assert resumed >= 1  # the kills landed mid-run, after a checkpoint existed
+        assert ckpt.exists()  # each kill landed after a checkpoint was written
+        killed.append(_run([str(out), recipe, str(steps), "resume"],
+                           kill_after_ckpt=(ckpt, rng.uniform(0.0, 0.3))))
+    assert sum(killed) >= 2, killed  # mid-run kills, not kills of finished processes
     _run([str(out), recipe, str(steps), "resume"])
     assert losses(out) == losses(ref)
     torch.load(out / "ckpt.pt", weights_only=True)  # ckpt.pt is always a complete file
