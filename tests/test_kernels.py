@@ -9,7 +9,28 @@ def test_probe_measures_and_caches():
     a = matmul_gflops("cpu", torch.float32, 128, 0.01)
     assert a > 0
     assert matmul_gflops("cpu", torch.float32, 128, 0.01) == a  # cached: same number
-    assert 0.5 < relative_speed("cpu", torch.float32) < 2.0  # fp32 against itself, timed apart
+
+
+def test_relative_speed_is_the_median_of_alternate_ratios(monkeypatch):
+    # no timing asserted: the probe's timings are replaced by a scripted sequence
+    import mixprec.kernels as k
+
+    times = iter([100.0, 50.0, 10.0, 50.0, 60.0, 50.0])  # fp16, fp32, fp16, fp32, ...
+    calls = []
+
+    def fake(dev, dtype, n, seconds):
+        calls.append(dtype)
+        return next(times)
+
+    monkeypatch.setattr(k.matmul_gflops, "__wrapped__", fake)
+    k.relative_speed.cache_clear()
+    try:
+        assert relative_speed("cpu", torch.float16) == 1.2  # ratios 2.0, 0.2, 1.2
+        assert calls == [torch.float16, torch.float32] * 3  # alternated
+        assert relative_speed("cpu", torch.float16) == 1.2  # cached: no new timings
+        assert len(calls) == 6
+    finally:
+        k.relative_speed.cache_clear()
 
 
 def test_emulation_decision_is_recorded_and_checked_on_resume(monkeypatch):
