@@ -82,6 +82,24 @@ def test_model_matches_the_kernel_bit_for_bit_almost_everywhere(fmt, shape):
         assert exact >= 0.99 and near >= 0.995, (name, exact, near)
 
 
+@pytest.mark.parametrize("tq,tk,causal", [(50, 120, False), (50, 120, True), (130, 40, True),
+                                          (700, 600, True)])
+def test_cross_attention_lengths(tq, tk, causal):
+    torch.manual_seed(5)
+    q, d_out = (torch.randn(2, 2, tq, 32).bfloat16().float() for _ in range(2))
+    k, v = (torch.randn(2, 2, tk, 32).bfloat16().float() for _ in range(2))
+
+    def rnd(t):
+        return t.bfloat16().float()
+
+    out, lse = flash_attention_forward(q, k, v, causal, None, rnd)
+    model = [out, *flash_attention_backward(d_out, q, k, v, out, lse, causal, None, rnd)]
+    real = _real(q, k, v, d_out, torch.bfloat16, causal)
+    for a, b in zip(model, real):
+        near = ((a - b.float()).abs() <= formats.ulp(b.float(), "bf16")).float().mean().item()
+        assert near >= 0.99
+
+
 def test_output_rounding_alone_is_not_enough():
     # The reason for the model: an fp32 attention rounded once disagrees by > 1 ulp often.
     torch.manual_seed(2)
