@@ -294,6 +294,21 @@ def test_clipping_under_fp16_scaling_close_to_fp32():
     assert runs["fp16"] == pytest.approx(runs["fp32"], rel=2e-2)  # not 65536x
 
 
+def test_grad_norm_is_exact_to_fp32_on_large_tensors():
+    # the norm is the non-finite check and the clipping input; on the CPU it is a sum of
+    # per-tensor dots (torch's _foreach_norm is 2e-5 off float64 on a 1M-element tensor)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 8))
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), "fp32")
+    x = torch.randn(64, 1024)
+    with engine.autocast():
+        loss = model(x).square().mean()
+    engine.backward(loss)
+    want = math.sqrt(sum((p.grad.double() ** 2).sum().item() for p in model.parameters()))
+    got = float(engine.step().grad_norm)
+    assert got == pytest.approx(want, rel=1e-6)
+
+
 # --- every preset trains a small GPT ---------------------------------------------------
 
 @pytest.mark.parametrize("preset", list(PRESETS))
