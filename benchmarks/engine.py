@@ -35,6 +35,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--pieces", action="store_true",
+                    help="also time forward, backward and step apart (engine vs hand, "
+                         "alternating each step): where the overhead is")
     args = ap.parse_args()
     cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
                     seq_len=args.seq)
@@ -99,6 +102,53 @@ def main() -> None:
     print(f"speed-up over fp32 (same phase): mixprec bf16 "
           f"{speed['fp32'] / speed['mixprec bf16']:.2f}x, hand-written bf16 "
           f"{speed['fp32'] / speed['hand bf16']:.2f}x")
+    if args.pieces:
+        pieces(args, engine, me, mh, oh, x, y)
+
+
+def pieces(args, engine, me, mh, oh, x, y) -> None:
+    """Median forward / backward / step of the engine and the hand loop, alternating."""
+    names = ("forward", "backward", "step")
+    t = {(who, n): [] for who in ("mixprec", "hand") for n in names}
+
+    def timed(who, fwd, bwd, stp):
+        t0 = time.perf_counter()
+        loss = fwd()
+        t1 = time.perf_counter()
+        bwd(loss)
+        t2 = time.perf_counter()
+        stp()
+        t3 = time.perf_counter()
+        return dict(zip(((who, n) for n in names), (t1 - t0, t2 - t1, t3 - t2)))
+
+    def e_fwd():
+        with engine.autocast():
+            return me(x, y)
+
+    def h_fwd():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return mh(x, y)
+
+    def h_step():
+        oh.step()
+        oh.zero_grad(set_to_none=True)
+
+    runs = (("mixprec", e_fwd, engine.backward, engine.step),
+            ("hand", h_fwd, lambda loss: loss.backward(), h_step))
+    for i in range(args.warmup + args.steps):
+        for run in runs[i % 2:] + runs[:i % 2]:
+            got = timed(*run)
+            if i >= args.warmup:
+                for k, v in got.items():
+                    t[k].append(v)
+    med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
+    print(f"{'piece':<10} {'hand (ms)':>10} {'mixprec (ms)':>13} {'difference':>11}")
+    for n in names:
+        print(f"{n:<10} {med[('hand', n)]:>10.1f} {med[('mixprec', n)]:>13.1f} "
+              f"{med[('mixprec', n)] - med[('hand', n)]:>+10.1f}")
+    total = {w: sum(med[(w, n)] for n in names) for w in ("hand", "mixprec")}
+    print(f"sum of pieces: mixprec {(total['mixprec'] / total['hand'] - 1) * 100:+.1f}% "
+          f"over hand")
 
 
 if __name__ == "__main__":
