@@ -50,3 +50,24 @@ def tiny_gpt(seed: int = 0, **kw) -> GPT:
     cfg = dict(vocab=64, seq_len=32, n_layers=2, d_model=32, n_heads=2)
     cfg.update(kw)
     return GPT(GPTConfig(**cfg))
+
+
+def pattern_losses(engine, model, steps: int, period: int = 5, batch: int = 8,
+                   device: str = "cpu", check_applied: bool = False) -> list[float]:
+    """Train ``model`` through ``engine`` on a learnable stream (a random pattern of
+    ``period`` tokens, repeated, at random offsets) and return the loss per step."""
+    g = torch.Generator().manual_seed(0)
+    seq = model.config.seq_len
+    pattern = torch.randint(0, model.config.vocab, (period,), generator=g)
+    losses = []
+    for _ in range(steps):
+        off = torch.randint(0, period, (batch,), generator=g)
+        idx = pattern[(torch.arange(seq + 1)[None] + off[:, None]) % period].to(device)
+        with engine.autocast():
+            loss = model(idx[:, :-1], idx[:, 1:])
+        engine.backward(loss)
+        result = engine.step()
+        if check_applied:
+            assert not bool(result.skipped)
+        losses.append(loss.item())
+    return losses

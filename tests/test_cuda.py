@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import pattern_losses
 from mixprec import MixedPrecision, formats
 from mixprec.fp8 import fp8_gemm
 from mixprec.fp8.scaling import cast_to_fp8
@@ -19,16 +20,7 @@ def test_engine_trains_on_cuda(recipe):
     model = GPT(GPTConfig(n_layers=2, d_model=128, n_heads=4, seq_len=128)).cuda()
     engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True),
                             recipe)
-    pattern = torch.randint(0, 256, (7,), device="cuda")
-    losses = []
-    for _ in range(40):
-        off = torch.randint(0, 7, (8,), device="cuda")
-        idx = pattern[(torch.arange(129, device="cuda")[None] + off[:, None]) % 7]
-        with engine.autocast():
-            loss = model(idx[:, :-1], idx[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = pattern_losses(engine, model, 40, period=7, device="cuda")
     assert losses[-1] < 0.5 * losses[0]
 
 

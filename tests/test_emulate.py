@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import cnn, tiny_gpt
+from conftest import cnn, pattern_losses, tiny_gpt
 from mixprec import MixedPrecision, formats, precision_context
 from mixprec.emulate import EmulationMode, mx_quantize, mx_scales
 from mixprec.fp8 import fp8_gemm
@@ -203,17 +203,7 @@ def test_mx_recipe_trains_through_the_engine():
     engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True),
                             "compute=fp6_e3m2,emulate=true")
     assert engine.emulating
-    g = torch.Generator().manual_seed(0)
-    pattern = torch.randint(0, 64, (5,), generator=g)
-    losses = []
-    for _ in range(40):
-        off = torch.randint(0, 5, (8,), generator=g)
-        idx = torch.stack([pattern[(torch.arange(33) + o) % 5] for o in off])
-        with engine.autocast():
-            loss = model(idx[:, :-1], idx[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = pattern_losses(engine, model, 40)
     assert losses[-1] < 0.5 * losses[0]
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import TiedLM, cnn, mlp, tiny_gpt
+from conftest import TiedLM, cnn, mlp, pattern_losses, tiny_gpt
 from mixprec import PRESETS, MixedPrecision, Recipe, SkipLimitError
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 compute on the CPU:UserWarning",
@@ -317,19 +317,7 @@ def test_every_preset_trains_a_small_gpt(preset):
     model = tiny_gpt(d_model=16 if small else 32, seq_len=16 if small else 32)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
     engine = MixedPrecision(model, opt, preset)
-    g = torch.Generator().manual_seed(0)
-    seq = model.config.seq_len
-    # a learnable stream: repeating random pattern of period 5
-    pattern = torch.randint(0, 64, (5,), generator=g)
-    losses = []
-    for _ in range(40 if small else 60):
-        off = torch.randint(0, 5, (8,), generator=g)
-        idx = torch.stack([pattern[(torch.arange(seq + 1) + o) % 5] for o in off])
-        with engine.autocast():
-            loss = model(idx[:, :-1], idx[:, 1:])
-        engine.backward(loss)
-        assert not bool(engine.step().skipped)
-        losses.append(loss.item())
+    losses = pattern_losses(engine, model, 40 if small else 60, check_applied=True)
     assert losses[-1] < 0.5 * losses[0], losses[::10]
 
 
