@@ -15,21 +15,18 @@ import time
 
 import torch
 
+from gpt_args import add_gpt_arguments, gpt_config  # benchmarks/, next to this script
 from mixprec import MixedPrecision
 from mixprec.diagnostics import NumericsMonitor
-from mixprec.workbench import GPT, GPTConfig
+from mixprec.workbench import GPT
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    add_gpt_arguments(ap, steps=40)
     ap.add_argument("--every", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--d-model", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
     args = ap.parse_args()
-    cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, n_heads=8, seq_len=args.seq)
+    cfg = gpt_config(args)
     idx = torch.randint(0, 256, (args.batch, args.seq + 1),
                         generator=torch.Generator().manual_seed(0))
 

@@ -16,23 +16,18 @@ import warnings
 
 import torch
 
+from gpt_args import add_gpt_arguments, gpt_config  # benchmarks/, next to this script
 from mixprec import MixedPrecision
-from mixprec.workbench import GPT, GPTConfig
+from mixprec.workbench import GPT
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--d-model", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=6)
+    add_gpt_arguments(ap, steps=6)
     ap.add_argument("--real-fp16-steps", type=int, default=1)
     args = ap.parse_args()
     warnings.simplefilter("ignore")
-    cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
-                    seq_len=args.seq)
+    cfg = gpt_config(args)
     idx = torch.randint(0, 256, (args.batch, args.seq + 1),
                         generator=torch.Generator().manual_seed(0))
 

@@ -22,25 +22,20 @@ import time
 
 import torch
 
+from gpt_args import add_gpt_arguments, gpt_config  # benchmarks/, next to this script
 from mixprec import MixedPrecision
-from mixprec.workbench import GPT, GPTConfig
+from mixprec.workbench import GPT
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--d-model", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=12)
+    add_gpt_arguments(ap, steps=12)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--pieces", action="store_true",
                     help="also time forward, backward and step apart (engine vs hand, "
                          "alternating each step): where the overhead is")
     args = ap.parse_args()
-    cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
-                    seq_len=args.seq)
+    cfg = gpt_config(args)
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=g)
     x, y = idx[:, :-1], idx[:, 1:]
