@@ -167,28 +167,28 @@ def _charts(report: dict) -> dict[str, str]:
     import matplotlib.pyplot as plt
 
     curves, rows = report["curves"], report["summary"]
-    charts = {}
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    for r, c in curves.items():
-        ys = c["loss"]
-        k = max(1, len(ys) // 30)
-        smooth = [sum(ys[max(0, i - k):i + 1]) / len(ys[max(0, i - k):i + 1])
-                  for i in range(len(ys))]
-        ax.plot(c["steps"], smooth, label=r)
-    ax.set_xlabel("step")
-    ax.set_ylabel("train loss (smoothed)")
-    ax.legend(fontsize=8)
-    ax.set_title("Training loss")
-    charts["train_loss"] = _svg(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    for r, c in curves.items():
-        ax.plot(c["val_steps"], c["val_loss"], marker="o", label=r)
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (fp32 eval)")
-    ax.legend(fontsize=8)
-    ax.set_title("Validation loss")
-    charts["val_loss"] = _svg(fig)
+    def smooth(ys):  # trailing mean over ~1/30 of the run
+        k = max(1, len(ys) // 30)
+        return [sum(ys[max(0, i - k):i + 1]) / len(ys[max(0, i - k):i + 1])
+                for i in range(len(ys))]
+
+    def lines(x_key, y_of, ylabel, title, **style):
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        for r, c in curves.items():
+            ax.plot(c[x_key], y_of(c), label=r, **style)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8)
+        ax.set_title(title)
+        return _svg(fig)
+
+    charts = {
+        "train_loss": lines("steps", lambda c: smooth(c["loss"]), "train loss (smoothed)",
+                            "Training loss"),
+        "val_loss": lines("val_steps", lambda c: c["val_loss"], "validation loss (fp32 eval)",
+                          "Validation loss", marker="o"),
+    }
 
     fig, ax = plt.subplots(figsize=(7, 3.2))
     names = [r["recipe"] for r in rows]
