@@ -121,12 +121,19 @@ def _round(t: torch.Tensor, f: Format) -> torch.Tensor:
     return t.to(fast).float() if fast is not None else formats.quantize(t, f)
 
 
+def _round_(t: torch.Tensor, f: Format) -> torch.Tensor:
+    """``_round`` into ``t`` itself (fp32): no second fp32 tensor is allocated."""
+    fast = _FAST.get(f.name)
+    with torch.no_grad():
+        t.copy_(t.to(fast) if fast is not None else formats.quantize(t, f))
+    return t
+
+
 def round_(tensors, fmt: str | Format) -> None:
     """Round fp32 tensors in place to ``fmt`` (parameters stored in low precision)."""
     f = formats.get(fmt)
-    with torch.no_grad():
-        for t in tensors:
-            t.copy_(_round(t.detach(), f))
+    for t in tensors:
+        _round_(t.detach(), f)
 
 
 def mx_scales(x: torch.Tensor, fmt: str | Format, dim: int = -1,
@@ -229,12 +236,8 @@ class EmulationMode(TorchDispatchMode):
         size of every low-precision activation.
         """
         f = fmt or self.out_fmt
-        if t.dtype == torch.float32 and not t.requires_grad and f.name in _FAST:
-            with torch.no_grad():
-                t.copy_(t.to(_FAST[f.name]))
-            out = t
-        else:
-            out = _round(t, f)
+        in_place = t.dtype == torch.float32 and not t.requires_grad
+        out = _round_(t, f) if in_place else _round(t, f)
         self.virtual[out] = True
         return out
 
@@ -271,10 +274,8 @@ class EmulationMode(TorchDispatchMode):
         def fix(o):
             if not (isinstance(o, torch.Tensor) and o.is_floating_point()):
                 return o
-            if id(o) in inputs:  # in place: round the tensor itself
-                with torch.no_grad():
-                    o.copy_(_round(o, self.out_fmt))
-                self.virtual[o] = True
+            if id(o) in inputs:  # an in-place op: round the tensor itself
+                self.virtual[_round_(o, self.out_fmt)] = True
                 return o
             return self._q(o)
 
@@ -291,29 +292,27 @@ class EmulationMode(TorchDispatchMode):
         its low-precision inputs are all emulated and the call takes the modelled path.
         """
         ea = emulate_attention
-        rnd = lambda t: _round(t, self.out_fmt)  # noqa: E731
-        if func is _FLASH:
-            names = ("dropout_p", "is_causal")
-            q, k, v, *rest = args
-            opt = {**dict(zip(names, rest)), **kwargs}
-            if not (ea.modelled(q, k, v, opt.get("dropout_p", 0.0), opt.get("attn_mask"))
-                    and all(t in self.virtual for t in (q, k, v))):
-                return None
-            out, lse = ea.flash_attention_forward(q, k, v, opt.get("is_causal", False),
-                                                  opt.get("scale"), rnd, opt.get("attn_mask"))
-            self.virtual[out] = True
-            return out, lse
-        grad_out, q, k, v, out, lse, *rest = args
+        bwd = func is _FLASH_BWD
+        grad_out, q, k, v, out, lse, *rest = args if bwd else (None, *args[:3], None, None,
+                                                                 *args[3:])
         opt = {**dict(zip(("dropout_p", "is_causal"), rest)), **kwargs}
+        low = (grad_out, q, k, v, out) if bwd else (q, k, v)
         if not (ea.modelled(q, k, v, opt.get("dropout_p", 0.0), opt.get("attn_mask"))
-                and all(t in self.virtual for t in (grad_out, q, k, v, out))):
+                and all(t in self.virtual for t in low)):
             return None
-        grads = ea.flash_attention_backward(grad_out, q, k, v, out, lse,
-                                            opt.get("is_causal", False), opt.get("scale"), rnd,
-                                            opt.get("attn_mask"))
-        for g in grads:
-            self.virtual[g] = True
-        return grads
+
+        def rnd(t):
+            return _round(t, self.out_fmt)
+
+        causal, scale, mask = opt.get("is_causal", False), opt.get("scale"), opt.get("attn_mask")
+        if bwd:
+            results = ea.flash_attention_backward(grad_out, q, k, v, out, lse, causal, scale,
+                                                  rnd, mask)
+        else:
+            results = ea.flash_attention_forward(q, k, v, causal, scale, rnd, mask)
+        for r in results[:3 if bwd else 1]:  # the forward's logsumexp is a real fp32 tensor
+            self.virtual[r] = True
+        return results
 
     def _mx_matmul(self, func, args, kwargs):
         f = self.mx
