@@ -1,6 +1,7 @@
 """Engine overhead and bf16 speed-up on the workbench GPT, against hand-written loops.
 
     python benchmarks/engine.py [--layers 6 --d-model 512 --batch 8 --seq 256 --steps 8]
+                                [--recipe bf16] [--pieces]
 
 Loops train the same GPT on the same batch, interleaved step by step in two phases
 (engine vs hand-written bf16 for the overhead; fp32, hand-written bf16 and the engine
@@ -8,9 +9,10 @@ for the speed-ups), the order rotating every round, so a noisy neighbour hits al
 loops of a phase alike.
 - ``fp32``: plain torch, AdamW(fused=True);
 - ``hand bf16``: ``torch.autocast("cpu", bfloat16)`` + the same optimizer, by hand;
-- ``mixprec bf16``: ``MixedPrecision(model, opt, "bf16")`` — the same plus FP32
-  islands (layer_norm, softmax, loss in fp32), the non-finite check and skip, and the
-  global gradient norm.
+- ``mixprec``: ``MixedPrecision(model, opt, recipe)`` (``--recipe``, default ``bf16``):
+  the same plus FP32 islands (layer_norm, softmax, loss in fp32), the non-finite check
+  and skip, and the global gradient norm. With another recipe (``bf16,wgrad=fp32``,
+  ``bf16-master``) the "overhead" is what that recipe costs over the plain bf16 loop.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     add_gpt_arguments(ap, steps=12)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--recipe", default="bf16", help="the engine's recipe (default bf16)")
     ap.add_argument("--pieces", action="store_true",
                     help="also time forward, backward and step apart (engine vs hand, "
                          "alternating each step): where the overhead is")
@@ -48,7 +51,7 @@ def main() -> None:
     m32, o32 = make()
     mh, oh = make()
     me, oe = make()
-    engine = MixedPrecision(me, oe, "bf16")
+    engine = MixedPrecision(me, oe, args.recipe)
 
     def fp32_step():
         loss = m32(x, y)
@@ -82,20 +85,22 @@ def main() -> None:
 
     # Two phases, each an interleaved pair: the fp32 loop's large allocations perturb
     # whichever loop follows it, so it is kept out of the overhead comparison.
-    over = measure({"hand bf16": hand_step, "mixprec bf16": engine_step})
-    speed = measure({"fp32": fp32_step, "hand bf16": hand_step, "mixprec bf16": engine_step})
+    mine = f"mixprec {args.recipe}"
+    over = measure({"hand bf16": hand_step, mine: engine_step})
+    speed = measure({"fp32": fp32_step, "hand bf16": hand_step, mine: engine_step})
     tokens = args.batch * args.seq
     print(f"# GPT {args.layers}x{args.d_model} ({cfg.n_params / 1e6:.1f}M params), batch "
           f"{args.batch}x{args.seq}, median of {args.steps} interleaved steps per phase, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
-    print(f"{'phase':<10} {'loop':<14} {'step (ms)':>10} {'tokens/s':>10}")
+    w = max(14, len(mine))
+    print(f"{'phase':<10} {'loop':<{w}} {'step (ms)':>10} {'tokens/s':>10}")
     for phase, med in (("overhead", over), ("speed-up", speed)):
         for k, v in med.items():
-            print(f"{phase:<10} {k:<14} {v * 1e3:>10.1f} {tokens / v:>10.0f}")
+            print(f"{phase:<10} {k:<{w}} {v * 1e3:>10.1f} {tokens / v:>10.0f}")
     print(f"engine overhead vs hand-written bf16 loop: "
-          f"{(over['mixprec bf16'] / over['hand bf16'] - 1) * 100:+.1f}%")
-    print(f"speed-up over fp32 (same phase): mixprec bf16 "
-          f"{speed['fp32'] / speed['mixprec bf16']:.2f}x, hand-written bf16 "
+          f"{(over[mine] / over['hand bf16'] - 1) * 100:+.1f}%")
+    print(f"speed-up over fp32 (same phase): {mine} "
+          f"{speed['fp32'] / speed[mine]:.2f}x, hand-written bf16 "
           f"{speed['fp32'] / speed['hand bf16']:.2f}x")
     if args.pieces:
         pieces(args, engine, me, mh, oh, x, y)

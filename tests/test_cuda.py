@@ -66,3 +66,18 @@ def test_emulation_matches_real_kernels_on_cuda(fmt):
     ok = torch.cat([((e - r.float()).abs() <= formats.ulp(r.float(), fmt)).flatten()
                     for e, r in zip(emulated, real)])
     assert ok.float().mean() >= 0.99
+
+
+def test_fp32_weight_grads_on_cuda():
+    """wgrad=fp32 on CUDA: mm(out_dtype=fp32) gives the float64 sum of the bf16 products
+    to fp32 precision, where autocast's bf16 weight gradient is ~2^-9 off."""
+    from mixprec.wgrad import _mm_fp32
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 4096, generator=g).bfloat16()
+    b = torch.randn(4096, 96, generator=g).bfloat16()
+    ref = a.double() @ b.double()
+    got = _mm_fp32(a.cuda(), b.cuda()).cpu()
+    assert got.dtype == torch.float32
+    assert ((got.double() - ref).norm() / ref.norm()) < 1e-6
+    assert (((a.cuda() @ b.cuda()).cpu().double() - ref).norm() / ref.norm()) > 1e-4

@@ -19,7 +19,8 @@ from mixprec import MixedPrecision
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 compute on the CPU:UserWarning",
                                         "ignore:fp16 has no fast kernels:UserWarning")
 
-RECIPES = ["bf16", "bf16-master", "fp16", "fp16-master", "fp8", "fp8-current"]
+RECIPES = ["bf16", "bf16-master", "bf16-master,wgrad=fp32", "fp16", "fp16-master",
+           "fp8", "fp8-current"]
 
 
 @contextlib.contextmanager

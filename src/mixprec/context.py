@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from mixprec.emulate import leave_low_precision
 from mixprec.recipe import MX_COMPUTE, Recipe
+from mixprec.wgrad import Fp32WeightGrads, GradSink, upcast_param
 
 __all__ = ["precision_context", "Fp32Islands", "device_supports", "fp32_island_modules",
            "wrap_fp32_modules", "has_fast_kernels", "emulating", "make_emulation_mode"]
@@ -103,21 +104,23 @@ def device_supports(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def _up(x):
+def _up(x, sink: GradSink | None = None):
     if isinstance(x, torch.Tensor) and x.is_floating_point():
+        up = upcast_param(x, sink)  # wgrad=fp32: the parameter's gradient stays fp32
         # under an active EmulationMode this also rounds the gradient coming back
-        return leave_low_precision(x)
+        return up if up is not None else leave_low_precision(x)
     if isinstance(x, (list, tuple)):
-        return type(x)(_up(v) for v in x)
+        return type(x)(_up(v, sink) for v in x)
     return x
 
 
 class Fp32Islands(TorchFunctionMode):
     """Run the listed functions in fp32: inputs upcast, autocast off, fp32 outputs."""
 
-    def __init__(self, keep: tuple[str, ...], device_type: str) -> None:
+    def __init__(self, keep: tuple[str, ...], device_type: str,
+                 sink: GradSink | None = None) -> None:
         super().__init__()
-        self.device_type = device_type
+        self.device_type, self.sink = device_type, sink
         self.funcs = frozenset(f for k in keep for f in _NORM_FUNCS.get(k, ()))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -127,7 +130,8 @@ class Fp32Islands(TorchFunctionMode):
         if kwargs.get("dtype") is not None:  # softmax(x, dim, dtype=...) asked for a dtype
             kwargs = {**kwargs, "dtype": torch.float32}
         with torch.autocast(self.device_type, enabled=False):
-            return func(*_up(args), **{k: _up(v) for k, v in kwargs.items()})
+            return func(*_up(args, self.sink),
+                        **{k: _up(v, self.sink) for k, v in kwargs.items()})
 
 
 def fp32_island_modules(model: nn.Module, keep: tuple[str, ...]) -> list[nn.Module]:
@@ -195,8 +199,12 @@ def make_emulation_mode(recipe: Recipe):
 
 @contextlib.contextmanager
 def precision_context(recipe: Recipe | str, device: torch.device | str,
-                      emulate: bool | None = None, mode=None) -> Iterator[None]:
+                      emulate: bool | None = None, mode=None,
+                      sink: GradSink | None = None) -> Iterator[None]:
     """Enter the recipe's precision for a forward pass (and the loss).
+
+    ``sink`` (the engine's ``GradState``) receives the fp32 gradients of low-precision
+    parameters under ``wgrad=fp32``; without it only fp32 parameters get them.
 
     >>> import torch
     >>> with precision_context("bf16", "cpu"):
@@ -205,6 +213,8 @@ def precision_context(recipe: Recipe | str, device: torch.device | str,
     """
     r = Recipe.coerce(recipe)
     dev = torch.device(device)
+    if r.wgrad != "fp32":
+        sink = None
     with contextlib.ExitStack() as stack:
         if r.compute == "tf32":
             stack.enter_context(_tf32())
@@ -215,6 +225,12 @@ def precision_context(recipe: Recipe | str, device: torch.device | str,
             mode = make_emulation_mode(r)
         if emulate and mode is not None:
             stack.enter_context(mode)
+        if r.wgrad == "fp32" and r.uses_autocast:
+            if emulate:
+                raise NotImplementedError(
+                    f"recipe {str(r)!r}: wgrad=fp32 under emulation is not supported (the "
+                    "emulated GEMMs round their outputs); set emulate=false or drop wgrad")
+            stack.enter_context(Fp32WeightGrads(dev.type, sink))
         if r.has_fp32_islands:
-            stack.enter_context(Fp32Islands(r.keep_fp32, dev.type))
+            stack.enter_context(Fp32Islands(r.keep_fp32, dev.type, sink))
         yield

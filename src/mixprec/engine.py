@@ -162,6 +162,11 @@ class MixedPrecision:
         self.world_size = 1
         self.comm_stats = None
         if parallel is not None:
+            if r.wgrad == "fp32":
+                raise NotImplementedError(
+                    f"recipe {str(r)!r}: wgrad=fp32 with parallel={parallel!r} is not "
+                    "supported: the gradient reducers read .grad, which fp32 weight "
+                    "gradients skip. Drop wgrad (or parallel).")
             require_process_group(parallel)
             self.world_size = dist.get_world_size()
             if r.compute == "fp8" and parallel == "fsdp":
@@ -187,6 +192,10 @@ class MixedPrecision:
         self.device = params[0].device
         self.emulating = emulating(r, self.device)
         self._check_device(r)
+        if r.wgrad == "fp32" and self.emulating:
+            raise NotImplementedError(
+                f"recipe {str(r)!r}: wgrad=fp32 under emulation is not supported (the "
+                "emulated GEMMs round their outputs); set emulate=false or drop wgrad")
         # one mode for the engine's life: backward must see the tags forward made
         self._emu_mode = make_emulation_mode(r) if self.emulating else None
         self.fp8_report = None
@@ -277,7 +286,7 @@ class MixedPrecision:
     def autocast(self) -> Iterator[None]:
         """The recipe's precision for the forward pass and the loss."""
         with precision_context(self.recipe, self.device, emulate=self.emulating,
-                               mode=self._emu_mode):
+                               mode=self._emu_mode, sink=self.grads):
             yield
 
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:

@@ -16,6 +16,10 @@ Plain fp32 accumulation of n equal terms has a relative error that grows like nÂ
 7e-6 for 4096 terms. Compensated, it stays at one rounding, ~1e-8. It costs one more
 buffer per parameter, and is worth it only for very long accumulations.
 
+With ``wgrad=fp32`` (``mixprec.wgrad``) the fp32 weight gradients of low-precision
+working parameters skip ``.grad``: backward adds them to the buffers directly
+(``add_fp32_grad``), so no bf16 rounding happens between the GEMM and the buffer.
+
 When autograd can accumulate in place (fp32 params, fp32 grads, plain accumulation),
 there are no buffers. ``.grad`` is the fp32 accumulator.
 """
@@ -90,7 +94,11 @@ class GradState:
         idx = [i for i, p in enumerate(self.working) if p.grad is not None]
         if not idx:
             return
-        new = [self.working[i].grad for i in idx]
+        self._add(idx, [self.working[i].grad for i in idx])
+        for i in idx:
+            self.working[i].grad = None
+
+    def _add(self, idx: list[int], new: list[torch.Tensor]) -> None:
         bufs = [self.bufs[i] for i in idx]
         if self.kahan:
             # Kahan: y = g - c; t = s + y; c = (t - s) - y; s = t   (all in buffer dtype)
@@ -103,8 +111,17 @@ class GradState:
             torch._foreach_copy_(bufs, t)
         else:
             torch._foreach_add_(bufs, new)
-        for i in idx:
-            self.working[i].grad = None
+
+    # --- the sink for wgrad=fp32 (mixprec.wgrad), during backward -------------------
+
+    def wants_fp32_grad(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is a low-precision working parameter with an fp32 buffer."""
+        return (not self.direct and p.dtype != torch.float32 and id(p) in self.index
+                and self.bufs[self.index[id(p)]].dtype == torch.float32)
+
+    def add_fp32_grad(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add an fp32 gradient of working parameter ``p`` straight into its buffer."""
+        self._add([self.index[id(p)]], [grad])
 
     # --- at the optimizer step ----------------------------------------------------
 

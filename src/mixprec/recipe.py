@@ -40,6 +40,7 @@ AmaxAlgo = Literal["max", "most_recent"]
 Fp8Gemm = Literal["auto", "scaled_mm", "dequant"]
 OnSkipLimit = Literal["warn", "raise"]
 GradAccum = Literal["plain", "kahan"]
+Wgrad = Literal["compute", "fp32"]
 
 #: What ``keep_fp32`` may name: module families and functional ops run in FP32.
 KEEP_FP32_CHOICES = (
@@ -67,6 +68,9 @@ class Recipe:
     - ``master``: ``fp32`` keeps an FP32 master copy that the optimizer updates.
     - ``grads``: dtype gradients are accumulated in across micro-batches;
       ``grad_accum``: ``plain`` additions or ``kahan`` (compensated) summation.
+    - ``wgrad``: precision of the weight-gradient GEMM's output: ``compute`` (rounded to
+      the compute dtype, as autocast does) or ``fp32`` (added to the fp32 buffers
+      unrounded; ``mixprec.wgrad``).
     - ``comm``: dtype gradients are reduced in across data-parallel ranks.
     - ``loss_scale``: ``none``, ``static`` (always ``init_scale``) or ``dynamic``; the
       dynamic rule: any inf/NaN skips the step and, after ``hysteresis`` consecutive
@@ -95,6 +99,7 @@ class Recipe:
     master: MasterDtype = "none"
     grads: StoreDtype = "fp32"
     grad_accum: GradAccum = "plain"
+    wgrad: Wgrad = "compute"
     comm: StoreDtype = "fp32"
     loss_scale: LossScaleKind = "none"
     init_scale: float = 2.0**16
@@ -180,6 +185,14 @@ class Recipe:
                 "recipe: grads='fp16' with loss_scale='none' loses every gradient below "
                 "6e-8. Set loss_scale=dynamic, or grads=fp32 (the default)."
             )
+        if self.wgrad == "fp32" and self.grads != "fp32":
+            raise ValueError(
+                f"recipe: wgrad='fp32' with grads={self.grads!r}: fp32 weight gradients need "
+                "fp32 buffers to land in. Set grads=fp32 (the default), or drop wgrad.")
+        if self.wgrad == "fp32" and not self.uses_autocast:
+            warnings.warn(
+                f"recipe: wgrad='fp32' with compute={self.compute!r}: weight gradients are "
+                "fp32 already. It is harmless; drop wgrad.", stacklevel=3)
         if self.loss_scale != "none" and "fp16" not in (self.compute, self.params, self.grads) \
                 and self.compute not in MX_COMPUTE:
             warnings.warn(
@@ -303,7 +316,7 @@ _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 _LITERALS = {
     "compute": ComputeDtype, "params": StoreDtype, "master": MasterDtype, "grads": StoreDtype,
-    "comm": StoreDtype, "grad_accum": GradAccum, "loss_scale": LossScaleKind,
+    "comm": StoreDtype, "grad_accum": GradAccum, "wgrad": Wgrad, "loss_scale": LossScaleKind,
     "on_skip_limit": OnSkipLimit,
     "fp8_scaling": Fp8Scaling, "fp8_format": Fp8Format, "amax_compute_algo": AmaxAlgo,
     "fp8_gemm": Fp8Gemm,

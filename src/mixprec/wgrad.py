@@ -1,0 +1,168 @@
+"""FP32 weight gradients (recipe ``wgrad=fp32``).
+
+Under autocast a Linear's weight gradient is a GEMM in the compute dtype. Its output is
+rounded to bf16 (fp16) before any fp32 buffer sees it, so each micro-batch's gradient
+carries a relative error of up to 2^-9 (bf16), and accumulation over micro-batches
+matches one big batch only to bf16 precision. With ``-master`` recipes the parameters
+themselves are bf16, so every parameter's gradient is rounded that way: norm weights,
+embeddings, biases.
+
+``wgrad=fp32`` computes those gradients with an fp32 output and adds them to the
+engine's fp32 buffers without a detour through a low-precision ``.grad`` (Megatron-LM
+calls this gradient-accumulation fusion). A product of two bf16 (or two fp16) numbers
+is exact in fp32, so what is left is fp32 summation error:
+
+- ``F.linear`` under autocast: the forward is the same low-precision GEMM; in the
+  backward the input gradient stays in the compute dtype, and the weight and bias
+  gradients come out in fp32. On CUDA that is ``torch.mm(..., out_dtype=torch.float32)``
+  at low-precision speed. CPU torch has no bf16-in, fp32-out GEMM, so there the operands
+  are upcast and the weight-gradient GEMMs (a third of a Linear's work) run in fp32.
+- ``F.embedding`` of a low-precision table: the gradient rows add up in fp32.
+- FP32 islands (norms): a low-precision parameter's upcast passes its fp32 gradient on.
+
+Not covered (their gradients keep the compute dtype's rounding): convolutions, and
+weights used outside ``F.linear`` (``x @ w.t()``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["GradSink", "Fp32WeightGrads", "upcast_param"]
+
+
+class GradSink(Protocol):
+    """Where fp32 gradients of low-precision parameters go (the engine's ``GradState``)."""
+
+    def wants_fp32_grad(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is a low-precision parameter with an fp32 buffer."""
+
+    def add_fp32_grad(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add the fp32 ``grad`` (already scaled) to ``p``'s buffer."""
+
+
+def _route(p: torch.Tensor | None, grad: torch.Tensor, sink: GradSink | None):
+    """What to hand autograd for parameter ``p`` given its fp32 gradient."""
+    if p is None:
+        return None
+    if p.dtype == torch.float32:
+        return grad  # autograd accumulates it into the fp32 .grad
+    if sink is not None and sink.wants_fp32_grad(p):
+        sink.add_fp32_grad(p, grad)
+        return None
+    return grad.to(p.dtype)  # nowhere to keep fp32: the usual rounding
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of low-precision matrices with an fp32 result, products exact."""
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # an older torch without mm(out_dtype=)
+            pass
+    return torch.mm(a.float(), b.float())
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b, dtype, sink):
+        xc, wc = x.to(dtype), w.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):  # what autocast would run
+            out = F.linear(xc, wc, None if b is None else b.to(dtype))
+        ctx.save_for_backward(xc, wc)
+        ctx.params, ctx.sink = (w, b), sink
+        return out
+
+    @staticmethod
+    def backward(ctx, gy):
+        xc, wc = ctx.saved_tensors
+        w, b = ctx.params
+        gy = gy.to(wc.dtype)
+        dx = gy @ wc if ctx.needs_input_grad[0] else None
+        g2 = gy.reshape(-1, gy.shape[-1])
+        dw = db = None
+        if ctx.needs_input_grad[1]:
+            dw = _route(w, _mm_fp32(g2.t(), xc.reshape(-1, xc.shape[-1])), ctx.sink)
+        if b is not None and ctx.needs_input_grad[2]:
+            db = _route(b, g2.float().sum(0), ctx.sink)
+        return dx, dw, db, None, None
+
+
+class _Embedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, idx, w, padding_idx, sink):
+        ctx.save_for_backward(idx)
+        ctx.w, ctx.padding_idx, ctx.sink = w, padding_idx, sink
+        return F.embedding(idx, w, padding_idx)
+
+    @staticmethod
+    def backward(ctx, gy):
+        (idx,) = ctx.saved_tensors
+        w = ctx.w
+        g = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        g.index_add_(0, idx.reshape(-1), gy.reshape(-1, w.shape[-1]).float())
+        if ctx.padding_idx is not None:
+            g[ctx.padding_idx] = 0
+        return None, _route(w, g, ctx.sink), None, None
+
+
+class _Upcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, p, sink):
+        ctx.p, ctx.sink = p, sink
+        return p.float()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _route(ctx.p, g.float(), ctx.sink), None
+
+
+def upcast_param(x: torch.Tensor, sink: GradSink | None) -> torch.Tensor | None:
+    """``x.float()`` whose gradient reaches ``sink`` in fp32, for a low-precision
+    parameter the sink buffers; None for any other tensor (upcast it the usual way)."""
+    if (sink is not None and isinstance(x, torch.Tensor) and x.requires_grad
+            and x.dtype != torch.float32 and sink.wants_fp32_grad(x)):
+        return _Upcast.apply(x, sink)
+    return None
+
+
+def _pick(args, kwargs, names):
+    return [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names)]
+
+
+class Fp32WeightGrads(TorchFunctionMode):
+    """Route ``F.linear`` and ``F.embedding`` so weight gradients come out in fp32.
+
+    Active only where autocast is on for ``device_type`` (so not inside FP32 islands).
+    Low-precision parameters that ``sink`` buffers get their fp32 gradient there; fp32
+    parameters get it through autograd as usual.
+    """
+
+    def __init__(self, device_type: str, sink: GradSink | None = None) -> None:
+        super().__init__()
+        self.device_type, self.sink = device_type, sink
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and torch.is_autocast_enabled(self.device_type):
+            x, w, b = _pick(args, kwargs, ("input", "weight", "bias"))
+            dtype = torch.get_autocast_dtype(self.device_type)
+            if (isinstance(w, torch.Tensor) and w.requires_grad and w.is_floating_point()
+                    and isinstance(x, torch.Tensor) and x.is_floating_point()
+                    and dtype != torch.float32):
+                return _Linear.apply(x, w, b, dtype, self.sink)
+        elif func is F.embedding and self.sink is not None:
+            idx, w, pad, max_norm, _, by_freq, sparse = _pick(args, kwargs, (
+                "input", "weight", "padding_idx", "max_norm", "norm_type",
+                "scale_grad_by_freq", "sparse"))
+            if (max_norm is None and not by_freq and not sparse
+                    and isinstance(w, torch.Tensor) and w.requires_grad
+                    and w.dtype != torch.float32 and self.sink.wants_fp32_grad(w)):
+                if pad is not None and pad < 0:
+                    pad += w.shape[0]
+                return _Embedding.apply(idx, w, pad, self.sink)
+        return func(*args, **kwargs)
