@@ -204,3 +204,19 @@ def test_bad_combinations_say_what_to_change():
 def test_recipe_string_round_trips():
     r = Recipe.parse("bf16-master,wgrad=fp32")
     assert r.wgrad == "fp32" and Recipe.parse(str(r)) == r
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "bf16-master"])
+def test_memory_measure_counts_the_same_bytes_in_the_same_places(recipe):
+    """wgrad=fp32 saves the same tensors for backward; measure() must still tell the
+    weight casts from the activations."""
+    from mixprec.memory import measure
+
+    idx = torch.randint(0, 64, (4, 33))
+    items = {}
+    for r in (recipe, recipe + ",wgrad=fp32"):
+        model = tiny_gpt()
+        engine = MixedPrecision(model, torch.optim.AdamW(model.parameters()), r)
+        items[r] = measure(model, engine, (idx[:, :-1], idx[:, 1:])).items
+    plain, fused = items.values()
+    assert plain == fused and plain["weight_casts"] > 0

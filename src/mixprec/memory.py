@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from mixprec.recipe import Recipe
+from mixprec.wgrad import WEIGHT_CAST_TAG
 
 __all__ = ["Breakdown", "TransformerSpec", "estimate", "measure", "parse_count",
            "activation_bytes", "ITEMS"]
@@ -336,6 +337,8 @@ _VIEW_NODES = ("TBackward", "ViewBackward", "TransposeBackward", "PermuteBackwar
 
 
 def _is_weight_cast(t: torch.Tensor, param_ids: set[int], shapes: set) -> bool:
+    if getattr(t, WEIGHT_CAST_TAG, False):  # cast inside mixprec.wgrad's Linear
+        return True
     fn = t.grad_fn
     for _ in range(4):  # through views (t(), view, transpose) to the cast itself
         if fn is None or type(fn).__name__.startswith("ToCopyBackward"):

@@ -32,7 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["GradSink", "Fp32WeightGrads", "upcast_param"]
+__all__ = ["GradSink", "Fp32WeightGrads", "upcast_param", "WEIGHT_CAST_TAG"]
+
+#: attribute set on the low-precision weight copies this module saves for backward, so
+#: ``mixprec.memory.measure`` counts them as weight casts, as it does autocast's
+WEIGHT_CAST_TAG = "_mixprec_weight_cast"
 
 
 class GradSink(Protocol):
@@ -71,6 +75,8 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, dtype, sink):
         xc, wc = x.to(dtype), w.to(dtype)
+        if wc is not w:
+            setattr(wc, WEIGHT_CAST_TAG, True)
         with torch.autocast(x.device.type, enabled=False):  # what autocast would run
             out = F.linear(xc, wc, None if b is None else b.to(dtype))
         ctx.save_for_backward(xc, wc)
@@ -114,7 +120,9 @@ class _Upcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p, sink):
         ctx.p, ctx.sink = p, sink
-        return p.float()
+        up = p.float()
+        setattr(up, WEIGHT_CAST_TAG, True)
+        return up
 
     @staticmethod
     def backward(ctx, g):
