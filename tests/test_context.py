@@ -115,3 +115,47 @@ def test_fp16_emulated_where_slow(monkeypatch):
     assert torch.equal(y, formats.quantize(y, "fp16"))  # ... holding fp16 values
     with precision_context("fp16,emulate=false", "cpu"):
         assert torch.equal(lin(x).float(), y)  # the same bits as the real fp16 kernel
+
+
+class _Checkpointed(nn.Module):
+    """A block whose body (Linear, LayerNorm, GELU, softmax, Linear) may be recomputed
+    in backward by torch.utils.checkpoint."""
+
+    def __init__(self, mode: str | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mode = mode
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(),
+                                  nn.Softmax(-1), nn.Linear(32, 16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        if self.mode is None:
+            return self.head(self.body(x))
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.body, x, use_reentrant=self.mode == "reentrant"))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("recipe", ["bf16", "bf16-master", "fp16-master",
+                                    "bf16-master,wgrad=fp32", "fp8", "fp16,emulate=true"])
+@pytest.mark.parametrize("mode", ["non-reentrant", "reentrant"])
+def test_activation_checkpointing_recomputes_with_the_islands(recipe, mode):
+    """torch.utils.checkpoint recomputes in backward with autocast restored but not
+    function modes; without engine.backward keeping them on, the recomputed LayerNorm
+    runs in bf16 and torch raises CheckpointError. With them: identical gradients."""
+    from mixprec import MixedPrecision
+
+    x = torch.randn(8, 16, requires_grad=mode == "reentrant")
+    y = torch.randint(0, 4, (8,))
+    grads = []
+    for m in (None, mode):
+        model = _Checkpointed(m)
+        engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), recipe)
+        with engine.autocast():
+            loss = F.cross_entropy(model(x), y)
+        engine.backward(loss)
+        grads.append([g.clone() for g in engine.grads.grads()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)

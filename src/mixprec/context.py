@@ -37,8 +37,9 @@ from mixprec.emulate import leave_low_precision
 from mixprec.recipe import MX_COMPUTE, Recipe
 from mixprec.wgrad import Fp32WeightGrads, GradSink, upcast_param
 
-__all__ = ["precision_context", "Fp32Islands", "device_supports", "fp32_island_modules",
-           "wrap_fp32_modules", "has_fast_kernels", "emulating", "make_emulation_mode"]
+__all__ = ["precision_context", "recompute_context", "Fp32Islands", "device_supports",
+           "fp32_island_modules", "wrap_fp32_modules", "has_fast_kernels", "emulating",
+           "make_emulation_mode"]
 
 _NORM_FUNCS: dict[str, tuple[Callable, ...]] = {
     "layer_norm": (F.layer_norm, torch.layer_norm),
@@ -115,17 +116,23 @@ def _up(x, sink: GradSink | None = None):
 
 
 class Fp32Islands(TorchFunctionMode):
-    """Run the listed functions in fp32: inputs upcast, autocast off, fp32 outputs."""
+    """Run the listed functions in fp32: inputs upcast, autocast off, fp32 outputs.
+
+    ``only_under_autocast``: act only where autocast is on for ``device_type`` (used
+    during backward, where that means "inside an activation-checkpoint recomputation").
+    """
 
     def __init__(self, keep: tuple[str, ...], device_type: str,
-                 sink: GradSink | None = None) -> None:
+                 sink: GradSink | None = None, only_under_autocast: bool = False) -> None:
         super().__init__()
         self.device_type, self.sink = device_type, sink
+        self.only_under_autocast = only_under_autocast
         self.funcs = frozenset(f for k in keep for f in _NORM_FUNCS.get(k, ()))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in self.funcs:
+        if func not in self.funcs or (self.only_under_autocast and
+                                      not torch.is_autocast_enabled(self.device_type)):
             return func(*args, **kwargs)
         if kwargs.get("dtype") is not None:  # softmax(x, dim, dtype=...) asked for a dtype
             kwargs = {**kwargs, "dtype": torch.float32}
@@ -197,6 +204,18 @@ def make_emulation_mode(recipe: Recipe):
     return EmulationMode(recipe.compute, recipe.compute_dtype)
 
 
+def _function_modes(stack: contextlib.ExitStack, r: Recipe, dev: torch.device,
+                    sink: GradSink | None, in_backward: bool) -> None:
+    """Enter the wgrad=fp32 routing and the FP32 islands (function modes)."""
+    if r.wgrad != "fp32":
+        sink = None  # only wgrad=fp32 sends parameter gradients past .grad
+    elif r.uses_autocast:
+        stack.enter_context(Fp32WeightGrads(dev.type, sink))
+    if r.has_fp32_islands:
+        stack.enter_context(Fp32Islands(r.keep_fp32, dev.type, sink,
+                                        only_under_autocast=in_backward))
+
+
 @contextlib.contextmanager
 def precision_context(recipe: Recipe | str, device: torch.device | str,
                       emulate: bool | None = None, mode=None,
@@ -213,8 +232,6 @@ def precision_context(recipe: Recipe | str, device: torch.device | str,
     """
     r = Recipe.coerce(recipe)
     dev = torch.device(device)
-    if r.wgrad != "fp32":
-        sink = None
     with contextlib.ExitStack() as stack:
         if r.compute == "tf32":
             stack.enter_context(_tf32())
@@ -225,12 +242,28 @@ def precision_context(recipe: Recipe | str, device: torch.device | str,
             mode = make_emulation_mode(r)
         if emulate and mode is not None:
             stack.enter_context(mode)
-        if r.wgrad == "fp32" and r.uses_autocast:
-            if emulate:
-                raise NotImplementedError(
-                    f"recipe {str(r)!r}: wgrad=fp32 under emulation is not supported (the "
-                    "emulated GEMMs round their outputs); set emulate=false or drop wgrad")
-            stack.enter_context(Fp32WeightGrads(dev.type, sink))
-        if r.has_fp32_islands:
-            stack.enter_context(Fp32Islands(r.keep_fp32, dev.type, sink))
+        if r.wgrad == "fp32" and r.uses_autocast and emulate:
+            raise NotImplementedError(
+                f"recipe {str(r)!r}: wgrad=fp32 under emulation is not supported (the "
+                "emulated GEMMs round their outputs); set emulate=false or drop wgrad")
+        _function_modes(stack, r, dev, sink, in_backward=False)
+        yield
+
+
+@contextlib.contextmanager
+def recompute_context(recipe: Recipe | str, device: torch.device | str,
+                      sink: GradSink | None = None) -> Iterator[None]:
+    """What ``backward`` runs under, so activation checkpointing recomputes a segment
+    exactly as the forward pass computed it.
+
+    ``torch.utils.checkpoint`` reruns forward segments during backward with the
+    forward's autocast state restored, but not its function modes. Without them the
+    recomputed norms would run in bf16 where the forward ran them in fp32, and torch
+    raises ``CheckpointError``. Here the FP32 islands and the ``wgrad=fp32`` routing act
+    only where autocast is on, which in backward means inside such a recomputation, so
+    backward formulas (custom autograd Functions included) are left alone.
+    """
+    with contextlib.ExitStack() as stack:
+        _function_modes(stack, Recipe.coerce(recipe), torch.device(device), sink,
+                        in_backward=True)
         yield

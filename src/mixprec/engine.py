@@ -50,6 +50,7 @@ from mixprec.context import (
     has_fast_kernels,
     make_emulation_mode,
     precision_context,
+    recompute_context,
     wrap_fp32_modules,
 )
 from mixprec.distributed import (
@@ -90,6 +91,24 @@ class StepResult:
 
 
 @functools.cache
+def _run_backward(loss: torch.Tensor, retain_graph: bool) -> None:
+    """``loss.backward()``, with the precision context's function modes still on.
+
+    ``Tensor.backward`` is itself a call that function modes intercept, and torch pops
+    the intercepting mode before the autograd engine runs. So activation-checkpoint
+    recomputation inside backward would run without the FP32 islands (and raise
+    ``CheckpointError``: its norms would come out bf16). Entering the autograd engine
+    one level lower keeps the modes on. Falls back to ``loss.backward()`` if that
+    entry point ever moves.
+    """
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if run is None:
+        loss.backward(retain_graph=retain_graph)
+        return
+    run((loss,), (torch.ones_like(loss),), retain_graph, False, (),
+        allow_unreachable=True, accumulate_grad=True)
+
+
 def _fused_updates(cls: type, dtype: torch.dtype, device: str) -> bool:
     """Whether ``cls(fused=True)`` really moves a 32-element ``dtype`` parameter. torch
     2.13's fused SGD on the CPU leaves fp16/bf16 parameters of >= 16 elements untouched."""
@@ -311,7 +330,9 @@ class MixedPrecision:
                 stack.callback(self.model.set_requires_gradient_sync, True)
             if self._emu_mode is not None:  # backward ops round like real kernels do
                 stack.enter_context(self._emu_mode)
-            scaled.backward(retain_graph=retain_graph)
+            # activation checkpointing recomputes forward segments in here
+            stack.enter_context(recompute_context(self.recipe, self.device, self.grads))
+            _run_backward(scaled, retain_graph)
         self.grads.accumulate()
         self._micro += 1
 
