@@ -159,3 +159,29 @@ def test_activation_checkpointing_recomputes_with_the_islands(recipe, mode):
         grads.append([g.clone() for g in engine.grads.grads()])
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recipe", ["bf16-master", "fp16-master,init_scale=1024",
+                                    "bf16-master,wgrad=fp32"])
+def test_ops_cpu_autocast_does_not_promote_get_cuda_promotion(recipe):
+    """nn.Bilinear (and dot, cross, tensordot, index_put, scatter_add) raise on the CPU when
+    fp32 activations meet bf16 weights; CUDA autocast promotes them to the widest dtype,
+    and so does mixprec's context on the CPU. The result equals fp32 math on the same
+    (rounded) weights."""
+    from mixprec import MixedPrecision
+
+    torch.manual_seed(0)
+    model = nn.Bilinear(8, 8, 4)
+    x1, x2 = torch.randn(5, 8), torch.randn(5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError):
+        model.bfloat16()(x1, x2)  # torch alone: "All tensors must have the same dtype"
+    model = nn.Bilinear(8, 8, 4)
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe)
+    with engine.autocast():
+        out = model(x1, x2)
+        assert torch.dot(x1[0], model.weight[0, 0].to(x1.dtype)).dtype == torch.float32
+    want = F.bilinear(x1, x2, model.weight.float(), model.bias.float())
+    assert out.dtype == torch.float32 and torch.equal(out, want)
+    engine.backward(out.square().mean())
+    assert not bool(engine.step().skipped)
+    assert all(torch.isfinite(g).all() for g in engine.grads.grads())

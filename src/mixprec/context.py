@@ -38,8 +38,8 @@ from mixprec.recipe import MX_COMPUTE, Recipe
 from mixprec.wgrad import Fp32WeightGrads, GradSink, upcast_param
 
 __all__ = ["precision_context", "recompute_context", "Fp32Islands", "device_supports",
-           "fp32_island_modules", "wrap_fp32_modules", "has_fast_kernels", "emulating",
-           "make_emulation_mode"]
+           "fp32_island_modules", "wrap_fp32_modules", "PromoteMixedDtypes", "has_fast_kernels",
+           "emulating", "make_emulation_mode"]
 
 _NORM_FUNCS: dict[str, tuple[Callable, ...]] = {
     "layer_norm": (F.layer_norm, torch.layer_norm),
@@ -141,6 +141,45 @@ class Fp32Islands(TorchFunctionMode):
                         **{k: _up(v, self.sink) for k, v in kwargs.items()})
 
 
+# Ops that CUDA autocast runs in the widest input dtype ("promote") and CPU autocast
+# leaves alone, so on a CPU they raise on fp32 activations meeting bf16/fp16 weights
+# (nn.Bilinear under a -master recipe, say).
+_PROMOTE_FUNCS = frozenset(f for f in (
+    F.bilinear, torch.bilinear, torch.cross, torch.linalg.cross, torch.Tensor.cross,
+    torch.dot, torch.Tensor.dot, torch.tensordot, torch.index_put, torch.Tensor.index_put,
+    torch.scatter_add, torch.Tensor.scatter_add) if f is not None)
+
+
+class PromoteMixedDtypes(TorchFunctionMode):
+    """CUDA autocast's promote rule, on the CPU: where the listed ops get floating
+    tensors of several dtypes under autocast, all of them are cast to the widest and the
+    op runs with autocast off (its inner matmuls too), as CUDA autocast runs it."""
+
+    def __init__(self, device_type: str, sink: GradSink | None = None) -> None:
+        super().__init__()
+        self.device_type, self.sink = device_type, sink
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _PROMOTE_FUNCS and torch.is_autocast_enabled(self.device_type):
+            flat = [*args, *kwargs.values()]
+            dts = {a.dtype for a in flat if isinstance(a, torch.Tensor) and a.is_floating_point()}
+            if len(dts) > 1:
+                wide = functools.reduce(torch.promote_types, dts)
+
+                def cast(x):
+                    if not (isinstance(x, torch.Tensor) and x.is_floating_point()
+                            and x.dtype != wide):
+                        return x
+                    up = upcast_param(x, self.sink) if wide == torch.float32 else None
+                    return up if up is not None else x.to(wide)
+
+                with torch.autocast(self.device_type, enabled=False):  # as CUDA's does
+                    return func(*(cast(a) for a in args),
+                                **{k: cast(v) for k, v in kwargs.items()})
+        return func(*args, **kwargs)
+
+
 def fp32_island_modules(model: nn.Module, keep: tuple[str, ...]) -> list[nn.Module]:
     """Modules from other libraries that ``keep`` names by class-name suffix.
 
@@ -211,6 +250,8 @@ def _function_modes(stack: contextlib.ExitStack, r: Recipe, dev: torch.device,
         sink = None  # only wgrad=fp32 sends parameter gradients past .grad
     elif r.uses_autocast:
         stack.enter_context(Fp32WeightGrads(dev.type, sink))
+    if r.uses_autocast and dev.type == "cpu":
+        stack.enter_context(PromoteMixedDtypes(dev.type, sink))
     if r.has_fp32_islands:
         stack.enter_context(Fp32Islands(r.keep_fp32, dev.type, sink,
                                         only_under_autocast=in_backward))
