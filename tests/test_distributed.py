@@ -32,6 +32,9 @@ def _max_rel(a, b):
 @pytest.mark.parametrize("parallel,recipe,accum,tol", [
     ("ddp", "fp32", 1, 1e-5),
     ("ddp", "bf16-master", 2, 1e-2),       # bf16 working grads: per-rank rounding
+    # fp32 grads (fp32 summation order only); over 20 steps the bf16 working copy can
+    # round the other way where two masters differ in their last bits: 5e-5 measured
+    ("ddp", "bf16-master,wgrad=fp32", 2, 1e-4),
     ("ddp", "fp32,comm=bf16", 1, 5e-3),    # documented bound for bf16 communication
     ("fsdp", "fp32", 1, 1e-5),
     ("fsdp", "bf16-master", 1, 1e-2),

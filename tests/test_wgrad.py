@@ -196,9 +196,9 @@ def test_bad_combinations_say_what_to_change():
     with pytest.raises(NotImplementedError, match="under emulation.*emulate=false"):
         MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1),
                        "bf16,wgrad=fp32,emulate=true")
-    with pytest.raises(NotImplementedError, match="parallel='ddp'.*Drop wgrad"):
+    with pytest.raises(NotImplementedError, match="parallel='fsdp'.*parallel='ddp'"):
         MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                       "bf16,wgrad=fp32", parallel="ddp")
+                       "bf16,wgrad=fp32", parallel="fsdp")
 
 
 def test_recipe_string_round_trips():

@@ -181,11 +181,11 @@ class MixedPrecision:
         self.world_size = 1
         self.comm_stats = None
         if parallel is not None:
-            if r.wgrad == "fp32":
+            if r.wgrad == "fp32" and parallel == "fsdp":
                 raise NotImplementedError(
-                    f"recipe {str(r)!r}: wgrad=fp32 with parallel={parallel!r} is not "
-                    "supported: the gradient reducers read .grad, which fp32 weight "
-                    "gradients skip. Drop wgrad (or parallel).")
+                    f"recipe {str(r)!r}: wgrad=fp32 with parallel='fsdp' is not "
+                    "supported: FSDP reduce-scatters the gradients of its unsharded "
+                    "low-precision parameters. Use parallel='ddp', or drop wgrad.")
             require_process_group(parallel)
             self.world_size = dist.get_world_size()
             if r.compute == "fp8" and parallel == "fsdp":
@@ -241,6 +241,7 @@ class MixedPrecision:
                 for g in o.param_groups:
                     g["params"] = [self.grads.masters[ids[id(p)]] for p in g["params"]]
         if parallel == "ddp":
+            self.grads.announce_grads = True  # wgrad=fp32: DDP must see grads arrive
             self.model, self.comm_stats = wrap_ddp(self, model, r)
         self._fused = [self._takes_found_inf(o) for o in self.optimizers]
         self._all_fused = all(self._fused)

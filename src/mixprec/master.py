@@ -70,6 +70,7 @@ class GradState:
         self.opt_params = self.masters if self.has_master else self.working
         self.index = {id(p): i for i, p in enumerate(params)}
         self.kahan = recipe.grad_accum == "kahan"
+        self.announce_grads = False  # set by DDP: see add_fp32_grad
         self.direct = (not self.has_master and not self.kahan
                        and all(p.dtype == gdt for p in params))
         self.bufs: list[torch.Tensor] = []
@@ -119,9 +120,16 @@ class GradState:
         return (not self.direct and p.dtype != torch.float32 and id(p) in self.index
                 and self.bufs[self.index[id(p)]].dtype == torch.float32)
 
-    def add_fp32_grad(self, p: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add an fp32 gradient of working parameter ``p`` straight into its buffer."""
+    def add_fp32_grad(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+        """Add an fp32 gradient of working parameter ``p`` straight into its buffer.
+
+        Returns what autograd should accumulate into ``p.grad``: nothing, or under DDP
+        (``announce_grads``) a zero, so its reducer sees the parameter become ready; its
+        comm hook then reduces the buffer, which already holds this gradient."""
         self._add([self.index[id(p)]], [grad])
+        if self.announce_grads:
+            return torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+        return None
 
     # --- at the optimizer step ----------------------------------------------------
 

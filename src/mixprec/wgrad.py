@@ -45,8 +45,10 @@ class GradSink(Protocol):
     def wants_fp32_grad(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is a low-precision parameter with an fp32 buffer."""
 
-    def add_fp32_grad(self, p: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add the fp32 ``grad`` (already scaled) to ``p``'s buffer."""
+    def add_fp32_grad(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+        """Add the fp32 ``grad`` (already scaled) to ``p``'s buffer; return what autograd
+        should still accumulate into ``p.grad`` (None, or zeros where DDP must see a
+        gradient arrive to know the parameter is ready)."""
 
 
 def _route(p: torch.Tensor | None, grad: torch.Tensor, sink: GradSink | None):
@@ -56,8 +58,7 @@ def _route(p: torch.Tensor | None, grad: torch.Tensor, sink: GradSink | None):
     if p.dtype == torch.float32:
         return grad  # autograd accumulates it into the fp32 .grad
     if sink is not None and sink.wants_fp32_grad(p):
-        sink.add_fp32_grad(p, grad)
-        return None
+        return sink.add_fp32_grad(p, grad)
     return grad.to(p.dtype)  # nowhere to keep fp32: the usual rounding
 
 
