@@ -175,15 +175,3 @@ def resume(rank, world, tmp, recipe):
     same = all(torch.equal(p, q) for p, q in zip(a.master_params, b.master_params))
     _save(tmp, "resume", rank, {"a": tail_a, "b": tail_b, "same": same})
     dist.destroy_process_group()
-
-
-def fp8_fsdp_refused(rank, world, tmp):
-    _init(rank, world, tmp)
-    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))
-    try:
-        MixedPrecision(model, torch.optim.AdamW(model.parameters()), "fp8", parallel="fsdp")
-        msg = None
-    except NotImplementedError as e:
-        msg = str(e)
-    _save(tmp, "fp8fsdp", rank, {"msg": msg})
-    dist.destroy_process_group()

@@ -188,10 +188,6 @@ class MixedPrecision:
                     "low-precision parameters. Use parallel='ddp', or drop wgrad.")
             require_process_group(parallel)
             self.world_size = dist.get_world_size()
-            if r.compute == "fp8" and parallel == "fsdp":
-                raise NotImplementedError(
-                    "fp8 recipes with parallel='fsdp' are not supported: Float8Linear "
-                    "casts the whole weight, which FSDP2 keeps sharded. Use parallel='ddp'.")
         self.grad_accum_steps = grad_accum_steps
         self.max_grad_norm = max_grad_norm
         self.schedulers = ([] if scheduler is None else
@@ -200,15 +196,10 @@ class MixedPrecision:
 
         if parallel is not None:
             broadcast_module_(model)  # every rank starts from rank 0's weights
-        if parallel == "fsdp":
-            model = shard_fsdp(model, r, self.optimizers)
-            r_state = r.replace(params="fp32", master="none", grads="fp32")
-        else:
-            r_state = r
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
+        first = next((p for p in model.parameters() if p.requires_grad), None)
+        if first is None:
             raise ValueError("model has no parameters that require grad")
-        self.device = params[0].device
+        self.device = first.device
         self.emulating = emulating(r, self.device)
         self._check_device(r)
         if r.wgrad == "fp32" and self.emulating:
@@ -219,9 +210,16 @@ class MixedPrecision:
         self._emu_mode = make_emulation_mode(r) if self.emulating else None
         self.fp8_report = None
         if r.compute == "fp8":
-            # the swap reuses the Parameters, so the optimizer and `params` stay valid
+            # the swap reuses the Parameters, so the optimizer stays valid. Before FSDP:
+            # fully_shard must manage the Float8Linears, or they would see sharded weights
             fr = r.replace(fp8_gemm="dequant") if r.emulate and r.fp8_gemm == "auto" else r
             self.fp8_report = fp8_convert(model, fr)
+        if parallel == "fsdp":
+            model = shard_fsdp(model, r, self.optimizers)
+            r_state = r.replace(params="fp32", master="none", grads="fp32")
+        else:
+            r_state = r
+        params = [p for p in model.parameters() if p.requires_grad]
         self.fp8_modules = [m for m in model.modules() if isinstance(m, Float8Linear)]
         ids = {id(p): i for i, p in enumerate(params)}
         for o in self.optimizers:
