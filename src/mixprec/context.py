@@ -57,6 +57,8 @@ _NORM_FUNCS: dict[str, tuple[Callable, ...]] = {
              F.gaussian_nll_loss),
 }
 
+_ISLAND_FUNCS = frozenset(f for fs in _NORM_FUNCS.values() for f in fs)
+
 # Class-name suffixes of norm modules from other libraries, run whole in fp32.
 _MODULE_SUFFIXES = {
     "layer_norm": ("LayerNorm",),
@@ -127,12 +129,16 @@ class Fp32Islands(TorchFunctionMode):
         super().__init__()
         self.device_type, self.sink = device_type, sink
         self.only_under_autocast = only_under_autocast
-        self.funcs = frozenset(f for k in keep for f in _NORM_FUNCS.get(k, ()))
+        # strings only: torch.compile guards on the mode's attributes, and a set of
+        # functions held by the mode breaks its guard code (torch 2.13)
+        self.keep = tuple(k for k in keep if k in _NORM_FUNCS)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in self.funcs or (self.only_under_autocast and
-                                      not torch.is_autocast_enabled(self.device_type)):
+        if (func not in _ISLAND_FUNCS
+                or not any(func in _NORM_FUNCS[k] for k in self.keep)
+                or (self.only_under_autocast
+                    and not torch.is_autocast_enabled(self.device_type))):
             return func(*args, **kwargs)
         if kwargs.get("dtype") is not None:  # softmax(x, dim, dtype=...) asked for a dtype
             kwargs = {**kwargs, "dtype": torch.float32}

@@ -72,6 +72,13 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
+def _eager(fn):
+    """``fn`` run eagerly under torch.compile: these Functions add gradients to the
+    engine's buffers as a side effect of backward, which a compiled graph would drop.
+    (A compiled model with ``wgrad=fp32`` breaks its graph at each routed call.)"""
+    return torch.compiler.disable(fn, recursive=True)
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, dtype, sink):
@@ -130,12 +137,15 @@ class _Upcast(torch.autograd.Function):
         return _route(ctx.p, g.float(), ctx.sink), None
 
 
+_LINEAR, _EMBEDDING, _UPCAST = (_eager(f.apply) for f in (_Linear, _Embedding, _Upcast))
+
+
 def upcast_param(x: torch.Tensor, sink: GradSink | None) -> torch.Tensor | None:
     """``x.float()`` whose gradient reaches ``sink`` in fp32, for a low-precision
     parameter the sink buffers; None for any other tensor (upcast it the usual way)."""
     if (sink is not None and isinstance(x, torch.Tensor) and x.requires_grad
             and x.dtype != torch.float32 and sink.wants_fp32_grad(x)):
-        return _Upcast.apply(x, sink)
+        return _UPCAST(x, sink)
     return None
 
 
@@ -163,7 +173,7 @@ class Fp32WeightGrads(TorchFunctionMode):
             if (isinstance(w, torch.Tensor) and w.requires_grad and w.is_floating_point()
                     and isinstance(x, torch.Tensor) and x.is_floating_point()
                     and dtype != torch.float32):
-                return _Linear.apply(x, w, b, dtype, self.sink)
+                return _LINEAR(x, w, b, dtype, self.sink)
         elif func is F.embedding and self.sink is not None:
             idx, w, pad, max_norm, _, by_freq, sparse = _pick(args, kwargs, (
                 "input", "weight", "padding_idx", "max_norm", "norm_type",
@@ -173,5 +183,5 @@ class Fp32WeightGrads(TorchFunctionMode):
                     and w.dtype != torch.float32 and self.sink.wants_fp32_grad(w)):
                 if pad is not None and pad < 0:
                     pad += w.shape[0]
-                return _Embedding.apply(idx, w, pad, self.sink)
+                return _EMBEDDING(idx, w, pad, self.sink)
         return func(*args, **kwargs)
