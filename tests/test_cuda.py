@@ -81,3 +81,27 @@ def test_fp32_weight_grads_on_cuda():
     assert got.dtype == torch.float32
     assert ((got.double() - ref).norm() / ref.norm()) < 1e-6
     assert (((a.cuda() @ b.cuda()).cpu().double() - ref).norm() / ref.norm()) > 1e-4
+
+
+def test_compiled_model_on_cuda_matches_eager():
+    """torch.compile (inductor) on CUDA under the engine's context: same losses as eager
+    to bf16 precision over a few steps."""
+    def losses(compiled):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layers=2, d_model=128, n_heads=4, seq_len=64)).cuda()
+        engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3,
+                                                         fused=True), "bf16")
+        f = torch.compile(model) if compiled else model
+        idx = torch.randint(0, 256, (8, 65), device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(0))
+        out = []
+        for _ in range(5):
+            with engine.autocast():
+                loss = f(idx[:, :-1], idx[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out
+
+    assert losses(True) == pytest.approx(losses(False), rel=2e-2)
