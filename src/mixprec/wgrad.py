@@ -167,6 +167,8 @@ class Fp32WeightGrads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not torch.is_grad_enabled():  # evaluation: nothing to route
+            return func(*args, **kwargs)
         if func is F.linear and torch.is_autocast_enabled(self.device_type):
             x, w, b = _pick(args, kwargs, ("input", "weight", "bias"))
             dtype = torch.get_autocast_dtype(self.device_type)
