@@ -35,11 +35,11 @@ from torch.overrides import TorchFunctionMode
 
 from mixprec.emulate import leave_low_precision
 from mixprec.recipe import MX_COMPUTE, Recipe
-from mixprec.wgrad import Fp32WeightGrads, GradSink, upcast_param
+from mixprec.wgrad import NOT_ROUTED, ROUTED_FUNCS, GradSink, route, upcast_param
 
-__all__ = ["precision_context", "recompute_context", "Fp32Islands", "device_supports",
-           "fp32_island_modules", "wrap_fp32_modules", "PromoteMixedDtypes", "has_fast_kernels",
-           "emulating", "make_emulation_mode"]
+__all__ = ["precision_context", "recompute_context", "PrecisionMode", "device_supports",
+           "fp32_island_modules", "wrap_fp32_modules", "has_fast_kernels", "emulating",
+           "make_emulation_mode"]
 
 _NORM_FUNCS: dict[str, tuple[Callable, ...]] = {
     "layer_norm": (F.layer_norm, torch.layer_norm),
@@ -117,36 +117,6 @@ def _up(x, sink: GradSink | None = None):
     return x
 
 
-class Fp32Islands(TorchFunctionMode):
-    """Run the listed functions in fp32: inputs upcast, autocast off, fp32 outputs.
-
-    ``only_under_autocast``: act only where autocast is on for ``device_type`` (used
-    during backward, where that means "inside an activation-checkpoint recomputation").
-    """
-
-    def __init__(self, keep: tuple[str, ...], device_type: str,
-                 sink: GradSink | None = None, only_under_autocast: bool = False) -> None:
-        super().__init__()
-        self.device_type, self.sink = device_type, sink
-        self.only_under_autocast = only_under_autocast
-        # strings only: torch.compile guards on the mode's attributes, and a set of
-        # functions held by the mode breaks its guard code (torch 2.13)
-        self.keep = tuple(k for k in keep if k in _NORM_FUNCS)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if (func not in _ISLAND_FUNCS
-                or not any(func in _NORM_FUNCS[k] for k in self.keep)
-                or (self.only_under_autocast
-                    and not torch.is_autocast_enabled(self.device_type))):
-            return func(*args, **kwargs)
-        if kwargs.get("dtype") is not None:  # softmax(x, dim, dtype=...) asked for a dtype
-            kwargs = {**kwargs, "dtype": torch.float32}
-        with torch.autocast(self.device_type, enabled=False):
-            return func(*_up(args, self.sink),
-                        **{k: _up(v, self.sink) for k, v in kwargs.items()})
-
-
 # Ops that CUDA autocast runs in the widest input dtype ("promote") and CPU autocast
 # leaves alone, so on a CPU they raise on fp32 activations meeting bf16/fp16 weights
 # (nn.Bilinear under a -master recipe, say).
@@ -155,35 +125,74 @@ _PROMOTE_FUNCS = frozenset(f for f in (
     torch.dot, torch.Tensor.dot, torch.tensordot, torch.index_put, torch.Tensor.index_put,
     torch.scatter_add, torch.Tensor.scatter_add) if f is not None)
 
+# everything PrecisionMode may touch; any other call passes through after one lookup
+_TOUCHED = _ISLAND_FUNCS | _PROMOTE_FUNCS | ROUTED_FUNCS
 
-class PromoteMixedDtypes(TorchFunctionMode):
-    """CUDA autocast's promote rule, on the CPU: where the listed ops get floating
-    tensors of several dtypes under autocast, all of them are cast to the widest and the
-    op runs with autocast off (its inner matmuls too), as CUDA autocast runs it."""
 
-    def __init__(self, device_type: str, sink: GradSink | None = None) -> None:
+def _island(func, args, kwargs, device_type: str, sink: GradSink | None):
+    """Run ``func`` in fp32: floating inputs upcast, autocast off, fp32 outputs."""
+    if kwargs.get("dtype") is not None:  # softmax(x, dim, dtype=...) asked for a dtype
+        kwargs = {**kwargs, "dtype": torch.float32}
+    with torch.autocast(device_type, enabled=False):
+        return func(*_up(args, sink), **{k: _up(v, sink) for k, v in kwargs.items()})
+
+
+def _promote(func, args, kwargs, device_type: str, sink: GradSink | None):
+    """CUDA autocast's promote rule: with floating inputs of several dtypes, cast all
+    of them to the widest and run with autocast off (inner matmuls too), as CUDA does.
+    ``NOT_ROUTED`` when the dtypes already agree."""
+    dts = {a.dtype for a in (*args, *kwargs.values())
+           if isinstance(a, torch.Tensor) and a.is_floating_point()}
+    if len(dts) < 2:
+        return NOT_ROUTED
+    wide = functools.reduce(torch.promote_types, dts)
+
+    def cast(x):
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != wide):
+            return x
+        up = upcast_param(x, sink) if wide == torch.float32 else None
+        return up if up is not None else x.to(wide)
+
+    with torch.autocast(device_type, enabled=False):
+        return func(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
+
+
+class PrecisionMode(TorchFunctionMode):
+    """The precision context's one function mode (one Python dispatch per torch call):
+
+    - FP32 islands: the ``keep`` families (norms, softmax, losses) run in fp32;
+    - ``promote`` (the CPU): CUDA autocast's promote rule for ``_PROMOTE_FUNCS``;
+    - ``wgrad``: ``mixprec.wgrad.route`` (fp32 weight gradients into ``sink``).
+
+    ``only_under_autocast``: act only where autocast is on for ``device_type``, which
+    during backward means inside an activation-checkpoint recomputation.
+    """
+
+    def __init__(self, device_type: str, keep: tuple[str, ...] = (), *,
+                 promote: bool = False, wgrad: bool = False,
+                 sink: GradSink | None = None, only_under_autocast: bool = False) -> None:
         super().__init__()
+        # plain values only: torch.compile guards on the mode's attributes, and a set of
+        # functions held by the mode breaks its guard code (torch 2.13)
         self.device_type, self.sink = device_type, sink
+        self.keep = tuple(k for k in keep if k in _NORM_FUNCS)
+        self.promote, self.wgrad = promote, wgrad
+        self.only_under_autocast = only_under_autocast
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _PROMOTE_FUNCS and torch.is_autocast_enabled(self.device_type):
-            flat = [*args, *kwargs.values()]
-            dts = {a.dtype for a in flat if isinstance(a, torch.Tensor) and a.is_floating_point()}
-            if len(dts) > 1:
-                wide = functools.reduce(torch.promote_types, dts)
-
-                def cast(x):
-                    if not (isinstance(x, torch.Tensor) and x.is_floating_point()
-                            and x.dtype != wide):
-                        return x
-                    up = upcast_param(x, self.sink) if wide == torch.float32 else None
-                    return up if up is not None else x.to(wide)
-
-                with torch.autocast(self.device_type, enabled=False):  # as CUDA's does
-                    return func(*(cast(a) for a in args),
-                                **{k: cast(v) for k, v in kwargs.items()})
-        return func(*args, **kwargs)
+        if func not in _TOUCHED or (self.only_under_autocast and
+                                    not torch.is_autocast_enabled(self.device_type)):
+            return func(*args, **kwargs)
+        if func in _ISLAND_FUNCS and any(func in _NORM_FUNCS[k] for k in self.keep):
+            return _island(func, args, kwargs, self.device_type, self.sink)
+        out = NOT_ROUTED
+        if (self.promote and func in _PROMOTE_FUNCS
+                and torch.is_autocast_enabled(self.device_type)):
+            out = _promote(func, args, kwargs, self.device_type, self.sink)
+        elif self.wgrad and func in ROUTED_FUNCS:
+            out = route(func, args, kwargs, self.device_type, self.sink)
+        return func(*args, **kwargs) if out is NOT_ROUTED else out
 
 
 def fp32_island_modules(model: nn.Module, keep: tuple[str, ...]) -> list[nn.Module]:
@@ -251,16 +260,15 @@ def make_emulation_mode(recipe: Recipe):
 
 def _function_modes(stack: contextlib.ExitStack, r: Recipe, dev: torch.device,
                     sink: GradSink | None, in_backward: bool) -> None:
-    """Enter the wgrad=fp32 routing and the FP32 islands (function modes)."""
-    if r.wgrad != "fp32":
-        sink = None  # only wgrad=fp32 sends parameter gradients past .grad
-    elif r.uses_autocast:
-        stack.enter_context(Fp32WeightGrads(dev.type, sink))
-    if r.uses_autocast and dev.type == "cpu":
-        stack.enter_context(PromoteMixedDtypes(dev.type, sink))
-    if r.has_fp32_islands:
-        stack.enter_context(Fp32Islands(r.keep_fp32, dev.type, sink,
-                                        only_under_autocast=in_backward))
+    """Enter the FP32 islands, the CPU promote rule and the wgrad=fp32 routing."""
+    wgrad = r.wgrad == "fp32" and r.uses_autocast
+    promote = r.uses_autocast and dev.type == "cpu"
+    keep = r.keep_fp32 if r.has_fp32_islands else ()
+    if keep or promote or wgrad:
+        stack.enter_context(PrecisionMode(
+            dev.type, keep, promote=promote, wgrad=wgrad,
+            sink=sink if r.wgrad == "fp32" else None,  # only wgrad=fp32 skips .grad
+            only_under_autocast=in_backward))
 
 
 @contextlib.contextmanager

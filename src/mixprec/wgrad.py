@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["GradSink", "Fp32WeightGrads", "upcast_param", "WEIGHT_CAST_TAG"]
+__all__ = ["GradSink", "Fp32WeightGrads", "upcast_param", "route", "NOT_ROUTED",
+           "ROUTED_FUNCS", "WEIGHT_CAST_TAG"]
 
 #: attribute set on the low-precision weight copies this module saves for backward, so
 #: ``mixprec.memory.measure`` counts them as weight casts, as it does autocast's
@@ -153,10 +154,43 @@ def _pick(args, kwargs, names):
     return [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names)]
 
 
-class Fp32WeightGrads(TorchFunctionMode):
-    """Route ``F.linear`` and ``F.embedding`` so weight gradients come out in fp32.
+#: returned by ``route`` for a call it leaves alone
+NOT_ROUTED = object()
 
-    Active only where autocast is on for ``device_type`` (so not inside FP32 islands).
+#: the functions ``route`` may take over
+ROUTED_FUNCS = frozenset((F.linear, F.embedding))
+
+
+def route(func, args, kwargs, device_type: str, sink: GradSink | None):
+    """Run ``F.linear`` / ``F.embedding`` so the weight gradients come out in fp32, or
+    return ``NOT_ROUTED``. Linear: where autocast is on for ``device_type`` and grad is
+    on. Embedding: a low-precision table that ``sink`` buffers."""
+    if not torch.is_grad_enabled():  # evaluation: nothing to route
+        return NOT_ROUTED
+    if func is F.linear and torch.is_autocast_enabled(device_type):
+        x, w, b = _pick(args, kwargs, ("input", "weight", "bias"))
+        dtype = torch.get_autocast_dtype(device_type)
+        if (isinstance(w, torch.Tensor) and w.requires_grad and w.is_floating_point()
+                and isinstance(x, torch.Tensor) and x.is_floating_point()
+                and dtype != torch.float32):
+            return _LINEAR(x, w, b, dtype, sink)
+    elif func is F.embedding and sink is not None:
+        idx, w, pad, max_norm, _, by_freq, sparse = _pick(args, kwargs, (
+            "input", "weight", "padding_idx", "max_norm", "norm_type",
+            "scale_grad_by_freq", "sparse"))
+        if (max_norm is None and not by_freq and not sparse
+                and isinstance(w, torch.Tensor) and w.requires_grad
+                and w.dtype != torch.float32 and sink.wants_fp32_grad(w)):
+            if pad is not None and pad < 0:
+                pad += w.shape[0]
+            return _EMBEDDING(idx, w, pad, sink)
+    return NOT_ROUTED
+
+
+class Fp32WeightGrads(TorchFunctionMode):
+    """``route`` as a mode of its own, for use without the engine (whose precision
+    context routes the same calls in its one mode).
+
     Low-precision parameters that ``sink`` buffers get their fp32 gradient there; fp32
     parameters get it through autograd as usual.
     """
@@ -167,23 +201,8 @@ class Fp32WeightGrads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not torch.is_grad_enabled():  # evaluation: nothing to route
-            return func(*args, **kwargs)
-        if func is F.linear and torch.is_autocast_enabled(self.device_type):
-            x, w, b = _pick(args, kwargs, ("input", "weight", "bias"))
-            dtype = torch.get_autocast_dtype(self.device_type)
-            if (isinstance(w, torch.Tensor) and w.requires_grad and w.is_floating_point()
-                    and isinstance(x, torch.Tensor) and x.is_floating_point()
-                    and dtype != torch.float32):
-                return _LINEAR(x, w, b, dtype, self.sink)
-        elif func is F.embedding and self.sink is not None:
-            idx, w, pad, max_norm, _, by_freq, sparse = _pick(args, kwargs, (
-                "input", "weight", "padding_idx", "max_norm", "norm_type",
-                "scale_grad_by_freq", "sparse"))
-            if (max_norm is None and not by_freq and not sparse
-                    and isinstance(w, torch.Tensor) and w.requires_grad
-                    and w.dtype != torch.float32 and self.sink.wants_fp32_grad(w)):
-                if pad is not None and pad < 0:
-                    pad += w.shape[0]
-                return _EMBEDDING(idx, w, pad, self.sink)
+        if func in ROUTED_FUNCS:
+            out = route(func, args, kwargs, self.device_type, self.sink)
+            if out is not NOT_ROUTED:
+                return out
         return func(*args, **kwargs)
