@@ -22,6 +22,11 @@ is exact in fp32, so what is left is fp32 summation error:
 
 Not covered (their gradients keep the compute dtype's rounding): convolutions, and
 weights used outside ``F.linear`` (``x @ w.t()``).
+
+Under DDP the parameter still receives a zero ``.grad``, so the reducer sees it become
+ready, and mixprec's comm hook reduces the fp32 buffers. Under ``torch.compile`` the
+routed calls run eagerly (one graph break each): their backward's side effect on the
+buffers is something a compiled graph would drop.
 """
 
 from __future__ import annotations
