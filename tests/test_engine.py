@@ -600,3 +600,39 @@ def test_engine_keeps_no_reference_to_the_loss_or_its_graph():
         del loss
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("recipe,make_opt,match", [
+    # a fused optimizer torch cannot run on the bf16 working copy (when torch has the bug)
+    ("bf16,params=bf16", lambda m: torch.optim.SGD(m.parameters(), lr=0.1, fused=True),
+     "does not update"),
+    # an optimizer over another model's parameters, under fp8 (which swaps Linears)
+    ("fp8", lambda m: torch.optim.AdamW(mlp(d_in=32, hidden=32).parameters()),
+     "not a trainable parameter"),
+    # an optimizer that already stepped, under a -master recipe (which casts weights)
+    ("bf16-master", None, "already has state"),
+])
+def test_a_refused_engine_leaves_the_model_untouched(recipe, make_opt, match):
+    """Nothing lost on failure: every check runs before the model is converted to fp8,
+    sharded or cast to its working dtype."""
+    from mixprec.engine import _fused_updates
+
+    if match == "does not update" and _fused_updates(torch.optim.SGD, torch.bfloat16, "cpu"):
+        pytest.skip("this torch's fused SGD updates bf16 parameters")
+    model = mlp(d_in=32, hidden=32)
+    if make_opt is None:
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2, 32)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    else:
+        opt = make_opt(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kinds = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=match):
+        MixedPrecision(model, opt, recipe)
+    assert [type(m) for m in model.modules()] == kinds          # no Float8Linear swap
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v)
+               for k, v in before.items())                        # no cast, same bits

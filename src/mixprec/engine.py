@@ -125,10 +125,11 @@ def _fused_updates(cls: type, dtype: torch.dtype, device: str) -> bool:
     return bool((p.detach() != 1).all())
 
 
-def _check_fused_updates(opt: torch.optim.Optimizer) -> None:
-    half = {(p.dtype, p.device.type) for g in opt.param_groups for p in g["params"]
-            if p.dtype in (torch.float16, torch.bfloat16)}
-    for dtype, dev in half:
+def _check_fused_updates(opt: torch.optim.Optimizer, dtype: torch.dtype) -> None:
+    """Raise if ``opt`` (fused) cannot update its parameters once they are ``dtype``."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return
+    for dev in {p.device.type for g in opt.param_groups for p in g["params"]}:
         if not _fused_updates(type(opt), dtype, dev):
             raise ValueError(
                 f"{type(opt).__name__}(fused=True) does not update {dtype} parameters on "
@@ -198,18 +199,21 @@ class MixedPrecision:
                            list(scheduler) if isinstance(scheduler, (list, tuple))
                            else [scheduler])
 
-        if parallel is not None:
-            broadcast_module_(model)  # every rank starts from rank 0's weights
-        first = next((p for p in model.parameters() if p.requires_grad), None)
-        if first is None:
+        # Everything that can reject the arguments runs before the model is touched
+        # (fp8 swap, sharding, casting to the working dtype): nothing lost on failure.
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
             raise ValueError("model has no parameters that require grad")
-        self.device = first.device
+        self.device = params[0].device
         self.emulating = emulating(r, self.device)
         self._check_device(r)
         if r.wgrad == "fp32" and self.emulating:
             raise NotImplementedError(
                 f"recipe {str(r)!r}: wgrad=fp32 under emulation is not supported (the "
                 "emulated GEMMs round their outputs); set emulate=false or drop wgrad")
+        self._check_optimizers(params, r, parallel)
+        if parallel is not None:
+            broadcast_module_(model)  # every rank starts from rank 0's weights
         # one mode for the engine's life: backward must see the tags forward made
         self._emu_mode = make_emulation_mode(r) if self.emulating else None
         self.fp8_report = None
@@ -226,17 +230,6 @@ class MixedPrecision:
         params = [p for p in model.parameters() if p.requires_grad]
         self.fp8_modules = [m for m in model.modules() if isinstance(m, Float8Linear)]
         ids = {id(p): i for i, p in enumerate(params)}
-        for o in self.optimizers:
-            for g in o.param_groups:
-                for p in g["params"]:
-                    if id(p) not in ids:
-                        raise ValueError(
-                            "an optimizer holds a parameter that is not a trainable "
-                            f"parameter of the model (shape {tuple(p.shape)}); build the "
-                            "optimizer over model.parameters()")
-        if r.master == "fp32" and any(o.state for o in self.optimizers):
-            raise ValueError("the optimizer already has state (it has stepped); create "
-                             "MixedPrecision before the first optimizer step")
         self.grads = GradState(params, r_state, emulate=self.emulating)
         # the gradients the norm reads are fp32 CPU tensors for the engine's whole life
         # (fp32 buffers, or direct fp32 .grad): decide the norm's method once
@@ -251,9 +244,6 @@ class MixedPrecision:
             self.model, self.comm_stats = wrap_ddp(self, model, r)
         self._fused = [self._takes_found_inf(o) for o in self.optimizers]
         self._all_fused = all(self._fused)
-        for o, fused in zip(self.optimizers, self._fused):
-            if fused:
-                _check_fused_updates(o)
         self.scaler = LossScaler.from_recipe(r, self.device)
         self._undo_islands = wrap_fp32_modules(
             fp32_island_modules(model, r.keep_fp32), self.device.type
@@ -302,6 +292,31 @@ class MixedPrecision:
                     "in it; use a recipe with "
                     + ("fp16 (bf16 needs Ampere or newer)" if dt == torch.bfloat16
                        else "bf16 or fp32"))
+
+    def _check_optimizers(self, params: list[nn.Parameter], r: Recipe,
+                          parallel: str | None) -> None:
+        """The optimizers fit the model and the recipe (checked before any change)."""
+        ids = {id(p) for p in params}
+        for o in self.optimizers:
+            for g in o.param_groups:
+                for p in g["params"]:
+                    if id(p) not in ids:
+                        raise ValueError(
+                            "an optimizer holds a parameter that is not a trainable "
+                            f"parameter of the model (shape {tuple(p.shape)}); build the "
+                            "optimizer over model.parameters()")
+        if (r.master == "fp32" or parallel == "fsdp") and any(o.state for o in self.optimizers):
+            raise ValueError("the optimizer already has state (it has stepped); create "
+                             "MixedPrecision before the first optimizer step")
+        if parallel != "fsdp":
+            GradState.check_masterable(params, r)
+        # the dtype the optimizer will update: fp32 masters, fp32 under emulation or FSDP
+        # (its shards are fp32), else the recipe's working dtype
+        updated = (torch.float32 if r.master == "fp32" or self.emulating
+                   or parallel == "fsdp" else r.param_dtype)
+        for o in self.optimizers:
+            if self._takes_found_inf(o):
+                _check_fused_updates(o, updated)
 
     @staticmethod
     def _takes_found_inf(opt: torch.optim.Optimizer) -> bool:

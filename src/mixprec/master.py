@@ -49,14 +49,7 @@ class GradState:
         if self.round_to is not None:
             pdt = torch.float32  # gradient buffers stay real: adds are cheap everywhere
         if self.has_master:
-            half = [p for p in params if p.dtype != torch.float32]
-            if half:
-                raise ValueError(
-                    f"recipe {str(recipe)!r} builds fp32 master weights from the model's "
-                    f"weights, but {len(half)} parameter(s) are already {half[0].dtype}: "
-                    "their low bits are gone. Create MixedPrecision on the fp32 model "
-                    "(before model.half() / .to(torch.bfloat16)), or load fp32 weights."
-                )
+            self.check_masterable(params, recipe)
             self.masters = [nn.Parameter(p.detach().clone(), requires_grad=True)
                             for p in params]
         else:
@@ -85,6 +78,20 @@ class GradState:
                 self.comps = [torch.zeros_like(b) for b in self.bufs]
         # True where the buffer already is the optimizer parameter's .grad
         self._same = [q.grad is b for b, q in zip(self.bufs, self.opt_params)]
+
+    @staticmethod
+    def check_masterable(params: list[nn.Parameter], recipe: Recipe) -> None:
+        """Raise unless fp32 masters can be built from ``params`` (they must be fp32)."""
+        if recipe.master != "fp32":
+            return
+        half = [p for p in params if p.dtype != torch.float32]
+        if half:
+            raise ValueError(
+                f"recipe {str(recipe)!r} builds fp32 master weights from the model's "
+                f"weights, but {len(half)} parameter(s) are already {half[0].dtype}: "
+                "their low bits are gone. Create MixedPrecision on the fp32 model "
+                "(before model.half() / .to(torch.bfloat16)), or load fp32 weights."
+            )
 
     # --- after each backward ------------------------------------------------------
 
