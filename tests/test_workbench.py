@@ -203,3 +203,15 @@ def test_bench_reports_every_column(capsys):
     for r in rows.values():
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] and r["peak_gflops"] > 0
         assert r["overhead_vs_hand"] is not None and r["model_state_bytes"] > 0
+
+
+def test_bench_table_without_fp32_and_with_long_recipe_names(capsys):
+    """No fp32 row (no speed-up baseline) and a recipe with options (no hand-written
+    twin, a long name): the table prints dashes and stays aligned."""
+    assert main(["bench", "--size", "tiny", "--batch", "2", "--seq", "32", "--steps", "1",
+                 "--recipes", "bf16;bf16-master,wgrad=fp32"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    head, rows = lines[1], lines[2:]
+    assert [r.split()[0] for r in rows] == ["bf16", "bf16-master,wgrad=fp32"]
+    assert all(len(r) == len(head) for r in rows)
+    assert all(r.split()[3] == "–" for r in rows)          # no fp32 baseline

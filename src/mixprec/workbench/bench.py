@@ -177,16 +177,20 @@ def _hand_loop(model, rec: Recipe, dev, loss_of):
 
 
 def format_table(result: dict) -> str:
+    """The result as a text table ("–" where a figure has no baseline: no fp32 row for
+    the speed-up, no hand-written twin for the overhead)."""
+    w = max([14, *(len(x["recipe"]) + 2 for x in result["rows"])])
     lines = [f"# mixprec bench: {result['model']} {result['size']}, batch {result['batch']}x"
              f"{result['seq']}, {result['device']}, torch {result['torch']}, "
              f"{result['threads']} threads, median of {result['steps']} interleaved steps",
-             f"{'recipe':<14}{'step ms':>9}{'tok/s':>9}{'vs fp32':>8}{'GFLOP/s':>9}"
+             f"{'recipe':<{w}}{'step ms':>9}{'tok/s':>9}{'vs fp32':>8}{'GFLOP/s':>9}"
              f"{'peak':>8}{'of peak':>8}{'overhead':>9}{'state MiB':>10}"]
     for x in result["rows"]:
-        ov = x["overhead_vs_hand"]
+        ov, sp = x["overhead_vs_hand"], x["speedup_vs_fp32"]
         lines.append(
-            f"{x['recipe']:<14}{x['step_ms']:>9.1f}{x['tokens_per_s']:>9,.0f}"
-            f"{x['speedup_vs_fp32']:>7.2f}x{x['gflops']:>9.0f}{x['peak_gflops']:>8.0f}"
+            f"{x['recipe']:<{w}}{x['step_ms']:>9.1f}{x['tokens_per_s']:>9,.0f}"
+            f"{(f'{sp:.2f}x' if sp is not None else '–'):>8}"
+            f"{x['gflops']:>9.0f}{x['peak_gflops']:>8.0f}"
             f"{x['mfu'] * 100:>7.0f}%{(f'{ov * 100:+.1f}%' if ov is not None else '–'):>9}"
             f"{x['model_state_bytes'] / 2**20:>10.1f}")
     return "\n".join(lines)
