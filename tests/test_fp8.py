@@ -287,3 +287,17 @@ def test_float8_output_dtype_follows_autocast_or_input():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert lin(x).dtype == torch.bfloat16
     assert F.mse_loss(lin(x), torch.zeros(4, 16)).requires_grad
+
+
+def test_evaluation_forward_leaves_the_delayed_scaling_state_alone():
+    """An eval pass between steps (no_grad) must not write its activations' amax into the
+    training history: it did, so a run resumed from a checkpoint taken after an eval
+    diverged from the uninterrupted run (found with `mixprec train --resume`)."""
+    model, engine = _fp8_engine()
+    _train(model, engine, _batches(2, 0))
+    state = [(m.fp8_amax_history.clone(), m.fp8_scale.clone()) for m in engine.fp8_modules]
+    (idx,) = _batches(1, 5)
+    with torch.no_grad(), engine.autocast():
+        model(idx[:, :-1])  # after a step the current slot is 0: any amax would land
+    for m, (h, s) in zip(engine.fp8_modules, state):
+        assert torch.equal(m.fp8_amax_history, h) and torch.equal(m.fp8_scale, s)

@@ -49,6 +49,17 @@ def test_resume_in_process_is_bit_identical(tmp_path, recipe):
     assert losses(part) == [s["loss"] for s in full.steps]
 
 
+def test_extending_a_finished_fp8_run_matches_the_longer_run(tmp_path):
+    """A run of 7 steps ends with an evaluation, then is resumed to 12: the same losses
+    as 12 steps in one go. The final evaluation used to write its amaxes into fp8's
+    delayed-scaling history, and the extended run diverged from step 8 on."""
+    full = train(TrainConfig(recipe="fp8", **TINY), tmp_path / "full", progress=False)
+    short = {**TINY, "steps": 7}
+    train(TrainConfig(recipe="fp8", **short), tmp_path / "part", progress=False)
+    train(TrainConfig(recipe="fp8", **TINY), tmp_path / "part", resume=True, progress=False)
+    assert losses(tmp_path / "part") == [s["loss"] for s in full.steps]
+
+
 SCRIPT = """
 import sys
 from mixprec.workbench.train import TrainConfig, train

@@ -54,10 +54,10 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch
 
 class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, mod, out_dtype):
+    def forward(ctx, x2d, weight, mod, out_dtype, record):
         with torch.autocast(x2d.device.type, enabled=False):
-            x8, x_inv = mod._cast(x2d, 0, torch.float8_e4m3fn)
-            w8, w_inv = mod._cast(weight, 1, torch.float8_e4m3fn)
+            x8, x_inv = mod._cast(x2d, 0, torch.float8_e4m3fn, record)
+            w8, w_inv = mod._cast(weight, 1, torch.float8_e4m3fn, record)
             y = fp8_gemm(x8, w8.t(), x_inv, w_inv, out_dtype, mod.backend)
         ctx.save_for_backward(x8, w8, x_inv, w_inv)
         ctx.mod, ctx.x_dtype, ctx.w_dtype = mod, x2d.dtype, weight.dtype
@@ -68,7 +68,7 @@ class _Fp8Matmul(torch.autograd.Function):
         x8, w8, x_inv, w_inv = ctx.saved_tensors
         mod = ctx.mod
         with torch.autocast(gy.device.type, enabled=False):
-            g8, g_inv = mod._cast(gy, 2, mod.grad_dtype)
+            g8, g_inv = mod._cast(gy, 2, mod.grad_dtype, record=True)
             dx = dw = None
             if ctx.needs_input_grad[0]:
                 dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
@@ -76,7 +76,7 @@ class _Fp8Matmul(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 dw = fp8_gemm(g8.t(), x8, g_inv, x_inv, torch.float32, mod.backend)
                 dw = dw.to(ctx.w_dtype)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 class Float8Linear(nn.Linear):
@@ -125,14 +125,19 @@ class Float8Linear(nn.Linear):
     def backend(self) -> str:
         return gemm_backend(self.weight.device, self.gemm_choice)
 
-    def _cast(self, t: torch.Tensor, role: int, dtype: torch.dtype):
+    def _cast(self, t: torch.Tensor, role: int, dtype: torch.dtype, record: bool):
+        """``t`` in fp8 with its role's scale, and the inverse scale. Delayed scaling:
+        ``record`` adds ``t``'s amax to this step's history slot (max over micro-batches).
+        A forward that builds no graph (an evaluation) does not record: it is not part of
+        the step, and a checkpoint taken after it must resume like an uninterrupted run."""
         amax = t.detach().abs().amax().float()
         if self.scaling == "current":
             scale = amax_to_scale(amax, self.fp8_max[role], self.margin,
                                   torch.ones((), device=t.device))
         else:
-            slot = self.fp8_amax_history[role, 0]
-            slot.copy_(torch.maximum(slot, amax))  # max over micro-batches of this step
+            if record:
+                slot = self.fp8_amax_history[role, 0]
+                slot.copy_(torch.maximum(slot, amax))
             scale = self.fp8_scale[role]
         return cast_to_fp8(t, scale, dtype), torch.reciprocal(scale)
 
@@ -148,7 +153,8 @@ class Float8Linear(nn.Linear):
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         x2d = x.reshape(-1, x.shape[-1])
-        y = _Fp8Matmul.apply(x2d, self.weight, self, out_dtype)
+        # decided here: inside the autograd Function's forward grad mode is always off
+        y = _Fp8Matmul.apply(x2d, self.weight, self, out_dtype, torch.is_grad_enabled())
         if self.bias is not None:
             y = (y.float() + self.bias.float()).to(out_dtype)  # bias in high precision
         return y.reshape(*x.shape[:-1], self.out_features)
