@@ -301,3 +301,58 @@ def test_evaluation_forward_leaves_the_delayed_scaling_state_alone():
         model(idx[:, :-1])  # after a step the current slot is 0: any amax would land
     for m, (h, s) in zip(engine.fp8_modules, state):
         assert torch.equal(m.fp8_amax_history, h) and torch.equal(m.fp8_scale, s)
+
+
+class Conv1D(nn.Module):
+    """The layout of transformers' GPT-2 ``Conv1D``: y = x @ weight + bias, weight (in, out)."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.05)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.05)
+
+    def forward(self, x):
+        out = torch.addmm(self.bias, x.reshape(-1, x.size(-1)), self.weight)
+        return out.view(*x.shape[:-1], self.nf)
+
+
+class _GPT2Block(nn.Module):
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.c_fc, self.c_proj, self.head = Conv1D(4 * d, d), Conv1D(d, 4 * d), nn.Linear(d, 8)
+
+    def forward(self, x):
+        return self.head(x + self.c_proj(F.gelu(self.c_fc(x))))
+
+
+def test_gpt2_style_conv1d_layers_run_in_fp8():
+    """transformers' GPT-2 family uses Conv1D, not nn.Linear: fp8 converted nothing and
+    said so. Now they convert, keep their (in, out) weight layout and state-dict keys,
+    and match bf16 to fp8 precision; an optimizer built before still trains them."""
+    torch.manual_seed(0)
+    model = _GPT2Block()
+    keys = {k: v.shape for k, v in model.state_dict().items()}
+    ref = _GPT2Block()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = MixedPrecision(model, opt, "fp8-current")
+    assert engine.fp8_report.converted == ("c_fc", "c_proj")
+    assert all(m.transposed for m in engine.fp8_modules)
+    x = torch.randn(8, 16, 64)
+    with engine.autocast():
+        y8 = model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ref(x)
+    assert sqnr_db(y.float(), y8.float()) >= 25
+    before = model.c_fc.weight.detach().clone()
+    engine.backward(y8.float().square().mean())
+    engine.step()
+    assert model.c_fc.weight.shape == (64, 256) and not torch.equal(model.c_fc.weight, before)
+    sd = {k: v for k, v in model.state_dict().items() if not k.split(".")[-1].startswith("fp8")}
+    assert {k: v.shape for k, v in sd.items()} == keys
+    _GPT2Block().load_state_dict(sd)  # still loads into the original model
+    from mixprec.memory import measure
+
+    items = measure(model, engine, x, loss_fn=lambda out: out.float().square().mean()).items
+    assert items["weight_casts"] >= 2 * 64 * 256  # both fp8 weight copies, one byte each

@@ -356,7 +356,9 @@ def _is_weight_cast(t: torch.Tensor, param_ids: set[int], shapes: set) -> bool:
 
 def _measure_forward(model, engine, batch, loss_fn, led: _Ledger, params) -> None:
     param_ids = {id(p) for p in params}
-    shapes = {(tuple(p.shape), dt) for p in params
+    # fp8 weight copies have the weight's shape, or its transpose (a GPT-2 Conv1D's
+    # (in, out) weight is cast as (out, in))
+    shapes = {(shape, dt) for p in params for shape in (tuple(p.shape), tuple(p.shape)[::-1])
               for dt in (torch.float8_e4m3fn, torch.float8_e5m2)}
     state_ptrs = {_storage_key(t)[0] for t in [*params, *model.buffers()]}
     saved: list[tuple[str, torch.Tensor]] = []

@@ -5,7 +5,8 @@ Example::
     report = mixprec.fp8.convert(model, "fp8")
     print(report)            # converted layers, and each one left alone with its reason
 
-Default policy: convert every plain ``nn.Linear`` whose dims are multiples of 16, except
+Default policy: convert every plain ``nn.Linear`` (and GPT-2-style ``Conv1D``, as used by
+transformers' GPT-2 family) whose dims are multiples of 16, except
 the output head. The head is the last Linear, or one whose weight is tied to an
 embedding: its logits feed the loss directly and fp8 costs the most accuracy there.
 ``filter(module, fqn) -> bool`` replaces the policy (dims still apply). The swap reuses the
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from mixprec.fp8.linear import Float8Linear
+from mixprec.fp8.linear import Float8Linear, is_conv1d
 from mixprec.recipe import Recipe
 
 __all__ = ["convert", "plan", "ConvertReport"]
@@ -42,16 +43,19 @@ class ConvertReport:
 
 
 def plan(model: nn.Module, filter: Callable[[nn.Module, str], bool] | None = None
-         ) -> list[tuple[str, nn.Linear, str | None]]:
-    """Each Linear of ``model`` with the reason it stays in high precision (None: fp8)."""
+         ) -> list[tuple[str, nn.Module, str | None]]:
+    """Each Linear (or GPT-2 ``Conv1D``) of ``model`` with the reason it stays in high
+    precision (None: fp8)."""
     linears = [(fqn, m) for fqn, m in model.named_modules()
-               if isinstance(m, nn.Linear) and not isinstance(m, Float8Linear)]
+               if (isinstance(m, nn.Linear) or is_conv1d(m))
+               and not isinstance(m, Float8Linear)]
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     last = linears[-1][0] if linears else None
     out = []
     for fqn, m in linears:
         why = None
-        if type(m) is not nn.Linear:
+        d_in, d_out = m.weight.shape[::-1] if not is_conv1d(m) else m.weight.shape
+        if type(m) is not nn.Linear and not is_conv1d(m):
             why = (f"{type(m).__name__} is a Linear subclass whose owner may use its weight "
                    "directly (e.g. nn.MultiheadAttention.out_proj)")
         elif filter is not None:
@@ -61,8 +65,8 @@ def plan(model: nn.Module, filter: Callable[[nn.Module, str], bool] | None = Non
             why = "output head: weight tied to an embedding"
         elif fqn == last:
             why = "output head: the last Linear"
-        if why is None and (m.in_features % 16 or m.out_features % 16):
-            why = (f"in_features={m.in_features}, out_features={m.out_features}: fp8 GEMMs "
+        if why is None and (d_in % 16 or d_out % 16):
+            why = (f"in_features={d_in}, out_features={d_out}: fp8 GEMMs "
                    "need both divisible by 16")
         out.append((fqn, m, why))
     return out

@@ -52,6 +52,15 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch
     return (y.float() * (inv_a * inv_b)).to(out_dtype)
 
 
+def is_conv1d(m: nn.Module) -> bool:
+    """A GPT-2-style ``Conv1D`` (transformers): ``y = x @ weight + bias``, with weight of
+    shape (in, out) and ``nf`` = out. Matched by name: mixprec does not import
+    transformers."""
+    w = getattr(m, "weight", None)
+    return (type(m).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2
+            and getattr(m, "nf", None) == w.shape[1])
+
+
 class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, mod, out_dtype, record):
@@ -109,13 +118,24 @@ class Float8Linear(nn.Linear):
         maxes = [FP8_MAX[torch.float8_e4m3fn]] * 2 + [FP8_MAX[self.grad_dtype]]
         self.register_buffer("fp8_max", torch.tensor(maxes, device=dev), persistent=False)
 
+    #: the weight is stored (in_features, out_features), as in a GPT-2 ``Conv1D``
+    transposed = False
+
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: Recipe | str = "fp8") -> Float8Linear:
+    def from_linear(cls, linear: nn.Module, recipe: Recipe | str = "fp8") -> Float8Linear:
         """A Float8Linear that shares ``linear``'s weight and bias Parameters (so an
-        optimizer built over the model still holds them)."""
+        optimizer built over the model still holds them).
+
+        ``linear`` is an ``nn.Linear``, or a GPT-2-style ``Conv1D`` (``y = x @ W + b``
+        with ``W`` of shape (in, out)): its weight keeps that layout, so the state dict
+        stays loadable by the original model, and the GEMM uses its transpose."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
+        if is_conv1d(linear):
+            new.in_features, new.out_features = linear.weight.shape
+            new.transposed = True
+        else:
+            new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight
         new.bias = linear.bias
         new._configure(Recipe.coerce(recipe))
@@ -154,12 +174,14 @@ class Float8Linear(nn.Linear):
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         x2d = x.reshape(-1, x.shape[-1])
         # decided here: inside the autograd Function's forward grad mode is always off
-        y = _Fp8Matmul.apply(x2d, self.weight, self, out_dtype, torch.is_grad_enabled())
+        w = self.weight.t() if self.transposed else self.weight  # (out, in) either way
+        y = _Fp8Matmul.apply(x2d, w, self, out_dtype, torch.is_grad_enabled())
         if self.bias is not None:
             y = (y.float() + self.bias.float()).to(out_dtype)  # bias in high precision
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, scaling={self.scaling}, "
+        layout = "weight=(in, out), " if self.transposed else ""
+        return (f"{super().extra_repr()}, scaling={self.scaling}, {layout}"
                 f"grad={'e5m2' if self.grad_dtype == torch.float8_e5m2 else 'e4m3'}, "
                 f"gemm={self.gemm_choice}")
