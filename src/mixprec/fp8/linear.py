@@ -173,8 +173,8 @@ class Float8Linear(nn.Linear):
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         x2d = x.reshape(-1, x.shape[-1])
-        # decided here: inside the autograd Function's forward grad mode is always off
         w = self.weight.t() if self.transposed else self.weight  # (out, in) either way
+        # whether to record amaxes is decided here: inside the Function, grad is off
         y = _Fp8Matmul.apply(x2d, w, self, out_dtype, torch.is_grad_enabled())
         if self.bias is not None:
             y = (y.float() + self.bias.float()).to(out_dtype)  # bias in high precision
