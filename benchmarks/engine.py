@@ -1,7 +1,7 @@
 """Engine overhead and bf16 speed-up on the workbench GPT, against hand-written loops.
 
     python benchmarks/engine.py [--layers 6 --d-model 512 --batch 8 --seq 256 --steps 8]
-                                [--recipe bf16] [--pieces]
+                                [--recipe bf16] [--pieces] [--control]
 
 Loops train the same GPT on the same batch, interleaved step by step in two phases
 (engine vs hand-written bf16 for the overhead; fp32, hand-written bf16 and the engine
@@ -34,6 +34,9 @@ def main() -> None:
     add_gpt_arguments(ap, steps=12)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--recipe", default="bf16", help="the engine's recipe (default bf16)")
+    ap.add_argument("--control", action="store_true",
+                    help="also time the hand-written bf16 loop against a second instance "
+                         "of itself: the noise floor of the overhead figure")
     ap.add_argument("--pieces", action="store_true",
                     help="also time forward, backward and step apart (engine vs hand, "
                          "alternating each step): where the overhead is")
@@ -102,6 +105,20 @@ def main() -> None:
     print(f"speed-up over fp32 (same phase): {mine} "
           f"{speed['fp32'] / speed[mine]:.2f}x, hand-written bf16 "
           f"{speed['fp32'] / speed['hand bf16']:.2f}x")
+    if args.control:
+        m2, o2 = make()
+
+        def hand2_step():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = m2(x, y)
+            loss.backward()
+            o2.step()
+            o2.zero_grad(set_to_none=True)
+
+        ctl = measure({"hand bf16": hand_step, "hand bf16 (2nd)": hand2_step})
+        print(f"control, the same hand-written loop on a second model instance: "
+              f"{(ctl['hand bf16 (2nd)'] / ctl['hand bf16'] - 1) * 100:+.1f}% "
+              "(what 'overhead' reads when there is none)")
     if args.pieces:
         pieces(args, engine, me, mh, oh, x, y)
 
