@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from mixprec import attention
 from mixprec.emulate import leave_low_precision
 from mixprec.recipe import MX_COMPUTE, Recipe
 from mixprec.wgrad import NOT_ROUTED, ROUTED_FUNCS, GradSink, route, upcast_param
@@ -126,7 +127,7 @@ _PROMOTE_FUNCS = frozenset(f for f in (
     torch.scatter_add, torch.Tensor.scatter_add) if f is not None)
 
 # everything PrecisionMode may touch; any other call passes through after one lookup
-_TOUCHED = _ISLAND_FUNCS | _PROMOTE_FUNCS | ROUTED_FUNCS
+_TOUCHED = _ISLAND_FUNCS | _PROMOTE_FUNCS | ROUTED_FUNCS | {attention.ROUTED}
 
 
 def _island(func, args, kwargs, device_type: str, sink: GradSink | None):
@@ -162,21 +163,23 @@ class PrecisionMode(TorchFunctionMode):
 
     - FP32 islands: the ``keep`` families (norms, softmax, losses) run in fp32;
     - ``promote`` (the CPU): CUDA autocast's promote rule for ``_PROMOTE_FUNCS``;
-    - ``wgrad``: ``mixprec.wgrad.route`` (fp32 weight gradients into ``sink``).
+    - ``wgrad``: ``mixprec.wgrad.route`` (fp32 weight gradients into ``sink``);
+    - ``attention`` (the CPU, ``keep_fp32`` with ``attention_backward``): SDPA's
+      backward in fp32 (``mixprec.attention``).
 
     ``only_under_autocast``: act only where autocast is on for ``device_type``, which
     during backward means inside an activation-checkpoint recomputation.
     """
 
     def __init__(self, device_type: str, keep: tuple[str, ...] = (), *,
-                 promote: bool = False, wgrad: bool = False,
+                 promote: bool = False, wgrad: bool = False, attention: bool = False,
                  sink: GradSink | None = None, only_under_autocast: bool = False) -> None:
         super().__init__()
         # plain values only: torch.compile guards on the mode's attributes, and a set of
         # functions held by the mode breaks its guard code (torch 2.13)
         self.device_type, self.sink = device_type, sink
         self.keep = tuple(k for k in keep if k in _NORM_FUNCS)
-        self.promote, self.wgrad = promote, wgrad
+        self.promote, self.wgrad, self.attention = promote, wgrad, attention
         self.only_under_autocast = only_under_autocast
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -192,6 +195,10 @@ class PrecisionMode(TorchFunctionMode):
             out = _promote(func, args, kwargs, self.device_type, self.sink)
         elif self.wgrad and func in ROUTED_FUNCS:
             out = route(func, args, kwargs, self.device_type, self.sink)
+        elif (self.attention and func is attention.ROUTED
+              and torch.is_autocast_enabled(self.device_type)):
+            out = attention.route_attention(args, kwargs)
+            out = NOT_ROUTED if out is attention.NOT_TAKEN else out
         return func(*args, **kwargs) if out is NOT_ROUTED else out
 
 
@@ -263,10 +270,11 @@ def _function_modes(stack: contextlib.ExitStack, r: Recipe, dev: torch.device,
     """Enter the FP32 islands, the CPU promote rule and the wgrad=fp32 routing."""
     wgrad = r.wgrad == "fp32" and r.uses_autocast
     promote = r.uses_autocast and dev.type == "cpu"
+    cpu_attention = promote and "attention_backward" in r.keep_fp32
     keep = r.keep_fp32 if r.has_fp32_islands else ()
     if keep or promote or wgrad:
         stack.enter_context(PrecisionMode(
-            dev.type, keep, promote=promote, wgrad=wgrad,
+            dev.type, keep, promote=promote, wgrad=wgrad, attention=cpu_attention,
             sink=sink if r.wgrad == "fp32" else None,  # only wgrad=fp32 skips .grad
             only_under_autocast=in_backward))
 

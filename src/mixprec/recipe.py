@@ -46,6 +46,8 @@ Wgrad = Literal["compute", "fp32"]
 KEEP_FP32_CHOICES = (
     "layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm",
     "softmax", "log_softmax", "loss",
+    # opt-in: SDPA's backward on the CPU in fp32 (mixprec.attention); slower, more exact
+    "attention_backward",
 )
 DEFAULT_KEEP_FP32 = (
     "layer_norm", "rms_norm", "group_norm", "batch_norm", "softmax", "log_softmax", "loss",
