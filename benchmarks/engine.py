@@ -62,12 +62,16 @@ def main() -> None:
         o32.step()
         o32.zero_grad(set_to_none=True)
 
-    def hand_step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = mh(x, y)
-        loss.backward()
-        oh.step()
-        oh.zero_grad(set_to_none=True)
+    def hand_loop(m, o):
+        def step():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = m(x, y)
+            loss.backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+        return step
+
+    hand_step = hand_loop(mh, oh)
 
     def engine_step():
         with engine.autocast():
@@ -106,16 +110,7 @@ def main() -> None:
           f"{speed['fp32'] / speed[mine]:.2f}x, hand-written bf16 "
           f"{speed['fp32'] / speed['hand bf16']:.2f}x")
     if args.control:
-        m2, o2 = make()
-
-        def hand2_step():
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = m2(x, y)
-            loss.backward()
-            o2.step()
-            o2.zero_grad(set_to_none=True)
-
-        ctl = measure({"hand bf16": hand_step, "hand bf16 (2nd)": hand2_step})
+        ctl = measure({"hand bf16": hand_step, "hand bf16 (2nd)": hand_loop(*make())})
         print(f"control, the same hand-written loop on a second model instance: "
               f"{(ctl['hand bf16 (2nd)'] / ctl['hand bf16'] - 1) * 100:+.1f}% "
               "(what 'overhead' reads when there is none)")
