@@ -151,8 +151,7 @@ def _promote(func, args, kwargs, device_type: str, sink: GradSink | None):
     def cast(x):
         if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != wide):
             return x
-        up = upcast_param(x, sink) if wide == torch.float32 else None
-        return up if up is not None else x.to(wide)
+        return _up(x, sink) if wide == torch.float32 else x.to(wide)  # as the islands do
 
     with torch.autocast(device_type, enabled=False):
         return func(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
