@@ -89,7 +89,9 @@ def _run(args, kill_after_ckpt=None):
     time.sleep(delay)
     alive = p.poll() is None
     p.send_signal(signal.SIGKILL)  # no chance to clean up, mid-write included
-    p.wait()
+    _, err = p.communicate()
+    # a run that ended before the kill must have ended well, not crashed
+    assert alive or p.returncode == 0, err.decode()[-2000:]
     return alive
 
 
