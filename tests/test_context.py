@@ -185,3 +185,40 @@ def test_ops_cpu_autocast_does_not_promote_get_cuda_promotion(recipe):
     engine.backward(out.square().mean())
     assert not bool(engine.step().skipped)
     assert all(torch.isfinite(g).all() for g in engine.grads.grads())
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "bf16-master", "fp16-master,init_scale=1024"])
+def test_matrix_vector_ops_are_cast_down_as_cuda_autocast_does(recipe):
+    """CUDA autocast runs mv, addmv and addr in the low-precision dtype; CPU autocast
+    leaves them alone, so fp32 activations meeting bf16 weights raise there. mixprec's
+    context casts them as CUDA does: the result equals the op on the cast inputs, bit for
+    bit, and fp64 inputs stay fp64."""
+    from mixprec import MixedPrecision
+
+    class MatVec(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w, self.b = nn.Parameter(torch.randn(6, 8)), nn.Parameter(torch.randn(6))
+
+        def forward(self, x):
+            return torch.stack([torch.addmv(self.b, self.w, r) + self.w.mv(r) for r in x])
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError):
+        torch.mv(torch.randn(6, 8).bfloat16(), x[0])  # torch alone: dtypes must match
+    model = MatVec()
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe)
+    low = engine.recipe.compute_dtype
+    with engine.autocast():
+        out = model(x)
+        outer = torch.addr(model.w.float(), x[0][:6], x[1])
+        wide = torch.mv(torch.randn(6, 8, dtype=torch.float64), x[0].double())
+    w, b = model.w.to(low), model.b.to(low)
+    want = torch.stack([torch.addmv(b, w, r.to(low)) + w.mv(r.to(low)) for r in x])
+    assert out.dtype == low and torch.equal(out, want)
+    assert outer.dtype == low and torch.equal(
+        outer, torch.addr(w, x[0][:6].to(low), x[1].to(low)))
+    assert wide.dtype == torch.float64
+    engine.backward(out.float().square().mean())
+    assert all(torch.isfinite(g).all() for g in engine.grads.grads())

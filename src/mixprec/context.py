@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
 from mixprec import attention
@@ -126,8 +127,15 @@ _PROMOTE_FUNCS = frozenset(f for f in (
     torch.dot, torch.Tensor.dot, torch.tensordot, torch.index_put, torch.Tensor.index_put,
     torch.scatter_add, torch.Tensor.scatter_add) if f is not None)
 
+# Matrix-vector ops that CUDA autocast runs in the low-precision dtype and CPU autocast
+# leaves alone (mm, bmm, matmul and linear it does cast), so on a CPU they raise on fp32
+# inputs meeting bf16/fp16 weights (torch.mv(weight, x) under a -master recipe, say).
+_LOWER_FUNCS = frozenset((torch.mv, torch.Tensor.mv, torch.addmv, torch.Tensor.addmv,
+                          torch.addr, torch.Tensor.addr))
+
 # everything PrecisionMode may touch; any other call passes through after one lookup
-_TOUCHED = _ISLAND_FUNCS | _PROMOTE_FUNCS | ROUTED_FUNCS | {attention.ROUTED}
+_TOUCHED = (_ISLAND_FUNCS | _PROMOTE_FUNCS | _LOWER_FUNCS | ROUTED_FUNCS
+            | {attention.ROUTED})
 
 
 def _island(func, args, kwargs, device_type: str, sink: GradSink | None):
@@ -157,11 +165,24 @@ def _promote(func, args, kwargs, device_type: str, sink: GradSink | None):
         return func(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
 
 
+def _lower(func, args, kwargs, device_type: str):
+    """CUDA autocast's cast rule for ``_LOWER_FUNCS``: fp32 inputs go to the autocast
+    dtype (fp64 and other dtypes stay), and the op runs with autocast off."""
+    dt = torch.get_autocast_dtype(device_type)
+
+    def cast(x):
+        return x.to(dt) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x
+
+    with torch.autocast(device_type, enabled=False):
+        return func(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
+
+
 class PrecisionMode(TorchFunctionMode):
     """The precision context's one function mode (one Python dispatch per torch call):
 
     - FP32 islands: the ``keep`` families (norms, softmax, losses) run in fp32;
-    - ``promote`` (the CPU): CUDA autocast's promote rule for ``_PROMOTE_FUNCS``;
+    - ``promote`` (the CPU): CUDA autocast's promote rule for ``_PROMOTE_FUNCS`` and
+      its cast rule for ``_LOWER_FUNCS`` (mv, addmv, addr), which CPU autocast lacks;
     - ``wgrad``: ``mixprec.wgrad.route`` (fp32 weight gradients into ``sink``);
     - ``attention`` (the CPU, ``keep_fp32`` with ``attention_backward``): SDPA's
       backward in fp32 (``mixprec.attention``).
@@ -192,6 +213,9 @@ class PrecisionMode(TorchFunctionMode):
         if (self.promote and func in _PROMOTE_FUNCS
                 and torch.is_autocast_enabled(self.device_type)):
             out = _promote(func, args, kwargs, self.device_type, self.sink)
+        elif (self.promote and func in _LOWER_FUNCS
+                and torch.is_autocast_enabled(self.device_type)):
+            out = _lower(func, args, kwargs, self.device_type)
         elif self.wgrad and func in ROUTED_FUNCS:
             out = route(func, args, kwargs, self.device_type, self.sink)
         elif (self.attention and func is attention.ROUTED
@@ -202,15 +226,20 @@ class PrecisionMode(TorchFunctionMode):
 
 
 def fp32_island_modules(model: nn.Module, keep: tuple[str, ...]) -> list[nn.Module]:
-    """Modules from other libraries that ``keep`` names by class-name suffix.
+    """Modules that run whole in fp32: norms from other libraries that ``keep`` names
+    by class-name suffix, and with ``parametrizations`` the modules of
+    ``torch.nn.utils.parametrize`` (spectral_norm's power iteration keeps fp32 ``u``/``v``
+    buffers, which a bf16 working weight could not meet; weight_norm is a norm).
 
     torch's own norm modules are not listed: the functional islands already cover them.
     """
     suffixes = tuple(s for k in keep for s in _MODULE_SUFFIXES.get(k, ()))
-    if not suffixes:
-        return []
-    return [m for m in model.modules()
-            if not isinstance(m, _TORCH_NORMS) and type(m).__name__.endswith(suffixes)]
+    found = [m for m in model.modules() if suffixes and not isinstance(m, _TORCH_NORMS)
+             and type(m).__name__.endswith(suffixes)]
+    if "parametrizations" in keep:
+        found += [p for m in model.modules() if isinstance(m, parametrize.ParametrizationList)
+                  for p in m]
+    return found
 
 
 def wrap_fp32_modules(modules: list[nn.Module], device_type: str) -> Callable[[], None]:

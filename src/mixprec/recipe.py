@@ -46,11 +46,15 @@ Wgrad = Literal["compute", "fp32"]
 KEEP_FP32_CHOICES = (
     "layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm",
     "softmax", "log_softmax", "loss",
+    # torch.nn.utils.parametrize modules (spectral_norm, weight_norm, orthogonal): the
+    # weight they compute from the stored one is computed in fp32
+    "parametrizations",
     # opt-in: SDPA's backward on the CPU in fp32 (mixprec.attention); slower, more exact
     "attention_backward",
 )
 DEFAULT_KEEP_FP32 = (
     "layer_norm", "rms_norm", "group_norm", "batch_norm", "softmax", "log_softmax", "loss",
+    "parametrizations",
 )
 
 _TRUE = {"true", "1", "yes", "on"}
