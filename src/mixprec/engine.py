@@ -125,6 +125,19 @@ def _fused_updates(cls: type, dtype: torch.dtype, device: str) -> bool:
     return bool((p.detach() != 1).all())
 
 
+def _check_dense_grads(model: nn.Module) -> None:
+    """Refuse modules that produce sparse gradients (``sparse=True`` embeddings): the
+    fp32 buffers, the non-finite check and the global norm are dense."""
+    for name, m in model.named_modules():
+        if (isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+                and m.weight.requires_grad):
+            raise NotImplementedError(
+                f"{name or 'the model'} is {type(m).__name__}(sparse=True): mixprec "
+                "handles dense gradients only (its fp32 buffers, non-finite check and "
+                "gradient norm are dense). Build it with sparse=False (and a dense "
+                "optimizer such as AdamW instead of SparseAdam).")
+
+
 def _check_fused_updates(opt: torch.optim.Optimizer, dtype: torch.dtype) -> None:
     """Raise if ``opt`` (fused) cannot update its parameters once they are ``dtype``."""
     if dtype not in (torch.float16, torch.bfloat16):
@@ -146,7 +159,9 @@ class MixedPrecision:
             recipe's ``params`` dtype in place and keep fp32 masters for the optimizer.
         optimizer: one optimizer or a list, built over ``model.parameters()`` (before
             the engine exists). For ``-master`` recipes their param groups are pointed
-            at the fp32 masters, so optimizer states are fp32.
+            at the fp32 masters, so optimizer states are fp32; state they already hold
+            (Adagrad's, or earlier fp32 steps') moves to the masters. Frozen parameters
+            may be in them; unfreezing one later makes ``step()`` raise.
         recipe: a ``Recipe`` or a recipe string (``"bf16"``, ``"fp16,init_scale=1024"``).
         grad_accum_steps: micro-batches per optimizer step; ``backward`` divides the
             loss by it.
@@ -204,6 +219,10 @@ class MixedPrecision:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no parameters that require grad")
+        # frozen now: the optimizers may hold them (they never get a gradient), and
+        # step() refuses to go on if one is unfrozen later (see _check_frozen)
+        self._frozen = [p for p in model.parameters() if not p.requires_grad]
+        _check_dense_grads(model)
         self.device = params[0].device
         self.emulating = emulating(r, self.device)
         self._check_device(r)
@@ -238,7 +257,13 @@ class MixedPrecision:
         if self.grads.has_master:
             for o in self.optimizers:
                 for g in o.param_groups:
-                    g["params"] = [self.grads.masters[ids[id(p)]] for p in g["params"]]
+                    g["params"] = [self.grads.masters[ids[id(p)]] if id(p) in ids else p
+                                   for p in g["params"]]
+                # state that exists already (Adagrad builds it in __init__; or a run of
+                # plain fp32 steps) belongs to the fp32 values the masters copy
+                for p in list(o.state):
+                    if id(p) in ids:
+                        o.state[self.grads.masters[ids[id(p)]]] = o.state.pop(p)
         if parallel == "ddp":
             self.grads.announce_grads = True  # wgrad=fp32: DDP must see grads arrive
             self.model, self.comm_stats = wrap_ddp(self, model, r)
@@ -296,18 +321,20 @@ class MixedPrecision:
     def _check_optimizers(self, params: list[nn.Parameter], r: Recipe,
                           parallel: str | None) -> None:
         """The optimizers fit the model and the recipe (checked before any change)."""
-        ids = {id(p) for p in params}
+        ids = {id(p) for p in params} | {id(p) for p in self._frozen}
         for o in self.optimizers:
             for g in o.param_groups:
                 for p in g["params"]:
                     if id(p) not in ids:
                         raise ValueError(
-                            "an optimizer holds a parameter that is not a trainable "
-                            f"parameter of the model (shape {tuple(p.shape)}); build the "
-                            "optimizer over model.parameters()")
-        if (r.master == "fp32" or parallel == "fsdp") and any(o.state for o in self.optimizers):
-            raise ValueError("the optimizer already has state (it has stepped); create "
-                             "MixedPrecision before the first optimizer step")
+                            "an optimizer holds a parameter that is not a parameter of "
+                            f"the model (shape {tuple(p.shape)}); build the optimizer "
+                            "over model.parameters()")
+        if parallel == "fsdp" and any(o.state for o in self.optimizers):
+            raise ValueError(
+                "the optimizer already has state (it has stepped, or it creates state "
+                "when built, as Adagrad does); with parallel='fsdp' create MixedPrecision "
+                "before the optimizer's first step, with an optimizer that starts empty")
         if parallel != "fsdp":
             GradState.check_masterable(params, r)
         # the dtype the optimizer will update: fp32 masters, fp32 under emulation or FSDP
@@ -369,6 +396,7 @@ class MixedPrecision:
         self._seen = self._micro
         if self._micro < self.grad_accum_steps:
             return StepResult(True, False, self.scaler.scale, None)
+        self._check_frozen()
         grads = self._local(self.grads.grads())
         if self._all_fused and self._one_device:
             found_inf, norm, grad_scale = self._check_fused(grads)
@@ -399,6 +427,19 @@ class MixedPrecision:
                 s.step()
         self._watch_skips()
         return StepResult(False, found_inf > 0, self.scaler.scale, norm)
+
+    def _check_frozen(self) -> None:
+        """A parameter frozen when the engine was built has no buffer, master or place
+        in the norm: unfreezing it later would train it unscaled and never zero its
+        gradient, so that is refused."""
+        thawed = [p for p in self._frozen if p.requires_grad]
+        if thawed:
+            raise RuntimeError(
+                f"{len(thawed)} parameter(s) (the first of shape {tuple(thawed[0].shape)}) "
+                "had requires_grad=False when MixedPrecision was created and require grad "
+                "now; the engine does not manage them. Create a new MixedPrecision (with "
+                "its optimizer) after changing which parameters train, e.g. from a "
+                "checkpoint: engine.state_dict() keeps the weights.")
 
     def _check_fused(self, grads: list[torch.Tensor]):
         """One read of the gradients for fused optimizers: the global norm of the

@@ -1,0 +1,185 @@
+"""What users bring besides a model: every torch optimizer, frozen parameters, optimizer
+state that exists before the engine, parametrizations, sparse embeddings."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import mlp
+from mixprec import MixedPrecision
+
+X = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+Y = torch.randint(0, 4, (64,), generator=torch.Generator().manual_seed(2))
+
+OPTIMIZERS = {
+    "SGD-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+    "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.05),  # builds state in __init__
+    "Adadelta": lambda ps: torch.optim.Adadelta(ps, lr=1.0),
+    "RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True),
+    "Adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2),
+    "NAdam": lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+    "RAdam": lambda ps: torch.optim.RAdam(ps, lr=1e-2, decoupled_weight_decay=True),
+    "ASGD": lambda ps: torch.optim.ASGD(ps, lr=0.05),
+    "Rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-3),
+    "Adam-amsgrad-fused": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, fused=True),
+    "AdamW-tensor-lr": lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-2), fused=True),
+}
+
+
+def _train(model, engine, steps):
+    losses = []
+    for _ in range(steps):
+        with engine.autocast():
+            loss = F.cross_entropy(model(X), Y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_torch_optimizer_under_fp32_masters_equals_plain_torch(name):
+    """fp32 compute with fp32 masters must reproduce plain torch to the bit: the param
+    groups are re-pointed at the masters, state included (Adagrad has state at birth)."""
+    ref, model = mlp(), mlp()
+    ref_opt, opt = OPTIMIZERS[name](ref.parameters()), OPTIMIZERS[name](model.parameters())
+    with pytest.warns(UserWarning, match="second fp32 copy"):
+        engine = MixedPrecision(model, opt, "fp32,master=fp32")
+    for _ in range(6):
+        F.cross_entropy(ref(X), Y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _train(model, engine, 6)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def _plain_fp32(model, opt, steps):
+    losses = []
+    for _ in range(steps):
+        loss = F.cross_entropy(model(X), Y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "bf16-master", "fp16-master"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_torch_optimizer_trains_under_low_precision(name, recipe):
+    """The loss curve follows plain fp32 torch's with the same optimizer."""
+    ref = mlp()
+    want = _plain_fp32(ref, OPTIMIZERS[name](ref.parameters()), 30)
+    model = mlp()
+    opt = OPTIMIZERS[name](model.parameters())
+    engine = MixedPrecision(model, opt, recipe)
+    losses = _train(model, engine, 30)
+    assert want[-1] < 0.9 * want[0]
+    assert abs(losses[-1] - want[-1]) < 0.05 * want[-1] + 0.01 * want[0], (losses[::5],
+                                                                         want[::5])
+    states = [t for s in opt.state.values() for t in s.values()
+              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0]
+    if recipe.endswith("-master"):  # optimizer states live on the fp32 masters
+        assert set(map(id, opt.state)) <= set(map(id, engine.grads.masters))
+        assert states and all(t.dtype == torch.float32 for t in states)
+
+
+def test_state_of_an_optimizer_stepped_before_the_engine_carries_over():
+    """A run begun in plain fp32 torch and continued under a -master recipe keeps its
+    Adam moments and step count (they move to the masters, which copy the weights)."""
+    ref, model = mlp(), mlp()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for m, o in ((ref, ref_opt), (model, opt)):
+        for _ in range(3):
+            F.cross_entropy(m(X), Y).backward()
+            o.step()
+            o.zero_grad()
+    moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    with pytest.warns(UserWarning, match="second fp32 copy"):
+        engine = MixedPrecision(model, opt, "fp32,master=fp32")
+    for mom, q in zip(moments, engine.grads.masters):
+        assert float(opt.state[q]["step"]) == 3 and torch.equal(opt.state[q]["exp_avg"], mom)
+    assert len(opt.state) == len(moments)   # nothing left keyed by the old parameters
+    F.cross_entropy(ref(X), Y).backward()
+    ref_opt.step()
+    _train(model, engine, 1)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)            # the 4th step continues the same run
+    bf = mlp()
+    bf_opt = torch.optim.Adam(bf.parameters(), lr=1e-2)
+    F.cross_entropy(bf(X), Y).backward()
+    bf_opt.step()
+    MixedPrecision(bf, bf_opt, "bf16-master")  # and under bf16 working weights
+    assert all(float(s["step"]) == 1 for s in bf_opt.state.values())
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "bf16-master", "fp16-master"])
+def test_frozen_parameters_may_sit_in_the_optimizer(recipe):
+    """torch optimizers accept frozen parameters (they never get a gradient); so does the
+    engine. They stay bit-identical; unfreezing one later is refused, not trained wrongly."""
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    engine = MixedPrecision(model, opt, recipe)
+    losses = _train(model, engine, 20)
+    assert losses[-1] < losses[0]
+    assert torch.equal(model[0].weight, frozen)
+    assert any(p is model[0].weight for g in opt.param_groups for p in g["params"])
+    model[0].weight.requires_grad_(True)
+    with engine.autocast():
+        loss = F.cross_entropy(model(X), Y)
+    engine.backward(loss)
+    with pytest.raises(RuntimeError, match="requires_grad=False when MixedPrecision was "
+                                           "created"):
+        engine.step()
+
+
+def test_parametrizations_compute_the_weight_in_fp32():
+    """spectral_norm keeps fp32 u/v buffers; against a bf16 working weight its power
+    iteration raised ("addmv input tensors must have the same dtype"). The parametrization
+    now runs as an fp32 island: fp32 weight out, cast down at the matmul."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(16, 32)),
+                             nn.ReLU(),
+                             nn.utils.parametrizations.weight_norm(nn.Linear(32, 4)))
+
+    ref = make()
+    want = _plain_fp32(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 20)
+    for recipe in ("bf16", "bf16-master", "fp16-master"):
+        model = make()
+        engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                recipe)
+        losses = _train(model, engine, 20)
+        assert abs(losses[-1] - want[-1]) < 0.05 * want[-1], (recipe, losses[::5], want[::5])
+        sn = model[0].parametrizations.weight
+        model.eval()  # no power iteration: the weight is original / (u . W v)
+        with engine.autocast():
+            w = model[0].weight
+        orig = sn.original.detach().float()
+        u, v = sn[0]._u, sn[0]._v
+        want_w = orig / torch.dot(u, torch.mv(orig, v))  # by hand, in fp32
+        assert w.dtype == torch.float32 and torch.allclose(w, want_w, rtol=1e-6, atol=0)
+    model = make()  # without the island: the failure this fixes
+    engine = MixedPrecision(model, torch.optim.AdamW(model.parameters()),
+                            "bf16-master,keep_fp32=layer_norm")
+    with pytest.raises(RuntimeError, match="same dtype"), engine.autocast():
+        model(X)
+
+
+def test_sparse_embeddings_are_refused_before_the_model_is_touched():
+    model = nn.Sequential(nn.Embedding(50, 8, sparse=True), nn.Linear(8, 4))
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(NotImplementedError, match=r"0 is Embedding\(sparse=True\).*"
+                                                  "sparse=False"):
+        MixedPrecision(model, torch.optim.AdamW(model.parameters()), "bf16-master")
+    assert all(torch.equal(v, model.state_dict()[k]) and v.dtype == torch.float32
+               for k, v in before.items())
