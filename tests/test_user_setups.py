@@ -183,3 +183,14 @@ def test_sparse_embeddings_are_refused_before_the_model_is_touched():
         MixedPrecision(model, torch.optim.AdamW(model.parameters()), "bf16-master")
     assert all(torch.equal(v, model.state_dict()[k]) and v.dtype == torch.float32
                for k, v in before.items())
+
+
+@pytest.mark.filterwarnings("ignore:Lazy modules")
+def test_lazy_modules_must_be_materialized_first():
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="'0.weight' .* uninitialized.*dummy batch"):
+        MixedPrecision(model, opt, "bf16-master")
+    model(torch.randn(2, 16))  # the fix the error names
+    engine = MixedPrecision(model, torch.optim.AdamW(model.parameters()), "bf16-master")
+    assert _train(model, engine, 2)

@@ -219,6 +219,13 @@ class MixedPrecision:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no parameters that require grad")
+        lazy = [n for n, p in model.named_parameters() if nn.parameter.is_lazy(p)]
+        if lazy:
+            raise ValueError(
+                f"parameter {lazy[0]!r} (and {len(lazy) - 1} more) is uninitialized: the "
+                "model has lazy modules (nn.LazyLinear, ...). Run one forward pass on a "
+                "dummy batch to materialize them, then build the optimizer and "
+                "MixedPrecision.")
         # frozen now: the optimizers may hold them (they never get a gradient), and
         # step() refuses to go on if one is unfrozen later (see _check_frozen)
         self._frozen = [p for p in model.parameters() if not p.requires_grad]
@@ -392,7 +399,8 @@ class MixedPrecision:
         if self._micro == self._seen:
             raise RuntimeError(
                 "step() called without backward() since the last step() (or twice for the "
-                "same gradients): each step() consumes the backward() calls before it")
+                "same gradients): each step() consumes the engine.backward(loss) calls "
+                "before it (loss.backward() bypasses the engine: no scaling, no buffers)")
         self._seen = self._micro
         if self._micro < self.grad_accum_steps:
             return StepResult(True, False, self.scaler.scale, None)
