@@ -170,3 +170,22 @@ def test_cli_memory_table_and_plot(tmp_path, capsys):
     assert "<svg" in svg.read_text()[:500]
     assert "1.88" in capsys.readouterr().out
     assert main(["memory", "--params", "1B", "--plot", str(tmp_path / "x.jpg")]) == 2
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16", "bf16-master", "fp16-master", "fp8"])
+def test_measure_equals_estimate_with_frozen_parameters(recipe):
+    """Frozen parameters (a fine-tuned model's frozen base) have no gradient, master or
+    optimizer state, and the engine leaves them in their own dtype."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layers=2, d_model=64, n_heads=4, seq_len=64)
+    idx = torch.randint(0, 256, (4, 65))
+    model = GPT(cfg)
+    for blk in model.blocks[:1]:
+        blk.requires_grad_(False)
+    if recipe != "fp32":  # (fp32 compute cannot take bf16 weights)
+        model.blocks[0].fc.bfloat16()  # a frozen part already stored in bf16
+    predicted = estimate(model, recipe)
+    engine = _engine_after_a_step(model, recipe, _gpt_loss(idx))
+    got = measure(model, engine)
+    for item in MODEL_STATES:
+        assert got[item] == predicted[item], (recipe, item, got[item], predicted[item])

@@ -185,8 +185,10 @@ def estimate(
     >>> round(estimate("70B", "fp32").gb())       # seed 000 §1: ~1120 GB
     1120
 
-    For a module, emulation is resolved on its device (fp16 on a CPU is emulated by
-    default, and its working copy then lives in fp32 tensors). For a bare count, only
+    For a module, frozen parameters (``requires_grad=False``) count in ``params`` at
+    their own dtype and have no gradient, master or optimizer state. Emulation is
+    resolved on its device (fp16 on a CPU is emulated by default, and its working
+    copy then lives in fp32 tensors). For a bare count, only
     ``emulate=true`` counts as emulated.
     """
     r = Recipe.coerce(recipe)
@@ -209,10 +211,15 @@ def estimate(
     if emulated and r.params != "fp32":
         notes.append(f"emulated {r.params}: the working copy is stored in fp32 tensors")
     n_tensors = 0
-    buffers = fp8_bytes = 0.0
+    buffers = fp8_bytes = frozen_bytes = 0.0
     if isinstance(params, nn.Module):
         uniq = {id(p): p for p in params.parameters()}
-        n_tensors = len(uniq)
+        # frozen parameters have no gradient, master or optimizer state, and the engine
+        # leaves them in the dtype they have
+        frozen = [p for p in uniq.values() if not p.requires_grad]
+        frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
+        n -= sum(p.numel() for p in frozen)
+        n_tensors = len(uniq) - len(frozen)
         fp8_bytes, fp8_bufs = _fp8_state_bytes(params, r)
         buffers = sum(b.numel() * b.element_size() for b in params.buffers()
                       if id(b) not in fp8_bufs)
@@ -222,7 +229,7 @@ def estimate(
              for k, lvl in (("optimizer", 1), ("grads", 2), ("params", 3))}
     grads_per = _BYTES[r.grads] * (2 if r.grad_accum == "kahan" else 1)
     items = {
-        "params": n * param_bytes / shard["params"],
+        "params": (n * param_bytes + frozen_bytes) / shard["params"],
         "grads": n * grads_per / shard["grads"],
         "master": (n * 4 if r.master == "fp32" else 0) / shard["optimizer"],
         "optimizer": (n * _STATES[opt] * _state_bytes(r, param_bytes)
