@@ -273,8 +273,8 @@ def test_fp8_trains_close_to_bf16():
 
 
 def test_device_without_fp8_is_a_clear_error(monkeypatch):
-    import mixprec.engine as eng
-    monkeypatch.setattr(eng, "device_supports", lambda d, dt: dt != torch.float8_e4m3fn)
+    import mixprec.checks as checks
+    monkeypatch.setattr(checks, "device_supports", lambda d, dt: dt != torch.float8_e4m3fn)
     model = tiny_gpt()
     with pytest.raises(ValueError, match="has no fp8 GEMM"):
         MixedPrecision(model, torch.optim.AdamW(model.parameters()), "fp8")

@@ -33,7 +33,6 @@ know whether the step was skipped.
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -43,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mixprec.checks import check_device, check_model, check_optimizers, takes_found_inf
 from mixprec.context import (
-    device_supports,
     emulating,
     fp32_island_modules,
     has_fast_kernels,
@@ -112,45 +111,6 @@ def _run_backward(loss: torch.Tensor, retain_graph: bool) -> None:
         allow_unreachable=True, accumulate_grad=True)
 
 
-@functools.cache
-def _fused_updates(cls: type, dtype: torch.dtype, device: str) -> bool:
-    """Whether ``cls(fused=True)`` really moves a 32-element ``dtype`` parameter. torch
-    2.13's fused SGD on the CPU leaves fp16/bf16 parameters of >= 16 elements untouched."""
-    p = nn.Parameter(torch.ones(32, dtype=dtype, device=device))
-    p.grad = torch.ones_like(p)
-    try:
-        cls([p], lr=0.1, fused=True).step()
-    except Exception:
-        return True  # not this optimizer's kind of failure; let the real step report it
-    return bool((p.detach() != 1).all())
-
-
-def _check_dense_grads(model: nn.Module) -> None:
-    """Refuse modules that produce sparse gradients (``sparse=True`` embeddings): the
-    fp32 buffers, the non-finite check and the global norm are dense."""
-    for name, m in model.named_modules():
-        if (isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
-                and m.weight.requires_grad):
-            raise NotImplementedError(
-                f"{name or 'the model'} is {type(m).__name__}(sparse=True): mixprec "
-                "handles dense gradients only (its fp32 buffers, non-finite check and "
-                "gradient norm are dense). Build it with sparse=False (and a dense "
-                "optimizer such as AdamW instead of SparseAdam).")
-
-
-def _check_fused_updates(opt: torch.optim.Optimizer, dtype: torch.dtype) -> None:
-    """Raise if ``opt`` (fused) cannot update its parameters once they are ``dtype``."""
-    if dtype not in (torch.float16, torch.bfloat16):
-        return
-    for dev in {p.device.type for g in opt.param_groups for p in g["params"]}:
-        if not _fused_updates(type(opt), dtype, dev):
-            raise ValueError(
-                f"{type(opt).__name__}(fused=True) does not update {dtype} parameters on "
-                f"{dev} in torch {torch.__version__} (a torch bug: the step leaves them "
-                "unchanged). Use fused=False, or a -master recipe so that the optimizer "
-                "updates fp32 masters.")
-
-
 class MixedPrecision:
     """Mixed-precision training of any ``nn.Module`` under a ``Recipe``.
 
@@ -216,28 +176,17 @@ class MixedPrecision:
 
         # Everything that can reject the arguments runs before the model is touched
         # (fp8 swap, sharding, casting to the working dtype): nothing lost on failure.
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("model has no parameters that require grad")
-        lazy = [n for n, p in model.named_parameters() if nn.parameter.is_lazy(p)]
-        if lazy:
-            raise ValueError(
-                f"parameter {lazy[0]!r} (and {len(lazy) - 1} more) is uninitialized: the "
-                "model has lazy modules (nn.LazyLinear, ...). Run one forward pass on a "
-                "dummy batch to materialize them, then build the optimizer and "
-                "MixedPrecision.")
         # frozen now: the optimizers may hold them (they never get a gradient), and
         # step() refuses to go on if one is unfrozen later (see _check_frozen)
-        self._frozen = [p for p in model.parameters() if not p.requires_grad]
-        _check_dense_grads(model)
+        params, self._frozen = check_model(model)
         self.device = params[0].device
         self.emulating = emulating(r, self.device)
-        self._check_device(r)
+        check_device(self.device, r, self.emulating)
         if r.wgrad == "fp32" and self.emulating:
             raise NotImplementedError(
                 f"recipe {str(r)!r}: wgrad=fp32 under emulation is not supported (the "
                 "emulated GEMMs round their outputs); set emulate=false or drop wgrad")
-        self._check_optimizers(params, r, parallel)
+        check_optimizers(self.optimizers, params, self._frozen, r, parallel, self.emulating)
         if parallel is not None:
             broadcast_module_(model)  # every rank starts from rank 0's weights
         # one mode for the engine's life: backward must see the tags forward made
@@ -274,7 +223,7 @@ class MixedPrecision:
         if parallel == "ddp":
             self.grads.announce_grads = True  # wgrad=fp32: DDP must see grads arrive
             self.model, self.comm_stats = wrap_ddp(self, model, r)
-        self._fused = [self._takes_found_inf(o) for o in self.optimizers]
+        self._fused = [takes_found_inf(o) for o in self.optimizers]
         self._all_fused = all(self._fused)
         self.scaler = LossScaler.from_recipe(r, self.device)
         self._undo_islands = wrap_fp32_modules(
@@ -305,57 +254,6 @@ class MixedPrecision:
         if self.parallel != "fsdp":  # only FSDP's gradients are DTensors
             return grads
         return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-
-    # --- checks -----------------------------------------------------------------------
-
-    def _check_device(self, r: Recipe) -> None:
-        if r.compute == "fp8" and not device_supports(self.device, torch.float8_e4m3fn):
-            raise ValueError(
-                f"recipe {str(r)!r}: device {self.device} has no fp8 GEMM (CUDA needs "
-                "compute capability 8.9+, e.g. L4/H100); use 'bf16', or run fp8 on the "
-                "CPU, where mixprec computes fp8 products exactly with bf16 kernels")
-        needed = {r.param_dtype, r.grad_dtype}
-        if not self.emulating:
-            needed.add(r.compute_dtype)
-        for dt in needed:
-            if not device_supports(self.device, dt):
-                raise ValueError(
-                    f"recipe {str(r)!r} needs {dt} but device {self.device} cannot compute "
-                    "in it; use a recipe with "
-                    + ("fp16 (bf16 needs Ampere or newer)" if dt == torch.bfloat16
-                       else "bf16 or fp32"))
-
-    def _check_optimizers(self, params: list[nn.Parameter], r: Recipe,
-                          parallel: str | None) -> None:
-        """The optimizers fit the model and the recipe (checked before any change)."""
-        ids = {id(p) for p in params} | {id(p) for p in self._frozen}
-        for o in self.optimizers:
-            for g in o.param_groups:
-                for p in g["params"]:
-                    if id(p) not in ids:
-                        raise ValueError(
-                            "an optimizer holds a parameter that is not a parameter of "
-                            f"the model (shape {tuple(p.shape)}); build the optimizer "
-                            "over model.parameters()")
-        if parallel == "fsdp" and any(o.state for o in self.optimizers):
-            raise ValueError(
-                "the optimizer already has state (it has stepped, or it creates state "
-                "when built, as Adagrad does); with parallel='fsdp' create MixedPrecision "
-                "before the optimizer's first step, with an optimizer that starts empty")
-        if parallel != "fsdp":
-            GradState.check_masterable(params, r)
-        # the dtype the optimizer will update: fp32 masters, fp32 under emulation or FSDP
-        # (its shards are fp32), else the recipe's working dtype
-        updated = (torch.float32 if r.master == "fp32" or self.emulating
-                   or parallel == "fsdp" else r.param_dtype)
-        for o in self.optimizers:
-            if self._takes_found_inf(o):
-                _check_fused_updates(o, updated)
-
-    @staticmethod
-    def _takes_found_inf(opt: torch.optim.Optimizer) -> bool:
-        return bool(getattr(opt, "_step_supports_amp_scaling", False)) and all(
-            g.get("fused") for g in opt.param_groups)
 
     # --- the loop ---------------------------------------------------------------------
 

@@ -1,0 +1,123 @@
+"""What ``MixedPrecision`` refuses, decided before it touches the model.
+
+Every check here runs before the fp8 swap, the sharding and the cast to the working
+dtype, so a refused engine leaves the model exactly as it was (nothing lost on
+failure). Each error names the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from mixprec.context import device_supports
+from mixprec.master import GradState
+from mixprec.recipe import Recipe
+
+__all__ = ["check_model", "check_device", "check_optimizers", "takes_found_inf",
+           "fused_updates"]
+
+
+def check_model(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """The model's trainable and frozen parameters, or an error: nothing to train,
+    lazy (uninitialized) parameters, or sparse gradients (``sparse=True`` embeddings;
+    the fp32 buffers, the non-finite check and the global norm are dense)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("model has no parameters that require grad")
+    lazy = [n for n, p in model.named_parameters() if nn.parameter.is_lazy(p)]
+    if lazy:
+        raise ValueError(
+            f"parameter {lazy[0]!r} (and {len(lazy) - 1} more) is uninitialized: the "
+            "model has lazy modules (nn.LazyLinear, ...). Run one forward pass on a "
+            "dummy batch to materialize them, then build the optimizer and "
+            "MixedPrecision.")
+    for name, m in model.named_modules():
+        if (isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+                and m.weight.requires_grad):
+            raise NotImplementedError(
+                f"{name or 'the model'} is {type(m).__name__}(sparse=True): mixprec "
+                "handles dense gradients only (its fp32 buffers, non-finite check and "
+                "gradient norm are dense). Build it with sparse=False (and a dense "
+                "optimizer such as AdamW instead of SparseAdam).")
+    return params, [p for p in model.parameters() if not p.requires_grad]
+
+
+def check_device(device: torch.device, r: Recipe, emulating: bool) -> None:
+    """The device can run the recipe's dtypes (compute only where not emulated)."""
+    if r.compute == "fp8" and not device_supports(device, torch.float8_e4m3fn):
+        raise ValueError(
+            f"recipe {str(r)!r}: device {device} has no fp8 GEMM (CUDA needs "
+            "compute capability 8.9+, e.g. L4/H100); use 'bf16', or run fp8 on the "
+            "CPU, where mixprec computes fp8 products exactly with bf16 kernels")
+    needed = {r.param_dtype, r.grad_dtype}
+    if not emulating:
+        needed.add(r.compute_dtype)
+    for dt in needed:
+        if not device_supports(device, dt):
+            raise ValueError(
+                f"recipe {str(r)!r} needs {dt} but device {device} cannot compute "
+                "in it; use a recipe with "
+                + ("fp16 (bf16 needs Ampere or newer)" if dt == torch.bfloat16
+                   else "bf16 or fp32"))
+
+
+def check_optimizers(optimizers: list[torch.optim.Optimizer], params: list[nn.Parameter],
+                     frozen: list[nn.Parameter], r: Recipe, parallel: str | None,
+                     emulating: bool) -> None:
+    """The optimizers hold only the model's parameters (frozen ones allowed), start
+    empty under FSDP, and, when fused, can update the dtype they will be given."""
+    ids = {id(p) for p in params} | {id(p) for p in frozen}
+    for o in optimizers:
+        for g in o.param_groups:
+            for p in g["params"]:
+                if id(p) not in ids:
+                    raise ValueError(
+                        "an optimizer holds a parameter that is not a parameter of "
+                        f"the model (shape {tuple(p.shape)}); build the optimizer "
+                        "over model.parameters()")
+    if parallel == "fsdp" and any(o.state for o in optimizers):
+        raise ValueError(
+            "the optimizer already has state (it has stepped, or it creates state "
+            "when built, as Adagrad does); with parallel='fsdp' create MixedPrecision "
+            "before the optimizer's first step, with an optimizer that starts empty")
+    if parallel != "fsdp":
+        GradState.check_masterable(params, r)
+    # the dtype the optimizer will update: fp32 masters, fp32 under emulation or FSDP
+    # (its shards are fp32), else the recipe's working dtype
+    updated = (torch.float32 if r.master == "fp32" or emulating or parallel == "fsdp"
+               else r.param_dtype)
+    if updated not in (torch.float16, torch.bfloat16):
+        return
+    for o in optimizers:
+        if not takes_found_inf(o):
+            continue
+        for dev in {p.device.type for g in o.param_groups for p in g["params"]}:
+            if not fused_updates(type(o), updated, dev):
+                raise ValueError(
+                    f"{type(o).__name__}(fused=True) does not update {updated} parameters "
+                    f"on {dev} in torch {torch.__version__} (a torch bug: the step leaves "
+                    "them unchanged). Use fused=False, or a -master recipe so that the "
+                    "optimizer updates fp32 masters.")
+
+
+def takes_found_inf(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` skips a step itself given ``found_inf`` on the device (torch's
+    fused Adam, AdamW and SGD), so the engine's step needs no host sync."""
+    return bool(getattr(opt, "_step_supports_amp_scaling", False)) and all(
+        g.get("fused") for g in opt.param_groups)
+
+
+@functools.cache
+def fused_updates(cls: type, dtype: torch.dtype, device: str) -> bool:
+    """Whether ``cls(fused=True)`` really moves a 32-element ``dtype`` parameter. torch
+    2.13's fused SGD on the CPU leaves fp16/bf16 parameters of >= 16 elements untouched."""
+    p = nn.Parameter(torch.ones(32, dtype=dtype, device=device))
+    p.grad = torch.ones_like(p)
+    try:
+        cls([p], lr=0.1, fused=True).step()
+    except Exception:
+        return True  # not this optimizer's kind of failure; let the real step report it
+    return bool((p.detach() != 1).all())
