@@ -194,3 +194,31 @@ def test_lazy_modules_must_be_materialized_first():
     model(torch.randn(2, 16))  # the fix the error names
     engine = MixedPrecision(model, torch.optim.AdamW(model.parameters()), "bf16-master")
     assert _train(model, engine, 2)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "bf16-master", "fp16-master",
+                                    "bf16-master,grad_accum=kahan"])
+def test_the_zero_grad_habit_changes_nothing(recipe):
+    """``optimizer.zero_grad()`` before each forward or after each step, the habit of
+    every torch loop, must not change training. Under -master recipes it set the
+    masters' .grad (which is the fp32 buffer) to None, and the optimizer then skipped
+    every parameter from the second step on: training silently stopped."""
+    def run(habit):
+        model = mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        engine = MixedPrecision(model, opt, recipe)
+        for _ in range(6):
+            if habit == "before":
+                opt.zero_grad()
+            with engine.autocast():
+                loss = F.cross_entropy(model(X), Y)
+            engine.backward(loss)
+            engine.step()
+            if habit == "after":
+                opt.zero_grad()
+                model.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    want = run(None)
+    for habit in ("before", "after"):
+        assert all(torch.equal(a, b) for a, b in zip(want, run(habit))), habit

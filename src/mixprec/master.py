@@ -147,12 +147,18 @@ class GradState:
         return self.bufs
 
     def hand_to_optimizer(self) -> None:
-        """Give the optimizer its grads where the buffers are not already its .grad."""
+        """Give the optimizer its grads: the buffers, or copies where their dtype differs.
+
+        Where a buffer *is* the master's ``.grad`` it is re-attached if something
+        dropped it: the user's ``optimizer.zero_grad()`` sets the masters' ``.grad`` to
+        None, and the optimizer would then silently skip every parameter."""
         if self.direct:
             return
         for q, b, same in zip(self.opt_params, self.bufs, self._same):
             if not same:
                 q.grad = b.to(q.dtype)
+            elif q.grad is not b:
+                q.grad = b
 
     @torch.no_grad()
     def refresh_working(self) -> None:
