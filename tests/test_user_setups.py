@@ -222,3 +222,19 @@ def test_the_zero_grad_habit_changes_nothing(recipe):
     want = run(None)
     for habit in ("before", "after"):
         assert all(torch.equal(a, b) for a, b in zip(want, run(habit))), habit
+
+
+def test_closure_optimizers_and_late_param_groups_are_refused():
+    model = mlp()
+    with pytest.raises(NotImplementedError, match="LBFGS.step needs a closure"):
+        MixedPrecision(model, torch.optim.LBFGS(model.parameters()), "bf16")
+    model = mlp()
+    opt = torch.optim.AdamW(model[0].parameters(), lr=1e-2)
+    engine = MixedPrecision(model, opt, "bf16-master")
+    _train(model, engine, 1)
+    opt.add_param_group({"params": list(model[3].parameters())})  # bf16 working copies
+    with engine.autocast():
+        loss = F.cross_entropy(model(X), Y)
+    engine.backward(loss)
+    with pytest.raises(RuntimeError, match=r"param groups changed.*\[2\] then, \[4\] now"):
+        engine.step()

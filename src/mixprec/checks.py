@@ -8,6 +8,7 @@ failure). Each error names the bad value and the fix.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 from torch import nn
@@ -16,8 +17,8 @@ from mixprec.context import device_supports
 from mixprec.master import GradState
 from mixprec.recipe import Recipe
 
-__all__ = ["check_model", "check_device", "check_optimizers", "takes_found_inf",
-           "fused_updates"]
+__all__ = ["check_model", "check_device", "check_optimizers", "param_counts",
+           "takes_found_inf", "fused_updates"]
 
 
 def check_model(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -71,6 +72,13 @@ def check_optimizers(optimizers: list[torch.optim.Optimizer], params: list[nn.Pa
     empty under FSDP, and, when fused, can update the dtype they will be given."""
     ids = {id(p) for p in params} | {id(p) for p in frozen}
     for o in optimizers:
+        closure = inspect.signature(o.step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise NotImplementedError(
+                f"{type(o).__name__}.step needs a closure that re-evaluates the loss; "
+                "MixedPrecision.step() calls the optimizer without one (the loss must "
+                "go through engine.autocast() and engine.backward()). Use an optimizer "
+                "that steps on the gradients alone.")
         for g in o.param_groups:
             for p in g["params"]:
                 if id(p) not in ids:
@@ -121,3 +129,10 @@ def fused_updates(cls: type, dtype: torch.dtype, device: str) -> bool:
     except Exception:
         return True  # not this optimizer's kind of failure; let the real step report it
     return bool((p.detach() != 1).all())
+
+
+def param_counts(optimizers: list[torch.optim.Optimizer]) -> list[int]:
+    """How many parameters each optimizer holds; the engine compares this at every
+    step, since a group added later (``add_param_group``) would bypass the masters and
+    buffers."""
+    return [sum(len(g["params"]) for g in o.param_groups) for o in optimizers]

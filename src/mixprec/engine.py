@@ -42,7 +42,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mixprec.checks import check_device, check_model, check_optimizers, takes_found_inf
+from mixprec.checks import (
+    check_device,
+    check_model,
+    check_optimizers,
+    param_counts,
+    takes_found_inf,
+)
 from mixprec.context import (
     emulating,
     fp32_island_modules,
@@ -177,7 +183,7 @@ class MixedPrecision:
         # Everything that can reject the arguments runs before the model is touched
         # (fp8 swap, sharding, casting to the working dtype): nothing lost on failure.
         # frozen now: the optimizers may hold them (they never get a gradient), and
-        # step() refuses to go on if one is unfrozen later (see _check_frozen)
+        # step() refuses to go on if one is unfrozen later (see _check_setup_unchanged)
         params, self._frozen = check_model(model)
         self.device = params[0].device
         self.emulating = emulating(r, self.device)
@@ -224,6 +230,7 @@ class MixedPrecision:
             self.grads.announce_grads = True  # wgrad=fp32: DDP must see grads arrive
             self.model, self.comm_stats = wrap_ddp(self, model, r)
         self._fused = [takes_found_inf(o) for o in self.optimizers]
+        self._param_counts = param_counts(self.optimizers)
         self._all_fused = all(self._fused)
         self.scaler = LossScaler.from_recipe(r, self.device)
         self._undo_islands = wrap_fp32_modules(
@@ -302,7 +309,7 @@ class MixedPrecision:
         self._seen = self._micro
         if self._micro < self.grad_accum_steps:
             return StepResult(True, False, self.scaler.scale, None)
-        self._check_frozen()
+        self._check_setup_unchanged()
         grads = self._local(self.grads.grads())
         if self._all_fused and self._one_device:
             found_inf, norm, grad_scale = self._check_fused(grads)
@@ -334,10 +341,18 @@ class MixedPrecision:
         self._watch_skips()
         return StepResult(False, found_inf > 0, self.scaler.scale, norm)
 
-    def _check_frozen(self) -> None:
+    def _check_setup_unchanged(self) -> None:
         """A parameter frozen when the engine was built has no buffer, master or place
         in the norm: unfreezing it later would train it unscaled and never zero its
-        gradient, so that is refused."""
+        gradient, so that is refused. So is a param group added to an optimizer after
+        the engine was built (its parameters would bypass the masters and buffers)."""
+        if param_counts(self.optimizers) != self._param_counts:
+            raise RuntimeError(
+                "an optimizer's param groups changed after MixedPrecision was created "
+                f"(parameters per optimizer: {self._param_counts} then, "
+                f"{param_counts(self.optimizers)} now); the engine did not re-point the "
+                "new ones at masters and buffers. Call add_param_group before creating "
+                "the engine, or create a new engine.")
         thawed = [p for p in self._frozen if p.requires_grad]
         if thawed:
             raise RuntimeError(
