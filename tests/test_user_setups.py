@@ -238,3 +238,31 @@ def test_closure_optimizers_and_late_param_groups_are_refused():
     engine.backward(loss)
     with pytest.raises(RuntimeError, match=r"param groups changed.*\[2\] then, \[4\] now"):
         engine.step()
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "bf16-master", "fp16-master", "fp8",
+                                    "bf16,params=bf16"])
+def test_fp32_state_dict_loads_into_a_fresh_fp32_model(recipe):
+    """After training, the fp32 weights (the masters, not their bf16 rounding) load
+    strictly into an unconverted fp32 copy of the model; tied weights stay tied."""
+    from conftest import TiedLM
+
+    torch.manual_seed(0)
+    model = TiedLM(vocab=64, d=32)
+    idx = torch.randint(0, 64, (8, 16))
+    engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), recipe)
+    for _ in range(3):
+        with engine.autocast():
+            loss = F.cross_entropy(model(idx).flatten(0, 1).float(), idx.flatten())
+        engine.backward(loss)
+        engine.step()
+    state = engine.fp32_state_dict()
+    fresh = TiedLM(vocab=64, d=32)
+    fresh.load_state_dict(state)  # strict: no fp8 buffers, no missing keys
+    assert all(v.dtype == torch.float32 for v in state.values())
+    trained = engine.master_params
+    assert all(any(torch.equal(p, q.float()) for q in trained) for p in fresh.parameters())
+    if engine.grads.has_master:  # the masters, not their rounding to the working dtype
+        assert not torch.equal(state["mix.weight"], model.mix.weight.float())
+    assert fresh.head.weight is fresh.emb.weight
+    assert torch.equal(state["head.weight"], state["emb.weight"])

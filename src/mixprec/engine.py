@@ -452,6 +452,28 @@ class MixedPrecision:
 
     # --- checkpoints ------------------------------------------------------------------
 
+    def fp32_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained weights in fp32, keyed like the original model's ``state_dict``.
+
+        Parameters with an fp32 master give the master's value (the working copy is
+        only its rounding); other low-precision parameters are upcast, exactly; buffers
+        are copied; fp8 scaling state (amax histories, scales) is left out. So it loads,
+        strictly, into a fresh fp32 instance of the model, for evaluation or export.
+        Under ``parallel="fsdp"`` the values are the local shards (DTensors)."""
+        master_of = ({id(w): m for w, m in zip(self.grads.working, self.grads.masters)}
+                     if self.grads.has_master else {})
+        fp8_keys = {f"{name}.{b}" if name else b
+                    for name, m in self.module.named_modules() if isinstance(m, Float8Linear)
+                    for b in ("fp8_amax_history", "fp8_scale")}
+        out = {}
+        for k, v in self.module.state_dict(keep_vars=True).items():
+            if k in fp8_keys:
+                continue
+            v = master_of.get(id(v), v).detach()
+            out[k] = (v.float() if v.is_floating_point() and v.dtype != torch.float64
+                      else v).clone()
+        return out
+
     def state_dict(self) -> dict:
         """Everything to resume bit-identically; loads with ``weights_only=True``."""
         if self._micro:
