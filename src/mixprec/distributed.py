@@ -47,6 +47,7 @@ class CommStats:
     per_call: list[int] = field(default_factory=list)
 
     def record(self, t: torch.Tensor) -> None:
+        """Count one collective's payload: ``t.numel() * t.element_size()`` bytes."""
         n = t.numel() * t.element_size()
         self.bytes_sent += n
         self.calls += 1

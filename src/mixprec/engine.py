@@ -434,6 +434,7 @@ class MixedPrecision:
 
     @property
     def scale(self) -> torch.Tensor:
+        """The current loss scale (a device tensor; 1.0 for recipes without scaling)."""
         return self.scaler.scale
 
     @property
@@ -443,6 +444,7 @@ class MixedPrecision:
 
     @property
     def skipped_steps(self) -> torch.Tensor:
+        """How many updates were skipped for non-finite gradients (a device tensor)."""
         return self.scaler.skipped_total
 
     @property
@@ -493,6 +495,8 @@ class MixedPrecision:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s output; refuses another recipe, emulation
+        setting, world size or optimizer count, naming both sides."""
         saved = state.get("recipe")
         if saved != self.recipe:
             raise ValueError(

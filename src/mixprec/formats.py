@@ -71,6 +71,7 @@ class Format:
 
     @property
     def total_bits(self) -> int:
+        """Storage width: sign + exponent + mantissa bits."""
         return int(self.signed) + self.exponent_bits + self.mantissa_bits
 
     @property
@@ -101,6 +102,7 @@ class Format:
 
     @property
     def min_normal(self) -> float:
+        """Smallest positive normal number, 2^emin."""
         return math.ldexp(1.0, self.emin)
 
     @property

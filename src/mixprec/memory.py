@@ -65,15 +65,18 @@ class Breakdown:
 
     @property
     def total(self) -> float:
+        """Sum of all items, in bytes."""
         return float(sum(self.items.values()))
 
     def __getitem__(self, item: str) -> float:
         return self.items.get(item, 0.0)
 
     def gb(self, item: str | None = None) -> float:
+        """One item, or the total, in GB (1e9 bytes)."""
         return (self.total if item is None else self[item]) / GB
 
     def table(self) -> str:
+        """Plain-text table of the items in GB, with the notes."""
         rows = [f"{'item':<13}{'GB':>12}"]
         rows += [f"{k:<13}{v / GB:>12.3f}" for k, v in self.items.items() if v]
         rows.append(f"{'total':<13}{self.total / GB:>12.3f}")

@@ -288,22 +288,27 @@ class Recipe:
 
     @property
     def param_dtype(self) -> torch.dtype:
+        """torch dtype of the working parameters (``params``)."""
         return _TORCH[self.params]
 
     @property
     def grad_dtype(self) -> torch.dtype:
+        """torch dtype of the gradient accumulation buffers (``grads``)."""
         return _TORCH[self.grads]
 
     @property
     def comm_dtype(self) -> torch.dtype:
+        """torch dtype gradients travel in between ranks (``comm``)."""
         return _TORCH[self.comm]
 
     @property
     def uses_autocast(self) -> bool:
+        """Whether the forward runs under torch.autocast (every compute but fp32/tf32)."""
         return self.compute not in ("fp32", "tf32")
 
     @property
     def is_mx(self) -> bool:
+        """Whether ``compute`` is an OCP MX block-scaled format (emulated only)."""
         return self.compute in MX_COMPUTE
 
     @property

@@ -83,6 +83,7 @@ class LossScaler:
 
     @property
     def device(self) -> torch.device:
+        """Where the scale and counters live."""
         return self.scale.device
 
     def scale_loss(self, loss: torch.Tensor, divide_by: int = 1) -> torch.Tensor:
@@ -132,6 +133,7 @@ class LossScaler:
         self.overflow_streak = streak
 
     def state_dict(self) -> dict[str, object]:
+        """Kind, scale and counters (cloned tensors; loads with weights_only=True)."""
         return {
             "kind": self.kind,
             "scale": self.scale.clone(),
@@ -142,6 +144,7 @@ class LossScaler:
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore ``state_dict()``'s output; refuses a state of another kind."""
         if state.get("kind") != self.kind:
             raise ValueError(f"loss scaler state is for kind {state.get('kind')!r}, this "
                              f"scaler is {self.kind!r}; use the recipe the state was saved with")

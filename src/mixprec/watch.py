@@ -33,12 +33,14 @@ class HostMirror:
         self.pending = False
 
     def push(self, t: torch.Tensor) -> None:
+        """Start copying ``t`` (a few device values) to the host, without waiting."""
         self.buf.copy_(t.to(torch.float64), non_blocking=self.cuda)
         if self.event is not None:
             self.event.record()
         self.pending = True
 
     def read(self) -> list[float] | None:
+        """The last pushed values once their copy has landed, else None (never waits)."""
         if not self.pending or (self.event is not None and not self.event.query()):
             return None
         self.pending = False
@@ -54,6 +56,8 @@ class SkipWatch:
         self._warned_streak = 0
 
     def check(self, scaler, recipe) -> None:
+        """Look at the skip streak one step late (no sync); warn or raise
+        ``SkipLimitError`` per ``recipe.on_skip_limit`` once it reaches ``skip_limit``."""
         limit = recipe.skip_limit
         if not limit:
             return

@@ -41,9 +41,11 @@ class Report:
         return not any(f.severity in ("error", "warning") for f in self.findings)
 
     def codes(self) -> list[str]:
+        """The finding codes, in order (e.g. ``["nonfinite-origin"]``)."""
         return [f.code for f in self.findings]
 
     def to_json(self) -> str:
+        """The report as JSON: recipe, ok, findings (with evidence and advice), facts."""
         return json.dumps({"recipe": self.recipe, "ok": self.ok,
                            "findings": [asdict(f) for f in self.findings],
                            "facts": self.facts}, indent=2, default=str)

@@ -107,6 +107,7 @@ class NumericsMonitor:
         return torch.stack(hs).sum(0).tolist() if hs else []
 
     def remove(self) -> None:
+        """Detach every hook the monitor installed; the model runs as before."""
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -24,6 +24,7 @@ class NonFiniteOrigin:
     output_amax: float
 
     def describe(self) -> str:
+        """One sentence: phase, module, op, and the input's dtype and max |x|."""
         where = "output" if self.phase == "forward" else "gradient"
         return (f"{self.phase}: {self.module} ({self.op}) produced a non-finite {where}; "
                 f"its input was {self.input_dtype} with max |x| = {self.input_amax:.4g}")

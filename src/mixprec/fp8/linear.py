@@ -143,6 +143,8 @@ class Float8Linear(nn.Linear):
 
     @property
     def backend(self) -> str:
+        """The fp8 GEMM that runs: ``"scaled_mm"`` (``torch._scaled_mm``) or
+        ``"dequant"`` (fp8 values in bf16, whose products are exact, fp32 accumulation)."""
         return gemm_backend(self.weight.device, self.gemm_choice)
 
     def _cast(self, t: torch.Tensor, role: int, dtype: torch.dtype, record: bool):
@@ -170,6 +172,8 @@ class Float8Linear(nn.Linear):
                                       found_inf=found_inf)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + b`` with x and W cast to e4m3 at their scales (e5m2 or e4m3
+        for the gradient in backward); the output is in the autocast dtype."""
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         x2d = x.reshape(-1, x.shape[-1])
@@ -181,6 +185,7 @@ class Float8Linear(nn.Linear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        """Linear's repr plus the scaling, the weight layout and the gradient format."""
         layout = "weight=(in, out), " if self.transposed else ""
         return (f"{super().extra_repr()}, scaling={self.scaling}, {layout}"
                 f"grad={'e5m2' if self.grad_dtype == torch.float8_e5m2 else 'e4m3'}, "

@@ -111,6 +111,8 @@ class GPT(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Logits (b, t, vocab) for token ids ``idx`` (b, t); with ``targets``, the
+        mean cross-entropy instead."""
         b, t = idx.shape
         if t > self.config.seq_len:
             raise ValueError(f"sequence of {t} tokens exceeds seq_len={self.config.seq_len}")

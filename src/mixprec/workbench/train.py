@@ -72,6 +72,7 @@ class TrainConfig:
 
     @property
     def seq_len(self) -> int:
+        """Tokens per sequence: ``seq``, or the model size's context length."""
         return self.seq or SIZES[self.size].seq_len
 
 
@@ -88,15 +89,18 @@ class TrainResult:
 
     @property
     def final_val_loss(self) -> float:
+        """Validation loss of the last evaluation (NaN if none ran)."""
         return self.evals[-1]["val_loss"] if self.evals else math.nan
 
     @property
     def tokens_per_s(self) -> float:
+        """Median training throughput, leaving out the first fifth of steps (warm-up)."""
         tps = [s["tokens_per_s"] for s in self.steps[len(self.steps) // 5:]]
         return statistics.median(tps) if tps else math.nan
 
     @property
     def skipped(self) -> int:
+        """How many steps were skipped for non-finite gradients."""
         return sum(s["skipped"] for s in self.steps)
 
 
