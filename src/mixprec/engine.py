@@ -120,6 +120,17 @@ def _run_backward(loss: torch.Tensor, retain_graph: bool) -> None:
 class MixedPrecision:
     """Mixed-precision training of any ``nn.Module`` under a ``Recipe``.
 
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 2)
+    >>> engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), fused=True),
+    ...                         recipe="bf16-master")
+    >>> with engine.autocast():
+    ...     loss = model(torch.randn(8, 4)).square().mean()
+    >>> engine.backward(loss)
+    >>> result = engine.step()
+    >>> bool(result.skipped), model.weight.dtype, engine.master_params[0].dtype
+    (False, torch.bfloat16, torch.float32)
+
     Args:
         model: the module to train; ``-master`` recipes cast its parameters to the
             recipe's ``params`` dtype in place and keep fp32 masters for the optimizer.

@@ -65,6 +65,12 @@ _FALSE = {"false", "0", "no", "off"}
 class Recipe:
     """The precision of every part of a training step.
 
+    >>> r = Recipe.parse("fp16-master,init_scale=1024")
+    >>> r.compute, r.params, r.master, r.loss_scale, r.init_scale
+    ('fp16', 'fp16', 'fp32', 'dynamic', 1024.0)
+    >>> Recipe.parse(str(r)) == r
+    True
+
     Fields (dtype names are mixprec format names):
 
     - ``compute``: precision of matmul/conv inputs (autocast dtype; ``fp8`` converts

@@ -41,7 +41,15 @@ Kind = Literal["none", "static", "dynamic"]
 
 
 class LossScaler:
-    """Loss scaling of one of three kinds; see the module docstring for the rule."""
+    """Loss scaling of one of three kinds; see the module docstring for the rule.
+
+    >>> import torch
+    >>> s = LossScaler("dynamic", init_scale=2.0**16, growth_interval=2)
+    >>> s.update(torch.tensor(1.0))      # inf/NaN found: skip, back off
+    >>> s.update(torch.tensor(0.0)); s.update(torch.tensor(0.0))  # 2 clean steps: grow
+    >>> float(s.scale), int(s.skipped_total)
+    (65536.0, 1)
+    """
 
     def __init__(
         self,

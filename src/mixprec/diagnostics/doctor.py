@@ -54,7 +54,15 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
            recipe: Recipe | str = "bf16", *, steps: int = 10, lr: float = 1e-3,
            reference_steps: int = 3, scale_history: list[float] | None = None,
            plots: str | Path | None = None, optimizer: str = "adamw") -> Report:
-    """Diagnose ``recipe`` on a model; see the module docstring."""
+    """Diagnose ``recipe`` on a model; see the module docstring.
+
+    ``batch_fn(model, step)`` returns the step's loss; the doctor calls it under the
+    recipe's precision context. Example::
+
+        report = doctor(lambda: MyNet(), lambda m, i: F.cross_entropy(m(x[i]), y[i]),
+                        "fp16", steps=20)
+        print(report)             # findings: severity, evidence, advice
+    """
     from mixprec.engine import MixedPrecision
 
     r = Recipe.coerce(recipe)
