@@ -20,7 +20,7 @@ Example::
     >>> import torch
     >>> from mixprec import formats
     >>> formats.quantize(torch.tensor([2048.0 + 1e-4, 70000.0]), "fp16")
-    tensor([2048.,    inf])
+    tensor([2048.,   inf])
     >>> formats.get("fp8_e4m3").max
     448.0
 """
