@@ -175,3 +175,28 @@ def resume(rank, world, tmp, recipe):
     same = all(torch.equal(p, q) for p, q in zip(a.master_params, b.master_params))
     _save(tmp, "resume", rank, {"a": tail_a, "b": tail_b, "same": same})
     dist.destroy_process_group()
+
+
+def make_frozen_adagrad(seed: int = 0):
+    """A model whose first Linear is frozen, with Adagrad (state built in __init__)
+    over all its parameters, as torch allows."""
+    model = make_mlp(seed)
+    model[0].requires_grad_(False)
+    return model, torch.optim.Adagrad(model.parameters(), lr=0.05)
+
+
+def frozen_stateful(rank, world, tmp, parallel, steps):
+    """make_frozen_adagrad on 2 ranks x 8 samples per step."""
+    _init(rank, world, tmp)
+    model, opt = make_frozen_adagrad(seed=rank)
+    engine = MixedPrecision(model, opt, "fp32", parallel=parallel)
+    for x, y in make_data(steps):
+        with engine.autocast():
+            loss = F.cross_entropy(engine.model(x.chunk(world)[rank]), y.chunk(world)[rank])
+        engine.backward(loss)
+        engine.step()
+    params = [p.detach() for p in engine.module.parameters()]
+    if parallel == "fsdp":
+        params = [p.full_tensor() for p in params]
+    _save(tmp, "frozen", rank, {"params": [p.clone() for p in params]})
+    dist.destroy_process_group()

@@ -19,7 +19,7 @@ def spawn(fn, *args, world=2):
     tmp = tempfile.mkdtemp(prefix="mixprec-dist-")
     mp.spawn(fn, args=(world, tmp, *args), nprocs=world, join=True)
     name = {"equivalence": "equivalence", "rank_local_inf": "inf", "fp8_outlier": "fp8",
-            "fp16_comm": "fp16", "resume": "resume"}[fn.__name__]
+            "fp16_comm": "fp16", "resume": "resume", "frozen_stateful": "frozen"}[fn.__name__]
     return [torch.load(os.path.join(tmp, f"{name}_rank{r}.pt"), weights_only=False)
             for r in range(world)]
 
@@ -108,3 +108,23 @@ def test_fp8_with_fsdp_trains_like_fp8_with_ddp():
     # samples) to low precision where one process rounds the sum over 16, and 20 steps
     # amplify that: 5e-4 after one step, 5e-2 after 20 (bf16 alone: 2e-4, 3e-3 after 10)
     assert _max_rel(fsdp[0]["params"], ref) <= 0.1
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_frozen_parameters_and_optimizer_state_built_in_init(parallel):
+    """Adagrad's state exists before the engine; under FSDP it is sharded like its
+    parameter. A frozen Linear sits in the optimizer. Two ranks of 8 = one rank of 16."""
+    import torch.nn.functional as F
+
+    ranks = spawn(w.frozen_stateful, parallel, 10)
+    model, opt = w.make_frozen_adagrad(seed=0)
+    engine = MixedPrecision(model, opt, "fp32")
+    for x, y in w.make_data(10):
+        with engine.autocast():
+            loss = F.cross_entropy(model(x), y)
+        engine.backward(loss)
+        engine.step()
+    ref = [p.detach() for p in model.parameters()]
+    for r in ranks:
+        assert _max_rel(r["params"], ref) <= 1e-5
+    assert torch.equal(ranks[0]["params"][0], w.make_mlp(0)[0].weight)  # frozen: as built

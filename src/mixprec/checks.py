@@ -68,8 +68,8 @@ def check_device(device: torch.device, r: Recipe, emulating: bool) -> None:
 def check_optimizers(optimizers: list[torch.optim.Optimizer], params: list[nn.Parameter],
                      frozen: list[nn.Parameter], r: Recipe, parallel: str | None,
                      emulating: bool) -> None:
-    """The optimizers hold only the model's parameters (frozen ones allowed), start
-    empty under FSDP, and, when fused, can update the dtype they will be given."""
+    """The optimizers hold only the model's parameters (frozen ones allowed) and, when
+    fused, can update the dtype they will be given."""
     ids = {id(p) for p in params} | {id(p) for p in frozen}
     for o in optimizers:
         closure = inspect.signature(o.step).parameters.get("closure")
@@ -86,11 +86,6 @@ def check_optimizers(optimizers: list[torch.optim.Optimizer], params: list[nn.Pa
                         "an optimizer holds a parameter that is not a parameter of "
                         f"the model (shape {tuple(p.shape)}); build the optimizer "
                         "over model.parameters()")
-    if parallel == "fsdp" and any(o.state for o in optimizers):
-        raise ValueError(
-            "the optimizer already has state (it has stepped, or it creates state "
-            "when built, as Adagrad does); with parallel='fsdp' create MixedPrecision "
-            "before the optimizer's first step, with an optimizer that starts empty")
     if parallel != "fsdp":
         GradState.check_masterable(params, r)
     # the dtype the optimizer will update: fp32 masters, fp32 under emulation or FSDP

@@ -135,17 +135,23 @@ def wrap_ddp(engine, model: nn.Module, recipe):
 
 def shard_fsdp(model: nn.Module, recipe, optimizers) -> nn.Module:
     """``fully_shard`` with the recipe's policy; the optimizers, built over the unsharded
-    model, are re-pointed at the fp32 shards (matched by parameter name)."""
+    model, are re-pointed at the fp32 shards (matched by parameter name). State they
+    already hold (Adagrad builds it in ``__init__``; or earlier plain steps) is sharded
+    like its parameter, from rank 0's copy, as rank 0's weights are the ones kept."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
 
     before = dict(model.named_parameters())
     fully_shard(model, mp_policy=fsdp_policy(recipe))
     after = dict(model.named_parameters())
     new_of = {id(p): after[name] for name, p in before.items()}
     for o in optimizers:
-        if o.state:
-            raise ValueError("the optimizer already has state; create MixedPrecision "
-                             "before the first optimizer step")
+        for p in [p for g in o.param_groups for p in g["params"] if p in o.state]:
+            new = new_of[id(p)]
+            o.state[new] = {
+                k: (distribute_tensor(v, new.device_mesh, new.placements)
+                    if isinstance(v, torch.Tensor) and v.shape == p.shape else v)
+                for k, v in o.state.pop(p).items()}
         for g in o.param_groups:
             g["params"] = [new_of.get(id(p), p) for p in g["params"]]
     return model
