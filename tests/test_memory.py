@@ -189,3 +189,31 @@ def test_measure_equals_estimate_with_frozen_parameters(recipe):
     got = measure(model, engine)
     for item in MODEL_STATES:
         assert got[item] == predicted[item], (recipe, item, got[item], predicted[item])
+
+
+
+@pytest.mark.parametrize("name,make", [
+    ("adam", lambda ps: torch.optim.Adam(ps)),
+    ("sgd_momentum", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+    ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1)),
+    ("adagrad", lambda ps: torch.optim.Adagrad(ps)),
+    ("rmsprop", lambda ps: torch.optim.RMSprop(ps)),
+    ("adadelta", lambda ps: torch.optim.Adadelta(ps)),
+    ("adamax", lambda ps: torch.optim.Adamax(ps)),
+    ("nadam", lambda ps: torch.optim.NAdam(ps)),
+    ("radam", lambda ps: torch.optim.RAdam(ps)),
+])
+@pytest.mark.parametrize("recipe", ["bf16", "bf16-master"])
+def test_measure_equals_estimate_for_each_optimizer(name, make, recipe):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layers=1, d_model=32, n_heads=2, seq_len=16))
+    idx = torch.randint(0, 256, (2, 17))
+    predicted = estimate(model, recipe, optimizer=name)
+    engine = MixedPrecision(model, make(model.parameters()), recipe)
+    with engine.autocast():
+        loss = _gpt_loss(idx)(model)
+    engine.backward(loss)
+    engine.step()
+    got = measure(model, engine)["optimizer"]
+    assert got == predicted["optimizer"], (got, predicted["optimizer"])
+    assert (got > 0) == (name != "sgd")

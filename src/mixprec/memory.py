@@ -9,7 +9,8 @@
 | ``master`` | 4 with ``master=fp32`` |
 | ``optimizer`` | per state: 4 with masters, else the size of ``params`` |
 
-AdamW keeps 2 states per parameter, SGD with momentum 1, plain SGD 0.
+AdamW keeps 2 states per parameter, SGD with momentum 1, plain SGD 0; Adagrad and
+RMSprop 1, Adadelta, Adamax, NAdam and RAdam 2 (torch's defaults).
 
 Plus ``fp8`` (amax histories and scales of each Float8Linear), ``buffers`` (BatchNorm
 statistics and the like) and ``activations`` (a transformer spec, or a figure you
@@ -51,7 +52,11 @@ __all__ = ["Breakdown", "TransformerSpec", "estimate", "measure", "parse_count",
 ITEMS = ("params", "grads", "master", "optimizer", "fp8", "buffers", "activations",
          "weight_casts")
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
+# torch optimizer -> (parameter-sized states, 0-dim fp32 tensors per parameter such as
+# the step count), for torch's defaults (no amsgrad, no RMSprop momentum/centering)
+_STATES = {"adamw": (2, 1), "adam": (2, 1), "sgd_momentum": (1, 0), "sgd": (0, 0),
+           "adagrad": (1, 1), "rmsprop": (1, 1), "adadelta": (2, 1), "adamax": (2, 1),
+           "nadam": (2, 2), "radam": (2, 1)}
 GB = 1e9
 
 
@@ -235,8 +240,8 @@ def estimate(
         "params": (n * param_bytes + frozen_bytes) / shard["params"],
         "grads": n * grads_per / shard["grads"],
         "master": (n * 4 if r.master == "fp32" else 0) / shard["optimizer"],
-        "optimizer": (n * _STATES[opt] * _state_bytes(r, param_bytes)
-                      + (4 * n_tensors if opt in ("adam", "adamw") else 0)) / shard["optimizer"],
+        "optimizer": (n * _STATES[opt][0] * _state_bytes(r, param_bytes)
+                      + 4 * n_tensors * _STATES[opt][1]) / shard["optimizer"],
         "fp8": fp8_bytes,
         "buffers": buffers,
     }

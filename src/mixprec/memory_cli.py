@@ -28,7 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", default="fp32,bf16-master,fp16-master",
                    help="presets to compare, comma-separated; recipes with overrides are "
                         "separated by ';', e.g. 'fp32;fp16-master,grads=fp16'")
-    p.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd_momentum, sgd")
+    p.add_argument("--optimizer", default="adamw",
+                   help="adamw, adam, sgd_momentum, sgd, adagrad, rmsprop, adadelta, adamax, "
+                        "nadam, radam")
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (FSDP = 3)")
     p.add_argument("--gpus", type=int, default=1, help="data-parallel ranks to shard over")
     p.add_argument("--layers", type=int)
