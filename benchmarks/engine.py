@@ -27,6 +27,7 @@ import torch
 from gpt_args import add_gpt_arguments, gpt_config  # benchmarks/, next to this script
 from mixprec import MixedPrecision
 from mixprec.workbench import GPT
+from mixprec.workbench.bench import paired_overhead
 
 
 def main() -> None:
@@ -88,13 +89,14 @@ def main() -> None:
                 loops[name]()
                 if i >= args.warmup:
                     times[name].append(time.perf_counter() - t)
-        return {k: statistics.median(v) for k, v in times.items()}
+        return times
 
     # Two phases, each an interleaved pair: the fp32 loop's large allocations perturb
     # whichever loop follows it, so it is kept out of the overhead comparison.
     mine = f"mixprec {args.recipe}"
-    over = measure({"hand bf16": hand_step, mine: engine_step})
-    speed = measure({"fp32": fp32_step, "hand bf16": hand_step, mine: engine_step})
+    over_t = measure({"hand bf16": hand_step, mine: engine_step})
+    speed_t = measure({"fp32": fp32_step, "hand bf16": hand_step, mine: engine_step})
+    over, speed = ({k: statistics.median(v) for k, v in t.items()} for t in (over_t, speed_t))
     tokens = args.batch * args.seq
     print(f"# GPT {args.layers}x{args.d_model} ({cfg.n_params / 1e6:.1f}M params), batch "
           f"{args.batch}x{args.seq}, median of {args.steps} interleaved steps per phase, "
@@ -104,16 +106,19 @@ def main() -> None:
     for phase, med in (("overhead", over), ("speed-up", speed)):
         for k, v in med.items():
             print(f"{phase:<10} {k:<{w}} {v * 1e3:>10.1f} {tokens / v:>10.0f}")
-    print(f"engine overhead vs hand-written bf16 loop: "
-          f"{(over[mine] / over['hand bf16'] - 1) * 100:+.1f}%")
+    med, q25, q75 = paired_overhead(over_t[mine], over_t["hand bf16"])
+    print(f"engine overhead vs hand-written bf16 loop: {med * 100:+.1f}% (median of "
+          f"per-round ratios, IQR {q25 * 100:+.1f}..{q75 * 100:+.1f}%; ratio of medians "
+          f"{(over[mine] / over['hand bf16'] - 1) * 100:+.1f}%)")
     print(f"speed-up over fp32 (same phase): {mine} "
           f"{speed['fp32'] / speed[mine]:.2f}x, hand-written bf16 "
           f"{speed['fp32'] / speed['hand bf16']:.2f}x")
     if args.control:
         ctl = measure({"hand bf16": hand_step, "hand bf16 (2nd)": hand_loop(*make())})
+        med, q25, q75 = paired_overhead(ctl["hand bf16 (2nd)"], ctl["hand bf16"])
         print(f"control, the same hand-written loop on a second model instance: "
-              f"{(ctl['hand bf16 (2nd)'] / ctl['hand bf16'] - 1) * 100:+.1f}% "
-              "(what 'overhead' reads when there is none)")
+              f"{med * 100:+.1f}% (IQR {q25 * 100:+.1f}..{q75 * 100:+.1f}%; what "
+              "'overhead' reads when there is none)")
     if args.pieces:
         pieces(args, engine, me, mh, oh, x, y)
 

@@ -224,7 +224,21 @@ def test_bench_table_without_fp32_and_with_long_recipe_names(capsys):
     assert main(["bench", "--size", "tiny", "--batch", "2", "--seq", "32", "--steps", "1",
                  "--recipes", "bf16;bf16-master,wgrad=fp32"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    head, rows = lines[1], lines[2:]
+    head, rows = lines[1], lines[2:-1]
+    assert lines[-1].startswith("overhead: median over rounds")
     assert [r.split()[0] for r in rows] == ["bf16", "bf16-master,wgrad=fp32"]
     assert all(len(r) == len(head) for r in rows)
     assert all(r.split()[3] == "–" for r in rows)          # no fp32 baseline
+
+
+def test_paired_overhead_is_the_median_of_per_round_ratios():
+    from mixprec.workbench.bench import paired_overhead
+
+    # the host slows down halfway: each round's pair still reads +10%
+    base = [1.0, 1.0, 1.0, 3.0, 3.0]
+    med, q25, q75 = paired_overhead([1.1 * b for b in base], base)
+    assert (med, q25, q75) == pytest.approx((0.1, 0.1, 0.1))
+    med, q25, q75 = paired_overhead([1.0, 1.1, 1.2, 1.3], [1.0] * 4)
+    assert (med, q25, q75) == pytest.approx((0.15, 0.075, 0.225))
+    with pytest.raises(ValueError, match="same number"):
+        paired_overhead([1.0], [1.0, 2.0])

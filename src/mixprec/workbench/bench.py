@@ -8,7 +8,8 @@ recipe is timed in its own phase, interleaved step by step with its hand-written
   this device's peak matmul rate for the compute dtype, measured by the command itself on
   a large GEMM;
 - the engine's overhead against the equivalent hand-written loop, where torch has one:
-  fp32 (plain), bf16 and fp16 (``torch.autocast`` + ``torch.amp.GradScaler`` for fp16);
+  fp32 (plain), bf16 and fp16 (``torch.autocast`` + ``torch.amp.GradScaler`` for fp16),
+  as the median of per-round paired ratios with its quartiles (``paired_overhead``);
 - bytes held (``memory.measure``).
 """
 
@@ -27,10 +28,29 @@ from mixprec.kernels import matmul_gflops
 from mixprec.recipe import Recipe
 from mixprec.workbench.model import GPT, SIZES
 
-__all__ = ["bench", "peak_gflops"]
+__all__ = ["bench", "peak_gflops", "paired_overhead"]
 
 _PEAK_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
                "fp16": torch.float16, "fp8": torch.bfloat16}
+
+
+def paired_overhead(times: list[float], base: list[float]) -> tuple[float, float, float]:
+    """How much slower ``times`` is than ``base``: the median, 25th and 75th percentile
+    of the per-round ratios - 1, where round i timed one step of each back to back.
+
+    Pairing steps of the same round cancels slow drifts of a shared host's load, which a
+    ratio of the two medians does not; the quartiles show what noise is left.
+
+    >>> paired_overhead([1.1, 2.2, 1.05], [1.0, 2.0, 1.0])[0]  # doctest: +ELLIPSIS
+    0.1000...
+    """
+    if len(times) != len(base) or not times:
+        raise ValueError(f"need the same number (> 0) of rounds, got {len(times)} and "
+                         f"{len(base)}")
+    ratios = sorted(a / b - 1 for a, b in zip(times, base))
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else \
+        [ratios[0]] * 3
+    return statistics.median(ratios), q[0], q[2]
 
 
 def peak_gflops(device: str, compute: str) -> float:
@@ -136,11 +156,13 @@ def bench(recipes=("fp32", "bf16", "bf16-master", "fp16", "fp8"), *, size: str =
         med = statistics.median(times[r])
         peak = peak_gflops(device, rec.compute)
         achieved = flops_per_step / med / 1e9
-        over = (med / statistics.median(times[f"hand:{r}"]) - 1) if r in hand else None
+        over, q25, q75 = (paired_overhead(times[r], times[f"hand:{r}"]) if r in hand
+                          else (None, None, None))
         mem = measure(m, e).total
         rows.append({"recipe": r, "step_ms": med * 1e3, "tokens_per_s": tokens / med,
                      "gflops": achieved, "peak_gflops": peak, "mfu": achieved / peak,
-                     "overhead_vs_hand": over, "model_state_bytes": mem,
+                     "overhead_vs_hand": over, "overhead_iqr": (q25, q75),
+                     "model_state_bytes": mem,
                      "emulated": e.emulating})
     base = next((x for x in rows if x["recipe"] == "fp32"), None)
     for x in rows:
@@ -184,15 +206,19 @@ def format_table(result: dict) -> str:
              f"{result['seq']}, {result['device']}, torch {result['torch']}, "
              f"{result['threads']} threads, median of {result['steps']} interleaved steps",
              f"{'recipe':<{w}}{'step ms':>9}{'tok/s':>9}{'vs fp32':>8}{'GFLOP/s':>9}"
-             f"{'peak':>8}{'of peak':>8}{'overhead':>9}{'state MiB':>10}"]
+             f"{'peak':>8}{'of peak':>8}{'overhead':>9}{'(IQR)':>14}{'state MiB':>10}"]
     for x in result["rows"]:
         ov, sp = x["overhead_vs_hand"], x["speedup_vs_fp32"]
+        iqr = ("–" if ov is None else
+               f"{x['overhead_iqr'][0] * 100:+.1f}..{x['overhead_iqr'][1] * 100:+.1f}%")
         lines.append(
             f"{x['recipe']:<{w}}{x['step_ms']:>9.1f}{x['tokens_per_s']:>9,.0f}"
             f"{(f'{sp:.2f}x' if sp is not None else '–'):>8}"
             f"{x['gflops']:>9.0f}{x['peak_gflops']:>8.0f}"
             f"{x['mfu'] * 100:>7.0f}%{(f'{ov * 100:+.1f}%' if ov is not None else '–'):>9}"
-            f"{x['model_state_bytes'] / 2**20:>10.1f}")
+            f"{iqr:>14}{x['model_state_bytes'] / 2**20:>10.1f}")
+    lines.append("overhead: median over rounds of (engine step / hand-written step) - 1, "
+                 "each round timing the two back to back; IQR: its quartiles")
     return "\n".join(lines)
 
 
