@@ -222,3 +222,31 @@ def test_matrix_vector_ops_are_cast_down_as_cuda_autocast_does(recipe):
     assert wide.dtype == torch.float64
     engine.backward(out.float().square().mean())
     assert all(torch.isfinite(g).all() for g in engine.grads.grads())
+
+
+@pytest.mark.parametrize("recipe", ["fp16", "fp16-master,init_scale=256",
+                                    "fp16,emulate=false"])
+def test_fp16_lstm_runs_in_fp32_where_the_cpu_has_no_fp16_lstm(recipe):
+    """CPU autocast sends fp16 LSTMs to oneDNN; where it has none they raise. The context
+    runs them in fp32 then, as CPU autocast already runs GRU and RNN: the output equals
+    the fp32 LSTM on the same (rounded) weights."""
+    from mixprec import MixedPrecision
+    from mixprec.context import _cpu_runs_fp16_lstm
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 8)
+    if _cpu_runs_fp16_lstm():
+        pytest.skip("this CPU has an fp16 LSTM; the context leaves it to autocast")
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(RuntimeError):
+        nn.LSTM(8, 16, batch_first=True)(x)  # torch alone
+    model = nn.LSTM(8, 16, batch_first=True)
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe)
+    with engine.autocast():
+        out, (h, c) = model(x)
+    ref = nn.LSTM(8, 16, batch_first=True)
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    want, _ = ref(x)
+    assert out.dtype == h.dtype == torch.float32
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
+    engine.backward(out.square().mean())
+    assert not bool(engine.step().skipped)

@@ -77,9 +77,6 @@ def _grad_norms(name, recipe, steps=2):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_builtin_module_trains_and_matches_fp32(name, recipe):
-    if name == "lstm" and recipe.startswith("fp16"):
-        pytest.skip("torch's CPU autocast sends fp16 LSTMs to oneDNN, which has none here "
-                    "(README: Not there yet)")
     got, want = _grad_norms(name, recipe), _grad_norms(name, "fp32")
     assert all(torch.isfinite(torch.tensor(got)))
     # bf16 keeps 8 significant bits; through a few layers the norm stays within a few %

@@ -135,7 +135,19 @@ _LOWER_FUNCS = frozenset((torch.mv, torch.Tensor.mv, torch.addmv, torch.Tensor.a
 
 # everything PrecisionMode may touch; any other call passes through after one lookup
 _TOUCHED = (_ISLAND_FUNCS | _PROMOTE_FUNCS | _LOWER_FUNCS | ROUTED_FUNCS
-            | {attention.ROUTED})
+            | {attention.ROUTED, torch.lstm})
+
+
+@functools.cache
+def _cpu_runs_fp16_lstm() -> bool:
+    """Whether this CPU's oneDNN has an fp16 LSTM (CPU autocast sends fp16 LSTMs there;
+    without one it raises "could not create a primitive descriptor")."""
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            torch.nn.LSTM(4, 4)(torch.zeros(1, 1, 4))
+    except RuntimeError:
+        return False
+    return True
 
 
 def _island(func, args, kwargs, device_type: str, sink: GradSink | None):
@@ -183,6 +195,7 @@ class PrecisionMode(TorchFunctionMode):
     - FP32 islands: the ``keep`` families (norms, softmax, losses) run in fp32;
     - ``promote`` (the CPU): CUDA autocast's promote rule for ``_PROMOTE_FUNCS`` and
       its cast rule for ``_LOWER_FUNCS`` (mv, addmv, addr), which CPU autocast lacks;
+      and fp16 LSTMs in fp32 where this CPU's oneDNN has no fp16 LSTM;
     - ``wgrad``: ``mixprec.wgrad.route`` (fp32 weight gradients into ``sink``);
     - ``attention`` (the CPU, ``keep_fp32`` with ``attention_backward``): SDPA's
       backward in fp32 (``mixprec.attention``).
@@ -218,6 +231,12 @@ class PrecisionMode(TorchFunctionMode):
             out = _lower(func, args, kwargs, self.device_type)
         elif self.wgrad and func in ROUTED_FUNCS:
             out = route(func, args, kwargs, self.device_type, self.sink)
+        elif (self.promote and func is torch.lstm
+                and torch.is_autocast_enabled(self.device_type)
+                and torch.get_autocast_dtype(self.device_type) == torch.float16
+                and not _cpu_runs_fp16_lstm()):
+            # no fp16 LSTM on this CPU: run it in fp32, as CPU autocast runs GRU and RNN
+            out = _island(func, args, kwargs, self.device_type, self.sink)
         elif (self.attention and func is attention.ROUTED
               and torch.is_autocast_enabled(self.device_type)):
             out = attention.route_attention(args, kwargs)
