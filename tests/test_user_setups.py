@@ -266,3 +266,31 @@ def test_fp32_state_dict_loads_into_a_fresh_fp32_model(recipe):
         assert not torch.equal(state["mix.weight"], model.mix.weight.float())
     assert fresh.head.weight is fresh.emb.weight
     assert torch.equal(state["head.weight"], state["emb.weight"])
+
+
+@pytest.mark.parametrize("write", ["load_state_dict", "no_grad in-place"])
+def test_weights_written_behind_the_engine_are_refused_not_lost(write):
+    """Under master weights the working copy is rewritten from the masters at every
+    step, so a checkpoint loaded into the model after the engine exists (or a WGAN-style
+    in-place clamp) would silently vanish. The next step raises instead; writing to
+    engine.master_params is the supported way, and it keeps the write."""
+    model = mlp()
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), "bf16-master")
+    _train(model, engine, 1)
+    if write == "load_state_dict":
+        model.load_state_dict({k: v * 0 for k, v in model.state_dict().items()})
+    else:
+        with torch.no_grad():
+            model[0].weight.clamp_(-0.01, 0.01)
+    with engine.autocast():
+        loss = F.cross_entropy(model(X), Y)
+    engine.backward(loss)
+    with pytest.raises(RuntimeError, match="written in place outside the engine.*"
+                                           "engine.master_params"):
+        engine.step()
+    model = mlp()  # the supported way: write the masters (lr=0 keeps them as written)
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), "bf16-master")
+    with torch.no_grad():
+        engine.master_params[0].clamp_(-0.01, 0.01)
+    _train(model, engine, 1)
+    assert model[0].weight.abs().max() <= 0.01

@@ -250,6 +250,7 @@ class MixedPrecision:
         self._micro = self._seen = 0
         self._steps = 0
         self._skips = SkipWatch(self.device)
+        self.grads.mark_working()  # after DDP's broadcast of rank 0's weights
         if self.emulating and r.emulate is None:
             warnings.warn(
                 f"{r.compute} has no fast kernels on {self.device.type} (measured: "
@@ -321,6 +322,17 @@ class MixedPrecision:
         if self._micro < self.grad_accum_steps:
             return StepResult(True, False, self.scaler.scale, None)
         self._check_setup_unchanged()
+        changed = self.grads.changed_working()
+        if changed:
+            raise RuntimeError(
+                f"{len(changed)} weight(s) of the model (the first of shape "
+                f"{tuple(changed[0].shape)}) were written in place outside the engine since "
+                "its last update, e.g. by model.load_state_dict() or an in-place op under "
+                "torch.no_grad(). Under -master recipes the optimizer updates fp32 masters "
+                "and the working copy is rewritten from them at every step, so the write "
+                "would be lost. Load weights before creating MixedPrecision (or use "
+                "engine.load_state_dict()), and make in-place changes to "
+                "engine.master_params.")
         grads = self._local(self.grads.grads())
         if self._all_fused and self._one_device:
             found_inf, norm, grad_scale = self._check_fused(grads)
@@ -539,6 +551,7 @@ class MixedPrecision:
         for sch, s in zip(self.schedulers, state.get("schedulers", [])):
             sch.load_state_dict(s)
         self._steps = int(state["steps"])
+        self.grads.mark_working()  # the load above was ours
         self.zero_grad()
 
     def close(self) -> None:

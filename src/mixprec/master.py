@@ -168,6 +168,20 @@ class GradState:
             torch._foreach_copy_(self.working, self.masters)
             if self.round_to is not None:
                 round_(self.working, self.round_to)
+            self.mark_working()
+
+    def mark_working(self) -> None:
+        """Remember the working copy's version counters (torch bumps them on every
+        in-place write), so ``changed_working`` can tell writes made elsewhere."""
+        self._versions = [p._version for p in self.working] if self.has_master else []
+
+    def changed_working(self) -> list[torch.Tensor]:
+        """Working parameters written in place since ``mark_working`` by someone else
+        (``model.load_state_dict``, an in-place op under ``torch.no_grad``). Under
+        master weights such a write would be overwritten by the next refresh."""
+        if not self.has_master:
+            return []
+        return [p for p, v in zip(self.working, self._versions) if p._version != v]
 
     def zero(self) -> None:
         """Clear the accumulated gradients after an optimizer step."""
