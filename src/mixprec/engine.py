@@ -297,6 +297,7 @@ class MixedPrecision:
                 f"grad_accum_steps={self.grad_accum_steps}; call step() after each backward")
         scaled = self.scaler.scale_loss(loss, self.grad_accum_steps)
         last = self._micro == self.grad_accum_steps - 1
+        self.grads.drop_stray_grads(fresh=self._micro == 0)
         with contextlib.ExitStack() as stack:
             if self.parallel == "ddp" and not last:
                 stack.enter_context(self.model.no_sync())  # reduce once, on the last one

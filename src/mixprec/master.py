@@ -106,6 +106,19 @@ class GradState:
         for i in idx:
             self.working[i].grad = None
 
+    def drop_stray_grads(self, fresh: bool) -> None:
+        """Drop gradients that another backward left on the working parameters (a GAN's
+        generator loss reaches the discriminator's weights): they were not scaled by
+        this engine and are not its to accumulate. Outside ``direct`` mode the working
+        ``.grad`` is always empty between backwards, so anything there is stray; in
+        ``direct`` mode ``.grad`` is the accumulator, so only a ``fresh`` accumulation
+        (the first micro-batch) can tell."""
+        if self.direct and not fresh:
+            return
+        for p in self.working:
+            if p.grad is not None:
+                p.grad = None
+
     def _add(self, idx: list[int], new: list[torch.Tensor]) -> None:
         bufs = [self.bufs[i] for i in idx]
         if self.kahan:
