@@ -284,7 +284,11 @@ class MixedPrecision:
             yield
 
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
-        """Backward of ``loss * scale / grad_accum_steps``; grads go to the buffers."""
+        """Backward of ``loss * scale / grad_accum_steps``; grads go to the buffers.
+
+        Gradients that another backward left on this engine's parameters (a GAN's
+        generator loss reaching the discriminator) are dropped first: each engine
+        accumulates only what its own ``backward`` calls make."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("backward() takes the scalar loss tensor; reduce it first "
                              "(e.g. loss.mean())")
