@@ -298,7 +298,9 @@ class MixedPrecision:
         if self._micro >= self.grad_accum_steps:
             raise RuntimeError(
                 f"backward() called {self._micro + 1} times since the last update but "
-                f"grad_accum_steps={self.grad_accum_steps}; call step() after each backward")
+                f"grad_accum_steps={self.grad_accum_steps}; call step() after each backward. "
+                "For several losses in one step, backward their sum "
+                "(engine.backward(loss0 + loss1)).")
         scaled = self.scaler.scale_loss(loss, self.grad_accum_steps)
         last = self._micro == self.grad_accum_steps - 1
         self.grads.drop_stray_grads(fresh=self._micro == 0)
