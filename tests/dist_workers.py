@@ -200,3 +200,34 @@ def frozen_stateful(rank, world, tmp, parallel, steps):
         params = [p.full_tensor() for p in params]
     _save(tmp, "frozen", rank, {"params": [p.clone() for p in params]})
     dist.destroy_process_group()
+
+
+class TwoHeads(nn.Module):
+    """A shared trunk and two heads; each step uses one head, so the other's parameters
+    get no gradient (DDP needs find_unused_parameters=True)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.trunk = nn.Sequential(nn.Linear(16, 32), nn.GELU())
+        self.heads = nn.ModuleList([nn.Linear(32, 4), nn.Linear(32, 4)])
+
+    def forward(self, x, head: int):
+        return self.heads[head](self.trunk(x))
+
+
+def unused_head(rank, world, tmp, recipe, steps):
+    """TwoHeads on 2 ranks x 8 samples, head = step % 2, find_unused_parameters=True."""
+    _init(rank, world, tmp)
+    model = TwoHeads(seed=rank)
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe,
+                            parallel="ddp",
+                            parallel_kwargs={"find_unused_parameters": True})
+    for i, (x, y) in enumerate(make_data(steps)):
+        with engine.autocast():
+            loss = F.cross_entropy(engine.model(x.chunk(world)[rank], i % 2),
+                                   y.chunk(world)[rank])
+        engine.backward(loss)
+        engine.step()
+    _save(tmp, "unused", rank, {"params": [p.detach().clone() for p in engine.master_params]})
+    dist.destroy_process_group()

@@ -19,7 +19,8 @@ def spawn(fn, *args, world=2):
     tmp = tempfile.mkdtemp(prefix="mixprec-dist-")
     mp.spawn(fn, args=(world, tmp, *args), nprocs=world, join=True)
     name = {"equivalence": "equivalence", "rank_local_inf": "inf", "fp8_outlier": "fp8",
-            "fp16_comm": "fp16", "resume": "resume", "frozen_stateful": "frozen"}[fn.__name__]
+            "fp16_comm": "fp16", "resume": "resume", "frozen_stateful": "frozen",
+            "unused_head": "unused"}[fn.__name__]
     return [torch.load(os.path.join(tmp, f"{name}_rank{r}.pt"), weights_only=False)
             for r in range(world)]
 
@@ -128,3 +129,32 @@ def test_frozen_parameters_and_optimizer_state_built_in_init(parallel):
     for r in ranks:
         assert _max_rel(r["params"], ref) <= 1e-5
     assert torch.equal(ranks[0]["params"][0], w.make_mlp(0)[0].weight)  # frozen: as built
+
+
+@pytest.mark.parametrize("recipe,tol", [("fp32", 1e-5), ("bf16-master", 1e-2),
+                                        ("bf16-master,wgrad=fp32", 1e-4)])
+def test_parallel_kwargs_reach_ddp_for_a_model_with_unused_parameters(recipe, tol):
+    """parallel_kwargs={"find_unused_parameters": True} reaches DDP: each step trains one
+    of two heads, and two ranks of 8 equal one rank of 16."""
+    import torch.nn.functional as F
+
+    ranks = spawn(w.unused_head, recipe, 10)
+    model = w.TwoHeads(seed=0)
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe)
+    for i, (x, y) in enumerate(w.make_data(10)):
+        with engine.autocast():
+            loss = F.cross_entropy(model(x, i % 2), y)
+        engine.backward(loss)
+        engine.step()
+    ref = [p.detach() for p in engine.master_params]
+    for r in ranks:
+        assert _max_rel(r["params"], ref) <= tol, _max_rel(r["params"], ref)
+
+
+def test_parallel_kwargs_are_checked():
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="without parallel"):
+        MixedPrecision(model, opt, "bf16", parallel_kwargs={"find_unused_parameters": True})
+    with pytest.raises(ValueError, match=r"\['mp_policy'\]: set by mixprec"):
+        MixedPrecision(model, opt, "bf16", parallel="fsdp", parallel_kwargs={"mp_policy": 1})

@@ -17,7 +17,8 @@ from mixprec.context import device_supports
 from mixprec.master import GradState
 from mixprec.recipe import Recipe
 
-__all__ = ["check_model", "check_device", "check_optimizers", "param_counts",
+__all__ = ["check_model", "check_device", "check_optimizers", "check_parallel_kwargs",
+           "param_counts",
            "takes_found_inf", "fused_updates"]
 
 
@@ -131,3 +132,23 @@ def param_counts(optimizers: list[torch.optim.Optimizer]) -> list[int]:
     step, since a group added later (``add_param_group``) would bypass the masters and
     buffers."""
     return [sum(len(g["params"]) for g in o.param_groups) for o in optimizers]
+
+
+#: what the engine sets itself: from the recipe (mp_policy) or for its comm hook
+_RESERVED = {"ddp": {"module", "gradient_as_bucket_view"},
+             "fsdp": {"module", "mp_policy"}}
+
+
+def check_parallel_kwargs(parallel: str | None, kwargs: dict | None) -> dict:
+    """``parallel_kwargs`` as a dict, refused without ``parallel`` or where it would
+    override what the recipe decides."""
+    kwargs = dict(kwargs or {})
+    if kwargs and parallel is None:
+        raise ValueError(f"parallel_kwargs {sorted(kwargs)} given without parallel; set "
+                         "parallel='ddp' or 'fsdp', or drop them")
+    bad = sorted(set(kwargs) & _RESERVED.get(parallel, set()))
+    if bad:
+        raise ValueError(
+            f"parallel_kwargs {bad}: set by mixprec for parallel={parallel!r} (from the "
+            "recipe, or for its gradient hook); change the recipe instead")
+    return kwargs

@@ -123,17 +123,19 @@ def ddp_comm_hook(state: _HookState, bucket):
 ddp_comm_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
-def wrap_ddp(engine, model: nn.Module, recipe):
-    """DDP around ``model`` with mixprec's comm hook; returns (ddp module, CommStats)."""
+def wrap_ddp(engine, model: nn.Module, recipe, **ddp_kwargs):
+    """DDP around ``model`` with mixprec's comm hook; returns (ddp module, CommStats).
+    ``ddp_kwargs`` go to ``DistributedDataParallel`` (``find_unused_parameters``...)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(model, broadcast_buffers=True, gradient_as_bucket_view=True)
+    ddp = DDP(model, **{"broadcast_buffers": True, **ddp_kwargs},
+              gradient_as_bucket_view=True)
     stats = CommStats()
     ddp.register_comm_hook(_HookState(engine, recipe.comm_dtype, stats), ddp_comm_hook)
     return ddp, stats
 
 
-def shard_fsdp(model: nn.Module, recipe, optimizers) -> nn.Module:
+def shard_fsdp(model: nn.Module, recipe, optimizers, **fsdp_kwargs) -> nn.Module:
     """``fully_shard`` with the recipe's policy; the optimizers, built over the unsharded
     model, are re-pointed at the fp32 shards (matched by parameter name). State they
     already hold (Adagrad builds it in ``__init__``; or earlier plain steps) is sharded
@@ -142,7 +144,7 @@ def shard_fsdp(model: nn.Module, recipe, optimizers) -> nn.Module:
     from torch.distributed.tensor import distribute_tensor
 
     before = dict(model.named_parameters())
-    fully_shard(model, mp_policy=fsdp_policy(recipe))
+    fully_shard(model, mp_policy=fsdp_policy(recipe), **fsdp_kwargs)
     after = dict(model.named_parameters())
     new_of = {id(p): after[name] for name, p in before.items()}
     for o in optimizers:
@@ -184,6 +186,8 @@ def prepare(model: nn.Module, optimizer, recipe="bf16", parallel: str = "ddp", *
         model = MyModel()
         opt = torch.optim.AdamW(model.parameters(), fused=True)
         ddp_model, engine = mixprec.distributed.prepare(model, opt, "bf16", "ddp")
+        # extra MixedPrecision arguments pass through, e.g.
+        # parallel_kwargs={"find_unused_parameters": True}
         with engine.autocast():
             loss = loss_fn(ddp_model(x), y)
         engine.backward(loss)

@@ -46,6 +46,7 @@ from mixprec.checks import (
     check_device,
     check_model,
     check_optimizers,
+    check_parallel_kwargs,
     param_counts,
     takes_found_inf,
 )
@@ -147,6 +148,10 @@ class MixedPrecision:
             sync per step to know whether it was skipped).
         parallel: ``"ddp"`` or ``"fsdp"`` inside an initialised process group (see
             ``mixprec.distributed``); call ``engine.model`` (the wrapped module) then.
+        parallel_kwargs: passed on to ``DistributedDataParallel`` (e.g.
+            ``find_unused_parameters=True`` for a model that leaves some parameters
+            unused) or to ``fully_shard`` (e.g. ``reshard_after_forward=False``); what the
+            recipe decides (FSDP's ``mp_policy``, DDP's comm hook) cannot be overridden.
     """
 
     def __init__(
@@ -159,6 +164,7 @@ class MixedPrecision:
         max_grad_norm: float | None = None,
         scheduler=None,
         parallel: str | None = None,
+        parallel_kwargs: dict | None = None,
     ) -> None:
         self.recipe = r = Recipe.coerce(recipe)
         if not isinstance(model, nn.Module):
@@ -183,6 +189,8 @@ class MixedPrecision:
                     f"recipe {str(r)!r}: wgrad=fp32 with parallel='fsdp' is not "
                     "supported: FSDP reduce-scatters the gradients of its unsharded "
                     "low-precision parameters. Use parallel='ddp', or drop wgrad.")
+        parallel_kwargs = check_parallel_kwargs(parallel, parallel_kwargs)
+        if parallel is not None:
             require_process_group(parallel)
             self.world_size = dist.get_world_size()
         self.grad_accum_steps = grad_accum_steps
@@ -215,7 +223,7 @@ class MixedPrecision:
             fr = r.replace(fp8_gemm="dequant") if r.emulate and r.fp8_gemm == "auto" else r
             self.fp8_report = fp8_convert(model, fr)
         if parallel == "fsdp":
-            model = shard_fsdp(model, r, self.optimizers)
+            model = shard_fsdp(model, r, self.optimizers, **parallel_kwargs)
             r_state = r.replace(params="fp32", master="none", grads="fp32")
         else:
             r_state = r
@@ -239,7 +247,7 @@ class MixedPrecision:
                         o.state[self.grads.masters[ids[id(p)]]] = o.state.pop(p)
         if parallel == "ddp":
             self.grads.announce_grads = True  # wgrad=fp32: DDP must see grads arrive
-            self.model, self.comm_stats = wrap_ddp(self, model, r)
+            self.model, self.comm_stats = wrap_ddp(self, model, r, **parallel_kwargs)
         self._fused = [takes_found_inf(o) for o in self.optimizers]
         self._param_counts = param_counts(self.optimizers)
         self._all_fused = all(self._fused)
