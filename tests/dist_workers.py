@@ -231,3 +231,33 @@ def unused_head(rank, world, tmp, recipe, steps):
         engine.step()
     _save(tmp, "unused", rank, {"params": [p.detach().clone() for p in engine.master_params]})
     dist.destroy_process_group()
+
+
+def make_gpt(seed: int = 0):
+    from mixprec.workbench import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab=64, seq_len=16, n_layers=2, d_model=32, n_heads=2))
+
+
+def gpt_tokens(steps: int, batch: int = 8):
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 64, (batch, 17), generator=g) for _ in range(steps)]
+
+
+def gpt_fsdp(rank, world, tmp, recipe, steps):
+    """The workbench GPT (blocks in a ModuleList) on 2 ranks x 4 sequences, FSDP."""
+    _init(rank, world, tmp)
+    model = make_gpt(seed=rank)
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.5), recipe,
+                            parallel="fsdp")
+    for idx in gpt_tokens(steps):
+        idx = idx.chunk(world)[rank]
+        with engine.autocast():
+            loss = engine.model(idx[:, :-1], idx[:, 1:])
+        engine.backward(loss)
+        engine.step()
+    units = [type(m).__name__ for m in (*model.blocks, model)]
+    params = [p.detach().full_tensor().clone() for p in engine.master_params]
+    _save(tmp, "gpt", rank, {"params": params, "units": units})
+    dist.destroy_process_group()

@@ -20,7 +20,7 @@ def spawn(fn, *args, world=2):
     mp.spawn(fn, args=(world, tmp, *args), nprocs=world, join=True)
     name = {"equivalence": "equivalence", "rank_local_inf": "inf", "fp8_outlier": "fp8",
             "fp16_comm": "fp16", "resume": "resume", "frozen_stateful": "frozen",
-            "unused_head": "unused"}[fn.__name__]
+            "unused_head": "unused", "gpt_fsdp": "gpt"}[fn.__name__]
     return [torch.load(os.path.join(tmp, f"{name}_rank{r}.pt"), weights_only=False)
             for r in range(world)]
 
@@ -158,3 +158,21 @@ def test_parallel_kwargs_are_checked():
         MixedPrecision(model, opt, "bf16", parallel_kwargs={"find_unused_parameters": True})
     with pytest.raises(ValueError, match=r"\['mp_policy'\]: set by mixprec"):
         MixedPrecision(model, opt, "bf16", parallel="fsdp", parallel_kwargs={"mp_policy": 1})
+
+
+@pytest.mark.parametrize("recipe,tol", [("fp32", 1e-5), ("bf16-master", 2e-2)])
+def test_fsdp_shards_each_block_then_the_root(recipe, tol):
+    """Every element of a ModuleList (the GPT's blocks) is its own FSDP unit, so only one
+    block's full weights exist at a time; training equals one rank of the whole batch."""
+    ranks = spawn(w.gpt_fsdp, recipe, 6)
+    assert all(u.startswith("FSDP") for u in ranks[0]["units"]), ranks[0]["units"]
+    model = w.make_gpt(seed=0)
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.5), recipe)
+    for idx in w.gpt_tokens(6):
+        with engine.autocast():
+            loss = model(idx[:, :-1], idx[:, 1:])
+        engine.backward(loss)
+        engine.step()
+    ref = [p.detach() for p in engine.master_params]
+    for r in ranks:
+        assert _max_rel(r["params"], ref) <= tol, _max_rel(r["params"], ref)

@@ -136,15 +136,23 @@ def wrap_ddp(engine, model: nn.Module, recipe, **ddp_kwargs):
 
 
 def shard_fsdp(model: nn.Module, recipe, optimizers, **fsdp_kwargs) -> nn.Module:
-    """``fully_shard`` with the recipe's policy; the optimizers, built over the unsharded
-    model, are re-pointed at the fp32 shards (matched by parameter name). State they
+    """``fully_shard`` with the recipe's policy, on each element of every ``ModuleList``
+    (a transformer's blocks) and then on the root; the optimizers, built over the
+    unsharded model, are re-pointed at the fp32 shards (matched by parameter name). State they
     already hold (Adagrad builds it in ``__init__``; or earlier plain steps) is sharded
     like its parameter, from rank 0's copy, as rank 0's weights are the ones kept."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
     before = dict(model.named_parameters())
-    fully_shard(model, mp_policy=fsdp_policy(recipe), **fsdp_kwargs)
+    policy = fsdp_policy(recipe)
+    # each element of a ModuleList (a transformer's blocks) is its own FSDP unit, so
+    # only one block's full weights exist at a time; the root unit takes the rest
+    for blocks in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
+        for block in blocks:
+            if any(p.requires_grad for p in block.parameters()):
+                fully_shard(block, mp_policy=policy, **fsdp_kwargs)
+    fully_shard(model, mp_policy=policy, **fsdp_kwargs)
     after = dict(model.named_parameters())
     new_of = {id(p): after[name] for name, p in before.items()}
     for o in optimizers:
