@@ -351,3 +351,40 @@ def test_a_gan_with_two_engines_trains_like_plain_torch(recipe):
     else:
         assert max(((a - b).abs().max() / b.abs().max()).item()
                    for a, b in zip(got, want)) < 0.05
+
+
+def test_save_and_load_are_atomic_and_resume_exactly(tmp_path):
+    """engine.save / engine.load: resuming equals not stopping; a torn or foreign file
+    raises before anything changes."""
+    from mixprec.checkpoint import CheckpointError
+
+    def run(model, engine, n):
+        _train(model, engine, n)
+        return [p.detach().clone() for p in engine.master_params]
+
+    model = mlp()
+    engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                            "fp16-master")
+    run(model, engine, 3)
+    path = tmp_path / "ckpt.pt"
+    engine.save(path, step=3)
+    want = run(model, engine, 3)
+
+    model2 = mlp(seed=9)
+    engine2 = MixedPrecision(model2, torch.optim.AdamW(model2.parameters(), lr=1e-2),
+                             "fp16-master")
+    assert engine2.load(path) == {"step": 3}
+    assert all(torch.equal(a, b) for a, b in zip(want, run(model2, engine2, 3)))
+    assert not (tmp_path / "ckpt.pt.tmp").exists()
+
+    before = [p.detach().clone() for p in engine2.master_params]
+    (tmp_path / "torn.pt").write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="truncated or corrupt.*Nothing was changed"):
+        engine2.load(tmp_path / "torn.pt")
+    other = nn.Sequential(nn.Linear(16, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 4))
+    eng_o = MixedPrecision(other, torch.optim.AdamW(other.parameters()), "fp16-master")
+    eng_o.save(tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="does not match this model.*nothing was loaded"):
+        engine2.load(tmp_path / "other.pt")
+    assert all(torch.equal(a, b) for a, b in zip(before, engine2.master_params))
+    assert all(torch.equal(p, q.half()) for p, q in zip(model2.parameters(), before))

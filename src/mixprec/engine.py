@@ -532,6 +532,36 @@ class MixedPrecision:
             "schedulers": [s.state_dict() for s in self.schedulers],
         }
 
+    def save(self, path, **extra) -> None:
+        """Write ``state_dict()`` (and ``extra``: a step count, a data position...) to
+        ``path`` atomically: a crash mid-write leaves the previous file whole. Under
+        ``parallel="fsdp"`` the state is this rank's shards: give each rank its own path;
+        otherwise rank 0 alone may write.
+
+        >>> import torch, tempfile, os
+        >>> model = torch.nn.Linear(4, 2)
+        >>> engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+        >>> engine.save(path, step=100)
+        >>> engine.load(path)
+        {'step': 100}
+        """
+        from mixprec.checkpoint import save_atomic
+
+        save_atomic({"engine": self.state_dict(), "extra": extra}, path)
+
+    def load(self, path) -> dict:
+        """Restore what ``save`` wrote and return its ``extra``. An unreadable file, or
+        one from another recipe or world size, raises before anything changes."""
+        from mixprec.checkpoint import CheckpointError, load_checkpoint
+
+        state = load_checkpoint(path)
+        if not isinstance(state, dict) or "engine" not in state:
+            raise CheckpointError(f"{str(path)!r} was not written by MixedPrecision.save "
+                                  "(no 'engine' entry); use load_state_dict for other files")
+        self.load_state_dict(state["engine"])
+        return dict(state.get("extra", {}))
+
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``'s output; refuses another recipe, emulation
         setting, world size or optimizer count, naming both sides."""
@@ -555,6 +585,16 @@ class MixedPrecision:
         if len(state["optimizers"]) != len(self.optimizers):
             raise ValueError(f"checkpoint has {len(state['optimizers'])} optimizer(s), this "
                              f"engine has {len(self.optimizers)}")
+        # torch's load_state_dict copies tensor by tensor and complains at the end; check
+        # first, so a checkpoint of another model changes nothing
+        have = {k: tuple(v.shape) for k, v in self.module.state_dict().items()}
+        got = {k: tuple(v.shape) for k, v in state["model"].items()}
+        if have != got:
+            diff = sorted(set(have) ^ set(got)) or sorted(
+                k for k in have if have[k] != got[k])
+            raise ValueError(
+                f"checkpoint's model does not match this model ({len(diff)} key(s) missing, "
+                f"extra or of another shape, e.g. {diff[:3]}); nothing was loaded")
         self.module.load_state_dict(state["model"])
         if self.grads.has_master:
             with torch.no_grad():

@@ -28,16 +28,13 @@ from pathlib import Path
 
 import torch
 
+from mixprec.checkpoint import CheckpointError, load_checkpoint, save_atomic
 from mixprec.engine import MixedPrecision
 from mixprec.recipe import Recipe
 from mixprec.workbench.data import load_corpus, sample_batch, val_batches
 from mixprec.workbench.model import GPT, SIZES
 
 __all__ = ["TrainConfig", "TrainResult", "train", "CheckpointError", "save_atomic"]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: unreadable, or from another run's settings."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,22 +101,6 @@ class TrainResult:
         return sum(s["skipped"] for s in self.steps)
 
 
-def save_atomic(obj, path: Path) -> None:
-    """torch.save to a temp file, fsync, rename over ``path``, fsync the folder."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _check_out(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -132,14 +113,7 @@ def _check_out(out: Path) -> None:
 
 
 def _load_checkpoint(path: Path, cfg: TrainConfig) -> dict:
-    import torch.distributed.tensor  # noqa: F401  (FSDP checkpoints hold DTensors)
-
-    try:
-        state = torch.load(path, weights_only=True)
-    except Exception as e:  # truncated zip, bad pickle, ...
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} is unreadable ({type(e).__name__}: {e}); it may be "
-            "truncated or corrupt. Nothing was changed: delete it to start over") from None
+    state = load_checkpoint(path)
     saved = state.get("config", {})
     for key in ("recipe", "size", "batch", "seq", "seed"):
         want = getattr(cfg, key)
