@@ -31,6 +31,13 @@ OPTIMIZERS = {
 }
 
 
+def _backward(model, engine):
+    """One micro-batch's forward and backward, stopping short of step()."""
+    with engine.autocast():
+        loss = F.cross_entropy(model(X), Y)
+    engine.backward(loss)
+
+
 def _train(model, engine, steps):
     losses = []
     for _ in range(steps):
@@ -134,9 +141,7 @@ def test_frozen_parameters_may_sit_in_the_optimizer(recipe):
     assert torch.equal(model[0].weight, frozen)
     assert any(p is model[0].weight for g in opt.param_groups for p in g["params"])
     model[0].weight.requires_grad_(True)
-    with engine.autocast():
-        loss = F.cross_entropy(model(X), Y)
-    engine.backward(loss)
+    _backward(model, engine)
     with pytest.raises(RuntimeError, match="requires_grad=False when MixedPrecision was "
                                            "created"):
         engine.step()
@@ -233,9 +238,7 @@ def test_closure_optimizers_and_late_param_groups_are_refused():
     engine = MixedPrecision(model, opt, "bf16-master")
     _train(model, engine, 1)
     opt.add_param_group({"params": list(model[3].parameters())})  # bf16 working copies
-    with engine.autocast():
-        loss = F.cross_entropy(model(X), Y)
-    engine.backward(loss)
+    _backward(model, engine)
     with pytest.raises(RuntimeError, match=r"param groups changed.*\[2\] then, \[4\] now"):
         engine.step()
 
@@ -282,9 +285,7 @@ def test_weights_written_behind_the_engine_are_refused_not_lost(write):
     else:
         with torch.no_grad():
             model[0].weight.clamp_(-0.01, 0.01)
-    with engine.autocast():
-        loss = F.cross_entropy(model(X), Y)
-    engine.backward(loss)
+    _backward(model, engine)
     with pytest.raises(RuntimeError, match="written in place outside the engine.*"
                                            "engine.master_params"):
         engine.step()
