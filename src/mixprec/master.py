@@ -78,6 +78,7 @@ class GradState:
                 self.comps = [torch.zeros_like(b) for b in self.bufs]
         # True where the buffer already is the optimizer parameter's .grad
         self._same = [q.grad is b for b, q in zip(self.bufs, self.opt_params)]
+        self.mark_working()
 
     @staticmethod
     def check_masterable(params: list[nn.Parameter], recipe: Recipe) -> None:
