@@ -389,3 +389,27 @@ def test_save_and_load_are_atomic_and_resume_exactly(tmp_path):
         engine2.load(tmp_path / "other.pt")
     assert all(torch.equal(a, b) for a, b in zip(before, engine2.master_params))
     assert all(torch.equal(p, q.half()) for p, q in zip(model2.parameters(), before))
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "bf16-master", "fp16-master"])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zeroing_between_micro_batches_is_refused_where_it_drops_them(recipe, set_to_none):
+    """With grad_accum_steps=4, optimizer.zero_grad() after each step() (the habit) would
+    keep only the last micro-batch: in bf16 the model's .grad is the accumulator, and
+    under -master recipes zeroing in place clears the fp32 buffers. The next backward
+    raises instead. Dropping the masters' .grad to None loses nothing (the buffers are
+    re-attached at the update), so that one is let through."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = MixedPrecision(model, opt, recipe, grad_accum_steps=4)
+    _backward(model, engine)
+    assert engine.step().accumulating
+    opt.zero_grad(set_to_none=set_to_none)
+    if recipe.endswith("-master") and set_to_none:
+        for _ in range(3):
+            _backward(model, engine)
+            engine.step()
+        return
+    with pytest.raises(RuntimeError, match="1 micro-batch.*cleared outside the engine.*"
+                                           "zero nothing in between"):
+        _backward(model, engine)

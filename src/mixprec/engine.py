@@ -309,6 +309,14 @@ class MixedPrecision:
                 f"grad_accum_steps={self.grad_accum_steps}; call step() after each backward. "
                 "For several losses in one step, backward their sum "
                 "(engine.backward(loss0 + loss1)).")
+        if self._micro and self.grads.accumulation_cleared():
+            raise RuntimeError(
+                f"the gradients of the {self._micro} micro-batch(es) accumulated since the "
+                "last update were cleared outside the engine (optimizer.zero_grad() or "
+                "model.zero_grad() after a step() that returned accumulating?). step() "
+                f"applies the update once grad_accum_steps={self.grad_accum_steps} "
+                "micro-batches are in and zeroes the gradients itself: zero nothing in "
+                "between.")
         scaled = self.scaler.scale_loss(loss, self.grad_accum_steps)
         last = self._micro == self.grad_accum_steps - 1
         self.grads.drop_stray_grads(fresh=self._micro == 0)
@@ -324,6 +332,8 @@ class MixedPrecision:
             stack.enter_context(recompute_context(self.recipe, self.device, self.grads))
             _run_backward(scaled, retain_graph)
         self.grads.accumulate()
+        if self.grad_accum_steps > 1:
+            self.grads.mark_accumulated()
         self._micro += 1
 
     def step(self) -> StepResult:

@@ -78,6 +78,7 @@ class GradState:
                 self.comps = [torch.zeros_like(b) for b in self.bufs]
         # True where the buffer already is the optimizer parameter's .grad
         self._same = [q.grad is b for b, q in zip(self.bufs, self.opt_params)]
+        self._sentinel = None
         self.mark_working()
 
     @staticmethod
@@ -106,6 +107,24 @@ class GradState:
         self._add(idx, [self.working[i].grad for i in idx])
         for i in idx:
             self.working[i].grad = None
+
+    def mark_accumulated(self) -> None:
+        """After a micro-batch: remember one accumulator (the first ``.grad`` in
+        ``direct`` mode, else the first buffer) and its version counter."""
+        if self.direct:
+            p = next((p for p in self.opt_params if p.grad is not None), None)
+            self._sentinel = None if p is None else (p, p.grad, p.grad._version)
+        else:
+            self._sentinel = (None, self.bufs[0], self.bufs[0]._version)
+
+    def accumulation_cleared(self) -> bool:
+        """Whether something outside the engine cleared the accumulated gradients since
+        ``mark_accumulated`` (``optimizer.zero_grad()`` between micro-batches: to None
+        in ``direct`` mode, or in place)."""
+        if self._sentinel is None:
+            return False
+        p, acc, version = self._sentinel
+        return (p is not None and p.grad is not acc) or acc._version != version
 
     def drop_stray_grads(self, fresh: bool) -> None:
         """Drop gradients that another backward left on the working parameters (a GAN's
