@@ -510,19 +510,9 @@ class MixedPrecision:
         are copied; fp8 scaling state (amax histories, scales) is left out. So it loads,
         strictly, into a fresh fp32 instance of the model, for evaluation or export.
         Under ``parallel="fsdp"`` the values are the local shards (DTensors)."""
-        master_of = ({id(w): m for w, m in zip(self.grads.working, self.grads.masters)}
-                     if self.grads.has_master else {})
-        fp8_keys = {f"{name}.{b}" if name else b
-                    for name, m in self.module.named_modules() if isinstance(m, Float8Linear)
-                    for b in ("fp8_amax_history", "fp8_scale")}
-        out = {}
-        for k, v in self.module.state_dict(keep_vars=True).items():
-            if k in fp8_keys:
-                continue
-            v = master_of.get(id(v), v).detach()
-            out[k] = (v.float() if v.is_floating_point() and v.dtype != torch.float64
-                      else v).clone()
-        return out
+        from mixprec.checkpoint import fp32_weights
+
+        return fp32_weights(self.module, self.grads)
 
     def state_dict(self) -> dict:
         """Everything to resume bit-identically; loads with ``weights_only=True``."""
@@ -575,36 +565,10 @@ class MixedPrecision:
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``'s output; refuses another recipe, emulation
         setting, world size or optimizer count, naming both sides."""
-        saved = state.get("recipe")
-        if saved != self.recipe:
-            raise ValueError(
-                f"checkpoint was saved with recipe {str(saved)!r} but this engine runs "
-                f"{str(self.recipe)!r}; build the engine with the checkpoint's recipe")
-        if state.get("emulating", self.emulating) != self.emulating:
-            raise ValueError(
-                f"checkpoint was trained with emulation {'on' if state['emulating'] else 'off'}"
-                f" but this engine resolved emulate=auto to {'on' if self.emulating else 'off'}"
-                f"; set emulate={'true' if state['emulating'] else 'false'} in the recipe to "
-                "resume with the same numerics")
-        saved_ws = state.get("world_size", 1)
-        if saved_ws != self.world_size:
-            raise ValueError(
-                f"checkpoint was saved by {saved_ws} rank(s) but this run has "
-                f"{self.world_size}; resharding is not supported: resume with "
-                f"--nproc-per-node {saved_ws}")
-        if len(state["optimizers"]) != len(self.optimizers):
-            raise ValueError(f"checkpoint has {len(state['optimizers'])} optimizer(s), this "
-                             f"engine has {len(self.optimizers)}")
-        # torch's load_state_dict copies tensor by tensor and complains at the end; check
-        # first, so a checkpoint of another model changes nothing
-        have = {k: tuple(v.shape) for k, v in self.module.state_dict().items()}
-        got = {k: tuple(v.shape) for k, v in state["model"].items()}
-        if have != got:
-            diff = sorted(set(have) ^ set(got)) or sorted(
-                k for k in have if have[k] != got[k])
-            raise ValueError(
-                f"checkpoint's model does not match this model ({len(diff)} key(s) missing, "
-                f"extra or of another shape, e.g. {diff[:3]}); nothing was loaded")
+        from mixprec.checkpoint import check_engine_state
+
+        check_engine_state(state, self.recipe, self.emulating, self.world_size,
+                           len(self.optimizers), self.module)
         self.module.load_state_dict(state["model"])
         if self.grads.has_master:
             with torch.no_grad():
