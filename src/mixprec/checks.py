@@ -13,7 +13,7 @@ import inspect
 import torch
 from torch import nn
 
-from mixprec.context import device_supports
+from mixprec.context import check_wgrad, device_supports
 from mixprec.master import GradState
 from mixprec.recipe import Recipe
 
@@ -48,7 +48,9 @@ def check_model(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter
 
 
 def check_device(device: torch.device, r: Recipe, emulating: bool) -> None:
-    """The device can run the recipe's dtypes (compute only where not emulated)."""
+    """The device can run the recipe's dtypes (compute only where not emulated), and
+    the recipe's options suit how it runs (no wgrad=fp32 under emulation)."""
+    check_wgrad(r, emulating)
     if r.compute == "fp8" and not device_supports(device, torch.float8_e4m3fn):
         raise ValueError(
             f"recipe {str(r)!r}: device {device} has no fp8 GEMM (CUDA needs "

@@ -41,7 +41,7 @@ from mixprec.wgrad import NOT_ROUTED, ROUTED_FUNCS, GradSink, route, upcast_para
 
 __all__ = ["precision_context", "recompute_context", "PrecisionMode", "device_supports",
            "fp32_island_modules", "wrap_fp32_modules", "has_fast_kernels", "emulating",
-           "make_emulation_mode"]
+           "make_emulation_mode", "check_wgrad"]
 
 _NORM_FUNCS: dict[str, tuple[Callable, ...]] = {
     "layer_norm": (F.layer_norm, torch.layer_norm),
@@ -93,6 +93,14 @@ def emulating(recipe: Recipe, device: torch.device) -> bool:
         return recipe.emulate
     return recipe.compute not in ("fp32", "tf32", "fp8") and not has_fast_kernels(
         torch.device(device), recipe.compute)
+
+
+def check_wgrad(recipe: Recipe, emulate: bool) -> None:
+    """Raise ``NotImplementedError`` for ``wgrad=fp32`` under emulation."""
+    if recipe.wgrad == "fp32" and recipe.uses_autocast and emulate:
+        raise NotImplementedError(
+            f"recipe {str(recipe)!r}: wgrad=fp32 under emulation is not supported (the "
+            "emulated GEMMs round their outputs); set emulate=false or drop wgrad")
 
 
 def device_supports(device: torch.device, dtype: torch.dtype) -> bool:
@@ -150,12 +158,18 @@ def _cpu_runs_fp16_lstm() -> bool:
     return True
 
 
+def _run_cast(func, args, kwargs, device_type: str, cast):
+    """``func`` with autocast off, each argument passed through ``cast`` first: the one
+    shape of every rule below (islands, promote, lower)."""
+    with torch.autocast(device_type, enabled=False):
+        return func(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
+
+
 def _island(func, args, kwargs, device_type: str, sink: GradSink | None):
     """Run ``func`` in fp32: floating inputs upcast, autocast off, fp32 outputs."""
     if kwargs.get("dtype") is not None:  # softmax(x, dim, dtype=...) asked for a dtype
         kwargs = {**kwargs, "dtype": torch.float32}
-    with torch.autocast(device_type, enabled=False):
-        return func(*_up(args, sink), **{k: _up(v, sink) for k, v in kwargs.items()})
+    return _run_cast(func, args, kwargs, device_type, lambda x: _up(x, sink))
 
 
 def _promote(func, args, kwargs, device_type: str, sink: GradSink | None):
@@ -173,8 +187,7 @@ def _promote(func, args, kwargs, device_type: str, sink: GradSink | None):
             return x
         return _up(x, sink) if wide == torch.float32 else x.to(wide)  # as the islands do
 
-    with torch.autocast(device_type, enabled=False):
-        return func(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
+    return _run_cast(func, args, kwargs, device_type, cast)
 
 
 def _lower(func, args, kwargs, device_type: str):
@@ -185,8 +198,7 @@ def _lower(func, args, kwargs, device_type: str):
     def cast(x):
         return x.to(dt) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x
 
-    with torch.autocast(device_type, enabled=False):
-        return func(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
+    return _run_cast(func, args, kwargs, device_type, cast)
 
 
 class PrecisionMode(TorchFunctionMode):
@@ -352,10 +364,7 @@ def precision_context(recipe: Recipe | str, device: torch.device | str,
             mode = make_emulation_mode(r)
         if emulate and mode is not None:
             stack.enter_context(mode)
-        if r.wgrad == "fp32" and r.uses_autocast and emulate:
-            raise NotImplementedError(
-                f"recipe {str(r)!r}: wgrad=fp32 under emulation is not supported (the "
-                "emulated GEMMs round their outputs); set emulate=false or drop wgrad")
+        check_wgrad(r, emulate)
         _function_modes(stack, r, dev, sink, in_backward=False)
         yield
 

@@ -207,10 +207,6 @@ class MixedPrecision:
         self.device = params[0].device
         self.emulating = emulating(r, self.device)
         check_device(self.device, r, self.emulating)
-        if r.wgrad == "fp32" and self.emulating:
-            raise NotImplementedError(
-                f"recipe {str(r)!r}: wgrad=fp32 under emulation is not supported (the "
-                "emulated GEMMs round their outputs); set emulate=false or drop wgrad")
         check_optimizers(self.optimizers, params, self._frozen, r, parallel, self.emulating)
         if parallel is not None:
             broadcast_module_(model)  # every rank starts from rank 0's weights
@@ -347,17 +343,6 @@ class MixedPrecision:
         if self._micro < self.grad_accum_steps:
             return StepResult(True, False, self.scaler.scale, None)
         self._check_setup_unchanged()
-        changed = self.grads.changed_working()
-        if changed:
-            raise RuntimeError(
-                f"{len(changed)} weight(s) of the model (the first of shape "
-                f"{tuple(changed[0].shape)}) were written in place outside the engine since "
-                "its last update, e.g. by model.load_state_dict() or an in-place op under "
-                "torch.no_grad(). Under -master recipes the optimizer updates fp32 masters "
-                "and the working copy is rewritten from them at every step, so the write "
-                "would be lost. Load weights before creating MixedPrecision (or use "
-                "engine.load_state_dict()), and make in-place changes to "
-                "engine.master_params.")
         grads = self._local(self.grads.grads())
         if self._all_fused and self._one_device:
             found_inf, norm, grad_scale = self._check_fused(grads)
@@ -393,7 +378,8 @@ class MixedPrecision:
         """A parameter frozen when the engine was built has no buffer, master or place
         in the norm: unfreezing it later would train it unscaled and never zero its
         gradient, so that is refused. So is a param group added to an optimizer after
-        the engine was built (its parameters would bypass the masters and buffers)."""
+        the engine was built (its parameters would bypass the masters and buffers), and
+        a write to the working copy behind the masters (the next refresh would undo it)."""
         if param_counts(self.optimizers) != self._param_counts:
             raise RuntimeError(
                 "an optimizer's param groups changed after MixedPrecision was created "
@@ -401,6 +387,17 @@ class MixedPrecision:
                 f"{param_counts(self.optimizers)} now); the engine did not re-point the "
                 "new ones at masters and buffers. Call add_param_group before creating "
                 "the engine, or create a new engine.")
+        changed = self.grads.changed_working()
+        if changed:
+            raise RuntimeError(
+                f"{len(changed)} weight(s) of the model (the first of shape "
+                f"{tuple(changed[0].shape)}) were written in place outside the engine since "
+                "its last update, e.g. by model.load_state_dict() or an in-place op under "
+                "torch.no_grad(). Under -master recipes the optimizer updates fp32 masters "
+                "and the working copy is rewritten from them at every step, so the write "
+                "would be lost. Load weights before creating MixedPrecision (or use "
+                "engine.load_state_dict()), and make in-place changes to "
+                "engine.master_params.")
         thawed = [p for p in self._frozen if p.requires_grad]
         if thawed:
             raise RuntimeError(
