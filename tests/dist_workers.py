@@ -261,3 +261,34 @@ def gpt_fsdp(rank, world, tmp, recipe, steps):
     params = [p.detach().full_tensor().clone() for p in engine.master_params]
     _save(tmp, "gpt", rank, {"params": params, "units": units})
     dist.destroy_process_group()
+
+
+#: (recipe, parallel) pairs whose engines ``freed`` builds, trains and drops
+FREED_CASES = [("bf16", "ddp"), ("fp16-master", "ddp"), ("bf16-master,wgrad=fp32", "ddp"),
+               ("fp8", "ddp"), ("bf16", "fsdp"), ("bf16-master", "fsdp")]
+
+
+def freed(rank, world, tmp):
+    """Whether an engine, its model and its masters outlive the last user reference
+    (after two steps and a garbage collection), for each of FREED_CASES."""
+    import gc
+    import weakref
+
+    _init(rank, world, tmp)
+    alive = []
+    for recipe, parallel in FREED_CASES:
+        model = make_mlp(rank)
+        engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                recipe, parallel=parallel)
+        for x, y in make_data(2):
+            with engine.autocast():
+                loss = F.cross_entropy(engine.model(x.chunk(world)[rank]),
+                                       y.chunk(world)[rank])
+            engine.backward(loss)
+            engine.step()
+        refs = [weakref.ref(o) for o in (engine, model, engine.master_params[0])]
+        del engine, model, loss
+        gc.collect()
+        alive.append([r() is not None for r in refs])
+    _save(tmp, "freed", rank, {"alive": alive})
+    dist.destroy_process_group()

@@ -80,8 +80,14 @@ def all_reduce_max_(t: torch.Tensor) -> torch.Tensor:
 
 
 class _HookState:
-    def __init__(self, engine, comm_dtype: torch.dtype, stats: CommStats) -> None:
-        self.engine = engine
+    """What the comm hook needs. It holds the engine's GradState, not the engine: DDP's
+    C++ reducer keeps this object, and a reference from there back to the engine (which
+    holds the DDP module) is a cycle Python's collector cannot see, so the engine, its
+    model, masters and optimizer state were never freed (and gloo's threads outlived
+    ``destroy_process_group``, which could abort the process at exit)."""
+
+    def __init__(self, grads, comm_dtype: torch.dtype, stats: CommStats) -> None:
+        self.grads = grads
         self.comm_dtype = comm_dtype
         self.stats = stats
         self.world = dist.get_world_size()
@@ -89,10 +95,9 @@ class _HookState:
 
 def ddp_comm_hook(state: _HookState, bucket):
     """All-reduce a DDP bucket in the comm dtype (see the module docstring)."""
-    eng = state.engine
     grads = bucket.gradients()
     params = bucket.parameters()
-    gs = eng.grads
+    gs = state.grads
     if gs.direct:
         flat = bucket.buffer()
         send = flat.to(state.comm_dtype)
@@ -123,15 +128,16 @@ def ddp_comm_hook(state: _HookState, bucket):
 ddp_comm_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
-def wrap_ddp(engine, model: nn.Module, recipe, **ddp_kwargs):
-    """DDP around ``model`` with mixprec's comm hook; returns (ddp module, CommStats).
-    ``ddp_kwargs`` go to ``DistributedDataParallel`` (``find_unused_parameters``...)."""
+def wrap_ddp(grads, model: nn.Module, recipe, **ddp_kwargs):
+    """DDP around ``model`` with mixprec's comm hook over the engine's GradState
+    ``grads``; returns (ddp module, CommStats). ``ddp_kwargs`` go to
+    ``DistributedDataParallel`` (``find_unused_parameters``...)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ddp = DDP(model, **{"broadcast_buffers": True, **ddp_kwargs},
               gradient_as_bucket_view=True)
     stats = CommStats()
-    ddp.register_comm_hook(_HookState(engine, recipe.comm_dtype, stats), ddp_comm_hook)
+    ddp.register_comm_hook(_HookState(grads, recipe.comm_dtype, stats), ddp_comm_hook)
     return ddp, stats
 
 

@@ -243,7 +243,7 @@ class MixedPrecision:
                         o.state[self.grads.masters[ids[id(p)]]] = o.state.pop(p)
         if parallel == "ddp":
             self.grads.announce_grads = True  # wgrad=fp32: DDP must see grads arrive
-            self.model, self.comm_stats = wrap_ddp(self, model, r, **parallel_kwargs)
+            self.model, self.comm_stats = wrap_ddp(self.grads, model, r, **parallel_kwargs)
         self._fused = [takes_found_inf(o) for o in self.optimizers]
         self._param_counts = param_counts(self.optimizers)
         self._all_fused = all(self._fused)
