@@ -292,3 +292,97 @@ def freed(rank, world, tmp):
         alive.append([r() is not None for r in refs])
     _save(tmp, "freed", rank, {"alive": alive})
     dist.destroy_process_group()
+
+
+def reshard(rank, world, tmp, recipe):
+    """Checkpoints across world sizes and layouts, each against the run it came from:
+    ``down``: 2 ranks (DDP, or FSDP saving full=True) -> one process; ``up``: one process
+    -> 2 ranks (DDP, FSDP); ``refused``: FSDP shards -> one process raises."""
+    from mixprec.checkpoint import gather_full
+
+    _init(rank, world, tmp)
+
+    def engine(seed, parallel):
+        m = make_mlp(seed)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        return MixedPrecision(m, opt, recipe, parallel=parallel)
+
+    def run(e, batches, split):
+        for x, y in batches:
+            if split:
+                x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+            with e.autocast():
+                loss = F.cross_entropy(e.model(x), y)
+            e.backward(loss)
+            e.step()
+        return {k: v.clone() for k, v in gather_full(e.fp32_state_dict()).items()}
+
+    data = make_data(6)
+    out = {"down": {}, "up": {}}
+    for parallel in ("ddp", "fsdp"):
+        a = engine(0, parallel)
+        run(a, data[:3], split=True)
+        # DDP: both ranks write the same file; FSDP: both gather, rank 0 writes
+        path = os.path.join(tmp, f"{parallel}.pt")
+        a.save(path, full=True, step=3)
+        want = run(a, data[3:], split=True)
+        b = engine(7, None)
+        out[f"extra_{parallel}"] = b.load(path)
+        out["down"][parallel] = (want, run(b, data[3:], split=False))
+
+        c = engine(0, None)
+        run(c, data[:3], split=False)
+        buf = io.BytesIO()
+        torch.save(c.state_dict(), buf)  # (state_dict() holds live tensors)
+        want = run(c, data[3:], split=False)
+        d = engine(7, parallel)
+        buf.seek(0)
+        d.load_state_dict(torch.load(buf, weights_only=True))
+        out["up"][parallel] = (want, run(d, data[3:], split=True))
+    f = engine(0, "fsdp")
+    run(f, data[:1], split=True)
+    try:
+        engine(0, None).load_state_dict(f.state_dict())
+        out["refused"] = None
+    except ValueError as e:
+        out["refused"] = str(e)
+    _save(tmp, "reshard", rank, out)
+    dist.destroy_process_group()
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(self.ln(x))
+
+
+def make_sequential(seed: int = 0) -> nn.Module:
+    """Blocks in an nn.Sequential, no ModuleList: the default FSDP units miss them."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), Block(32), Block(32), nn.Linear(32, 4))
+
+
+def fsdp_units(rank, world, tmp, units, steps):
+    """make_sequential under FSDP with ``fsdp_units=units`` ("default", "class" or
+    "callable"): which modules became FSDP units, and the weights after ``steps``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    _init(rank, world, tmp)
+    model = make_sequential(seed=rank)
+    chosen = {"default": None, "class": Block,
+              "callable": lambda m: isinstance(m, nn.Linear)}[units]
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32",
+                            parallel="fsdp", fsdp_units=chosen)
+    for x, y in make_data(steps):
+        with engine.autocast():
+            loss = F.cross_entropy(engine.model(x.chunk(world)[rank]), y.chunk(world)[rank])
+        engine.backward(loss)
+        engine.step()
+    _save(tmp, "units", rank, {
+        "units": [i for i, m in enumerate(model) if isinstance(m, FSDPModule)],
+        "root": isinstance(model, FSDPModule),
+        "params": [p.detach().full_tensor().clone() for p in model.parameters()]})
+    dist.destroy_process_group()

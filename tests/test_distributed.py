@@ -8,6 +8,8 @@ import tempfile
 import pytest
 import torch
 import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
 
 import dist_workers as w
 from mixprec import MixedPrecision
@@ -20,7 +22,8 @@ def spawn(fn, *args, world=2):
     mp.spawn(fn, args=(world, tmp, *args), nprocs=world, join=True)
     name = {"equivalence": "equivalence", "rank_local_inf": "inf", "fp8_outlier": "fp8",
             "fp16_comm": "fp16", "resume": "resume", "frozen_stateful": "frozen",
-            "unused_head": "unused", "gpt_fsdp": "gpt", "freed": "freed"}[fn.__name__]
+            "unused_head": "unused", "gpt_fsdp": "gpt", "freed": "freed",
+            "reshard": "reshard", "fsdp_units": "units"}[fn.__name__]
     return [torch.load(os.path.join(tmp, f"{name}_rank{r}.pt"), weights_only=False)
             for r in range(world)]
 
@@ -90,6 +93,35 @@ def test_data_parallel_engines_are_freed():
             assert alive == [False, False, False], (case, alive)
 
 
+@pytest.mark.parametrize("units,expect", [("default", []), ("class", [1, 2]),
+                                          ("callable", [0, 3])])
+def test_fsdp_units_choose_which_modules_shard_apart(units, expect):
+    """Blocks in an nn.Sequential are no FSDP units by default (no ModuleList); a class
+    or a callable picks them. Training is unchanged: 2 ranks x 8 = 1 process x 16."""
+    model = w.make_sequential(seed=0)
+    ref = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32")
+    for x, y in w.make_data(5):
+        with ref.autocast():
+            loss = F.cross_entropy(model(x), y)
+        ref.backward(loss)
+        ref.step()
+    for r in spawn(w.fsdp_units, units, 5):
+        assert r["units"] == expect and r["root"]
+        assert _max_rel(r["params"], [p.detach() for p in model.parameters()]) <= 1e-5
+
+
+def test_fsdp_units_are_checked_before_anything_changes():
+    m = w.make_mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="fsdp_units given with parallel=None"):
+        MixedPrecision(m, opt, "bf16", fsdp_units=nn.Linear)
+    with pytest.raises(ValueError, match=r"no module of these classes.*'Linear'"):
+        MixedPrecision(m, opt, "bf16", parallel="fsdp", fsdp_units=(nn.Conv2d,))
+    with pytest.raises(TypeError, match="fsdp_units='blocks'.*callable"):
+        MixedPrecision(m, opt, "bf16", parallel="fsdp", fsdp_units="blocks")
+    assert all(p.dtype == torch.float32 for p in m.parameters())
+
+
 def test_parallel_without_process_group_is_an_error():
     m = w.make_mlp()
     with pytest.raises(ValueError, match="needs an initialised process group.*torchrun"):
@@ -98,13 +130,41 @@ def test_parallel_without_process_group_is_an_error():
         MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), "bf16", parallel="zero")
 
 
-def test_resume_with_another_world_size_is_an_error():
+@pytest.mark.parametrize("recipe,tol", [("fp32", 1e-5), ("bf16-master", 1e-2)])
+def test_checkpoints_resume_on_another_world_size_and_layout(recipe, tol):
+    """Saved by 2 ranks (DDP; FSDP with full=True), resumed by one process, and the
+    reverse; each continuation equals the run that saved it, to the tolerance of 2 ranks
+    x 8 against 1 x 16 (the engines that load start from other weights, so a state that
+    did not load, masters or momentum included, misses by far more). Masters cross
+    layouts: FSDP's fp32 shards <-> a -master recipe's fp32 masters beside bf16 weights."""
+    for r in spawn(w.reshard, recipe):
+        for way in ("down", "up"):
+            for parallel, (want, got) in r[way].items():
+                assert want.keys() == got.keys()
+                err = max(((got[k] - want[k]).abs().max() / want[k].abs().max()).item()
+                          for k in want)
+                assert err <= tol, (way, parallel, err)
+        assert r["extra_ddp"] == r["extra_fsdp"] == {"step": 3}
+        assert "FSDP shards of 2 rank(s)" in r["refused"]
+        assert "full=True" in r["refused"]
+
+
+def test_fsdp_shards_from_another_world_size_are_refused_and_whole_states_load():
     m = w.make_mlp()
     e = MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), "bf16")
     state = e.state_dict()
-    state["world_size"] = 2
-    with pytest.raises(ValueError, match="saved by 2 rank.*this run has 1.*nproc-per-node 2"):
-        e.load_state_dict(state)
+    assert state["layout"] == "full" and state["parallel"] is None
+    before = [p.clone() for p in m.parameters()]
+    with pytest.raises(ValueError, match=r"FSDP shards of 2 rank\(s\).*parallel=None.*"
+                                         r"nproc-per-node 2.*full=True"):
+        e.load_state_dict({**state, "world_size": 2, "parallel": "fsdp",
+                           "layout": "sharded"})
+    # a checkpoint from before layouts were recorded, of 2 ranks: possibly shards
+    legacy = {k: v for k, v in state.items() if k not in ("layout", "parallel")}
+    with pytest.raises(ValueError, match="FSDP shards of 2"):
+        e.load_state_dict({**legacy, "world_size": 2})
+    assert all(torch.equal(p, q) for p, q in zip(before, m.parameters()))
+    e.load_state_dict({**state, "world_size": 2, "parallel": "ddp"})  # DDP: whole
 
 
 def test_fp8_with_fsdp_trains_like_fp8_with_ddp():
@@ -126,8 +186,6 @@ def test_fp8_with_fsdp_trains_like_fp8_with_ddp():
 def test_frozen_parameters_and_optimizer_state_built_in_init(parallel):
     """Adagrad's state exists before the engine; under FSDP it is sharded like its
     parameter. A frozen Linear sits in the optimizer. Two ranks of 8 = one rank of 16."""
-    import torch.nn.functional as F
-
     ranks = spawn(w.frozen_stateful, parallel, 10)
     model, opt = w.make_frozen_adagrad(seed=0)
     engine = MixedPrecision(model, opt, "fp32")
@@ -147,8 +205,6 @@ def test_frozen_parameters_and_optimizer_state_built_in_init(parallel):
 def test_parallel_kwargs_reach_ddp_for_a_model_with_unused_parameters(recipe, tol):
     """parallel_kwargs={"find_unused_parameters": True} reaches DDP: each step trains one
     of two heads, and two ranks of 8 equal one rank of 16."""
-    import torch.nn.functional as F
-
     ranks = spawn(w.unused_head, recipe, 10)
     model = w.TwoHeads(seed=0)
     engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe)

@@ -7,6 +7,13 @@ truncated or corrupt file into a ``CheckpointError`` that says nothing was chang
 ``MixedPrecision.save`` / ``MixedPrecision.load`` use both; ``check_engine_state`` is
 what ``MixedPrecision.load_state_dict`` checks before it changes anything, and
 ``fp32_weights`` is ``MixedPrecision.fp32_state_dict``.
+
+Layouts. A checkpoint of a single process or of DDP holds every tensor whole (layout
+``"full"``): DDP's replicas are identical, so it loads at any world size, with or
+without ``parallel=``. One of FSDP holds this rank's shards (``"sharded"``) and loads
+only into FSDP at the same world size; ``state_dict(full=True)`` gathers the shards
+(``gather_full``) into a ``"full"`` checkpoint, and loading a full checkpoint under FSDP
+cuts each tensor to this rank's shard (``shard_full_state``).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import torch
 from torch import nn
 
 __all__ = ["CheckpointError", "save_atomic", "load_checkpoint", "check_engine_state",
-           "fp32_weights"]
+           "fp32_weights", "gather_full", "shard_full_state"]
 
 
 class CheckpointError(ValueError):
@@ -26,9 +33,11 @@ class CheckpointError(ValueError):
 
 
 def save_atomic(obj, path: str | Path) -> None:
-    """``torch.save`` to a temp file, fsync, rename over ``path``, fsync the folder."""
+    """``torch.save`` to a temp file, fsync, rename over ``path``, fsync the folder.
+    The temp file's name holds the process id, so ranks that write the same path at
+    once each rename a whole file (the last one wins) instead of interleaving bytes."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
         torch.save(obj, f)
         f.flush()
@@ -57,11 +66,12 @@ def load_checkpoint(path: str | Path) -> dict:
 
 
 def check_engine_state(state: dict, recipe, emulating: bool, world_size: int,
-                       n_optimizers: int, module: nn.Module) -> None:
-    """Raise, naming both sides, unless ``state`` (``MixedPrecision.state_dict()``) was
-    saved by an engine like this one: recipe, emulation, world size, optimizer count,
-    and the model's keys and shapes. torch's ``load_state_dict`` copies tensor by tensor
-    and complains at the end; checking first means a refused checkpoint changes nothing."""
+                       parallel: str | None, n_optimizers: int, module: nn.Module) -> None:
+    """Raise, naming both sides, unless ``state`` (``MixedPrecision.state_dict()``) can
+    resume this engine: same recipe, emulation, optimizer count, model keys and shapes;
+    and for FSDP shards, FSDP at the same world size. torch's ``load_state_dict`` copies
+    tensor by tensor and complains at the end; checking first means a refused checkpoint
+    changes nothing."""
     saved = state.get("recipe")
     if saved != recipe:
         raise ValueError(
@@ -74,11 +84,15 @@ def check_engine_state(state: dict, recipe, emulating: bool, world_size: int,
             f"; set emulate={'true' if state['emulating'] else 'false'} in the recipe to "
             "resume with the same numerics")
     saved_ws = state.get("world_size", 1)
-    if saved_ws != world_size:
+    # before layouts were recorded, a checkpoint of several ranks may hold FSDP shards
+    layout = state.get("layout", "full" if saved_ws == 1 else "sharded")
+    if layout == "sharded" and (saved_ws != world_size or parallel != "fsdp"):
+        here = f"parallel={parallel!r}" + (f" on {world_size} rank(s)" if parallel else "")
         raise ValueError(
-            f"checkpoint was saved by {saved_ws} rank(s) but this run has "
-            f"{world_size}; resharding is not supported: resume with "
-            f"--nproc-per-node {saved_ws}")
+            f"checkpoint holds the FSDP shards of {saved_ws} rank(s) but this engine runs "
+            f"{here}; resume with parallel='fsdp' and --nproc-per-node {saved_ws}, or save "
+            "it whole with engine.save(path, full=True) (every rank calls it; it gathers "
+            "the shards), which loads at any world size, with or without FSDP")
     if len(state["optimizers"]) != n_optimizers:
         raise ValueError(f"checkpoint has {len(state['optimizers'])} optimizer(s), this "
                          f"engine has {n_optimizers}")
@@ -109,4 +123,51 @@ def fp32_weights(module: nn.Module, grads) -> dict[str, torch.Tensor]:
         v = master_of.get(id(v), v).detach()
         out[k] = (v.float() if v.is_floating_point() and v.dtype != torch.float64
                   else v).clone()
+    return out
+
+
+def gather_full(obj):
+    """``obj`` (nested dicts / lists / tuples) with every DTensor replaced by its full
+    tensor. A collective: every rank must call it, on the same structure."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.full_tensor()
+    if isinstance(obj, dict):
+        return {k: gather_full(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(gather_full(v) for v in obj)
+    return obj
+
+
+def _like(full, like):
+    """``full`` cut to ``like``'s shard when ``like`` is a DTensor of its shape."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if (isinstance(like, DTensor) and isinstance(full, torch.Tensor)
+            and not isinstance(full, DTensor) and full.shape == like.shape):
+        # every rank read the same file: each keeps its own piece, no communication
+        return distribute_tensor(full.to(like.device), like.device_mesh, like.placements,
+                                 src_data_rank=None)
+    return full
+
+
+def shard_full_state(state: dict, module: nn.Module, trainable: list, optimizers) -> dict:
+    """A ``"full"`` engine state with each tensor cut like its FSDP counterpart: model
+    entries like ``module``'s, ``masters`` like the ``trainable`` parameters (FSDP's
+    shards are the masters), optimizer state like the parameter it belongs to. Returns
+    new dicts; ``state`` is left as it was."""
+    have = module.state_dict()
+    out = dict(state)
+    out["model"] = {k: _like(v, have[k]) for k, v in state["model"].items()}
+    if state.get("masters") is not None:
+        out["masters"] = [_like(m, p) for m, p in zip(state["masters"], trainable,
+                                                      strict=True)]
+    opts = []
+    for o, s in zip(optimizers, state["optimizers"]):
+        params = [p for g in o.param_groups for p in g["params"]]
+        opts.append({**s, "state": {
+            i: {k: v if k == "step" else _like(v, params[i]) for k, v in st.items()}
+            for i, st in s["state"].items()}})
+    out["optimizers"] = opts
     return out

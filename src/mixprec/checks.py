@@ -18,8 +18,7 @@ from mixprec.master import GradState
 from mixprec.recipe import Recipe
 
 __all__ = ["check_model", "check_device", "check_optimizers", "check_parallel_kwargs",
-           "param_counts",
-           "takes_found_inf", "fused_updates"]
+           "check_fsdp_units", "param_counts", "takes_found_inf", "fused_updates"]
 
 
 def check_model(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -154,3 +153,29 @@ def check_parallel_kwargs(parallel: str | None, kwargs: dict | None) -> dict:
             f"parallel_kwargs {bad}: set by mixprec for parallel={parallel!r} (from the "
             "recipe, or for its gradient hook); change the recipe instead")
     return kwargs
+
+
+def check_fsdp_units(parallel: str | None, units, model: nn.Module):
+    """``fsdp_units`` as a predicate on modules (or None for the default choice):
+    a module class, a tuple of them, or a callable ``module -> bool``. Refused without
+    ``parallel="fsdp"``, and when classes are given that no module of the model has."""
+    if units is None:
+        return None
+    if parallel != "fsdp":
+        raise ValueError(f"fsdp_units given with parallel={parallel!r}; it chooses FSDP's "
+                         "units: set parallel='fsdp', or drop it")
+    if isinstance(units, type):
+        units = (units,)
+    if isinstance(units, tuple) and units and all(
+            isinstance(u, type) and issubclass(u, nn.Module) for u in units):
+        found = {type(m) for m in model.modules()}
+        if not any(issubclass(t, units) for t in found):
+            raise ValueError(
+                f"fsdp_units={tuple(u.__name__ for u in units)}: the model has no module "
+                f"of these classes (it has {sorted(t.__name__ for t in found)[:8]}...); "
+                "name the class of its repeated blocks")
+        return lambda m: isinstance(m, units)
+    if callable(units) and not isinstance(units, type):
+        return units
+    raise TypeError(f"fsdp_units={units!r}: give an nn.Module subclass, a tuple of them, "
+                    "or a callable module -> bool (or None for each ModuleList element)")

@@ -22,6 +22,17 @@ loss scaler checks the local shards, and the global gradient norm is reduced acr
 **Agreement.** ``found_inf`` is all-reduced (MAX) before the skip decision, so every
 rank skips together. The clipping norm is global. fp8 amaxes are all-reduced (MAX)
 before the scales move, so every rank uses the same scales.
+
+**Teardown.** The engine, once dropped, frees its model and the DDP reducer (the hook's
+state holds the engine's GradState, not the engine: a reference from the reducer back to
+the engine was a cycle Python's collector cannot see). ``destroy_process_group()``
+leaves a group alive while something still holds it. DDP holds it twice: from Python
+(``process_group``) and from its C++ reducer. Were the reducer the last holder, its
+destructor would destroy the group while holding the GIL, joining gloo's worker threads,
+and a worker still freeing a tensor's Python object needs the GIL: a hang, seen now and
+then in this project's tests. ``wrap_ddp`` moves ``process_group`` to the end of the DDP
+module's ``__dict__`` (CPython frees an object's attributes in order), so the Python
+reference goes last and the group is destroyed with the GIL released.
 """
 
 from __future__ import annotations
@@ -138,12 +149,16 @@ def wrap_ddp(grads, model: nn.Module, recipe, **ddp_kwargs):
               gradient_as_bucket_view=True)
     stats = CommStats()
     ddp.register_comm_hook(_HookState(grads, recipe.comm_dtype, stats), ddp_comm_hook)
+    # last in DDP's __dict__, so released after the reducer (module doc: Teardown)
+    ddp.__dict__["process_group"] = ddp.__dict__.pop("process_group")
     return ddp, stats
 
 
-def shard_fsdp(model: nn.Module, recipe, optimizers, **fsdp_kwargs) -> nn.Module:
-    """``fully_shard`` with the recipe's policy, on each element of every ``ModuleList``
-    (a transformer's blocks) and then on the root; the optimizers, built over the
+def shard_fsdp(model: nn.Module, recipe, optimizers, units=None, **fsdp_kwargs
+               ) -> nn.Module:
+    """``fully_shard`` with the recipe's policy, on each module ``units`` selects (by
+    default each element of every ``ModuleList``: a transformer's blocks), innermost
+    first, and then on the root; the optimizers, built over the
     unsharded model, are re-pointed at the fp32 shards (matched by parameter name). State they
     already hold (Adagrad builds it in ``__init__``; or earlier plain steps) is sharded
     like its parameter, from rank 0's copy, as rank 0's weights are the ones kept."""
@@ -152,12 +167,16 @@ def shard_fsdp(model: nn.Module, recipe, optimizers, **fsdp_kwargs) -> nn.Module
 
     before = dict(model.named_parameters())
     policy = fsdp_policy(recipe)
-    # each element of a ModuleList (a transformer's blocks) is its own FSDP unit, so
-    # only one block's full weights exist at a time; the root unit takes the rest
-    for blocks in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
-        for block in blocks:
-            if any(p.requires_grad for p in block.parameters()):
-                fully_shard(block, mp_policy=policy, **fsdp_kwargs)
+    # each unit's full weights exist only while it runs; the root unit takes the rest.
+    # Default: each element of a ModuleList (a transformer's blocks).
+    if units is None:
+        chosen = [b for m in model.modules() if isinstance(m, nn.ModuleList) for b in m]
+    else:
+        chosen = [m for m in model.modules() if m is not model and units(m)]
+    # innermost first: fully_shard on a module whose children are units already
+    for m in reversed(chosen):
+        if any(p.requires_grad for p in m.parameters()):
+            fully_shard(m, mp_policy=policy, **fsdp_kwargs)
     fully_shard(model, mp_policy=policy, **fsdp_kwargs)
     after = dict(model.named_parameters())
     new_of = {id(p): after[name] for name, p in before.items()}

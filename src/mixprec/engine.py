@@ -44,6 +44,7 @@ from torch import nn
 
 from mixprec.checks import (
     check_device,
+    check_fsdp_units,
     check_model,
     check_optimizers,
     check_parallel_kwargs,
@@ -152,6 +153,10 @@ class MixedPrecision:
             ``find_unused_parameters=True`` for a model that leaves some parameters
             unused) or to ``fully_shard`` (e.g. ``reshard_after_forward=False``); what the
             recipe decides (FSDP's ``mp_policy``, DDP's comm hook) cannot be overridden.
+        fsdp_units: which modules become FSDP units (each gathers its full weights only
+            while it runs), before the root: a module class or tuple of classes (e.g.
+            ``(MyBlock,)``), or a callable ``module -> bool``. Default: each element of
+            every ``nn.ModuleList`` (a transformer's blocks).
     """
 
     def __init__(
@@ -165,6 +170,7 @@ class MixedPrecision:
         scheduler=None,
         parallel: str | None = None,
         parallel_kwargs: dict | None = None,
+        fsdp_units=None,
     ) -> None:
         self.recipe = r = Recipe.coerce(recipe)
         if not isinstance(model, nn.Module):
@@ -190,6 +196,7 @@ class MixedPrecision:
                     "supported: FSDP reduce-scatters the gradients of its unsharded "
                     "low-precision parameters. Use parallel='ddp', or drop wgrad.")
         parallel_kwargs = check_parallel_kwargs(parallel, parallel_kwargs)
+        units = check_fsdp_units(parallel, fsdp_units, model)
         if parallel is not None:
             require_process_group(parallel)
             self.world_size = dist.get_world_size()
@@ -204,6 +211,8 @@ class MixedPrecision:
         # frozen now: the optimizers may hold them (they never get a gradient), and
         # step() refuses to go on if one is unfrozen later (see _check_setup_unchanged)
         params, self._frozen = check_model(model)
+        # names of the trained parameters, in GradState's order (checkpoints use them)
+        self._trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.device = params[0].device
         self.emulating = emulating(r, self.device)
         check_device(self.device, r, self.emulating)
@@ -219,7 +228,7 @@ class MixedPrecision:
             fr = r.replace(fp8_gemm="dequant") if r.emulate and r.fp8_gemm == "auto" else r
             self.fp8_report = fp8_convert(model, fr)
         if parallel == "fsdp":
-            model = shard_fsdp(model, r, self.optimizers, **parallel_kwargs)
+            model = shard_fsdp(model, r, self.optimizers, units, **parallel_kwargs)
             r_state = r.replace(params="fp32", master="none", grads="fp32")
         else:
             r_state = r
@@ -511,15 +520,23 @@ class MixedPrecision:
 
         return fp32_weights(self.module, self.grads)
 
-    def state_dict(self) -> dict:
-        """Everything to resume bit-identically; loads with ``weights_only=True``."""
+    def state_dict(self, full: bool = False) -> dict:
+        """Everything to resume bit-identically; loads with ``weights_only=True``.
+
+        Without FSDP every tensor is whole and the state resumes at any world size, with
+        or without ``parallel=`` (DDP's replicas are identical). Under FSDP it holds this
+        rank's shards, for FSDP at the same world size; ``full=True`` gathers them (a
+        collective: every rank calls it) into a state that loads anywhere."""
         if self._micro:
             raise RuntimeError("state_dict() in the middle of gradient accumulation: save "
                                "after step() has updated the weights")
-        return {
+        sharded = self.parallel == "fsdp" and not full
+        state = {
             "recipe": self.recipe,
             "emulating": self.emulating,
             "world_size": self.world_size,
+            "parallel": self.parallel,
+            "layout": "sharded" if sharded else "full",
             "model": self.module.state_dict(),
             "masters": ([m.detach().clone() for m in self.grads.masters]
                         if self.grads.has_master else None),
@@ -528,12 +545,20 @@ class MixedPrecision:
             "steps": self._steps,
             "schedulers": [s.state_dict() for s in self.schedulers],
         }
+        if self.parallel == "fsdp" and full:
+            from mixprec.checkpoint import gather_full
 
-    def save(self, path, **extra) -> None:
-        """Write ``state_dict()`` (and ``extra``: a step count, a data position...) to
-        ``path`` atomically: a crash mid-write leaves the previous file whole. Under
-        ``parallel="fsdp"`` the state is this rank's shards: give each rank its own path;
-        otherwise rank 0 alone may write.
+            state = gather_full(state)
+        return state
+
+    def save(self, path, full: bool = False, **extra) -> None:
+        """Write ``state_dict(full)`` (and ``extra``: a step count, a data position...) to
+        ``path`` atomically: a crash mid-write leaves the previous file whole.
+
+        Without FSDP any rank may call it (rank 0 alone is enough). Under FSDP, every
+        rank calls it: by default each writes its own shards (give each rank its own
+        path); with ``full=True`` the shards are gathered and rank 0 writes one file
+        that resumes at any world size.
 
         >>> import torch, tempfile, os
         >>> model = torch.nn.Linear(4, 2)
@@ -545,11 +570,18 @@ class MixedPrecision:
         """
         from mixprec.checkpoint import save_atomic
 
-        save_atomic({"engine": self.state_dict(), "extra": extra}, path)
+        state = {"engine": self.state_dict(full=full), "extra": extra}
+        if self.parallel == "fsdp" and full:
+            if dist.get_rank() == 0:
+                save_atomic(state, path)
+            dist.barrier()  # the file is whole before any rank goes on (and loads it)
+        else:
+            save_atomic(state, path)
 
     def load(self, path) -> dict:
         """Restore what ``save`` wrote and return its ``extra``. An unreadable file, or
-        one from another recipe or world size, raises before anything changes."""
+        one this engine cannot resume (another recipe; FSDP shards of another world
+        size), raises before anything changes."""
         from mixprec.checkpoint import CheckpointError, load_checkpoint
 
         state = load_checkpoint(path)
@@ -560,17 +592,35 @@ class MixedPrecision:
         return dict(state.get("extra", {}))
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()``'s output; refuses another recipe, emulation
-        setting, world size or optimizer count, naming both sides."""
-        from mixprec.checkpoint import check_engine_state
+        """Restore ``state_dict()``'s output; refuses another recipe, emulation setting
+        or optimizer count, and FSDP shards of another world size, naming both sides.
+
+        A whole state (single process, DDP, or ``full=True``) loads at any world size and
+        layout: under FSDP each tensor is cut to this rank's shard. Masters move between
+        layouts: under FSDP the fp32 shards are the masters, elsewhere a ``-master``
+        recipe keeps them beside a low-precision working copy."""
+        from mixprec.checkpoint import check_engine_state, shard_full_state
 
         check_engine_state(state, self.recipe, self.emulating, self.world_size,
-                           len(self.optimizers), self.module)
+                           self.parallel, len(self.optimizers), self.module)
+        masters = state["masters"]
+        if self.grads.has_master and masters is None:
+            # saved under FSDP, whose fp32 parameters were the masters
+            masters = [state["model"][n] for n in self._trainable_names]
+        if self.parallel == "fsdp" and state.get("layout", "sharded") == "full":
+            state = shard_full_state({**state, "masters": masters}, self.module,
+                                     self.grads.working, self.optimizers)
+            masters = state["masters"]
         self.module.load_state_dict(state["model"])
-        if self.grads.has_master:
-            with torch.no_grad():
-                for m, s in zip(self.grads.masters, state["masters"], strict=True):
+        with torch.no_grad():
+            if self.grads.has_master:
+                for m, s in zip(self.grads.masters, masters, strict=True):
                     m.copy_(s)
+            elif masters is not None:
+                # saved with a low-precision working copy: the model entries are its
+                # rounding, the masters are the values (here FSDP's fp32 shards)
+                for p, s in zip(self.grads.working, masters, strict=True):
+                    p.copy_(s)
         for o, s in zip(self.optimizers, state["optimizers"]):
             o.load_state_dict(s)
         self.scaler.load_state_dict(state["scaler"])
