@@ -298,8 +298,6 @@ def reshard(rank, world, tmp, recipe):
     """Checkpoints across world sizes and layouts, each against the run it came from:
     ``down``: 2 ranks (DDP, or FSDP saving full=True) -> one process; ``up``: one process
     -> 2 ranks (DDP, FSDP); ``refused``: FSDP shards -> one process raises."""
-    from mixprec.checkpoint import gather_full
-
     _init(rank, world, tmp)
 
     def engine(seed, parallel):
@@ -315,7 +313,7 @@ def reshard(rank, world, tmp, recipe):
                 loss = F.cross_entropy(e.model(x), y)
             e.backward(loss)
             e.step()
-        return {k: v.clone() for k, v in gather_full(e.fp32_state_dict()).items()}
+        return e.fp32_state_dict(full=True)
 
     data = make_data(6)
     out = {"down": {}, "up": {}}

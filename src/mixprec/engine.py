@@ -508,17 +508,19 @@ class MixedPrecision:
 
     # --- checkpoints ------------------------------------------------------------------
 
-    def fp32_state_dict(self) -> dict[str, torch.Tensor]:
+    def fp32_state_dict(self, full: bool = False) -> dict[str, torch.Tensor]:
         """The trained weights in fp32, keyed like the original model's ``state_dict``.
 
         Parameters with an fp32 master give the master's value (the working copy is
         only its rounding); other low-precision parameters are upcast, exactly; buffers
         are copied; fp8 scaling state (amax histories, scales) is left out. So it loads,
         strictly, into a fresh fp32 instance of the model, for evaluation or export.
-        Under ``parallel="fsdp"`` the values are the local shards (DTensors)."""
-        from mixprec.checkpoint import fp32_weights
+        Under ``parallel="fsdp"`` the values are the local shards (DTensors), or with
+        ``full=True`` the whole tensors (a collective: every rank calls it)."""
+        from mixprec.checkpoint import fp32_weights, gather_full
 
-        return fp32_weights(self.module, self.grads)
+        weights = fp32_weights(self.module, self.grads)
+        return gather_full(weights) if full and self.parallel == "fsdp" else weights
 
     def state_dict(self, full: bool = False) -> dict:
         """Everything to resume bit-identically; loads with ``weights_only=True``.
