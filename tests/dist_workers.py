@@ -337,8 +337,15 @@ def reshard(rank, world, tmp, recipe):
         buf.seek(0)
         d.load_state_dict(torch.load(buf, weights_only=True))
         out["up"][parallel] = (want, run(d, data[3:], split=True))
+    # FSDP's own shards, one file per rank, resumed by FSDP on as many ranks
     f = engine(0, "fsdp")
-    run(f, data[:1], split=True)
+    run(f, data[:3], split=True)
+    path = os.path.join(tmp, f"shards{rank}.pt")
+    f.save(path)
+    want = run(f, data[3:], split=True)
+    g = engine(7, "fsdp")
+    g.load(path)
+    out["sharded"] = (want, run(g, data[3:], split=True))
     try:
         engine(0, None).load_state_dict(f.state_dict())
         out["refused"] = None

@@ -133,7 +133,7 @@ def test_parallel_without_process_group_is_an_error():
 @pytest.mark.parametrize("recipe,tol", [("fp32", 1e-5), ("bf16-master", 1e-2)])
 def test_checkpoints_resume_on_another_world_size_and_layout(recipe, tol):
     """Saved by 2 ranks (DDP; FSDP with full=True), resumed by one process, and the
-    reverse; each continuation equals the run that saved it, to the tolerance of 2 ranks
+    reverse; FSDP's per-rank shards resumed by FSDP, bit for bit. Each other continuation equals the run that saved it, to the tolerance of 2 ranks
     x 8 against 1 x 16 (the engines that load start from other weights, so a state that
     did not load, masters or momentum included, misses by far more). Masters cross
     layouts: FSDP's fp32 shards <-> a -master recipe's fp32 masters beside bf16 weights."""
@@ -144,6 +144,8 @@ def test_checkpoints_resume_on_another_world_size_and_layout(recipe, tol):
                 err = max(((got[k] - want[k]).abs().max() / want[k].abs().max()).item()
                           for k in want)
                 assert err <= tol, (way, parallel, err)
+        want, got = r["sharded"]  # FSDP -> FSDP, same world size: bit for bit
+        assert all(torch.equal(want[k], got[k]) for k in want)
         assert r["extra_ddp"] == r["extra_fsdp"] == {"step": 3}
         assert "FSDP shards of 2 rank(s)" in r["refused"]
         assert "full=True" in r["refused"]
