@@ -133,10 +133,11 @@ def test_parallel_without_process_group_is_an_error():
 @pytest.mark.parametrize("recipe,tol", [("fp32", 1e-5), ("bf16-master", 1e-2)])
 def test_checkpoints_resume_on_another_world_size_and_layout(recipe, tol):
     """Saved by 2 ranks (DDP; FSDP with full=True), resumed by one process, and the
-    reverse; FSDP's per-rank shards resumed by FSDP, bit for bit. Each other continuation equals the run that saved it, to the tolerance of 2 ranks
-    x 8 against 1 x 16 (the engines that load start from other weights, so a state that
-    did not load, masters or momentum included, misses by far more). Masters cross
-    layouts: FSDP's fp32 shards <-> a -master recipe's fp32 masters beside bf16 weights."""
+    reverse; FSDP's per-rank shards resumed by FSDP, bit for bit. Each other continuation
+    equals the run that saved it, to the tolerance of 2 ranks x 8 against 1 x 16 (the
+    engines that load start from other weights, so a state that did not load, masters or
+    momentum included, misses by far more). Masters cross layouts: FSDP's fp32 shards
+    <-> a -master recipe's fp32 masters beside bf16 weights."""
     for r in spawn(w.reshard, recipe):
         for way in ("down", "up"):
             for parallel, (want, got) in r[way].items():

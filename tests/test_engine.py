@@ -462,6 +462,24 @@ def test_loading_another_recipes_state_is_an_error():
         e2.load_state_dict(state)
 
 
+def test_loading_a_state_of_other_param_groups_changes_nothing():
+    """torch's optimizer load checks its groups, but only after the engine had loaded
+    the model and masters: a refused checkpoint left them overwritten."""
+    m = mlp()
+    e = MixedPrecision(m, torch.optim.AdamW(m.parameters()), "bf16-master")
+    state = e.state_dict()
+    m2 = mlp(seed=3)
+    decay = [p for p in m2.parameters() if p.dim() > 1]
+    rest = [p for p in m2.parameters() if p.dim() <= 1]
+    e2 = MixedPrecision(m2, torch.optim.AdamW([{"params": decay}, {"params": rest,
+                                                "weight_decay": 0.0}]), "bf16-master")
+    before = [p.clone() for p in (*m2.parameters(), *e2.master_params)]
+    with pytest.raises(ValueError, match=r"param groups of \[6\] parameters.*has \[2, 4\]"):
+        e2.load_state_dict(state)
+    after = [*m2.parameters(), *e2.master_params]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
 # --- misuse is loud --------------------------------------------------------------------
 
 def test_step_without_backward_and_double_step_raise():

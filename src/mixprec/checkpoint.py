@@ -66,9 +66,10 @@ def load_checkpoint(path: str | Path) -> dict:
 
 
 def check_engine_state(state: dict, recipe, emulating: bool, world_size: int,
-                       parallel: str | None, n_optimizers: int, module: nn.Module) -> None:
+                       parallel: str | None, optimizers, module: nn.Module) -> None:
     """Raise, naming both sides, unless ``state`` (``MixedPrecision.state_dict()``) can
-    resume this engine: same recipe, emulation, optimizer count, model keys and shapes;
+    resume this engine: same recipe, emulation, optimizers and their param groups' sizes,
+    model keys and shapes;
     and for FSDP shards, FSDP at the same world size. torch's ``load_state_dict`` copies
     tensor by tensor and complains at the end; checking first means a refused checkpoint
     changes nothing."""
@@ -93,9 +94,17 @@ def check_engine_state(state: dict, recipe, emulating: bool, world_size: int,
             f"{here}; resume with parallel='fsdp' and --nproc-per-node {saved_ws}, or save "
             "it whole with engine.save(path, full=True) (every rank calls it; it gathers "
             "the shards), which loads at any world size, with or without FSDP")
-    if len(state["optimizers"]) != n_optimizers:
+    if len(state["optimizers"]) != len(optimizers):
         raise ValueError(f"checkpoint has {len(state['optimizers'])} optimizer(s), this "
-                         f"engine has {n_optimizers}")
+                         f"engine has {len(optimizers)}")
+    for i, (o, s) in enumerate(zip(optimizers, state["optimizers"])):
+        have_groups = [len(g["params"]) for g in o.param_groups]
+        got_groups = [len(g["params"]) for g in s["param_groups"]]
+        if have_groups != got_groups:
+            raise ValueError(
+                f"optimizer {i} of the checkpoint has param groups of {got_groups} "
+                f"parameters, this engine's has {have_groups}; build the optimizer over "
+                "the same parameters, in the same groups, as the run that saved it")
     have = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in state["model"].items()}
     if have != got:

@@ -604,7 +604,7 @@ class MixedPrecision:
         from mixprec.checkpoint import check_engine_state, shard_full_state
 
         check_engine_state(state, self.recipe, self.emulating, self.world_size,
-                           self.parallel, len(self.optimizers), self.module)
+                           self.parallel, self.optimizers, self.module)
         masters = state["masters"]
         if self.grads.has_master and masters is None:
             # saved under FSDP, whose fp32 parameters were the masters
