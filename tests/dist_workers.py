@@ -323,6 +323,12 @@ def reshard(rank, world, tmp, recipe):
         # DDP: both ranks write the same file; FSDP: both gather, rank 0 writes
         path = os.path.join(tmp, f"{parallel}.pt")
         a.save(path, full=True, step=3)
+        if parallel == "fsdp":  # rank 0 cannot write: every rank raises, none waits
+            try:
+                a.save(os.path.join(tmp, "missing", "x.pt"), full=True)
+                out["failed_write"] = None
+            except RuntimeError as e:
+                out["failed_write"] = str(e)
         want = run(a, data[3:], split=True)
         b = engine(7, None)
         out[f"extra_{parallel}"] = b.load(path)

@@ -148,6 +148,8 @@ def test_checkpoints_resume_on_another_world_size_and_layout(recipe, tol):
         want, got = r["sharded"]  # FSDP -> FSDP, same world size: bit for bit
         assert all(torch.equal(want[k], got[k]) for k in want)
         assert r["extra_ddp"] == r["extra_fsdp"] == {"step": 3}
+        assert "rank 0 could not write" in r["failed_write"]
+        assert "FileNotFoundError" in r["failed_write"]
         assert "FSDP shards of 2 rank(s)" in r["refused"]
         assert "full=True" in r["refused"]
 

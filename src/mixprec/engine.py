@@ -573,12 +573,22 @@ class MixedPrecision:
         from mixprec.checkpoint import save_atomic
 
         state = {"engine": self.state_dict(full=full), "extra": extra}
-        if self.parallel == "fsdp" and full:
-            if dist.get_rank() == 0:
-                save_atomic(state, path)
-            dist.barrier()  # the file is whole before any rank goes on (and loads it)
-        else:
+        if not (self.parallel == "fsdp" and full):
             save_atomic(state, path)
+            return
+        # rank 0 writes; every rank learns how it went (the file is whole before any
+        # rank goes on, and a failed write raises on every rank instead of leaving the
+        # others waiting)
+        error = [None]
+        if dist.get_rank() == 0:
+            try:
+                save_atomic(state, path)
+            except Exception as e:
+                error = [f"{type(e).__name__}: {e}"]
+        dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise RuntimeError(f"rank 0 could not write the checkpoint {str(path)!r} "
+                               f"({error[0]}); the previous file, if any, is intact")
 
     def load(self, path) -> dict:
         """Restore what ``save`` wrote and return its ``extra``. An unreadable file, or
