@@ -4,9 +4,11 @@
 POSIX) and fsyncs the folder, so ``path`` is always either the previous complete file or
 the new complete file. ``load_checkpoint`` reads with ``weights_only=True`` and turns a
 truncated or corrupt file into a ``CheckpointError`` that says nothing was changed.
-``MixedPrecision.save`` / ``MixedPrecision.load`` use both; ``check_engine_state`` is
-what ``MixedPrecision.load_state_dict`` checks before it changes anything, and
-``fp32_weights`` is ``MixedPrecision.fp32_state_dict``.
+``MixedPrecision.save`` / ``MixedPrecision.load`` use both. The engine's checkpoint
+methods live here: ``engine_state`` (``state_dict``), ``save_engine`` (``save``),
+``restore_engine`` (``load_state_dict``, after ``check_engine_state`` has checked
+everything it can before anything changes), and ``fp32_weights``
+(``fp32_state_dict``).
 
 Layouts. A checkpoint of a single process or of DDP holds every tensor whole (layout
 ``"full"``): DDP's replicas are identical, so it loads at any world size, with or
@@ -25,7 +27,8 @@ import torch
 from torch import nn
 
 __all__ = ["CheckpointError", "save_atomic", "load_checkpoint", "check_engine_state",
-           "fp32_weights", "gather_full", "shard_full_state"]
+           "engine_state", "save_engine", "restore_engine", "fp32_weights", "gather_full",
+           "shard_full_state"]
 
 
 class CheckpointError(ValueError):
@@ -180,3 +183,84 @@ def shard_full_state(state: dict, module: nn.Module, trainable: list, optimizers
             for i, st in s["state"].items()}})
     out["optimizers"] = opts
     return out
+
+
+def engine_state(engine, full: bool) -> dict:
+    """``MixedPrecision.state_dict(full)``: recipe, layout, model, masters, optimizers,
+    scaler, counters and schedulers."""
+    if engine._micro:
+        raise RuntimeError("state_dict() in the middle of gradient accumulation: save "
+                           "after step() has updated the weights")
+    fsdp = engine.parallel == "fsdp"
+    state = {
+        "recipe": engine.recipe,
+        "emulating": engine.emulating,
+        "world_size": engine.world_size,
+        "parallel": engine.parallel,
+        "layout": "sharded" if fsdp and not full else "full",
+        "model": engine.module.state_dict(),
+        "masters": ([m.detach().clone() for m in engine.grads.masters]
+                    if engine.grads.has_master else None),
+        "optimizers": [o.state_dict() for o in engine.optimizers],
+        "scaler": engine.scaler.state_dict(),
+        "steps": engine.steps,
+        "schedulers": [s.state_dict() for s in engine.schedulers],
+    }
+    return gather_full(state) if fsdp and full else state
+
+
+def save_engine(engine, path, full: bool, extra: dict) -> None:
+    """``MixedPrecision.save``: atomically, from this rank; under FSDP with ``full``,
+    gathered, written by rank 0, and the outcome shared so that every rank raises if
+    the write failed (none is left waiting)."""
+    import torch.distributed as dist
+
+    state = {"engine": engine_state(engine, full), "extra": extra}
+    if not (engine.parallel == "fsdp" and full):
+        save_atomic(state, path)
+        return
+    error = [None]
+    if dist.get_rank() == 0:
+        try:
+            save_atomic(state, path)
+        except Exception as e:
+            error = [f"{type(e).__name__}: {e}"]
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise RuntimeError(f"rank 0 could not write the checkpoint {str(path)!r} "
+                           f"({error[0]}); the previous file, if any, is intact")
+
+
+def restore_engine(engine, state: dict) -> None:
+    """``MixedPrecision.load_state_dict``: check, then load. Masters cross layouts:
+    under FSDP the fp32 shards are the masters; a ``-master`` recipe elsewhere keeps
+    them beside its low-precision working copy."""
+    check_engine_state(state, engine.recipe, engine.emulating, engine.world_size,
+                       engine.parallel, engine.optimizers, engine.module)
+    grads = engine.grads
+    masters = state["masters"]
+    if grads.has_master and masters is None:
+        # saved under FSDP, whose fp32 parameters were the masters
+        masters = [state["model"][n] for n in engine._trainable_names]
+    if engine.parallel == "fsdp" and state.get("layout", "sharded") == "full":
+        state = shard_full_state({**state, "masters": masters}, engine.module,
+                                 grads.working, engine.optimizers)
+        masters = state["masters"]
+    engine.module.load_state_dict(state["model"])
+    with torch.no_grad():
+        if grads.has_master:
+            for m, s in zip(grads.masters, masters, strict=True):
+                m.copy_(s)
+        elif masters is not None:
+            # saved with a low-precision working copy: the model entries are its
+            # rounding, the masters are the values (here FSDP's fp32 shards)
+            for p, s in zip(grads.working, masters, strict=True):
+                p.copy_(s)
+    for o, s in zip(engine.optimizers, state["optimizers"]):
+        o.load_state_dict(s)
+    engine.scaler.load_state_dict(state["scaler"])
+    for sch, s in zip(engine.schedulers, state.get("schedulers", [])):
+        sch.load_state_dict(s)
+    engine._steps = int(state["steps"])
+    grads.mark_working()  # the load above was ours
+    engine.zero_grad()

@@ -529,29 +529,9 @@ class MixedPrecision:
         or without ``parallel=`` (DDP's replicas are identical). Under FSDP it holds this
         rank's shards, for FSDP at the same world size; ``full=True`` gathers them (a
         collective: every rank calls it) into a state that loads anywhere."""
-        if self._micro:
-            raise RuntimeError("state_dict() in the middle of gradient accumulation: save "
-                               "after step() has updated the weights")
-        sharded = self.parallel == "fsdp" and not full
-        state = {
-            "recipe": self.recipe,
-            "emulating": self.emulating,
-            "world_size": self.world_size,
-            "parallel": self.parallel,
-            "layout": "sharded" if sharded else "full",
-            "model": self.module.state_dict(),
-            "masters": ([m.detach().clone() for m in self.grads.masters]
-                        if self.grads.has_master else None),
-            "optimizers": [o.state_dict() for o in self.optimizers],
-            "scaler": self.scaler.state_dict(),
-            "steps": self._steps,
-            "schedulers": [s.state_dict() for s in self.schedulers],
-        }
-        if self.parallel == "fsdp" and full:
-            from mixprec.checkpoint import gather_full
+        from mixprec.checkpoint import engine_state
 
-            state = gather_full(state)
-        return state
+        return engine_state(self, full)
 
     def save(self, path, full: bool = False, **extra) -> None:
         """Write ``state_dict(full)`` (and ``extra``: a step count, a data position...) to
@@ -560,7 +540,7 @@ class MixedPrecision:
         Without FSDP any rank may call it (rank 0 alone is enough). Under FSDP, every
         rank calls it: by default each writes its own shards (give each rank its own
         path); with ``full=True`` the shards are gathered and rank 0 writes one file
-        that resumes at any world size.
+        that resumes at any world size (a failed write raises on every rank).
 
         >>> import torch, tempfile, os
         >>> model = torch.nn.Linear(4, 2)
@@ -570,25 +550,9 @@ class MixedPrecision:
         >>> engine.load(path)
         {'step': 100}
         """
-        from mixprec.checkpoint import save_atomic
+        from mixprec.checkpoint import save_engine
 
-        state = {"engine": self.state_dict(full=full), "extra": extra}
-        if not (self.parallel == "fsdp" and full):
-            save_atomic(state, path)
-            return
-        # rank 0 writes; every rank learns how it went (the file is whole before any
-        # rank goes on, and a failed write raises on every rank instead of leaving the
-        # others waiting)
-        error = [None]
-        if dist.get_rank() == 0:
-            try:
-                save_atomic(state, path)
-            except Exception as e:
-                error = [f"{type(e).__name__}: {e}"]
-        dist.broadcast_object_list(error, src=0)
-        if error[0] is not None:
-            raise RuntimeError(f"rank 0 could not write the checkpoint {str(path)!r} "
-                               f"({error[0]}); the previous file, if any, is intact")
+        save_engine(self, path, full, extra)
 
     def load(self, path) -> dict:
         """Restore what ``save`` wrote and return its ``extra``. An unreadable file, or
@@ -604,43 +568,17 @@ class MixedPrecision:
         return dict(state.get("extra", {}))
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()``'s output; refuses another recipe, emulation setting
-        or optimizer count, and FSDP shards of another world size, naming both sides.
+        """Restore ``state_dict()``'s output; refuses another recipe, emulation setting,
+        optimizer layout, and FSDP shards of another world size, naming both sides,
+        before anything changes.
 
         A whole state (single process, DDP, or ``full=True``) loads at any world size and
         layout: under FSDP each tensor is cut to this rank's shard. Masters move between
         layouts: under FSDP the fp32 shards are the masters, elsewhere a ``-master``
         recipe keeps them beside a low-precision working copy."""
-        from mixprec.checkpoint import check_engine_state, shard_full_state
+        from mixprec.checkpoint import restore_engine
 
-        check_engine_state(state, self.recipe, self.emulating, self.world_size,
-                           self.parallel, self.optimizers, self.module)
-        masters = state["masters"]
-        if self.grads.has_master and masters is None:
-            # saved under FSDP, whose fp32 parameters were the masters
-            masters = [state["model"][n] for n in self._trainable_names]
-        if self.parallel == "fsdp" and state.get("layout", "sharded") == "full":
-            state = shard_full_state({**state, "masters": masters}, self.module,
-                                     self.grads.working, self.optimizers)
-            masters = state["masters"]
-        self.module.load_state_dict(state["model"])
-        with torch.no_grad():
-            if self.grads.has_master:
-                for m, s in zip(self.grads.masters, masters, strict=True):
-                    m.copy_(s)
-            elif masters is not None:
-                # saved with a low-precision working copy: the model entries are its
-                # rounding, the masters are the values (here FSDP's fp32 shards)
-                for p, s in zip(self.grads.working, masters, strict=True):
-                    p.copy_(s)
-        for o, s in zip(self.optimizers, state["optimizers"]):
-            o.load_state_dict(s)
-        self.scaler.load_state_dict(state["scaler"])
-        for sch, s in zip(self.schedulers, state.get("schedulers", [])):
-            sch.load_state_dict(s)
-        self._steps = int(state["steps"])
-        self.grads.mark_working()  # the load above was ours
-        self.zero_grad()
+        restore_engine(self, state)
 
     def close(self) -> None:
         """Undo the fp32 wrapping of third-party norm modules."""
