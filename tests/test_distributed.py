@@ -248,3 +248,26 @@ def test_fsdp_shards_each_block_then_the_root(recipe, tol):
     ref = [p.detach() for p in engine.master_params]
     for r in ranks:
         assert _max_rel(r["params"], ref) <= tol, _max_rel(r["params"], ref)
+
+
+def test_example_script_resumes_across_world_sizes_and_layouts(tmp_path):
+    """examples/ddp_train.py under torchrun: DDP on 2 ranks saves, FSDP on 2 ranks
+    resumes and saves, one rank resumes that."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ckpt = str(tmp_path / "ck.pt")
+    outputs = []
+    for nproc, parallel in ((2, "ddp"), (2, "fsdp"), (1, "ddp")):
+        run = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc-per-node={nproc}", os.path.join(root, "examples", "ddp_train.py"),
+             "--steps", "3", "--parallel", parallel, "--checkpoint", ckpt],
+            capture_output=True, text=True, timeout=300, cwd=root)
+        assert run.returncode == 0, run.stderr[-3000:]
+        outputs.append(run.stdout)
+    assert "resumed" not in outputs[0]
+    assert "resumed at step 3" in outputs[1] and "resumed at step 6" in outputs[2]
+    state = torch.load(ckpt, weights_only=True)
+    assert state["extra"] == {"step": 9} and state["engine"]["layout"] == "full"
