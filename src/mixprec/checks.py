@@ -169,6 +169,10 @@ def check_fsdp_units(parallel: str | None, units, model: nn.Module):
     if isinstance(units, tuple) and units and all(
             isinstance(u, type) and issubclass(u, nn.Module) for u in units):
         found = {type(m) for m in model.modules()}
+        if nn.Linear in found:  # fp8 recipes swap Linears for Float8Linears before FSDP
+            from mixprec.fp8.linear import Float8Linear
+
+            found.add(Float8Linear)
         if not any(issubclass(t, units) for t in found):
             raise ValueError(
                 f"fsdp_units={tuple(u.__name__ for u in units)}: the model has no module "
