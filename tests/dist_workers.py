@@ -397,3 +397,55 @@ def fsdp_units(rank, world, tmp, units, steps):
         "root": isinstance(model, FSDPModule),
         "params": [p.detach().full_tensor().clone() for p in model.parameters()]})
     dist.destroy_process_group()
+
+
+def _fsdp_adamw(seed, recipe):
+    m = make_mlp(seed)
+    return MixedPrecision(m, torch.optim.AdamW(m.parameters(), lr=1e-2), recipe,
+                          parallel="fsdp")
+
+
+def _train_split(engine, batches, rank, world):
+    for x, y in batches:
+        with engine.autocast():
+            loss = F.cross_entropy(engine.model(x.chunk(world)[rank]), y.chunk(world)[rank])
+        engine.backward(loss)
+        engine.step()
+    return engine.fp32_state_dict(full=True)
+
+
+def reshardable_save(rank, world, tmp, recipe, ckpt):
+    """FSDP on ``world`` ranks: 3 steps, save(ckpt, reshardable=True) twice (the second
+    replaces the first), 3 more steps; the weights after them are what loading must
+    reproduce."""
+    _init(rank, world, tmp)
+    e = _fsdp_adamw(0, recipe)
+    data = make_data(6)
+    _train_split(e, data[:2], rank, world)
+    e.save(ckpt, reshardable=True, step=2)
+    _train_split(e, data[2:3], rank, world)
+    e.save(ckpt, reshardable=True, step=3)
+    _save(tmp, "reshardable", rank, {"want": _train_split(e, data[3:], rank, world)})
+    dist.destroy_process_group()
+
+
+def reshardable_load(rank, world, tmp, recipe, ckpt):
+    """FSDP on ``world`` ranks from another seed: load(ckpt), the same 3 steps."""
+    _init(rank, world, tmp)
+    e = _fsdp_adamw(7, recipe)
+    extra = e.load(ckpt)
+    got = _train_split(e, make_data(6)[3:], rank, world)
+    other = nn.Sequential(nn.Linear(16, 4))
+    o = MixedPrecision(other, torch.optim.AdamW(other.parameters()), recipe, parallel="fsdp")
+    before = o.fp32_state_dict(full=True)
+    try:
+        o.load(ckpt)
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    after = o.fp32_state_dict(full=True)
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    _save(tmp, "reshardable", rank, {"got": got, "extra": extra, "steps": e.steps,
+                                     "refused": refused, "unchanged": unchanged,
+                                     "opt_state": len(o.optimizers[0].state)})
+    dist.destroy_process_group()

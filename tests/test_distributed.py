@@ -23,7 +23,8 @@ def spawn(fn, *args, world=2):
     name = {"equivalence": "equivalence", "rank_local_inf": "inf", "fp8_outlier": "fp8",
             "fp16_comm": "fp16", "resume": "resume", "frozen_stateful": "frozen",
             "unused_head": "unused", "gpt_fsdp": "gpt", "freed": "freed",
-            "reshard": "reshard", "fsdp_units": "units"}[fn.__name__]
+            "reshard": "reshard", "fsdp_units": "units",
+            "reshardable_save": "reshardable", "reshardable_load": "reshardable"}[fn.__name__]
     return [torch.load(os.path.join(tmp, f"{name}_rank{r}.pt"), weights_only=False)
             for r in range(world)]
 
@@ -152,6 +153,33 @@ def test_checkpoints_resume_on_another_world_size_and_layout(recipe, tol):
         assert "FileNotFoundError" in r["failed_write"]
         assert "FSDP shards of 2 rank(s)" in r["refused"]
         assert "full=True" in r["refused"]
+
+
+@pytest.mark.parametrize("recipe,tol", [("fp32", 1e-5), ("bf16-master", 1e-2)])
+def test_reshardable_fsdp_checkpoint_resumes_on_1_and_2_ranks(recipe, tol, tmp_path):
+    """save(dir, reshardable=True) by FSDP on 2 ranks (written twice: the second
+    replaces the first); FSDP on 2 ranks resumes it bit for bit, on 1 rank to the
+    tolerance of 2 x 8 against 1 x 16, without anything gathered."""
+    ckpt = str(tmp_path / "ck")
+    want = spawn(w.reshardable_save, recipe, ckpt)[0]["want"]
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # no .partial / .old left behind
+    for world in (2, 1):
+        for r in spawn(w.reshardable_load, recipe, ckpt, world=world):
+            assert r["extra"] == {"step": 3} and r["steps"] == 6
+            # another model: refused before anything was read into it
+            assert "does not match this model" in r["refused"]
+            assert r["unchanged"] and r["opt_state"] == 0
+            err = max(((r["got"][k] - want[k]).abs().max() / want[k].abs().max()).item()
+                      for k in want)
+            assert err == 0.0 if world == 2 else err <= tol, (world, err)
+
+
+def test_reshardable_needs_fsdp():
+    m = w.make_mlp()
+    e = MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), "bf16")
+    with pytest.raises(ValueError, match="reshardable=True.* is for parallel='fsdp'.*"
+                                         "parallel=None"):
+        e.save("unused", reshardable=True)
 
 
 def test_fsdp_shards_from_another_world_size_are_refused_and_whole_states_load():

@@ -15,7 +15,11 @@ Layouts. A checkpoint of a single process or of DDP holds every tensor whole (la
 without ``parallel=``. One of FSDP holds this rank's shards (``"sharded"``) and loads
 only into FSDP at the same world size; ``state_dict(full=True)`` gathers the shards
 (``gather_full``) into a ``"full"`` checkpoint, and loading a full checkpoint under FSDP
-cuts each tensor to this rank's shard (``shard_full_state``).
+cuts each tensor to this rank's shard (``shard_full_state``). A third form, for FSDP,
+neither gathers nor stays tied to its world size: ``save(path, reshardable=True)`` writes
+a directory with ``torch.distributed.checkpoint`` (each rank writes its shards, once),
+which FSDP on any number of ranks reads back, each rank reading the pieces it needs
+(``save_resharding`` / ``restore_resharding``).
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ import torch
 from torch import nn
 
 __all__ = ["CheckpointError", "save_atomic", "load_checkpoint", "check_engine_state",
-           "engine_state", "save_engine", "restore_engine", "fp32_weights", "gather_full",
-           "shard_full_state"]
+           "engine_state", "save_engine", "restore_engine", "save_resharding",
+           "restore_resharding", "fp32_weights", "gather_full", "shard_full_state"]
 
 
 class CheckpointError(ValueError):
@@ -76,17 +80,7 @@ def check_engine_state(state: dict, recipe, emulating: bool, world_size: int,
     and for FSDP shards, FSDP at the same world size. torch's ``load_state_dict`` copies
     tensor by tensor and complains at the end; checking first means a refused checkpoint
     changes nothing."""
-    saved = state.get("recipe")
-    if saved != recipe:
-        raise ValueError(
-            f"checkpoint was saved with recipe {str(saved)!r} but this engine runs "
-            f"{str(recipe)!r}; build the engine with the checkpoint's recipe")
-    if state.get("emulating", emulating) != emulating:
-        raise ValueError(
-            f"checkpoint was trained with emulation {'on' if state['emulating'] else 'off'}"
-            f" but this engine resolved emulate=auto to {'on' if emulating else 'off'}"
-            f"; set emulate={'true' if state['emulating'] else 'false'} in the recipe to "
-            "resume with the same numerics")
+    _run_settings(state, recipe, emulating)
     saved_ws = state.get("world_size", 1)
     # before layouts were recorded, a checkpoint of several ranks may hold FSDP shards
     layout = state.get("layout", "full" if saved_ws == 1 else "sharded")
@@ -108,13 +102,8 @@ def check_engine_state(state: dict, recipe, emulating: bool, world_size: int,
                 f"optimizer {i} of the checkpoint has param groups of {got_groups} "
                 f"parameters, this engine's has {have_groups}; build the optimizer over "
                 "the same parameters, in the same groups, as the run that saved it")
-    have = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in state["model"].items()}
-    if have != got:
-        diff = sorted(set(have) ^ set(got)) or sorted(k for k in have if have[k] != got[k])
-        raise ValueError(
-            f"checkpoint's model does not match this model ({len(diff)} key(s) missing, "
-            f"extra or of another shape, e.g. {diff[:3]}); nothing was loaded")
+    _same_model({k: tuple(v.shape) for k, v in module.state_dict().items()},
+                {k: tuple(v.shape) for k, v in state["model"].items()})
 
 
 def fp32_weights(module: nn.Module, grads) -> dict[str, torch.Tensor]:
@@ -264,3 +253,130 @@ def restore_engine(engine, state: dict) -> None:
     engine._steps = int(state["steps"])
     grads.mark_working()  # the load above was ours
     engine.zero_grad()
+
+
+def _run_settings(state: dict, recipe, emulating: bool) -> None:
+    """The recipe and emulation checks of ``check_engine_state``."""
+    saved = state.get("recipe")
+    if saved != recipe:
+        raise ValueError(
+            f"checkpoint was saved with recipe {str(saved)!r} but this engine runs "
+            f"{str(recipe)!r}; build the engine with the checkpoint's recipe")
+    if state.get("emulating", emulating) != emulating:
+        raise ValueError(
+            f"checkpoint was trained with emulation {'on' if state['emulating'] else 'off'}"
+            f" but this engine resolved emulate=auto to {'on' if emulating else 'off'}"
+            f"; set emulate={'true' if state['emulating'] else 'false'} in the recipe to "
+            "resume with the same numerics")
+
+
+def _same_model(have: dict, got: dict) -> None:
+    """Raise unless the model keys and shapes ``have`` and ``got`` agree."""
+    if have != got:
+        diff = sorted(set(have) ^ set(got)) or sorted(k for k in have if have[k] != got[k])
+        raise ValueError(
+            f"checkpoint's model does not match this model ({len(diff)} key(s) missing, "
+            f"extra or of another shape, e.g. {diff[:3]}); nothing was loaded")
+
+
+def _require_fsdp(engine, what: str) -> None:
+    if engine.parallel != "fsdp":
+        raise ValueError(
+            f"{what} is for parallel='fsdp' (the optimizer must hold the model's own "
+            f"parameters, as FSDP's fp32 shards are); this engine runs "
+            f"parallel={engine.parallel!r}. Use save(path) / load(path): without FSDP a "
+            "checkpoint is whole and loads at any world size already")
+
+
+def save_resharding(engine, path, extra: dict) -> None:
+    """``MixedPrecision.save(path, reshardable=True)``: a directory written with
+    ``torch.distributed.checkpoint`` (every rank its own shards) and ``engine.pt``
+    (recipe, scaler, counters, schedulers, extras), assembled in ``PATH.partial`` and
+    renamed over ``path``; a previous checkpoint is kept at ``PATH.old`` during the swap,
+    and ``restore_resharding`` falls back to it if a crash came between the renames."""
+    import shutil
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    _require_fsdp(engine, "save(path, reshardable=True)")
+    if engine._micro:
+        raise RuntimeError("save() in the middle of gradient accumulation: save after "
+                           "step() has updated the weights")
+    if any(not o.state for o in engine.optimizers):
+        raise ValueError("save(path, reshardable=True) before the first step: the "
+                         "optimizer has no state yet (torch's get_state_dict would create "
+                         "it with a zero-learning-rate step); save after a step, or use "
+                         "save(path, full=True)")
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    old = path.with_name(path.name + ".old")
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(engine.module, engine.optimizers)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+    error = [None]
+    if rank0:
+        try:
+            meta = {"recipe": engine.recipe, "emulating": engine.emulating,
+                    "world_size": engine.world_size, "parallel": engine.parallel,
+                    "layout": "reshardable", "scaler": engine.scaler.state_dict(),
+                    "steps": engine.steps,
+                    "schedulers": [s.state_dict() for s in engine.schedulers]}
+            save_atomic({"engine": meta, "extra": extra}, partial / "engine.pt")
+            shutil.rmtree(old, ignore_errors=True)
+            if path.exists():
+                os.replace(path, old)
+            os.replace(partial, path)
+            shutil.rmtree(old, ignore_errors=True)
+        except Exception as e:
+            error = [f"{type(e).__name__}: {e}"]
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise RuntimeError(f"rank 0 could not finish the checkpoint {str(path)!r} "
+                           f"({error[0]}); the previous one, if any, is intact")
+
+
+def restore_resharding(engine, path) -> dict:
+    """``MixedPrecision.load`` of a ``reshardable`` directory, under FSDP at any world
+    size. Recipe, emulation, the model's keys and shapes and the optimizer's entries are
+    checked against the directory's metadata before anything is read into the engine.
+    Returns the extras."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = Path(path)
+    if not (path / "engine.pt").exists() and (path.with_name(path.name + ".old")
+                                              / "engine.pt").exists():
+        path = path.with_name(path.name + ".old")  # a crash came between the renames
+    saved = load_checkpoint(path / "engine.pt")
+    meta = saved["engine"]
+    _run_settings(meta, engine.recipe, engine.emulating)
+    _require_fsdp(engine, "a reshardable checkpoint")
+    md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    have = {f"model.{k}": tuple(v.shape) for k, v in engine.module.state_dict().items()}
+    got = {k: tuple(m.size) for k, m in md.items()
+           if k.startswith("model.") and hasattr(m, "size")}
+    _same_model(have, got)
+    trained = [n for n, p in engine.module.named_parameters() if p.requires_grad]
+    missing = [n for n in trained if not any(k.startswith(f"optim.state.{n}.") for k in md)]
+    if missing:
+        raise ValueError(
+            f"checkpoint has no optimizer state for {missing[:3]} ({len(missing)} "
+            "parameter(s)); build the optimizer over the same parameters as the run that "
+            "saved it")
+    model_sd, optim_sd = get_state_dict(engine.module, engine.optimizers)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(engine.module, engine.optimizers, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    engine.scaler.load_state_dict(meta["scaler"])
+    for sch, s in zip(engine.schedulers, meta.get("schedulers", [])):
+        sch.load_state_dict(s)
+    engine._steps = int(meta["steps"])
+    engine.grads.mark_working()  # the load above was ours
+    engine.zero_grad()
+    return dict(saved.get("extra", {}))

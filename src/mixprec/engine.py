@@ -33,6 +33,7 @@ know whether the step was skipped.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -533,14 +534,17 @@ class MixedPrecision:
 
         return engine_state(self, full)
 
-    def save(self, path, full: bool = False, **extra) -> None:
+    def save(self, path, full: bool = False, reshardable: bool = False, **extra) -> None:
         """Write ``state_dict(full)`` (and ``extra``: a step count, a data position...) to
         ``path`` atomically: a crash mid-write leaves the previous file whole.
 
         Without FSDP any rank may call it (rank 0 alone is enough). Under FSDP, every
         rank calls it: by default each writes its own shards (give each rank its own
         path); with ``full=True`` the shards are gathered and rank 0 writes one file
-        that resumes at any world size (a failed write raises on every rank).
+        that resumes at any world size (a failed write raises on every rank); with
+        ``reshardable=True`` ``path`` is a directory of ``torch.distributed.checkpoint``
+        shards, written once by their ranks, that FSDP resumes at any world size
+        without gathering anything.
 
         >>> import torch, tempfile, os
         >>> model = torch.nn.Linear(4, 2)
@@ -550,16 +554,22 @@ class MixedPrecision:
         >>> engine.load(path)
         {'step': 100}
         """
-        from mixprec.checkpoint import save_engine
+        from mixprec.checkpoint import save_engine, save_resharding
 
-        save_engine(self, path, full, extra)
+        if reshardable:
+            save_resharding(self, path, extra)
+        else:
+            save_engine(self, path, full, extra)
 
     def load(self, path) -> dict:
         """Restore what ``save`` wrote and return its ``extra``. An unreadable file, or
         one this engine cannot resume (another recipe; FSDP shards of another world
-        size), raises before anything changes."""
-        from mixprec.checkpoint import CheckpointError, load_checkpoint
+        size), raises before anything changes. A directory is a ``reshardable`` save,
+        for FSDP at any world size."""
+        from mixprec.checkpoint import CheckpointError, load_checkpoint, restore_resharding
 
+        if os.path.isdir(path) or os.path.isdir(f"{path}.old"):
+            return restore_resharding(self, path)
         state = load_checkpoint(path)
         if not isinstance(state, dict) or "engine" not in state:
             raise CheckpointError(f"{str(path)!r} was not written by MixedPrecision.save "
