@@ -202,22 +202,29 @@ def save_engine(engine, path, full: bool, extra: dict) -> None:
     """``MixedPrecision.save``: atomically, from this rank; under FSDP with ``full``,
     gathered, written by rank 0, and the outcome shared so that every rank raises if
     the write failed (none is left waiting)."""
-    import torch.distributed as dist
 
     state = {"engine": engine_state(engine, full), "extra": extra}
     if not (engine.parallel == "fsdp" and full):
         save_atomic(state, path)
         return
+    _on_rank0(lambda: save_atomic(state, path), path)
+
+
+def _on_rank0(write, path) -> None:
+    """Run ``write`` on rank 0 and tell every rank how it went: a failure raises on
+    every rank (none is left waiting for a file that will not come)."""
+    import torch.distributed as dist
+
     error = [None]
     if dist.get_rank() == 0:
         try:
-            save_atomic(state, path)
+            write()
         except Exception as e:
             error = [f"{type(e).__name__}: {e}"]
     dist.broadcast_object_list(error, src=0)
     if error[0] is not None:
         raise RuntimeError(f"rank 0 could not write the checkpoint {str(path)!r} "
-                           f"({error[0]}); the previous file, if any, is intact")
+                           f"({error[0]}); the previous one, if any, is intact")
 
 
 def restore_engine(engine, state: dict) -> None:
@@ -318,26 +325,20 @@ def save_resharding(engine, path, extra: dict) -> None:
     dist.barrier()
     model_sd, optim_sd = get_state_dict(engine.module, engine.optimizers)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
-    error = [None]
-    if rank0:
-        try:
-            meta = {"recipe": engine.recipe, "emulating": engine.emulating,
-                    "world_size": engine.world_size, "parallel": engine.parallel,
-                    "layout": "reshardable", "scaler": engine.scaler.state_dict(),
-                    "steps": engine.steps,
-                    "schedulers": [s.state_dict() for s in engine.schedulers]}
-            save_atomic({"engine": meta, "extra": extra}, partial / "engine.pt")
-            shutil.rmtree(old, ignore_errors=True)
-            if path.exists():
-                os.replace(path, old)
-            os.replace(partial, path)
-            shutil.rmtree(old, ignore_errors=True)
-        except Exception as e:
-            error = [f"{type(e).__name__}: {e}"]
-    dist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise RuntimeError(f"rank 0 could not finish the checkpoint {str(path)!r} "
-                           f"({error[0]}); the previous one, if any, is intact")
+    meta = {"recipe": engine.recipe, "emulating": engine.emulating,
+            "world_size": engine.world_size, "parallel": engine.parallel,
+            "layout": "reshardable", "scaler": engine.scaler.state_dict(),
+            "steps": engine.steps, "schedulers": [s.state_dict() for s in engine.schedulers]}
+
+    def finish():
+        save_atomic({"engine": meta, "extra": extra}, partial / "engine.pt")
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(partial, path)
+        shutil.rmtree(old, ignore_errors=True)
+
+    _on_rank0(finish, path)
 
 
 def restore_resharding(engine, path) -> dict:
