@@ -76,10 +76,9 @@ def check_engine_state(state: dict, recipe, emulating: bool, world_size: int,
                        parallel: str | None, optimizers, module: nn.Module) -> None:
     """Raise, naming both sides, unless ``state`` (``MixedPrecision.state_dict()``) can
     resume this engine: same recipe, emulation, optimizers and their param groups' sizes,
-    model keys and shapes;
-    and for FSDP shards, FSDP at the same world size. torch's ``load_state_dict`` copies
-    tensor by tensor and complains at the end; checking first means a refused checkpoint
-    changes nothing."""
+    model keys and shapes; and for FSDP shards, FSDP at the same world size. torch's
+    ``load_state_dict`` copies tensor by tensor and complains at the end; checking first
+    means a refused checkpoint changes nothing."""
     _run_settings(state, recipe, emulating)
     saved_ws = state.get("world_size", 1)
     # before layouts were recorded, a checkpoint of several ranks may hold FSDP shards
@@ -174,12 +173,27 @@ def shard_full_state(state: dict, module: nn.Module, trainable: list, optimizers
     return out
 
 
+def _not_mid_accumulation(engine) -> None:
+    if engine._micro:
+        raise RuntimeError("a checkpoint in the middle of gradient accumulation: save "
+                           "after step() has updated the weights")
+
+
+def _restore_counters(engine, state: dict) -> None:
+    """The last part of every restore: scaler, schedulers, step count; then the
+    engine's own bookkeeping (the writes above were ours; no gradients carried)."""
+    engine.scaler.load_state_dict(state["scaler"])
+    for sch, s in zip(engine.schedulers, state.get("schedulers", [])):
+        sch.load_state_dict(s)
+    engine._steps = int(state["steps"])
+    engine.grads.mark_working()
+    engine.zero_grad()
+
+
 def engine_state(engine, full: bool) -> dict:
     """``MixedPrecision.state_dict(full)``: recipe, layout, model, masters, optimizers,
     scaler, counters and schedulers."""
-    if engine._micro:
-        raise RuntimeError("state_dict() in the middle of gradient accumulation: save "
-                           "after step() has updated the weights")
+    _not_mid_accumulation(engine)
     fsdp = engine.parallel == "fsdp"
     state = {
         "recipe": engine.recipe,
@@ -202,7 +216,6 @@ def save_engine(engine, path, full: bool, extra: dict) -> None:
     """``MixedPrecision.save``: atomically, from this rank; under FSDP with ``full``,
     gathered, written by rank 0, and the outcome shared so that every rank raises if
     the write failed (none is left waiting)."""
-
     state = {"engine": engine_state(engine, full), "extra": extra}
     if not (engine.parallel == "fsdp" and full):
         save_atomic(state, path)
@@ -254,12 +267,7 @@ def restore_engine(engine, state: dict) -> None:
                 p.copy_(s)
     for o, s in zip(engine.optimizers, state["optimizers"]):
         o.load_state_dict(s)
-    engine.scaler.load_state_dict(state["scaler"])
-    for sch, s in zip(engine.schedulers, state.get("schedulers", [])):
-        sch.load_state_dict(s)
-    engine._steps = int(state["steps"])
-    grads.mark_working()  # the load above was ours
-    engine.zero_grad()
+    _restore_counters(engine, state)
 
 
 def _run_settings(state: dict, recipe, emulating: bool) -> None:
@@ -308,9 +316,7 @@ def save_resharding(engine, path, extra: dict) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     _require_fsdp(engine, "save(path, reshardable=True)")
-    if engine._micro:
-        raise RuntimeError("save() in the middle of gradient accumulation: save after "
-                           "step() has updated the weights")
+    _not_mid_accumulation(engine)
     if any(not o.state for o in engine.optimizers):
         raise ValueError("save(path, reshardable=True) before the first step: the "
                          "optimizer has no state yet (torch's get_state_dict would create "
@@ -374,10 +380,5 @@ def restore_resharding(engine, path) -> dict:
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(engine.module, engine.optimizers, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    engine.scaler.load_state_dict(meta["scaler"])
-    for sch, s in zip(engine.schedulers, meta.get("schedulers", [])):
-        sch.load_state_dict(s)
-    engine._steps = int(meta["steps"])
-    engine.grads.mark_working()  # the load above was ours
-    engine.zero_grad()
+    _restore_counters(engine, meta)
     return dict(saved.get("extra", {}))
