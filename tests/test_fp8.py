@@ -248,6 +248,57 @@ def test_skipped_step_does_not_pollute_amax_history():
         assert torch.equal(m.fp8_amax_history[:, 1:], h[:, 1:])
 
 
+@pytest.mark.parametrize("recipe", ["fp8", "fp8-current"])
+def test_inf_reaching_an_fp8_cast_skips_the_step(recipe):
+    """A saturating cast would turn an inf into ±max: an inf in the input batch (straight
+    into an fp8 Linear) or in a gradient entering one (a layer without bias, so nothing
+    else sees it) would train as a finite value. Each such step must be skipped with
+    masters, optimizer states and the fp8 buffers bit-identical, and the run converge."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32, bias=False),
+                          nn.GELU(), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    engine = MixedPrecision(model, opt, recipe)
+    assert len(engine.fp8_modules) == 2
+    faults = {7: "input", 19: "grad_output", 23: "input", 41: "grad_output", 55: "input"}
+    step = {"i": -1}
+
+    def poison(mod, grad_output):
+        if faults.get(step["i"]) != "grad_output":
+            return None
+        g = grad_output[0].clone()
+        g[0, 0] = math.inf
+        return (g,)
+
+    model[2].register_full_backward_pre_hook(poison)
+    w_true = torch.randn(16, 1)
+    losses = []
+    for i in range(80):
+        step["i"] = i
+        x = torch.randn(32, 16)
+        y = x @ w_true
+        if faults.get(i) == "input":
+            x[3, 2] = math.inf
+        fp8_before = [b.clone() for m in engine.fp8_modules for b in m.buffers()]
+        with engine.autocast():
+            loss = F.mse_loss(model(x).float(), y)
+        before = [p.detach().clone() for p in model.parameters()]
+        states = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
+        engine.backward(loss)
+        r = engine.step()
+        if i in faults:
+            assert bool(r.skipped), (i, faults[i])
+            assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+            assert all(torch.equal(s[k], t[k]) for s, t in zip(states, opt.state.values())
+                       for k in s)
+            fp8_after = [b for m in engine.fp8_modules for b in m.buffers()]
+            assert all(torch.equal(a, b) for a, b in zip(fp8_before, fp8_after))
+        else:
+            assert not bool(r.skipped), i
+            losses.append(loss.item())
+    assert sum(losses[-5:]) < 0.1 * sum(losses[:5])
+
+
 def test_fp8_state_resumes_bit_identically():
     model, engine = _fp8_engine()
     _train(model, engine, _batches(4, 0))

@@ -25,7 +25,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mixprec.fp8.scaling import FP8_MAX, amax_to_scale, cast_to_fp8, update_delayed_scales
+from mixprec.fp8.scaling import (
+    FP8_MAX,
+    amax_to_scale,
+    cast_to_fp8,
+    nan_if_not_finite,
+    update_delayed_scales,
+)
 from mixprec.recipe import Recipe
 
 __all__ = ["Float8Linear", "fp8_gemm", "gemm_backend"]
@@ -161,6 +167,7 @@ class Float8Linear(nn.Linear):
                 slot = self.fp8_amax_history[role, 0]
                 slot.copy_(torch.maximum(slot, amax))
             scale = self.fp8_scale[role]
+        scale = nan_if_not_finite(scale, amax)  # an inf must not saturate to a finite max
         return cast_to_fp8(t, scale, dtype), torch.reciprocal(scale)
 
     def update_scales(self, found_inf: torch.Tensor | None = None) -> None:

@@ -15,6 +15,12 @@ Each fp8 tensor ``t`` is stored as ``cast(t * scale)`` with ``scale = fp8_max / 
 A scale is kept, not replaced, when the amax is 0 or not finite. A skipped optimizer
 step discards this step's amaxes, so one overflow does not poison the history. All of it
 is tensor ops on the device.
+
+Casts saturate (``clamp`` to ±max), which would also turn an inf into ±max and hide it
+from the engine's non-finite check: an inf in an input batch would train as a large
+finite value. So the cast of a tensor whose amax is not finite uses a NaN scale
+(``nan_if_not_finite``): the cast is all NaN, so is the GEMM's output, and the step is
+skipped like any other overflow.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import torch
 
 from mixprec import formats
 
-__all__ = ["ROLES", "amax_to_scale", "cast_to_fp8", "update_delayed_scales", "FP8_MAX"]
+__all__ = ["ROLES", "amax_to_scale", "cast_to_fp8", "nan_if_not_finite",
+           "update_delayed_scales", "FP8_MAX"]
 
 ROLES = ("input", "weight", "grad_output")
 FP8_MAX = {
@@ -38,6 +45,12 @@ def amax_to_scale(amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int
     scale = fp8_max / amax / (2.0**margin)
     ok = (amax > 0) & torch.isfinite(amax) & torch.isfinite(scale)
     return torch.where(ok, scale, old)
+
+
+def nan_if_not_finite(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """``scale`` where ``amax`` is finite, NaN where it is not (elementwise, so a row's
+    scale for rowwise casts): a saturating cast must not turn an inf into a finite max."""
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
 
 
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
