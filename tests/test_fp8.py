@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import math
 
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,9 +16,10 @@ from torch import nn
 from conftest import TiedLM, tiny_gpt
 from mixprec import MixedPrecision, formats
 from mixprec.fp8 import Float8Linear, convert, fp8_gemm, update_delayed_scales
-from mixprec.fp8.scaling import cast_to_fp8
+from mixprec.fp8.scaling import cast_rowwise, cast_to_fp8
 
 E4M3, E5M2 = 448.0, 57344.0
+FP8_MAX_OF = {"fp8_e4m3": E4M3, "fp8_e5m2": E5M2}
 
 
 def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
@@ -121,6 +124,127 @@ def test_gemm_backends_against_float64(out_dtype):
         ulp = formats.ulp(want, "bf16")
         assert ((deq - want).abs() <= ulp).all()
         assert ((deq - real).abs() <= ulp).all()
+
+
+# --- rowwise scaling --------------------------------------------------------------------
+
+def _ref_rowwise(t: torch.Tensor, dim: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference rowwise cast, rounded by ml_dtypes: the fp8 values (float64) and the
+    inverse scales (fp32 reciprocals, as a GEMM applies them)."""
+    fmax = FP8_MAX_OF[fmt]
+    amax = t.abs().amax(dim=dim, keepdim=True).float()
+    scale = torch.where(amax > 0, fmax / amax, torch.ones_like(amax))
+    mld = {"fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}[fmt]
+    v = (t.float() * scale).clamp(-fmax, fmax).numpy().astype(mld).astype(np.float64)
+    return torch.from_numpy(v), torch.reciprocal(scale)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_rowwise_cast_against_ml_dtypes(dim, fmt):
+    """Each slice along the other axis gets its own scale: its amax lands on the format's
+    max, and every element rounds as ml_dtypes rounds it. A zero slice keeps scale 1, a
+    slice with an inf gets NaN (so the step is skipped, not trained on a saturated max)."""
+    dtype = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[fmt]
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(24, 40, generator=g) * torch.logspace(-6, 6, 24).reshape(24, 1)
+    t = t if dim == 1 else t.t().contiguous()
+    t8, inv = cast_rowwise(t, dim, dtype)
+    assert inv.shape == ((24, 1) if dim == 1 else (1, 24))
+    assert torch.equal(t8.float().abs().amax(dim=dim), torch.full((24,), FP8_MAX_OF[fmt]))
+    want, want_inv = _ref_rowwise(t, dim, fmt)
+    assert torch.equal(t8.double(), want) and torch.equal(inv, want_inv)
+    z = t.clone()
+    z.select(1 - dim, 3).zero_()
+    z.select(1 - dim, 5)[7] = math.inf
+    z8, zinv = cast_rowwise(z, dim, dtype)
+    assert zinv.flatten()[3] == 1 and (z8.select(1 - dim, 3).float() == 0).all()
+    assert zinv.flatten()[5].isnan() and z8.select(1 - dim, 5).float().isnan().all()
+    others = [i for i in range(24) if i not in (3, 5)]
+    assert torch.isfinite(zinv.flatten()[others]).all()
+
+
+@pytest.mark.parametrize("gemm", ["dequant", "scaled_mm"])
+def test_rowwise_gemms_equal_float64_products_of_the_quantized_operands(gemm):
+    """Forward, dgrad and wgrad of a rowwise Float8Linear against float64 GEMMs of the
+    reference-quantized operands, each cast along the axis its GEMM contracts: x per
+    token and per feature, w per output and per input channel, g per token and per
+    output channel. fp32 outputs, so only the summation order differs."""
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 96, bias=False)
+    f8 = Float8Linear.from_linear(lin, f"fp8-rowwise,fp8_gemm={gemm}")
+    x = torch.randn(64, 128) * torch.logspace(-3, 3, 64).reshape(64, 1)
+    gy = torch.randn(64, 96) * torch.logspace(2, -2, 64).reshape(64, 1)
+    xi = x.clone().requires_grad_()
+    y = f8(xi)  # fp32 in, no autocast: fp32 outputs
+    y.backward(gy)
+    w = lin.weight.detach()
+
+    def ref(a, a_dim, a_fmt, b, b_dim, b_fmt):  # (a / sa) @ (b / sb), a (M, K), b (K, N)
+        (va, ia), (vb, ib) = _ref_rowwise(a, a_dim, a_fmt), _ref_rowwise(b, b_dim, b_fmt)
+        exact = (va @ vb) * (ia.double() * ib.double())
+        bound = (va.abs() @ vb.abs()) * (ia.double() * ib.double())  # sum of |products|
+        return exact, bound
+
+    tol = 1e-6 if gemm == "dequant" else 1e-3  # torch's CPU _scaled_mm: see above
+    for got, (want, bound) in (
+            (y, ref(x, 1, "fp8_e4m3", w.t(), 0, "fp8_e4m3")),
+            (xi.grad, ref(gy, 1, "fp8_e5m2", w, 0, "fp8_e4m3")),
+            (lin.weight.grad, ref(gy.t(), 1, "fp8_e5m2", x, 0, "fp8_e4m3"))):
+        assert ((got.double() - want).abs() <= tol * bound).all()
+
+
+def test_rowwise_forward_is_bit_identical_to_torchao_rowwise():
+    """An independent implementation: torchao's rowwise recipe (e4m3 everywhere; its
+    power-of-2 scale rounding off, which mixprec does not do) gives the same bf16 output
+    bit for bit on the same ``_scaled_mm`` kernel. Without bias: mixprec adds it in fp32
+    and rounds once, torchao adds it in bf16. (Skipped without torchao.)"""
+    import copy
+    import dataclasses
+
+    float8 = pytest.importorskip("torchao.float8")
+    cfg = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name("rowwise"),
+                              round_scales_to_power_of_2=False)
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(128, 96, bias=False))
+    ao = copy.deepcopy(base)
+    float8.convert_to_float8_training(ao, config=cfg)
+    ours = copy.deepcopy(base)
+    ours[0] = Float8Linear.from_linear(ours[0], "fp8-rowwise,fp8_format=e4m3,fp8_gemm=scaled_mm")
+    x = torch.randn(64, 128) * torch.logspace(-2, 2, 64).reshape(64, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(ours(x), ao(x))
+
+
+def test_rowwise_keeps_precision_next_to_an_outlier_token():
+    """One token 1e5 times larger than the rest: a per-tensor scale pushes the other
+    tokens into e4m3's subnormals, a per-token scale does not (seed 000 §5's per-tensor
+    scaling, and the case rowwise scaling exists for)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 96)
+    x = torch.randn(64, 128)
+    x[5] *= 1e5
+    gy = torch.randn(64, 96)
+    gy[9] *= 1e5
+    rest_x = [i for i in range(64) if i != 5]
+    rest_g = [i for i in range(64) if i != 9]
+    want_y = x.double() @ lin.weight.double().t()
+    want_dx = gy.double() @ lin.weight.double()
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    errs = {}
+    for scaling in ("current", "rowwise"):  # e4m3 gradients too: e5m2's range would
+        # hold a 1e5 spread even per tensor
+        f8 = Float8Linear.from_linear(lin, f"fp8,fp8_scaling={scaling},fp8_format=e4m3")
+        xi = x.clone().requires_grad_()
+        y = f8(xi) - lin.bias.detach()
+        y.backward(gy)
+        lin.weight.grad = lin.bias.grad = None
+        errs[scaling] = (rel(y[rest_x], want_y[rest_x]), rel(xi.grad[rest_g], want_dx[rest_g]))
+    assert errs["rowwise"][0] < 0.05 and errs["rowwise"][1] < 0.05  # e4m3 noise
+    assert errs["current"][0] > 0.2 and errs["current"][1] > 0.2    # mostly flushed to 0
 
 
 # --- numerics against a bf16 nn.Linear -------------------------------------------------
@@ -248,7 +372,7 @@ def test_skipped_step_does_not_pollute_amax_history():
         assert torch.equal(m.fp8_amax_history[:, 1:], h[:, 1:])
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "fp8-current"])
+@pytest.mark.parametrize("recipe", ["fp8", "fp8-current", "fp8-rowwise"])
 def test_inf_reaching_an_fp8_cast_skips_the_step(recipe):
     """A saturating cast would turn an inf into ±max: an inf in the input batch (straight
     into an fp8 Linear) or in a gradient entering one (a layer without bias, so nothing
@@ -315,12 +439,12 @@ def test_fp8_state_resumes_bit_identically():
 def test_fp8_trains_close_to_bf16():
     """Short version of the 300-step comparison in benchmarks/fp8.py."""
     finals = {}
-    for recipe in ("bf16", "fp8", "fp8-current"):
+    for recipe in ("bf16", "fp8", "fp8-current", "fp8-rowwise"):
         model, engine = _fp8_engine(recipe)
         losses = _train(model, engine, [b for b in _batches(8, 0)] * 8)
         finals[recipe] = sum(losses[-8:]) / 8
-    assert finals["fp8"] == pytest.approx(finals["bf16"], rel=0.05)
-    assert finals["fp8-current"] == pytest.approx(finals["bf16"], rel=0.05)
+    for recipe in ("fp8", "fp8-current", "fp8-rowwise"):
+        assert finals[recipe] == pytest.approx(finals["bf16"], rel=0.05), finals
 
 
 def test_device_without_fp8_is_a_clear_error(monkeypatch):

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:fp16 compute on the CPU:UserWarn
                                         "ignore:fp16 has no fast kernels:UserWarning")
 
 RECIPES = ["bf16", "bf16-master", "bf16-master,wgrad=fp32", "fp16", "fp16-master",
-           "fp8", "fp8-current"]
+           "fp8", "fp8-current", "fp8-rowwise"]
 
 
 @contextlib.contextmanager

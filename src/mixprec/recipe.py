@@ -34,7 +34,7 @@ MX_COMPUTE = ("fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3", "fp4_e2m1")
 StoreDtype = Literal["fp32", "bf16", "fp16"]
 MasterDtype = Literal["fp32", "none"]
 LossScaleKind = Literal["none", "static", "dynamic"]
-Fp8Scaling = Literal["delayed", "current"]
+Fp8Scaling = Literal["delayed", "current", "rowwise"]
 Fp8Format = Literal["hybrid", "e4m3"]
 AmaxAlgo = Literal["max", "most_recent"]
 Fp8Gemm = Literal["auto", "scaled_mm", "dequant"]
@@ -99,7 +99,8 @@ class Recipe:
     - ``compute`` may also name an OCP MX element format (``fp8_e4m3``, ``fp8_e5m2``,
       ``fp6_e3m2``, ``fp6_e2m3``, ``fp4_e2m1``): matmul operands are block-scaled (32
       elements per e8m0 scale) and always emulated.
-    - fp8: ``fp8_scaling`` (delayed from an amax history, or current), ``fp8_format``
+    - fp8: ``fp8_scaling`` (per tensor, delayed from an amax history or current; or
+      ``rowwise``: current, one scale per row of each GEMM operand), ``fp8_format``
       (``hybrid``: e4m3 forward, e5m2 gradients; or ``e4m3`` everywhere),
       ``amax_history_len``, ``amax_compute_algo``, ``margin`` (scale = max / amax / 2^m),
       ``fp8_gemm`` (``scaled_mm``: torch._scaled_mm; ``dequant``: exact upcast + bf16/fp32
@@ -398,6 +399,7 @@ PRESETS: dict[str, Recipe] = {
     "fp16-master": Recipe(compute="fp16", params="fp16", master="fp32", loss_scale="dynamic"),
     "fp8": Recipe(compute="fp8"),
     "fp8-current": Recipe(compute="fp8", fp8_scaling="current"),
+    "fp8-rowwise": Recipe(compute="fp8", fp8_scaling="rowwise"),
 }
 
 

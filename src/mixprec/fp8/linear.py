@@ -7,6 +7,14 @@ and the bias is added in fp32. The output dtype follows the surrounding autocast
 under the fp8 recipes), else the input's dtype. Backward saves the fp8 copies of ``x``
 and ``w``, one byte per element.
 
+Rowwise scaling (``fp8_scaling="rowwise"``) gives each operand one scale per row along
+the GEMM's contraction dim, so the scales factor out of the sum:
+``y[i, j] = Σ_k x8[i, k] w8[j, k] / (sx[i] sw[j])``. Each GEMM contracts a different
+dim, so each tensor is cast along two axes: ``x`` per token (forward) and per input
+feature (wgrad, over tokens); ``w`` per output channel (forward) and per input channel
+(dgrad, over output channels); ``g`` per token (dgrad) and per output channel (wgrad).
+Backward saves the second casts of ``x`` and ``w``, still one byte per element.
+
 GEMM backends (``gemm_backend(device, recipe.fp8_gemm)``):
 
 - ``scaled_mm``: ``torch._scaled_mm``, the hardware fp8 GEMM (CUDA sm89+). This
@@ -28,6 +36,7 @@ from torch import nn
 from mixprec.fp8.scaling import (
     FP8_MAX,
     amax_to_scale,
+    cast_rowwise,
     cast_to_fp8,
     nan_if_not_finite,
     update_delayed_scales,
@@ -46,11 +55,20 @@ def gemm_backend(device: torch.device, choice: str = "auto") -> str:
 
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
              out_dtype: torch.dtype, backend: str) -> torch.Tensor:
-    """(a · inv_a) @ (b · inv_b) for fp8 ``a`` (M, K) and ``b`` (K, N), fp32 accumulation."""
+    """(a · inv_a) @ (b · inv_b) for fp8 ``a`` (M, K) and ``b`` (K, N), fp32 accumulation.
+
+    ``inv_a`` and ``inv_b`` are scalars (per-tensor) or one per row of ``a`` (M, 1) and
+    per column of ``b`` (1, N) (rowwise). torch's rowwise ``_scaled_mm`` kernels write
+    bf16 only, so for other outputs ``scaled_mm`` runs at unit scales into fp32 and
+    applies them after: the same sum, one more pass over the output."""
     if backend == "scaled_mm":
         a = a.contiguous()
         b = b if b.stride(0) == 1 else b.t().contiguous().t()  # _scaled_mm: b column-major
-        return torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
+        if inv_a.numel() == 1 and inv_b.numel() == 1 or out_dtype == torch.bfloat16:
+            return torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
+        one = torch.ones((), device=a.device)
+        y = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return (y * (inv_a * inv_b)).to(out_dtype)
     if backend != "dequant":
         raise ValueError(f"fp8 GEMM backend {backend!r}; valid: scaled_mm, dequant, auto")
     work = torch.float32 if out_dtype == torch.float32 else torch.bfloat16
@@ -94,8 +112,47 @@ class _Fp8Matmul(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
+class _Fp8MatmulRowwise(torch.autograd.Function):
+    """The three GEMMs with rowwise scales; see the module doc for the axes."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, mod, out_dtype):
+        e4m3, margin = torch.float8_e4m3fn, mod.margin
+        with torch.autocast(x2d.device.type, enabled=False):
+            x8, x_inv = cast_rowwise(x2d, 1, e4m3, margin)      # (M, 1): per token
+            w8, w_inv = cast_rowwise(weight, 1, e4m3, margin)   # (N, 1): per out channel
+            y = fp8_gemm(x8, w8.t(), x_inv, w_inv.t(), out_dtype, mod.backend)
+            del x8, w8
+            # backward contracts w over out channels (dgrad) and x over tokens (wgrad)
+            wc8, wc_inv = (cast_rowwise(weight, 0, e4m3, margin) if ctx.needs_input_grad[0]
+                           else (None, None))
+            xc8, xc_inv = (cast_rowwise(x2d, 0, e4m3, margin) if ctx.needs_input_grad[1]
+                           else (None, None))
+        ctx.save_for_backward(xc8, wc8, xc_inv, wc_inv)
+        ctx.mod, ctx.x_dtype, ctx.w_dtype = mod, x2d.dtype, weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        xc8, wc8, xc_inv, wc_inv = ctx.saved_tensors
+        mod = ctx.mod
+        dx = dw = None
+        with torch.autocast(gy.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                g8, g_inv = cast_rowwise(gy, 1, mod.grad_dtype, mod.margin)  # per token
+                dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
+                dx = fp8_gemm(g8, wc8, g_inv, wc_inv, dx_dtype, mod.backend).to(ctx.x_dtype)
+                del g8
+            if ctx.needs_input_grad[1]:
+                gc8, gc_inv = cast_rowwise(gy, 0, mod.grad_dtype, mod.margin)  # per channel
+                dw = fp8_gemm(gc8.t(), xc8, gc_inv.t(), xc_inv, torch.float32, mod.backend)
+                dw = dw.to(ctx.w_dtype)
+        return dx, dw, None, None
+
+
 class Float8Linear(nn.Linear):
-    """nn.Linear with fp8 GEMMs and per-tensor scaling; build with ``from_linear``.
+    """nn.Linear with fp8 GEMMs and per-tensor (or rowwise) scaling; build with
+    ``from_linear``.
 
     Buffers (in ``state_dict``, so a resumed run continues bit-identically):
     ``fp8_amax_history`` (3 roles × ``amax_history_len``: input, weight, grad_output) and
@@ -185,8 +242,11 @@ class Float8Linear(nn.Linear):
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         x2d = x.reshape(-1, x.shape[-1])
         w = self.weight.t() if self.transposed else self.weight  # (out, in) either way
-        # whether to record amaxes is decided here: inside the Function, grad is off
-        y = _Fp8Matmul.apply(x2d, w, self, out_dtype, torch.is_grad_enabled())
+        if self.scaling == "rowwise":
+            y = _Fp8MatmulRowwise.apply(x2d, w, self, out_dtype)
+        else:
+            # whether to record amaxes is decided here: inside the Function, grad is off
+            y = _Fp8Matmul.apply(x2d, w, self, out_dtype, torch.is_grad_enabled())
         if self.bias is not None:
             y = (y.float() + self.bias.float()).to(out_dtype)  # bias in high precision
         return y.reshape(*x.shape[:-1], self.out_features)

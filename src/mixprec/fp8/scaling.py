@@ -5,6 +5,9 @@ Each fp8 tensor ``t`` is stored as ``cast(t * scale)`` with ``scale = fp8_max / 
 57344 for e5m2), and the GEMM multiplies the result back by ``1 / scale``.
 
 - **current** scaling takes ``amax`` from the tensor itself at cast time;
+- **rowwise** scaling is current scaling with one scale per row of a GEMM operand
+  (``cast_rowwise``): per token for activations and gradients, per output or input
+  channel for weights. One outlier token then costs precision in its own row only.
 - **delayed** scaling (Transformer Engine's recipe, seed 000 §5) uses a scale computed
   from a history of the amaxes of previous steps, so the cast needs no reduction before
   it. ``history[:, 0]`` collects this step's amax (the max over micro-batches); at the
@@ -29,7 +32,7 @@ import torch
 
 from mixprec import formats
 
-__all__ = ["ROLES", "amax_to_scale", "cast_to_fp8", "nan_if_not_finite",
+__all__ = ["ROLES", "amax_to_scale", "cast_to_fp8", "cast_rowwise", "nan_if_not_finite",
            "update_delayed_scales", "FP8_MAX"]
 
 ROLES = ("input", "weight", "grad_output")
@@ -57,6 +60,18 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     """Saturating cast: ``clamp(x * scale, ±max)`` rounded to nearest into ``dtype``."""
     m = FP8_MAX[dtype]
     return (x.float() * scale).clamp_(-m, m).to(dtype)
+
+
+def cast_rowwise(t: torch.Tensor, dim: int, dtype: torch.dtype, margin: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` (2-D) in fp8 with one scale per slice along ``dim``, the GEMM's contraction
+    dim, and the inverse scales, shaped to broadcast (``dim=1``: (rows, 1); ``dim=0``:
+    (1, cols)). A slice of zeros keeps the scale 1; a slice holding an inf or NaN gets a
+    NaN scale (see the module doc)."""
+    amax = t.detach().abs().amax(dim=dim, keepdim=True).float()
+    scale = amax_to_scale(amax, FP8_MAX[dtype], margin, torch.ones_like(amax))
+    scale = nan_if_not_finite(scale, amax)
+    return cast_to_fp8(t, scale, dtype), torch.reciprocal(scale)
 
 
 def update_delayed_scales(
