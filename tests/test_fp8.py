@@ -531,3 +531,35 @@ def test_gpt2_style_conv1d_layers_run_in_fp8():
 
     items = measure(model, engine, x, loss_fn=lambda out: out.float().square().mean()).items
     assert items["weight_casts"] >= 2 * 64 * 256  # both fp8 weight copies, one byte each
+
+
+def test_engine_fp8_filter_and_a_model_converted_by_hand():
+    """``fp8_filter`` picks the Linears; a model the user converted by hand (with their own
+    filter) is left as it is, not converted further behind their back."""
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
+                             nn.Linear(32, 16), nn.Linear(16, 1))
+
+    def keep_first(m, fqn):
+        return fqn != "0"
+
+    m = net()
+    engine = MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), "fp8",
+                            fp8_filter=keep_first)
+    assert [type(x).__name__ for x in m[::2]] == ["Linear", "Float8Linear", "Float8Linear"]
+    assert engine.fp8_report.skipped[0] == ("0", "filter returned False")
+    m = net()
+    convert(m, "fp8", filter=keep_first)
+    with pytest.warns(UserWarning, match="fp8_scaling=delayed, the recipe says rowwise"):
+        engine = MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), "fp8-rowwise")
+    assert type(m[0]) is nn.Linear and engine.fp8_report is None
+    assert len(engine.fp8_modules) == 2
+    with pytest.raises(ValueError, match="not both"):
+        MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), "fp8", fp8_filter=keep_first)
+    m = net()
+    with pytest.raises(ValueError, match="no fp8"):
+        MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), "bf16", fp8_filter=keep_first)
+    with pytest.raises(TypeError, match="callable"):
+        MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), "fp8", fp8_filter="0")
+    assert not any(isinstance(x, Float8Linear) for x in m.modules())  # refused: untouched

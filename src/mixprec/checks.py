@@ -18,7 +18,8 @@ from mixprec.master import GradState
 from mixprec.recipe import Recipe
 
 __all__ = ["check_model", "check_device", "check_optimizers", "check_parallel_kwargs",
-           "check_fsdp_units", "param_counts", "takes_found_inf", "fused_updates"]
+           "check_fsdp_units", "check_fp8_filter", "param_counts", "takes_found_inf",
+           "fused_updates"]
 
 
 def check_model(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -153,6 +154,27 @@ def check_parallel_kwargs(parallel: str | None, kwargs: dict | None) -> dict:
             f"parallel_kwargs {bad}: set by mixprec for parallel={parallel!r} (from the "
             "recipe, or for its gradient hook); change the recipe instead")
     return kwargs
+
+
+def check_fp8_filter(fp8_filter, recipe, model: nn.Module) -> None:
+    """``fp8_filter`` is a callable, given with an fp8 recipe, to a model not converted
+    by hand already (whose conversion it could no longer change)."""
+    if fp8_filter is None:
+        return
+    if recipe.compute != "fp8":
+        raise ValueError(f"fp8_filter given with recipe {str(recipe)!r}, which has no fp8 "
+                         "Linears: use an fp8 recipe ('fp8', 'fp8-current', "
+                         "'fp8-rowwise'), or drop fp8_filter")
+    if not callable(fp8_filter):
+        raise TypeError(f"fp8_filter must be a callable (module, fqn) -> bool, got "
+                        f"{type(fp8_filter).__name__}")
+    from mixprec.fp8.linear import Float8Linear
+
+    done = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+    if done:
+        raise ValueError(f"fp8_filter given, but the model holds Float8Linears already "
+                         f"({', '.join(done[:3])}): the engine converts nothing more. "
+                         "Convert by hand or pass fp8_filter, not both.")
 
 
 def check_fsdp_units(parallel: str | None, units, model: nn.Module):

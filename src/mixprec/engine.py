@@ -45,6 +45,7 @@ from torch import nn
 
 from mixprec.checks import (
     check_device,
+    check_fp8_filter,
     check_fsdp_units,
     check_model,
     check_optimizers,
@@ -158,6 +159,10 @@ class MixedPrecision:
             while it runs), before the root: a module class or tuple of classes (e.g.
             ``(MyBlock,)``), or a callable ``module -> bool``. Default: each element of
             every ``nn.ModuleList`` (a transformer's blocks).
+        fp8_filter: fp8 recipes: ``filter(module, fqn) -> bool``, which eligible Linears
+            become Float8Linears (``mixprec.fp8.convert``'s ``filter``; default: all but
+            the output head). A model that already holds Float8Linears, converted by
+            hand, is left as it is.
     """
 
     def __init__(
@@ -172,6 +177,7 @@ class MixedPrecision:
         parallel: str | None = None,
         parallel_kwargs: dict | None = None,
         fsdp_units=None,
+        fp8_filter=None,
     ) -> None:
         self.recipe = r = Recipe.coerce(recipe)
         if not isinstance(model, nn.Module):
@@ -196,6 +202,7 @@ class MixedPrecision:
                     f"recipe {str(r)!r}: wgrad=fp32 with parallel='fsdp' is not "
                     "supported: FSDP reduce-scatters the gradients of its unsharded "
                     "low-precision parameters. Use parallel='ddp', or drop wgrad.")
+        check_fp8_filter(fp8_filter, r, model)
         parallel_kwargs = check_parallel_kwargs(parallel, parallel_kwargs)
         units = check_fsdp_units(parallel, fsdp_units, model)
         if parallel is not None:
@@ -227,7 +234,14 @@ class MixedPrecision:
             # the swap reuses the Parameters, so the optimizer stays valid. Before FSDP:
             # fully_shard must manage the Float8Linears, or they would see sharded weights
             fr = r.replace(fp8_gemm="dequant") if r.emulate and r.fp8_gemm == "auto" else r
-            self.fp8_report = fp8_convert(model, fr)
+            done = {m.scaling for m in model.modules() if isinstance(m, Float8Linear)}
+            if not done:
+                self.fp8_report = fp8_convert(model, fr, filter=fp8_filter)
+            elif done != {r.fp8_scaling}:
+                warnings.warn(
+                    f"the model's Float8Linears (converted by hand) use fp8_scaling="
+                    f"{'/'.join(sorted(done))}, the recipe says {r.fp8_scaling}: each module "
+                    "keeps its own. Convert with the engine's recipe to match.", stacklevel=2)
         if parallel == "fsdp":
             model = shard_fsdp(model, r, self.optimizers, units, **parallel_kwargs)
             r_state = r.replace(params="fp32", master="none", grads="fp32")
