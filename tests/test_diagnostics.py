@@ -218,3 +218,44 @@ def test_cli_doctor_json_and_plots(tmp_path, capsys):
     for name in ("grad_histogram.png", "underflow.png", "loss_scale.png"):
         assert (tmp_path / name).stat().st_size > 5_000
     assert main(["doctor", "--model", "no.such.module:factory"]) == 2
+
+
+def _outlier_batches(factor: float):
+    """Batches whose token 3 is ``factor`` times the others (an outlier token)."""
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(4):
+        x = torch.randn(32, 16, generator=g)
+        x[3] *= factor
+        data.append((x, torch.randint(0, 4, (32,), generator=g)))
+
+    def fn(model, step):
+        x, y = data[step % len(data)]
+        return F.cross_entropy(model(x).float(), y)
+    return fn
+
+
+def fp8_factory():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                         nn.Linear(64, 4))
+
+
+def test_fp8_outlier_tokens_advise_rowwise_scaling():
+    """One token 1e6x the others: per-tensor e4m3 casts flush most of the other tokens'
+    inputs to zero; the doctor says so and advises fp8-rowwise, and with fp8-rowwise it
+    finds nothing. Ordinary data raises no fp8 finding (no false alarm)."""
+    report = doctor(fp8_factory, _outlier_batches(1e6), "fp8-current", steps=2,
+                    reference_steps=0)
+    f = next(f for f in report.findings if f.code == "fp8-range")
+    assert f.data["layers"][0] == "0" and "fp8-rowwise" in f.advice
+    assert "input" in f.title and "flushed per-tensor" in f.evidence
+    ranges = {(r["layer"], r["tensor"]): r for r in report.facts["fp8_ranges"]}
+    first = ranges[("0", "input")]
+    assert first["per_tensor"] > 0.5 and first["rowwise"] == 0.0  # 31 of 32 tokens mostly lost
+    assert first["spread"] > 20
+    rowwise = doctor(fp8_factory, _outlier_batches(1e6), "fp8-rowwise", steps=2,
+                     reference_steps=0)
+    assert "fp8-range" not in rowwise.codes()
+    plain = doctor(fp8_factory, _outlier_batches(1.0), "fp8", steps=2, reference_steps=0)
+    assert "fp8-range" not in plain.codes() and "grad-underflow" not in plain.codes()

@@ -12,7 +12,9 @@ Checks, each turned into a finding with evidence and advice:
 1. kernel speed of this device in fp32/bf16/fp16 (measured);
 2. non-finite steps: the first module whose output or gradient went inf/NaN (tracer);
 3. gradient underflow: a fp32 pass measures how many gradient elements would flush to
-   zero in the recipe's gradient format at its loss scale;
+   zero in fp16 at the recipe's loss scale; for fp8 recipes, how many elements of each
+   fp8 Linear's input and output gradient its casts flush to zero, per tensor against
+   rowwise (``fp8range.py``);
 4. dtype audit of what the optimizer updates, its states and the gradient buffers;
 5. the loss-scale history (the run's own, or one you pass);
 6. the recipe against fp32, layer by layer (gradient cosine and norm ratio);
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -36,6 +39,7 @@ from mixprec.diagnostics.audit import (
     matmul_coverage,
 )
 from mixprec.diagnostics.findings import Finding, Report
+from mixprec.diagnostics.fp8range import audit_fp8_ranges
 from mixprec.diagnostics.monitor import NumericsMonitor
 from mixprec.diagnostics.reference import compare_to_fp32
 from mixprec.diagnostics.trace import trace_nonfinite
@@ -120,6 +124,10 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
         findings.append(_nonfinite_finding(r, origin, len(skipped_at), steps))
 
     findings += _underflow(model_factory, batch_fn, r)
+    if r.compute == "fp8":
+        f8, ranges = audit_fp8_ranges(model_factory(), lambda m: batch_fn(m, 0), r)
+        findings += f8
+        facts["fp8_ranges"] = [asdict(x) for x in ranges]
     findings += audit_dtypes(model, engine, r)
     findings += audit_scale_history(scale_history if scale_history is not None else scales, r)
     if reference_steps and r.compute != "fp32":
@@ -187,11 +195,10 @@ def _nonfinite_finding(r: Recipe, origin, n: int, steps: int) -> Finding:
 
 def _underflow(model_factory, batch_fn, r: Recipe) -> list[Finding]:
     """fp32 pass at the recipe's loss scale: share of gradient elements that would flush
-    to zero in the gradient format (fp16 when compute or grads are fp16)."""
-    fmt = "fp16" if "fp16" in (r.compute, r.grads, r.params) else (
-        "fp8_e5m2" if r.compute == "fp8" else None)
-    if fmt is None:
-        return []
+    to zero in fp16 (when compute, params or grads are fp16)."""
+    if "fp16" not in (r.compute, r.grads, r.params):
+        return []  # bf16 has fp32's range; fp8's casts are scaled (fp8range.py)
+    fmt = "fp16"
     scale = r.init_scale if r.loss_scale != "none" else 1.0
     model = model_factory()
     mon = NumericsMonitor(model)

@@ -1,0 +1,138 @@
+"""Does fp8 scaling fit each Linear's inputs and gradients? Per tensor against rowwise.
+
+An fp8 cast maps a tensor's amax onto the format's max. Every element ``v`` lands at
+``|v| · max / amax``: below half the smallest subnormal it flushes to zero, below the
+smallest normal it keeps fewer mantissa bits. With one scale per tensor a single large
+token sets the scale for all the others. With one scale per row (per token) it only
+sets its own. e4m3 spans 2^17.8 from its smallest subnormal to its max (448 / 2^-9), so
+values more than ~2^17 (~2e5) below the amax are lost. e5m2 spans 2^31.8 (57344 / 2^-16).
+
+``fp8_ranges(model, loss_fn, recipe)`` runs one fp32 forward and backward with hooks on
+the Linears that ``fp8.convert`` would convert. For each input (e4m3) and output
+gradient (e5m2 under ``fp8_format=hybrid``, else e4m3) it gives the share of non-zero
+elements that flush to zero under per-tensor and under rowwise scaling. The doctor turns
+a share above ``FLUSH_FLAG`` into a finding. Delayed scaling takes its amax from a
+history that is at least the current one, so its real share can only be higher.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mixprec import formats
+from mixprec.diagnostics.findings import Finding
+from mixprec.recipe import Recipe
+
+__all__ = ["Fp8Range", "fp8_ranges", "audit_fp8_ranges", "FLUSH_FLAG"]
+
+#: share of a tensor's non-zero elements flushed to zero above which the doctor warns
+FLUSH_FLAG = 0.01
+
+
+@dataclass(frozen=True)
+class Fp8Range:
+    """One Linear's input or output gradient: the share of non-zero elements that an fp8
+    cast flushes to zero with a per-tensor scale and with a per-row scale."""
+
+    layer: str
+    tensor: str          # "input" or "grad_output"
+    fmt: str             # "fp8_e4m3" or "fp8_e5m2"
+    per_tensor: float
+    rowwise: float
+    spread: float        # amax / the smallest non-zero |value|, as log2
+
+
+def _flushed(t: torch.Tensor, fmt: str) -> tuple[float, float, float]:
+    """Shares of non-zero elements flushed to zero per tensor and per row, and the log2
+    of the tensor's amax over its smallest non-zero magnitude."""
+    f = formats.get(fmt)
+    a = t.detach().float().abs().reshape(-1, t.shape[-1])
+    nonzero = (a > 0) & torch.isfinite(a)
+    n = int(nonzero.sum())
+    if n == 0:
+        return 0.0, 0.0, 0.0
+    limit = f.min_subnormal / 2 / f.max  # |v| / amax below this flushes
+    amax = a[nonzero].max()
+    rows = a.amax(dim=1, keepdim=True)
+    per_tensor = int((nonzero & (a < limit * amax)).sum()) / n
+    rowwise = int((nonzero & (a < limit * rows)).sum()) / n
+    spread = math.log2(float(amax) / float(a[nonzero].min()))
+    return per_tensor, rowwise, spread
+
+
+def fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor],
+               recipe: Recipe | str = "fp8") -> list[Fp8Range]:
+    """One fp32 forward and backward of ``loss_fn(model)`` with hooks on the Linears that
+    ``mixprec.fp8.convert`` would convert (and any Float8Linear already there); the
+    model's gradients are left as they were."""
+    from mixprec.fp8.convert import plan
+
+    r = Recipe.coerce(recipe)
+    grad_fmt = "fp8_e5m2" if r.fp8_format == "hybrid" else "fp8_e4m3"
+    seen: list[Fp8Range] = []
+    handles = []
+
+    def record(name: str, kind: str, fmt: str, t: torch.Tensor) -> None:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            seen.append(Fp8Range(name, kind, fmt, *_flushed(t, fmt)))
+
+    from mixprec.fp8.linear import Float8Linear
+
+    mods = [(n, m) for n, m, why in plan(model) if why is None]
+    mods += [(n, m) for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+    for name, mod in mods:
+        handles.append(mod.register_forward_pre_hook(
+            lambda m, args, name=name: record(name, "input", "fp8_e4m3", args[0])))
+        handles.append(mod.register_full_backward_hook(
+            lambda m, gin, gout, name=name: record(name, "grad_output", grad_fmt, gout[0])))
+    saved = {p: p.grad for p in model.parameters()}
+    try:
+        loss_fn(model).float().backward()
+    finally:
+        for h in handles:
+            h.remove()
+        for p, g in saved.items():
+            p.grad = g
+    return seen
+
+
+def audit_fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor],
+                     recipe: Recipe | str) -> tuple[list[Finding], list[Fp8Range]]:
+    """A finding when an fp8 Linear's input or output gradient loses more than
+    ``FLUSH_FLAG`` of its elements to zero under the recipe's scaling, advising rowwise
+    scaling where that keeps them, else keeping the layer out of fp8."""
+    r = Recipe.coerce(recipe)
+    ranges = fp8_ranges(model, loss_fn, r)
+    rowwise = r.fp8_scaling == "rowwise"
+
+    def lost(x: Fp8Range) -> float:
+        return x.rowwise if rowwise else x.per_tensor
+
+    bad = sorted((x for x in ranges if lost(x) > FLUSH_FLAG), key=lost, reverse=True)
+    if not bad:
+        return [], ranges
+    worst = bad[0]
+    mode = "rowwise" if rowwise else "per-tensor"
+    evidence = "; ".join(
+        f"{x.layer} {x.tensor} ({x.fmt}): {lost(x):.1%} flushed {mode}"
+        + ("" if rowwise else f", {x.rowwise:.1%} rowwise")
+        + f", amax / smallest = 2^{x.spread:.1f}" for x in bad[:5])
+    helps = not rowwise and all(x.rowwise <= FLUSH_FLAG for x in bad)
+    layers = sorted({x.layer for x in bad})
+    if helps:
+        advice = ("use rowwise scaling (recipe 'fp8-rowwise'): a few large rows (tokens) "
+                  "set the per-tensor scale, and a scale per row keeps the others")
+    else:
+        advice = (f"keep {', '.join(layers[:3])} out of fp8 "
+                  "(mixprec.fp8.convert(model, recipe, filter=...), or "
+                  "MixedPrecision(..., fp8_filter=...)), or use bf16"
+                  + ("" if r.fp8_format == "hybrid" or worst.tensor != "grad_output"
+                     else "; e5m2 gradients (fp8_format=hybrid) have 2^14 more range"))
+    return [Finding("warning", "fp8-range",
+                    f"fp8 casts flush {lost(worst):.0%} of {worst.layer}'s {worst.tensor} "
+                    "to zero", evidence, advice, {"layers": layers})], ranges
