@@ -4,9 +4,11 @@
 
 1. SQNR (dB) of Float8Linear against a bf16 nn.Linear on Gaussian data, for the output
    and both gradients, per scaling mode and shape (delayed: after one step that fills
-   the history, as in training).
+   the history, as in training). Then the same with one outlier token (its input row and
+   its gradient row 10^k times larger): per-tensor against rowwise scaling.
 2. The workbench GPT trained ``--steps`` steps on the built-in corpus with bf16, fp8
-   (delayed) and fp8-current from the same seed and data; final validation loss.
+   (delayed), fp8-current and fp8-rowwise from the same seed and data; final validation
+   loss.
 3. torchao's ``convert_to_float8_training`` (tensorwise, dynamic) against mixprec
    ``fp8-current`` on a tiny GPT: step time and loss. torchao calls ``torch._scaled_mm``,
    which on this CPU is a reference kernel (~0.1 GFLOP/s), so mixprec runs twice: with its
@@ -39,7 +41,7 @@ def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
 def sqnr_table() -> None:
     print("\n## SQNR of Float8Linear vs bf16 nn.Linear (dB; higher is better)")
     print(f"{'scaling':<9} {'M x K x N':<18} {'output':>7} {'dgrad':>7} {'wgrad':>7}")
-    for scaling in ("delayed", "current"):
+    for scaling in ("delayed", "current", "rowwise"):
         for m, k, n in [(16, 16, 16), (256, 512, 128), (1024, 1024, 1024), (512, 4096, 64),
                         (2048, 4096, 4096)]:
             torch.manual_seed(0)
@@ -64,6 +66,35 @@ def sqnr_table() -> None:
             y, dx, dw = run(ref)
             print(f"{scaling:<9} {f'{m}x{k}x{n}':<18} {sqnr(y, y8):>7.1f} {sqnr(dx, dx8):>7.1f} "
                   f"{sqnr(dw, dw8):>7.1f}")
+
+
+def outlier_table() -> None:
+    """One token's input row and gradient row 10^k times the others' (M=K=N=1024): SQNR
+    over the other tokens' outputs and input gradients, per-tensor (current) against
+    rowwise scaling, with e5m2 (hybrid) and e4m3 gradients. wgrad is left out: it sums
+    over tokens, so the outlier's own product dominates it and any SQNR reads high."""
+    print("\n## One outlier token ×10^k: SQNR (dB) of the other tokens' output and dgrad "
+          "against float64")
+    print(f"{'k':>2} {'recipe':<28} {'output':>7} {'dgrad':>7}")
+    m, k, n = 1024, 1024, 1024
+    for power in (0, 3, 5, 7):
+        torch.manual_seed(0)
+        lin = nn.Linear(k, n, bias=False)
+        x, gy = torch.randn(m, k), torch.randn(m, n)
+        x[7] *= 10.0**power
+        gy[7] *= 10.0**power
+        rest = [i for i in range(m) if i != 7]
+        w64 = lin.weight.detach().double()
+        y_ref, dx_ref = (x.double() @ w64.t())[rest], (gy.double() @ w64)[rest]
+        for recipe in ("fp8-current", "fp8-rowwise", "fp8-current,fp8_format=e4m3",
+                       "fp8-rowwise,fp8_format=e4m3"):
+            f8 = Float8Linear.from_linear(lin, recipe)
+            xi = x.clone().requires_grad_()
+            y = f8(xi)
+            y.backward(gy)
+            lin.weight.grad = None
+            print(f"{power:>2} {recipe:<28} {sqnr(y_ref, y[rest]):>7.1f} "
+                  f"{sqnr(dx_ref, xi.grad[rest]):>7.1f}")
 
 
 def train(recipe: str, cfg: GPTConfig, corpus, steps: int, batch: int, lr: float,
@@ -93,7 +124,8 @@ def training_comparison(steps: int) -> None:
     cfg = GPTConfig(n_layers=4, d_model=128, n_heads=4, seq_len=128)
     print(f"\n## {steps} steps, GPT {cfg.n_layers}x{cfg.d_model} seq {cfg.seq_len}, batch 16, "
           f"AdamW lr 3e-3, corpus {corpus.fingerprint}: final validation loss (fp32 eval)")
-    results = {r: train(r, cfg, corpus, steps, 16, 3e-3) for r in ("bf16", "fp8", "fp8-current")}
+    results = {r: train(r, cfg, corpus, steps, 16, 3e-3)
+               for r in ("bf16", "fp8", "fp8-current", "fp8-rowwise")}
     base = results["bf16"][0]
     print(f"{'recipe':<12} {'val loss':>9} {'vs bf16':>8} {'step (ms)':>10}")
     for r, (v, t) in results.items():
@@ -172,6 +204,7 @@ def main() -> None:
     print(f"# benchmarks/fp8.py: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{platform.machine()}")
     sqnr_table()
+    outlier_table()
     training_comparison(args.steps)
     if not args.skip_torchao:
         torchao_comparison()
