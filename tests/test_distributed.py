@@ -200,12 +200,13 @@ def test_fsdp_shards_from_another_world_size_are_refused_and_whole_states_load()
     e.load_state_dict({**state, "world_size": 2, "parallel": "ddp"})  # DDP: whole
 
 
-def test_fp8_with_fsdp_trains_like_fp8_with_ddp():
+@pytest.mark.parametrize("recipe", ["fp8", "fp8-rowwise"])
+def test_fp8_with_fsdp_trains_like_fp8_with_ddp(recipe):
     """FSDP2 shards the weights that Float8Linear casts: the swap to Float8Linear happens
     before fully_shard, so FSDP unshards the fp8 modules' own parameters."""
-    fsdp = spawn(w.equivalence, "fp8", "fsdp", 20, 1)
-    ddp = spawn(w.equivalence, "fp8", "ddp", 20, 1)
-    ref = w.train_reference("fp8", 20)
+    fsdp = spawn(w.equivalence, recipe, "fsdp", 20, 1)
+    ddp = spawn(w.equivalence, recipe, "ddp", 20, 1)
+    ref = w.train_reference(recipe, 20)
     for p, q in zip(fsdp[0]["params"], fsdp[1]["params"]):
         assert torch.equal(p, q)
     assert _max_rel(fsdp[0]["params"], ddp[0]["params"]) <= 1e-6
