@@ -26,6 +26,10 @@ def test_update_at_2048(capsys):
     assert "vanishes" in rows["fp16"] and "vanishes" in rows["bf16"]
     # fp32's spacing at 2048 is 2^-12: 1e-4 is less than half of it (seed 004 is wrong)
     assert "vanishes" in rows["fp32"] and "0.000244141" in rows["fp32"]
+    # e4m3 has no inf: 2048 overflows to NaN, so there is no stored value to update
+    # (NaN + 1e-4 != NaN must not read "survives"), and its error is not 0
+    assert "NaN" in rows["fp8_e4m3"] and "survives" not in rows["fp8_e4m3"]
+    assert "lost: no value" in rows["fp8_e4m3"] and "inf" in rows["fp8_e4m3"]
     assert main(["formats", "--value", "1000", "--update", "1e-4"]) == 0
     rows = _rows(capsys.readouterr().out)
     assert "survives" in rows["fp32"] and "vanishes" in rows["bf16"]

@@ -64,7 +64,8 @@ def cmd_formats(args: argparse.Namespace) -> int:
         q = formats.quantize(x, f).item()
         step = formats.ulp(torch.tensor([q if math.isfinite(q) else f.max],
                                         dtype=torch.float64), f).item()
-        rel = abs(q - args.value) / abs(args.value) if args.value and math.isfinite(q) else 0.0
+        rel = abs(q - args.value) / abs(args.value) if args.value and math.isfinite(q) else (
+            math.inf if math.isfinite(args.value) and not math.isfinite(q) else 0.0)
         a = abs(args.value)
         if math.isnan(q):
             what = "NaN (overflow: no inf in this format)" if not math.isnan(args.value) else "NaN"
@@ -79,7 +80,9 @@ def cmd_formats(args: argparse.Namespace) -> int:
         else:
             what = "normal"
         row = [f.name, _num(q), f"{rel:.2e}", _num(step), what]
-        if args.update is not None:
+        if args.update is not None and not math.isfinite(q):
+            row += ["–", "lost: no value", _num(_survival_bound(f, args.update))]
+        elif args.update is not None:
             after = formats.quantize(torch.tensor([q + args.update], dtype=torch.float64),
                                      f).item()
             kept = after != q
