@@ -85,6 +85,22 @@ def is_conv1d(m: nn.Module) -> bool:
             and getattr(m, "nf", None) == w.shape[1])
 
 
+def _input_and_weight_grads(ctx, g_dgrad, g_wgrad, w8, w_inv, x8, x_inv):
+    """``dx = g @ w`` and ``dw = gᵀ @ x`` on fp8 operands, each only where autograd needs
+    it. ``g_dgrad()`` / ``g_wgrad()`` give the gradient's fp8 cast and inverse scales for
+    each GEMM (one cast for both per tensor; per token and per channel rowwise)."""
+    mod, dx, dw = ctx.mod, None, None
+    if ctx.needs_input_grad[0]:
+        g8, g_inv = g_dgrad()
+        dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
+        dx = fp8_gemm(g8, w8, g_inv, w_inv, dx_dtype, mod.backend).to(ctx.x_dtype)
+    if ctx.needs_input_grad[1]:
+        g8, g_inv = g_wgrad()
+        dw = fp8_gemm(g8.t(), x8, g_inv.t(), x_inv, torch.float32, mod.backend)
+        dw = dw.to(ctx.w_dtype)
+    return dx, dw
+
+
 class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, mod, out_dtype, record):
@@ -99,16 +115,9 @@ class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x8, w8, x_inv, w_inv = ctx.saved_tensors
-        mod = ctx.mod
         with torch.autocast(gy.device.type, enabled=False):
-            g8, g_inv = mod._cast(gy, 2, mod.grad_dtype, record=True)
-            dx = dw = None
-            if ctx.needs_input_grad[0]:
-                dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
-                dx = fp8_gemm(g8, w8, g_inv, w_inv, dx_dtype, mod.backend).to(ctx.x_dtype)
-            if ctx.needs_input_grad[1]:
-                dw = fp8_gemm(g8.t(), x8, g_inv, x_inv, torch.float32, mod.backend)
-                dw = dw.to(ctx.w_dtype)
+            g = ctx.mod._cast(gy, 2, ctx.mod.grad_dtype, record=True)  # records the amax
+            dx, dw = _input_and_weight_grads(ctx, lambda: g, lambda: g, w8, w_inv, x8, x_inv)
         return dx, dw, None, None, None
 
 
@@ -135,18 +144,13 @@ class _Fp8MatmulRowwise(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         xc8, wc8, xc_inv, wc_inv = ctx.saved_tensors
-        mod = ctx.mod
-        dx = dw = None
+        fmt, margin = ctx.mod.grad_dtype, ctx.mod.margin
         with torch.autocast(gy.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
-                g8, g_inv = cast_rowwise(gy, 1, mod.grad_dtype, mod.margin)  # per token
-                dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
-                dx = fp8_gemm(g8, wc8, g_inv, wc_inv, dx_dtype, mod.backend).to(ctx.x_dtype)
-                del g8
-            if ctx.needs_input_grad[1]:
-                gc8, gc_inv = cast_rowwise(gy, 0, mod.grad_dtype, mod.margin)  # per channel
-                dw = fp8_gemm(gc8.t(), xc8, gc_inv.t(), xc_inv, torch.float32, mod.backend)
-                dw = dw.to(ctx.w_dtype)
+            dx, dw = _input_and_weight_grads(
+                ctx,
+                lambda: cast_rowwise(gy, 1, fmt, margin),   # (M, 1): per token
+                lambda: cast_rowwise(gy, 0, fmt, margin),   # (1, N): per out channel
+                wc8, wc_inv, xc8, xc_inv)
         return dx, dw, None, None
 
 
