@@ -1,7 +1,7 @@
 """Engine overhead and bf16 speed-up on the workbench GPT, against hand-written loops.
 
     python benchmarks/engine.py [--layers 6 --d-model 512 --batch 8 --seq 256 --steps 8]
-                                [--recipe bf16] [--pieces] [--control]
+                                [--recipe bf16] [--pieces] [--control] [--profile]
 
 Loops train the same GPT on the same batch, interleaved step by step in two phases
 (engine vs hand-written bf16 for the overhead; fp32, hand-written bf16 and the engine
@@ -41,6 +41,9 @@ def main() -> None:
     ap.add_argument("--pieces", action="store_true",
                     help="also time forward, backward and step apart (engine vs hand, "
                          "alternating each step): where the overhead is")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile 3 steps of the engine and of fp32 (torch.profiler): "
+                         "where a step's time goes, by op")
     args = ap.parse_args()
     cfg = gpt_config(args)
     g = torch.Generator().manual_seed(0)
@@ -121,6 +124,42 @@ def main() -> None:
               "'overhead' reads when there is none)")
     if args.pieces:
         pieces(args, engine, me, mh, oh, x, y)
+    if args.profile:
+        profile_by_op({mine: engine_step, "fp32": fp32_step})
+
+
+#: ops grouped for the profile table (self CPU time of each aten op)
+GROUPS = {
+    "GEMMs (mm, addmm, bmm)": ("aten::mm", "aten::addmm", "aten::bmm"),
+    "attention forward": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
+    "attention backward": ("aten::_scaled_dot_product_flash_attention_for_cpu_backward",),
+    "casts and copies": ("aten::copy_",),
+    "GELU forward + backward": ("aten::gelu", "aten::gelu_backward"),
+    "LayerNorm forward + backward": ("aten::native_layer_norm",
+                                     "aten::native_layer_norm_backward"),
+    "optimizer (fused AdamW)": ("aten::_fused_adamw_",),
+}
+
+
+def profile_by_op(loops: dict, steps: int = 3) -> None:
+    """Self CPU time per step of each op group (the rest summed as 'other'), per loop."""
+    from torch.profiler import profile
+
+    for name, step in loops.items():
+        step()
+        with profile() as prof:
+            for _ in range(steps):
+                step()
+        self_ms = {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages()}
+        total = sum(self_ms.values())
+        print(f"\n## where a step's time goes: {name} (torch.profiler, self CPU time, "
+              f"mean of {steps} steps: {total:.0f} ms)")
+        rest = total
+        for group, ops in GROUPS.items():
+            ms = sum(self_ms.get(op, 0.0) for op in ops)
+            rest -= ms
+            print(f"{group:<30} {ms:>8.1f} ms {ms / total:>6.1%}")
+        print(f"{'other':<30} {rest:>8.1f} ms {rest / total:>6.1%}")
 
 
 def pieces(args, engine, me, mh, oh, x, y) -> None:
