@@ -38,7 +38,7 @@ def _losses(recipe, compiled, steps=3, islands=True, gpt=True):
     return out
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "bf16-master", "fp8"])
+@pytest.mark.parametrize("recipe", ["bf16", "bf16-master", "fp8", "fp8-rowwise"])
 def test_compiled_model_trains_like_eager_with_the_islands(recipe):
     """Before the islands kept only strings on the mode, dynamo failed building its
     guards (NameError: ___get_torch_function_mode_stack_at) for every recipe."""
