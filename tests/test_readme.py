@@ -1,0 +1,101 @@
+"""The README's Python examples run as written, and the values their comments state are
+the values they return. The blocks are fragments, so the test supplies what they leave
+to the reader (a model, batches, ``x``)."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+# "expr   # 1.875", "expr  # tensor([inf, 0.])", "expr  # spacing there: tensor([2.])"
+CLAIM = re.compile(r"^(?P<expr>\S.*?)\s{2,}# (?:[a-z ]+: )?"
+                   r"(?P<value>tensor\(.*\)|[-+]?\d[\d.e+-]*)$")
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _namespace() -> dict:
+    """What the fragments leave to the reader: a classifier, its batches, a tensor."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))
+               for _ in range(8)]
+
+    def model_factory():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+
+    def batch_fn(model, step):
+        x, y = batches[step % len(batches)]
+        return F.cross_entropy(model(x), y)
+
+    return {"torch": torch, "F": F, "nn": nn, "mixprec": mixprec, "model": model_factory(),
+            "batches": batches,
+            "x": torch.randn(64, generator=g) * 300, "g": g, "sample_batch": batches[0][0],
+            "model_factory": model_factory, "batch_fn": batch_fn}
+
+
+def _single_process_blocks() -> list[str]:
+    return [b for b in BLOCKS if "init_process_group" not in b]
+
+
+def test_the_readme_has_python_examples():
+    assert len(BLOCKS) >= 5 and len(_single_process_blocks()) == len(BLOCKS) - 1
+
+
+def test_readme_examples_run_and_their_comments_hold():
+    ns = _namespace()
+    checked = 0
+    for block in _single_process_blocks():
+        exec(compile(block, "README.md", "exec"), ns)  # noqa: S102 - our own README
+        for line in block.splitlines():
+            m = CLAIM.match(line)
+            if m is None:
+                continue
+            got = eval(m["expr"], ns)  # noqa: S307 - our own README
+            want = m["value"]
+            if want.startswith("tensor("):
+                assert str(got) == want, line
+            else:
+                assert math.isclose(float(got), float(want), rel_tol=1e-12), line
+            checked += 1
+    assert checked >= 4  # bf16's max, fp16 overflow/underflow, fp16's spacing, ZeRO-3 GB
+    assert ns["engine"].master_params[0].dtype == torch.float32  # block 2 ran its recipe
+
+
+def test_readme_data_parallel_example_runs_in_a_process_group():
+    """The torchrun fragment, in a one-rank gloo group in a child process."""
+    (block,) = [b for b in BLOCKS if "init_process_group" in b]
+    script = textwrap.dedent("""
+        import torch, torch.nn.functional as F
+        import torch.distributed as dist
+        from torch import nn
+        import mixprec, mixprec.distributed
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+        x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    """) + block + textwrap.dedent("""
+        assert engine.world_size == 1 and engine.steps == 1
+        dist.destroy_process_group()
+        print("ok")
+    """)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(29400 + os.getpid() % 500), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
