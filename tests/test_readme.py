@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -93,9 +94,11 @@ def test_readme_data_parallel_example_runs_in_a_process_group():
         dist.destroy_process_group()
         print("ok")
     """)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(29400 + os.getpid() % 500), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0"}
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
