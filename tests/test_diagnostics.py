@@ -259,3 +259,41 @@ def test_fp8_outlier_tokens_advise_rowwise_scaling():
     assert "fp8-range" not in rowwise.codes()
     plain = doctor(fp8_factory, _outlier_batches(1.0), "fp8", steps=2, reference_steps=0)
     assert "fp8-range" not in plain.codes() and "grad-underflow" not in plain.codes()
+
+
+def test_time_shares_classify_ops_and_bound_the_speed_up():
+    """Amdahl's law on a step's profile: matmuls at 40% bound any matmul speed-up at
+    1/(1-0.4) = 1.67x; the finding names the largest other ops. At 60% it says nothing."""
+    from mixprec.diagnostics.timeshare import audit_time_shares, classify
+
+    assert [classify(op) for op in ("aten::mm", "aten::addmm", "aten::convolution_backward",
+                                    "aten::_scaled_dot_product_flash_attention_for_cpu",
+                                    "aten::gelu", "aten::copy_")] == [
+        "matmul", "matmul", "matmul", "attention", "other", "other"]
+    facts = {"total_ms": 100.0, "shares": {"matmul": 0.4, "attention": 0.25, "other": 0.35},
+             "ops": [("aten::mm", 40.0),
+                     ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", 25.0),
+                     ("aten::gelu", 20.0), ("aten::copy_", 15.0)]}
+    (f,) = audit_time_shares(facts, "bf16")
+    assert f.code == "time-share" and f.severity == "info"
+    assert f.data["bound"] == pytest.approx(1 / 0.6) and "1.67x" in f.title
+    assert f.data["bound_with_attention"] == pytest.approx(1 / 0.35) and "2.86x" in f.title
+    assert "gelu 20%" in f.evidence and "mm 40%" not in f.evidence
+    facts["shares"]["matmul"] = 0.6
+    assert audit_time_shares(facts, "bf16") == []
+
+
+def test_doctor_reports_where_the_step_time_goes():
+    report = doctor(tiny_gpt, lambda m, i: m(*_gpt_batch()), "bf16", steps=2,
+                    reference_steps=0)
+    ts = report.facts["time_shares"]
+    assert sum(ts["shares"].values()) == pytest.approx(1.0)
+    assert ts["total_ms"] > 0 and any(op == "aten::addmm" or op == "aten::mm"
+                                      for op, _ in ts["ops"])
+    assert report.ok  # an info finding, if any, is advice, not a problem
+
+
+def _gpt_batch():
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 64, (4, 33), generator=g)
+    return idx[:, :-1], idx[:, 1:]

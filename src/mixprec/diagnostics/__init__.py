@@ -12,8 +12,10 @@ from mixprec.diagnostics.findings import Finding, Report
 from mixprec.diagnostics.fp8range import audit_fp8_ranges, fp8_ranges
 from mixprec.diagnostics.monitor import NumericsMonitor
 from mixprec.diagnostics.reference import compare_to_fp32
+from mixprec.diagnostics.timeshare import audit_time_shares, time_shares
 from mixprec.diagnostics.trace import trace_nonfinite
 
 __all__ = ["doctor", "Finding", "Report", "NumericsMonitor", "trace_nonfinite",
            "compare_to_fp32", "audit_dtypes", "audit_scale_history", "matmul_coverage",
-           "audit_kernel_speed", "fp8_ranges", "audit_fp8_ranges"]
+           "audit_kernel_speed", "fp8_ranges", "audit_fp8_ranges", "time_shares",
+           "audit_time_shares"]

@@ -18,7 +18,9 @@ Checks, each turned into a finding with evidence and advice:
 4. dtype audit of what the optimizer updates, its states and the gradient buffers;
 5. the loss-scale history (the run's own, or one you pass);
 6. the recipe against fp32, layer by layer (gradient cosine and norm ratio);
-7. low-precision coverage of the matmul FLOPs.
+7. low-precision coverage of the matmul FLOPs;
+8. where a step's time goes: the share in matmuls bounds what lower precision can gain
+   (Amdahl), and the biggest other ops are named (``timeshare.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from mixprec.diagnostics.findings import Finding, Report
 from mixprec.diagnostics.fp8range import audit_fp8_ranges
 from mixprec.diagnostics.monitor import NumericsMonitor
 from mixprec.diagnostics.reference import compare_to_fp32
+from mixprec.diagnostics.timeshare import audit_time_shares, time_shares
 from mixprec.diagnostics.trace import trace_nonfinite
 from mixprec.recipe import Recipe
 
@@ -158,6 +161,8 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
                 f"FLOPs by input dtype: {cov}",
                 "run the forward inside engine.autocast(); custom ops may need inputs cast",
                 {}))
+    facts["time_shares"] = time_shares(lambda: _train_step(engine, model, batch_fn), 2)
+    findings += audit_time_shares(facts["time_shares"], str(r))
     order = {"error": 0, "warning": 1, "info": 2}
     findings.sort(key=lambda f: order[f.severity])
     report = Report(str(r), findings, facts)
@@ -166,6 +171,13 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
 
         facts["plots"] = draw_plots(model_factory, batch_fn, r, scales, Path(plots))
     return report
+
+
+def _train_step(engine, model, batch_fn):
+    with engine.autocast():
+        loss = batch_fn(model, 0)
+    engine.backward(loss)
+    engine.step()
 
 
 def _forward(engine, model, batch_fn):
