@@ -14,7 +14,8 @@ from mixprec.workbench import GPT, GPTConfig
 pytestmark = pytest.mark.cuda
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "bf16-master", "fp16", "fp8", "tf32"])
+@pytest.mark.parametrize("recipe", ["bf16", "bf16-master", "fp16", "fp8", "fp8-rowwise",
+                                    "tf32"])
 def test_engine_trains_on_cuda(recipe):
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layers=2, d_model=128, n_heads=4, seq_len=128)).cuda()
@@ -35,6 +36,27 @@ def test_scaled_mm_on_cuda_matches_exact_rounding():
     exact = formats.quantize((x8.cpu().double() @ w8.cpu().double().t()) /
                              (sx.double() * sw.double()), "bf16").float()
     assert ((real - exact).abs() <= formats.ulp(exact, "bf16")).float().mean() >= 0.999
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rowwise_float8linear_on_cuda_matches_the_cpu_dequant_path(dtype):
+    """CUDA's rowwise _scaled_mm (bf16 out) and its unit-scale fp32 path against the
+    CPU's exact dequant backend on the same casts: within 1 bf16 ulp for bf16 outputs,
+    fp32 summation order for fp32 ones."""
+    from torch import nn
+
+    from mixprec.fp8 import Float8Linear
+
+    torch.manual_seed(0)
+    lin = nn.Linear(512, 384, bias=False)
+    x = torch.randn(256, 512) * torch.logspace(-2, 2, 256).reshape(256, 1)
+    cpu = Float8Linear.from_linear(lin, "fp8-rowwise,fp8_gemm=dequant")(x.to(dtype)).float()
+    gpu = Float8Linear.from_linear(lin.cuda(), "fp8-rowwise,fp8_gemm=scaled_mm")
+    got = gpu(x.to(dtype).cuda()).float().cpu()
+    if dtype == torch.bfloat16:
+        assert ((got - cpu).abs() <= formats.ulp(cpu, "bf16")).float().mean() >= 0.999
+    else:
+        torch.testing.assert_close(got, cpu, rtol=1e-5, atol=1e-5)
 
 
 def test_quantize_on_cuda_equals_cpu():
