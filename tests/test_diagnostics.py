@@ -297,3 +297,34 @@ def _gpt_batch():
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, 64, (4, 33), generator=g)
     return idx[:, :-1], idx[:, 1:]
+
+
+def test_vanished_updates_in_bf16_weights_and_at_2048_in_fp32():
+    """Seed 004 §2.1 measured, not assumed: AdamW at lr 1e-4 takes steps of ~1e-4, which
+    bf16 weights near 1 (half-ulp up to 2^-9) mostly lose and an fp32 master keeps. And
+    weights near 2048 lose SGD steps below 1e-4 even in fp32 (half-ulp 1.2e-4 there)."""
+    bf16 = doctor(mlp_factory(), batches(), "bf16,params=bf16", steps=2, lr=1e-4,
+                  reference_steps=0)
+    f = next(f for f in bf16.findings if f.code == "update-vanish")
+    assert f.data["share"] > 0.8 and "bf16-master" in f.advice
+    assert all(v["dtype"] == "bfloat16" for v in bf16.facts["vanished_updates"])
+    assert bf16.facts["vanished_updates"][0]["name"] == "0.weight"
+    master = doctor(mlp_factory(), batches(), "bf16-master", steps=2, lr=1e-4,
+                    reference_steps=0)
+    assert "update-vanish" not in master.codes()
+    assert sum(v["vanished"] for v in master.facts["vanished_updates"]) == 0
+
+    def big():  # first-layer weights near 2048; the LayerNorm cancels the shift
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 4))
+        with torch.no_grad():
+            m[0].weight.add_(2048.0)
+        return m
+
+    fp32 = doctor(big, batches(), "fp32", steps=2, lr=1e-4, optimizer="sgd",
+                  reference_steps=0)
+    f = next(f for f in fp32.findings if f.code == "update-vanish")
+    first = fp32.facts["vanished_updates"][0]
+    assert first["name"] == "0.weight" and first["dtype"] == "float32"
+    assert first["share"] > 0.99 and "learning rate is too small" in f.advice
+    assert all(v["share"] < 0.5 for v in fp32.facts["vanished_updates"][1:])

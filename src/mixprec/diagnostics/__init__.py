@@ -14,8 +14,9 @@ from mixprec.diagnostics.monitor import NumericsMonitor
 from mixprec.diagnostics.reference import compare_to_fp32
 from mixprec.diagnostics.timeshare import audit_time_shares, time_shares
 from mixprec.diagnostics.trace import trace_nonfinite
+from mixprec.diagnostics.updates import audit_vanished_updates, vanished_updates
 
 __all__ = ["doctor", "Finding", "Report", "NumericsMonitor", "trace_nonfinite",
            "compare_to_fp32", "audit_dtypes", "audit_scale_history", "matmul_coverage",
            "audit_kernel_speed", "fp8_ranges", "audit_fp8_ranges", "time_shares",
-           "audit_time_shares"]
+           "audit_time_shares", "vanished_updates", "audit_vanished_updates"]

@@ -20,7 +20,9 @@ Checks, each turned into a finding with evidence and advice:
 6. the recipe against fp32, layer by layer (gradient cosine and norm ratio);
 7. low-precision coverage of the matmul FLOPs;
 8. where a step's time goes: the share in matmuls bounds what lower precision can gain
-   (Amdahl), and the biggest other ops are named (``timeshare.py``).
+   (Amdahl), and the biggest other ops are named (``timeshare.py``);
+9. whether updates reach the weights: one step, the share of elements with a non-zero
+   gradient whose stored value did not move (``updates.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from mixprec.diagnostics.monitor import NumericsMonitor
 from mixprec.diagnostics.reference import compare_to_fp32
 from mixprec.diagnostics.timeshare import audit_time_shares, time_shares
 from mixprec.diagnostics.trace import trace_nonfinite
+from mixprec.diagnostics.updates import audit_vanished_updates, vanished_updates
 from mixprec.recipe import Recipe
 
 __all__ = ["doctor", "COSINE_FLAG", "RATIO_FLAG"]
@@ -161,6 +164,11 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
                 f"FLOPs by input dtype: {cov}",
                 "run the forward inside engine.autocast(); custom ops may need inputs cast",
                 {}))
+    vanished = vanished_updates(engine, _measured_step(engine, model, batch_fn, steps - 1),
+                                _trainable_names(model, engine))
+    facts["vanished_updates"] = None if vanished is None else [
+        {**asdict(v), "share": v.share} for v in vanished]
+    findings += audit_vanished_updates(vanished)
     facts["time_shares"] = time_shares(lambda: _train_step(engine, model, batch_fn), 2)
     findings += audit_time_shares(facts["time_shares"], str(r))
     order = {"error": 0, "warning": 1, "info": 2}
@@ -171,6 +179,23 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
 
         facts["plots"] = draw_plots(model_factory, batch_fn, r, scales, Path(plots))
     return report
+
+
+def _measured_step(engine, model, batch_fn, i):
+    def run(capture):
+        with engine.autocast():
+            loss = batch_fn(model, i)
+        engine.backward(loss)
+        capture()
+        return bool(engine.step().skipped)
+    return run
+
+
+def _trainable_names(model, engine) -> list[str] | None:
+    """Names for the optimizer's tensors, in their order, when they map one to one onto
+    the model's trainable parameters (else None: numbered)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    return names if len(names) == len(engine.master_params) else None
 
 
 def _train_step(engine, model, batch_fn):
