@@ -328,3 +328,16 @@ def test_vanished_updates_in_bf16_weights_and_at_2048_in_fp32():
     assert first["name"] == "0.weight" and first["dtype"] == "float32"
     assert first["share"] > 0.99 and "learning rate is too small" in f.advice
     assert all(v["share"] < 0.5 for v in fp32.facts["vanished_updates"][1:])
+
+
+def test_cli_doctor_takes_the_runs_learning_rate(capsys):
+    """Whether updates vanish depends on the learning rate, so the CLI takes it."""
+    from mixprec.cli import main
+
+    code = main(["doctor", "--recipe", "bf16,params=bf16", "--steps", "2",
+                 "--reference-steps", "0", "--lr", "1e-4", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "update-vanish" in [f["code"] for f in report["findings"]]
+    with pytest.raises(ValueError, match="valid are 'adamw'"):
+        doctor(mlp_factory(), batches(), "bf16", steps=1, optimizer="adam")

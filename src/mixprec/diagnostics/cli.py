@@ -20,6 +20,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10, help="training steps to watch")
     p.add_argument("--reference-steps", type=int, default=3,
                    help="steps of the layer-by-layer comparison against fp32 (0: skip)")
+    p.add_argument("--lr", type=float, default=1e-3,
+                   help="learning rate of the doctor's optimizer (default 1e-3): give your "
+                        "run's, since whether updates vanish into the weights depends on it")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                   help="the doctor's optimizer (default adamw, torch's defaults)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plots", help="folder for the gradient histogram and other plots")
 
@@ -65,8 +70,9 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.diagnostics.doctor import doctor
 
     factory, batch_fn = load_target(args.model)
-    report = doctor(factory, batch_fn, args.recipe, steps=args.steps,
-                    reference_steps=args.reference_steps, plots=args.plots)
+    report = doctor(factory, batch_fn, args.recipe, steps=args.steps, lr=args.lr,
+                    optimizer=args.optimizer, reference_steps=args.reference_steps,
+                    plots=args.plots)
     if args.json:
         print(report.to_json())
     else:

@@ -83,6 +83,9 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
         model_factory = lambda: copy.deepcopy(template)  # noqa: E731
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"optimizer {optimizer!r}: valid are 'adamw' (torch's defaults) "
+                         "and 'sgd' (no momentum)")
     findings: list[Finding] = []
     facts: dict = {"steps": steps}
 
