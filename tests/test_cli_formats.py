@@ -45,3 +45,14 @@ def test_underflow_of_2_pow_minus_30(capsys):
 def test_unknown_format_is_an_error(capsys):
     assert main(["formats", "--formats", "fp7"]) == 2
     assert "unknown format 'fp7'" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    import pytest
+
+    import mixprec
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"mixprec {mixprec.__version__} (torch ")

@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mixprec",
         description="Mixed-precision training toolkit for PyTorch.",
     )
+    import torch
+
+    from mixprec import __version__
+
+    p.add_argument("--version", action="version",
+                   version=f"mixprec {__version__} (torch {torch.__version__})")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     f = sub.add_parser("formats", help="table of number formats; where a value lands in each")
     f.add_argument("--value", type=float, help="show this value stored in each format")
