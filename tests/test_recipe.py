@@ -88,6 +88,14 @@ def test_useless_combinations_warn():
         Recipe.parse("bf16,loss_scale=dynamic")
     with pytest.warns(UserWarning, match="second fp32 copy"):
         Recipe.parse("fp32,master=fp32")
+    with pytest.warns(UserWarning, match="fp8_scaling, margin set with compute='bf16'"):
+        Recipe.parse("bf16,fp8_scaling=rowwise,margin=1")
+    with pytest.warns(UserWarning, match="amax_history_len with fp8_scaling='rowwise'"):
+        Recipe.parse("fp8-rowwise,amax_history_len=32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Recipe.parse("fp8,amax_history_len=32,margin=1")   # delayed: they apply
+        Recipe.parse("fp8-current,margin=2")               # margin applies to every scaling
 
 
 def test_recipe_is_frozen_and_keyword_only():

@@ -221,6 +221,22 @@ class Recipe:
                 "and updates below half an fp16 ulp vanish. Prefer 'fp16-master'.",
                 stacklevel=3,
             )
+        fp8_fields = ("fp8_scaling", "fp8_format", "amax_history_len", "amax_compute_algo",
+                      "margin", "fp8_gemm")
+        changed = [n for n in fp8_fields if getattr(self, n) != _DEFAULTS[n]]
+        if self.compute != "fp8" and changed:
+            warnings.warn(
+                f"recipe: {', '.join(changed)} set with compute={self.compute!r}: the fp8 "
+                "settings apply to compute=fp8 only. It is harmless; drop them, or use an "
+                "fp8 recipe ('fp8', 'fp8-current', 'fp8-rowwise').", stacklevel=3)
+        history = [n for n in ("amax_history_len", "amax_compute_algo")
+                   if getattr(self, n) != _DEFAULTS[n]]
+        if self.compute == "fp8" and self.fp8_scaling != "delayed" and history:
+            warnings.warn(
+                f"recipe: {', '.join(history)} with fp8_scaling={self.fp8_scaling!r}: amax "
+                "histories belong to delayed scaling; current and rowwise scales come from "
+                "the tensor at cast time. It is harmless; drop them, or use "
+                "fp8_scaling=delayed.", stacklevel=3)
         if self.master == "fp32" and self.params == "fp32":
             warnings.warn(
                 "recipe: master='fp32' with params='fp32' keeps a second fp32 copy of "
@@ -329,6 +345,9 @@ class Recipe:
         (fp8 recipes are exact already: Float8Linear rounds with the fp8 casts)."""
         return self.uses_autocast and self.compute != "fp8"
 
+
+#: each field's default, for the checks that tell a set field from an untouched one
+_DEFAULTS = {f.name: f.default for f in fields(Recipe)}
 
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
