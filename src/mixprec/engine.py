@@ -100,7 +100,6 @@ class StepResult:
     grad_norm: torch.Tensor | None
 
 
-
 def _run_backward(loss: torch.Tensor, retain_graph: bool) -> None:
     """``loss.backward()``, with the precision context's function modes still on.
 

@@ -172,7 +172,8 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
     facts["vanished_updates"] = None if vanished is None else [
         {**asdict(v), "share": v.share} for v in vanished]
     findings += audit_vanished_updates(vanished)
-    facts["time_shares"] = time_shares(lambda: _train_step(engine, model, batch_fn), 2)
+    facts["time_shares"] = time_shares(
+        lambda: _measured_step(engine, model, batch_fn, 0)(lambda: None), 2)
     findings += audit_time_shares(facts["time_shares"], str(r))
     order = {"error": 0, "warning": 1, "info": 2}
     findings.sort(key=lambda f: order[f.severity])
@@ -185,6 +186,8 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
 
 
 def _measured_step(engine, model, batch_fn, i):
+    """One training step on batch ``i`` that calls ``capture()`` between backward and
+    step, and returns whether the step was skipped."""
     def run(capture):
         with engine.autocast():
             loss = batch_fn(model, i)
@@ -199,13 +202,6 @@ def _trainable_names(model, engine) -> list[str] | None:
     the model's trainable parameters (else None: numbered)."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     return names if len(names) == len(engine.master_params) else None
-
-
-def _train_step(engine, model, batch_fn):
-    with engine.autocast():
-        loss = batch_fn(model, 0)
-    engine.backward(loss)
-    engine.step()
 
 
 def _forward(engine, model, batch_fn):
