@@ -11,6 +11,7 @@ PATH`` the run resumes from PATH if it exists and saves there at the end, whole
 """
 
 import argparse
+import gc
 import os
 
 import torch
@@ -58,4 +59,8 @@ if args.checkpoint:
     # every rank calls save: under FSDP full=True gathers the shards, rank 0 writes;
     # under DDP every rank holds the whole state and writes the same file atomically
     engine.save(args.checkpoint, full=True, step=start + args.steps)
+# release everything that holds the process group before destroying it, so the group is
+# torn down here and not during interpreter exit
+del net, engine, model, opt
+gc.collect()
 dist.destroy_process_group()

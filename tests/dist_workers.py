@@ -6,6 +6,7 @@ Each worker joins a gloo group through a file store in ``tmp`` and writes what i
 
 from __future__ import annotations
 
+import gc
 import io
 import math
 import os
@@ -25,6 +26,14 @@ def _init(rank: int, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
                             world_size=world)
+
+
+def _teardown() -> None:
+    """Free what still holds the process group (engines, FSDP modules, reference cycles)
+    before destroying it, so the group is destroyed here, in order, and not at
+    interpreter exit (see ``mixprec.distributed``'s Teardown)."""
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def _save(tmp: str, name: str, rank: int, obj) -> None:
@@ -271,7 +280,6 @@ FREED_CASES = [("bf16", "ddp"), ("fp16-master", "ddp"), ("bf16-master,wgrad=fp32
 def freed(rank, world, tmp):
     """Whether an engine, its model and its masters outlive the last user reference
     (after two steps and a garbage collection), for each of FREED_CASES."""
-    import gc
     import weakref
 
     _init(rank, world, tmp)
@@ -358,7 +366,8 @@ def reshard(rank, world, tmp, recipe):
     except ValueError as e:
         out["refused"] = str(e)
     _save(tmp, "reshard", rank, out)
-    dist.destroy_process_group()
+    del a, b, c, d, f, g
+    _teardown()
 
 
 class Block(nn.Module):
@@ -426,7 +435,8 @@ def reshardable_save(rank, world, tmp, recipe, ckpt):
     _train_split(e, data[2:3], rank, world)
     e.save(ckpt, reshardable=True, step=3)
     _save(tmp, "reshardable", rank, {"want": _train_split(e, data[3:], rank, world)})
-    dist.destroy_process_group()
+    del e
+    _teardown()
 
 
 def reshardable_load(rank, world, tmp, recipe, ckpt):
@@ -448,4 +458,5 @@ def reshardable_load(rank, world, tmp, recipe, ckpt):
     _save(tmp, "reshardable", rank, {"got": got, "extra": extra, "steps": e.steps,
                                      "refused": refused, "unchanged": unchanged,
                                      "opt_state": len(o.optimizers[0].state)})
-    dist.destroy_process_group()
+    del e, o
+    _teardown()
