@@ -154,6 +154,8 @@ def test_rowwise_cast_against_ml_dtypes(dim, fmt):
     assert torch.equal(t8.float().abs().amax(dim=dim), torch.full((24,), FP8_MAX_OF[fmt]))
     want, want_inv = _ref_rowwise(t, dim, fmt)
     assert torch.equal(t8.double(), want) and torch.equal(inv, want_inv)
+    m8, _ = cast_rowwise(t, dim, dtype, margin=2)  # amax lands on max / 2^2
+    assert torch.equal(m8.float().abs().amax(dim=dim), torch.full((24,), FP8_MAX_OF[fmt] / 4))
     z = t.clone()
     z.select(1 - dim, 3).zero_()
     z.select(1 - dim, 5)[7] = math.inf
