@@ -19,7 +19,7 @@ def test_cpu_autocast_leaves_norm_and_softmax_in_bf16_and_we_fix_it():
         h = lin(x)
         assert ln(h).dtype == torch.bfloat16          # torch's CPU autocast: bf16
         assert torch.softmax(h, -1).dtype == torch.bfloat16
-    with precision_context("bf16", "cpu"):
+    with precision_context("bf16,emulate=false", "cpu"):
         h = lin(x)
         assert h.dtype == torch.bfloat16              # matmuls stay low precision
         assert ln(h).dtype == torch.float32
@@ -52,7 +52,7 @@ def test_norm_with_bf16_weights_runs_and_grads_flow():
 
 
 def test_keep_fp32_none_turns_islands_off():
-    with precision_context("bf16,keep_fp32=none", "cpu"):
+    with precision_context("bf16,keep_fp32=none,emulate=false", "cpu"):
         assert torch.softmax(torch.randn(2, 2).bfloat16(), -1).dtype == torch.bfloat16
 
 
@@ -95,11 +95,12 @@ def test_third_party_norm_modules_run_in_fp32():
     assert "forward" not in model[1].__dict__  # undo restored the class forward
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp16,emulate=false"])
+@pytest.mark.parametrize("recipe", ["bf16,emulate=false", "fp16,emulate=false"])
 def test_matmuls_run_in_compute_dtype(recipe):
     with precision_context(recipe, "cpu"):
         y = nn.Linear(4, 4)(torch.randn(2, 4))
-    assert y.dtype == {"bf16": torch.bfloat16, "fp16,emulate=false": torch.float16}[recipe]
+    assert y.dtype == {"bf16,emulate=false": torch.bfloat16,
+                       "fp16,emulate=false": torch.float16}[recipe]
 
 
 def test_fp16_emulated_where_slow(monkeypatch):
@@ -189,6 +190,7 @@ def test_ops_cpu_autocast_does_not_promote_get_cuda_promotion(recipe):
 
 @pytest.mark.parametrize("recipe", ["bf16", "bf16-master", "fp16-master,init_scale=1024"])
 def test_matrix_vector_ops_are_cast_down_as_cuda_autocast_does(recipe):
+    recipe += ",emulate=false"  # real kernels: the dtypes are what is checked
     """CUDA autocast runs mv, addmv and addr in the low-precision dtype; CPU autocast
     leaves them alone, so fp32 activations meeting bf16 weights raise there. mixprec's
     context casts them as CUDA does: the result equals the op on the cast inputs, bit for

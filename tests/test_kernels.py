@@ -58,3 +58,24 @@ class _nothing:
 
     def __exit__(self, *a):
         return False
+
+
+def test_probe_ignores_the_callers_autocast():
+    """The first auto decision may be taken inside a forward pass: under bf16 autocast the
+    fp32 probe would run in bf16 and report the ratio as ~1 (then cached)."""
+    import mixprec.kernels as k
+
+    seen = []
+
+    def fake(dev, dtype, n, seconds):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return 1.0
+
+    orig = k._gflops
+    k._gflops = fake
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            k.matmul_gflops.__wrapped__("cpu", torch.float32, 64, 0.0)
+    finally:
+        k._gflops = orig
+    assert seen == [False]

@@ -49,7 +49,7 @@ def check_model(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter
 
 def check_device(device: torch.device, r: Recipe, emulating: bool) -> None:
     """The device can run the recipe's dtypes (compute only where not emulated), and
-    the recipe's options suit how it runs (no wgrad=fp32 under emulation)."""
+    the recipe's options suit how it runs (no wgrad=fp32 with MX compute)."""
     check_wgrad(r, emulating)
     if r.compute == "fp8" and not device_supports(device, torch.float8_e4m3fn):
         raise ValueError(

@@ -3,7 +3,8 @@
 ``precision_context(recipe, device)`` is what ``MixedPrecision.autocast()`` enters:
 
 - ``torch.autocast`` on the device with the recipe's compute dtype (bf16 / fp16; fp8
-  recipes run everything but their Float8 Linears under bf16);
+  recipes run everything but their Float8 Linears under bf16, or in fp32 where this
+  device has no fast bf16: ``mixprec.kernels.fp8_rest``);
 - FP32 islands for what ``recipe.keep_fp32`` names. Norms (``F.layer_norm``,
   ``F.rms_norm``, ``F.group_norm``, ``F.batch_norm``, ``F.instance_norm``), softmax,
   log_softmax and the loss functions get their floating inputs (and weights) upcast to
@@ -36,12 +37,13 @@ from torch.overrides import TorchFunctionMode
 
 from mixprec import attention
 from mixprec.emulate import leave_low_precision
+from mixprec.kernels import emulating, fp8_rest, has_fast_kernels
 from mixprec.recipe import MX_COMPUTE, Recipe
 from mixprec.wgrad import NOT_ROUTED, ROUTED_FUNCS, GradSink, route, upcast_param
 
 __all__ = ["precision_context", "recompute_context", "PrecisionMode", "device_supports",
            "fp32_island_modules", "wrap_fp32_modules", "has_fast_kernels", "emulating",
-           "make_emulation_mode", "check_wgrad"]
+           "make_emulation_mode", "check_wgrad", "autocast_dtype"]
 
 _NORM_FUNCS: dict[str, tuple[Callable, ...]] = {
     "layer_norm": (F.layer_norm, torch.layer_norm),
@@ -73,34 +75,17 @@ _TORCH_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase,
                 getattr(nn, "RMSNorm", nn.LayerNorm))
 
 
-def has_fast_kernels(device: torch.device, compute: str) -> bool:
-    """Whether ``device`` has fast kernels for a recipe's compute format: measured once
-    (``mixprec.kernels``). fp16 on a CPU is fast only on chips with fp16 arithmetic
-    (AVX512-FP16, AMX-FP16); the MX formats have no torch kernels anywhere."""
-    if compute in MX_COMPUTE:
-        return False
-    if compute in ("fp16", "bf16") and torch.device(device).type == "cpu":
-        from mixprec.kernels import FAST_ENOUGH, relative_speed
-
-        dt = torch.float16 if compute == "fp16" else torch.bfloat16
-        return relative_speed(device, dt) >= FAST_ENOUGH
-    return True
-
-
-def emulating(recipe: Recipe, device: torch.device) -> bool:
-    """Resolve ``recipe.emulate`` (None = auto) for ``device``."""
-    if recipe.emulate is not None:
-        return recipe.emulate
-    return recipe.compute not in ("fp32", "tf32", "fp8") and not has_fast_kernels(
-        torch.device(device), recipe.compute)
-
-
 def check_wgrad(recipe: Recipe, emulate: bool) -> None:
-    """Raise ``NotImplementedError`` for ``wgrad=fp32`` under emulation."""
-    if recipe.wgrad == "fp32" and recipe.uses_autocast and emulate:
+    """Raise ``NotImplementedError`` for ``wgrad=fp32`` with an MX compute format.
+
+    Under fp16/bf16 emulation the weight-gradient GEMM runs ``unrounded`` (the emulated
+    ``mm(out_dtype=fp32)``). An MX weight-gradient GEMM would also need its operands
+    block-quantized along the token dimension, which the routed backward does not do."""
+    if recipe.wgrad == "fp32" and recipe.is_mx:
         raise NotImplementedError(
-            f"recipe {str(recipe)!r}: wgrad=fp32 under emulation is not supported (the "
-            "emulated GEMMs round their outputs); set emulate=false or drop wgrad")
+            f"recipe {str(recipe)!r}: wgrad=fp32 with the MX compute format "
+            f"{recipe.compute} is not supported (its weight-gradient GEMM would need "
+            "block-quantized operands); drop wgrad, or use compute=bf16 or fp16")
 
 
 def device_supports(device: torch.device, dtype: torch.dtype) -> bool:
@@ -312,6 +297,17 @@ def _tf32() -> Iterator[None]:
         torch.set_float32_matmul_precision(saved[2])
 
 
+def autocast_dtype(recipe: Recipe, device: torch.device | str) -> torch.dtype | None:
+    """The dtype the forward's autocast runs in, or None for no autocast: fp32/tf32
+    recipes, and fp8 recipes whose other layers run in fp32 on this device
+    (``mixprec.kernels.fp8_rest``)."""
+    if not recipe.uses_autocast:
+        return None
+    if recipe.compute == "fp8" and fp8_rest(recipe, device) == "fp32":
+        return None
+    return recipe.compute_dtype
+
+
 def make_emulation_mode(recipe: Recipe):
     """The EmulationMode for a recipe (one per engine, so backward sees forward's tags),
     or None when emulation has nothing to do for it."""
@@ -354,12 +350,13 @@ def precision_context(recipe: Recipe | str, device: torch.device | str,
     """
     r = Recipe.coerce(recipe)
     dev = torch.device(device)
+    emulate = emulating(r, dev) if emulate is None else emulate  # measured outside autocast
     with contextlib.ExitStack() as stack:
         if r.compute == "tf32":
             stack.enter_context(_tf32())
-        if r.uses_autocast:
-            stack.enter_context(torch.autocast(dev.type, dtype=r.compute_dtype))
-        emulate = emulating(r, dev) if emulate is None else emulate
+        dtype = autocast_dtype(r, dev)
+        if dtype is not None:
+            stack.enter_context(torch.autocast(dev.type, dtype=dtype))
         if emulate and mode is None:
             mode = make_emulation_mode(r)
         if emulate and mode is not None:

@@ -154,19 +154,20 @@ def wrap_ddp(grads, model: nn.Module, recipe, **ddp_kwargs):
     return ddp, stats
 
 
-def shard_fsdp(model: nn.Module, recipe, optimizers, units=None, **fsdp_kwargs
-               ) -> nn.Module:
+def shard_fsdp(model: nn.Module, recipe, optimizers, units=None, emulate: bool = False,
+               **fsdp_kwargs) -> nn.Module:
     """``fully_shard`` with the recipe's policy, on each module ``units`` selects (by
     default each element of every ``ModuleList``: a transformer's blocks), innermost
     first, and then on the root; the optimizers, built over the
     unsharded model, are re-pointed at the fp32 shards (matched by parameter name). State they
     already hold (Adagrad builds it in ``__init__``; or earlier plain steps) is sharded
-    like its parameter, from rank 0's copy, as rank 0's weights are the ones kept."""
+    like its parameter, from rank 0's copy, as rank 0's weights are the ones kept.
+    Under emulation the weights are gathered in fp32 (``fsdp_policy``)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
     before = dict(model.named_parameters())
-    policy = fsdp_policy(recipe)
+    policy = fsdp_policy(recipe, emulate)
     # each unit's full weights exist only while it runs; the root unit takes the rest.
     # Default: each element of a ModuleList (a transformer's blocks).
     if units is None:
@@ -202,11 +203,15 @@ def agree_amax_(fp8_modules) -> None:
         m.fp8_amax_history[:, 0] = row
 
 
-def fsdp_policy(recipe):
-    """``MixedPrecisionPolicy`` for a recipe: working dtype for params, comm for grads."""
+def fsdp_policy(recipe, emulate: bool = False):
+    """``MixedPrecisionPolicy`` for a recipe: working dtype for params, comm for grads.
+
+    Under emulation the gathered weights stay fp32 (the fp32 shards' values): autocast's
+    casts round them where a matmul takes them, as the real bf16 weights would be; other
+    uses (a norm's weight) see the fp32 value, not its bf16 rounding."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    param_dtype = recipe.param_dtype if recipe.master == "fp32" else None
+    param_dtype = recipe.param_dtype if recipe.master == "fp32" and not emulate else None
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=recipe.comm_dtype)
 
 

@@ -34,6 +34,7 @@ the carrier (bf16), as MX hardware returns bf16 or fp32. Convolutions run in bf1
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -45,9 +46,14 @@ from mixprec import emulate_attention, formats
 from mixprec.formats import Format
 
 __all__ = ["EmulationMode", "mx_quantize", "mx_scales", "MX_BLOCK", "round_", "active_mode",
-           "leave_low_precision"]
+           "leave_low_precision", "unrounded"]
 
 _ACTIVE: list[EmulationMode] = []
+
+#: attribute set on copies of weights that the low-precision region saves for backward
+#: (upcasts, casts), so ``mixprec.memory.measure`` counts them as weight casts, as it
+#: does autocast's
+WEIGHT_CAST_TAG = "_mixprec_weight_cast"
 
 
 def active_mode() -> EmulationMode | None:
@@ -64,14 +70,36 @@ class _LeaveLowPrecision(torch.autograd.Function):
         ctx.mode = mode
         out = x.clone()
         mode.virtual.pop(out, None)
+        if x.is_leaf and x.requires_grad:  # an emulated bf16 weight's upcast
+            setattr(out, WEIGHT_CAST_TAG, True)
         return out
 
     @staticmethod
     def backward(ctx, g):
         mode = ctx.mode
+        out = _round(g, mode.fmt if mode.mx is None else mode.out_fmt)
         if active_mode() is mode:
-            return g.to(mode.carrier), None  # through the mode: rounded, tagged virtual
-        return _round(g, mode.fmt if mode.mx is None else mode.out_fmt), None
+            mode.virtual[out] = True  # a low-precision gradient from here on
+        return out, None
+
+
+@contextlib.contextmanager
+def unrounded():
+    """Ops inside run on fp32 kernels with real fp32 outputs, unrounded and untagged.
+
+    For GEMMs that real hardware runs with an fp32 output (``mm(..., out_dtype=fp32)``:
+    the ``wgrad=fp32`` weight gradients). A product of two bf16 or fp16 values is exact in
+    fp32, so an fp32 GEMM of the emulated (rounded) operands is what such a kernel
+    computes, up to summation order. A no-op without an active EmulationMode."""
+    mode = active_mode()
+    if mode is None:
+        yield
+        return
+    saved, mode.passthrough = mode.passthrough, True
+    try:
+        yield
+    finally:
+        mode.passthrough = saved
 
 
 def leave_low_precision(x: torch.Tensor) -> torch.Tensor:
@@ -197,6 +225,7 @@ class EmulationMode(TorchDispatchMode):
         self.mx = formats.get(mx) if mx is not None else None
         self.virtual = WeakTensorKeyDictionary()
         self._casts: list[weakref.ref] = []  # differentiable casts awaiting their node
+        self.passthrough = False  # inside ``unrounded()``: ops run as plain fp32
 
     def __enter__(self):
         _ACTIVE.append(self)
@@ -207,6 +236,13 @@ class EmulationMode(TorchDispatchMode):
         if _ACTIVE and _ACTIVE[-1] is self:
             _ACTIVE.pop()
         return super().__exit__(*exc)
+
+    def tag(self, tensors) -> None:
+        """Mark fp32 tensors that hold this format's values (the working parameters of
+        ``-master`` recipes) as virtually low-precision: ops on them then round as the
+        real kernels on real bf16/fp16 parameters do."""
+        for t in tensors:
+            self.virtual[t] = True
 
     def _hook_casts(self) -> None:
         """Make the backward of each cast into the format leave low precision.
@@ -243,6 +279,8 @@ class EmulationMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.passthrough:
+            return func(*args, **kwargs)
         if self._casts:
             self._hook_casts()
         if func is aten._to_copy.default and kwargs.get("dtype") == self.carrier:
@@ -258,10 +296,18 @@ class EmulationMode(TorchDispatchMode):
             modelled = self._flash(func, args, kwargs)
             if modelled is not None:
                 return modelled
+        tensors = _tensors(args)
+        if any(t.dtype == self.carrier for t in tensors) and not (
+                func.is_view or func._schema.is_mutable):
+            # real bf16/fp16 tensors meet the fp32-carried ones: frozen weights stored in
+            # bf16, tensors made in bf16 by a factory call. Their values are the format's, so
+            # they join as tagged fp32 copies (an op with a fresh output only: in-place
+            # writes and views must keep reaching the real tensor)
+            args, kwargs = tree_map(self._lift, (args, kwargs))
+            tensors = _tensors(args)
         out = func(*args, **kwargs)
         if "dtype" in kwargs:
             return out
-        tensors = _tensors(args)
         if not self._all_virtual(tensors):
             return out
         if func.is_view or func.overloadpacket in _EXACT:
@@ -280,6 +326,14 @@ class EmulationMode(TorchDispatchMode):
             return self._q(o)
 
         return fix(out) if isinstance(out, torch.Tensor) else tree_map(fix, out)
+
+    def _lift(self, a):
+        """A real ``carrier``-dtype tensor as a tagged fp32 copy (exact: same values)."""
+        if not (isinstance(a, torch.Tensor) and a.dtype == self.carrier):
+            return a
+        up = a.float()
+        self.virtual[up] = True
+        return up
 
     def _all_virtual(self, tensors: list[torch.Tensor]) -> bool:
         flt = [a for a in tensors if a.is_floating_point()]

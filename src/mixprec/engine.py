@@ -54,9 +54,7 @@ from mixprec.checks import (
     takes_found_inf,
 )
 from mixprec.context import (
-    emulating,
     fp32_island_modules,
-    has_fast_kernels,
     make_emulation_mode,
     precision_context,
     recompute_context,
@@ -73,6 +71,7 @@ from mixprec.distributed import (
 from mixprec.fp8.convert import convert as fp8_convert
 from mixprec.fp8.linear import Float8Linear
 from mixprec.gradnorm import clip_coef, sum_of_squares
+from mixprec.kernels import choices, has_fast_kernels
 from mixprec.master import GradState
 from mixprec.recipe import Recipe
 from mixprec.scaler import LossScaler
@@ -219,7 +218,9 @@ class MixedPrecision:
         # names of the trained parameters, in GradState's order (checkpoints use them)
         self._trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.device = params[0].device
-        self.emulating = emulating(r, self.device)
+        #: every hardware-dependent choice for this recipe here, and the measured rates
+        self.kernels = choices(r, self.device)
+        self.emulating = self.kernels.emulate
         check_device(self.device, r, self.emulating)
         check_optimizers(self.optimizers, params, self._frozen, r, parallel, self.emulating)
         if parallel is not None:
@@ -240,7 +241,8 @@ class MixedPrecision:
                     f"{'/'.join(sorted(done))}, the recipe says {r.fp8_scaling}: each module "
                     "keeps its own. Convert with the engine's recipe to match.", stacklevel=2)
         if parallel == "fsdp":
-            model = shard_fsdp(model, r, self.optimizers, units, **parallel_kwargs)
+            model = shard_fsdp(model, r, self.optimizers, units, emulate=self.emulating,
+                               **parallel_kwargs)
             r_state = r.replace(params="fp32", master="none", grads="fp32")
         else:
             r_state = r
@@ -248,6 +250,8 @@ class MixedPrecision:
         self.fp8_modules = [m for m in model.modules() if isinstance(m, Float8Linear)]
         ids = {id(p): i for i, p in enumerate(params)}
         self.grads = GradState(params, r_state, emulate=self.emulating)
+        if self._emu_mode is not None and self.grads.round_to is not None:
+            self._emu_mode.tag(self.grads.working)  # bf16 values in fp32 tensors
         # the gradients the norm reads are fp32 CPU tensors for the engine's whole life
         # (fp32 buffers, or direct fp32 .grad): decide the norm's method once
         self._cpu_fp32_grads = self.device.type == "cpu" and r_state.grads == "fp32"
@@ -276,12 +280,24 @@ class MixedPrecision:
         self._steps = 0
         self._skips = SkipWatch(self.device)
         self.grads.mark_working()  # after DDP's broadcast of rank 0's weights
+        self._warn_kernel_choices()
+
+    def _warn_kernel_choices(self) -> None:
+        """Say where an ``auto`` choice left the format's own kernels (measured)."""
+        r, k = self.recipe, self.kernels
         if self.emulating and r.emulate is None:
             warnings.warn(
-                f"{r.compute} has no fast kernels on {self.device.type} (measured: "
-                "mixprec.kernels.relative_speed): mixprec emulates it exactly on fp32 "
-                "kernels. Set emulate=false to run the real kernels.",
-                stacklevel=2,
+                f"{r.compute} has no fast kernels on {self.device.type}: mixprec emulates "
+                f"it exactly on fp32 kernels ({k.describe()}). Set emulate=false to run "
+                "the real kernels.",
+                stacklevel=3,
+            )
+        elif k.fp8_rest == "fp32" and r.compute == "fp8":
+            warnings.warn(
+                f"bf16 has no fast kernels on {self.device.type}: the layers around the fp8 "
+                f"Linears compute in fp32 instead of bf16, faster and more exact here "
+                f"({k.describe()}).",
+                stacklevel=3,
             )
         elif (r.emulate is False and r.emulatable
               and not has_fast_kernels(self.device, r.compute)):
@@ -289,7 +305,7 @@ class MixedPrecision:
                 f"{r.compute} compute with emulate=false on {self.device.type}: this device "
                 "has no fast kernel for it (measured); emulate=auto would run it exactly "
                 "on fp32 kernels instead.",
-                stacklevel=2,
+                stacklevel=3,
             )
 
     # --- data parallel ----------------------------------------------------------------

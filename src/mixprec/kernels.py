@@ -1,26 +1,50 @@
-"""How fast this device multiplies in each dtype, measured, not assumed.
+"""What this device is fast at, measured, not assumed: every ``auto`` choice lives here.
 
 ``matmul_gflops(device, dtype)`` times a square matmul for about ``seconds`` and caches
 the result per (device, dtype, n). ``relative_speed(device, dtype)`` is that over fp32's.
-The engine uses it to decide ``emulate=auto``, and the doctor reports it. Whether fp16
-is fast on a CPU depends on the chip: with AVX512-FP16 (this project's Xeon) an fp16
-matmul runs at fp32's speed, and without it at a small fraction of that.
+From those measurements this module decides, once per process:
+
+- ``emulate=auto`` (``has_fast_kernels`` / ``emulating``): a 16-bit format without fast
+  kernels is emulated exactly on fp32 kernels. CPUs either have units for a format
+  (AVX-512 BF16, AMX, AVX512-FP16: ~1x fp32 or better) or run it in software (AVX2:
+  ~0.01-0.02x), so the threshold ``FAST_ENOUGH`` sits far from both;
+- ``fp8_gemm=auto`` (``fp8_gemm_route``): ``scaled_mm`` (``torch._scaled_mm``), an exact
+  dequant to bf16 then a bf16 GEMM (``dequant``), or an exact dequant to fp32 then an fp32
+  GEMM (``dequant_fp32``; every e4m3/e5m2 value is an fp32 value, so it is exact up to
+  summation order). CUDA takes ``scaled_mm``. On a CPU the three are timed: the fastest
+  wins, and ``scaled_mm`` (within an ulp, not exact) only when it is clearly faster;
+- what the layers around an fp8 recipe's Linears run in (``fp8_rest``): bf16 autocast
+  where bf16 is fast, else fp32 (no autocast), which is faster and more exact there.
+
+``choices(recipe, device)`` reports the decisions with the numbers behind them; the
+engine (``engine.kernels``), ``mixprec bench`` and the doctor show it. Tests replace
+``relative_speed`` / ``fp8_gemm_gflops`` to cover both outcomes of every choice on any
+chip.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from functools import cache
 
 import torch
 
-__all__ = ["matmul_gflops", "relative_speed", "FAST_ENOUGH"]
+from mixprec.recipe import MX_COMPUTE, Recipe
+
+__all__ = ["matmul_gflops", "relative_speed", "FAST_ENOUGH", "has_fast_kernels",
+           "emulating", "fp8_gemm_gflops", "fp8_gemm_route", "fp8_rest", "choices",
+           "KernelChoices", "SCALED_MM_MARGIN"]
 
 #: below this fraction of fp32's matmul throughput a format counts as having no fast
 #: kernel, and ``emulate=auto`` emulates it on fp32 kernels instead. Chips either have
 #: units for a format (~1x fp32 or better) or emulate it in software (~0.02x), so the
 #: threshold sits far from both and a busy machine cannot flip the decision.
 FAST_ENOUGH = 0.2
+
+#: ``fp8_gemm=auto`` on a CPU takes ``_scaled_mm`` over the best exact dequant route only
+#: when it is this much faster: the dequant routes are exact, ``_scaled_mm`` within an ulp
+SCALED_MM_MARGIN = 1.25
 
 
 @cache
@@ -29,20 +53,34 @@ def matmul_gflops(device: str, dtype: torch.dtype, n: int = 512, seconds: float 
     """GFLOP/s of an n×n matmul in ``dtype`` on ``device``: the fastest single call within
     about ``seconds`` (best-of is what a busy machine distorts least). Cached."""
     dev = torch.device(device)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    a = torch.randn(n, n, generator=g).to(dev, dtype)
-    b = torch.randn(n, n, generator=g).to(dev, dtype)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    a @ b  # warm-up
+    # the caller may be inside autocast (the first auto decision can be taken in a
+    # forward pass): there the "fp32" probe would run in bf16 and read ~1x
+    with torch.autocast(dev.type, enabled=False), torch.no_grad():
+        return _gflops(dev, dtype, n, seconds)
+
+
+def _best_time(fn, sync, seconds: float) -> float:
+    fn()  # warm-up
     sync()
     best, k, t_end = float("inf"), 0, time.perf_counter() + seconds
     while k < 3 or time.perf_counter() < t_end:
         t = time.perf_counter()
-        a @ b
+        fn()
         sync()
         best = min(best, time.perf_counter() - t)
         k += 1
-    return 2 * n**3 / best / 1e9
+    return best
+
+
+def _sync(dev: torch.device):
+    return torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+
+def _gflops(dev: torch.device, dtype: torch.dtype, n: int, seconds: float) -> float:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(n, n, generator=g).to(dev, dtype)
+    b = torch.randn(n, n, generator=g).to(dev, dtype)
+    return 2 * n**3 / _best_time(lambda: a @ b, _sync(dev), seconds) / 1e9
 
 
 @cache
@@ -56,3 +94,117 @@ def relative_speed(device: torch.device | str, dtype: torch.dtype) -> float:
         base = matmul_gflops.__wrapped__(dev, torch.float32, 256, 0.01)
         ratios.append(fast / base)
     return sorted(ratios)[1]
+
+
+def has_fast_kernels(device: torch.device | str, compute: str) -> bool:
+    """Whether ``device`` has fast kernels for a compute format: measured once. fp16 and
+    bf16 on a CPU are fast only on chips with units for them (AVX512-FP16 / AMX-FP16,
+    AVX-512 BF16 / AMX-BF16); the MX formats have no torch kernels anywhere."""
+    if compute in MX_COMPUTE:
+        return False
+    if compute in ("fp16", "bf16") and torch.device(device).type == "cpu":
+        dt = torch.float16 if compute == "fp16" else torch.bfloat16
+        return relative_speed(device, dt) >= FAST_ENOUGH
+    return True
+
+
+def emulating(recipe: Recipe, device: torch.device | str) -> bool:
+    """Resolve ``recipe.emulate`` (None = auto) for ``device``. fp8 recipes are exact
+    already (their Linears round with the fp8 casts); their other layers follow
+    ``fp8_rest``."""
+    if recipe.emulate is not None:
+        return recipe.emulate
+    return recipe.compute not in ("fp32", "tf32", "fp8") and not has_fast_kernels(
+        device, recipe.compute)
+
+
+def fp8_rest(recipe: Recipe, device: torch.device | str) -> str:
+    """What the layers around an fp8 recipe's Float8Linears compute in: ``bf16``
+    (autocast) where this device has fast bf16 kernels, else ``fp32``: there fp32 is both
+    faster (~45x on an AVX2 CPU) and more exact, and ops with no bf16 CPU kernel at all
+    (oneDNN's LSTM on AVX2) keep working. Working weights stored in bf16 (``params=bf16``)
+    need bf16 autocast to meet their inputs, so they keep it."""
+    if recipe.params != "fp32" or has_fast_kernels(device, "bf16"):
+        return "bf16"
+    return "fp32"
+
+
+@cache
+def fp8_gemm_gflops(device: str, n: int = 128) -> float:
+    """GFLOP/s of ``torch._scaled_mm`` on an n×n e4m3 GEMM (bf16 out) on ``device``, or 0
+    where it does not run. On some CPUs it is a reference kernel (~0.1 GFLOP/s), on
+    others it reaches fp32's speed, so it is measured, on a small n (cached)."""
+    dev = torch.device(device)
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        a = torch.randn(n, n, generator=g).to(dev, torch.float8_e4m3fn)
+        b = torch.randn(n, n, generator=g).to(dev, torch.float8_e4m3fn).t()
+        one = torch.ones((), device=dev)
+        with torch.autocast(dev.type, enabled=False), torch.no_grad():
+            t = _best_time(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one,
+                                                    out_dtype=torch.bfloat16),
+                           _sync(dev), 0.01)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0.0
+    return 2 * n**3 / t / 1e9
+
+
+def _route_speeds(device: str) -> dict[str, float]:
+    """GFLOP/s of each CPU fp8 GEMM route: the GEMM each one ends in."""
+    return {"scaled_mm": fp8_gemm_gflops(device),
+            "dequant": matmul_gflops(device, torch.bfloat16, 256, 0.01),
+            "dequant_fp32": matmul_gflops(device, torch.float32, 256, 0.01)}
+
+
+def fp8_gemm_route(device: torch.device | str, choice: str = "auto") -> str:
+    """The fp8 GEMM route for ``device``: ``choice`` itself unless ``auto``; then
+    ``scaled_mm`` on CUDA, and on a CPU the fastest of the three as measured, with the
+    exact dequant routes preferred unless ``_scaled_mm`` is ``SCALED_MM_MARGIN`` faster."""
+    if choice != "auto":
+        return choice
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return "scaled_mm"
+    speeds = _route_speeds(str(dev))
+    exact = max(("dequant", "dequant_fp32"), key=speeds.__getitem__)
+    return "scaled_mm" if speeds["scaled_mm"] > SCALED_MM_MARGIN * speeds[exact] else exact
+
+
+@dataclass(frozen=True)
+class KernelChoices:
+    """The hardware-dependent choices for one recipe on one device, and why.
+
+    ``emulate``: whether the compute format is emulated; ``fp8_gemm``: the fp8 GEMM route
+    (fp8 recipes); ``fp8_rest``: what the layers around fp8 Linears compute in;
+    ``gflops``: the measured matmul rates behind them (GFLOP/s by name)."""
+
+    emulate: bool
+    fp8_gemm: str | None = None
+    fp8_rest: str | None = None
+    gflops: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line a person reads: what was chosen and the measured rates."""
+        parts = [f"emulate={'on' if self.emulate else 'off'}"]
+        if self.fp8_gemm is not None:
+            parts += [f"fp8_gemm={self.fp8_gemm}", f"rest of the model in {self.fp8_rest}"]
+        rates = ", ".join(f"{k} {v:.1f}" for k, v in self.gflops.items())
+        return "; ".join(parts) + (f" (measured GFLOP/s: {rates})" if rates else "")
+
+
+def choices(recipe: Recipe, device: torch.device | str) -> KernelChoices:
+    """Every ``auto`` choice for ``recipe`` on ``device``, with the measured rates (CPU)."""
+    dev = torch.device(device)
+    emulate = emulating(recipe, dev)
+    gflops: dict[str, float] = {}
+    if dev.type == "cpu" and (recipe.uses_autocast or recipe.emulate):
+        gflops["fp32"] = matmul_gflops(str(dev), torch.float32, 256, 0.01)
+        for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            gflops[name] = gflops["fp32"] * relative_speed(dev, dt)
+    if recipe.compute != "fp8":
+        return KernelChoices(emulate, gflops=gflops)
+    route = fp8_gemm_route(dev, "dequant" if recipe.emulate and recipe.fp8_gemm == "auto"
+                           else recipe.fp8_gemm)
+    if dev.type == "cpu":
+        gflops["scaled_mm"] = fp8_gemm_gflops(str(dev))
+    return KernelChoices(emulate, route, fp8_rest(recipe, dev), gflops)

@@ -156,8 +156,10 @@ class GradState:
     # --- the sink for wgrad=fp32 (mixprec.wgrad), during backward -------------------
 
     def wants_fp32_grad(self, p: torch.Tensor) -> bool:
-        """Whether ``p`` is a low-precision working parameter with an fp32 buffer."""
-        return (not self.direct and p.dtype != torch.float32 and id(p) in self.index
+        """Whether ``p`` is a low-precision working parameter with an fp32 buffer
+        (under emulation low-precision parameters are fp32 tensors: ``round_to``)."""
+        low = p.dtype != torch.float32 or self.round_to is not None
+        return (not self.direct and low and id(p) in self.index
                 and self.bufs[self.index[id(p)]].dtype == torch.float32)
 
     def add_fp32_grad(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:

@@ -209,12 +209,16 @@ def estimate(
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     n = parse_count(params)
     notes = []
-    from mixprec.context import emulating
+    from mixprec.kernels import emulating, fp8_rest
 
     dev = torch.device("cpu")
     if isinstance(params, nn.Module):
         dev = next(params.parameters()).device
-    emulated = (emulating(r, dev) if isinstance(params, nn.Module) else bool(r.emulate))
+    on_model = isinstance(params, nn.Module)
+    emulated = emulating(r, dev) if on_model else bool(r.emulate)
+    # what the model's low-precision activations are stored in: fp32 tensors under
+    # emulation, and around fp8 Linears where this device runs those layers in fp32
+    act_fp32 = emulated or (r.compute == "fp8" and on_model and fp8_rest(r, dev) == "fp32")
     param_bytes = 4 if emulated else _BYTES[r.params]
     if emulated and r.params != "fp32":
         notes.append(f"emulated {r.params}: the working copy is stored in fp32 tensors")
@@ -246,7 +250,7 @@ def estimate(
         "buffers": buffers,
     }
     if isinstance(activations, TransformerSpec):
-        per = {"fp32": 4, "tf32": 4}.get(r.compute, 2)
+        per = 4 if act_fp32 else {"fp32": 4, "tf32": 4}.get(r.compute, 2)
         islands = r.has_fp32_islands
         spec = activations
         if spec.fp32_norms is None:

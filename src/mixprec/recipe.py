@@ -37,7 +37,7 @@ LossScaleKind = Literal["none", "static", "dynamic"]
 Fp8Scaling = Literal["delayed", "current", "rowwise"]
 Fp8Format = Literal["hybrid", "e4m3"]
 AmaxAlgo = Literal["max", "most_recent"]
-Fp8Gemm = Literal["auto", "scaled_mm", "dequant"]
+Fp8Gemm = Literal["auto", "scaled_mm", "dequant", "dequant_fp32"]
 OnSkipLimit = Literal["warn", "raise"]
 GradAccum = Literal["plain", "kahan"]
 Wgrad = Literal["compute", "fp32"]
@@ -104,7 +104,8 @@ class Recipe:
       (``hybrid``: e4m3 forward, e5m2 gradients; or ``e4m3`` everywhere),
       ``amax_history_len``, ``amax_compute_algo``, ``margin`` (scale = max / amax / 2^m),
       ``fp8_gemm`` (``scaled_mm``: torch._scaled_mm; ``dequant``: exact upcast + bf16/fp32
-      GEMM; ``auto``: scaled_mm on CUDA, dequant on the CPU).
+      GEMM; ``dequant_fp32``: exact upcast + fp32 GEMM; ``auto``: scaled_mm on CUDA, the
+      fastest measured on the CPU, ``mixprec.kernels``).
     """
 
     compute: ComputeDtype = "fp32"

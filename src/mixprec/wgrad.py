@@ -37,19 +37,19 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from mixprec.emulate import WEIGHT_CAST_TAG, unrounded
+
 __all__ = ["GradSink", "Fp32WeightGrads", "upcast_param", "route", "NOT_ROUTED",
            "ROUTED_FUNCS", "WEIGHT_CAST_TAG"]
 
-#: attribute set on the low-precision weight copies this module saves for backward, so
-#: ``mixprec.memory.measure`` counts them as weight casts, as it does autocast's
-WEIGHT_CAST_TAG = "_mixprec_weight_cast"
 
 
 class GradSink(Protocol):
     """Where fp32 gradients of low-precision parameters go (the engine's ``GradState``)."""
 
     def wants_fp32_grad(self, p: torch.Tensor) -> bool:
-        """Whether ``p`` is a low-precision parameter with an fp32 buffer."""
+        """Whether ``p`` is a low-precision parameter with an fp32 buffer (under
+        emulation: an fp32 tensor holding low-precision values)."""
 
     def add_fp32_grad(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
         """Add the fp32 ``grad`` (already scaled) to ``p``'s buffer; return what autograd
@@ -61,21 +61,30 @@ def _route(p: torch.Tensor | None, grad: torch.Tensor, sink: GradSink | None):
     """What to hand autograd for parameter ``p`` given its fp32 gradient."""
     if p is None:
         return None
+    if sink is not None and sink.wants_fp32_grad(p):  # emulated bf16/fp16 ones included
+        return sink.add_fp32_grad(p, grad)
     if p.dtype == torch.float32:
         return grad  # autograd accumulates it into the fp32 .grad
-    if sink is not None and sink.wants_fp32_grad(p):
-        return sink.add_fp32_grad(p, grad)
     return grad.to(p.dtype)  # nowhere to keep fp32: the usual rounding
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of low-precision matrices with an fp32 result, products exact."""
+    """``a @ b`` of low-precision matrices with an fp32 result, products exact. Under
+    emulation the operands are fp32 tensors holding rounded values, and the GEMM runs
+    ``unrounded``: the emulated twin of ``mm(out_dtype=fp32)``."""
     if a.is_cuda:
         try:
             return torch.mm(a, b, out_dtype=torch.float32)
         except (RuntimeError, TypeError):  # an older torch without mm(out_dtype=)
             pass
-    return torch.mm(a.float(), b.float())
+    with unrounded():
+        return torch.mm(a.float(), b.float())
+
+
+def _sum_fp32(g: torch.Tensor) -> torch.Tensor:
+    """The bias gradient: rows of ``g`` summed in fp32 (unrounded under emulation)."""
+    with unrounded():
+        return g.float().sum(0)
 
 
 def _eager(fn):
@@ -108,7 +117,7 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = _route(w, _mm_fp32(g2.t(), xc.reshape(-1, xc.shape[-1])), ctx.sink)
         if b is not None and ctx.needs_input_grad[2]:
-            db = _route(b, g2.float().sum(0), ctx.sink)
+            db = _route(b, _sum_fp32(g2), ctx.sink)
         return dx, dw, db, None, None
 
 
@@ -134,7 +143,8 @@ class _Upcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p, sink):
         ctx.p, ctx.sink = p, sink
-        up = p.float()
+        with unrounded():  # under emulation p is fp32 already: a real fp32 copy
+            up = p.float() if p.dtype != torch.float32 else p.clone()
         setattr(up, WEIGHT_CAST_TAG, True)
         return up
 
@@ -150,7 +160,7 @@ def upcast_param(x: torch.Tensor, sink: GradSink | None) -> torch.Tensor | None:
     """``x.float()`` whose gradient reaches ``sink`` in fp32, for a low-precision
     parameter the sink buffers; None for any other tensor (upcast it the usual way)."""
     if (sink is not None and isinstance(x, torch.Tensor) and x.requires_grad
-            and x.dtype != torch.float32 and sink.wants_fp32_grad(x)):
+            and sink.wants_fp32_grad(x)):
         return _UPCAST(x, sink)
     return None
 
@@ -185,7 +195,7 @@ def route(func, args, kwargs, device_type: str, sink: GradSink | None):
             "scale_grad_by_freq", "sparse"))
         if (max_norm is None and not by_freq and not sparse
                 and isinstance(w, torch.Tensor) and w.requires_grad
-                and w.dtype != torch.float32 and sink.wants_fp32_grad(w)):
+                and sink.wants_fp32_grad(w)):
             if pad is not None and pad < 0:
                 pad += w.shape[0]
             return _EMBEDDING(idx, w, pad, sink)
