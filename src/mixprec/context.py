@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from mixprec import attention
 from mixprec.emulate import leave_low_precision
 from mixprec.kernels import emulating, fp8_rest, has_fast_kernels
-from mixprec.recipe import MX_COMPUTE, Recipe
+from mixprec.recipe import Recipe
 from mixprec.wgrad import NOT_ROUTED, ROUTED_FUNCS, GradSink, route, upcast_param
 
 __all__ = ["precision_context", "recompute_context", "PrecisionMode", "device_supports",
