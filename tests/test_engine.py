@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import random
@@ -238,10 +239,12 @@ def test_fp32_buffers_sum_bf16_micro_grads_exactly():
     engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), "bf16-master",
                             grad_accum_steps=4)
     want = [torch.zeros_like(p, dtype=torch.float64) for p in engine.grads.working]
+    emu = engine._emu_mode or contextlib.nullcontext()  # backward rounds as it would
     for i in range(0, 32, 8):
         with engine.autocast():
             loss = F.cross_entropy(model(x[i:i + 8]), y[i:i + 8])
-        engine.scaler.scale_loss(loss, 4).backward()
+        with emu:
+            engine.scaler.scale_loss(loss, 4).backward()
         for w, p in zip(want, engine.grads.working):
             w += p.grad.double()
         engine.grads.accumulate()
@@ -328,7 +331,8 @@ def test_tied_embedding_keeps_one_shared_master():
     engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), fused=True),
                             "bf16-master")
     assert model.head.weight is model.emb.weight
-    assert model.emb.weight.dtype == torch.bfloat16
+    # bf16 storage (under emulation: fp32 tensors holding bf16 values)
+    assert model.emb.weight.dtype == (torch.float32 if engine.emulating else torch.bfloat16)
     assert len(engine.master_params) == len(list(model.parameters())) == 3
     idx = torch.randint(0, 32, (4, 8))
     for _ in range(3):
@@ -338,7 +342,7 @@ def test_tied_embedding_keeps_one_shared_master():
         engine.step()
     assert model.head.weight is model.emb.weight
     master = engine.master_params[0]
-    assert torch.equal(model.emb.weight, master.to(torch.bfloat16))
+    assert torch.equal(model.emb.weight.float(), master.to(torch.bfloat16).float())
 
 
 def test_cnn_with_batchnorm_keeps_buffers_fp32():
@@ -354,7 +358,8 @@ def test_cnn_with_batchnorm_keeps_buffers_fp32():
         engine.step()
     bn = model[1]
     assert bn.running_mean.dtype == bn.running_var.dtype == torch.float32
-    assert bn.weight.dtype == torch.bfloat16
+    assert bn.weight.dtype == (torch.float32 if engine.emulating else torch.bfloat16)
+    assert torch.equal(bn.weight, bn.weight.bfloat16().to(bn.weight.dtype))  # bf16 values
     assert not torch.equal(bn.running_mean, before)
     assert all(s["momentum_buffer"].dtype == torch.float32
                for s in engine.optimizers[0].state.values())
@@ -506,7 +511,9 @@ def test_device_that_cannot_run_the_recipe(monkeypatch):
     monkeypatch.setattr(checks, "device_supports", lambda dev, dt: dt != torch.bfloat16)
     m = mlp()
     with pytest.raises(ValueError, match="needs torch.bfloat16 but device cpu"):
-        MixedPrecision(m, torch.optim.AdamW(m.parameters()), "bf16")
+        MixedPrecision(m, torch.optim.AdamW(m.parameters()), "bf16,emulate=false")
+    # emulated, bf16 needs no bf16 kernels: the device's fp32 ones do
+    MixedPrecision(m, torch.optim.AdamW(m.parameters()), "bf16,emulate=true")
 
 
 def test_bad_arguments():
@@ -594,7 +601,10 @@ def test_fused_sgd_on_half_params_is_refused_when_torch_cannot_update_them():
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
     if broken:
         with pytest.raises(ValueError, match="does not update torch.float16.*fused=False"):
-            MixedPrecision(model, opt, "fp16,params=fp16,grads=fp16")
+            MixedPrecision(model, opt, "fp16,params=fp16,grads=fp16,emulate=false")
+    model = mlp()  # emulated fp16 params are fp32 tensors: allowed
+    MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1, fused=True),
+                   "fp16,params=fp16,grads=fp16,emulate=true")
     model = mlp()  # fp32 masters are unaffected: allowed
     MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1, fused=True),
                    "fp16-master")
@@ -623,7 +633,8 @@ def test_engine_keeps_no_reference_to_the_loss_or_its_graph():
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("recipe,make_opt,match", [
     # a fused optimizer torch cannot run on the bf16 working copy (when torch has the bug)
-    ("bf16,params=bf16", lambda m: torch.optim.SGD(m.parameters(), lr=0.1, fused=True),
+    ("bf16,params=bf16,emulate=false",
+     lambda m: torch.optim.SGD(m.parameters(), lr=0.1, fused=True),
      "does not update"),
     # an optimizer over another model's parameters, under fp8 (which swaps Linears)
     ("fp8", lambda m: torch.optim.AdamW(mlp(d_in=32, hidden=32).parameters()),

@@ -135,3 +135,15 @@ def test_fuzzed_strings_raise_only_value_error(text):
         except ValueError:
             return
     assert Recipe.parse(str(r)) == r
+
+
+@pytest.mark.parametrize("text,field", [
+    ("fp16,growth_factor=inf", "growth_factor"), ("fp16,growth_factor=nan", "growth_factor"),
+    ("fp16,growth_factor=1e30", "growth_factor"), ("fp16,backoff_factor=nan", "backoff_factor"),
+    ("fp16,backoff_factor=-inf", "backoff_factor"), ("fp16,max_scale=inf", "max_scale"),
+])
+def test_non_finite_or_absurd_scaler_factors_are_refused_naming_the_field(text, field):
+    """Found by fuzzing Recipe.parse: growth_factor=inf was accepted (the scale would jump
+    to max_scale, or to inf without a cap, after the first growth interval)."""
+    with pytest.raises(ValueError, match=f"recipe field '{field}'"):
+        Recipe.parse(text)

@@ -224,8 +224,12 @@ def test_bench_table_without_fp32_and_with_long_recipe_names(capsys):
     assert main(["bench", "--size", "tiny", "--batch", "2", "--seq", "32", "--steps", "1",
                  "--recipes", "bf16;bf16-master,wgrad=fp32"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    head, rows = lines[1], lines[2:-1]
-    assert lines[-1].startswith("overhead: median over rounds")
+    head, rows = lines[1], lines[2:-3]
+    assert lines[-3].startswith("overhead: median over rounds")
+    # each recipe's kernel choices, with the measured rates behind them
+    assert [x.split(":")[0] for x in lines[-2:]] == ["kernels bf16",
+                                                     "kernels bf16-master,wgrad=fp32"]
+    assert all("emulate=" in x and "measured GFLOP/s: fp32" in x for x in lines[-2:])
     assert [r.split()[0] for r in rows] == ["bf16", "bf16-master,wgrad=fp32"]
     assert all(len(r) == len(head) for r in rows)
     assert all(r.split()[3] == "–" for r in rows)          # no fp32 baseline

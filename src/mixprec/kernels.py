@@ -200,7 +200,7 @@ def choices(recipe: Recipe, device: torch.device | str) -> KernelChoices:
     if dev.type == "cpu" and (recipe.uses_autocast or recipe.emulate):
         gflops["fp32"] = matmul_gflops(str(dev), torch.float32, 256, 0.01)
         for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-            gflops[name] = gflops["fp32"] * relative_speed(dev, dt)
+            gflops[name] = matmul_gflops(str(dev), dt, 256, 0.01)
     if recipe.compute != "fp8":
         return KernelChoices(emulate, gflops=gflops)
     route = fp8_gemm_route(dev, "dequant" if recipe.emulate and recipe.fp8_gemm == "auto"

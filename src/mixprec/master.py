@@ -198,11 +198,16 @@ class GradState:
     @torch.no_grad()
     def refresh_working(self) -> None:
         """Working copy <- masters (round to nearest into bf16/fp16). Idempotent, so a
-        skipped step (masters unchanged) leaves the working copy bit-identical."""
+        skipped step (masters unchanged) leaves the working copy bit-identical.
+
+        Under emulation without masters (``params=bf16``), the optimizer updated the fp32
+        tensors themselves: they are rounded to the format, as a real bf16 weight stores
+        its update (to nearest), so updates below half an ulp vanish as they do there."""
         if self.has_master:
             torch._foreach_copy_(self.working, self.masters)
-            if self.round_to is not None:
-                round_(self.working, self.round_to)
+        if self.round_to is not None:
+            round_(self.working, self.round_to)
+        if self.has_master:
             self.mark_working()
 
     def mark_working(self) -> None:

@@ -164,7 +164,12 @@ class Recipe:
             v = getattr(self, name)
             need(isinstance(v, (int, float)) and math.isfinite(v) and v > 0, name,
                  "a finite number > 0")
-        need(self.growth_factor > 1, "growth_factor", "> 1")
+        for name in ("growth_factor", "backoff_factor"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                 name, "a finite number")
+        # a growth factor of 1e30 reaches max_scale in one step, inf never comes back
+        need(1 < self.growth_factor <= 2.0**24, "growth_factor", "> 1 and <= 2^24")
         need(0 < self.backoff_factor < 1, "backoff_factor", "between 0 and 1 (exclusive)")
         need(self.min_scale <= self.max_scale, "min_scale", f"<= max_scale ({self.max_scale})")
         if self.loss_scale != "none":

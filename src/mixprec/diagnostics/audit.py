@@ -109,6 +109,15 @@ def audit_scale_history(history: list[float], recipe: Recipe | str) -> list[Find
     return out
 
 
+def _dtype(t: torch.Tensor) -> torch.dtype:
+    """A tensor's dtype as the run computes it: under emulation, fp32 tensors holding a
+    16-bit format's values count as that format."""
+    from mixprec.emulate import active_mode
+
+    mode = active_mode()
+    return mode.carrier if mode is not None and t in mode.virtual else t.dtype
+
+
 class _FlopsByDtype(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -120,13 +129,13 @@ class _FlopsByDtype(TorchDispatchMode):
         aten = torch.ops.aten
         if func in (aten.mm.default, aten.bmm.default, aten.addmm.default):
             a, b = (args[1], args[2]) if func is aten.addmm.default else (args[0], args[1])
-            self.flops[a.dtype] += 2 * a.numel() * b.shape[-1]
+            self.flops[_dtype(a)] += 2 * a.numel() * b.shape[-1]
         elif func is aten.convolution.default:
             w = args[1]
-            self.flops[args[0].dtype] += 2 * out.numel() * w[0].numel()
+            self.flops[_dtype(args[0])] += 2 * out.numel() * w[0].numel()
         elif "scaled_dot_product" in func.__name__ and "backward" not in func.__name__:
             q, k = args[0], args[1]
-            self.flops[q.dtype] += 4 * q.numel() * k.shape[-2]
+            self.flops[_dtype(q)] += 4 * q.numel() * k.shape[-2]
         return out
 
 
@@ -139,30 +148,52 @@ def matmul_coverage(run) -> dict[str, float]:
     return {_name(k): v / total for k, v in mode.flops.items()}
 
 
-def audit_kernel_speed(device: torch.device, recipe: Recipe | str) -> tuple[list[Finding],
-                                                                            dict]:
-    """Measured matmul throughput in fp32/bf16/fp16 here; a finding when the recipe's
-    compute dtype is much slower than another 16-bit one, or no faster than fp32."""
-    from mixprec.kernels import matmul_gflops
+def audit_kernel_speed(device: torch.device, recipe: Recipe | str
+                       ) -> tuple[list[Finding], dict]:
+    """Measured matmul throughput in fp32/bf16/fp16 here, and what mixprec's ``auto``
+    choices made of it (``mixprec.kernels.choices``): an info finding where a format has
+    no fast kernel and mixprec already routes around it (emulation; fp8's other layers
+    in fp32), a warning where the recipe's own kernels run slow (``emulate=false``) or
+    another 16-bit format is much faster. Never advice to turn on what is already on."""
+    from mixprec.kernels import choices, matmul_gflops
 
     r = Recipe.coerce(recipe)
     dev = str(torch.device(device))
-    speed = {n: matmul_gflops(dev, dt) for n, dt in
+    speed = {n: matmul_gflops(dev, dt, 256, 0.01) for n, dt in
              (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))}
-    facts = {"matmul_gflops": {k: round(v, 1) for k, v in speed.items()}}
+    k = choices(r, dev)
+    facts = {"matmul_gflops": {n: round(v, 1) for n, v in speed.items()},
+             "kernels": k.describe()}
+    if r.compute == "fp8":
+        return ([Finding(
+            "info", "kernel-emulated",
+            f"bf16 has no fast kernel on {dev}: the layers around the fp8 Linears run in "
+            "fp32 (faster and more exact here)", k.describe(),
+            "nothing to change: on a device with fast bf16 they run in bf16", {})]
+            if k.fp8_rest == "fp32" else []), facts
     if r.compute not in ("bf16", "fp16"):
         return [], facts
     mine = speed[r.compute]
     other = "bf16" if r.compute == "fp16" else "fp16"
-    rel = {k: v / speed["fp32"] for k, v in speed.items()}
+    rel = {n: v / speed["fp32"] for n, v in speed.items()}
+    if k.emulate:
+        return [Finding(
+            "info", "kernel-emulated",
+            f"{r.compute} has no fast kernel on {dev} ({speed['fp32'] / mine:.0f}x slower "
+            f"than fp32): mixprec emulates it exactly on fp32 kernels",
+            f"measured {mine:.1f} GFLOP/s in {r.compute}, {speed['fp32']:.0f} in fp32; "
+            + k.describe(),
+            "nothing to change: the numerics are the format's; on a device with "
+            f"{r.compute} units the real kernels run", {"relative": rel})], facts
     if mine < 0.5 * speed["fp32"]:
         return [Finding(
             "warning", "kernel-slow",
             f"{r.compute} matmuls are {speed['fp32'] / mine:.0f}x slower than fp32 on {dev}",
             f"measured {mine:.0f} GFLOP/s in {r.compute}, {speed['fp32']:.0f} in fp32, "
             f"{speed[other]:.0f} in {other}",
-            f"use {other} if it is fast here ({rel[other]:.1f}x fp32), or emulate={r.compute}"
-            " exactly at fp32 speed (emulate=true)", {"relative": rel})], facts
+            (f"use {other} if it is fast here ({rel[other]:.1f}x fp32), or " if
+             rel[other] >= 0.5 else "") + f"emulate {r.compute} exactly on fp32 kernels "
+            "(emulate=true, or leave emulate at auto)", {"relative": rel})], facts
     if speed[other] > 1.5 * mine:
         return [Finding(
             "warning", "kernel-better-dtype",

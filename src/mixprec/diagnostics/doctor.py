@@ -156,7 +156,7 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
                 f"keep {worst.layer} in fp32 (a norm or softmax there belongs in keep_fp32; "
                 "a custom module can run under torch.autocast(enabled=False)), or use bf16",
                 {"layers": [t.layer for t in bad]}))
-    if r.uses_autocast and not engine.emulating:
+    if r.uses_autocast:
         cov = matmul_coverage(lambda: _forward(engine, model, batch_fn))
         low = sum(v for k, v in cov.items() if k in ("bfloat16", "float16",
                                                      "float8_e4m3fn", "float8_e5m2"))

@@ -65,13 +65,17 @@ def vanished_updates(engine, step: Callable[[Callable[[], None]], bool],
 
     if step(capture):
         return None
+    # under emulation without masters the updated tensors are fp32 holding bf16/fp16
+    # values: the format they store is the one named
+    stored = {"bf16": "bfloat16", "fp16": "float16"}.get(
+        state.round_to if not state.has_master else None)
     out = []
     for name, p, old, nz in zip(names, params, before, nonzero):
         if nz is None:
             continue
         same = (p.detach() == old) & nz
-        out.append(Vanished(name, str(p.dtype).removeprefix("torch."), int(nz.sum()),
-                            int(same.sum())))
+        out.append(Vanished(name, stored or str(p.dtype).removeprefix("torch."),
+                            int(nz.sum()), int(same.sum())))
     return out
 
 

@@ -15,6 +15,7 @@ recipe is timed in its own phase, interleaved step by step with its hand-written
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -23,8 +24,9 @@ import warnings
 import torch
 from torch import nn
 
+from mixprec.context import make_emulation_mode
 from mixprec.engine import MixedPrecision
-from mixprec.kernels import matmul_gflops
+from mixprec.kernels import fp8_gemm_gflops, matmul_gflops
 from mixprec.recipe import Recipe
 from mixprec.workbench.model import GPT, SIZES
 
@@ -53,10 +55,16 @@ def paired_overhead(times: list[float], base: list[float]) -> tuple[float, float
     return statistics.median(ratios), q[0], q[2]
 
 
-def peak_gflops(device: str, compute: str) -> float:
-    """Measured GEMM rate for a recipe's compute dtype (fp8 on CUDA: torch._scaled_mm; on
-    the CPU mixprec's fp8 GEMMs run as bf16, so bf16's rate is the ceiling)."""
+def peak_gflops(device: str, compute: str, kernels=None) -> float:
+    """Measured GEMM rate of the kernels a recipe really multiplies with: its compute
+    dtype's; fp32's where ``kernels`` (``engine.kernels``) says it is emulated; for fp8,
+    torch._scaled_mm on CUDA and on the CPU the GEMM of the route ``kernels`` chose."""
     dev = torch.device(device)
+    if kernels is not None and dev.type == "cpu":
+        if compute == "fp8" and kernels.fp8_gemm == "scaled_mm":
+            return fp8_gemm_gflops(str(dev), 256)
+        if kernels.emulate or (compute == "fp8" and kernels.fp8_gemm == "dequant_fp32"):
+            compute = "fp32"
     if compute == "fp8" and dev.type == "cuda":
         n = 8192
         a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
@@ -126,9 +134,8 @@ def bench(recipes=("fp32", "bf16", "bf16-master", "fp16", "fp8"), *, size: str =
             e.backward(loss)
             e.step()
         loops[r] = (step, m, e)
-        if rec.compute in ("fp32", "bf16", "fp16") and rec.params == "fp32" and \
-                not e.emulating:
-            hand[r] = _hand_loop(build(), rec, dev, loss_of)
+        if rec.compute in ("fp32", "bf16", "fp16") and rec.params == "fp32":
+            hand[r] = _hand_loop(build(), rec, dev, loss_of, e.emulating)
     # One phase per recipe: the engine and its hand-written twin interleaved (order
     # rotating). Phases are kept apart because a big loop's allocations perturb the one
     # after it; speed-ups compare phase medians.
@@ -154,7 +161,7 @@ def bench(recipes=("fp32", "bf16", "bf16-master", "fp16", "fp8"), *, size: str =
     for r, (_, m, e) in loops.items():
         rec = Recipe.coerce(r)
         med = statistics.median(times[r])
-        peak = peak_gflops(device, rec.compute)
+        peak = peak_gflops(device, rec.compute, e.kernels)
         achieved = flops_per_step / med / 1e9
         over, q25, q75 = (paired_overhead(times[r], times[f"hand:{r}"]) if r in hand
                           else (None, None, None))
@@ -163,7 +170,7 @@ def bench(recipes=("fp32", "bf16", "bf16-master", "fp16", "fp8"), *, size: str =
                      "gflops": achieved, "peak_gflops": peak, "mfu": achieved / peak,
                      "overhead_vs_hand": over, "overhead_iqr": (q25, q75),
                      "model_state_bytes": mem,
-                     "emulated": e.emulating})
+                     "emulated": e.emulating, "kernels": e.kernels.describe()})
     base = next((x for x in rows if x["recipe"] == "fp32"), None)
     for x in rows:
         x["speedup_vs_fp32"] = base["step_ms"] / x["step_ms"] if base else None
@@ -172,8 +179,12 @@ def bench(recipes=("fp32", "bf16", "bf16-master", "fp16", "fp8"), *, size: str =
             "flops_per_step": flops_per_step, "rows": rows}
 
 
-def _hand_loop(model, rec: Recipe, dev, loss_of):
+def _hand_loop(model, rec: Recipe, dev, loss_of, emulate: bool = False):
+    """The plain-torch twin of the engine's loop; under emulation it enters the same
+    EmulationMode by hand (forward and backward), as a user without the engine would."""
     opt = torch.optim.AdamW(model.parameters(), fused=True)
+    mode = make_emulation_mode(rec) if emulate else None
+    emu = mode if mode is not None else contextlib.nullcontext()
     if rec.compute == "fp32":
         def step():
             loss = loss_of(model)
@@ -185,13 +196,13 @@ def _hand_loop(model, rec: Recipe, dev, loss_of):
     scaler = torch.amp.GradScaler(dev.type) if rec.compute == "fp16" else None
 
     def step():
-        with torch.autocast(dev.type, dtype=dtype):
+        with torch.autocast(dev.type, dtype=dtype), emu:
             loss = loss_of(model)
+        with emu:
+            (loss if scaler is None else scaler.scale(loss)).backward()
         if scaler is None:
-            loss.backward()
             opt.step()
         else:
-            scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -219,6 +230,7 @@ def format_table(result: dict) -> str:
             f"{iqr:>14}{x['model_state_bytes'] / 2**20:>10.1f}")
     lines.append("overhead: median over rounds of (engine step / hand-written step) - 1, "
                  "each round timing the two back to back; IQR: its quartiles")
+    lines += [f"kernels {x['recipe']}: {x['kernels']}" for x in result["rows"]]
     return "\n".join(lines)
 
 
