@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import mlp, tiny_gpt
-from mixprec import MixedPrecision
+from mixprec import MixedPrecision, Recipe
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -44,6 +44,10 @@ def test_compiled_model_trains_like_eager_with_the_islands(recipe):
     guards (NameError: ___get_torch_function_mode_stack_at) for every recipe."""
     eager, compiled = _losses(recipe, False), _losses(recipe, True)
     assert compiled == pytest.approx(eager, rel=1e-5)
+    from mixprec.context import autocast_dtype
+
+    if autocast_dtype(Recipe.parse(recipe), "cpu") is None:
+        return  # fp8 on a chip without fast bf16: its other layers run in fp32, no islands
     # the islands are in the compiled graph: without them the losses move by more
     eager, compiled = _losses(recipe, False, gpt=False), _losses(recipe, True, gpt=False)
     without = _losses(recipe, False, islands=False, gpt=False)

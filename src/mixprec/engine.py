@@ -128,8 +128,11 @@ class MixedPrecision:
     ...     loss = model(torch.randn(8, 4)).square().mean()
     >>> engine.backward(loss)
     >>> result = engine.step()
-    >>> bool(result.skipped), model.weight.dtype, engine.master_params[0].dtype
-    (False, torch.bfloat16, torch.float32)
+    >>> bool(result.skipped), engine.recipe.params, engine.master_params[0].dtype
+    (False, 'bf16', torch.float32)
+
+    (``model.weight`` is then bf16: a real bf16 tensor, or under emulation, on a CPU
+    without bf16 units, an fp32 tensor holding bf16 values.)
 
     Args:
         model: the module to train; ``-master`` recipes cast its parameters to the
