@@ -23,7 +23,7 @@ import torch
 
 from mixprec import MixedPrecision
 from mixprec.recipe import preset_names
-from mixprec.workbench import GPT, SIZES
+from mixprec.workbench.model import GPT, SIZES
 
 
 def cpu_name() -> str:

@@ -341,3 +341,21 @@ def test_cli_doctor_takes_the_runs_learning_rate(capsys):
     assert "update-vanish" in [f["code"] for f in report["findings"]]
     with pytest.raises(ValueError, match="valid are 'adamw'"):
         doctor(mlp_factory(), batches(), "bf16", steps=1, optimizer="adam")
+
+
+def test_profiling_leaves_no_profiler_lines_in_the_users_terminal():
+    """torch's profiler (kineto) writes ``USDT: ... profiler_start/stop`` to stderr from
+    C++ at every start and stop; the doctor's time-share check runs it, and `mixprec
+    compare` printed ten such lines. They are held back; the user's own stderr is not."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from mixprec.diagnostics.timeshare import time_shares\n"
+            "def step():\n"
+            "    torch.randn(8, 8) @ torch.randn(8, 8)\n"
+            "    print('the user says', file=sys.stderr)\n"
+            "time_shares(step, 1)\n")
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stderr
+    assert "the user says" in err and "USDT" not in err and "profiler_st" not in err

@@ -246,3 +246,24 @@ def test_paired_overhead_is_the_median_of_per_round_ratios():
     assert (med, q25, q75) == pytest.approx((0.15, 0.075, 0.225))
     with pytest.raises(ValueError, match="same number"):
         paired_overhead([1.0], [1.0, 2.0])
+
+
+def test_compare_flags_a_recipe_whose_step_is_over_twice_fp32s_with_the_cause():
+    from mixprec.workbench.compare import slow_step_findings
+    from mixprec.workbench.train import TrainConfig, TrainResult
+
+    def result(recipe, tps, emulated=False):
+        return TrainResult(TrainConfig(recipe=recipe), steps=[{"tokens_per_s": tps}] * 10,
+                           emulated=emulated, kernels="emulate=on (measured GFLOP/s: ...)")
+
+    results = {"fp32": result("fp32", 6000.0), "bf16": result("bf16", 5000.0, True),
+               "fp8": result("fp8", 326.0)}
+    facts = {"time_shares": {"ops": [("aten::mm", 40.0), ("aten::_to_copy", 9.5)]}}
+    assert slow_step_findings("bf16", results, facts) == []   # 1.2x: not flagged
+    assert slow_step_findings("fp32", results, facts) == []
+    (f,) = slow_step_findings("fp8", results, facts)           # the 0.05x fp8
+    assert f.code == "step-slow" and f.severity == "warning"
+    assert "18.4x the fp32 step" in f.title
+    assert "aten::mm 40.0 ms" in f.evidence and "kernels: emulate=on" in f.evidence
+    slow = {**results, "bf16": result("bf16", 1000.0, True)}
+    assert "it is emulated" in slow_step_findings("bf16", slow, {})[0].advice

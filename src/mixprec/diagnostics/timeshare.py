@@ -16,6 +16,10 @@ project's CPU torch's bf16 flash backward is slower than its fp32 one).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
 from collections.abc import Callable
 
 import torch
@@ -41,6 +45,37 @@ def classify(op: str) -> str:
     return "other"
 
 
+#: what torch's profiler (kineto) writes to stderr at every start and stop, from C++
+_CHATTER = b"USDT:"
+
+
+@contextlib.contextmanager
+def _without_profiler_chatter():
+    """Hold stderr's file descriptor in a temporary file while the profiler runs, then
+    write back every line of it but kineto's ``USDT: ... profiler_start/stop`` lines
+    (no setting silences them; a user's own warnings and errors pass through)."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # stderr replaced (pytest, a notebook)
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), fd)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, fd)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().splitlines(keepends=True)
+                    if not line.startswith(_CHATTER)]
+            if kept:
+                os.write(fd, b"".join(kept))
+
+
 def time_shares(step: Callable[[], None], steps: int = 2) -> dict:
     """Profile ``steps`` calls of ``step``: total milliseconds per step, the share of
     each class, and every op's self time per step (ms), largest first."""
@@ -49,7 +84,7 @@ def time_shares(step: Callable[[], None], steps: int = 2) -> dict:
     acts = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(ProfilerActivity.CUDA)
-    with profile(activities=acts) as prof:
+    with _without_profiler_chatter(), profile(activities=acts) as prof:
         for _ in range(steps):
             step()
         if torch.cuda.is_available():

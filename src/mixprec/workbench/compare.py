@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from mixprec.diagnostics.findings import Finding
+
 from mixprec.recipe import Recipe
 from mixprec.workbench.train import TrainConfig, TrainResult, train
 
@@ -103,8 +105,37 @@ def _doctor(results, steps) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             rep = doctor(factory, batch_fn, r, steps=steps, reference_steps=0)
-        out[r] = [dataclasses.asdict(f) for f in rep.findings]
+        found = list(rep.findings) + slow_step_findings(r, results, rep.facts)
+        out[r] = [dataclasses.asdict(f) for f in found]
     return out
+
+
+#: a recipe whose training step takes longer than this many fp32 steps is flagged
+SLOW_STEP = 2.0
+
+
+def slow_step_findings(recipe: str, results: dict, facts: dict) -> list[Finding]:
+    """A warning when ``recipe`` trained at under 1/``SLOW_STEP`` of fp32's tokens/s in
+    the same comparison, with the cause: the kernels it ran on (the auto choices and
+    the measured rates) and where the doctor's profile says its step's time goes."""
+    base, res = results.get("fp32"), results[recipe]
+    if base is None or recipe == "fp32" or not res.tokens_per_s:
+        return []
+    ratio = base.tokens_per_s / res.tokens_per_s
+    if ratio <= SLOW_STEP:
+        return []
+    ops = (facts.get("time_shares") or {}).get("ops", [])[:3]
+    where = ", ".join(f"{op} {ms:.1f} ms" for op, ms in ops)
+    emulated = ("it is emulated (no fast kernel for its format here), which costs "
+                "rounding passes on fp32 kernels; " if res.emulated else "")
+    return [Finding(
+        "warning", "step-slow",
+        f"{recipe}'s step takes {ratio:.1f}x the fp32 step here",
+        f"{res.tokens_per_s:,.0f} tokens/s against fp32's {base.tokens_per_s:,.0f}; "
+        f"kernels: {res.kernels}" + (f"; the largest ops per step: {where}" if where else ""),
+        emulated + "on this device train in fp32 (or a recipe whose kernels are fast "
+        "here) and keep this recipe for hardware that has them; the largest ops above "
+        "say where its time goes", {"ratio": ratio})]
 
 
 def _report_dict(results, walls, findings, scenario, story) -> dict:

@@ -81,6 +81,7 @@ class TrainResult:
     steps: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
     emulated: bool = False
+    kernels: str = ""  # engine.kernels.describe(): the auto choices and measured rates
     memory: dict = field(default_factory=dict)
     fp8_report: str | None = None
 
@@ -186,7 +187,7 @@ def train(cfg: TrainConfig, out: str | Path | None = None, *, resume: bool = Fal
     net = engine.model
     g = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     start = 0
-    result = TrainResult(cfg, emulated=engine.emulating,
+    result = TrainResult(cfg, emulated=engine.emulating, kernels=engine.kernels.describe(),
                          fp8_report=str(engine.fp8_report) if engine.fp8_report else None)
     if state is not None:
         engine.load_state_dict(state["engine"])
