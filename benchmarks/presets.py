@@ -14,7 +14,6 @@ No timing is asserted anywhere: these are the figures the README quotes.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 import warnings
@@ -23,19 +22,8 @@ import torch
 
 from mixprec import MixedPrecision
 from mixprec.recipe import preset_names
+from mixprec.workbench.compare import cpu_name
 from mixprec.workbench.model import GPT, SIZES
-
-
-def cpu_name() -> str:
-    """The CPU's model name and torch's capability string (AVX2, AVX512, ...)."""
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def _engine_step(recipe: str, cfg, batch):

@@ -194,11 +194,11 @@ def make_frozen_adagrad(seed: int = 0):
     return model, torch.optim.Adagrad(model.parameters(), lr=0.05)
 
 
-def frozen_stateful(rank, world, tmp, parallel, steps):
+def frozen_stateful(rank, world, tmp, parallel, steps, recipe="fp32"):
     """make_frozen_adagrad on 2 ranks x 8 samples per step."""
     _init(rank, world, tmp)
     model, opt = make_frozen_adagrad(seed=rank)
-    engine = MixedPrecision(model, opt, "fp32", parallel=parallel)
+    engine = MixedPrecision(model, opt, recipe, parallel=parallel)
     for x, y in make_data(steps):
         with engine.autocast():
             loss = F.cross_entropy(engine.model(x.chunk(world)[rank]), y.chunk(world)[rank])

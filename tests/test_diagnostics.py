@@ -359,3 +359,24 @@ def test_profiling_leaves_no_profiler_lines_in_the_users_terminal():
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stderr
     assert "the user says" in err and "USDT" not in err and "profiler_st" not in err
+
+
+@pytest.mark.parametrize("gemm", ["dequant", "dequant_fp32"])
+def test_fp8_gemms_count_as_fp8_whatever_the_route(gemm):
+    """The dequant routes multiply exact fp32 or bf16 upcasts of the fp8 operands; the
+    coverage check counts those GEMMs as fp8 (dequant_fp32, auto's choice on an AVX2 CPU,
+    read as '0% of matmul FLOPs in low precision' before)."""
+    from mixprec import MixedPrecision
+    from mixprec.diagnostics.audit import matmul_coverage
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.Linear(64, 4))
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            f"fp8,fp8_gemm={gemm}")
+
+    def run():
+        with engine.autocast():
+            model(torch.randn(32, 64)).float().sum().backward()
+
+    cov = matmul_coverage(run)
+    assert cov.get("float8_e4m3fn", 0) + cov.get("float8_e5m2", 0) > 0.8, cov

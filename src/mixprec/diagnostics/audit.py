@@ -8,6 +8,7 @@ from collections import Counter
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from mixprec.diagnostics.findings import Finding
 from mixprec.recipe import Recipe
@@ -118,18 +119,31 @@ def _dtype(t: torch.Tensor) -> torch.dtype:
     return mode.carrier if mode is not None and t in mode.virtual else t.dtype
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 class _FlopsByDtype(TorchDispatchMode):
+    """FLOPs of matmuls, convolutions and attention by the format of their inputs. An
+    exact upcast of an fp8 tensor (the ``dequant`` GEMM routes) counts as fp8."""
+
     def __init__(self):
         super().__init__()
         self.flops = Counter()
+        self.upcast = WeakTensorKeyDictionary()  # fp32/bf16 copies of fp8 tensors
+
+    def _of(self, t: torch.Tensor) -> torch.dtype:
+        return self.upcast.get(t, None) or _dtype(t)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         aten = torch.ops.aten
-        if func in (aten.mm.default, aten.bmm.default, aten.addmm.default):
+        if func is aten._to_copy.default and args[0].dtype in _FP8:
+            self.upcast[out] = args[0].dtype
+        elif func in (aten.mm.default, aten.bmm.default, aten.addmm.default,
+                      aten._scaled_mm.default):
             a, b = (args[1], args[2]) if func is aten.addmm.default else (args[0], args[1])
-            self.flops[_dtype(a)] += 2 * a.numel() * b.shape[-1]
+            self.flops[self._of(a)] += 2 * a.numel() * b.shape[-1]
         elif func is aten.convolution.default:
             w = args[1]
             self.flops[_dtype(args[0])] += 2 * out.numel() * w[0].numel()

@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 from mixprec.diagnostics.findings import Finding
-
 from mixprec.recipe import Recipe
 from mixprec.workbench.train import TrainConfig, TrainResult, train
 
@@ -138,6 +137,19 @@ def slow_step_findings(recipe: str, results: dict, facts: dict) -> list[Finding]
         "say where its time goes", {"ratio": ratio})]
 
 
+def cpu_name() -> str:
+    """The CPU's model name and torch's capability (``AVX2``, ``AVX512``...): a figure
+    means little without the chip it came from, and these differ run to run."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+
+
 def _report_dict(results, walls, findings, scenario, story) -> dict:
     base = results.get("fp32")
     rows = []
@@ -166,7 +178,7 @@ def _report_dict(results, walls, findings, scenario, story) -> dict:
     return {
         "scenario": scenario, "story": story,
         "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "recipe"},
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
+        "machine": f"{cpu_name()}, {torch.get_num_threads()} threads, torch "
                    f"{torch.__version__}",
         "summary": rows,
         "curves": {r: {"steps": [s["step"] for s in res.steps],
