@@ -6,6 +6,7 @@ import contextlib
 import io
 import math
 import random
+import warnings
 
 import pytest
 import torch
@@ -663,3 +664,35 @@ def test_a_refused_engine_leaves_the_model_untouched(recipe, make_opt, match):
     after = model.state_dict()
     assert all(after[k].dtype == v.dtype and torch.equal(after[k], v)
                for k, v in before.items())                        # no cast, same bits
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("recipe", ["fp32", "bf16-master", "fp32,loss_scale=static"])
+def test_a_gradient_norm_that_overflows_fp32_is_skipped_on_every_path(recipe, fused, clip):
+    """Finite gradients whose global norm overflows fp32: 4096 elements of 2^66 (bf16 and
+    fp32 hold them; the sum of squares, 2^144, does not). The fused path counted the
+    norm as inf and skipped. The unfused path found no inf element, clipped by
+    max_norm / inf = 0 (or not at all) and applied the step: AdamW's moments and step
+    count moved. Now both skip, leaving masters and optimizer state bit-identical."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64, bias=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # which kernels this chip has fast
+        engine = MixedPrecision(model, opt, recipe, max_grad_norm=clip)
+    with engine.autocast():
+        loss = model(torch.randn(8, 64)).float().square().mean()
+    engine.backward(loss)
+    assert not bool(engine.step().skipped)  # an ordinary step: AdamW has state now
+    masters = [p.detach().clone() for p in engine.master_params]
+    state = {k: v.clone() for k, v in opt.state[engine.master_params[0]].items()}
+    with engine.autocast():
+        loss = (model.weight * 2.0**66).sum()  # every gradient element is 2^66
+    engine.backward(loss)
+    result = engine.step()
+    assert bool(result.skipped)
+    assert all(torch.equal(a, b) for a, b in zip(masters, engine.master_params))
+    after = opt.state[engine.master_params[0]]
+    assert all(torch.equal(v, after[k]) for k, v in state.items())  # moments, step
+    assert engine.skipped_steps.item() == 1

@@ -384,11 +384,13 @@ class MixedPrecision:
             return StepResult(True, False, self.scaler.scale, None)
         self._check_setup_unchanged()
         grads = self._local(self.grads.grads())
+        found_inf, norm = self._check(grads)  # one skip decision for every path
         if self._all_fused and self._one_device:
-            found_inf, norm, grad_scale = self._check_fused(grads)
+            grad_scale = self._fused_grad_scale(norm)  # the kernel unscales and clips
         else:
-            found_inf = self._agree(self.scaler.unscale_(grads))
-            norm = self._clip(grads)
+            self.scaler.unscale_(grads)  # its own inf check is implied by the norm's
+            if self.max_grad_norm is not None:
+                torch._foreach_mul_(grads, clip_coef(norm, self.max_grad_norm))
             grad_scale = None
         self.grads.hand_to_optimizer()
         for opt, fused in zip(self.optimizers, self._fused):
@@ -447,21 +449,28 @@ class MixedPrecision:
                 "its optimizer) after changing which parameters train, e.g. from a "
                 "checkpoint: engine.state_dict() keeps the weights.")
 
-    def _check_fused(self, grads: list[torch.Tensor]):
-        """One read of the gradients for fused optimizers: the global norm of the
-        *scaled* gradients is both the non-finite check (inf/NaN anywhere makes it
-        non-finite) and, divided by the scale, the true norm. Unscaling and clipping
-        are left to the optimizer's kernel through ``grad_scale = scale / clip_coef``
-        (it divides each gradient by it), so no pass writes the gradients here.
-        A norm that overflows fp32 (> 3.4e38) counts as an overflow too."""
+    def _check(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one skip decision, for the fused and the unfused paths alike: the global
+        norm of the *scaled* gradients is non-finite when any gradient holds inf/NaN and
+        when their sum of squares overflows fp32 (finite elements, a norm above ~1.8e19).
+        Divided by the scale it is the true norm (exactly, for power-of-2 scales).
+
+        Before, the unfused path took its decision from the elements alone; a norm that
+        overflowed then clipped by ``max_norm / inf = 0`` and the step was applied, so
+        Adam's moments decayed and its step count advanced where the fused path skipped."""
         norm_scaled = self._global_norm(grads)
         found_inf = self._agree((~torch.isfinite(norm_scaled)).float())
         scaled = self.scaler.kind != "none"
-        norm = norm_scaled / self.scaler.scale if scaled else norm_scaled
+        return found_inf, (norm_scaled / self.scaler.scale if scaled else norm_scaled)
+
+    def _fused_grad_scale(self, norm: torch.Tensor) -> torch.Tensor | None:
+        """What fused optimizers divide each gradient by: the loss scale over the clip
+        coefficient, so no pass writes the gradients here (None: nothing to divide)."""
+        scaled = self.scaler.kind != "none"
         grad_scale = self.scaler.scale if scaled else None
         if self.max_grad_norm is not None:
             grad_scale = (grad_scale if scaled else 1.0) / clip_coef(norm, self.max_grad_norm)
-        return found_inf, norm, grad_scale
+        return grad_scale
 
     def _agree(self, found_inf: torch.Tensor) -> torch.Tensor:
         """Data parallel: every rank takes the same skip decision (MAX across ranks)."""
@@ -481,12 +490,6 @@ class MixedPrecision:
         if self.parallel == "fsdp":
             dist.all_reduce(sq)
         return sq.sqrt()
-
-    def _clip(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        norm = self._global_norm(grads)
-        if self.max_grad_norm is not None:
-            torch._foreach_mul_(grads, clip_coef(norm, self.max_grad_norm))
-        return norm
 
     def _watch_skips(self) -> None:
         self._skips.check(self.scaler, self.recipe)
