@@ -414,3 +414,30 @@ def test_zeroing_between_micro_batches_is_refused_where_it_drops_them(recipe, se
     with pytest.raises(RuntimeError, match="1 micro-batch.*cleared outside the engine.*"
                                            "zero nothing in between"):
         _backward(model, engine)
+
+
+def test_norm_modules_from_other_libraries_are_unpatched_when_the_engine_goes():
+    """The engine runs a third-party norm (matched by class name) whole in fp32 by
+    patching its ``forward``; that patch belonged to the engine but outlived it, so the
+    model kept running that norm with autocast off. close() and collection undo it."""
+    import gc
+
+    class LlamaRMSNorm(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d))
+
+        def forward(self, x):
+            return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    model = nn.Sequential(nn.Linear(16, 16), LlamaRMSNorm(16))
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-master")
+    assert "forward" in model[1].__dict__           # patched while the engine lives
+    del engine
+    gc.collect()
+    assert "forward" not in model[1].__dict__       # collected: the class forward again
+    model = nn.Sequential(nn.Linear(16, 16), LlamaRMSNorm(16))
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16")
+    engine.close()
+    engine.close()                                  # twice: harmless
+    assert "forward" not in model[1].__dict__

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -162,6 +163,9 @@ class MixedPrecision:
             become Float8Linears (``mixprec.fp8.convert``'s ``filter``; default: all but
             the output head). A model that already holds Float8Linears, converted by
             hand, is left as it is.
+        loss_scaler: a ``mixprec.scaler.LossScaler`` policy to use instead of the one the
+            recipe names (its own subclass, say: a scale on a schedule). It must live on
+            the model's device; checkpoints hold its state under its ``kind``.
     """
 
     def __init__(
@@ -177,6 +181,7 @@ class MixedPrecision:
         parallel_kwargs: dict | None = None,
         fsdp_units=None,
         fp8_filter=None,
+        loss_scaler: LossScaler | None = None,
     ) -> None:
         self.recipe = r = Recipe.coerce(recipe)
         if not isinstance(model, nn.Module):
@@ -201,6 +206,9 @@ class MixedPrecision:
                     f"recipe {str(r)!r}: wgrad=fp32 with parallel='fsdp' is not "
                     "supported: FSDP reduce-scatters the gradients of its unsharded "
                     "low-precision parameters. Use parallel='ddp', or drop wgrad.")
+        if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+            raise TypeError(f"loss_scaler must be a mixprec.scaler.LossScaler (a subclass "
+                            f"for a policy of your own), got {type(loss_scaler).__name__}")
         check_fp8_filter(fp8_filter, r, model)
         parallel_kwargs = check_parallel_kwargs(parallel, parallel_kwargs)
         units = check_fsdp_units(parallel, fsdp_units, model)
@@ -275,10 +283,13 @@ class MixedPrecision:
         self._fused = [takes_found_inf(o) for o in self.optimizers]
         self._param_counts = param_counts(self.optimizers)
         self._all_fused = all(self._fused)
-        self.scaler = LossScaler.from_recipe(r, self.device)
-        self._undo_islands = wrap_fp32_modules(
-            fp32_island_modules(model, r.keep_fp32), self.device.type
-        ) if r.has_fp32_islands else (lambda: None)
+        self.scaler = (LossScaler.from_recipe(r, self.device) if loss_scaler is None
+                       else loss_scaler)
+        undo = wrap_fp32_modules(fp32_island_modules(model, r.keep_fp32), self.device.type
+                                 ) if r.has_fp32_islands else (lambda: None)
+        # the patched forwards belong to this engine: undone by close() or when the
+        # engine is collected (the finalizer holds the undo function, not the engine)
+        self._undo_islands = weakref.finalize(self, undo)
         self._micro = self._seen = 0
         self._steps = 0
         self._skips = SkipWatch(self.device)
@@ -460,13 +471,13 @@ class MixedPrecision:
         Adam's moments decayed and its step count advanced where the fused path skipped."""
         norm_scaled = self._global_norm(grads)
         found_inf = self._agree((~torch.isfinite(norm_scaled)).float())
-        scaled = self.scaler.kind != "none"
+        scaled = self.scaler.scaled
         return found_inf, (norm_scaled / self.scaler.scale if scaled else norm_scaled)
 
     def _fused_grad_scale(self, norm: torch.Tensor) -> torch.Tensor | None:
         """What fused optimizers divide each gradient by: the loss scale over the clip
         coefficient, so no pass writes the gradients here (None: nothing to divide)."""
-        scaled = self.scaler.kind != "none"
+        scaled = self.scaler.scaled
         grad_scale = self.scaler.scale if scaled else None
         if self.max_grad_norm is not None:
             grad_scale = (grad_scale if scaled else 1.0) / clip_coef(norm, self.max_grad_norm)
@@ -607,5 +618,6 @@ class MixedPrecision:
         restore_engine(self, state)
 
     def close(self) -> None:
-        """Undo the fp32 wrapping of third-party norm modules."""
+        """Undo the fp32 wrapping of third-party norm modules (a ``LlamaRMSNorm``'s
+        ``forward``). Dropping the engine does it too; calling it twice is harmless."""
         self._undo_islands()

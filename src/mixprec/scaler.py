@@ -1,7 +1,8 @@
 """LossScaler: none, static and dynamic loss scaling with state on the device.
 
-One interface for all three kinds, so the training loop has no ``if fp16:`` branch:
-``scale_loss(loss)``, ``unscale_(grads) -> found_inf``, ``update(found_inf)``.
+One interface for every policy, so the training loop has no ``if fp16:`` branch:
+``scale_loss(loss)``, ``unscale_(grads) -> found_inf``, ``update(found_inf)``. The
+policies are classes (none, static, dynamic); a new one is one subclass.
 
 Every piece of state is a tensor on the gradients' device: the scale, the count of
 clean steps since the last change (growth tracker), the count of consecutive
@@ -35,13 +36,21 @@ import torch
 
 from mixprec.recipe import Recipe
 
-__all__ = ["LossScaler"]
+__all__ = ["LossScaler", "NoLossScale", "StaticLossScale", "DynamicLossScale"]
 
 Kind = Literal["none", "static", "dynamic"]
 
 
 class LossScaler:
-    """Loss scaling of one of three kinds; see the module docstring for the rule.
+    """A loss scale: the one interface the engine drives (jmp's idea), and the factory
+    of the three policies, ``LossScaler(kind, ...)``: ``NoLossScale`` ("none"),
+    ``StaticLossScale`` ("static"), ``DynamicLossScale`` ("dynamic").
+
+    The interface: ``scale`` (a device tensor), ``scaled`` (whether the loss is
+    multiplied), ``scale_loss``, ``unscale_`` (-> found_inf), ``update(found_inf)``,
+    ``skip_streak`` / ``skipped_total`` and ``state_dict`` / ``load_state_dict``. A new
+    policy is one subclass: override ``_next_scale`` (tensor ops only, no host sync), and
+    hand an instance to ``MixedPrecision(..., loss_scaler=)``.
 
     >>> import torch
     >>> s = LossScaler("dynamic", init_scale=2.0**16, growth_interval=2)
@@ -51,9 +60,24 @@ class LossScaler:
     (65536.0, 1)
     """
 
+    #: the policy's name in checkpoints and recipes
+    kind: str = ""
+    #: whether ``scale_loss`` multiplies the loss (False: the scale is 1)
+    scaled: bool = True
+
+    def __new__(cls, kind: Kind | None = None, **kwargs):
+        if cls is LossScaler:
+            policies = {"none": NoLossScale, "static": StaticLossScale,
+                        "dynamic": DynamicLossScale}
+            kind = "dynamic" if kind is None else kind
+            if kind not in policies:
+                raise ValueError(f"LossScaler kind {kind!r}; valid: none, static, dynamic")
+            cls = policies[kind]
+        return super().__new__(cls)
+
     def __init__(
         self,
-        kind: Kind = "dynamic",
+        kind: Kind | None = None,
         *,
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
@@ -64,9 +88,8 @@ class LossScaler:
         max_scale: float = 2.0**24,
         device: torch.device | str = "cpu",
     ) -> None:
-        if kind not in ("none", "static", "dynamic"):
-            raise ValueError(f"LossScaler kind {kind!r}; valid: none, static, dynamic")
-        self.kind = kind
+        if kind is not None and kind != self.kind:
+            raise ValueError(f"{type(self).__name__} is kind {self.kind!r}, not {kind!r}")
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
         self.growth_interval = int(growth_interval)
@@ -74,7 +97,7 @@ class LossScaler:
         self.min_scale = float(min_scale)
         self.max_scale = float(max_scale)
         dev = torch.device(device)
-        start = 1.0 if kind == "none" else float(init_scale)
+        start = float(init_scale) if self.scaled else 1.0
         self.scale = torch.full((), start, dtype=torch.float32, device=dev)
         self.growth_tracker = torch.zeros((), dtype=torch.int32, device=dev)
         self.overflow_streak = torch.zeros((), dtype=torch.int32, device=dev)
@@ -83,11 +106,12 @@ class LossScaler:
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, device: torch.device | str = "cpu") -> LossScaler:
+        """The recipe's policy with its settings."""
         r = recipe
-        return cls(r.loss_scale, init_scale=r.init_scale, growth_factor=r.growth_factor,
-                   backoff_factor=r.backoff_factor, growth_interval=r.growth_interval,
-                   hysteresis=r.hysteresis, min_scale=r.min_scale, max_scale=r.max_scale,
-                   device=device)
+        return LossScaler(r.loss_scale, init_scale=r.init_scale, growth_factor=r.growth_factor,
+                          backoff_factor=r.backoff_factor, growth_interval=r.growth_interval,
+                          hysteresis=r.hysteresis, min_scale=r.min_scale,
+                          max_scale=r.max_scale, device=device)
 
     @property
     def device(self) -> torch.device:
@@ -97,21 +121,20 @@ class LossScaler:
     def scale_loss(self, loss: torch.Tensor, divide_by: int = 1) -> torch.Tensor:
         """loss * scale / divide_by, in fp32 (the product can exceed fp16's range)."""
         out = loss.float()
-        if self.kind != "none":
+        if self.scaled:
             out = out * self.scale.to(out.device)
         return out / divide_by if divide_by != 1 else out
 
     def unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Divide grads by the scale in place; return found_inf (1.0 if any is inf/NaN).
 
-        Runs the non-finite check for every kind, ``none`` included, so a recipe without
-        scaling (bf16) still skips a step whose gradients are not finite.
+        Runs the non-finite check for every policy, ``none`` included, so a recipe
+        without scaling (bf16) still skips a step whose gradients are not finite.
         """
         found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
         if not grads:
             return found_inf
-        inv = torch.reciprocal(self.scale) if self.kind != "none" else torch.ones_like(
-            self.scale)
+        inv = torch.reciprocal(self.scale) if self.scaled else torch.ones_like(self.scale)
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for g in grads:
             by_device.setdefault(g.device, []).append(g)
@@ -123,22 +146,17 @@ class LossScaler:
         return found_inf
 
     def update(self, found_inf: torch.Tensor) -> None:
-        """Advance the state after a step; tensor ops only."""
+        """Advance the state after a step; tensor ops only: the skip counters, then the
+        policy's ``_next_scale``."""
         found = found_inf.to(self.device) > 0
         zero = torch.zeros_like(self.skip_streak)
         self.skip_streak = torch.where(found, self.skip_streak + 1, zero)
         self.skipped_total = self.skipped_total + found.to(torch.int64)
-        if self.kind != "dynamic":
-            return
-        streak = torch.where(found, self.overflow_streak + 1, zero)
-        backoff = found & (streak >= self.hysteresis)
-        tracker = torch.where(found, zero, self.growth_tracker + 1)
-        grow = tracker >= self.growth_interval
-        scale = torch.where(backoff, self.scale * self.backoff_factor, self.scale)
-        scale = torch.where(grow, scale * self.growth_factor, scale)
-        self.scale = scale.clamp(self.min_scale, self.max_scale)
-        self.growth_tracker = torch.where(grow, zero, tracker)
-        self.overflow_streak = streak
+        self._next_scale(found)
+
+    def _next_scale(self, found: torch.Tensor) -> None:
+        """The policy: move ``self.scale`` (and its own counters) after a step; ``found``
+        is a bool device tensor, True when the step was skipped. Default: keep it."""
 
     def state_dict(self) -> dict[str, object]:
         """Kind, scale and counters (cloned tensors; loads with weights_only=True)."""
@@ -163,3 +181,34 @@ class LossScaler:
 
     def __repr__(self) -> str:
         return f"LossScaler({self.kind!r}, device={self.device})"
+
+
+class NoLossScale(LossScaler):
+    """No scaling (bf16, fp32): the scale is 1; the non-finite check still runs."""
+
+    kind, scaled = "none", False
+
+
+class StaticLossScale(LossScaler):
+    """A constant scale, ``init_scale``."""
+
+    kind = "static"
+
+
+class DynamicLossScale(LossScaler):
+    """The dynamic rule of the module docstring: back off after ``hysteresis``
+    consecutive overflows, grow after ``growth_interval`` clean steps, clamped."""
+
+    kind = "dynamic"
+
+    def _next_scale(self, found: torch.Tensor) -> None:
+        zero = torch.zeros_like(self.overflow_streak)
+        streak = torch.where(found, self.overflow_streak + 1, zero)
+        backoff = found & (streak >= self.hysteresis)
+        tracker = torch.where(found, zero, self.growth_tracker + 1)
+        grow = tracker >= self.growth_interval
+        scale = torch.where(backoff, self.scale * self.backoff_factor, self.scale)
+        scale = torch.where(grow, scale * self.growth_factor, scale)
+        self.scale = scale.clamp(self.min_scale, self.max_scale)
+        self.growth_tracker = torch.where(grow, zero, tracker)
+        self.overflow_streak = streak

@@ -49,7 +49,7 @@ def compare_to_fp32(model_factory: Callable[[], nn.Module],
             with engine.autocast():
                 loss = batch_fn(model, step)
             engine.backward(loss)
-            scale = float(engine.scale) if engine.scaler.kind != "none" else 1.0
+            scale = float(engine.scale) if engine.scaler.scaled else 1.0
             g = {}
             for p, buf in zip(engine.grads.working, engine.grads.grads()
                               if not engine.grads.direct else
