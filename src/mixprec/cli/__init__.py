@@ -135,25 +135,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _memory_args(p):
-    from mixprec.memory_cli import add_arguments
+    from mixprec.cli.memory import add_arguments
 
     add_arguments(p)
 
 
 def _memory_run(args):
-    from mixprec.memory_cli import run
+    from mixprec.cli.memory import run
 
     return run(args)
 
 
 def _doctor_args(p):
-    from mixprec.diagnostics.cli import add_arguments
+    from mixprec.cli.doctor import add_arguments
 
     add_arguments(p)
 
 
 def _doctor_run(args):
-    from mixprec.diagnostics.cli import run
+    from mixprec.cli.doctor import run
 
     return run(args)
 
@@ -173,14 +173,14 @@ _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "doctor": ("diagnose a recipe: overflow origins, underflow, dtypes, kernel speed",
                _doctor_args, _doctor_run),
     "train": ("train the workbench GPT under a recipe (checkpoints, --resume, --parallel)",
-              _lazy("mixprec.workbench.cli", "add_train_arguments"),
-              _lazy("mixprec.workbench.cli", "run_train")),
+              _lazy("mixprec.cli.workbench", "add_train_arguments"),
+              _lazy("mixprec.cli.workbench", "run_train")),
     "bench": ("speed of each recipe against the hardware and hand-written PyTorch",
               _lazy("mixprec.workbench.bench", "add_arguments"),
               _lazy("mixprec.workbench.bench", "run")),
     "compare": ("train several recipes side by side and write report.html",
-                _lazy("mixprec.workbench.cli", "add_compare_arguments"),
-                _lazy("mixprec.workbench.cli", "run_compare")),
+                _lazy("mixprec.cli.workbench", "add_compare_arguments"),
+                _lazy("mixprec.cli.workbench", "run_compare")),
 }
 
 
