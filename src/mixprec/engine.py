@@ -71,7 +71,7 @@ from mixprec.distributed import (
 )
 from mixprec.fp8.convert import convert as fp8_convert
 from mixprec.fp8.linear import Float8Linear
-from mixprec.gradnorm import clip_coef, sum_of_squares
+from mixprec.gradnorm import clip_coef, global_norm
 from mixprec.kernels import choices, has_fast_kernels
 from mixprec.master import GradState
 from mixprec.recipe import Recipe
@@ -497,10 +497,8 @@ class MixedPrecision:
     def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm of all gradients; with FSDP the shards' squares are summed across ranks
         (DDP's gradients are already identical on every rank after the all-reduce)."""
-        sq = sum_of_squares(grads, self.device, self._cpu_fp32_grads)
-        if self.parallel == "fsdp":
-            dist.all_reduce(sq)
-        return sq.sqrt()
+        return global_norm(grads, self.device, self._cpu_fp32_grads,
+                           dist.all_reduce if self.parallel == "fsdp" else None)
 
     def _watch_skips(self) -> None:
         self._skips.check(self.scaler, self.recipe)

@@ -17,9 +17,15 @@ BIG = 1 << 16
 
 
 def global_norm(grads: list[torch.Tensor], device: torch.device,
-                cpu_fp32: bool = False) -> torch.Tensor:
-    """L2 norm of all ``grads`` (an fp32 scalar on ``device``; 0 for no gradients)."""
-    return sum_of_squares(grads, device, cpu_fp32).sqrt()
+                cpu_fp32: bool = False, all_reduce=None) -> torch.Tensor:
+    """L2 norm of all ``grads`` (an fp32 scalar on ``device``; 0 for no gradients).
+
+    ``all_reduce``: sums the squares across ranks in place before the root, for shards
+    of one set of gradients (FSDP's; ``torch.distributed.all_reduce``)."""
+    sq = sum_of_squares(grads, device, cpu_fp32)
+    if all_reduce is not None:
+        all_reduce(sq)
+    return sq.sqrt()
 
 
 def sum_of_squares(grads: list[torch.Tensor], device: torch.device,
