@@ -31,6 +31,18 @@ def cnn(seed: int = 0) -> nn.Module:
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
 
 
+class LlamaRMSNorm(nn.Module):
+    """A third-party style RMSNorm that does the arithmetic by hand (matched by class
+    name, as transformers' is)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
 class TiedLM(nn.Module):
     """Embedding whose weight is reused as the output head (shared parameter)."""
 

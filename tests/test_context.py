@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import LlamaRMSNorm
 from mixprec import precision_context
 from mixprec.context import fp32_island_modules, wrap_fp32_modules
 
@@ -63,17 +64,6 @@ def test_tf32_knobs_set_and_restored():
         assert torch.get_float32_matmul_precision() == "high"
     assert (torch.backends.cuda.matmul.allow_tf32,
             torch.get_float32_matmul_precision()) == before
-
-
-class LlamaRMSNorm(nn.Module):
-    """A third-party style RMSNorm that does the arithmetic by hand."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
 def test_third_party_norm_modules_run_in_fp32():

@@ -422,13 +422,7 @@ def test_norm_modules_from_other_libraries_are_unpatched_when_the_engine_goes():
     model kept running that norm with autocast off. close() and collection undo it."""
     import gc
 
-    class LlamaRMSNorm(nn.Module):
-        def __init__(self, d):
-            super().__init__()
-            self.weight = nn.Parameter(torch.ones(d))
-
-        def forward(self, x):
-            return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    from conftest import LlamaRMSNorm
 
     model = nn.Sequential(nn.Linear(16, 16), LlamaRMSNorm(16))
     engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-master")
