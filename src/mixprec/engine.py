@@ -242,7 +242,8 @@ class MixedPrecision:
         if r.compute == "fp8":
             # the swap reuses the Parameters, so the optimizer stays valid. Before FSDP:
             # fully_shard must manage the Float8Linears, or they would see sharded weights
-            fr = r.replace(fp8_gemm="dequant") if r.emulate and r.fp8_gemm == "auto" else r
+            # the route kernels.choices resolved and reports, taken once for every layer
+            fr = r.replace(fp8_gemm=self.kernels.fp8_gemm)
             done = {m.scaling for m in model.modules() if isinstance(m, Float8Linear)}
             if not done:
                 self.fp8_report = fp8_convert(model, fr, filter=fp8_filter)
