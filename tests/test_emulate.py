@@ -93,8 +93,8 @@ def _hardware_kernels(fmt: str) -> bool:
 def test_emulated_matches_real_kernels_within_one_ulp(name, fmt):
     """The reference is this CPU's own fp16/bf16 kernels, so it needs kernels that compute
     in fp32 and round once, as bf16/fp16 units do. Without such units (AVX2) torch runs
-    software fallbacks whose conv backward is not correctly rounded (measured on an AVX2
-    EPYC: 40% of bf16 dgrad elements correctly rounded, errors up to 14x), and
+    software fallbacks whose conv backward is not correctly rounded (an AVX2 EPYC, in
+    benchmarks/cpu_kernels.py: 40.6% of bf16 dgrad elements correctly rounded), and
     ``test_emulated_ops_round_once_like_hardware`` checks emulation against float64."""
     if not _hardware_kernels(fmt):
         pytest.skip(f"no {fmt} units on this CPU (mixprec.kernels measures it): its {fmt} "

@@ -27,8 +27,8 @@ GEMM backends (``gemm_backend(device, recipe.fp8_gemm)``):
   Rounding, saturation and scales are the fp8 ones in both backends; only the matmul
   instruction differs;
 - ``dequant_fp32``: the same upcast, to fp32, and an fp32 GEMM for every output: exact up
-  to summation order, then rounded once. On a CPU without fast bf16 (AVX2) it runs ~5x
-  faster than ``dequant``'s bf16 GEMM.
+  to summation order, then rounded once. On a CPU without fast bf16 (AVX2) it runs ~7x
+  faster than ``dequant``'s bf16 GEMM (``benchmarks/cpu_kernels.py``).
 
 ``auto`` picks ``scaled_mm`` on CUDA, and on a CPU the fastest route as measured
 (``mixprec.kernels.fp8_gemm_route``): CPU ``_scaled_mm`` is a ~0.1 GFLOP/s reference
