@@ -294,3 +294,25 @@ def test_stochastic_rounding_is_unbiased(name):
         spread = (vals[-1] - vals[0]).item()
         se = math.sqrt(max(p * (1 - p), 1e-12) / n) * spread
         assert abs(r.mean().item() - v) <= 4 * se + 1e-300, (name, v, r.mean().item())
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_e8m0_rounds_fp32_subnormals_between_its_two_smallest_values(rounding):
+    """e8m0's smallest values, 2^-127 and 2^-126, straddle fp32's subnormal range, where
+    fp32 holds them exactly but its exponent field cannot tell them apart: every fp32
+    subnormal went to 2^-126's binade, and (2^-127, 1.5·2^-127) rounded to 2^-126.
+    Against float64, with no ml_dtypes: nearest takes the closer power of two (ties
+    up), stochastic rounds up with probability (a - 2^-127) / 2^-127."""
+    lo, hi = 2.0**-127, 2.0**-126
+    g = torch.Generator().manual_seed(0)
+    a = (torch.rand(20_000, generator=g, dtype=torch.float64) * (hi - lo) + lo).float()
+    a = a[(a > lo) & (a < hi)]
+    if rounding == "nearest":
+        want = torch.where(a.double() < 1.5 * lo, lo, hi).float()
+        assert torch.equal(formats.quantize(a, "e8m0"), want)
+        below = torch.tensor([1e-45, 1e-40], dtype=torch.float32)  # under 2^-127: clamped
+        assert torch.equal(formats.quantize(below, "e8m0"), torch.full((2,), lo).float())
+    else:
+        x = torch.full((200_000,), 1.25 * lo, dtype=torch.float32)
+        up = (formats.quantize(x, "e8m0", "stochastic", generator=g) == hi).double().mean()
+        assert abs(up.item() - 0.25) < 4 * (0.25 * 0.75 / x.numel()) ** 0.5

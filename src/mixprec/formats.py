@@ -263,6 +263,14 @@ def quantize(
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if f.name == "fp32" and x.dtype == torch.float32 and rounding == "nearest" and not saturate:
         return x.clone()
+    if x.dtype == torch.float32 and f.emin < e_lo(f, x.dtype):
+        # e8m0 reaches 2^-127, below fp32's normal range: fp32 subnormal inputs need a
+        # finer binade than the container gives them (all of them sit in 2^-126's). float64
+        # holds every fp32 value, and every e8m0 value is an fp32 value: exact both ways
+        out = quantize(x.double(), f, rounding, saturate=saturate,
+                       generator=generator).float()
+        # +inf: max when saturating, else NaN (no inf in e8m0), as from fp32 directly
+        return out.masked_fill_(x == math.inf, f.max if saturate else math.nan)
 
     m = f.mantissa_bits
     a = x.abs()
