@@ -17,20 +17,18 @@ valid choices; combinations that cannot train raise, useless-but-harmless ones w
 from __future__ import annotations
 
 import dataclasses
-import math
-import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
 
 import torch
+
+from mixprec.recipe_rules import MX_COMPUTE, check_numbers, refuse_impossible, warn_useless
 
 __all__ = ["Recipe", "PRESETS", "MX_COMPUTE", "KEEP_FP32_CHOICES", "DEFAULT_KEEP_FP32",
            "preset_names"]
 
 ComputeDtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8",
                        "fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3", "fp4_e2m1"]
-#: compute formats that mean OCP MX block scaling (emulated: no torch kernels for them)
-MX_COMPUTE = ("fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3", "fp4_e2m1")
 StoreDtype = Literal["fp32", "bf16", "fp16"]
 MasterDtype = Literal["fp32", "none"]
 LossScaleKind = Literal["none", "static", "dynamic"]
@@ -149,106 +147,9 @@ class Recipe:
                 f"recipe field 'keep_fp32': unknown entries {bad or self.keep_fp32!r}; "
                 f"valid: {', '.join(KEEP_FP32_CHOICES)} (join several with '+', or 'none')"
             )
-        self._check_numbers()
-        self._check_combinations()
-
-    # --- validation ---------------------------------------------------------------
-
-    def _check_numbers(self) -> None:
-        def need(ok: bool, name: str, rule: str) -> None:
-            if not ok:
-                raise ValueError(f"recipe field {name!r}: {getattr(self, name)!r} is invalid; "
-                                 f"it must be {rule}")
-
-        for name in ("init_scale", "min_scale", "max_scale"):
-            v = getattr(self, name)
-            need(isinstance(v, (int, float)) and math.isfinite(v) and v > 0, name,
-                 "a finite number > 0")
-        for name in ("growth_factor", "backoff_factor"):
-            v = getattr(self, name)
-            need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-                 name, "a finite number")
-        # a growth factor of 1e30 reaches max_scale in one step, inf never comes back
-        need(1 < self.growth_factor <= 2.0**24, "growth_factor", "> 1 and <= 2^24")
-        need(0 < self.backoff_factor < 1, "backoff_factor", "between 0 and 1 (exclusive)")
-        need(self.min_scale <= self.max_scale, "min_scale", f"<= max_scale ({self.max_scale})")
-        if self.loss_scale != "none":
-            need(self.min_scale <= self.init_scale <= self.max_scale, "init_scale",
-                 f"within [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]")
-        for name, lo in (("growth_interval", 1), ("hysteresis", 1), ("skip_limit", 0),
-                         ("amax_history_len", 1), ("margin", 0)):
-            v = getattr(self, name)
-            need(isinstance(v, int) and not isinstance(v, bool) and v >= lo, name,
-                 f"an integer >= {lo}")
-        need(self.emulate is None or isinstance(self.emulate, bool), "emulate",
-             "true, false or auto")
-
-    def _check_combinations(self) -> None:
-        if self.compute in MX_COMPUTE and self.emulate is False:
-            raise ValueError(
-                f"recipe: compute={self.compute!r} (MX block scaling) has no torch kernels; "
-                "it runs emulated only. Drop emulate=false (or set emulate=true).")
-        if self.compute == "fp8" and self.params == "fp16":
-            raise ValueError(
-                "recipe: compute='fp8' with params='fp16' is not supported: fp8 runs the "
-                "rest of the model under bf16 autocast. Use params=fp32 or params=bf16."
-            )
-        if self.params == "fp16" and self.master == "none" and self.loss_scale == "none":
-            raise ValueError(
-                "recipe: params='fp16' with master='none' and loss_scale='none' cannot train: "
-                "fp16 gradients underflow and fp16 weights swallow small updates. "
-                "Set master=fp32 and loss_scale=dynamic (preset 'fp16-master'), or use bf16."
-            )
-        if self.grads == "fp16" and self.loss_scale == "none":
-            raise ValueError(
-                "recipe: grads='fp16' with loss_scale='none' loses every gradient below "
-                "6e-8. Set loss_scale=dynamic, or grads=fp32 (the default)."
-            )
-        if self.wgrad == "fp32" and self.grads != "fp32":
-            raise ValueError(
-                f"recipe: wgrad='fp32' with grads={self.grads!r}: fp32 weight gradients need "
-                "fp32 buffers to land in. Set grads=fp32 (the default), or drop wgrad.")
-        if self.wgrad == "fp32" and not self.uses_autocast:
-            warnings.warn(
-                f"recipe: wgrad='fp32' with compute={self.compute!r}: weight gradients are "
-                "fp32 already. It is harmless; drop wgrad.", stacklevel=3)
-        if self.loss_scale != "none" and "fp16" not in (self.compute, self.params, self.grads) \
-                and self.compute not in MX_COMPUTE:
-            warnings.warn(
-                f"recipe: loss_scale={self.loss_scale!r} with compute={self.compute!r}: "
-                "nothing is stored in fp16, so scaling buys nothing (bf16 has fp32's "
-                "range). It is harmless; set loss_scale=none to drop it.",
-                stacklevel=3,
-            )
-        if self.params == "fp16" and self.master == "none":
-            warnings.warn(
-                "recipe: params='fp16' with master='none' keeps the optimizer's states in "
-                "fp16 too: Adam's second moment underflows there and its updates blow up, "
-                "and updates below half an fp16 ulp vanish. Prefer 'fp16-master'.",
-                stacklevel=3,
-            )
-        fp8_fields = ("fp8_scaling", "fp8_format", "amax_history_len", "amax_compute_algo",
-                      "margin", "fp8_gemm")
-        changed = [n for n in fp8_fields if getattr(self, n) != _DEFAULTS[n]]
-        if self.compute != "fp8" and changed:
-            warnings.warn(
-                f"recipe: {', '.join(changed)} set with compute={self.compute!r}: the fp8 "
-                "settings apply to compute=fp8 only. It is harmless; drop them, or use an "
-                "fp8 recipe ('fp8', 'fp8-current', 'fp8-rowwise').", stacklevel=3)
-        history = [n for n in ("amax_history_len", "amax_compute_algo")
-                   if getattr(self, n) != _DEFAULTS[n]]
-        if self.compute == "fp8" and self.fp8_scaling != "delayed" and history:
-            warnings.warn(
-                f"recipe: {', '.join(history)} with fp8_scaling={self.fp8_scaling!r}: amax "
-                "histories belong to delayed scaling; current and rowwise scales come from "
-                "the tensor at cast time. It is harmless; drop them, or use "
-                "fp8_scaling=delayed.", stacklevel=3)
-        if self.master == "fp32" and self.params == "fp32":
-            warnings.warn(
-                "recipe: master='fp32' with params='fp32' keeps a second fp32 copy of "
-                "every weight for nothing; set master=none.",
-                stacklevel=3,
-            )
+        check_numbers(self)
+        refuse_impossible(self)
+        warn_useless(self, _DEFAULTS)
 
     # --- parsing ------------------------------------------------------------------
 
