@@ -232,6 +232,31 @@ def _check_input(x: torch.Tensor) -> None:
         )
 
 
+def _round_integer_(y: torch.Tensor, rounding: str,
+                    generator: torch.Generator | None) -> torch.Tensor:
+    """``y`` (non-negative, in units of the target's spacing) rounded to an integer in
+    place: to nearest with ties to even, or stochastically, up with probability equal
+    to the fractional part (so the expectation is ``y``)."""
+    if rounding == "nearest":
+        return y.round_()
+    lo = torch.floor(y)
+    u = torch.rand(y.shape, dtype=y.dtype, device=y.device, generator=generator)
+    return lo.add_((u < y.sub_(lo)).to(y.dtype))
+
+
+def _overflow_(v: torch.Tensor, f: Format, saturate: bool) -> None:
+    """In place: magnitudes above ``f.max`` (+inf included; NaN compares False and
+    passes through) become max (saturating, or a format without NaN), NaN (a format
+    without inf) or inf."""
+    over = v > f.max
+    if saturate or f.nan == "none":
+        v.masked_fill_(over, f.max)
+    elif not f.has_inf:
+        v.masked_fill_(over, math.nan)
+    else:
+        v.masked_fill_(over, math.inf)
+
+
 def quantize(
     x: torch.Tensor,
     fmt: str | torch.dtype | Format,
@@ -285,26 +310,12 @@ def quantize(
         y = a.mul_(_pow2(m - e, x.dtype)) if a is not x else a * _pow2(m - e, x.dtype)
     else:
         y = a.mul_(_pow2(1 - e, x.dtype)).mul_(2.0 ** (m - 1))
-    if rounding == "nearest":
-        r = y.round_()  # ties to even
-    else:
-        lo = torch.floor(y)
-        u = torch.rand(y.shape, dtype=y.dtype, device=y.device, generator=generator)
-        r = lo.add_((u < y.sub_(lo)).to(y.dtype))
+    r = _round_integer_(y, rounding, generator)
     if one_factor:
         v = r.mul_(_pow2(e - m, x.dtype))
     else:
         v = r.mul_(2.0**-m).mul_(_pow2(e, x.dtype))
-
-    fmax = f.max
-    over = v > fmax  # includes +inf; NaN compares False and passes through unchanged
-    if saturate or f.nan == "none":
-        v.masked_fill_(over, fmax)
-    elif not f.has_inf:
-        v.masked_fill_(over, math.nan)
-    else:
-        v.masked_fill_(over, math.inf)
-
+    _overflow_(v, f, saturate)
     if not f.signed:  # e8m0
         v.clamp_(min=f.min_normal)  # NaN propagates through clamp
         return v.masked_fill_(~(x > 0), math.nan)
