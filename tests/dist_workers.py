@@ -106,7 +106,7 @@ def rank_local_inf(rank, world, tmp, recipe, parallel):
             loss = F.cross_entropy(engine.model(xs), ys)
         engine.backward(loss)
         if i == 2 and rank == 1:
-            g = engine.grads.grads()[0]
+            g = engine.param_state.gradients()[0]
             (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = math.inf
         skipped.append(bool(engine.step().skipped))
     params = [p.detach() for p in engine.master_params]
@@ -144,7 +144,7 @@ def fp16_comm(rank, world, tmp):
     engine = MixedPrecision(lin, torch.optim.SGD(lin.parameters(), lr=0.0),
                             "fp32,comm=fp16", parallel="ddp")
     engine.backward((engine.model(torch.full((1, 16), 16.0)) * 2500.0).sum())  # d/dw = 40000
-    pre_divided = engine.grads.grads()[0].clone()
+    pre_divided = engine.param_state.gradients()[0].clone()
     naive = torch.full((16, 16), 40000.0).half()
     dist.all_reduce(naive)  # sum first, then divide: what pre-division avoids
     _save(tmp, "fp16", rank, {"pre": pre_divided, "naive": (naive.float() / world)})

@@ -147,7 +147,7 @@ def test_activation_checkpointing_recomputes_with_the_islands(recipe, mode):
         with engine.autocast():
             loss = F.cross_entropy(model(x), y)
         engine.backward(loss)
-        grads.append([g.clone() for g in engine.grads.grads()])
+        grads.append([g.clone() for g in engine.param_state.gradients()])
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
 
@@ -175,7 +175,7 @@ def test_ops_cpu_autocast_does_not_promote_get_cuda_promotion(recipe):
     assert out.dtype == torch.float32 and torch.equal(out, want)
     engine.backward(out.square().mean())
     assert not bool(engine.step().skipped)
-    assert all(torch.isfinite(g).all() for g in engine.grads.grads())
+    assert all(torch.isfinite(g).all() for g in engine.param_state.gradients())
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "bf16-master", "fp16-master,init_scale=1024"])
@@ -213,7 +213,7 @@ def test_matrix_vector_ops_are_cast_down_as_cuda_autocast_does(recipe):
         outer, torch.addr(w, x[0][:6].to(low), x[1].to(low)))
     assert wide.dtype == torch.float64
     engine.backward(out.float().square().mean())
-    assert all(torch.isfinite(g).all() for g in engine.grads.grads())
+    assert all(torch.isfinite(g).all() for g in engine.param_state.gradients())
 
 
 @pytest.mark.parametrize("recipe", ["fp16", "fp16-master,init_scale=256",

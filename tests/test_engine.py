@@ -160,7 +160,7 @@ def _accumulate(recipe: str, n: int = 4096, g: float = 1e-7) -> float:
         engine.backward((out.float() * (g * n)).sum())
         if _ < n - 1:
             engine.step()
-    return engine.grads.grads()[0].double().item() / max(float(engine.scale), 1.0)
+    return engine.param_state.gradients()[0].double().item() / max(float(engine.scale), 1.0)
 
 
 def test_seed_accumulation_of_4096_tiny_gradients():
@@ -212,8 +212,8 @@ def _grads_after(recipe, batches, accum):
             loss = F.cross_entropy(model(x), y)
         engine.backward(loss)
         micro.append([p.grad.clone() if p.grad is not None else None
-                      for p in engine.grads.working])
-    return [g.clone() for g in engine.grads.grads()], micro
+                      for p in engine.param_state.working])
+    return [g.clone() for g in engine.param_state.gradients()], micro
 
 
 @pytest.mark.parametrize("recipe", ["fp32", "bf16-master"])
@@ -239,18 +239,18 @@ def test_fp32_buffers_sum_bf16_micro_grads_exactly():
     model = mlp(seed=3)
     engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), "bf16-master",
                             grad_accum_steps=4)
-    want = [torch.zeros_like(p, dtype=torch.float64) for p in engine.grads.working]
-    emu = engine._emu_mode or contextlib.nullcontext()  # backward rounds as it would
+    want = [torch.zeros_like(p, dtype=torch.float64) for p in engine.param_state.working]
+    emu = engine.emulation_mode or contextlib.nullcontext()  # backward rounds as it would
     for i in range(0, 32, 8):
         with engine.autocast():
             loss = F.cross_entropy(model(x[i:i + 8]), y[i:i + 8])
         with emu:
             engine.scaler.scale_loss(loss, 4).backward()
-        for w, p in zip(want, engine.grads.working):
+        for w, p in zip(want, engine.param_state.working):
             w += p.grad.double()
-        engine.grads.accumulate()
-        engine._micro += 1
-    for a, w in zip(engine.grads.grads(), want):
+        engine.param_state.accumulate()
+        engine.counters.micro += 1
+    for a, w in zip(engine.param_state.gradients(), want):
         torch.testing.assert_close(a.double(), w, rtol=2e-7, atol=1e-12)
 
 

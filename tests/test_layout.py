@@ -8,8 +8,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 SRC = Path(__file__).resolve().parents[1] / "src" / "mixprec"
 #: the rooms that sit on top: they may import anything, nothing in the core imports them
 TOP = ("mixprec.cli", "mixprec.workbench", "mixprec.integrations", "mixprec.__main__")
@@ -64,16 +62,11 @@ def test_the_core_imports_nothing_on_top_of_it():
     assert not bad, f"core modules importing cli/workbench/integrations/rich/matplotlib: {bad}"
 
 
-#: the one cycle left (issue 19): ``distributed.prepare`` builds a MixedPrecision, and the
-#: engine imports ``distributed`` to wrap DDP and FSDP. It goes with the parallel room.
-KNOWN_CYCLE = ("mixprec.distributed", "mixprec.engine")
-
-
 def test_there_is_no_import_cycle():
     graph, _ = _graph()
     # a package's __init__ re-exporting its submodules is not a cycle of the rooms
     edges = {m: {i for i in deps if not m.startswith(i + ".") and i != m
-                 and (m, i) != KNOWN_CYCLE}
+}
              for m, deps in graph.items()}
     state: dict[str, int] = {}
     path: list[str] = []
@@ -95,10 +88,25 @@ def test_there_is_no_import_cycle():
             visit(m)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19: distributed.prepare imports the engine")
-def test_distributed_does_not_import_the_engine():
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for d in graph.get(todo.pop(), ()):
+            if d not in seen and not start.startswith(d + "."):
+                seen.add(d)
+                todo.append(d)
+    return seen
+
+
+def test_the_step_rooms_stay_below_the_engine():
+    """The engine sits on parallel, setup and step; none of them (nor what they import)
+    reaches back up to it, and the user's ``distributed.prepare`` sits above it."""
     graph, _ = _graph()
-    assert KNOWN_CYCLE[1] not in graph[KNOWN_CYCLE[0]]
+    for room in ("mixprec.parallel", "mixprec.comm", "mixprec.setup", "mixprec.step",
+                 "mixprec.master", "mixprec.scaler", "mixprec.checkpoint"):
+        assert not {"mixprec.engine", "mixprec.distributed"} & _reach(graph, room), room
+    assert "mixprec.engine" in graph["mixprec.distributed"]
+    assert "mixprec.distributed" not in _reach(graph, "mixprec.engine")
 
 
 def test_the_walk_sees_imports_inside_functions():

@@ -129,7 +129,7 @@ def test_a_new_loss_scale_policy_is_one_class_and_trains_through_the_engine():
             loss = F.cross_entropy(model(x), y)
         engine.backward(loss)
         if step == 0:  # what reached the buffers is the scaled gradient
-            scaled_norm = torch.stack([g.norm() for g in engine.grads.grads()]).norm()
+            scaled_norm = torch.stack([g.norm() for g in engine.param_state.gradients()]).norm()
         r = engine.step()
         if step == 0:
             assert float(scaled_norm / r.grad_norm) == pytest.approx(2.0**10, rel=1e-4)

@@ -93,7 +93,7 @@ def test_every_torch_optimizer_trains_under_low_precision(name, recipe):
     states = [t for s in opt.state.values() for t in s.values()
               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0]
     if recipe.endswith("-master"):  # optimizer states live on the fp32 masters
-        assert set(map(id, opt.state)) <= set(map(id, engine.grads.masters))
+        assert set(map(id, opt.state)) <= set(map(id, engine.param_state.masters))
         assert states and all(t.dtype == torch.float32 for t in states)
 
 
@@ -111,7 +111,7 @@ def test_state_of_an_optimizer_stepped_before_the_engine_carries_over():
     moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
     with pytest.warns(UserWarning, match="second fp32 copy"):
         engine = MixedPrecision(model, opt, "fp32,master=fp32")
-    for mom, q in zip(moments, engine.grads.masters):
+    for mom, q in zip(moments, engine.param_state.masters):
         assert float(opt.state[q]["step"]) == 3 and torch.equal(opt.state[q]["exp_avg"], mom)
     assert len(opt.state) == len(moments)   # nothing left keyed by the old parameters
     F.cross_entropy(ref(X), Y).backward()
@@ -265,7 +265,7 @@ def test_fp32_state_dict_loads_into_a_fresh_fp32_model(recipe):
     assert all(v.dtype == torch.float32 for v in state.values())
     trained = engine.master_params
     assert all(any(torch.equal(p, q.float()) for q in trained) for p in fresh.parameters())
-    if engine.grads.has_master:  # the masters, not their rounding to the working dtype
+    if engine.param_state.has_master:  # the masters, not their rounding to the working dtype
         assert not torch.equal(state["mix.weight"], model.mix.weight.float())
     assert fresh.head.weight is fresh.emb.weight
     assert torch.equal(state["head.weight"], state["emb.weight"])

@@ -70,7 +70,7 @@ def test_embedding_rows_add_up_in_fp32():
         with engine.autocast():
             e = m(idx)
         engine.backward((e * gy.to(e.dtype)).sum().float())
-        out[recipe] = engine.grads.grads()[0]
+        out[recipe] = engine.param_state.gradients()[0]
     assert _rel(out["bf16-master,wgrad=fp32,emulate=false"], ref) < 1e-6
     assert _rel(out["bf16-master,wgrad=fp32"], ref) < 1e-6
     assert _rel(out["bf16-master,emulate=false"], ref) > 1e-3
@@ -83,7 +83,7 @@ def test_embedding_padding_row_gets_no_gradient():
     with engine.autocast():
         loss = m(torch.tensor([0, 5, 5, 2])).float().sum()
     engine.backward(loss)
-    g = engine.grads.grads()[0]
+    g = engine.param_state.gradients()[0]
     assert g[5].abs().sum() == 0 and g[0].abs().sum() > 0
 
 
@@ -104,7 +104,7 @@ def test_accumulation_equals_one_big_batch_to_fp32_tolerance(recipe):
             with engine.autocast():
                 loss = F.cross_entropy(model(x[i:i + n]), y[i:i + n])
             engine.backward(loss)
-        return [g.clone() for g in engine.grads.grads()]
+        return [g.clone() for g in engine.param_state.gradients()]
 
     for a, b in zip(grads(4), grads(1)):
         assert a.dtype == torch.float32
@@ -128,7 +128,7 @@ def test_gpt_grads_fp32_except_where_the_model_itself_reduces_in_bf16():
                 loss = model(x[i:i + 8 // accum], y[i:i + 8 // accum])
             engine.backward(loss)
         names = [n for n, _ in model.named_parameters()]
-        return dict(zip(names, (g.clone() for g in engine.grads.grads()), strict=True))
+        return dict(zip(names, (g.clone() for g in engine.param_state.gradients()), strict=True))
 
     fused = {k: _rel(a, b.double()) for (k, a), b in
              zip(grads("bf16-master,wgrad=fp32", 4).items(),
@@ -151,10 +151,10 @@ def test_tied_weight_keeps_one_fp32_gradient():
     with engine.autocast():
         loss = model(idx).float().square().mean()
     engine.backward(loss)
-    assert len(engine.grads.bufs) == 2 + 1  # emb/head shared, mix weight + bias
+    assert len(engine.param_state.buffers) == 2 + 1  # emb/head shared, mix weight + bias
     ref(idx).square().mean().backward()
     # bf16 forward: agreement to bf16's precision, but every contribution arrived
-    assert _rel(engine.grads.grads()[0], ref.emb.weight.grad) < 2e-2
+    assert _rel(engine.param_state.gradients()[0], ref.emb.weight.grad) < 2e-2
 
 
 def test_a_skipped_step_leaves_masters_bit_identical():

@@ -30,8 +30,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mixprec.comm import gather_full
+
 __all__ = ["CheckpointError", "save_atomic", "load_checkpoint", "check_engine_state",
-           "engine_state", "save_engine", "restore_engine", "save_resharding",
+           "engine_state", "save_engine", "load_engine", "restore_engine", "save_resharding",
            "restore_resharding", "fp32_weights", "gather_full", "shard_full_state"]
 
 
@@ -105,16 +107,16 @@ def check_engine_state(state: dict, recipe, emulating: bool, world_size: int,
                 {k: tuple(v.shape) for k, v in state["model"].items()})
 
 
-def fp32_weights(module: nn.Module, grads) -> dict[str, torch.Tensor]:
+def fp32_weights(module: nn.Module, param_state) -> dict[str, torch.Tensor]:
     """``module``'s state in fp32 with each working parameter replaced by its fp32
-    master (``grads``: the engine's ``GradState``), other floating tensors upcast
-    exactly, and the fp8 scaling buffers left out."""
-    from mixprec.fp8.linear import Float8Linear
+    master (``param_state``: the engine's ``ParamState``), other floating tensors
+    upcast exactly, and the fp8 scaling buffers left out."""
+    from mixprec.fp8.linear import fp8_modules
 
-    master_of = ({id(w): m for w, m in zip(grads.working, grads.masters)}
-                 if grads.has_master else {})
+    master_of = ({id(w): m for w, m in zip(param_state.working, param_state.masters)}
+                 if param_state.has_master else {})
     fp8_keys = {f"{name}.{b}" if name else b
-                for name, m in module.named_modules() if isinstance(m, Float8Linear)
+                for name in fp8_modules(module)
                 for b in ("fp8_amax_history", "fp8_scale")}
     out = {}
     for k, v in module.state_dict(keep_vars=True).items():
@@ -124,20 +126,6 @@ def fp32_weights(module: nn.Module, grads) -> dict[str, torch.Tensor]:
         out[k] = (v.float() if v.is_floating_point() and v.dtype != torch.float64
                   else v).clone()
     return out
-
-
-def gather_full(obj):
-    """``obj`` (nested dicts / lists / tuples) with every DTensor replaced by its full
-    tensor. A collective: every rank must call it, on the same structure."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        return obj.full_tensor()
-    if isinstance(obj, dict):
-        return {k: gather_full(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(gather_full(v) for v in obj)
-    return obj
 
 
 def _like(full, like):
@@ -174,7 +162,7 @@ def shard_full_state(state: dict, module: nn.Module, trainable: list, optimizers
 
 
 def _not_mid_accumulation(engine) -> None:
-    if engine._micro:
+    if engine.counters.micro:
         raise RuntimeError("a checkpoint in the middle of gradient accumulation: save "
                            "after step() has updated the weights")
 
@@ -185,8 +173,8 @@ def _restore_counters(engine, state: dict) -> None:
     engine.scaler.load_state_dict(state["scaler"])
     for sch, s in zip(engine.schedulers, state.get("schedulers", [])):
         sch.load_state_dict(s)
-    engine._steps = int(state["steps"])
-    engine.grads.mark_working()
+    engine.counters.steps = int(state["steps"])
+    engine.param_state.mark_working()
     engine.zero_grad()
 
 
@@ -194,7 +182,7 @@ def engine_state(engine, full: bool) -> dict:
     """``MixedPrecision.state_dict(full)``: recipe, layout, model, masters, optimizers,
     scaler, counters and schedulers."""
     _not_mid_accumulation(engine)
-    fsdp = engine.parallel == "fsdp"
+    fsdp = engine.parallelism.sharded
     state = {
         "recipe": engine.recipe,
         "emulating": engine.emulating,
@@ -202,14 +190,14 @@ def engine_state(engine, full: bool) -> dict:
         "parallel": engine.parallel,
         "layout": "sharded" if fsdp and not full else "full",
         "model": engine.module.state_dict(),
-        "masters": ([m.detach().clone() for m in engine.grads.masters]
-                    if engine.grads.has_master else None),
+        "masters": ([m.detach().clone() for m in engine.param_state.masters]
+                    if engine.param_state.has_master else None),
         "optimizers": [o.state_dict() for o in engine.optimizers],
         "scaler": engine.scaler.state_dict(),
         "steps": engine.steps,
         "schedulers": [s.state_dict() for s in engine.schedulers],
     }
-    return gather_full(state) if fsdp and full else state
+    return engine.parallelism.gather(state) if full else state
 
 
 def save_engine(engine, path, full: bool, extra: dict) -> None:
@@ -217,7 +205,7 @@ def save_engine(engine, path, full: bool, extra: dict) -> None:
     gathered, written by rank 0, and the outcome shared so that every rank raises if
     the write failed (none is left waiting)."""
     state = {"engine": engine_state(engine, full), "extra": extra}
-    if not (engine.parallel == "fsdp" and full):
+    if not (engine.parallelism.sharded and full):
         save_atomic(state, path)
         return
     _on_rank0(lambda: save_atomic(state, path), path)
@@ -240,30 +228,43 @@ def _on_rank0(write, path) -> None:
                            f"({error[0]}); the previous one, if any, is intact")
 
 
+def load_engine(engine, path) -> dict:
+    """``MixedPrecision.load``: a file ``save`` wrote, or a ``reshardable`` directory;
+    returns the extras."""
+    if os.path.isdir(path) or os.path.isdir(f"{path}.old"):
+        return restore_resharding(engine, path)
+    state = load_checkpoint(path)
+    if not isinstance(state, dict) or "engine" not in state:
+        raise CheckpointError(f"{str(path)!r} was not written by MixedPrecision.save "
+                              "(no 'engine' entry); use load_state_dict for other files")
+    restore_engine(engine, state["engine"])
+    return dict(state.get("extra", {}))
+
+
 def restore_engine(engine, state: dict) -> None:
     """``MixedPrecision.load_state_dict``: check, then load. Masters cross layouts:
     under FSDP the fp32 shards are the masters; a ``-master`` recipe elsewhere keeps
     them beside its low-precision working copy."""
     check_engine_state(state, engine.recipe, engine.emulating, engine.world_size,
                        engine.parallel, engine.optimizers, engine.module)
-    grads = engine.grads
+    ps = engine.param_state
     masters = state["masters"]
-    if grads.has_master and masters is None:
+    if ps.has_master and masters is None:
         # saved under FSDP, whose fp32 parameters were the masters
-        masters = [state["model"][n] for n in engine._trainable_names]
-    if engine.parallel == "fsdp" and state.get("layout", "sharded") == "full":
+        masters = [state["model"][n] for n in ps.names]
+    if engine.parallelism.sharded and state.get("layout", "sharded") == "full":
         state = shard_full_state({**state, "masters": masters}, engine.module,
-                                 grads.working, engine.optimizers)
+                                 ps.working, engine.optimizers)
         masters = state["masters"]
     engine.module.load_state_dict(state["model"])
     with torch.no_grad():
-        if grads.has_master:
-            for m, s in zip(grads.masters, masters, strict=True):
+        if ps.has_master:
+            for m, s in zip(ps.masters, masters, strict=True):
                 m.copy_(s)
         elif masters is not None:
             # saved with a low-precision working copy: the model entries are its
             # rounding, the masters are the values (here FSDP's fp32 shards)
-            for p, s in zip(grads.working, masters, strict=True):
+            for p, s in zip(ps.working, masters, strict=True):
                 p.copy_(s)
     for o, s in zip(engine.optimizers, state["optimizers"]):
         o.load_state_dict(s)
@@ -295,7 +296,7 @@ def _same_model(have: dict, got: dict) -> None:
 
 
 def _require_fsdp(engine, what: str) -> None:
-    if engine.parallel != "fsdp":
+    if not engine.parallelism.sharded:
         raise ValueError(
             f"{what} is for parallel='fsdp' (the optimizer must hold the model's own "
             f"parameters, as FSDP's fp32 shards are); this engine runs "

@@ -2,7 +2,8 @@
 
 Every check here runs before the fp8 swap, the sharding and the cast to the working
 dtype, so a refused engine leaves the model exactly as it was (nothing lost on
-failure). Each error names the bad value and the fix.
+failure); ``check_backward`` refuses a misused loop before backward runs. Each error
+names the bad value and the fix.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import torch
 from torch import nn
 
 from mixprec.context import check_wgrad, device_supports
-from mixprec.master import GradState
+from mixprec.master import ParamState, updated_dtype
 from mixprec.recipe import Recipe
 
 __all__ = ["check_model", "check_device", "check_optimizers", "check_parallel_kwargs",
            "check_fsdp_units", "check_fp8_filter", "param_counts", "takes_found_inf",
-           "fused_updates"]
+           "fused_updates", "check_backward"]
 
 
 def check_model(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -90,11 +91,8 @@ def check_optimizers(optimizers: list[torch.optim.Optimizer], params: list[nn.Pa
                         f"the model (shape {tuple(p.shape)}); build the optimizer "
                         "over model.parameters()")
     if parallel != "fsdp":
-        GradState.check_masterable(params, r)
-    # the dtype the optimizer will update: fp32 masters, fp32 under emulation or FSDP
-    # (its shards are fp32), else the recipe's working dtype
-    updated = (torch.float32 if r.master == "fp32" or emulating or parallel == "fsdp"
-               else r.param_dtype)
+        ParamState.check_masterable(params, r)
+    updated = updated_dtype(r, emulating, sharded=parallel == "fsdp")
     if updated not in (torch.float16, torch.bfloat16):
         return
     for o in optimizers:
@@ -168,9 +166,9 @@ def check_fp8_filter(fp8_filter, recipe, model: nn.Module) -> None:
     if not callable(fp8_filter):
         raise TypeError(f"fp8_filter must be a callable (module, fqn) -> bool, got "
                         f"{type(fp8_filter).__name__}")
-    from mixprec.fp8.linear import Float8Linear
+    from mixprec.fp8.linear import fp8_modules
 
-    done = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+    done = list(fp8_modules(model))
     if done:
         raise ValueError(f"fp8_filter given, but the model holds Float8Linears already "
                          f"({', '.join(done[:3])}): the engine converts nothing more. "
@@ -205,3 +203,28 @@ def check_fsdp_units(parallel: str | None, units, model: nn.Module):
         return units
     raise TypeError(f"fsdp_units={units!r}: give an nn.Module subclass, a tuple of them, "
                     "or a callable module -> bool (or None for each ModuleList element)")
+
+
+def check_backward(loss, micro: int, grad_accum_steps: int, param_state) -> None:
+    """``engine.backward(loss)`` can run: a scalar loss with a graph, no more
+    micro-batches than ``grad_accum_steps``, nothing cleared mid-accumulation."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError("backward() takes the scalar loss tensor; reduce it first "
+                         "(e.g. loss.mean())")
+    if not loss.requires_grad:
+        raise ValueError("the loss does not require grad: was it computed under "
+                         "torch.no_grad(), or from detached outputs?")
+    if micro >= grad_accum_steps:
+        raise RuntimeError(
+            f"backward() called {micro + 1} times since the last update but "
+            f"grad_accum_steps={grad_accum_steps}; call step() after each backward. "
+            "For several losses in one step, backward their sum "
+            "(engine.backward(loss0 + loss1)).")
+    if micro and param_state.accumulation_cleared():
+        raise RuntimeError(
+            f"the gradients of the {micro} micro-batch(es) accumulated since the "
+            "last update were cleared outside the engine (optimizer.zero_grad() or "
+            "model.zero_grad() after a step() that returned accumulating?). step() "
+            f"applies the update once grad_accum_steps={grad_accum_steps} "
+            "micro-batches are in and zeroes the gradients itself: zero nothing in "
+            "between.")

@@ -41,8 +41,9 @@ from mixprec.kernels import emulating, fp8_rest, has_fast_kernels
 from mixprec.recipe import Recipe
 from mixprec.wgrad import NOT_ROUTED, ROUTED_FUNCS, GradSink, route, upcast_param
 
-__all__ = ["precision_context", "recompute_context", "PrecisionMode", "device_supports",
-           "fp32_island_modules", "wrap_fp32_modules", "has_fast_kernels", "emulating",
+__all__ = ["precision_context", "recompute_context", "run_backward", "PrecisionMode",
+           "device_supports", "fp32_island_modules", "wrap_fp32_modules", "has_fast_kernels",
+           "emulating",
            "make_emulation_mode", "check_wgrad", "autocast_dtype"]
 
 _NORM_FUNCS: dict[str, tuple[Callable, ...]] = {
@@ -340,7 +341,7 @@ def precision_context(recipe: Recipe | str, device: torch.device | str,
                       sink: GradSink | None = None) -> Iterator[None]:
     """Enter the recipe's precision for a forward pass (and the loss).
 
-    ``sink`` (the engine's ``GradState``) receives the fp32 gradients of low-precision
+    ``sink`` (the engine's ``ParamState``) receives the fp32 gradients of low-precision
     parameters under ``wgrad=fp32``; without it only fp32 parameters get them.
 
     >>> import torch
@@ -383,3 +384,21 @@ def recompute_context(recipe: Recipe | str, device: torch.device | str,
         _function_modes(stack, Recipe.coerce(recipe), torch.device(device), sink,
                         in_backward=True)
         yield
+
+
+def run_backward(loss: torch.Tensor, retain_graph: bool) -> None:
+    """``loss.backward()``, with the precision context's function modes still on.
+
+    ``Tensor.backward`` is itself a call that function modes intercept, and torch pops
+    the intercepting mode before the autograd engine runs. So activation-checkpoint
+    recomputation inside backward would run without the FP32 islands (and raise
+    ``CheckpointError``: its norms would come out bf16). Entering the autograd engine
+    one level lower keeps the modes on. Falls back to ``loss.backward()`` if that
+    entry point ever moves.
+    """
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if run is None:
+        loss.backward(retain_graph=retain_graph)
+        return
+    run((loss,), (torch.ones_like(loss),), retain_graph, False, (),
+        allow_unreachable=True, accumulate_grad=True)

@@ -1,12 +1,13 @@
-"""FP32 master weights and gradient accumulation buffers.
+"""The parameter state: working copy, fp32 masters and gradient accumulation buffers.
 
-``GradState`` owns three lists that line up index by index:
+``ParamState`` owns lists that line up index by index (its public, aligned view):
 
+- ``names``: each trained parameter's name in the model (checkpoints key by them);
 - ``working``: the model's parameters, as the forward pass uses them (bf16/fp16 for
   ``-master`` recipes; each tied parameter appears once, so it keeps one master);
 - ``opt_params``: what the optimizer updates: fp32 masters for ``master=fp32``, else
   the working parameters themselves;
-- ``bufs``: where gradients add up across micro-batches, in the recipe's ``grads``
+- ``buffers``: where gradients add up across micro-batches, in the recipe's ``grads``
   dtype (seed 000 §2: 4096 additions of 1e-7 in fp16 stall near 2.4e-4; in fp32 they
   reach 4.096e-4). Where the buffer's dtype equals the optimizer parameter's, the
   buffer *is* that parameter's ``.grad``, so the optimizer reads it with no copy.
@@ -22,6 +23,9 @@ working parameters skip ``.grad``: backward adds them to the buffers directly
 
 When autograd can accumulate in place (fp32 params, fp32 grads, plain accumulation),
 there are no buffers. ``.grad`` is the fp32 accumulator.
+
+``updated_format`` / ``updated_dtype`` are the one rule for what the optimizer updates;
+the checks, the memory planner and the diagnostics ask them.
 """
 
 from __future__ import annotations
@@ -32,21 +36,48 @@ from torch import nn
 from mixprec.emulate import round_
 from mixprec.recipe import Recipe
 
-__all__ = ["GradState"]
+__all__ = ["ParamState", "updated_format", "updated_dtype"]
 
 
-class GradState:
-    """Master copies, accumulation buffers and the moves between them."""
+def updated_format(recipe: Recipe, sharded: bool = False) -> str:
+    """The format of the values the optimizer updates: ``"fp32"`` with fp32 masters and
+    under FSDP (its fp32 shards are the masters), else the recipe's working format."""
+    return "fp32" if recipe.master == "fp32" or sharded else recipe.params
+
+
+def updated_dtype(recipe: Recipe, emulate: bool = False,
+                  sharded: bool = False) -> torch.dtype:
+    """The dtype of the tensors the optimizer updates: ``updated_format``'s, except under
+    emulation, where a low-precision format is stored in fp32 tensors."""
+    fmt = updated_format(recipe, sharded)
+    return torch.float32 if emulate or fmt == "fp32" else recipe.param_dtype
+
+
+class ParamState:
+    """Master copies, accumulation buffers and the moves between them.
+
+    ``sharded``: the parameters are FSDP's fp32 shards, which are the masters; the
+    working dtype and the gradients are then fp32 here (FSDP casts on gather and on
+    reduce-scatter), whatever the recipe's ``params``, ``master`` and ``grads`` say."""
 
     def __init__(self, params: list[nn.Parameter], recipe: Recipe,
-                 emulate: bool = False) -> None:
+                 emulate: bool = False, names: list[str] | None = None,
+                 sharded: bool = False) -> None:
+        if names is not None and len(names) != len(params):
+            raise ValueError(f"{len(names)} names for {len(params)} parameters")
+        if sharded:
+            recipe = recipe.replace(params="fp32", master="none", grads="fp32")
         self.recipe = recipe
-        # under emulation low-precision params stay fp32 tensors holding rounded values
+        self.names = list(names) if names is not None else [f"param {i}"
+                                                            for i in range(len(params))]
+        #: under emulation: the format the working copy's fp32 tensors hold
         self.round_to = recipe.params if emulate and recipe.params != "fp32" else None
+        #: the format of the values the optimizer updates (``updated_format``)
+        self.updated_format = updated_format(recipe)
         self.working = params
         self.has_master = recipe.master == "fp32"
         pdt, gdt = recipe.param_dtype, recipe.grad_dtype
-        if self.round_to is not None:
+        if emulate:
             pdt = torch.float32  # gradient buffers stay real: adds are cheap everywhere
         if self.has_master:
             self.check_masterable(params, recipe)
@@ -66,18 +97,18 @@ class GradState:
         self.announce_grads = False  # set by DDP: see add_fp32_grad
         self.direct = (not self.has_master and not self.kahan
                        and all(p.dtype == gdt for p in params))
-        self.bufs: list[torch.Tensor] = []
-        self.comps: list[torch.Tensor] = []
+        self.buffers: list[torch.Tensor] = []
+        self.compensations: list[torch.Tensor] = []
         if not self.direct:
             for q in self.opt_params:
                 b = torch.zeros_like(q, dtype=gdt, memory_format=torch.preserve_format)
                 if self.has_master and b.dtype == q.dtype:
                     q.grad = b  # the optimizer reads the buffer directly
-                self.bufs.append(b)
+                self.buffers.append(b)
             if self.kahan:
-                self.comps = [torch.zeros_like(b) for b in self.bufs]
+                self.compensations = [torch.zeros_like(b) for b in self.buffers]
         # True where the buffer already is the optimizer parameter's .grad
-        self._same = [q.grad is b for b, q in zip(self.bufs, self.opt_params)]
+        self._same = [q.grad is b for b, q in zip(self.buffers, self.opt_params)]
         self._sentinel = None
         self.mark_working()
 
@@ -115,7 +146,7 @@ class GradState:
             p = next((p for p in self.opt_params if p.grad is not None), None)
             self._sentinel = None if p is None else (p, p.grad, p.grad._version)
         else:
-            self._sentinel = (None, self.bufs[0], self.bufs[0]._version)
+            self._sentinel = (None, self.buffers[0], self.buffers[0]._version)
 
     def accumulation_cleared(self) -> bool:
         """Whether something outside the engine cleared the accumulated gradients since
@@ -140,10 +171,10 @@ class GradState:
                 p.grad = None
 
     def _add(self, idx: list[int], new: list[torch.Tensor]) -> None:
-        bufs = [self.bufs[i] for i in idx]
+        bufs = [self.buffers[i] for i in idx]
         if self.kahan:
             # Kahan: y = g - c; t = s + y; c = (t - s) - y; s = t   (all in buffer dtype)
-            comps = [self.comps[i] for i in idx]
+            comps = [self.compensations[i] for i in idx]
             y = torch._foreach_sub([g.to(b.dtype) for g, b in zip(new, bufs)], comps)
             t = torch._foreach_add(bufs, y)
             diff = torch._foreach_sub(t, bufs)
@@ -160,7 +191,7 @@ class GradState:
         (under emulation low-precision parameters are fp32 tensors: ``round_to``)."""
         low = p.dtype != torch.float32 or self.round_to is not None
         return (not self.direct and low and id(p) in self.index
-                and self.bufs[self.index[id(p)]].dtype == torch.float32)
+                and self.buffers[self.index[id(p)]].dtype == torch.float32)
 
     def add_fp32_grad(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
         """Add an fp32 gradient of working parameter ``p`` straight into its buffer.
@@ -175,11 +206,18 @@ class GradState:
 
     # --- at the optimizer step ----------------------------------------------------
 
-    def grads(self) -> list[torch.Tensor]:
+    def gradients(self) -> list[torch.Tensor]:
         """The accumulated gradients, to unscale, check and clip in place."""
         if self.direct:
             return [q.grad for q in self.opt_params if q.grad is not None]
-        return self.bufs
+        return self.buffers
+
+    def aligned_gradients(self) -> list[torch.Tensor | None]:
+        """The accumulated gradient of each parameter, index by index with ``working``
+        and ``names`` (None for one that got no gradient; scaled by the loss scale)."""
+        if self.direct:
+            return [q.grad for q in self.opt_params]
+        return list(self.buffers)
 
     def hand_to_optimizer(self) -> None:
         """Give the optimizer its grads: the buffers, or copies where their dtype differs.
@@ -189,7 +227,7 @@ class GradState:
         None, and the optimizer would then silently skip every parameter."""
         if self.direct:
             return
-        for q, b, same in zip(self.opt_params, self.bufs, self._same):
+        for q, b, same in zip(self.opt_params, self.buffers, self._same):
             if not same:
                 q.grad = b.to(q.dtype)
             elif q.grad is not b:
@@ -229,9 +267,9 @@ class GradState:
             for q in self.opt_params:
                 q.grad = None
             return
-        torch._foreach_zero_(self.bufs)
-        if self.comps:
-            torch._foreach_zero_(self.comps)
+        torch._foreach_zero_(self.buffers)
+        if self.compensations:
+            torch._foreach_zero_(self.compensations)
         for q, same in zip(self.opt_params, self._same):
             if not same:
                 q.grad = None

@@ -45,7 +45,7 @@ __all__ = ["GradSink", "Fp32WeightGrads", "upcast_param", "route", "NOT_ROUTED",
 
 
 class GradSink(Protocol):
-    """Where fp32 gradients of low-precision parameters go (the engine's ``GradState``)."""
+    """Where fp32 gradients of low-precision parameters go (the engine's ``ParamState``)."""
 
     def wants_fp32_grad(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is a low-precision parameter with an fp32 buffer (under

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from mixprec.diagnostics.findings import Finding
+from mixprec.master import updated_format
 from mixprec.recipe import Recipe
 
 __all__ = ["audit_dtypes", "audit_scale_history", "matmul_coverage", "audit_kernel_speed"]
@@ -27,12 +28,12 @@ def audit_dtypes(model: nn.Module, optimizer_or_engine, recipe: Recipe | str) ->
     optimizer states and gradient buffers (seed 004's first check: print the dtypes
     and confirm the master is fp32)."""
     r = Recipe.coerce(recipe)
-    engine = optimizer_or_engine if hasattr(optimizer_or_engine, "grads") else None
+    engine = optimizer_or_engine if hasattr(optimizer_or_engine, "param_state") else None
     opts = engine.optimizers if engine else [optimizer_or_engine]
     out = []
     updated = [p for o in opts for g in o.param_groups for p in g["params"]]
     half_updated = Counter(_name(p.dtype) for p in updated if p.dtype in _HALF)
-    if half_updated and (r.master == "fp32" or r.params == "fp32"):
+    if half_updated and updated_format(r) == "fp32":
         n = sum(half_updated.values())
         out.append(Finding(
             "error", "master-dtype",
@@ -61,8 +62,8 @@ def audit_dtypes(model: nn.Module, optimizer_or_engine, recipe: Recipe | str) ->
                            "recipe's working dtype", f"found {dict(model_dt)}, recipe says "
                            f"{r.params}", "let MixedPrecision cast the model (pass the fp32 "
                            "model to it)", {}))
-    if engine is not None and engine.grads.bufs:
-        bad = {_name(b.dtype) for b in engine.grads.bufs} - {r.grads}
+    if engine is not None and engine.param_state.buffers:
+        bad = {_name(b.dtype) for b in engine.param_state.buffers} - {r.grads}
         bad -= {"float32"} if r.grads == "fp32" else set()
         if bad:
             out.append(Finding("warning", "grad-dtype", "gradient buffers differ from the "

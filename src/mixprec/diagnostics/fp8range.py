@@ -81,10 +81,10 @@ def fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor],
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
             seen.append(Fp8Range(name, kind, fmt, *_flushed(t, fmt)))
 
-    from mixprec.fp8.linear import Float8Linear
+    from mixprec.fp8.linear import fp8_modules
 
     mods = [(n, m) for n, m, why in plan(model) if why is None]
-    mods += [(n, m) for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+    mods += list(fp8_modules(model).items())
     for name, mod in mods:
         handles.append(mod.register_forward_pre_hook(
             lambda m, args, name=name: record(name, "input", "fp8_e4m3", args[0])))

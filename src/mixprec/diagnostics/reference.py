@@ -51,9 +51,8 @@ def compare_to_fp32(model_factory: Callable[[], nn.Module],
             engine.backward(loss)
             scale = float(engine.scale) if engine.scaler.scaled else 1.0
             g = {}
-            for p, buf in zip(engine.grads.working, engine.grads.grads()
-                              if not engine.grads.direct else
-                              [q.grad for q in engine.grads.opt_params]):
+            for p, buf in zip(engine.param_state.working,
+                              engine.param_state.aligned_gradients()):
                 if buf is not None:
                     g[names[id(p)]] = buf.detach().double() / scale
             grads_per_step.append(g)

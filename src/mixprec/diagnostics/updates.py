@@ -53,22 +53,21 @@ def vanished_updates(engine, step: Callable[[Callable[[], None]], bool],
     ``step(capture)`` runs the forward and ``engine.backward``, calls ``capture()``, then
     ``engine.step()``, and returns whether the step was skipped. Returns None for a
     skipped step (a non-finite gradient), since nothing was meant to change then."""
-    state = engine.grads
+    state = engine.param_state
     params = list(state.opt_params)
     names = names or [f"param {i}" for i in range(len(params))]
     before = [p.detach().clone() for p in params]
     nonzero: list[torch.Tensor | None] = []
 
     def capture() -> None:  # which elements the optimizer gets a non-zero gradient for
-        grads = [p.grad for p in params] if state.direct else list(state.bufs)
+        grads = state.aligned_gradients()
         nonzero.extend(None if g is None else (g != 0) for g in grads)
 
     if step(capture):
         return None
-    # under emulation without masters the updated tensors are fp32 holding bf16/fp16
-    # values: the format they store is the one named
-    stored = {"bf16": "bfloat16", "fp16": "float16"}.get(
-        state.round_to if not state.has_master else None)
+    # the format the updated values are stored in (under emulation without masters:
+    # fp32 tensors holding bf16/fp16 values)
+    stored = {"bf16": "bfloat16", "fp16": "float16"}.get(state.updated_format)
     out = []
     for name, p, old, nz in zip(names, params, before, nonzero):
         if nz is None:

@@ -51,7 +51,7 @@ from mixprec.fp8.scaling import (
 from mixprec.kernels import fp8_gemm_route
 from mixprec.recipe import Recipe
 
-__all__ = ["Float8Linear", "fp8_gemm", "gemm_backend"]
+__all__ = ["Float8Linear", "fp8_gemm", "gemm_backend", "fp8_modules"]
 
 
 def gemm_backend(device: torch.device, choice: str = "auto") -> str:
@@ -270,3 +270,9 @@ class Float8Linear(nn.Linear):
         return (f"{super().extra_repr()}, scaling={self.scaling}, {layout}"
                 f"grad={'e5m2' if self.grad_dtype == torch.float8_e5m2 else 'e4m3'}, "
                 f"gemm={self.gemm_choice}")
+
+
+def fp8_modules(model: nn.Module) -> dict[str, Float8Linear]:
+    """The model's Float8Linears by qualified name: the one test for "converted to fp8"
+    (by ``convert``, or by hand)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}

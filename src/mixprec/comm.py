@@ -1,0 +1,228 @@
+"""The collectives under data-parallel mixed precision: DDP's comm hook, FSDP2's policy
+and sharding, and the agreements every rank must reach. Built on torch.distributed;
+``mixprec.parallel`` drives it and ``mixprec.distributed`` is the user's entry point.
+
+**DDP.** A communication hook reduces gradients in the recipe's ``comm`` dtype. Before
+a 16-bit all-reduce it divides by the world size: if every rank's value is within the
+format's range (|g| <= max), then so is the mean, so the reduction cannot overflow where
+the inputs did not. Summing first can overflow with as few as two ranks. For recipes
+whose gradients live in fp32 buffers (``-master``, ``grad_accum=kahan``), the hook adds
+the rank's accumulated buffer to the last micro-batch's gradient, reduces, and writes the
+result straight into the fp32 buffers. Nothing goes back through a bf16 ``.grad``.
+Micro-batches before the last one run under ``no_sync()``, so one reduction serves the
+whole accumulation. The hook counts the bytes each rank sends (``CommStats``).
+
+**FSDP2** (``fully_shard``): a ``MixedPrecisionPolicy`` from the recipe
+(``param_dtype`` = the recipe's working dtype, ``reduce_dtype`` = ``comm``). FSDP's fp32
+sharded parameters are the masters and the optimizer states are sharded (ZeRO-3). The
+loss scaler checks the local shards, and the global gradient norm is reduced across ranks.
+
+**Agreement.** ``found_inf`` is all-reduced (MAX) before the skip decision, so every
+rank skips together. The clipping norm is global. fp8 amaxes are all-reduced (MAX)
+before the scales move, so every rank uses the same scales.
+
+**Teardown.** The engine, once dropped, frees its model and the DDP reducer (the hook's
+state holds the engine's ParamState, not the engine: a reference from the reducer back to
+the engine was a cycle Python's collector cannot see). ``destroy_process_group()``
+leaves a group alive while something still holds it. DDP holds it twice: from Python
+(``process_group``) and from its C++ reducer. Were the reducer the last holder, its
+destructor would destroy the group while holding the GIL, joining gloo's worker threads,
+and a worker still freeing a tensor's Python object needs the GIL: a hang, seen now and
+then in this project's tests. ``wrap_ddp`` moves ``process_group`` to the end of the DDP
+module's ``__dict__`` (CPython frees an object's attributes in order), so the Python
+reference goes last and the group is destroyed with the GIL released.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["CommStats", "require_process_group", "ddp_comm_hook", "fsdp_policy",
+           "all_reduce_max_", "broadcast_module_", "wrap_ddp", "shard_fsdp", "agree_amax_",
+           "gather_full"]
+
+
+@dataclass
+class CommStats:
+    """Bytes this rank sent in gradient reductions (numel × element size of the
+    reduced tensor, once per all-reduce call)."""
+
+    bytes_sent: int = 0
+    calls: int = 0
+    dtype: torch.dtype | None = None
+    per_call: list[int] = field(default_factory=list)
+
+    def record(self, t: torch.Tensor) -> None:
+        """Count one collective's payload: ``t.numel() * t.element_size()`` bytes."""
+        n = t.numel() * t.element_size()
+        self.bytes_sent += n
+        self.calls += 1
+        self.dtype = t.dtype
+        self.per_call.append(n)
+
+
+def require_process_group(parallel: str) -> None:
+    """Raise with the fix unless ``parallel`` is ddp/fsdp and a process group is up."""
+    if parallel not in ("ddp", "fsdp"):
+        raise ValueError(f"parallel={parallel!r}; valid: 'ddp', 'fsdp' or None")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"parallel={parallel!r} needs an initialised process group: launch with "
+            "`torchrun --nproc-per-node N ...` and call "
+            "torch.distributed.init_process_group('gloo' on CPU, 'nccl' on GPU) first")
+
+
+def broadcast_module_(model: nn.Module, src: int = 0) -> None:
+    """Make every rank start from rank ``src``'s parameters and buffers."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src)
+
+
+def all_reduce_max_(t: torch.Tensor) -> torch.Tensor:
+    """In place: the elementwise max of ``t`` over all ranks (skip flags, amaxes)."""
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
+class _HookState:
+    """What the comm hook needs. It holds the engine's ParamState, not the engine: DDP's
+    C++ reducer keeps this object, and a reference from there back to the engine (which
+    holds the DDP module) is a cycle Python's collector cannot see, so the engine, its
+    model, masters and optimizer state were never freed (and gloo's threads outlived
+    ``destroy_process_group``, which could abort the process at exit)."""
+
+    def __init__(self, param_state, comm_dtype: torch.dtype, stats: CommStats) -> None:
+        self.param_state = param_state
+        self.comm_dtype = comm_dtype
+        self.stats = stats
+        self.world = dist.get_world_size()
+
+
+def ddp_comm_hook(state: _HookState, bucket):
+    """All-reduce a DDP bucket in the comm dtype (see the module docstring)."""
+    grads = bucket.gradients()
+    params = bucket.parameters()
+    gs = state.param_state
+    if gs.direct:
+        flat = bucket.buffer()
+        send = flat.to(state.comm_dtype)
+    else:  # fold the fp32 accumulation buffers in; the result goes back into them
+        index = gs.index
+        bufs = [gs.buffers[index[id(p)]] for p in params]
+        parts = [(b.float() + g.float()).flatten() for b, g in zip(bufs, grads)]
+        send = torch.cat(parts).to(state.comm_dtype)
+    send.div_(state.world)  # pre-divide: the mean cannot overflow where the inputs did not
+    state.stats.record(send)
+    fut = dist.all_reduce(send, async_op=True).get_future()
+
+    def done(f):
+        reduced = f.value()[0]
+        if gs.direct:
+            return reduced.to(bucket.buffer().dtype)
+        off = 0
+        for b in bufs:
+            n = b.numel()
+            b.copy_(reduced[off:off + n].view_as(b))
+            off += n
+        return torch.zeros_like(bucket.buffer())  # .grad gets 0: accumulate() adds nothing
+
+    return fut.then(done)
+
+
+# DDP checks the hook's return annotation as an object (postponed annotations are strings)
+ddp_comm_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
+
+def wrap_ddp(param_state, model: nn.Module, recipe, **ddp_kwargs):
+    """DDP around ``model`` with mixprec's comm hook over the engine's ParamState
+    ``param_state``; returns (ddp module, CommStats). ``ddp_kwargs`` go to
+    ``DistributedDataParallel`` (``find_unused_parameters``...)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, **{"broadcast_buffers": True, **ddp_kwargs},
+              gradient_as_bucket_view=True)
+    stats = CommStats()
+    ddp.register_comm_hook(_HookState(param_state, recipe.comm_dtype, stats), ddp_comm_hook)
+    # last in DDP's __dict__, so released after the reducer (module doc: Teardown)
+    ddp.__dict__["process_group"] = ddp.__dict__.pop("process_group")
+    return ddp, stats
+
+
+def shard_fsdp(model: nn.Module, recipe, optimizers, units=None, emulate: bool = False,
+               **fsdp_kwargs) -> nn.Module:
+    """``fully_shard`` with the recipe's policy, on each module ``units`` selects (by
+    default each element of every ``ModuleList``: a transformer's blocks), innermost
+    first, and then on the root; the optimizers, built over the
+    unsharded model, are re-pointed at the fp32 shards (matched by parameter name). State they
+    already hold (Adagrad builds it in ``__init__``; or earlier plain steps) is sharded
+    like its parameter, from rank 0's copy, as rank 0's weights are the ones kept.
+    Under emulation the weights are gathered in fp32 (``fsdp_policy``)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    before = dict(model.named_parameters())
+    policy = fsdp_policy(recipe, emulate)
+    # each unit's full weights exist only while it runs; the root unit takes the rest.
+    # Default: each element of a ModuleList (a transformer's blocks).
+    if units is None:
+        chosen = [b for m in model.modules() if isinstance(m, nn.ModuleList) for b in m]
+    else:
+        chosen = [m for m in model.modules() if m is not model and units(m)]
+    # innermost first: fully_shard on a module whose children are units already
+    for m in reversed(chosen):
+        if any(p.requires_grad for p in m.parameters()):
+            fully_shard(m, mp_policy=policy, **fsdp_kwargs)
+    fully_shard(model, mp_policy=policy, **fsdp_kwargs)
+    after = dict(model.named_parameters())
+    new_of = {id(p): after[name] for name, p in before.items()}
+    for o in optimizers:
+        for p in [p for g in o.param_groups for p in g["params"] if p in o.state]:
+            new = new_of[id(p)]
+            o.state[new] = {
+                k: (distribute_tensor(v, new.device_mesh, new.placements)
+                    if isinstance(v, torch.Tensor) and v.shape == p.shape else v)
+                for k, v in o.state.pop(p).items()}
+        for g in o.param_groups:
+            g["params"] = [new_of.get(id(p), p) for p in g["params"]]
+    return model
+
+
+def agree_amax_(fp8_modules) -> None:
+    """This step's fp8 amaxes become the max over ranks (one all-reduce)."""
+    if not fp8_modules:
+        return
+    cur = torch.stack([m.fp8_amax_history[:, 0] for m in fp8_modules])
+    all_reduce_max_(cur)
+    for m, row in zip(fp8_modules, cur):
+        m.fp8_amax_history[:, 0] = row
+
+
+def fsdp_policy(recipe, emulate: bool = False):
+    """``MixedPrecisionPolicy`` for a recipe: working dtype for params, comm for grads.
+
+    Under emulation the gathered weights stay fp32 (the fp32 shards' values): autocast's
+    casts round them where a matmul takes them, as the real bf16 weights would be; other
+    uses (a norm's weight) see the fp32 value, not its bf16 rounding."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    param_dtype = recipe.param_dtype if recipe.master == "fp32" and not emulate else None
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=recipe.comm_dtype)
+
+
+def gather_full(obj):
+    """``obj`` (nested dicts / lists / tuples) with every DTensor replaced by its full
+    tensor. A collective: every rank must call it, on the same structure."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.full_tensor()
+    if isinstance(obj, dict):
+        return {k: gather_full(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(gather_full(v) for v in obj)
+    return obj

@@ -1,0 +1,46 @@
+"""Predict and measure every byte a recipe costs.
+
+``estimate(params, recipe, ...)`` predicts bytes per rank, item by item:
+
+| item | bytes per parameter |
+|---|---|
+| ``params`` (the working copy) | size of ``recipe.params`` |
+| ``grads`` (accumulation buffers) | size of ``recipe.grads``, twice with ``grad_accum=kahan`` |
+| ``master`` | 4 with ``master=fp32`` |
+| ``optimizer`` | per state: 4 with masters, else the size of ``params`` |
+
+AdamW keeps 2 states per parameter, SGD with momentum 1, plain SGD 0; Adagrad and
+RMSprop 1, Adadelta, Adamax, NAdam and RAdam 2 (torch's defaults).
+
+Plus ``fp8`` (amax histories and scales of each Float8Linear), ``buffers`` (BatchNorm
+statistics and the like) and ``activations`` (a transformer spec, or a figure you
+measured). For a module the count is exact: shared parameters are counted once, and the
+optimizer's per-tensor ``step`` counters are included.
+
+ZeRO stages (Rajbhandari et al. 2020) divide by ``world_size``: stage 1 shards the
+optimizer states **and the fp32 masters** (they are optimizer state in ZeRO's
+accounting, K = 12 bytes for mixed-precision Adam), stage 2 also the gradients, and stage
+3 also the working parameters. FSDP2's ``fully_shard`` is stage 3.
+
+``measure(model, engine_or_optimizer, sample_batch)`` counts the bytes that actually
+exist, by storage (a storage shared by two tensors counts once). It also counts the
+bytes saved for backward in one forward pass, through
+``torch.autograd.graph.saved_tensors_hooks``, split into activations and low-precision
+weight copies made by autocast or fp8 casts.
+
+Units: ``GB`` means 10^9 bytes, as the seeds and the ZeRO paper use.
+"""
+
+from mixprec.memory.ledger import measure
+from mixprec.memory.plan import (
+    GB,
+    ITEMS,
+    Breakdown,
+    TransformerSpec,
+    activation_bytes,
+    estimate,
+    parse_count,
+)
+
+__all__ = ["Breakdown", "TransformerSpec", "estimate", "measure", "parse_count",
+           "activation_bytes", "ITEMS", "GB"]

@@ -1,0 +1,138 @@
+"""Measure the bytes that exist for a model and its engine, by storage (``mixprec.memory``
+explains the accounting)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from mixprec.memory.plan import ITEMS, Breakdown
+from mixprec.wgrad import WEIGHT_CAST_TAG
+
+__all__ = ["measure"]
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
+class _Ledger:
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.items: dict[str, float] = {}
+
+    def add(self, item: str, tensors: Iterable[torch.Tensor | None]) -> None:
+        for t in tensors:
+            if t is None or not isinstance(t, torch.Tensor):
+                continue
+            ptr, nbytes = _storage_key(t)
+            if ptr == 0 and nbytes == 0 or ptr in self.seen:
+                continue
+            self.seen.add(ptr)
+            self.items[item] = self.items.get(item, 0.0) + nbytes
+
+
+def measure(model: nn.Module, engine_or_optimizer, sample_batch=None, *,
+            loss_fn: Callable | None = None) -> Breakdown:
+    """Exact bytes held for ``model`` and its engine (or plain optimizer), by storage.
+
+    With ``sample_batch`` it also runs one forward pass, inside the engine's precision
+    context when given an engine, and counts what autograd saves for backward. The
+    tensors are deduplicated by storage and split into ``activations`` and
+    ``weight_casts`` (bf16/fp8 copies of weights made by autocast or fp8 casts).
+    ``sample_batch`` is a tensor or a tuple of model inputs. Buffers such as BatchNorm
+    statistics and fp8 amax histories are restored afterwards, so measuring changes
+    nothing. On CUDA the breakdown also notes ``torch.cuda.max_memory_allocated``.
+    Optimizer states exist only after the first ``step()``: measure after one.
+    """
+    from mixprec.fp8.linear import fp8_modules
+
+    engine = engine_or_optimizer if hasattr(engine_or_optimizer, "param_state") else None
+    optimizers = (engine.optimizers if engine is not None else
+                  [engine_or_optimizer] if engine_or_optimizer is not None else [])
+    led = _Ledger()
+    params = list({id(p): p for p in model.parameters()}.values())
+    led.add("params", params)
+    fp8_bufs = [b for m in fp8_modules(model).values()
+                for b in (m.fp8_amax_history, m.fp8_scale, m.fp8_max)]
+    led.add("fp8", fp8_bufs)
+    led.add("buffers", model.buffers())
+    if engine is not None and engine.param_state.has_master:
+        led.add("master", engine.param_state.masters)
+    grads = [p.grad for p in params]
+    if engine is not None:
+        grads += engine.param_state.buffers + engine.param_state.compensations
+        grads += [q.grad for q in engine.param_state.opt_params]
+    led.add("grads", grads)
+    for o in optimizers:
+        led.add("optimizer", (v for st in o.state.values() for v in st.values()
+                              if isinstance(v, torch.Tensor)))
+    notes = []
+    if sample_batch is not None:
+        _measure_forward(model, engine, sample_batch, loss_fn, led, params)
+        notes.append("activations: saved tensors of one forward pass, by storage")
+    dev = params[0].device if params else torch.device("cpu")
+    if dev.type == "cuda":
+        notes.append(f"cuda max_memory_allocated: {torch.cuda.max_memory_allocated(dev)}")
+    items = {k: led.items.get(k, 0.0) for k in ITEMS if k in led.items}
+    recipe = str(engine.recipe) if engine is not None else "(optimizer only)"
+    return Breakdown(items, recipe, tuple(notes))
+
+
+_VIEW_NODES = ("TBackward", "ViewBackward", "TransposeBackward", "PermuteBackward",
+               "UnsafeViewBackward", "ExpandBackward", "ReshapeAliasBackward")
+
+
+def _is_weight_cast(t: torch.Tensor, param_ids: set[int], shapes: set) -> bool:
+    if getattr(t, WEIGHT_CAST_TAG, False):  # cast inside mixprec.wgrad's Linear
+        return True
+    fn = t.grad_fn
+    for _ in range(4):  # through views (t(), view, transpose) to the cast itself
+        if fn is None or type(fn).__name__.startswith("ToCopyBackward"):
+            break
+        if not type(fn).__name__.startswith(_VIEW_NODES) or len(fn.next_functions) != 1:
+            return False
+        fn = fn.next_functions[0][0]
+    if fn is not None and type(fn).__name__.startswith("ToCopyBackward"):
+        nxt = fn.next_functions[0][0] if fn.next_functions else None
+        var = getattr(nxt, "variable", None)
+        return var is not None and id(var) in param_ids
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    return fn is None and t.dtype in fp8 and (tuple(t.shape), t.dtype) in shapes
+
+
+def _measure_forward(model, engine, batch, loss_fn, led: _Ledger, params) -> None:
+    param_ids = {id(p) for p in params}
+    # fp8 weight copies have the weight's shape, or its transpose (a GPT-2 Conv1D's
+    # (in, out) weight is cast as (out, in))
+    shapes = {(shape, dt) for p in params for shape in (tuple(p.shape), tuple(p.shape)[::-1])
+              for dt in (torch.float8_e4m3fn, torch.float8_e5m2)}
+    state_ptrs = {_storage_key(t)[0] for t in [*params, *model.buffers()]}
+    saved: list[tuple[str, torch.Tensor]] = []
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and _storage_key(t)[0] not in state_ptrs:
+            kind = "weight_casts" if _is_weight_cast(t, param_ids, shapes) else "activations"
+            saved.append((kind, t))
+        return t
+
+    snapshot = {k: v.clone() for k, v in model.state_dict(keep_vars=False).items()
+                if k in dict(model.named_buffers())}
+    inputs = batch if isinstance(batch, (tuple, list)) else (batch,)
+    ctx = engine.autocast() if engine is not None else torch.autocast("cpu", enabled=False)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+            out = model(*inputs)
+            if loss_fn is not None:
+                out = loss_fn(out)
+        del out
+    finally:
+        with torch.no_grad():
+            named = dict(model.named_buffers())
+            for k, v in snapshot.items():
+                named[k].copy_(v)
+    for kind in ("weight_casts", "activations"):
+        led.add(kind, [t for k, t in saved if k == kind])

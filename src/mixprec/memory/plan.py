@@ -1,0 +1,261 @@
+"""Predict the bytes a recipe costs, item by item (``mixprec.memory`` explains the
+accounting)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from mixprec.master import updated_dtype
+from mixprec.recipe import Recipe
+
+__all__ = ["Breakdown", "TransformerSpec", "estimate", "parse_count", "activation_bytes",
+           "ITEMS", "GB"]
+
+ITEMS = ("params", "grads", "master", "optimizer", "fp8", "buffers", "activations",
+         "weight_casts")
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# torch optimizer -> (parameter-sized states, 0-dim fp32 tensors per parameter such as
+# the step count), for torch's defaults (no amsgrad, no RMSprop momentum/centering)
+_STATES = {"adamw": (2, 1), "adam": (2, 1), "sgd_momentum": (1, 0), "sgd": (0, 0),
+           "adagrad": (1, 1), "rmsprop": (1, 1), "adadelta": (2, 1), "adamax": (2, 1),
+           "nadam": (2, 2), "radam": (2, 1)}
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes per rank by item, plus what the numbers assumed."""
+
+    items: dict[str, float]
+    recipe: str
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def total(self) -> float:
+        """Sum of all items, in bytes."""
+        return float(sum(self.items.values()))
+
+    def __getitem__(self, item: str) -> float:
+        return self.items.get(item, 0.0)
+
+    def gb(self, item: str | None = None) -> float:
+        """One item, or the total, in GB (1e9 bytes)."""
+        return (self.total if item is None else self[item]) / GB
+
+    def table(self) -> str:
+        """Plain-text table of the items in GB, with the notes."""
+        rows = [f"{'item':<13}{'GB':>12}"]
+        rows += [f"{k:<13}{v / GB:>12.3f}" for k, v in self.items.items() if v]
+        rows.append(f"{'total':<13}{self.total / GB:>12.3f}")
+        return "\n".join(rows + [f"  note: {n}" for n in self.notes])
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerSpec:
+    """Shapes for the activation formula of Korthikanti et al. 2022 (§4.1).
+
+    With the defaults (16-bit activations, dropout, nothing kept in fp32, no ``vocab``)
+    it is the paper's per-layer ``s·b·h·(34 + 5·a·s/h)`` bytes times ``layers``:
+    ``34·s·b·h`` = 2 norm inputs (2+2) + QKV input (2) + Q, K, V (6) + projection input
+    (2) + MLP input (2) + fc output (8) + GELU output (8) + two dropout masks (1+1), and
+    ``5·a·s²·b`` = softmax output (2) + its dropout mask (1) + dropout output (2).
+
+    Each term follows what a run really saves:
+
+    - ``attention="flash"`` (``F.scaled_dot_product_attention``'s fused kernels) saves no
+      s×s matrix, only its fp32 log-sum-exp (``4·a·s·b``);
+    - ``dropout=False`` drops the masks and the dropout output;
+    - ``fp32_norms`` / ``fp32_softmax`` (mixprec's FP32 islands; ``estimate`` sets them
+      from the recipe's ``keep_fp32``): the norm inputs are saved as fp32 copies, and the
+      fp32 softmax output is saved together with the low-precision copy that the PV
+      matmul takes;
+    - ``linear_input_bytes`` (1 under fp8 recipes, whose Linears save fp8 copies of their
+      inputs); ``vocab``: the output layer's input, and the fp32 logits of the loss
+      (``4·s·b·V``), plus the final norm;
+    - recomputation: ``selective`` drops the s×s terms, ``full`` keeps each layer's input.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    seq_len: int
+    micro_batch: int = 1
+    ffn_mult: int = 4
+    vocab: int | None = None
+    attention: Literal["materialized", "flash"] = "materialized"
+    recompute: Literal["none", "selective", "full"] = "none"
+    dropout: bool = True
+    fp32_norms: bool | None = None
+    fp32_softmax: bool | None = None
+
+
+def activation_bytes(spec: TransformerSpec, bytes_per_value: float = 2.0,
+                     linear_input_bytes: float | None = None) -> float:
+    """Bytes saved for backward by one forward pass (see TransformerSpec)."""
+    s, b, h, a, f = spec.seq_len, spec.micro_batch, spec.hidden, spec.heads, spec.ffn_mult
+    v = bytes_per_value
+    li = v if linear_input_bytes is None else linear_input_bytes
+    sbh = s * b * h
+    norm = 4.0 if spec.fp32_norms else v
+    total_extra = 0.0
+    if spec.vocab:
+        total_extra = (norm + li) * sbh + 4.0 * s * b * spec.vocab
+    if spec.recompute == "full":
+        return spec.layers * v * sbh + total_extra
+    # norms, QKV input, Q/K/V, attention output (the projection's input), MLP input,
+    # fc output (GELU's input), GELU output (the second Linear's input)
+    per = 2 * norm + li + 3 * v + v + li + f * v + f * li
+    if li != v:
+        per += li  # fp8: the projection saves its own fp8 copy of the attention output
+    per *= sbh
+    if spec.dropout:
+        per += 2 * sbh
+    if spec.recompute == "none":
+        if spec.attention == "flash":
+            per += 4.0 * a * s * b
+        else:
+            soft = (4.0 + v) if spec.fp32_softmax else v
+            per += a * s * s * b * (soft + (1 + v if spec.dropout else 0))
+    return spec.layers * per + total_extra
+
+
+_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(params: int | float | str | nn.Module) -> int:
+    """A parameter count from ``70B``, ``7.5e9``, ``350M``, an int, or a module."""
+    if isinstance(params, nn.Module):
+        return sum(p.numel() for p in params.parameters())
+    if isinstance(params, (int, float)) and not isinstance(params, bool):
+        if params <= 0 or not math.isfinite(params):
+            raise ValueError(f"parameter count must be > 0, got {params!r}")
+        return int(params)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*",
+                     str(params).lower())
+    if not m:
+        raise ValueError(f"parameter count {params!r}: expected a number with an optional "
+                         "K/M/B/T suffix, e.g. '70B', '7.5e9', '350M'")
+    return parse_count(float(m.group(1)) * _SUFFIX[m.group(2)])
+
+
+def _state_bytes(r: Recipe, emulated: bool) -> int:
+    """Bytes per element of the tensors the optimizer updates (its states match them)."""
+    return updated_dtype(r, emulated).itemsize
+
+
+def estimate(
+    params: int | float | str | nn.Module,
+    recipe: Recipe | str,
+    optimizer: str = "adamw",
+    zero_stage: int = 0,
+    world_size: int = 1,
+    activations: TransformerSpec | float | None = None,
+) -> Breakdown:
+    """Bytes per rank of each item for ``params`` trained with ``recipe``.
+
+    >>> round(estimate("70B", "fp32").gb())       # seed 000 §1: ~1120 GB
+    1120
+
+    For a module, frozen parameters (``requires_grad=False``) count in ``params`` at
+    their own dtype and have no gradient, master or optimizer state. Emulation is
+    resolved on its device (fp16 on a CPU is emulated by default, and its working
+    copy then lives in fp32 tensors). For a bare count, only
+    ``emulate=true`` counts as emulated.
+    """
+    r = Recipe.coerce(recipe)
+    opt = optimizer.lower().replace("-", "_")
+    if opt not in _STATES:
+        raise ValueError(f"optimizer {optimizer!r}; valid: {', '.join(_STATES)}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage {zero_stage!r}; valid: 0, 1, 2, 3")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    n = parse_count(params)
+    notes = []
+    from mixprec.kernels import emulating, fp8_rest
+
+    dev = torch.device("cpu")
+    if isinstance(params, nn.Module):
+        dev = next(params.parameters()).device
+    on_model = isinstance(params, nn.Module)
+    emulated = emulating(r, dev) if on_model else bool(r.emulate)
+    # what the model's low-precision activations are stored in: fp32 tensors under
+    # emulation, and around fp8 Linears where this device runs those layers in fp32
+    act_fp32 = emulated or (r.compute == "fp8" and on_model and fp8_rest(r, dev) == "fp32")
+    param_bytes = 4 if emulated else _BYTES[r.params]
+    if emulated and r.params != "fp32":
+        notes.append(f"emulated {r.params}: the working copy is stored in fp32 tensors")
+    if isinstance(params, nn.Module):
+        frozen_n, n_tensors, frozen_bytes, fp8_bytes, buffers = _module_counts(params, r)
+        n -= frozen_n
+    else:
+        n_tensors, frozen_bytes, fp8_bytes, buffers = 0, 0.0, 0.0, 0.0
+        if r.compute == "fp8":
+            notes.append("fp8 scaling state needs the module to count its Linears (~0)")
+    shard = {k: (world_size if zero_stage >= lvl else 1)
+             for k, lvl in (("optimizer", 1), ("grads", 2), ("params", 3))}
+    grads_per = _BYTES[r.grads] * (2 if r.grad_accum == "kahan" else 1)
+    items = {
+        "params": (n * param_bytes + frozen_bytes) / shard["params"],
+        "grads": n * grads_per / shard["grads"],
+        "master": (n * 4 if r.master == "fp32" else 0) / shard["optimizer"],
+        "optimizer": (n * _STATES[opt][0] * _state_bytes(r, emulated)
+                      + 4 * n_tensors * _STATES[opt][1]) / shard["optimizer"],
+        "fp8": fp8_bytes,
+        "buffers": buffers,
+    }
+    if isinstance(activations, TransformerSpec):
+        items["activations"] = _activation_item(activations, r, act_fp32, notes)
+    elif activations is not None:
+        items["activations"] = float(activations)
+    return Breakdown(items, str(r), tuple(notes))
+
+
+def _module_counts(model: nn.Module, r: Recipe):
+    """``(frozen elements, trained tensors, frozen bytes, fp8 state bytes, buffer
+    bytes)``. Frozen parameters have no gradient, master or optimizer state, and the
+    engine leaves them in the dtype they have."""
+    uniq = {id(p): p for p in model.parameters()}
+    frozen = [p for p in uniq.values() if not p.requires_grad]
+    fp8_bytes, fp8_bufs = _fp8_state_bytes(model, r)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers()
+                  if id(b) not in fp8_bufs)
+    return (sum(p.numel() for p in frozen), len(uniq) - len(frozen),
+            sum(p.numel() * p.element_size() for p in frozen), fp8_bytes, buffers)
+
+
+def _activation_item(spec: TransformerSpec, r: Recipe, act_fp32: bool,
+                     notes: list[str]) -> float:
+    """Activation bytes of a transformer: fp32 norms and softmax where the recipe keeps
+    them (unless the spec says), values of the recipe's compute width."""
+    per = 4 if act_fp32 else {"fp32": 4, "tf32": 4}.get(r.compute, 2)
+    islands = r.has_fp32_islands
+    if spec.fp32_norms is None:
+        spec = dataclasses.replace(spec, fp32_norms=islands and "layer_norm" in r.keep_fp32)
+    if spec.fp32_softmax is None:
+        spec = dataclasses.replace(spec, fp32_softmax=islands and "softmax" in r.keep_fp32)
+    notes.append(f"activations: Korthikanti et al. 2022, attention={spec.attention}, "
+                 f"recompute={spec.recompute}, {per}-byte values")
+    return activation_bytes(spec, per, 1 if r.compute == "fp8" else None)
+
+
+def _fp8_state_bytes(model: nn.Module, r: Recipe) -> tuple[float, set[int]]:
+    from mixprec.fp8.convert import plan
+    from mixprec.fp8.linear import fp8_modules
+
+    existing = list(fp8_modules(model).values())
+    ids = {id(b) for m in existing for b in (m.fp8_amax_history, m.fp8_scale, m.fp8_max)}
+    per_module = (3 * r.amax_history_len + 3 + 3) * 4  # history, scale, fp8_max
+    if existing:
+        return float(len(existing) * per_module), ids
+    if r.compute != "fp8":
+        return 0.0, ids
+    eligible = sum(1 for _, _, why in plan(model) if why is None)
+    return float(eligible * per_module), ids

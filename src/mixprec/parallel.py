@@ -1,0 +1,177 @@
+"""One interface over how a step runs across processes: single, DDP or FSDP2.
+
+The engine and the checkpoints ask a ``Parallel`` what to do instead of testing a
+mode string. Each method is a moment of the step where the modes differ:
+
+==================  ==============  ===========================  ==========================
+moment              single          DDP                          FSDP2
+==================  ==============  ===========================  ==========================
+``start``           nothing         broadcast rank 0's weights   broadcast rank 0's weights
+``shard``           nothing         nothing                      ``fully_shard`` the units
+``wrap``            nothing         DDP + mixprec's comm hook    nothing (already sharded)
+``no_reduce``       nothing         ``no_sync()``                no gradient sync
+``local``           the grads       the grads                    each DTensor's local shard
+``norm_reduce``     None            None (grads are identical)   all-reduce the squares
+``agree_max_``      nothing         all-reduce MAX               all-reduce MAX
+``gather``          nothing         nothing                      full tensors (collective)
+==================  ==============  ===========================  ==========================
+
+``sharded`` is True for FSDP: its fp32 shards are the masters (``ParamState(sharded=)``)
+and a checkpoint holds this rank's shards unless gathered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mixprec.checks import check_fsdp_units, check_parallel_kwargs
+from mixprec.comm import (
+    agree_amax_,
+    all_reduce_max_,
+    broadcast_module_,
+    gather_full,
+    require_process_group,
+    shard_fsdp,
+    wrap_ddp,
+)
+from mixprec.recipe import Recipe
+
+__all__ = ["Parallel", "SingleProcess", "DDP", "FSDP", "make_parallel", "check_parallel_recipe"]
+
+
+class Parallel:
+    """The interface, and what every mode does by default (what one process does)."""
+
+    #: the mode's name as ``MixedPrecision(parallel=...)`` takes it
+    name: str | None = None
+    #: parameters are shards (FSDP): the masters are the shards, checkpoints are per rank
+    sharded = False
+
+    def __init__(self, recipe: Recipe, kwargs: dict | None = None, units=None) -> None:
+        self.recipe = recipe
+        self.kwargs = kwargs or {}
+        self.units = units
+        self.world_size = dist.get_world_size() if self.name else 1
+        #: bytes each gradient reduction sent (DDP's comm hook), else None
+        self.comm_stats = None
+
+    def start(self, model: nn.Module) -> None:
+        """Before anything is built from the weights: every rank starts from rank 0's."""
+
+    def shard(self, model: nn.Module, optimizers: list, emulate: bool) -> nn.Module:
+        """Before the parameter state: shard the model (the optimizers follow)."""
+        return model
+
+    def wrap(self, model: nn.Module, param_state) -> nn.Module:
+        """After the parameter state: the module the user calls."""
+        return model
+
+    def no_reduce(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Around a backward that is not the accumulation's last: no reduction yet."""
+        return contextlib.nullcontext()
+
+    def local(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors this rank checks, unscales and clips (FSDP: local shards)."""
+        return grads
+
+    #: how the squares of the gradient norm are summed across ranks (None: not needed)
+    norm_reduce = None
+
+    def agree_max_(self, t: torch.Tensor) -> torch.Tensor:
+        """In place: the max over ranks (the skip decision), so every rank agrees."""
+        return t
+
+    def agree_amax(self, fp8_modules: list) -> None:
+        """fp8: this step's amaxes become the max over ranks, so the scales agree."""
+
+    def gather(self, obj):
+        """``obj`` with its shards gathered to whole tensors (a collective under FSDP)."""
+        return obj
+
+
+class SingleProcess(Parallel):
+    """One process, no collectives: the default."""
+
+
+class _Replicated(Parallel):
+    """What DDP and FSDP share: start from rank 0, agree by all-reduce MAX."""
+
+    def start(self, model: nn.Module) -> None:
+        broadcast_module_(model)
+
+    def agree_max_(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_max_(t)
+
+    def agree_amax(self, fp8_modules: list) -> None:
+        agree_amax_(fp8_modules)
+
+
+class DDP(_Replicated):
+    """DistributedDataParallel with mixprec's comm hook (``mixprec.comm``)."""
+
+    name = "ddp"
+
+    def wrap(self, model: nn.Module, param_state) -> nn.Module:
+        """DDP with the comm hook over ``param_state``'s buffers."""
+        param_state.announce_grads = True  # wgrad=fp32: DDP must see grads arrive
+        ddp, self.comm_stats = wrap_ddp(param_state, model, self.recipe, **self.kwargs)
+        return ddp
+
+    def no_reduce(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """``no_sync()``: one reduction serves the whole accumulation."""
+        return model.no_sync()
+
+
+class FSDP(_Replicated):
+    """FSDP2 (``fully_shard``) with the recipe's ``MixedPrecisionPolicy``."""
+
+    name = "fsdp"
+    sharded = True
+    norm_reduce = staticmethod(dist.all_reduce)
+
+    def shard(self, model: nn.Module, optimizers: list, emulate: bool) -> nn.Module:
+        """``fully_shard`` the units, then the root; the optimizers follow the shards."""
+        return shard_fsdp(model, self.recipe, optimizers, self.units, emulate=emulate,
+                          **self.kwargs)
+
+    def no_reduce(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """No reduce-scatter until the accumulation's last backward."""
+        stack = contextlib.ExitStack()
+        model.set_requires_gradient_sync(False)
+        stack.callback(model.set_requires_gradient_sync, True)
+        return stack
+
+    def local(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each DTensor gradient's local shard."""
+        return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+
+    def gather(self, obj):
+        """Every DTensor in ``obj`` gathered whole (every rank calls it)."""
+        return gather_full(obj)
+
+
+_MODES = {None: SingleProcess, "ddp": DDP, "fsdp": FSDP}
+
+
+def check_parallel_recipe(parallel: str | None, recipe: Recipe) -> None:
+    """What a mode cannot do with a recipe, before anything is built."""
+    if recipe.wgrad == "fp32" and parallel == "fsdp":
+        raise NotImplementedError(
+            f"recipe {str(recipe)!r}: wgrad=fp32 with parallel='fsdp' is not "
+            "supported: FSDP reduce-scatters the gradients of its unsharded "
+            "low-precision parameters. Use parallel='ddp', or drop wgrad.")
+
+
+def make_parallel(parallel: str | None, recipe: Recipe, model: nn.Module,
+                  kwargs: dict | None = None, units=None) -> Parallel:
+    """The ``Parallel`` for ``MixedPrecision(parallel=...)``, after checking its
+    arguments (``parallel_kwargs``, ``fsdp_units``) and that a process group is up."""
+    kwargs = check_parallel_kwargs(parallel, kwargs)
+    units = check_fsdp_units(parallel, units, model)
+    if parallel is not None:
+        require_process_group(parallel)
+    return _MODES[parallel](recipe, kwargs, units)

@@ -1,0 +1,166 @@
+"""Build the parts of an engine from ``(model, optimizers, recipe)``.
+
+In order: the checks (everything that can refuse the arguments runs before the model
+is touched, so a refused engine leaves it exactly as it was), the fp8 swap, parallel
+sharding, the parameter state (casting the working copy, building masters and
+buffers), the optimizers re-pointed at the masters, DDP's wrap, the loss scaler and
+the FP32 islands' module patches.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mixprec.checks import (
+    check_device,
+    check_fp8_filter,
+    check_model,
+    check_optimizers,
+    param_counts,
+)
+from mixprec.context import fp32_island_modules, make_emulation_mode, wrap_fp32_modules
+from mixprec.fp8.convert import convert as fp8_convert
+from mixprec.fp8.linear import fp8_modules
+from mixprec.kernels import KernelChoices, choices, has_fast_kernels
+from mixprec.master import ParamState
+from mixprec.parallel import Parallel, check_parallel_recipe, make_parallel
+from mixprec.recipe import Recipe
+from mixprec.scaler import LossScaler
+
+__all__ = ["Parts", "build", "as_optimizers", "check_loop_args"]
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What ``build`` made; the engine holds them and delegates to them."""
+
+    recipe: Recipe
+    #: the user's module, and what to call (the DDP wrapper, or the module)
+    module: nn.Module
+    model: nn.Module
+    device: torch.device
+    kernels: KernelChoices
+    parallel: Parallel
+    param_state: ParamState
+    scaler: LossScaler
+    #: the emulation mode forward and backward share (None when not emulating)
+    emulation_mode: object
+    fp8_report: object
+    fp8_modules: list
+    frozen: list
+    param_counts: list
+    #: undoes the FP32 islands' patches on third-party norm modules
+    undo_islands: Callable[[], None]
+
+
+def as_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """One optimizer or an iterable of them, as a non-empty list (or a TypeError)."""
+    opts = ([optimizer] if isinstance(optimizer, torch.optim.Optimizer)
+            else list(optimizer))
+    if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
+        raise TypeError("optimizer must be a torch.optim.Optimizer or a list of them")
+    return opts
+
+
+def check_loop_args(model, grad_accum_steps, max_grad_norm, loss_scaler) -> None:
+    """The engine's own arguments: each wrong one named, with what is valid."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be an integer >= 1, got "
+                         f"{grad_accum_steps!r}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+    if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+        raise TypeError(f"loss_scaler must be a mixprec.scaler.LossScaler (a subclass "
+                        f"for a policy of your own), got {type(loss_scaler).__name__}")
+
+
+def _swap_fp8(model: nn.Module, r: Recipe, kernels: KernelChoices, fp8_filter):
+    """fp8 recipes: Linears -> Float8Linears, reusing the Parameters (the optimizer stays
+    valid), on the GEMM route ``kernels`` chose. A model converted by hand is kept."""
+    if r.compute != "fp8":
+        return None
+    done = {m.scaling for m in fp8_modules(model).values()}
+    if not done:
+        return fp8_convert(model, r.replace(fp8_gemm=kernels.fp8_gemm), filter=fp8_filter)
+    if done != {r.fp8_scaling}:
+        warnings.warn(
+            f"the model's Float8Linears (converted by hand) use fp8_scaling="
+            f"{'/'.join(sorted(done))}, the recipe says {r.fp8_scaling}: each module "
+            "keeps its own. Convert with the engine's recipe to match.", stacklevel=4)
+    return None
+
+
+def _repoint(optimizers: list, state: ParamState) -> None:
+    """Point the optimizers' param groups at the fp32 masters. State they hold already
+    (Adagrad builds it in ``__init__``; or a run of plain fp32 steps) belongs to the
+    fp32 values the masters copy, so it moves with them."""
+    if not state.has_master:
+        return
+    master_of = {id(p): m for p, m in zip(state.working, state.masters)}
+    for o in optimizers:
+        for g in o.param_groups:
+            g["params"] = [master_of.get(id(p), p) for p in g["params"]]
+        for p in list(o.state):
+            if id(p) in master_of:
+                o.state[master_of[id(p)]] = o.state.pop(p)
+
+
+def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
+          parallel_kwargs=None, fsdp_units=None, fp8_filter=None,
+          loss_scaler: LossScaler | None = None) -> Parts:
+    """Check everything, then build the parts, in the order the module docstring gives."""
+    check_parallel_recipe(parallel, r)
+    check_fp8_filter(fp8_filter, r, model)
+    par = make_parallel(parallel, r, model, parallel_kwargs, fsdp_units)
+    params, frozen = check_model(model)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    device = params[0].device
+    kernels = choices(r, device)
+    check_device(device, r, kernels.emulate)
+    check_optimizers(optimizers, params, frozen, r, parallel, kernels.emulate)
+    # the model is touched from here on
+    par.start(model)
+    # one mode for the engine's life: backward must see the tags forward made
+    emu_mode = make_emulation_mode(r) if kernels.emulate else None
+    # before FSDP: fully_shard must manage the Float8Linears, or they see sharded weights
+    fp8_report = _swap_fp8(model, r, kernels, fp8_filter)
+    model = par.shard(model, optimizers, kernels.emulate)
+    state = ParamState([p for p in model.parameters() if p.requires_grad], r,
+                       emulate=kernels.emulate, names=names, sharded=par.sharded)
+    if emu_mode is not None and state.round_to is not None:
+        emu_mode.tag(state.working)  # bf16 values in fp32 tensors
+    _repoint(optimizers, state)
+    module, model = model, par.wrap(model, state)
+    scaler = LossScaler.from_recipe(r, device) if loss_scaler is None else loss_scaler
+    undo = (wrap_fp32_modules(fp32_island_modules(module, r.keep_fp32), device.type)
+            if r.has_fp32_islands else (lambda: None))
+    state.mark_working()  # after the broadcast of rank 0's weights
+    return Parts(r, module, model, device, kernels, par, state, scaler, emu_mode,
+                 fp8_report, list(fp8_modules(module).values()),
+                 frozen, param_counts(optimizers), undo)
+
+
+def warn_kernel_choices(r: Recipe, kernels: KernelChoices, device: torch.device) -> None:
+    """Say where an ``auto`` choice left the format's own kernels (measured)."""
+    if kernels.emulate and r.emulate is None:
+        warnings.warn(
+            f"{r.compute} has no fast kernels on {device.type}: mixprec emulates "
+            f"it exactly on fp32 kernels ({kernels.describe()}). Set emulate=false to run "
+            "the real kernels.", stacklevel=3)
+    elif kernels.fp8_rest == "fp32" and r.compute == "fp8":
+        warnings.warn(
+            f"bf16 has no fast kernels on {device.type}: the layers around the fp8 "
+            f"Linears compute in fp32 instead of bf16, faster and more exact here "
+            f"({kernels.describe()}).", stacklevel=3)
+    elif r.emulate is False and r.emulatable and not has_fast_kernels(device, r.compute):
+        warnings.warn(
+            f"{r.compute} compute with emulate=false on {device.type}: this device "
+            "has no fast kernel for it (measured); emulate=auto would run it exactly "
+            "on fp32 kernels instead.", stacklevel=3)

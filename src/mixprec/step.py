@@ -1,0 +1,175 @@
+"""One optimizer step, once the micro-batches are in.
+
+``Step.__call__``: check-and-unscale -> clip on the true gradients -> the optimizer
+call -> after-step (refresh the working copy, fp8 scales, loss scale, zero, schedulers).
+
+**One skip decision.** The global norm of the *scaled* gradients is non-finite when
+any gradient holds inf/NaN and when their sum of squares overflows fp32 (finite
+elements, a norm above ~1.8e19). ``found_inf`` comes from it, for the fused and the
+unfused paths alike, and every rank agrees on it (MAX). Divided by the loss scale the
+norm is the true one (exactly, for power-of-2 scales). Earlier the unfused path took
+its decision from the elements alone: a norm that overflowed then clipped by
+``max_norm / inf = 0`` and the step was applied, so Adam's moments decayed and its step
+count advanced where the fused path skipped.
+
+**No host sync** when every optimizer takes ``found_inf`` on the device (torch's fused
+Adam, AdamW, SGD): the kernel divides each gradient by ``scale / clip_coef`` as it
+updates, so no pass writes the gradients here. Any other optimizer costs one sync (to
+decide the skip) and an explicit unscale-and-clip pass; attached schedulers cost one
+(they advance only on applied steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mixprec.checks import param_counts, takes_found_inf
+from mixprec.gradnorm import clip_coef, global_norm
+from mixprec.watch import SkipWatch
+
+__all__ = ["Counters", "Step", "StepResult", "check_setup_unchanged"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a call to ``step()`` did. Tensors stay on the device: ``bool(r.skipped)``,
+    ``float(r.scale)`` and ``float(r.grad_norm)`` are the caller's choice to sync.
+
+    - ``accumulating``: True while fewer than ``grad_accum_steps`` micro-batches went
+      through (no update happened; ``skipped`` is then False).
+    - ``skipped``: True if gradients were non-finite and the update was skipped.
+    - ``scale``: the loss scale after this step's update.
+    - ``grad_norm``: global L2 norm of the unscaled gradients before clipping (None
+      while accumulating).
+    """
+
+    accumulating: bool
+    skipped: torch.Tensor | bool
+    scale: torch.Tensor
+    grad_norm: torch.Tensor | None
+
+
+@dataclass
+class Counters:
+    """Where the loop is: ``micro`` backward calls since the last update, ``seen`` the
+    value of ``micro`` at the last ``step()`` call, ``steps`` optimizer steps taken
+    (applied or skipped). Checkpoints save ``steps``; the rest is zero between steps."""
+
+    micro: int = 0
+    seen: int = 0
+    steps: int = 0
+
+
+class Step:
+    """The optimizer step over the engine's parts (see the module docstring)."""
+
+    def __init__(self, optimizers: list, param_state, scaler, parallel, fp8_modules: list,
+                 schedulers: list, max_grad_norm: float | None, device: torch.device,
+                 recipe) -> None:
+        self.optimizers, self.param_state, self.scaler = optimizers, param_state, scaler
+        self.parallel, self.fp8_modules, self.schedulers = parallel, fp8_modules, schedulers
+        self.max_grad_norm, self.device, self.recipe = max_grad_norm, device, recipe
+        self.fused = [takes_found_inf(o) for o in optimizers]
+        one_device = all(p.device == device for p in param_state.working)
+        #: fused kernels unscale and clip: nothing writes the gradients before them
+        self.in_kernel = all(self.fused) and one_device
+        # the norm reads fp32 CPU tensors for the engine's whole life (fp32 buffers, or
+        # direct fp32 .grad): its method is decided once
+        self._cpu_fp32 = device.type == "cpu" and param_state.recipe.grads == "fp32"
+        self.skips = SkipWatch(device)
+        self.counters = Counters()
+
+    def check(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(found_inf, true norm)``: the one skip decision, agreed across ranks."""
+        norm_scaled = global_norm(grads, self.device, self._cpu_fp32,
+                                  self.parallel.norm_reduce)
+        found_inf = self.parallel.agree_max_((~torch.isfinite(norm_scaled)).float())
+        return found_inf, (norm_scaled / self.scaler.scale if self.scaler.scaled
+                           else norm_scaled)
+
+    def grad_scale(self, norm: torch.Tensor) -> torch.Tensor | None:
+        """What fused optimizers divide each gradient by: the loss scale over the clip
+        coefficient (None: nothing to divide)."""
+        scaled = self.scaler.scaled
+        grad_scale = self.scaler.scale if scaled else None
+        if self.max_grad_norm is not None:
+            grad_scale = (grad_scale if scaled else 1.0) / clip_coef(norm, self.max_grad_norm)
+        return grad_scale
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the step; returns ``(found_inf, grad_norm)`` as device tensors."""
+        grads = self.parallel.local(self.param_state.gradients())
+        found_inf, norm = self.check(grads)
+        if self.in_kernel:
+            grad_scale = self.grad_scale(norm)
+        else:
+            self.scaler.unscale_(grads)  # its own inf check is implied by the norm's
+            if self.max_grad_norm is not None:
+                torch._foreach_mul_(grads, clip_coef(norm, self.max_grad_norm))
+            grad_scale = None
+        self.param_state.hand_to_optimizer()
+        for opt, fused in zip(self.optimizers, self.fused):
+            if fused:
+                opt.found_inf, opt.grad_scale = found_inf, grad_scale
+                try:
+                    opt.step()
+                finally:
+                    del opt.found_inf, opt.grad_scale
+            elif not found_inf.item():  # one host sync: this optimizer cannot skip itself
+                opt.step()
+        self.after(found_inf)
+        return found_inf, norm
+
+    def after(self, found_inf: torch.Tensor) -> None:
+        """Refresh the working copy, move the fp8 scales and the loss scale, zero the
+        gradients, count the step, advance the schedulers on an applied step, and watch
+        the skips (which may raise ``SkipLimitError``, the step counted)."""
+        self.param_state.refresh_working()
+        self.parallel.agree_amax(self.fp8_modules)
+        for m in self.fp8_modules:
+            m.update_scales(found_inf)  # a skipped step drops its amaxes
+        self.scaler.update(found_inf)
+        self.param_state.zero()
+        c = self.counters
+        c.micro = c.seen = 0
+        c.steps += 1
+        if self.schedulers and not found_inf.item():
+            for s in self.schedulers:
+                s.step()
+        self.skips.check(self.scaler, self.recipe)
+
+
+def check_setup_unchanged(optimizers: list, counts: list[int], param_state,
+                          frozen: list) -> None:
+    """Refuse a step whose setup changed behind the engine. A parameter frozen when the
+    engine was built has no buffer, master or place in the norm: unfreezing it later
+    would train it unscaled and never zero its gradient. A param group added to an
+    optimizer would bypass the masters and buffers. A write to the working copy behind
+    the masters would be undone by the next refresh."""
+    if param_counts(optimizers) != counts:
+        raise RuntimeError(
+            "an optimizer's param groups changed after MixedPrecision was created "
+            f"(parameters per optimizer: {counts} then, {param_counts(optimizers)} now); "
+            "the engine did not re-point the new ones at masters and buffers. Call "
+            "add_param_group before creating the engine, or create a new engine.")
+    changed = param_state.changed_working()
+    if changed:
+        raise RuntimeError(
+            f"{len(changed)} weight(s) of the model (the first of shape "
+            f"{tuple(changed[0].shape)}) were written in place outside the engine since "
+            "its last update, e.g. by model.load_state_dict() or an in-place op under "
+            "torch.no_grad(). Under -master recipes the optimizer updates fp32 masters "
+            "and the working copy is rewritten from them at every step, so the write "
+            "would be lost. Load weights before creating MixedPrecision (or use "
+            "engine.load_state_dict()), and make in-place changes to "
+            "engine.master_params.")
+    thawed = [p for p in frozen if p.requires_grad]
+    if thawed:
+        raise RuntimeError(
+            f"{len(thawed)} parameter(s) (the first of shape {tuple(thawed[0].shape)}) "
+            "had requires_grad=False when MixedPrecision was created and require grad "
+            "now; the engine does not manage them. Create a new MixedPrecision (with "
+            "its optimizer) after changing which parameters train, e.g. from a "
+            "checkpoint: engine.state_dict() keeps the weights.")
