@@ -27,28 +27,59 @@ def _num(v: float) -> str:
 
 
 def cmd_formats(args: argparse.Namespace) -> int:
-    import torch
-    from rich.table import Table
-
     from mixprec import formats
 
     names = args.formats.split(",") if args.formats else formats.names()
     fmts = [formats.get(n) for n in names]
     con = _console()
-    if args.value is None:
-        t = Table(title="Floating-point formats (mixprec.formats)")
-        for col in ("format", "bits s/e/m", "bias", "max", "min normal", "min subnormal",
-                    "eps", "digits", "inf/NaN", "torch dtype"):
-            t.add_column(col, justify="right" if col not in ("format", "inf/NaN") else "left")
-        for f in fmts:
-            special = ("inf+NaN" if f.has_inf else {"single": "NaN only", "none": "neither",
-                                                    "ieee": "NaN"}[f.nan])
-            t.add_row(f.name, f"{int(f.signed)}/{f.exponent_bits}/{f.mantissa_bits}",
-                      str(f.bias), _num(f.max), _num(f.min_normal), _num(f.min_subnormal),
-                      _num(f.eps), f"{f.decimal_digits:.2f}", special,
-                      str(f.torch_dtype).replace("torch.", "") if f.torch_dtype else "-")
-        con.print(t)
-        return 0
+    con.print(_formats_table(fmts) if args.value is None else _value_table(args, fmts))
+    if args.value is not None and args.update is not None:
+        con.print("An update survives where it is more than half the spacing of the "
+                  "stored value: |update| > ulp(w)/2.")
+    return 0
+
+
+def _formats_table(fmts):
+    """Each format's layout and limits."""
+    from rich.table import Table
+
+    t = Table(title="Floating-point formats (mixprec.formats)")
+    for col in ("format", "bits s/e/m", "bias", "max", "min normal", "min subnormal",
+                "eps", "digits", "inf/NaN", "torch dtype"):
+        t.add_column(col, justify="right" if col not in ("format", "inf/NaN") else "left")
+    for f in fmts:
+        special = ("inf+NaN" if f.has_inf else {"single": "NaN only", "none": "neither",
+                                                "ieee": "NaN"}[f.nan])
+        t.add_row(f.name, f"{int(f.signed)}/{f.exponent_bits}/{f.mantissa_bits}",
+                  str(f.bias), _num(f.max), _num(f.min_normal), _num(f.min_subnormal),
+                  _num(f.eps), f"{f.decimal_digits:.2f}", special,
+                  str(f.torch_dtype).replace("torch.", "") if f.torch_dtype else "-")
+    return t
+
+
+def _what_happens(f, value: float, q: float) -> str:
+    """How ``value`` fared when stored in ``f`` as ``q``."""
+    a = abs(value)
+    if math.isnan(q):
+        return "NaN (overflow: no inf in this format)" if not math.isnan(value) else "NaN"
+    if math.isinf(q):
+        return "overflows to inf"
+    if q == 0 and a > 0:
+        return f"underflows to 0 (below {_num(f.min_subnormal)})"
+    if a > f.max:
+        return f"clamped to max {_num(f.max)}"
+    if 0 < a < f.min_normal:
+        return f"subnormal (below {_num(f.min_normal)}): precision lost"
+    return "normal"
+
+
+def _value_table(args, fmts):
+    """``args.value`` stored in each format (and, with ``--update``, whether adding the
+    update to the stored value changes it)."""
+    import torch
+    from rich.table import Table
+
+    from mixprec import formats
 
     x = torch.tensor([args.value], dtype=torch.float64)
     title = f"{args.value!r} in each format"
@@ -66,34 +97,16 @@ def cmd_formats(args: argparse.Namespace) -> int:
                                         dtype=torch.float64), f).item()
         rel = abs(q - args.value) / abs(args.value) if args.value and math.isfinite(q) else (
             math.inf if math.isfinite(args.value) and not math.isfinite(q) else 0.0)
-        a = abs(args.value)
-        if math.isnan(q):
-            what = "NaN (overflow: no inf in this format)" if not math.isnan(args.value) else "NaN"
-        elif math.isinf(q):
-            what = "overflows to inf"
-        elif q == 0 and a > 0:
-            what = f"underflows to 0 (below {_num(f.min_subnormal)})"
-        elif a > f.max:
-            what = f"clamped to max {_num(f.max)}"
-        elif 0 < a < f.min_normal:
-            what = f"subnormal (below {_num(f.min_normal)}): precision lost"
-        else:
-            what = "normal"
-        row = [f.name, _num(q), f"{rel:.2e}", _num(step), what]
+        row = [f.name, _num(q), f"{rel:.2e}", _num(step), _what_happens(f, args.value, q)]
         if args.update is not None and not math.isfinite(q):
             row += ["–", "lost: no value", _num(_survival_bound(f, args.update))]
         elif args.update is not None:
             after = formats.quantize(torch.tensor([q + args.update], dtype=torch.float64),
                                      f).item()
-            kept = after != q
-            row += [_num(after), "survives" if kept else "[red]vanishes[/red]",
+            row += [_num(after), "survives" if after != q else "[red]vanishes[/red]",
                     _num(_survival_bound(f, args.update))]
         t.add_row(*row)
-    con.print(t)
-    if args.update is not None:
-        con.print("An update survives where it is more than half the spacing of the "
-                  "stored value: |update| > ulp(w)/2.")
-    return 0
+    return t
 
 
 def _survival_bound(f, update: float) -> float:

@@ -73,8 +73,6 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
                         "fp16", steps=20)
         print(report)             # findings: severity, evidence, advice
     """
-    from mixprec.engine import MixedPrecision
-
     r = Recipe.coerce(recipe)
     if isinstance(model_factory, nn.Module):
         import copy
@@ -86,52 +84,20 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"optimizer {optimizer!r}: valid are 'adamw' (torch's defaults) "
                          "and 'sgd' (no momentum)")
-    findings: list[Finding] = []
     facts: dict = {"steps": steps}
-
     model = model_factory()
-    device = next(model.parameters()).device
-    kf, kfacts = audit_kernel_speed(device, r)
-    findings += kf
+    findings, kfacts = audit_kernel_speed(next(model.parameters()).device, r)
     facts.update(kfacts)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        opt = (torch.optim.AdamW(model.parameters(), lr=lr) if optimizer == "adamw"
-               else torch.optim.SGD(model.parameters(), lr=lr))
-        try:
-            engine = MixedPrecision(model, opt, r)
-        except ValueError as e:  # e.g. a model already in bf16 under a -master recipe
-            findings += audit_dtypes(model, opt, r) or [Finding(
-                "error", "engine", "the recipe cannot run on this model", str(e),
-                "see the message", {})]
-            return Report(str(r), findings, {**facts, "engine_error": str(e)})
-    scales, losses, skipped_at = [], [], []
-    for step in range(steps):
-        with engine.autocast():
-            loss = batch_fn(model, step)
-        engine.backward(loss)
-        res = engine.step()
-        scales.append(float(res.scale))
-        losses.append(loss.item())
-        if bool(res.skipped):
-            skipped_at.append(step)
+    engine, opt, error = _engine(model, r, optimizer, lr)
+    if engine is None:  # the recipe cannot run on this model
+        findings += audit_dtypes(model, opt, r) or [Finding(
+            "error", "engine", "the recipe cannot run on this model", error,
+            "see the message", {})]
+        return Report(str(r), findings, {**facts, "engine_error": error})
+    scales, losses, skipped_at = _train(engine, model, batch_fn, steps)
     facts.update(losses=losses, scales=scales, skipped=skipped_at)
-
     if skipped_at:
-        step = skipped_at[0]
-
-        def rerun():
-            with engine.autocast():
-                loss = batch_fn(model, step)
-            (loss.float() * float(engine.scale)).backward()
-
-        origin = trace_nonfinite(model, rerun)
-        for p in model.parameters():
-            p.grad = None
-        engine.zero_grad()
-        findings.append(_nonfinite_finding(r, origin, len(skipped_at), steps))
-
+        findings.append(_trace_first_skip(engine, model, batch_fn, r, skipped_at, steps))
     findings += _underflow(model_factory, batch_fn, r)
     if r.compute == "fp8":
         f8, ranges = audit_fp8_ranges(model_factory(), lambda m: batch_fn(m, 0), r)
@@ -140,35 +106,11 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
     findings += audit_dtypes(model, engine, r)
     findings += audit_scale_history(scale_history if scale_history is not None else scales, r)
     if reference_steps and r.compute != "fp32":
-        table, rec_losses, ref_losses = compare_to_fp32(model_factory, batch_fn, r,
-                                                        reference_steps, lr)
-        facts["reference"] = [vars(t) for t in table]
-        facts["reference_losses"] = {"recipe": rec_losses, "fp32": ref_losses}
-        bad = [t for t in table if t.cosine < COSINE_FLAG
-               or not (1 / RATIO_FLAG <= t.norm_ratio <= RATIO_FLAG)]
-        if bad:
-            worst = bad[0]
-            findings.append(Finding(
-                "warning", "reference-divergence",
-                f"{len(bad)} layer(s) compute gradients far from fp32; worst: {worst.layer}",
-                "; ".join(f"{t.layer}: cosine {t.cosine:.4f}, norm ratio {t.norm_ratio:.3f}"
-                          for t in bad[:5]),
-                f"keep {worst.layer} in fp32 (a norm or softmax there belongs in keep_fp32; "
-                "a custom module can run under torch.autocast(enabled=False)), or use bf16",
-                {"layers": [t.layer for t in bad]}))
+        findings += _reference(model_factory, batch_fn, r, reference_steps, lr, facts)
     if r.uses_autocast:
-        cov = matmul_coverage(lambda: _forward(engine, model, batch_fn))
-        low = sum(v for k, v in cov.items() if k in ("bfloat16", "float16",
-                                                     "float8_e4m3fn", "float8_e5m2"))
-        facts["matmul_flops_by_dtype"] = cov
-        if low < 0.5:
-            findings.append(Finding(
-                "warning", "coverage", f"only {low:.0%} of matmul FLOPs ran in low precision",
-                f"FLOPs by input dtype: {cov}",
-                "run the forward inside engine.autocast(); custom ops may need inputs cast",
-                {}))
+        findings += _coverage(engine, model, batch_fn, facts)
     vanished = vanished_updates(engine, _measured_step(engine, model, batch_fn, steps - 1),
-                                _trainable_names(model, engine))
+                                engine.param_state.names)
     facts["vanished_updates"] = None if vanished is None else [
         {**asdict(v), "share": v.share} for v in vanished]
     findings += audit_vanished_updates(vanished)
@@ -185,6 +127,88 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
     return report
 
 
+def _engine(model: nn.Module, r: Recipe, optimizer: str, lr: float):
+    """``(engine, optimizer, None)``, or ``(None, optimizer, why)`` where the engine
+    refuses the model."""
+    from mixprec.engine import MixedPrecision
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = (torch.optim.AdamW(model.parameters(), lr=lr) if optimizer == "adamw"
+               else torch.optim.SGD(model.parameters(), lr=lr))
+        try:
+            return MixedPrecision(model, opt, r), opt, None
+        except ValueError as e:  # e.g. a model already in bf16 under a -master recipe
+            return None, opt, str(e)
+
+
+def _train(engine, model, batch_fn, steps: int):
+    """``steps`` training steps: the scale after each, the losses, the skipped steps."""
+    scales, losses, skipped_at = [], [], []
+    for step in range(steps):
+        with engine.autocast():
+            loss = batch_fn(model, step)
+        engine.backward(loss)
+        res = engine.step()
+        scales.append(float(res.scale))
+        losses.append(loss.item())
+        if bool(res.skipped):
+            skipped_at.append(step)
+    return scales, losses, skipped_at
+
+
+def _trace_first_skip(engine, model, batch_fn, r: Recipe, skipped_at: list[int],
+                      steps: int) -> Finding:
+    """Re-run the first skipped step with the non-finite tracer on."""
+    step = skipped_at[0]
+
+    def rerun():
+        with engine.autocast():
+            loss = batch_fn(model, step)
+        (loss.float() * float(engine.scale)).backward()
+
+    origin = trace_nonfinite(model, rerun)
+    for p in model.parameters():
+        p.grad = None
+    engine.zero_grad()
+    return _nonfinite_finding(r, origin, len(skipped_at), steps)
+
+
+def _reference(model_factory, batch_fn, r: Recipe, steps: int, lr: float,
+               facts: dict) -> list[Finding]:
+    """Per-layer gradients against an fp32 run of the same steps."""
+    table, rec_losses, ref_losses = compare_to_fp32(model_factory, batch_fn, r, steps, lr)
+    facts["reference"] = [vars(t) for t in table]
+    facts["reference_losses"] = {"recipe": rec_losses, "fp32": ref_losses}
+    bad = [t for t in table if t.cosine < COSINE_FLAG
+           or not (1 / RATIO_FLAG <= t.norm_ratio <= RATIO_FLAG)]
+    if not bad:
+        return []
+    worst = bad[0]
+    return [Finding(
+        "warning", "reference-divergence",
+        f"{len(bad)} layer(s) compute gradients far from fp32; worst: {worst.layer}",
+        "; ".join(f"{t.layer}: cosine {t.cosine:.4f}, norm ratio {t.norm_ratio:.3f}"
+                  for t in bad[:5]),
+        f"keep {worst.layer} in fp32 (a norm or softmax there belongs in keep_fp32; "
+        "a custom module can run under torch.autocast(enabled=False)), or use bf16",
+        {"layers": [t.layer for t in bad]})]
+
+
+def _coverage(engine, model, batch_fn, facts: dict) -> list[Finding]:
+    """The share of matmul FLOPs that ran in a low-precision dtype."""
+    cov = matmul_coverage(lambda: _forward(engine, model, batch_fn))
+    low = sum(v for k, v in cov.items() if k in ("bfloat16", "float16",
+                                                 "float8_e4m3fn", "float8_e5m2"))
+    facts["matmul_flops_by_dtype"] = cov
+    if low >= 0.5:
+        return []
+    return [Finding(
+        "warning", "coverage", f"only {low:.0%} of matmul FLOPs ran in low precision",
+        f"FLOPs by input dtype: {cov}",
+        "run the forward inside engine.autocast(); custom ops may need inputs cast", {})]
+
+
 def _measured_step(engine, model, batch_fn, i):
     """One training step on batch ``i`` that calls ``capture()`` between backward and
     step, and returns whether the step was skipped."""
@@ -195,13 +219,6 @@ def _measured_step(engine, model, batch_fn, i):
         capture()
         return bool(engine.step().skipped)
     return run
-
-
-def _trainable_names(model, engine) -> list[str] | None:
-    """Names for the optimizer's tensors, in their order, when they map one to one onto
-    the model's trainable parameters (else None: numbered)."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    return names if len(names) == len(engine.master_params) else None
 
 
 def _forward(engine, model, batch_fn):

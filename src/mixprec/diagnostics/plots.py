@@ -27,7 +27,26 @@ def draw_plots(model_factory, batch_fn, recipe, scales, out: Path) -> list[str]:
         batch_fn(model, 0).float().backward()
     mon.remove()
     files = []
+    for name, draw in (("grad_histogram.png", _histogram), ("underflow.png", _underflow)):
+        fig = draw(plt, mon)
+        files.append(str(out / name))
+        fig.savefig(files[-1])
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 3), dpi=120)
+    ax.plot(range(len(scales)), scales, marker=".")
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss scale")
+    ax.set_title(f"Loss scale, recipe {recipe}")
+    fig.tight_layout()
+    files.append(str(out / "loss_scale.png"))
+    fig.savefig(files[-1])
+    plt.close(fig)
+    return files
 
+
+def _histogram(plt, mon: NumericsMonitor):
+    """Activation-gradient magnitudes, under bands for each format's range."""
     hist = mon.histogram("act_grad")
     centers = [(a + b) / 2 for a, b in zip(HIST_EDGES[:-1].tolist(), HIST_EDGES[1:].tolist())]
     fig, ax = plt.subplots(figsize=(9, 4.2), dpi=120)
@@ -50,10 +69,11 @@ def draw_plots(model_factory, batch_fn, recipe, scales, out: Path) -> list[str]:
     ax.set_ylim(0, max(h / total for h in hist) * 1.45 if any(hist) else 1)
     ax.legend(fontsize=8, loc="center left")
     fig.tight_layout()
-    files.append(str(out / "grad_histogram.png"))
-    fig.savefig(files[-1])
-    plt.close(fig)
+    return fig
 
+
+def _underflow(plt, mon: NumericsMonitor):
+    """Per parameter: the share of gradient elements each format flushes to zero."""
     summ = {k.split(":", 1)[1]: v for k, v in mon.summary().items()
             if k.startswith("param_grad:")}
     fig, ax = plt.subplots(figsize=(9, max(3.0, 0.25 * len(summ) + 1)), dpi=120)
@@ -66,18 +86,4 @@ def draw_plots(model_factory, batch_fn, recipe, scales, out: Path) -> list[str]:
     ax.legend(fontsize=8)
     ax.set_title("Per-parameter gradient underflow by format (loss scale 1)")
     fig.tight_layout()
-    files.append(str(out / "underflow.png"))
-    fig.savefig(files[-1])
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(7, 3), dpi=120)
-    ax.plot(range(len(scales)), scales, marker=".")
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss scale")
-    ax.set_title(f"Loss scale, recipe {recipe}")
-    fig.tight_layout()
-    files.append(str(out / "loss_scale.png"))
-    fig.savefig(files[-1])
-    plt.close(fig)
-    return files
+    return fig

@@ -91,35 +91,7 @@ def bench(recipes=("fp32", "bf16", "bf16-master", "fp16", "fp8"), *, size: str =
           device: str = "cpu", model: str = "gpt") -> dict:
     """Run the benchmark; returns a dict (``--json`` prints it)."""
     dev = torch.device(device)
-    cfg = SIZES[size]
-    seq = seq or cfg.seq_len
-    g = torch.Generator().manual_seed(0)
-    if model == "gpt":
-        idx = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=g).to(dev)
-        inputs, tokens = (idx[:, :-1], idx[:, 1:]), batch * seq
-        flops_per_step = cfg.flops_per_token() * tokens
-
-        def build():
-            torch.manual_seed(0)
-            return GPT(cfg).to(dev)
-
-        def loss_of(m):
-            return m(*inputs)
-    elif model == "mlp":
-        x = torch.randn(batch * seq, 1024, generator=g).to(dev)
-        tokens = batch * seq
-        flops_per_step = 6 * sum(p.numel() for p in _mlp().parameters()) * tokens
-
-        def build():
-            torch.manual_seed(0)
-            return _mlp().to(dev)
-
-        def loss_of(m):
-            return m(x).float().pow(2).mean()
-    else:
-        raise ValueError(f"model {model!r}; valid: gpt, mlp")
-
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    build, loss_of, tokens, flops_per_step, seq = _workload(model, size, batch, seq, dev)
     loops, hand = {}, {}
     for r in recipes:
         rec = Recipe.coerce(r)
@@ -136,9 +108,64 @@ def bench(recipes=("fp32", "bf16", "bf16-master", "fp16", "fp8"), *, size: str =
         loops[r] = (step, m, e)
         if rec.compute in ("fp32", "bf16", "fp16") and rec.params == "fp32":
             hand[r] = _hand_loop(build(), rec, dev, loss_of, e.emulating)
-    # One phase per recipe: the engine and its hand-written twin interleaved (order
-    # rotating). Phases are kept apart because a big loop's allocations perturb the one
-    # after it; speed-ups compare phase medians.
+    times = _time_phases(loops, hand, dev, warmup, steps)
+    rows = []
+    from mixprec.memory import measure
+
+    for r, (_, m, e) in loops.items():
+        rec = Recipe.coerce(r)
+        med = statistics.median(times[r])
+        peak = peak_gflops(device, rec.compute, e.kernels)
+        achieved = flops_per_step / med / 1e9
+        over, q25, q75 = (paired_overhead(times[r], times[f"hand:{r}"]) if r in hand
+                          else (None, None, None))
+        rows.append({"recipe": r, "step_ms": med * 1e3, "tokens_per_s": tokens / med,
+                     "gflops": achieved, "peak_gflops": peak, "mfu": achieved / peak,
+                     "overhead_vs_hand": over, "overhead_iqr": (q25, q75),
+                     "model_state_bytes": measure(m, e).total,
+                     "emulated": e.emulating, "kernels": e.kernels.describe()})
+    base = next((x for x in rows if x["recipe"] == "fp32"), None)
+    for x in rows:
+        x["speedup_vs_fp32"] = base["step_ms"] / x["step_ms"] if base else None
+    return {"model": model, "size": size, "batch": batch, "seq": seq, "device": device,
+            "steps": steps, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "flops_per_step": flops_per_step, "rows": rows}
+
+
+def _workload(model: str, size: str, batch: int, seq: int | None, dev: torch.device):
+    """``(build, loss_of, tokens per step, FLOPs per step, seq)`` for ``model``: the
+    workbench GPT (``gpt``) or a 4-layer 1024-wide MLP (``mlp``), on seeded inputs."""
+    cfg = SIZES[size]
+    seq = seq or cfg.seq_len
+    g = torch.Generator().manual_seed(0)
+    if model == "gpt":
+        idx = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=g).to(dev)
+        inputs, tokens = (idx[:, :-1], idx[:, 1:]), batch * seq
+
+        def build():
+            torch.manual_seed(0)
+            return GPT(cfg).to(dev)
+
+        return build, lambda m: m(*inputs), tokens, cfg.flops_per_token() * tokens, seq
+    if model == "mlp":
+        x = torch.randn(batch * seq, 1024, generator=g).to(dev)
+        tokens = batch * seq
+
+        def build():
+            torch.manual_seed(0)
+            return _mlp().to(dev)
+
+        flops = 6 * sum(p.numel() for p in _mlp().parameters()) * tokens
+        return build, lambda m: m(x).float().pow(2).mean(), tokens, flops, seq
+    raise ValueError(f"model {model!r}; valid: gpt, mlp")
+
+
+def _time_phases(loops: dict, hand: dict, dev: torch.device, warmup: int,
+                 steps: int) -> dict[str, list[float]]:
+    """Seconds per step of each loop. One phase per recipe: the engine and its
+    hand-written twin interleaved (order rotating). Phases are kept apart because a
+    big loop's allocations perturb the one after it; speed-ups compare phase medians."""
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     times = {}
     for r in loops:
         fns = {r: loops[r][0]}
@@ -155,28 +182,7 @@ def bench(recipes=("fp32", "bf16", "bf16-master", "fp16", "fp8"), *, size: str =
                 sync()
                 if i >= warmup:
                     times[k].append(time.perf_counter() - t)
-    rows = []
-    from mixprec.memory import measure
-
-    for r, (_, m, e) in loops.items():
-        rec = Recipe.coerce(r)
-        med = statistics.median(times[r])
-        peak = peak_gflops(device, rec.compute, e.kernels)
-        achieved = flops_per_step / med / 1e9
-        over, q25, q75 = (paired_overhead(times[r], times[f"hand:{r}"]) if r in hand
-                          else (None, None, None))
-        mem = measure(m, e).total
-        rows.append({"recipe": r, "step_ms": med * 1e3, "tokens_per_s": tokens / med,
-                     "gflops": achieved, "peak_gflops": peak, "mfu": achieved / peak,
-                     "overhead_vs_hand": over, "overhead_iqr": (q25, q75),
-                     "model_state_bytes": mem,
-                     "emulated": e.emulating, "kernels": e.kernels.describe()})
-    base = next((x for x in rows if x["recipe"] == "fp32"), None)
-    for x in rows:
-        x["speedup_vs_fp32"] = base["step_ms"] / x["step_ms"] if base else None
-    return {"model": model, "size": size, "batch": batch, "seq": seq, "device": device,
-            "steps": steps, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "flops_per_step": flops_per_step, "rows": rows}
+    return times
 
 
 def _hand_loop(model, rec: Recipe, dev, loss_of, emulate: bool = False):

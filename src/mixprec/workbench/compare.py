@@ -204,6 +204,7 @@ def _svg(fig) -> str:
 
 
 def _charts(report: dict) -> dict[str, str]:
+    """The report's charts as SVG strings: losses, throughput, memory, loss scale."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -226,13 +227,18 @@ def _charts(report: dict) -> dict[str, str]:
         ax.set_title(title)
         return _svg(fig)
 
-    charts = {
+    return {
         "train_loss": lines("steps", lambda c: smooth(c["loss"]), "train loss (smoothed)",
                             "Training loss"),
         "val_loss": lines("val_steps", lambda c: c["val_loss"], "validation loss (fp32 eval)",
                           "Validation loss", marker="o"),
+        "speed": _speed_chart(plt, rows),
+        "memory": _memory_chart(plt, rows),
+        "scale": _scale_chart(plt, curves),
     }
 
+
+def _speed_chart(plt, rows: list[dict]) -> str:
     fig, ax = plt.subplots(figsize=(7, 3.2))
     names = [r["recipe"] for r in rows]
     ax.bar(names, [r["tokens_per_s"] for r in rows], color="tab:blue")
@@ -243,9 +249,12 @@ def _charts(report: dict) -> dict[str, str]:
     ax.set_ylabel("tokens/s")
     ax.set_title("Throughput (median step, label: speed-up over fp32)")
     ax.tick_params(axis="x", labelsize=8)
-    charts["speed"] = _svg(fig)
+    return _svg(fig)
 
+
+def _memory_chart(plt, rows: list[dict]) -> str:
     fig, ax = plt.subplots(figsize=(7, 3.6))
+    names = [r["recipe"] for r in rows]
     items = sorted({k for r in rows for k in r["memory_bytes"]})
     bottom = [0.0] * len(rows)
     for k in items:
@@ -256,8 +265,10 @@ def _charts(report: dict) -> dict[str, str]:
     ax.set_title("Memory by category: model states and one forward's saved tensors")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
     ax.tick_params(axis="x", labelsize=8)
-    charts["memory"] = _svg(fig)
+    return _svg(fig)
 
+
+def _scale_chart(plt, curves: dict) -> str:
     fig, ax = plt.subplots(figsize=(7, 3.2))
     for r, c in curves.items():
         ax.plot(c["steps"], c["scale"], label=r)
@@ -270,8 +281,7 @@ def _charts(report: dict) -> dict[str, str]:
     ax.set_ylabel("loss scale")
     ax.set_title("Loss scale (x: skipped steps)")
     ax.legend(fontsize=8)
-    charts["scale"] = _svg(fig)
-    return charts
+    return _svg(fig)
 
 
 def _fmt(v, pct=False, digits=4):

@@ -157,34 +157,10 @@ def train(cfg: TrainConfig, out: str | Path | None = None, *, resume: bool = Fal
     out = Path(out) if out is not None else None
     if out is not None:
         _check_out(out)
-    recipe = Recipe.coerce(cfg.recipe)
-    state = None
-    rank = 0
-    if parallel is not None:
-        import torch.distributed as dist
-
-        rank = dist.get_rank() if dist.is_initialized() else 0
-    # FSDP state is sharded: every rank keeps its own file; otherwise rank 0 writes one
-    ckpt_name = f"ckpt-rank{rank}.pt" if parallel == "fsdp" else "ckpt.pt"
-    ckpt = out / ckpt_name if out is not None else None
-    writes_ckpt = parallel == "fsdp" or rank == 0
-    if resume:
-        if ckpt is None or not ckpt.exists():
-            raise CheckpointError(f"--resume: no checkpoint in {str(out)!r} (expected "
-                                  f"{ckpt_name}); run without --resume first")
-        state = _load_checkpoint(ckpt, cfg)
-
+    rank, ckpt, writes_ckpt = _checkpoint_path(out, parallel, resume)
+    state = _load_checkpoint(ckpt, cfg) if resume else None
     corpus = load_corpus(max_bytes=cfg.corpus_bytes, seed=cfg.seed)
-    mcfg = dataclasses.replace(SIZES[cfg.size], seq_len=cfg.seq_len)
-    torch.manual_seed(cfg.seed)
-    model = GPT(mcfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                            weight_decay=0.0, fused=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        engine = MixedPrecision(model, opt, recipe, max_grad_norm=cfg.max_grad_norm,
-                                parallel=parallel)
-    net = engine.model
+    model, opt, engine = _build(cfg, parallel)
     g = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     start = 0
     result = TrainResult(cfg, emulated=engine.emulating, kernels=engine.kernels.describe(),
@@ -193,49 +169,20 @@ def train(cfg: TrainConfig, out: str | Path | None = None, *, resume: bool = Fal
         engine.load_state_dict(state["engine"])
         g.set_state(state["data_rng"])
         start = state["step"]
-    metrics_path = out / "metrics.jsonl" if out is not None and rank == 0 else None
-    if metrics_path is not None:
-        kept = _read_metrics(metrics_path, start - 1) if resume else []
-        result.steps = [r for r in kept if "loss" in r]
-        result.evals = [r for r in kept if "val_loss" in r]
-        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    tb = _tensorboard(out) if out is not None and rank == 0 else None
+    mf, tb = _open_logs(out if rank == 0 else None, cfg, resume, start, result)
     vals = val_batches(corpus.val, cfg.batch, cfg.seq_len, cfg.eval_batches)
-    tokens = cfg.batch * cfg.seq_len
     show = (sys.stderr.isatty() if progress is None else progress) and rank == 0
     bar = _Progress(cfg, start, show)
-    mf = open(metrics_path, "a") if metrics_path is not None else None
     try:
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         for step in range(start, end):
-            for group in opt.param_groups:
-                group["lr"] = _lr_at(cfg, step)
-            x, y = sample_batch(corpus.train, cfg.batch, cfg.seq_len, g)
-            t0 = time.perf_counter()
-            with engine.autocast():
-                loss = net(x, y)
-            engine.backward(loss * cfg.loss_multiplier)
-            res = engine.step()
-            dt = time.perf_counter() - t0
-            rec = {"step": step, "loss": loss.item(), "scale": float(res.scale),
-                   "skipped": bool(res.skipped), "grad_norm": float(res.grad_norm),
-                   "tokens_per_s": tokens / dt, "lr": _lr_at(cfg, step)}
-            result.steps.append(rec)
-            lines = [rec]
+            lines = [_train_step(cfg, engine, opt, corpus, g, step)]
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                ev = {"step": step, "val_loss": _evaluate(model, vals)}
-                result.evals.append(ev)
-                lines.append(ev)
-            if mf is not None:
-                mf.write("".join(json.dumps(r) + "\n" for r in lines))
-                mf.flush()
-            if tb is not None:
-                tb.add_scalar("loss/train", rec["loss"], step)
-                tb.add_scalar("loss_scale", rec["scale"], step)
-                if len(lines) > 1:
-                    tb.add_scalar("loss/val", lines[1]["val_loss"], step)
-            bar.update(rec, result)
+                lines.append({"step": step, "val_loss": _evaluate(model, vals)})
+                result.evals.append(lines[1])
+            result.steps.append(lines[0])
+            _log(mf, tb, lines, step)
+            bar.update(lines[0], result)
             done = step + 1
             if ckpt is not None and writes_ckpt and (done % cfg.ckpt_every == 0
                                                      or done == cfg.steps):
@@ -244,10 +191,9 @@ def train(cfg: TrainConfig, out: str | Path | None = None, *, resume: bool = Fal
                              "config": dataclasses.asdict(cfg)}, ckpt)
     finally:
         bar.close()
-        if mf is not None:
-            mf.close()
-        if tb is not None:
-            tb.close()
+        for sink in (mf, tb):
+            if sink is not None:
+                sink.close()
     if measure_memory:
         from mixprec.memory import measure
 
@@ -255,6 +201,79 @@ def train(cfg: TrainConfig, out: str | Path | None = None, *, resume: bool = Fal
                             torch.Generator().manual_seed(12345))
         result.memory = measure(model, engine, (x, y)).items
     return result
+
+
+def _checkpoint_path(out: Path | None, parallel: str | None, resume: bool):
+    """``(rank, checkpoint path or None, whether this rank writes it)``. FSDP state is
+    sharded: every rank keeps its own file; otherwise rank 0 writes one."""
+    rank = 0
+    if parallel is not None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    name = f"ckpt-rank{rank}.pt" if parallel == "fsdp" else "ckpt.pt"
+    ckpt = out / name if out is not None else None
+    if resume and (ckpt is None or not ckpt.exists()):
+        raise CheckpointError(f"--resume: no checkpoint in {str(out)!r} (expected "
+                              f"{name}); run without --resume first")
+    return rank, ckpt, parallel == "fsdp" or rank == 0
+
+
+def _build(cfg: TrainConfig, parallel: str | None):
+    """The seeded GPT, its fused AdamW and the engine under ``cfg.recipe``."""
+    mcfg = dataclasses.replace(SIZES[cfg.size], seq_len=cfg.seq_len)
+    torch.manual_seed(cfg.seed)
+    model = GPT(mcfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                            weight_decay=0.0, fused=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = MixedPrecision(model, opt, Recipe.coerce(cfg.recipe),
+                                max_grad_norm=cfg.max_grad_norm, parallel=parallel)
+    return model, opt, engine
+
+
+def _open_logs(out: Path | None, cfg: TrainConfig, resume: bool, start: int,
+               result: TrainResult):
+    """``(metrics.jsonl opened to append, tensorboard writer)``, each None without an
+    output folder (or off rank 0). On resume the records up to ``start`` are kept."""
+    if out is None:
+        return None, None
+    metrics_path = out / "metrics.jsonl"
+    kept = _read_metrics(metrics_path, start - 1) if resume else []
+    result.steps = [r for r in kept if "loss" in r]
+    result.evals = [r for r in kept if "val_loss" in r]
+    metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    return open(metrics_path, "a"), _tensorboard(out)
+
+
+def _train_step(cfg: TrainConfig, engine, opt, corpus, g, step: int) -> dict:
+    """One optimizer step on a sampled batch; its metrics record."""
+    for group in opt.param_groups:
+        group["lr"] = _lr_at(cfg, step)
+    x, y = sample_batch(corpus.train, cfg.batch, cfg.seq_len, g)
+    t0 = time.perf_counter()
+    with engine.autocast():
+        loss = engine.model(x, y)
+    engine.backward(loss * cfg.loss_multiplier)
+    res = engine.step()
+    dt = time.perf_counter() - t0
+    return {"step": step, "loss": loss.item(), "scale": float(res.scale),
+            "skipped": bool(res.skipped), "grad_norm": float(res.grad_norm),
+            "tokens_per_s": cfg.batch * cfg.seq_len / dt, "lr": _lr_at(cfg, step)}
+
+
+def _log(mf, tb, lines: list[dict], step: int) -> None:
+    """Append the step's records to metrics.jsonl and tensorboard."""
+    if mf is not None:
+        mf.write("".join(json.dumps(r) + "\n" for r in lines))
+        mf.flush()
+    if tb is not None:
+        tb.add_scalar("loss/train", lines[0]["loss"], step)
+        tb.add_scalar("loss_scale", lines[0]["scale"], step)
+        if len(lines) > 1:
+            tb.add_scalar("loss/val", lines[1]["val_loss"], step)
 
 
 @torch.no_grad()
