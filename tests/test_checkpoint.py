@@ -1,0 +1,98 @@
+"""The checkpoint room on its own (``mixprec.checkpoint``): atomic files, readable
+errors, and the checks that run before a state is loaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import mlp
+from mixprec.checkpoint import (
+    CheckpointError,
+    check_engine_state,
+    fp32_weights,
+    load_checkpoint,
+    save_atomic,
+)
+from mixprec.master import ParamState
+from mixprec.recipe import Recipe
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("disk full")  # fails halfway through torch.save
+
+
+def test_a_failed_write_leaves_the_previous_file_whole(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    save_atomic({"step": 1, "w": torch.arange(4.0)}, path)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_atomic({"step": 2, "w": torch.zeros(4), "bad": _Unpicklable()}, path)
+    got = load_checkpoint(path)
+    assert got["step"] == 1 and torch.equal(got["w"], torch.arange(4.0))
+
+
+def test_missing_and_torn_files_are_checkpoint_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        load_checkpoint(tmp_path / "none.pt")
+    path = tmp_path / "torn.pt"
+    save_atomic({"w": torch.randn(1000)}, path)
+    path.write_bytes(path.read_bytes()[:300])
+    with pytest.raises(CheckpointError, match="unreadable.*Nothing was changed"):
+        load_checkpoint(path)
+
+
+def _state(model, opt, recipe="bf16", **over):
+    return {"recipe": Recipe.coerce(recipe), "emulating": False, "world_size": 1,
+            "parallel": None, "layout": "full", "model": model.state_dict(),
+            "optimizers": [opt.state_dict()], **over}
+
+
+def test_every_mismatch_is_named_before_anything_loads():
+    m = mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    r = Recipe.coerce("bf16")
+
+    def check(state, parallel=None, world=1, optimizers=(opt,)):
+        check_engine_state(state, r, False, world, parallel, list(optimizers), m)
+
+    check(_state(m, opt))  # the same run: fine
+    with pytest.raises(ValueError, match="saved with recipe 'bf16-master'.*runs 'bf16'"):
+        check(_state(m, opt, "bf16-master"))
+    with pytest.raises(ValueError, match="emulation on.*emulate=true"):
+        check(_state(m, opt, emulating=True))
+    with pytest.raises(ValueError, match="FSDP shards of 2 rank.*full=True"):
+        check(_state(m, opt, world_size=2, layout="sharded"))
+    with pytest.raises(ValueError, match="1 optimizer\\(s\\), this engine has 2"):
+        check(_state(m, opt), optimizers=(opt, opt))
+    other = torch.optim.SGD([{"params": list(m.parameters())[:2]},
+                             {"params": list(m.parameters())[2:]}], lr=0.1)
+    with pytest.raises(ValueError, match="param groups of \\[2, 4\\].*has \\[6\\]"):
+        check(_state(m, other))
+    with pytest.raises(ValueError, match="does not match this model"):
+        check(_state(mlp(hidden=8), opt))
+
+
+def test_fp32_weights_take_the_masters_and_drop_fp8_state():
+    m = nn.Linear(4, 3)
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    state = ParamState(list(m.parameters()), Recipe.coerce("bf16-master"))
+    assert m.weight.dtype == torch.bfloat16
+    got = fp32_weights(m, state)
+    assert got.keys() == want.keys()
+    assert all(got[k].dtype == torch.float32 and torch.equal(got[k], want[k]) for k in want)
+
+
+def test_fp32_weights_leave_out_the_fp8_scaling_buffers():
+    from mixprec.fp8.convert import convert
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    convert(m, Recipe.coerce("fp8"), filter=lambda mod, fqn: True)
+    fp8_keys = {k for k in m.state_dict() if "fp8_" in k}
+    assert fp8_keys  # amax histories and scales exist in the model's state
+    got = fp32_weights(m, ParamState(list(m.parameters()), Recipe.coerce("fp8")))
+    assert set(got) == set(m.state_dict()) - fp8_keys
+    fresh = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    fresh.load_state_dict(got, strict=True)  # loads into a plain fp32 model
