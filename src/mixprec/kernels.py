@@ -86,13 +86,21 @@ def _gflops(dev: torch.device, dtype: torch.dtype, n: int, seconds: float) -> fl
 @cache
 def relative_speed(device: torch.device | str, dtype: torch.dtype) -> float:
     """Matmul throughput in ``dtype`` over fp32's on ``device``: best-of timings of the
-    two, taken alternately so that load hits both (cached)."""
+    two on one thread, taken alternately so that load hits both (cached)."""
     dev = str(torch.device(device))
     ratios = []
-    for _ in range(3):
-        fast = matmul_gflops.__wrapped__(dev, dtype, 256, 0.01)
-        base = matmul_gflops.__wrapped__(dev, torch.float32, 256, 0.01)
-        ratios.append(fast / base)
+    # on one thread: a multi-threaded GEMM waits at its barriers for a thread whose core
+    # another process holds, which slowed the short fp32 calls ~25x on a loaded 2-core
+    # host and made the ratio read "bf16 is fast"; one thread measures the kernel alone
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(3):
+            fast = matmul_gflops.__wrapped__(dev, dtype, 256, 0.01)
+            base = matmul_gflops.__wrapped__(dev, torch.float32, 256, 0.01)
+            ratios.append(fast / base)
+    finally:
+        torch.set_num_threads(threads)
     return sorted(ratios)[1]
 
 
