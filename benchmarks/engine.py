@@ -18,7 +18,7 @@ loops of a phase alike.
 from __future__ import annotations
 
 import argparse
-import platform
+import contextlib
 import statistics
 import time
 
@@ -26,8 +26,10 @@ import torch
 
 from gpt_args import add_gpt_arguments, gpt_config  # benchmarks/, next to this script
 from mixprec import MixedPrecision
+from mixprec.context import make_emulation_mode
 from mixprec.workbench import GPT
 from mixprec.workbench.bench import paired_overhead
+from mixprec.workbench.compare import cpu_name
 
 
 def main() -> None:
@@ -66,11 +68,17 @@ def main() -> None:
         o32.step()
         o32.zero_grad(set_to_none=True)
 
+    # where the engine emulates bf16 (a CPU without bf16 units), its hand-written twin
+    # enters the same emulation mode by hand, so both run the same kernels
     def hand_loop(m, o):
+        emu = make_emulation_mode(engine.recipe) if engine.emulating else None
+        emu = emu if emu is not None else contextlib.nullcontext()
+
         def step():
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16), emu:
                 loss = m(x, y)
-            loss.backward()
+            with emu:
+                loss.backward()
             o.step()
             o.zero_grad(set_to_none=True)
         return step
@@ -103,7 +111,8 @@ def main() -> None:
     tokens = args.batch * args.seq
     print(f"# GPT {args.layers}x{args.d_model} ({cfg.n_params / 1e6:.1f}M params), batch "
           f"{args.batch}x{args.seq}, median of {args.steps} interleaved steps per phase, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_name()}, "
+          f"engine {'emulating' if engine.emulating else 'on real kernels'}")
     w = max(14, len(mine))
     print(f"{'phase':<10} {'loop':<{w}} {'step (ms)':>10} {'tokens/s':>10}")
     for phase, med in (("overhead", over), ("speed-up", speed)):
@@ -181,16 +190,23 @@ def pieces(args, engine, me, mh, oh, x, y) -> None:
         with engine.autocast():
             return me(x, y)
 
+    emu = make_emulation_mode(engine.recipe) if engine.emulating else None
+    emu = emu if emu is not None else contextlib.nullcontext()
+
     def h_fwd():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16), emu:
             return mh(x, y)
+
+    def h_bwd(loss):
+        with emu:
+            loss.backward()
 
     def h_step():
         oh.step()
         oh.zero_grad(set_to_none=True)
 
     runs = (("mixprec", e_fwd, engine.backward, engine.step),
-            ("hand", h_fwd, lambda loss: loss.backward(), h_step))
+            ("hand", h_fwd, h_bwd, h_step))
     for i in range(args.warmup + args.steps):
         for run in runs[i % 2:] + runs[:i % 2]:
             got = timed(*run)
