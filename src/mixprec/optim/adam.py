@@ -1,0 +1,94 @@
+"""Adam and AdamW with low-precision states and weight writes (``mixprec.optim.base``).
+
+The update is torch's single-tensor Adam, op for op (``torch.optim.adam``): with
+fp32 states and fp32 weights the result equals ``torch.optim.Adam`` / ``AdamW`` (their
+default, non-fused implementation on the CPU) bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.optim.base import LowPrecisionOptimizer
+
+__all__ = ["Adam", "AdamW"]
+
+
+class Adam(LowPrecisionOptimizer):
+    """``torch.optim.Adam``'s arguments (no ``amsgrad``), plus ``states``, ``write``
+    and ``seed``.
+
+    >>> import torch
+    >>> p = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+    >>> opt = Adam([p], lr=1e-4, states="int8", write="stochastic")
+    >>> p.grad = torch.ones_like(p)
+    >>> opt.step()
+    >>> sorted(opt.state[p])
+    ['exp_avg.q', 'exp_avg.s', 'exp_avg_sq.q', 'exp_avg_sq.s', 'step']
+    """
+
+    _STATES = (("exp_avg", True), ("exp_avg_sq", False))
+    _decoupled = False
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, maximize: bool = False,
+                 states: str = "fp32", write: str = "nearest", seed: int = 0) -> None:
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        for i, b in enumerate(betas):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        maximize=maximize)
+        super().__init__(params, defaults, states=states, write=write, seed=seed)
+
+    def _init_state(self, p, state, fmt) -> None:
+        super()._init_state(p, state, fmt)
+        device = p.device if self.sync_free or p.device.type != "cpu" else "cpu"
+        state["step"] = torch.tensor(0.0, dtype=torch.float32, device=device)
+
+    def _math(self, w, g, values, group, state, step, skip) -> dict:
+        lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+        wd = group["weight_decay"]
+        if group["maximize"]:
+            g = -g
+        if wd != 0:
+            if self._decoupled:
+                w.mul_(1 - lr * wd)
+            else:
+                g = g.add(w, alpha=wd)
+        m = values.get("exp_avg")
+        v = values.get("exp_avg_sq")
+        m = torch.zeros_like(w, memory_format=torch.preserve_format) if m is None else m
+        v = torch.zeros_like(w, memory_format=torch.preserve_format) if v is None else v
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        if skip is None and step.device.type == "cpu":
+            n = step.item()  # a CPU tensor: no device sync
+            bias_correction1 = 1 - beta1**n
+            bias_correction2_sqrt = (1 - beta2**n) ** 0.5
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+            w.addcdiv_(m, denom, value=-(lr / bias_correction1))
+        else:  # on the device, as torch's capturable path computes it
+            step_size = lr / (1 - beta1**step)
+            denom = (v.sqrt() / ((1 - beta2**step).sqrt() * -step_size)).add_(
+                eps / -step_size)
+            w.addcdiv_(m, denom)
+        return {"exp_avg": m, "exp_avg_sq": v}
+
+
+class AdamW(Adam):
+    """``torch.optim.AdamW`` (decoupled weight decay, default 1e-2), plus ``states``,
+    ``write`` and ``seed``."""
+
+    _decoupled = True
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
+                 states: str = "fp32", write: str = "nearest", seed: int = 0) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, maximize=maximize,
+                         states=states, write=write, seed=seed)

@@ -1,0 +1,270 @@
+"""What every ``mixprec.optim`` optimizer shares: state formats, write rules, the skip.
+
+Each step, per parameter: the gradient (divided by ``grad_scale`` if given) and the
+stored states are decoded to fp32, the update runs in fp32 as torch's single-tensor
+implementation does it, op for op, and the results are encoded back. With fp32 states
+and fp32 weights nothing is decoded or encoded, so the step is torch's, bit for bit.
+
+**Skipping.** ``found_inf`` / ``grad_scale`` are read from attributes, as torch's
+fused optimizers and ``GradScaler`` do. A CPU ``found_inf`` is read directly (free
+there) and a skipped step returns before touching anything. On another device the
+step runs on copies and commits them with ``torch.where(found_inf, old, new)``: no host
+sync, and a skipped step leaves every state, the weight and the step count
+bit-identical. Its bias corrections are then computed from the step tensor on the
+device (as torch's ``capturable=True``), not in float64 on the host.
+
+**Weights without masters.** A bf16/fp16 parameter is read into fp32 (with its
+compensation or remainder), updated there, and written back by the ``write`` rule
+(``mixprec.optim.writes``). fp32 parameters are updated in place. Under mixprec's
+emulation the engine sets ``emulated_format`` (``"bf16"``): the fp32 tensors then hold
+bf16 values and are written as bf16 weights would be. The engine also hands over its
+fp32 gradient buffers (``grad_buffers``), so low-precision weights update from fp32
+gradients rather than from a 16-bit copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.optim.states import STATE_FORMATS, decode, encode, stored_format
+from mixprec.optim.writes import (
+    WRITE_RULES,
+    join_remainder,
+    split_remainder,
+    stochastic_round,
+)
+
+__all__ = ["LowPrecisionOptimizer"]
+
+_HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LowPrecisionOptimizer(torch.optim.Optimizer):
+    """Base class: ``states`` (fp32, bf16, fp8, int8), ``write`` (nearest, stochastic,
+    kahan, remainder) and ``seed`` (the stochastic-rounding generator's)."""
+
+    #: the engine's no-sync path: this optimizer skips itself given ``found_inf``
+    takes_found_inf = True
+    _step_supports_amp_scaling = True
+    #: force the device (no-sync) skip path on the CPU too (tests)
+    sync_free = False
+    #: the state names this optimizer stores, and which of them are non-negative
+    _STATES: tuple[tuple[str, bool], ...] = ()
+
+    def __init__(self, params, defaults: dict, *, states: str = "fp32",
+                 write: str = "nearest", seed: int = 0) -> None:
+        if states not in STATE_FORMATS:
+            raise ValueError(f"states={states!r}; valid: {', '.join(STATE_FORMATS)}")
+        if write not in WRITE_RULES:
+            raise ValueError(f"write={write!r}; valid: {', '.join(WRITE_RULES)}")
+        if not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        super().__init__(params, defaults)
+        self.states, self.write, self.seed = states, write, seed
+        self.emulated_format: str | None = None
+        self.grad_buffers: dict[int, torch.Tensor] | None = None
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    # --- the step ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter with a gradient (see the module docstring)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        grad_scale = getattr(self, "grad_scale", None)
+        skip = None
+        if found_inf is not None:
+            if found_inf.device.type == "cpu" and not self.sync_free:
+                if found_inf.item():
+                    return loss
+            else:
+                skip = found_inf.reshape(()) > 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = self._grad(p)
+                if g is None:
+                    continue
+                if grad_scale is not None:
+                    g = g / grad_scale
+                self._update(p, g.float() if g.dtype != torch.float32 else g,
+                             group, self.state[p], skip)
+        return loss
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        if self.grad_buffers is not None and id(p) in self.grad_buffers:
+            return self.grad_buffers[id(p)]
+        return p.grad
+
+    def _update(self, p, g, group, state, skip) -> None:
+        """Decode, run ``_math`` (the subclass's torch-exact update) on fp32 values,
+        encode and commit."""
+        fmt = self._weight_format(p)
+        if not state:
+            self._init_state(p, state, fmt)
+        w = self._read_weight(p, state, fmt, skip)
+        values = {n: self._read_state(state, n, p, signed, skip)
+                  for n, signed in self._STATES if self._has(state, n)}
+        step = state.get("step")
+        if step is not None:
+            new_step = step + 1 if skip is None else step + (~skip).float()
+        else:
+            new_step = None
+        new_values = self._math(w, g, values, group, state, new_step, skip)
+        if new_step is not None:
+            state["step"].copy_(new_step)
+        for (n, signed) in self._STATES:
+            if n in new_values:
+                self._write_state(state, n, new_values[n], signed, skip, p)
+        self._write_weight(p, w, state, fmt, skip)
+
+    def _math(self, w, g, values, group, state, step, skip) -> dict:
+        raise NotImplementedError
+
+    # --- weights -------------------------------------------------------------------
+
+    def _weight_format(self, p: torch.Tensor) -> str:
+        """``fp32`` for fp32 weights (updated in place), else the 16-bit format."""
+        if p.dtype == torch.float32:
+            return self.emulated_format or "fp32"
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(p.dtype, "other")
+
+    def _init_state(self, p, state, fmt) -> None:
+        """Empty state, plus the write rule's buffer and the step count."""
+        if fmt == "other":
+            raise TypeError(f"mixprec.optim updates fp32, bf16 and fp16 parameters, not "
+                            f"{p.dtype}")
+        if fmt != "fp32" and self.write == "kahan":
+            state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if fmt != "fp32" and self.write == "remainder":
+            if fmt != "bf16":
+                raise ValueError("write='remainder' keeps bf16 weights' low 16 bits; "
+                                 f"this parameter is {fmt}. Use write='kahan' or "
+                                 "'stochastic' for fp16 weights.")
+            state["remainder"] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+
+    def init_remainders(self, params: list, fp32_values: list) -> None:
+        """Start ``write="remainder"`` from exact fp32 values: each bf16 parameter (or
+        emulated one) becomes the rounding ``split_remainder`` gives, and its remainder
+        the low bits, so weight + remainder equal the fp32 value bit for bit."""
+        for p, v in zip(params, fp32_values, strict=True):
+            w, rem = split_remainder(v.detach().float().contiguous())
+            self._init_state(p, self.state[p], "bf16")
+            self.state[p]["remainder"].copy_(rem)
+            p.data.copy_(w if p.dtype == torch.bfloat16 else w.float())
+
+    def _read_weight(self, p, state, fmt, skip) -> torch.Tensor:
+        if fmt == "fp32":
+            return p.data if skip is None else p.data.clone()
+        if self.write == "remainder":
+            return join_remainder(p.data.to(torch.bfloat16), state["remainder"])
+        w = p.data.float()
+        if self.write == "kahan":
+            w = w - state["kahan_comp"].float()
+        return w if w is not p.data else w.clone()
+
+    def _write_weight(self, p, w, state, fmt, skip) -> None:
+        if fmt == "fp32":
+            if skip is not None:
+                p.data.copy_(torch.where(skip, p.data, w))
+            return
+        half = _HALF[fmt]
+        writes = {}
+        if self.write == "remainder":
+            new, writes["remainder"] = split_remainder(w)
+        elif self.write == "stochastic":
+            new = stochastic_round(w, half, self._generator(p.device))
+        else:
+            new = w.to(half)
+            if self.write == "kahan":
+                writes["kahan_comp"] = (new.float() - w).to(half)
+        for name, value in writes.items():
+            _commit(state[name], value.to(state[name].dtype), skip)
+        _commit(p.data, new.to(p.dtype), skip)
+
+    @torch.no_grad()
+    def stored_value(self, p: torch.Tensor) -> torch.Tensor:
+        """The fp32 value this optimizer holds for ``p``: the weight, less its Kahan
+        compensation, or joined with its remainder (a copy)."""
+        state = self.state.get(p, {})
+        if "remainder" in state:
+            return join_remainder(p.detach().to(torch.bfloat16), state["remainder"])
+        if "kahan_comp" in state:
+            return p.detach().float() - state["kahan_comp"].float()
+        return p.detach().float().clone()
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return gen
+
+    # --- states --------------------------------------------------------------------
+
+    @staticmethod
+    def _has(state: dict, name: str) -> bool:
+        return name in state or f"{name}.q" in state
+
+    def _read_state(self, state, name, p, signed, skip) -> torch.Tensor:
+        fmt = stored_format(self.states, p.numel())
+        if fmt == "fp32":
+            v = state[name]
+            return v if skip is None else v.clone()
+        stored = {k: state[f"{name}.{k}"] for k in ("q", "s") if f"{name}.{k}" in state}
+        return decode(stored, fmt, p, signed)
+
+    def _write_state(self, state, name, value, signed, skip, p) -> None:
+        fmt = stored_format(self.states, p.numel())
+        if fmt == "fp32":
+            if name not in state:
+                state[name] = value if skip is None else torch.where(
+                    skip, torch.zeros_like(value), value)
+            elif skip is not None or state[name] is not value:
+                _commit(state[name], value, skip)
+            return
+        for k, v in encode(value, fmt, signed).items():
+            key = f"{name}.{k}"
+            if key not in state:
+                state[key] = v if skip is None else torch.where(skip, torch.zeros_like(v), v)
+            else:
+                _commit(state[key], v, skip)
+
+    # --- checkpoints ---------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """torch's state dict plus the stochastic-rounding generators' states."""
+        sd = super().state_dict()
+        sd["mixprec"] = {"states": self.states, "write": self.write, "seed": self.seed,
+                         "rng": {str(d): g.get_state() for d, g in self._generators.items()}}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loading, with each state tensor kept in its stored dtype (torch
+        would cast int8 codes and fp32 scales to the parameter's dtype), and the
+        generators restored. A state of other formats is refused."""
+        sd = dict(state_dict)
+        extra = sd.pop("mixprec", None)
+        if extra is not None and (extra["states"], extra["write"]) != (self.states,
+                                                                       self.write):
+            raise ValueError(
+                f"optimizer state saved with states={extra['states']!r}, "
+                f"write={extra['write']!r}; this optimizer has states={self.states!r}, "
+                f"write={self.write!r}: build it with the saved settings")
+        super().load_state_dict(sd)
+        ids = [i for g in sd["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params):
+            for k, v in sd["state"].get(i, {}).items():
+                if isinstance(v, torch.Tensor) and k != "step":
+                    self.state[p][k] = v.to(device=p.device).clone()
+        if extra is not None:
+            for d, s in extra["rng"].items():
+                self._generator(torch.device(d)).set_state(s)
+
+
+def _commit(dst: torch.Tensor, new: torch.Tensor, skip) -> None:
+    """``dst <- new``, or under a device skip flag, ``dst`` unchanged where it is set."""
+    dst.copy_(new if skip is None else torch.where(skip, dst, new))

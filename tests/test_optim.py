@@ -1,0 +1,240 @@
+"""mixprec.optim: torch's optimizers bit for bit with fp32 states, the quantizers
+against float64 references, and the write rules' numerics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mixprec.optim as mo
+from mixprec.optim.states import BLOCK, MIN_NUMEL, decode, encode, state_bytes
+from mixprec.optim.writes import join_remainder, split_remainder, stochastic_round
+
+SHAPES = ((64, 32), (32,), (5000,))
+
+
+def _pair(make_torch, make_ours, steps=12, shapes=SHAPES, dtype=torch.float32):
+    torch.manual_seed(0)
+    init = [torch.randn(*s) for s in shapes]
+    a = [torch.nn.Parameter(p.clone()) for p in init]
+    b = [torch.nn.Parameter(p.clone().to(dtype)) for p in init]
+    ot, om = make_torch(a), make_ours(b)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for x, y in zip(a, b):
+            grad = torch.randn(x.shape, generator=g)
+            x.grad, y.grad = grad.clone(), grad.clone().to(dtype)
+        ot.step()
+        om.step()
+    return a, b, ot, om
+
+
+TORCH_TWINS = [
+    ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
+    ("AdamW", dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-6)),
+    ("Adam", dict(lr=1e-2, weight_decay=0.1)),
+    ("Adam", dict(lr=1e-2, maximize=True)),
+    ("SGD", dict(lr=1e-2)),
+    ("SGD", dict(lr=1e-2, momentum=0.9, weight_decay=1e-2)),
+    ("SGD", dict(lr=1e-2, momentum=0.9, nesterov=True)),
+    ("SGD", dict(lr=1e-2, momentum=0.9, dampening=0.1, maximize=True)),
+]
+
+
+@pytest.mark.parametrize("name, kw", TORCH_TWINS)
+def test_fp32_states_equal_torch_bit_for_bit(name, kw):
+    a, b, _, _ = _pair(lambda p: getattr(torch.optim, name)(p, **kw),
+                       lambda p: getattr(mo, name)(p, **kw))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _ref_int8_signed(x64, x32):
+    """float64 reference of the documented signed int8 block quantizer."""
+    b = torch.nn.functional.pad(x32.reshape(-1), (0, (-x32.numel()) % BLOCK)).view(-1, BLOCK)
+    s = b.abs().amax(1, keepdim=True) / 127  # fp32 scale, as documented
+    q = torch.where(s > 0, (b.double() / s.double()).float().double(), 0.0)
+    q = torch.round(q).clamp(-127, 127)  # half to even
+    return (q * s.double()).reshape(-1)[:x32.numel()]
+
+
+def test_int8_signed_states_equal_the_float64_reference():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1000, generator=g) * torch.logspace(-6, 0, 1000)
+    x[:BLOCK] = 0  # an all-zero block
+    got = decode(encode(x, "int8"), "int8", x).double()
+    assert torch.equal(got, _ref_int8_signed(x.double(), x).float().double())
+
+
+def test_int8_second_moment_is_its_square_root_on_a_grid_without_zero():
+    g = torch.Generator().manual_seed(4)
+    v = torch.rand(777, generator=g).pow(6)  # non-negative, wide range
+    stored = encode(v, "int8", signed=False)
+    assert stored["q"].dtype == torch.uint8
+    b = torch.nn.functional.pad(v.sqrt(), (0, (-777) % BLOCK)).view(-1, BLOCK)
+    s = b.amax(1, keepdim=True) / 256
+    k = (torch.round((b.double() / s.double()).float().double()) - 1).clamp(0, 255)
+    want = ((k + 1) * s.double()).float().square().reshape(-1)[:777]
+    got = decode(stored, "int8", v, signed=False)
+    assert torch.equal(got, want)
+    assert (got > 0).all()  # no entry flushed to zero: the update stays bounded
+
+
+def test_fp8_states_equal_e4m3_of_the_block_scaled_value():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    import numpy as np
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(600, generator=g) * 10
+    b = torch.nn.functional.pad(x, (0, (-600) % BLOCK)).view(-1, BLOCK)
+    s = b.abs().amax(1, keepdim=True) / 448
+    quot = (b / s).numpy().astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    want = (torch.from_numpy(quot) * s.double()).float().reshape(-1)[:600]
+    assert torch.equal(decode(encode(x, "fp8"), "fp8", x), want)
+
+
+def test_state_bytes_and_the_small_tensor_rule():
+    assert state_bytes("int8", MIN_NUMEL - 1) == 4 * (MIN_NUMEL - 1)  # stays fp32
+    assert state_bytes("int8", 4096) == 4096 + 32 * 4
+    assert state_bytes("fp8", 4097) == 33 * BLOCK + 33 * 4
+    assert state_bytes("bf16", 5000) == 10000
+    with pytest.raises(ValueError, match="valid: fp32, bf16, fp8, int8"):
+        state_bytes("int4", 10)
+
+
+@pytest.mark.parametrize("states, tol", [("bf16", 0.02), ("fp8", 0.1), ("int8", 0.1)])
+def test_quantized_states_track_fp32_adamw(states, tol):
+    a, b, _, om = _pair(lambda p: torch.optim.AdamW(p, lr=1e-3),
+                        lambda p: mo.AdamW(p, lr=1e-3, states=states))
+    assert "exp_avg.q" in om.state[b[2]]  # 5000 elements: quantized
+    assert "exp_avg" in om.state[b[1]]  # 32 elements: fp32, whatever the format
+    assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+    torch.manual_seed(0)
+    init = [torch.randn(*sh) for sh in SHAPES][2]
+    rel = ((b[2] - a[2]).norm() / (a[2] - init).norm()).item()
+    assert 0 < rel < tol
+
+
+def test_remainder_is_exact_over_random_bit_patterns_and_edge_cases():
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2**31, 2**31, (1 << 20,), generator=g, dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    f32 = torch.finfo(torch.float32)
+    edge = torch.tensor([0.0, -0.0, f32.tiny, -f32.tiny, 1e-45, -1e-45, f32.max, -f32.max,
+                         float("inf"), float("-inf"), float("nan"), 1.0, -1.0])
+    x = torch.cat([x, edge])
+    w, rem = split_remainder(x)
+    back = join_remainder(w, rem)
+    nan = torch.isnan(x)
+    assert torch.equal(back[~nan].view(torch.int32), x[~nan].view(torch.int32))
+    assert torch.isnan(back[nan]).all() and (~torch.isfinite(w[nan].float())).all()
+    # the weight is the fp32 value rounded to nearest (ties away from zero)
+    fin = torch.isfinite(x)
+    assert ((w[fin].float() - x[fin]).abs() <= (x[fin].to(torch.bfloat16).float()
+                                                 - x[fin]).abs()).all()
+
+
+def test_stochastic_rounding_is_unbiased():
+    x = torch.full((100_000,), 1.0 + 2**-9)  # a quarter of bf16's spacing at 1.0
+    r = stochastic_round(x, torch.bfloat16, torch.Generator().manual_seed(0)).double()
+    assert set(r.unique().tolist()) == {1.0, 1.0 + 2**-7}
+    p = 0.25
+    sigma = 2**-7 * (p * (1 - p) / x.numel()) ** 0.5
+    assert abs(r.mean().item() - (1.0 + 2**-9)) < 4 * sigma
+    inf = torch.tensor([float("inf"), float("nan")])
+    out = stochastic_round(inf, torch.bfloat16, None)
+    assert out[0] == float("inf") and torch.isnan(out[1])
+
+
+@pytest.mark.parametrize("rule, check", [
+    ("nearest", lambda w: (w == 1.0).all()),        # every update vanished
+    ("kahan", lambda w: (w == 1.1015625).all()),    # the bf16 nearest to 1.1
+    ("remainder", lambda w: (w == 1.1015625).all()),
+])
+def test_a_thousand_small_updates_under_each_write_rule(rule, check):
+    p = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+    opt = mo.SGD([p], lr=1.0, write=rule)
+    for _ in range(1000):
+        p.grad = torch.full_like(p, -1e-4)
+        opt.step()
+    assert check(p.detach().float())
+
+
+def test_stochastic_writes_keep_small_updates_in_expectation():
+    p = torch.nn.Parameter(torch.ones(10_000, dtype=torch.bfloat16))
+    opt = mo.SGD([p], lr=1.0, write="stochastic", seed=7)
+    for _ in range(1000):
+        p.grad = torch.full_like(p, -1e-4)
+        opt.step()
+    w = p.detach().double()
+    exact = 1.0 + 1000 * float(torch.tensor(1e-4))
+    assert abs(w.mean().item() - exact) < 4 * w.std().item() / w.numel() ** 0.5
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+@pytest.mark.parametrize("states, write", [("fp32", "nearest"), ("int8", "stochastic"),
+                                           ("fp8", "kahan"), ("bf16", "remainder")])
+def test_a_skipped_step_leaves_every_state_bit_identical(states, write, sync_free,
+                                                         monkeypatch):
+    monkeypatch.setattr(mo.LowPrecisionOptimizer, "sync_free", sync_free)
+    p = torch.nn.Parameter(torch.randn(5000).to(torch.bfloat16))
+    q = torch.nn.Parameter(torch.randn(16))
+    opt = mo.AdamW([p, q], lr=1e-2, states=states, write=write)
+    for found in (0.0, 1.0):  # one applied step (states exist), then a poisoned one
+        p.grad = torch.randn(5000).to(torch.bfloat16)
+        q.grad = torch.full((16,), float("inf")) if found else torch.randn(16)
+        before = [p.detach().clone(), q.detach().clone(),
+                  {k: v.clone() for st in opt.state.values() for k, v in st.items()},
+                  opt._generator(p.device).get_state()]
+        opt.found_inf = torch.tensor(found)
+        opt.step()
+        del opt.found_inf
+    assert torch.equal(p, before[0]) and torch.equal(q, before[1])
+    after = {k: v for st in opt.state.values() for k, v in st.items()}
+    assert all(torch.equal(after[k], v) for k, v in before[2].items())
+    assert torch.equal(opt._generator(p.device).get_state(), before[3]) or sync_free
+
+
+def test_grad_scale_divides_the_gradient_as_torchs_fused_kernels_do():
+    a = torch.nn.Parameter(torch.randn(64))
+    b = torch.nn.Parameter(a.detach().clone())
+    g = torch.randn(64)
+    a.grad, b.grad = g.clone(), g * 1024
+    oa, ob = mo.AdamW([a], lr=1e-2), mo.AdamW([b], lr=1e-2)
+    oa.step()
+    ob.grad_scale = torch.tensor(1024.0)
+    ob.step()
+    assert torch.equal(a, b)
+
+
+def test_state_dict_round_trips_with_weights_only(tmp_path):
+    p = torch.nn.Parameter(torch.randn(5000).to(torch.bfloat16))
+    opt = mo.AdamW([p], lr=1e-2, states="int8", write="stochastic", seed=3)
+    for _ in range(3):
+        p.grad = torch.randn(5000).to(torch.bfloat16)
+        opt.step()
+    torch.save({"opt": opt.state_dict(), "p": p.detach()}, tmp_path / "s.pt")
+    saved = torch.load(tmp_path / "s.pt", weights_only=True)
+    p2 = torch.nn.Parameter(saved["p"].clone())
+    opt2 = mo.AdamW([p2], lr=1e-2, states="int8", write="stochastic", seed=3)
+    opt2.load_state_dict(saved["opt"])
+    assert opt2.state[p2]["exp_avg.q"].dtype == torch.int8
+    assert opt2.state[p2]["exp_avg.s"].dtype == torch.float32  # not cast to bf16
+    grad = torch.randn(5000).to(torch.bfloat16)
+    p.grad, p2.grad = grad.clone(), grad.clone()
+    opt.step()
+    opt2.step()
+    assert torch.equal(p, p2)
+    with pytest.raises(ValueError, match="states='int8'.*build it with the saved"):
+        mo.AdamW([p2], states="bf16", write="stochastic").load_state_dict(saved["opt"])
+
+
+def test_bad_settings_are_refused():
+    p = [torch.nn.Parameter(torch.ones(2))]
+    with pytest.raises(ValueError, match="states='int4'; valid: fp32, bf16, fp8, int8"):
+        mo.AdamW(p, states="int4")
+    with pytest.raises(ValueError, match="write='round'; valid: nearest"):
+        mo.SGD(p, write="round")
+    h = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    h.grad = torch.ones_like(h)
+    with pytest.raises(ValueError, match="remainder.*fp16.*kahan"):
+        mo.SGD([h], write="remainder").step()
