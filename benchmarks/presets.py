@@ -21,6 +21,7 @@ import warnings
 import torch
 
 from mixprec import MixedPrecision
+from mixprec.optim import adamw_for
 from mixprec.recipe import preset_names
 from mixprec.workbench.compare import cpu_name
 from mixprec.workbench.model import GPT, SIZES
@@ -31,8 +32,8 @@ def _engine_step(recipe: str, cfg, batch):
     model = GPT(cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=3e-4,
-                                                         fused=True), recipe)
+        engine = MixedPrecision(model, adamw_for(recipe, model.parameters(), lr=3e-4),
+                                recipe)
 
     def step():
         with engine.autocast():

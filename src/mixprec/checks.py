@@ -20,7 +20,7 @@ from mixprec.recipe import Recipe
 
 __all__ = ["check_model", "check_device", "check_optimizers", "check_parallel_kwargs",
            "check_fsdp_units", "check_fp8_filter", "param_counts", "takes_found_inf",
-           "fused_updates", "check_backward"]
+           "fused_updates", "check_backward", "check_optimizer_precision"]
 
 
 def check_model(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -92,11 +92,12 @@ def check_optimizers(optimizers: list[torch.optim.Optimizer], params: list[nn.Pa
                         "over model.parameters()")
     if parallel != "fsdp":
         ParamState.check_masterable(params, r)
+    check_optimizer_precision(optimizers, r, parallel)
     updated = updated_dtype(r, emulating, sharded=parallel == "fsdp")
     if updated not in (torch.float16, torch.bfloat16):
         return
     for o in optimizers:
-        if not takes_found_inf(o):
+        if not takes_found_inf(o) or getattr(o, "takes_found_inf", False) is True:
             continue
         for dev in {p.device.type for g in o.param_groups for p in g["params"]}:
             if not fused_updates(type(o), updated, dev):
@@ -109,9 +110,40 @@ def check_optimizers(optimizers: list[torch.optim.Optimizer], params: list[nn.Pa
 
 def takes_found_inf(opt: torch.optim.Optimizer) -> bool:
     """Whether ``opt`` skips a step itself given ``found_inf`` on the device (torch's
-    fused Adam, AdamW and SGD), so the engine's step needs no host sync."""
+    fused Adam, AdamW and SGD; every ``mixprec.optim`` optimizer), so the engine's step
+    needs no host sync."""
+    if getattr(opt, "takes_found_inf", False) is True:
+        return True
     return bool(getattr(opt, "_step_supports_amp_scaling", False)) and all(
         g.get("fused") for g in opt.param_groups)
+
+
+def check_optimizer_precision(optimizers: list, r: Recipe, parallel: str | None) -> None:
+    """A recipe that stores optimizer states below fp32 or writes 16-bit weights by a
+    rule needs ``mixprec.optim`` optimizers built with the same settings."""
+    from mixprec.optim.base import LowPrecisionOptimizer
+
+    lean = r.states != "fp32" or r.write != "nearest"
+    if lean and parallel == "fsdp":
+        raise NotImplementedError(
+            f"recipe {str(r)!r}: states={r.states}, write={r.write} under parallel='fsdp' "
+            "is not supported yet (FSDP's fp32 shards are the masters, and the states "
+            "would be quantized per shard). Use parallel='ddp', or fp32 states.")
+    for i, o in enumerate(optimizers):
+        ours = isinstance(o, LowPrecisionOptimizer)
+        if ours and (o.states, o.write) != (r.states, r.write):
+            raise ValueError(
+                f"optimizer {i} ({type(o).__name__}) has states={o.states!r}, "
+                f"write={o.write!r}, but recipe {str(r)!r} says states={r.states!r}, "
+                f"write={r.write!r}; build it with the recipe's (or change the recipe)")
+        if lean and not ours:
+            name = type(o).__name__
+            alt = f"mixprec.optim.{name}" if name in ("Adam", "AdamW", "SGD") else \
+                "mixprec.optim.AdamW (or Adam, SGD)"
+            raise ValueError(
+                f"recipe {str(r)!r} stores optimizer states in {r.states} and writes "
+                f"weights by {r.write!r}, which torch's {name} cannot do. Use "
+                f"{alt}(params, ..., states={r.states!r}, write={r.write!r}).")
 
 
 @functools.cache

@@ -95,6 +95,9 @@ class ParamState:
         self.index = {id(p): i for i, p in enumerate(params)}
         self.kahan = recipe.grad_accum == "kahan"
         self.announce_grads = False  # set by DDP: see add_fp32_grad
+        #: set when the optimizers read ``buffers`` themselves (``mixprec.optim``'s
+        #: ``grad_buffers``): 16-bit weights then get no 16-bit copy of their gradient
+        self.optimizer_reads_buffers = False
         self.direct = (not self.has_master and not self.kahan
                        and all(p.dtype == gdt for p in params))
         self.buffers: list[torch.Tensor] = []
@@ -229,7 +232,8 @@ class ParamState:
             return
         for q, b, same in zip(self.opt_params, self.buffers, self._same):
             if not same:
-                q.grad = b.to(q.dtype)
+                if not self.optimizer_reads_buffers:
+                    q.grad = b.to(q.dtype)
             elif q.grad is not b:
                 q.grad = b
 

@@ -39,6 +39,8 @@ Fp8Gemm = Literal["auto", "scaled_mm", "dequant", "dequant_fp32"]
 OnSkipLimit = Literal["warn", "raise"]
 GradAccum = Literal["plain", "kahan"]
 Wgrad = Literal["compute", "fp32"]
+StateDtype = Literal["fp32", "bf16", "fp8", "int8"]
+WriteRule = Literal["nearest", "stochastic", "kahan", "remainder"]
 
 #: What ``keep_fp32`` may name: module families and functional ops run in FP32.
 KEEP_FP32_CHOICES = (
@@ -76,6 +78,10 @@ class Recipe:
       precision knobs).
     - ``params``: dtype the model's parameters are stored in (the working copy).
     - ``master``: ``fp32`` keeps an FP32 master copy that the optimizer updates.
+    - ``states``: what the optimizer's states are stored in (``fp32``, ``bf16``, ``fp8``
+      or ``int8``), and ``write``: how an update lands in 16-bit weights without a
+      master (``nearest``, ``stochastic``, ``kahan`` or ``remainder``). Both need a
+      ``mixprec.optim`` optimizer unless they are fp32 / nearest.
     - ``grads``: dtype gradients are accumulated in across micro-batches;
       ``grad_accum``: ``plain`` additions or ``kahan`` (compensated) summation.
     - ``wgrad``: precision of the weight-gradient GEMM's output: ``compute`` (rounded to
@@ -109,6 +115,8 @@ class Recipe:
     compute: ComputeDtype = "fp32"
     params: StoreDtype = "fp32"
     master: MasterDtype = "none"
+    states: StateDtype = "fp32"
+    write: WriteRule = "nearest"
     grads: StoreDtype = "fp32"
     grad_accum: GradAccum = "plain"
     wgrad: Wgrad = "compute"
@@ -260,7 +268,8 @@ _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 _LITERALS = {
     "compute": ComputeDtype, "params": StoreDtype, "master": MasterDtype, "grads": StoreDtype,
-    "comm": StoreDtype, "grad_accum": GradAccum, "wgrad": Wgrad, "loss_scale": LossScaleKind,
+    "comm": StoreDtype, "states": StateDtype, "write": WriteRule, "grad_accum": GradAccum,
+    "wgrad": Wgrad, "loss_scale": LossScaleKind,
     "on_skip_limit": OnSkipLimit,
     "fp8_scaling": Fp8Scaling, "fp8_format": Fp8Format, "amax_compute_algo": AmaxAlgo,
     "fp8_gemm": Fp8Gemm,
@@ -326,6 +335,13 @@ PRESETS: dict[str, Recipe] = {
     "fp8": Recipe(compute="fp8"),
     "fp8-current": Recipe(compute="fp8", fp8_scaling="current"),
     "fp8-rowwise": Recipe(compute="fp8", fp8_scaling="rowwise"),
+    # bf16 weights without an fp32 master, kept accurate by the write rule
+    "bf16-sr": Recipe(compute="bf16", params="bf16", write="stochastic"),
+    "bf16-kahan": Recipe(compute="bf16", params="bf16", write="kahan"),
+    "bf16-remainder": Recipe(compute="bf16", params="bf16", write="remainder"),
+    # the fewest bytes: bf16 weights and gradients, int8 moments (6 bytes per parameter)
+    "bf16-lean": Recipe(compute="bf16", params="bf16", grads="bf16", write="stochastic",
+                        states="int8"),
 }
 
 

@@ -66,6 +66,17 @@ def refuse_impossible(r) -> None:
             "recipe: grads='fp16' with loss_scale='none' loses every gradient below "
             "6e-8. Set loss_scale=dynamic, or grads=fp32 (the default)."
         )
+    if r.write != "nearest" and (r.params == "fp32" or r.master == "fp32"):
+        raise ValueError(
+            f"recipe: write={r.write!r} with params={r.params!r}, master={r.master!r}: "
+            "write rules are for 16-bit weights without an fp32 master (with a master "
+            "or fp32 weights every update is kept already). Use params=bf16 (or fp16) "
+            "with master=none, or drop write.")
+    if r.write == "remainder" and r.params != "bf16":
+        raise ValueError(
+            f"recipe: write='remainder' with params={r.params!r}: the int16 remainder "
+            "completes a bf16 weight to fp32. Use params=bf16, or write=kahan / "
+            "stochastic for fp16 weights.")
     if r.wgrad == "fp32" and r.grads != "fp32":
         raise ValueError(
             f"recipe: wgrad='fp32' with grads={r.grads!r}: fp32 weight gradients need "
@@ -85,7 +96,7 @@ def warn_useless(r, defaults: dict) -> None:
             "range). It is harmless; set loss_scale=none to drop it.",
             stacklevel=3,
         )
-    if r.params == "fp16" and r.master == "none":
+    if r.params == "fp16" and r.master == "none" and r.write == "nearest":
         warnings.warn(
             "recipe: params='fp16' with master='none' keeps the optimizer's states in "
             "fp16 too: Adam's second moment underflows there and its updates blow up, "

@@ -28,6 +28,7 @@ from mixprec.fp8.convert import convert as fp8_convert
 from mixprec.fp8.linear import fp8_modules
 from mixprec.kernels import KernelChoices, choices, has_fast_kernels
 from mixprec.master import ParamState
+from mixprec.optim.base import LowPrecisionOptimizer
 from mixprec.parallel import Parallel, check_parallel_recipe, make_parallel
 from mixprec.recipe import Recipe
 from mixprec.scaler import LossScaler
@@ -112,6 +113,27 @@ def _repoint(optimizers: list, state: ParamState) -> None:
                 o.state[master_of[id(p)]] = o.state.pop(p)
 
 
+def _hand_over(optimizers: list, state: ParamState, fp32_init: list | None) -> None:
+    """What ``mixprec.optim`` optimizers take from the parameter state: the fp32
+    gradient buffers of 16-bit weights (so no 16-bit copy is made), the format that
+    emulated weights hold, and for ``write="remainder"`` the exact initial values."""
+    ours = [o for o in optimizers if isinstance(o, LowPrecisionOptimizer)]
+    if not ours:
+        return
+    index = {id(p): i for i, p in enumerate(state.working)}
+    if not state.has_master and not state.direct and len(ours) == len(optimizers):
+        buffers = {id(w): b for w, b in zip(state.working, state.buffers)}
+        for o in ours:
+            o.grad_buffers = buffers
+        state.optimizer_reads_buffers = True
+    for o in ours:
+        if state.round_to is not None and not state.has_master:
+            o.emulated_format = state.round_to
+        if fp32_init is not None:
+            mine = [p for g in o.param_groups for p in g["params"] if id(p) in index]
+            o.init_remainders(mine, [fp32_init[index[id(p)]] for p in mine])
+
+
 def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
           parallel_kwargs=None, fsdp_units=None, fp8_filter=None,
           loss_scaler: LossScaler | None = None) -> Parts:
@@ -132,11 +154,15 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
     # before FSDP: fully_shard must manage the Float8Linears, or they see sharded weights
     fp8_report = _swap_fp8(model, r, kernels, fp8_filter)
     model = par.shard(model, optimizers, kernels.emulate)
+    # write=remainder starts from the exact fp32 weights, before the cast drops bits
+    fp32_init = ([p.detach().clone() for p in model.parameters() if p.requires_grad]
+                 if r.write == "remainder" else None)
     state = ParamState([p for p in model.parameters() if p.requires_grad], r,
                        emulate=kernels.emulate, names=names, sharded=par.sharded)
     if emu_mode is not None and state.round_to is not None:
         emu_mode.tag(state.working)  # bf16 values in fp32 tensors
     _repoint(optimizers, state)
+    _hand_over(optimizers, state, fp32_init)
     module, model = model, par.wrap(model, state)
     scaler = LossScaler.from_recipe(r, device) if loss_scaler is None else loss_scaler
     undo = (wrap_fp32_modules(fp32_island_modules(module, r.keep_fp32), device.type)

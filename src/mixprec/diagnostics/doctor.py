@@ -134,12 +134,23 @@ def _engine(model: nn.Module, r: Recipe, optimizer: str, lr: float):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        opt = (torch.optim.AdamW(model.parameters(), lr=lr) if optimizer == "adamw"
-               else torch.optim.SGD(model.parameters(), lr=lr))
+        opt = _optimizer(model, r, optimizer, lr)
         try:
             return MixedPrecision(model, opt, r), opt, None
         except ValueError as e:  # e.g. a model already in bf16 under a -master recipe
             return None, opt, str(e)
+
+
+def _optimizer(model: nn.Module, r: Recipe, optimizer: str, lr: float):
+    """torch's AdamW (its defaults) or plain SGD; ``mixprec.optim``'s where the recipe
+    stores states or writes weights by a rule."""
+    if r.states == "fp32" and r.write == "nearest":
+        cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+        return cls(model.parameters(), lr=lr)
+    import mixprec.optim as mo
+
+    cls = mo.AdamW if optimizer == "adamw" else mo.SGD
+    return cls(model.parameters(), lr=lr, states=r.states, write=r.write)
 
 
 def _train(engine, model, batch_fn, steps: int):

@@ -13,6 +13,12 @@ the optimizer updates (the masters, or the model's own parameters), the elements
 gradient was non-zero but whose stored value did not change. That is the direct
 evidence of a lost update, whatever the optimizer. The doctor warns above
 ``VANISH_FLAG``.
+
+With ``mixprec.optim``'s write rules the stored value is what the optimizer holds:
+the weight less its Kahan compensation, or the weight joined with its remainder (an
+update kept there has not vanished). Under ``write="stochastic"`` an element that did
+not move this step keeps its update in expectation, so those tensors are reported
+(``rule``) but never count towards the warning.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ class Vanished:
     dtype: str
     updated: int
     vanished: int
+    #: the write rule of a ``mixprec.optim`` optimizer ("nearest" for any other)
+    rule: str = "nearest"
 
     @property
     def share(self) -> float:
@@ -56,7 +64,13 @@ def vanished_updates(engine, step: Callable[[Callable[[], None]], bool],
     state = engine.param_state
     params = list(state.opt_params)
     names = names or [f"param {i}" for i in range(len(params))]
-    before = [p.detach().clone() for p in params]
+    owner = {id(p): o for o in engine.optimizers for g in o.param_groups for p in g["params"]}
+
+    def held(p):  # the value the optimizer holds for p
+        o = owner.get(id(p))
+        return o.stored_value(p) if hasattr(o, "stored_value") else p.detach().clone()
+
+    before = [held(p) for p in params]
     nonzero: list[torch.Tensor | None] = []
 
     def capture() -> None:  # which elements the optimizer gets a non-zero gradient for
@@ -72,15 +86,17 @@ def vanished_updates(engine, step: Callable[[Callable[[], None]], bool],
     for name, p, old, nz in zip(names, params, before, nonzero):
         if nz is None:
             continue
-        same = (p.detach() == old) & nz
+        same = (held(p) == old) & nz
+        rule = getattr(owner.get(id(p)), "write", "nearest")
         out.append(Vanished(name, stored or str(p.dtype).removeprefix("torch."),
-                            int(nz.sum()), int(same.sum())))
+                            int(nz.sum()), int(same.sum()), rule))
     return out
 
 
 def audit_vanished_updates(result: list[Vanished] | None) -> list[Finding]:
     """A warning when more than ``VANISH_FLAG`` of the updated elements did not move,
     with the fix for the dtype the optimizer updates."""
+    result = [v for v in (result or []) if v.rule != "stochastic"]
     if not result:
         return []
     updated = sum(v.updated for v in result)
@@ -96,7 +112,9 @@ def audit_vanished_updates(result: list[Vanished] | None) -> list[Finding]:
     if low:
         advice = (f"the optimizer updates {'/'.join(sorted(low))} weights, whose spacing "
                   "swallows small updates: keep fp32 master weights (a '-master' recipe, "
-                  "e.g. 'bf16-master'), or fp32 parameters ('bf16')")
+                  "e.g. 'bf16-master'), fp32 parameters ('bf16'), or write the updates "
+                  "by a rule that keeps them ('bf16-sr', 'bf16-kahan', 'bf16-remainder', "
+                  "with mixprec.optim)")
     else:
         advice = ("the updates are below half an fp32 ulp of the weights (|update| < "
                   "|w| · 2^-25): the learning rate is too small for weights this large. "

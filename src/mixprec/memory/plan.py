@@ -195,8 +195,11 @@ def estimate(
     if isinstance(params, nn.Module):
         frozen_n, n_tensors, frozen_bytes, fp8_bytes, buffers = _module_counts(params, r)
         n -= frozen_n
+        sizes = [p.numel() for p in {id(p): p for p in params.parameters()}.values()
+                 if p.requires_grad]
     else:
         n_tensors, frozen_bytes, fp8_bytes, buffers = 0, 0.0, 0.0, 0.0
+        sizes = None
         if r.compute == "fp8":
             notes.append("fp8 scaling state needs the module to count its Linears (~0)")
     shard = {k: (world_size if zero_stage >= lvl else 1)
@@ -206,7 +209,7 @@ def estimate(
         "params": (n * param_bytes + frozen_bytes) / shard["params"],
         "grads": n * grads_per / shard["grads"],
         "master": (n * 4 if r.master == "fp32" else 0) / shard["optimizer"],
-        "optimizer": (n * _STATES[opt][0] * _state_bytes(r, emulated)
+        "optimizer": (_optimizer_bytes(r, opt, n, sizes, emulated, notes)
                       + 4 * n_tensors * _STATES[opt][1]) / shard["optimizer"],
         "fp8": fp8_bytes,
         "buffers": buffers,
@@ -216,6 +219,31 @@ def estimate(
     elif activations is not None:
         items["activations"] = float(activations)
     return Breakdown(items, str(r), tuple(notes))
+
+
+def _optimizer_bytes(r: Recipe, opt: str, n: int, sizes: list[int] | None,
+                     emulated: bool, notes: list[str]) -> float:
+    """Parameter-sized optimizer state: torch's optimizers keep it in the dtype they
+    update; ``mixprec.optim`` (recipes with ``states`` or ``write``) in ``r.states``
+    per tensor (small tensors fp32), plus the write rule's 2 bytes per 16-bit weight."""
+    per = _STATES[opt][0]
+    if r.states == "fp32" and r.write == "nearest":
+        return n * per * _state_bytes(r, emulated)
+    if opt not in ("adamw", "adam", "sgd_momentum", "sgd"):
+        raise ValueError(f"recipe {str(r)!r} needs a mixprec.optim optimizer (adamw, adam, "
+                         f"sgd_momentum or sgd), not {opt!r}")
+    from mixprec.optim.states import state_bytes
+    from mixprec.optim.writes import write_bytes
+
+    if sizes is None:
+        sizes = [n]
+        notes.append(f"states={r.states}: every tensor counted as quantized (a module "
+                     "counts the small ones in fp32)")
+    weights16 = r.params != "fp32" and r.master == "none"
+    # under emulation kahan's compensation lives in fp32 tensors, as the weights do
+    wide = 2 if emulated and r.write == "kahan" else 1
+    return sum(per * state_bytes(r.states, k) + (wide * write_bytes(r.write, k)
+                                                 if weights16 else 0) for k in sizes)
 
 
 def _module_counts(model: nn.Module, r: Recipe):

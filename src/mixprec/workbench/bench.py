@@ -27,6 +27,7 @@ from torch import nn
 from mixprec.context import make_emulation_mode
 from mixprec.engine import MixedPrecision
 from mixprec.kernels import fp8_gemm_gflops, matmul_gflops
+from mixprec.optim import adamw_for
 from mixprec.recipe import Recipe
 from mixprec.workbench.model import GPT, SIZES
 
@@ -98,7 +99,7 @@ def bench(recipes=("fp32", "bf16", "bf16-master", "fp16", "fp8"), *, size: str =
         m = build()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            e = MixedPrecision(m, torch.optim.AdamW(m.parameters(), fused=True), rec)
+            e = MixedPrecision(m, adamw_for(rec, m.parameters()), rec)
 
         def step(m=m, e=e):
             with e.autocast():

@@ -30,6 +30,7 @@ import torch
 
 from mixprec.checkpoint import CheckpointError, load_checkpoint, save_atomic
 from mixprec.engine import MixedPrecision
+from mixprec.optim import adamw_for
 from mixprec.recipe import Recipe
 from mixprec.workbench.data import load_corpus, sample_batch, val_batches
 from mixprec.workbench.model import GPT, SIZES
@@ -224,8 +225,8 @@ def _build(cfg: TrainConfig, parallel: str | None):
     mcfg = dataclasses.replace(SIZES[cfg.size], seq_len=cfg.seq_len)
     torch.manual_seed(cfg.seed)
     model = GPT(mcfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                            weight_decay=0.0, fused=True)
+    opt = adamw_for(cfg.recipe, model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                    weight_decay=0.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = MixedPrecision(model, opt, Recipe.coerce(cfg.recipe),
