@@ -460,3 +460,48 @@ def reshardable_load(rank, world, tmp, recipe, ckpt):
                                      "opt_state": len(o.optimizers[0].state)})
     del e, o
     _teardown()
+
+
+def make_wide_mlp(seed: int = 0) -> nn.Module:
+    """4096- and 1024-element weights: mixprec.optim quantizes the first one's states."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 256), nn.GELU(), nn.Linear(256, 4))
+
+
+def _lean_engine(recipe, seed=0, parallel="ddp"):
+    from mixprec.optim import adamw_for
+
+    m = make_wide_mlp(seed)
+    return MixedPrecision(m, adamw_for(recipe, m.parameters(), lr=1e-2), recipe,
+                          parallel=parallel)
+
+
+def _lean_steps(engine, batches, rank, world):
+    for x, y in batches:
+        with engine.autocast():
+            loss = F.cross_entropy(engine.model(x.chunk(world)[rank]).float(),
+                                   y.chunk(world)[rank])
+        engine.backward(loss)
+        engine.step()
+
+
+def lean_ddp(rank, world, tmp, recipe, ckpt, resume):
+    """mixprec.optim under DDP: 20 steps with a checkpoint after 10 (``resume=False``),
+    or the last 10 from that checkpoint in a fresh engine (``resume=True``)."""
+    _init(rank, world, tmp)
+    data = make_data(20)
+    engine = _lean_engine(recipe, seed=3 if resume else 0)
+    if resume:
+        engine.load(ckpt)
+    else:
+        _lean_steps(engine, data[:10], rank, world)
+        if rank == 0:
+            engine.save(ckpt)
+        dist.barrier()
+    _lean_steps(engine, data[10:], rank, world)
+    opt = engine.optimizers[0]
+    _save(tmp, "lean", rank, {
+        "params": [p.detach().clone() for p in engine.param_state.working],
+        "states": [{k: v.clone() for k, v in st.items()} for st in opt.state.values()]})
+    del engine, opt
+    _teardown()
