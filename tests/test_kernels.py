@@ -33,6 +33,25 @@ def test_relative_speed_is_the_median_of_alternate_ratios(monkeypatch):
         k.relative_speed.cache_clear()
 
 
+def test_a_clearly_slow_dtype_is_decided_by_one_round(monkeypatch):
+    import mixprec.kernels as k
+
+    times = iter([1.0, 100.0])  # fp16 at 1% of fp32: 4x below FAST_ENOUGH
+    calls = []
+
+    def fake(dev, dtype, n, seconds):
+        calls.append(dtype)
+        return next(times)
+
+    monkeypatch.setattr(k.matmul_gflops, "__wrapped__", fake)
+    k.relative_speed.cache_clear()
+    try:
+        assert relative_speed("cpu", torch.float16) == 0.01
+        assert calls == [torch.float16, torch.float32]  # no second round
+    finally:
+        k.relative_speed.cache_clear()
+
+
 def test_emulation_decision_is_recorded_and_checked_on_resume(monkeypatch):
     import pytest
     from torch import nn

@@ -113,3 +113,15 @@ def test_the_walk_sees_imports_inside_functions():
     """The check would be empty if it missed lazy imports: cli imports rich in one."""
     assert "rich.console" in _imports(SRC / "cli" / "__init__.py")
     assert not _core("mixprec.cli.doctor") and _core("mixprec.diagnostics.doctor")
+
+
+def test_importing_mixprec_does_not_load_torch_dynamo():
+    """torch._dynamo costs ~2 s of every process's start (each rank, each CLI call);
+    mixprec loads it only once torch.compile is in use (``wgrad.compile_safe``)."""
+    import subprocess
+    import sys
+
+    code = "import sys, mixprec, mixprec.cli; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "False"

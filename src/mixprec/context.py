@@ -39,7 +39,14 @@ from mixprec import attention
 from mixprec.emulate import leave_low_precision
 from mixprec.kernels import emulating, fp8_rest, has_fast_kernels
 from mixprec.recipe import Recipe
-from mixprec.wgrad import NOT_ROUTED, ROUTED_FUNCS, GradSink, route, upcast_param
+from mixprec.wgrad import (
+    NOT_ROUTED,
+    ROUTED_FUNCS,
+    GradSink,
+    compile_safe,
+    route,
+    upcast_param,
+)
 
 __all__ = ["precision_context", "recompute_context", "run_backward", "PrecisionMode",
            "device_supports", "fp32_island_modules", "wrap_fp32_modules", "has_fast_kernels",
@@ -324,6 +331,7 @@ def make_emulation_mode(recipe: Recipe):
 def _function_modes(stack: contextlib.ExitStack, r: Recipe, dev: torch.device,
                     sink: GradSink | None, in_backward: bool) -> None:
     """Enter the FP32 islands, the CPU promote rule and the wgrad=fp32 routing."""
+    compile_safe()  # under torch.compile, the routed Functions run eagerly
     wgrad = r.wgrad == "fp32" and r.uses_autocast
     promote = r.uses_autocast and dev.type == "cpu"
     cpu_attention = promote and "attention_backward" in r.keep_fp32

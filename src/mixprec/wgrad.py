@@ -31,6 +31,7 @@ buffers is something a compiled graph would drop.
 
 from __future__ import annotations
 
+import sys
 from typing import Protocol
 
 import torch
@@ -40,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from mixprec.emulate import WEIGHT_CAST_TAG, unrounded
 
 __all__ = ["GradSink", "Fp32WeightGrads", "upcast_param", "route", "NOT_ROUTED",
-           "ROUTED_FUNCS", "WEIGHT_CAST_TAG"]
+           "compile_safe", "ROUTED_FUNCS", "WEIGHT_CAST_TAG"]
 
 
 
@@ -87,11 +88,19 @@ def _sum_fp32(g: torch.Tensor) -> torch.Tensor:
         return g.float().sum(0)
 
 
-def _eager(fn):
-    """``fn`` run eagerly under torch.compile: these Functions add gradients to the
-    engine's buffers as a side effect of backward, which a compiled graph would drop.
-    (A compiled model with ``wgrad=fp32`` breaks its graph at each routed call.)"""
-    return torch.compiler.disable(fn, recursive=True)
+def compile_safe() -> None:
+    """Once torch.compile is in use, run the routed Functions eagerly under it: they add
+    gradients to the engine's buffers as a side effect of backward, which a compiled
+    graph would drop (a compiled model with ``wgrad=fp32`` breaks its graph at each
+    routed call). ``torch.compiler.disable`` imports torch._dynamo, 2 s of every
+    process's start, so this is done when a precision context is entered and dynamo is
+    loaded already (``torch.compile`` loads it before any compiled forward runs)."""
+    global _LINEAR, _EMBEDDING, _UPCAST, _COMPILE_SAFE
+    if _COMPILE_SAFE or "torch._dynamo" not in sys.modules:
+        return
+    _LINEAR, _EMBEDDING, _UPCAST = (torch.compiler.disable(f.apply, recursive=True)
+                                    for f in (_Linear, _Embedding, _Upcast))
+    _COMPILE_SAFE = True
 
 
 class _Linear(torch.autograd.Function):
@@ -153,7 +162,8 @@ class _Upcast(torch.autograd.Function):
         return _route(ctx.p, g.float(), ctx.sink), None
 
 
-_LINEAR, _EMBEDDING, _UPCAST = (_eager(f.apply) for f in (_Linear, _Embedding, _Upcast))
+_LINEAR, _EMBEDDING, _UPCAST = _Linear.apply, _Embedding.apply, _Upcast.apply
+_COMPILE_SAFE = False
 
 
 def upcast_param(x: torch.Tensor, sink: GradSink | None) -> torch.Tensor | None:
@@ -213,6 +223,10 @@ class Fp32WeightGrads(TorchFunctionMode):
     def __init__(self, device_type: str, sink: GradSink | None = None) -> None:
         super().__init__()
         self.device_type, self.sink = device_type, sink
+
+    def __enter__(self):
+        compile_safe()
+        return super().__enter__()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
