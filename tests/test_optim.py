@@ -48,6 +48,14 @@ def test_fp32_states_equal_torch_bit_for_bit(name, kw):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("name", ["AdamW", "Adam"])
+def test_fused_fp32_states_equal_torchs_fused_kernel_bit_for_bit(name):
+    kw = dict(lr=1e-2, weight_decay=0.1, fused=True)
+    a, b, _, _ = _pair(lambda p: getattr(torch.optim, name)(p, **kw),
+                       lambda p: getattr(mo, name)(p, **kw))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def _ref_int8_signed(x64, x32):
     """float64 reference of the documented signed int8 block quantizer."""
     b = torch.nn.functional.pad(x32.reshape(-1), (0, (-x32.numel()) % BLOCK)).view(-1, BLOCK)
@@ -171,14 +179,15 @@ def test_stochastic_writes_keep_small_updates_in_expectation():
 
 
 @pytest.mark.parametrize("sync_free", [False, True])
-@pytest.mark.parametrize("states, write", [("fp32", "nearest"), ("int8", "stochastic"),
-                                           ("fp8", "kahan"), ("bf16", "remainder")])
-def test_a_skipped_step_leaves_every_state_bit_identical(states, write, sync_free,
+@pytest.mark.parametrize("states, write, fused", [
+    ("fp32", "nearest", False), ("int8", "stochastic", False), ("fp8", "kahan", False),
+    ("bf16", "remainder", False), ("int8", "stochastic", True)])
+def test_a_skipped_step_leaves_every_state_bit_identical(states, write, fused, sync_free,
                                                          monkeypatch):
     monkeypatch.setattr(mo.LowPrecisionOptimizer, "sync_free", sync_free)
     p = torch.nn.Parameter(torch.randn(5000).to(torch.bfloat16))
-    q = torch.nn.Parameter(torch.randn(16))
-    opt = mo.AdamW([p, q], lr=1e-2, states=states, write=write)
+    q = torch.nn.Parameter(torch.randn(16))  # fp32: torch's fused kernel when fused
+    opt = mo.AdamW([p, q], lr=1e-2, states=states, write=write, fused=fused)
     for found in (0.0, 1.0):  # one applied step (states exist), then a poisoned one
         p.grad = torch.randn(5000).to(torch.bfloat16)
         q.grad = torch.full((16,), float("inf")) if found else torch.randn(16)

@@ -10,13 +10,16 @@ from __future__ import annotations
 import torch
 
 from mixprec.optim.base import LowPrecisionOptimizer
+from mixprec.optim.states import stored_format
 
 __all__ = ["Adam", "AdamW"]
 
 
 class Adam(LowPrecisionOptimizer):
     """``torch.optim.Adam``'s arguments (no ``amsgrad``), plus ``states``, ``write``
-    and ``seed``.
+    and ``seed``. ``fused=True`` steps fp32 parameters with fp32 states in torch's own
+    fused kernel (equal to ``torch.optim.Adam(fused=True)``); the others, and every
+    quantized state, take the per-tensor path.
 
     >>> import torch
     >>> p = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
@@ -32,7 +35,8 @@ class Adam(LowPrecisionOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, maximize: bool = False,
-                 states: str = "fp32", write: str = "nearest", seed: int = 0) -> None:
+                 fused: bool = False, states: str = "fp32", write: str = "nearest",
+                 seed: int = 0) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -43,13 +47,42 @@ class Adam(LowPrecisionOptimizer):
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        maximize=maximize)
+                        maximize=maximize, fused=fused)
         super().__init__(params, defaults, states=states, write=write, seed=seed)
 
     def _init_state(self, p, state, fmt) -> None:
         super()._init_state(p, state, fmt)
         device = p.device if self.sync_free or p.device.type != "cpu" else "cpu"
         state["step"] = torch.tensor(0.0, dtype=torch.float32, device=device)
+
+    def _fused_step(self, group, found_inf, grad_scale) -> set[int]:
+        fmt = self.states
+        ps = [p for p in group["params"]
+              if p.dtype == torch.float32 and self.emulated_format is None
+              and stored_format(fmt, p.numel()) == "fp32"
+              and (g := self._grad(p)) is not None and g.dtype == torch.float32]
+        if not ps:
+            return set()
+        for p in ps:
+            st = self.state[p]
+            if not st:
+                self._init_state(p, st, "fp32")
+                st["step"] = st["step"].to(p.device)
+            for n in ("exp_avg", "exp_avg_sq"):
+                if n not in st:
+                    st[n] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        steps = [self.state[p]["step"] for p in ps]
+        torch._foreach_add_(steps, 1)
+        kernel = torch._fused_adamw_ if self._decoupled else torch._fused_adam_
+        (beta1, beta2) = group["betas"]
+        kernel(ps, [self._grad(p) for p in ps], [self.state[p]["exp_avg"] for p in ps],
+               [self.state[p]["exp_avg_sq"] for p in ps], [], steps, amsgrad=False,
+               lr=group["lr"], beta1=beta1, beta2=beta2,
+               weight_decay=group["weight_decay"], eps=group["eps"],
+               maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf)
+        if found_inf is not None:
+            torch._foreach_sub_(steps, [found_inf.to(steps[0].device)] * len(steps))
+        return {id(p) for p in ps}
 
     def _math(self, w, g, values, group, state, step, skip) -> dict:
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
@@ -89,6 +122,7 @@ class AdamW(Adam):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
-                 states: str = "fp32", write: str = "nearest", seed: int = 0) -> None:
+                 fused: bool = False, states: str = "fp32", write: str = "nearest",
+                 seed: int = 0) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, maximize=maximize,
-                         states=states, write=write, seed=seed)
+                         fused=fused, states=states, write=write, seed=seed)

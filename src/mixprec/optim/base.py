@@ -84,8 +84,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             else:
                 skip = found_inf.reshape(()) > 0
         for group in self.param_groups:
+            done = (self._fused_step(group, found_inf, grad_scale)
+                    if group.get("fused") else set())
             for p in group["params"]:
-                g = self._grad(p)
+                g = None if id(p) in done else self._grad(p)
                 if g is None:
                     continue
                 if grad_scale is not None:
@@ -93,6 +95,13 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 self._update(p, g.float() if g.dtype != torch.float32 else g,
                              group, self.state[p], skip)
         return loss
+
+    def _fused_step(self, group, found_inf, grad_scale) -> set[int]:
+        """``fused=True``: the fp32 parameters with fp32 states go through torch's own
+        fused kernel (the subclass's ``_FUSED``), as ``torch.optim`` with
+        ``fused=True`` would step them; returns their ids. The rest, and every
+        quantized state, take the per-tensor path."""
+        return set()
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
         if self.grad_buffers is not None and id(p) in self.grad_buffers:
