@@ -251,8 +251,11 @@ def _open_logs(out: Path | None, cfg: TrainConfig, resume: bool, start: int,
 
 def _train_step(cfg: TrainConfig, engine, opt, corpus, g, step: int) -> dict:
     """One optimizer step on a sampled batch; its metrics record."""
-    for group in opt.param_groups:
-        group["lr"] = _lr_at(cfg, step)
+    for group in opt.param_groups:  # a tensor lr (torchao, capturable) is set in place
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(_lr_at(cfg, step))
+        else:
+            group["lr"] = _lr_at(cfg, step)
     x, y = sample_batch(corpus.train, cfg.batch, cfg.seq_len, g)
     t0 = time.perf_counter()
     with engine.autocast():
