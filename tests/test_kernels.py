@@ -11,12 +11,12 @@ def test_probe_measures_and_caches():
     assert matmul_gflops("cpu", torch.float32, 128, 0.01) == a  # cached: same number
 
 
-def test_relative_speed_is_the_median_of_alternate_ratios(monkeypatch):
-    # no timing asserted: the probe's timings are replaced by a scripted sequence
+def _scripted_probe(monkeypatch, rates: list[float]) -> list:
+    """Replace the probe's timings by ``rates`` (GFLOP/s, in call order); returns the
+    list the dtypes of the calls are appended to."""
     import mixprec.kernels as k
 
-    times = iter([100.0, 50.0, 10.0, 50.0, 60.0, 50.0])  # fp16, fp32, fp16, fp32, ...
-    calls = []
+    times, calls = iter(rates), []
 
     def fake(dev, dtype, n, seconds):
         calls.append(dtype)
@@ -24,6 +24,14 @@ def test_relative_speed_is_the_median_of_alternate_ratios(monkeypatch):
 
     monkeypatch.setattr(k.matmul_gflops, "__wrapped__", fake)
     k.relative_speed.cache_clear()
+    return calls
+
+
+def test_relative_speed_is_the_median_of_alternate_ratios(monkeypatch):
+    # no timing asserted: the probe's timings are replaced by a scripted sequence
+    import mixprec.kernels as k
+
+    calls = _scripted_probe(monkeypatch, [100.0, 50.0, 10.0, 50.0, 60.0, 50.0])
     try:
         assert relative_speed("cpu", torch.float16) == 1.2  # ratios 2.0, 0.2, 1.2
         assert calls == [torch.float16, torch.float32] * 3  # alternated
@@ -36,15 +44,7 @@ def test_relative_speed_is_the_median_of_alternate_ratios(monkeypatch):
 def test_a_clearly_slow_dtype_is_decided_by_one_round(monkeypatch):
     import mixprec.kernels as k
 
-    times = iter([1.0, 100.0])  # fp16 at 1% of fp32: 4x below FAST_ENOUGH
-    calls = []
-
-    def fake(dev, dtype, n, seconds):
-        calls.append(dtype)
-        return next(times)
-
-    monkeypatch.setattr(k.matmul_gflops, "__wrapped__", fake)
-    k.relative_speed.cache_clear()
+    calls = _scripted_probe(monkeypatch, [1.0, 100.0])  # 1% of fp32: 4x below the line
     try:
         assert relative_speed("cpu", torch.float16) == 0.01
         assert calls == [torch.float16, torch.float32]  # no second round
