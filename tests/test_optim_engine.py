@@ -46,7 +46,8 @@ def test_a_torch_optimizer_with_a_lean_recipe_is_refused_with_the_fix():
         Recipe.parse("bf16-master,write=stochastic")
 
 
-@pytest.mark.parametrize("recipe", sorted(LEAN))
+@pytest.mark.parametrize("recipe", ["bf16-kahan", "bf16-remainder", "bf16-lean",
+                                    "bf16-master,states=fp8"])
 def test_every_lean_recipe_trains(recipe):
     model = tiny_gpt(0, d_model=64, vocab=128)
     losses = pattern_losses(_engine(model, recipe, lr=1e-2), model, 30)
@@ -82,9 +83,9 @@ def test_remainder_training_equals_bf16_master_bit_for_bit():
         assert torch.equal(master, m.detach())  # the fp32 master, bit for bit
 
 
-@pytest.mark.parametrize("recipe", ["bf16-sr", "bf16-kahan", "bf16-remainder", "bf16-lean",
-                                    "bf16-master,states=int8"])
-@pytest.mark.parametrize("poison", ["loss", "grad", "input"])
+@pytest.mark.parametrize("recipe, poison", [
+    ("bf16-lean", "loss"), ("bf16-lean", "grad"), ("bf16-lean", "input"),  # sr + int8
+    ("bf16-kahan", "grad"), ("bf16-remainder", "input"), ("bf16-master,states=int8", "loss")])
 def test_a_poisoned_step_leaves_every_state_bit_identical(recipe, poison):
     model = tiny_gpt(0, d_model=64, vocab=128)
     engine = _engine(model, recipe)

@@ -24,7 +24,9 @@ which FSDP on any number of ranks reads back, each rank reading the pieces it ne
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -60,14 +62,20 @@ def save_atomic(obj, path: str | Path) -> None:
 
 
 def load_checkpoint(path: str | Path) -> dict:
-    """``torch.load(path, weights_only=True)``, or a ``CheckpointError`` with the fix."""
-    import torch.distributed.tensor  # noqa: F401  (FSDP checkpoints hold DTensors)
-
+    """``torch.load(path, weights_only=True)``, or a ``CheckpointError`` with the fix.
+    FSDP checkpoints hold DTensors, whose module (1.5 s to import) is loaded only for
+    a file that needs it."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {str(path)!r}")
     try:
-        return torch.load(path, weights_only=True)
+        try:
+            return torch.load(path, weights_only=True)
+        except Exception as e:
+            if "DTensor" not in str(e) or "torch.distributed.tensor" in sys.modules:
+                raise
+            importlib.import_module("torch.distributed.tensor")  # registers DTensor
+            return torch.load(path, weights_only=True)
     except Exception as e:  # truncated zip, bad pickle, ...
         raise CheckpointError(
             f"checkpoint {str(path)!r} is unreadable ({type(e).__name__}: {e}); it may be "
