@@ -19,7 +19,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 def spawn(fn, *args, world=2):
     tmp = tempfile.mkdtemp(prefix="mixprec-dist-")
-    mp.spawn(fn, args=(world, tmp, *args), nprocs=world, join=True)
+    mp.start_processes(fn, args=(world, tmp, *args), nprocs=world, join=True,
+                       start_method="forkserver")  # preloaded: see conftest.py
     name = {"equivalence": "equivalence", "rank_local_inf": "inf", "fp8_outlier": "fp8",
             "fp16_comm": "fp16", "resume": "resume", "frozen_stateful": "frozen",
             "unused_head": "unused", "gpt_fsdp": "gpt", "freed": "freed",

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import children
 from mixprec.cli import main
 from mixprec.workbench.compare import compare
 from mixprec.workbench.data import load_corpus, sample_batch
@@ -60,38 +61,32 @@ def test_extending_a_finished_fp8_run_matches_the_longer_run(tmp_path):
     assert losses(tmp_path / "part") == [s["loss"] for s in full.steps]
 
 
-SCRIPT = """
-import sys
-from mixprec.workbench.train import TrainConfig, train
-cfg = TrainConfig(recipe=sys.argv[2], size="tiny", batch=4, steps=int(sys.argv[3]),
-                  eval_every=10, ckpt_every=2, corpus_bytes=300_000)
-train(cfg, sys.argv[1], resume=len(sys.argv) > 4, progress=False)
-"""
-
-
 def _run(args, kill_after_ckpt=None):
-    """Run SCRIPT; with ``kill_after_ckpt=(path, delay)``, SIGKILL it ``delay`` seconds
-    after it writes a checkpoint of its own (polled, so a slow start cannot make the
-    kill land before any checkpoint exists)."""
-    p = subprocess.Popen([sys.executable, "-c", SCRIPT, *args], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    """Run ``children.workbench_run(out, recipe, steps, resume)`` in a child process; with
+    ``kill_after_ckpt=(path, delay)``, SIGKILL it ``delay`` seconds after it writes a
+    checkpoint of its own (polled, so a slow start cannot make the kill land before any
+    checkpoint exists)."""
+    out, recipe, steps, *resume = args
+    p = multiprocessing.get_context("forkserver").Process(
+        target=children.workbench_run, args=(out, recipe, int(steps), bool(resume)))
+    p.start()
     if kill_after_ckpt is None:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err.decode()[-2000:]
+        p.join(timeout=120)
+        assert p.exitcode == 0, f"the run failed (exit code {p.exitcode}); see its stderr"
         return True
     ckpt, delay = kill_after_ckpt
     before = ckpt.stat().st_mtime_ns if ckpt.exists() else None
     deadline = time.monotonic() + 120
-    while p.poll() is None and time.monotonic() < deadline:
+    while p.is_alive() and time.monotonic() < deadline:
         if ckpt.exists() and ckpt.stat().st_mtime_ns != before:
             break
         time.sleep(0.01)
     time.sleep(delay)
-    alive = p.poll() is None
-    p.send_signal(signal.SIGKILL)  # no chance to clean up, mid-write included
-    _, err = p.communicate()
+    alive = p.is_alive()
+    os.kill(p.pid, signal.SIGKILL)  # no chance to clean up, mid-write included
+    p.join()
     # a run that ended before the kill must have ended well, not crashed
-    assert alive or p.returncode == 0, err.decode()[-2000:]
+    assert alive or p.exitcode == 0, f"the run failed (exit code {p.exitcode})"
     return alive
 
 
