@@ -505,3 +505,98 @@ def lean_ddp(rank, world, tmp, recipe, ckpt, resume):
         "states": [{k: v.clone() for k, v in st.items()} for st in opt.state.values()]})
     del engine, opt
     _teardown()
+
+
+def make_uneven_mlp(seed: int = 0) -> nn.Module:
+    """A 257 x 16 weight (4112 elements: quantized states) that 2 ranks shard unevenly
+    (129 + 128 rows), beside small fp32-state tensors."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 257), nn.GELU(), nn.Linear(257, 4))
+
+
+def lean_engine(recipe, seed=0, parallel="fsdp", opt="sgd"):
+    """An uneven MLP under a mixprec.optim optimizer with ``recipe``'s states: SGD with
+    momentum (the equivalence tests' optimizer) or AdamW."""
+    import mixprec.optim as mo
+    from mixprec.recipe import Recipe
+
+    m = make_uneven_mlp(seed)
+    states = Recipe.coerce(recipe).states
+    o = (mo.SGD(m.parameters(), lr=0.1, momentum=0.9, states=states) if opt == "sgd"
+         else mo.AdamW(m.parameters(), lr=1e-2, states=states))
+    return MixedPrecision(m, o, recipe, parallel=parallel)
+
+
+def _full_states(engine):
+    """Every optimizer state gathered whole (a collective under FSDP)."""
+    return engine.parallelism.gather(
+        [{k: v for k, v in st.items() if k != "step"}
+         for st in engine.optimizers[0].state.values()])
+
+
+def lean_fsdp(rank, world, tmp, recipe, ckpt, mode):
+    """FSDP with quantized states. ``mode="save"``: 10 steps, a reshardable save (the
+    directory ``ckpt``) and a whole-file one (``ckpt.pt``), 10 more steps. ``"dir"`` or
+    ``"file"``: a fresh engine (another seed) loads that checkpoint and runs the last 10."""
+    _init(rank, world, tmp)
+    data = make_data(20)
+    engine = lean_engine(recipe, seed=0 if mode == "save" else 4)
+    if mode == "save":
+        _lean_steps(engine, data[:10], rank, world)
+        engine.save(ckpt, reshardable=True, step=10)
+        engine.save(ckpt + ".pt", full=True, step=10)
+    else:
+        extra = engine.load(ckpt if mode == "dir" else ckpt + ".pt")
+        assert extra == {"step": 10}, extra
+    _lean_steps(engine, data[10:], rank, world)
+    opt = engine.optimizers[0]
+    placed = sorted({str(v.placements) for st in opt.state.values() for k, v in st.items()
+                     if k != "step"})
+    _save(tmp, "leanfsdp", rank, {"params": engine.fp32_state_dict(full=True),
+                                  "states": _full_states(engine), "placements": placed})
+    del engine, opt
+    _teardown()
+
+
+SHARDED_SHAPES = ((257, 16), (40, 130), (300,))  # uneven rows, padded blocks, 1-D
+
+
+def sharded_steps(full_params, states, steps=5, world=None):
+    """mixprec.optim AdamW and SGD (momentum) for ``steps`` steps on the same seeded
+    gradients: on ``full_params`` (one process), or with ``world`` on dim-0 DTensor
+    shards of them. Returns the whole weights and states after."""
+    import mixprec.optim as mo
+    from mixprec.comm import gather_full
+
+    out = []
+    for make in (lambda ps: mo.AdamW(ps, lr=1e-2, states=states),
+                 lambda ps: mo.SGD(ps, lr=0.1, momentum=0.9, states=states)):
+        params = [nn.Parameter(p.clone()) for p in full_params]
+        if world is not None:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            mesh = init_device_mesh("cpu", (world,))
+            params = [nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]))
+                      for p in params]
+        opt = make(params)
+        g = torch.Generator().manual_seed(11)
+        for _ in range(steps):
+            for p in params:
+                grad = torch.randn(p.shape, generator=g)
+                p.grad = (grad if world is None
+                          else distribute_tensor(grad, p.device_mesh, p.placements))
+            opt.step()
+        states_of = [{k: v for k, v in opt.state[p].items() if k != "step"} for p in params]
+        out.append(gather_full({"params": [p.detach() for p in params],
+                                "states": states_of}))
+    return out
+
+
+def sharded_optimizer(rank, world, tmp, states):
+    """``sharded_steps`` on ``world`` ranks."""
+    _init(rank, world, tmp)
+    torch.manual_seed(0)
+    full = [torch.randn(s) for s in SHARDED_SHAPES]
+    _save(tmp, "shardopt", rank, sharded_steps(full, states, world=world))
+    _teardown()

@@ -106,3 +106,16 @@ def test_parallel_modes_are_made_from_their_names():
         make_parallel("zero3", Recipe(), mlp())
     with pytest.raises(ValueError, match="torchrun --nproc-per-node"):
         make_parallel("ddp", Recipe(), mlp())
+
+
+def test_write_rules_are_refused_under_fsdp_and_states_are_not():
+    import mixprec.optim as mo
+    from mixprec.checks import check_optimizer_precision
+
+    m = mlp()
+    sr = Recipe.parse("bf16-sr")
+    with pytest.raises(NotImplementedError, match="write=stochastic under parallel='fsdp'"
+                       ".*16-bit shards.*'bf16-master,states=int8'"):
+        check_optimizer_precision([mo.AdamW(m.parameters(), write="stochastic")], sr, "fsdp")
+    lean = Recipe.parse("bf16-master,states=int8")
+    check_optimizer_precision([mo.AdamW(m.parameters(), states="int8")], lean, "fsdp")

@@ -10,7 +10,7 @@ import mixprec.optim as mo
 from mixprec.optim.states import BLOCK, MIN_NUMEL, decode, encode, state_bytes
 from mixprec.optim.writes import join_remainder, split_remainder, stochastic_round
 
-SHAPES = ((64, 32), (32,), (5000,))
+SHAPES = ((64, 32), (32,), (40, 130))
 
 
 def _pair(make_torch, make_ours, steps=12, shapes=SHAPES, dtype=torch.float32):
@@ -56,32 +56,67 @@ def test_fused_fp32_states_equal_torchs_fused_kernel_bit_for_bit(name):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def _ref_int8_signed(x64, x32):
-    """float64 reference of the documented signed int8 block quantizer."""
-    b = torch.nn.functional.pad(x32.reshape(-1), (0, (-x32.numel()) % BLOCK)).view(-1, BLOCK)
-    s = b.abs().amax(1, keepdim=True) / 127  # fp32 scale, as documented
-    q = torch.where(s > 0, (b.double() / s.double()).float().double(), 0.0)
-    q = torch.round(q).clamp(-127, 127)  # half to even
-    return (q * s.double()).reshape(-1)[:x32.numel()]
+def _ref_blocks(x: torch.Tensor) -> list[list[torch.Tensor]]:
+    """The documented blocks, one row at a time: each row of ``x`` (dim 0) cut into
+    pieces of min(128, cols) elements, the last zero-padded (a slow, separate path)."""
+    rows = x.reshape(x.shape[0], -1)
+    w = min(BLOCK, rows.shape[1])
+    out = []
+    for row in rows:
+        pieces = [row[i:i + w] for i in range(0, row.numel(), w)]
+        out.append([torch.cat([q, q.new_zeros(w - q.numel())]) for q in pieces])
+    return out
+
+
+def _ref_decode(x: torch.Tensor, quant) -> torch.Tensor:
+    """``quant(block) -> float64 values`` over every documented block of ``x``, put
+    back in ``x``'s shape."""
+    cols = x[0].numel()
+    rows = [torch.cat([quant(b) for b in row])[:cols] for row in _ref_blocks(x)]
+    return torch.stack(rows).view(x.shape)
+
+
+def _int8_signed(b):
+    s = b.abs().max() / 127  # the fp32 scale, as documented
+    if s == 0:
+        return torch.zeros_like(b, dtype=torch.float64)
+    q = torch.round((b / s).double()).clamp(-127, 127)  # fp32 quotient, half to even
+    return q * s.double()
 
 
 def test_int8_signed_states_equal_the_float64_reference():
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(1000, generator=g) * torch.logspace(-6, 0, 1000)
-    x[:BLOCK] = 0  # an all-zero block
+    x = (torch.randn(40, 300, generator=g) * torch.logspace(-6, 0, 300)).contiguous()
+    x[3] = 0  # all-zero blocks
     got = decode(encode(x, "int8"), "int8", x).double()
-    assert torch.equal(got, _ref_int8_signed(x.double(), x).float().double())
+    assert torch.equal(got, _ref_decode(x, _int8_signed).float().double())
+
+
+def test_blocks_lie_along_rows_so_a_dim0_shard_encodes_as_those_rows_do():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(37, 200, generator=g) * torch.logspace(-3, 3, 37)[:, None]
+    for fmt, signed in (("int8", True), ("int8", False), ("fp8", True)):
+        full = encode(x.abs() if not signed else x, fmt, signed)
+        part = encode((x.abs() if not signed else x)[19:], fmt, signed)  # a rank's rows
+        assert full["q"].shape == (37, 2, 128) and full["s"].shape == (37, 2, 1)
+        assert torch.equal(full["q"][19:].view(torch.uint8), part["q"].view(torch.uint8))
+        assert torch.equal(full["s"][19:], part["s"])
+    empty = encode(x[:0], "int8")  # a shard with no rows (more ranks than rows)
+    assert decode(empty, "int8", x[:0]).shape == (0, 200)
 
 
 def test_int8_second_moment_is_its_square_root_on_a_grid_without_zero():
     g = torch.Generator().manual_seed(4)
-    v = torch.rand(777, generator=g).pow(6)  # non-negative, wide range
+    v = torch.rand(7, 111, generator=g).pow(6)  # non-negative, wide range; w = 111
     stored = encode(v, "int8", signed=False)
     assert stored["q"].dtype == torch.uint8
-    b = torch.nn.functional.pad(v.sqrt(), (0, (-777) % BLOCK)).view(-1, BLOCK)
-    s = b.amax(1, keepdim=True) / 256
-    k = (torch.round((b.double() / s.double()).float().double()) - 1).clamp(0, 255)
-    want = ((k + 1) * s.double()).float().square().reshape(-1)[:777]
+
+    def sqrt_grid(b):
+        s = b.max() / 256
+        k = (torch.round((b / s).double()) - 1).clamp(0, 255)
+        return ((k + 1) * s.double()).float().double()
+
+    want = _ref_decode(v.sqrt(), sqrt_grid).float().square()
     got = decode(stored, "int8", v, signed=False)
     assert torch.equal(got, want)
     assert (got > 0).all()  # no entry flushed to zero: the update stays bounded
@@ -92,28 +127,34 @@ def test_fp8_states_equal_e4m3_of_the_block_scaled_value():
     import numpy as np
 
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(600, generator=g) * 10
-    b = torch.nn.functional.pad(x, (0, (-600) % BLOCK)).view(-1, BLOCK)
-    s = b.abs().amax(1, keepdim=True) / 448
-    quot = (b / s).numpy().astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    want = (torch.from_numpy(quot) * s.double()).float().reshape(-1)[:600]
+    x = torch.randn(6, 130, 2, generator=g) * 10  # rows of 260: blocks 128, 128, 4 + pad
+
+    def e4m3(b):
+        s = b.abs().max() / 448
+        quot = (b / s).numpy().astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        return torch.from_numpy(quot) * s.double()
+
+    want = _ref_decode(x, e4m3).float()
     assert torch.equal(decode(encode(x, "fp8"), "fp8", x), want)
 
 
 def test_state_bytes_and_the_small_tensor_rule():
-    assert state_bytes("int8", MIN_NUMEL - 1) == 4 * (MIN_NUMEL - 1)  # stays fp32
-    assert state_bytes("int8", 4096) == 4096 + 32 * 4
-    assert state_bytes("fp8", 4097) == 33 * BLOCK + 33 * 4
-    assert state_bytes("bf16", 5000) == 10000
+    assert state_bytes("int8", (MIN_NUMEL - 1, 1)) == 4 * (MIN_NUMEL - 1)  # small: fp32
+    assert state_bytes("int8", (8192,)) == 4 * 8192  # 1-D: fp32
+    assert state_bytes("int8", (32, 128)) == 4096 + 32 * 4
+    assert state_bytes("fp8", (64, 64)) == 4096 + 64 * 4  # rows of 64: w = 64
+    assert state_bytes("fp8", (17, 257)) == 17 * 3 * (BLOCK + 4)  # padded to 3 blocks
+    assert state_bytes("int8", 4097) == 33 * BLOCK + 33 * 4  # a bare count
+    assert state_bytes("bf16", (50, 100)) == 10000
     with pytest.raises(ValueError, match="valid: fp32, bf16, fp8, int8"):
-        state_bytes("int4", 10)
+        state_bytes("int4", (10, 10))
 
 
 @pytest.mark.parametrize("states, tol", [("bf16", 0.02), ("fp8", 0.1), ("int8", 0.1)])
 def test_quantized_states_track_fp32_adamw(states, tol):
     a, b, _, om = _pair(lambda p: torch.optim.AdamW(p, lr=1e-3),
                         lambda p: mo.AdamW(p, lr=1e-3, states=states))
-    assert "exp_avg.q" in om.state[b[2]]  # 5000 elements: quantized
+    assert "exp_avg.q" in om.state[b[2]]  # 5200 elements in rows: quantized
     assert "exp_avg" in om.state[b[1]]  # 32 elements: fp32, whatever the format
     assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
     torch.manual_seed(0)
@@ -185,11 +226,11 @@ def test_stochastic_writes_keep_small_updates_in_expectation():
 def test_a_skipped_step_leaves_every_state_bit_identical(states, write, fused, sync_free,
                                                          monkeypatch):
     monkeypatch.setattr(mo.LowPrecisionOptimizer, "sync_free", sync_free)
-    p = torch.nn.Parameter(torch.randn(5000).to(torch.bfloat16))
+    p = torch.nn.Parameter(torch.randn(50, 100).to(torch.bfloat16))
     q = torch.nn.Parameter(torch.randn(16))  # fp32: torch's fused kernel when fused
     opt = mo.AdamW([p, q], lr=1e-2, states=states, write=write, fused=fused)
     for found in (0.0, 1.0):  # one applied step (states exist), then a poisoned one
-        p.grad = torch.randn(5000).to(torch.bfloat16)
+        p.grad = torch.randn(50, 100).to(torch.bfloat16)
         q.grad = torch.full((16,), float("inf")) if found else torch.randn(16)
         before = [p.detach().clone(), q.detach().clone(),
                   {k: v.clone() for st in opt.state.values() for k, v in st.items()},
@@ -216,10 +257,10 @@ def test_grad_scale_divides_the_gradient_as_torchs_fused_kernels_do():
 
 
 def test_state_dict_round_trips_with_weights_only(tmp_path):
-    p = torch.nn.Parameter(torch.randn(5000).to(torch.bfloat16))
+    p = torch.nn.Parameter(torch.randn(50, 100).to(torch.bfloat16))
     opt = mo.AdamW([p], lr=1e-2, states="int8", write="stochastic", seed=3)
     for _ in range(3):
-        p.grad = torch.randn(5000).to(torch.bfloat16)
+        p.grad = torch.randn(50, 100).to(torch.bfloat16)
         opt.step()
     torch.save({"opt": opt.state_dict(), "p": p.detach()}, tmp_path / "s.pt")
     saved = torch.load(tmp_path / "s.pt", weights_only=True)
@@ -228,7 +269,7 @@ def test_state_dict_round_trips_with_weights_only(tmp_path):
     opt2.load_state_dict(saved["opt"])
     assert opt2.state[p2]["exp_avg.q"].dtype == torch.int8
     assert opt2.state[p2]["exp_avg.s"].dtype == torch.float32  # not cast to bf16
-    grad = torch.randn(5000).to(torch.bfloat16)
+    grad = torch.randn(50, 100).to(torch.bfloat16)
     p.grad, p2.grad = grad.clone(), grad.clone()
     opt.step()
     opt2.step()

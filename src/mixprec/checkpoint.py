@@ -136,12 +136,16 @@ def fp32_weights(module: nn.Module, param_state) -> dict[str, torch.Tensor]:
     return out
 
 
-def _like(full, like):
-    """``full`` cut to ``like``'s shard when ``like`` is a DTensor of its shape."""
+def _like(full, like, rows: bool = False):
+    """``full`` cut to ``like``'s shard when ``like`` is a DTensor of its shape; with
+    ``rows``, of its dim 0 (``mixprec.optim``'s block states, sharded with the rows of
+    their parameter)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    fits = (full.ndim >= 1 and like.ndim >= 1 and full.shape[0] == like.shape[0]
+            if rows else full.shape == like.shape) if isinstance(full, torch.Tensor) else False
     if (isinstance(like, DTensor) and isinstance(full, torch.Tensor)
-            and not isinstance(full, DTensor) and full.shape == like.shape):
+            and not isinstance(full, DTensor) and fits):
         # every rank read the same file: each keeps its own piece, no communication
         return distribute_tensor(full.to(like.device), like.device_mesh, like.placements,
                                  src_data_rank=None)
@@ -163,7 +167,8 @@ def shard_full_state(state: dict, module: nn.Module, trainable: list, optimizers
     for o, s in zip(optimizers, state["optimizers"]):
         params = [p for g in o.param_groups for p in g["params"]]
         opts.append({**s, "state": {
-            i: {k: v if k == "step" else _like(v, params[i]) for k, v in st.items()}
+            i: {k: v if k == "step" else _like(v, params[i], rows=True)
+                for k, v in st.items()}
             for i, st in s["state"].items()}})
     out["optimizers"] = opts
     return out

@@ -220,6 +220,12 @@ def gather_full(obj):
     from torch.distributed.tensor import DTensor
 
     if isinstance(obj, DTensor):
+        if obj.dtype.is_floating_point and obj.dtype.itemsize == 1:
+            # fp8 (mixprec.optim's states): gloo has no fp8, so the bytes travel as uint8
+            raw = DTensor.from_local(obj.to_local().view(torch.uint8), obj.device_mesh,
+                                     obj.placements, run_check=False, shape=obj.shape,
+                                     stride=obj.stride())
+            return raw.full_tensor().view(obj.dtype)
         return obj.full_tensor()
     if isinstance(obj, dict):
         return {k: gather_full(v) for k, v in obj.items()}

@@ -195,7 +195,7 @@ def estimate(
     if isinstance(params, nn.Module):
         frozen_n, n_tensors, frozen_bytes, fp8_bytes, buffers = _module_counts(params, r)
         n -= frozen_n
-        sizes = [p.numel() for p in {id(p): p for p in params.parameters()}.values()
+        sizes = [tuple(p.shape) for p in {id(p): p for p in params.parameters()}.values()
                  if p.requires_grad]
     else:
         n_tensors, frozen_bytes, fp8_bytes, buffers = 0, 0.0, 0.0, 0.0
@@ -221,7 +221,7 @@ def estimate(
     return Breakdown(items, str(r), tuple(notes))
 
 
-def _optimizer_bytes(r: Recipe, opt: str, n: int, sizes: list[int] | None,
+def _optimizer_bytes(r: Recipe, opt: str, n: int, sizes: list | None,
                      emulated: bool, notes: list[str]) -> float:
     """Parameter-sized optimizer state: torch's optimizers keep it in the dtype they
     update; ``mixprec.optim`` (recipes with ``states`` or ``write``) in ``r.states``
@@ -236,14 +236,18 @@ def _optimizer_bytes(r: Recipe, opt: str, n: int, sizes: list[int] | None,
     from mixprec.optim.writes import write_bytes
 
     if sizes is None:
-        sizes = [n]
+        sizes = [n]  # state_bytes' model of a bare count: rows of whole blocks
         notes.append(f"states={r.states}: every tensor counted as quantized (a module "
                      "counts the small ones in fp32)")
     weights16 = r.params != "fp32" and r.master == "none"
     # under emulation kahan's compensation lives in fp32 tensors, as the weights do
     wide = 2 if emulated and r.write == "kahan" else 1
-    return sum(per * state_bytes(r.states, k) + (wide * write_bytes(r.write, k)
-                                                 if weights16 else 0) for k in sizes)
+    total = 0
+    for k in sizes:  # a shape, or a bare count
+        total += per * state_bytes(r.states, k)
+        if weights16:
+            total += wide * write_bytes(r.write, k if isinstance(k, int) else math.prod(k))
+    return total
 
 
 def _module_counts(model: nn.Module, r: Recipe):

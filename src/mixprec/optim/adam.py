@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mixprec.optim.base import LowPrecisionOptimizer
+from mixprec.optim.base import LowPrecisionOptimizer, _is_dtensor
 from mixprec.optim.states import stored_format
 
 __all__ = ["Adam", "AdamW"]
@@ -22,7 +22,7 @@ class Adam(LowPrecisionOptimizer):
     quantized state, take the per-tensor path.
 
     >>> import torch
-    >>> p = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+    >>> p = torch.nn.Parameter(torch.ones(64, 64, dtype=torch.bfloat16))
     >>> opt = Adam([p], lr=1e-4, states="int8", write="stochastic")
     >>> p.grad = torch.ones_like(p)
     >>> opt.step()
@@ -59,7 +59,7 @@ class Adam(LowPrecisionOptimizer):
         fmt = self.states
         ps = [p for p in group["params"]
               if p.dtype == torch.float32 and self.emulated_format is None
-              and stored_format(fmt, p.numel()) == "fp32"
+              and stored_format(fmt, p.shape) == "fp32" and not _is_dtensor(p)
               and (g := self._grad(p)) is not None and g.dtype == torch.float32]
         if not ps:
             return set()

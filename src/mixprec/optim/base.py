@@ -20,9 +20,20 @@ emulation the engine sets ``emulated_format`` (``"bf16"``): the fp32 tensors the
 bf16 values and are written as bf16 weights would be. The engine also hands over its
 fp32 gradient buffers (``grad_buffers``), so low-precision weights update from fp32
 gradients rather than from a 16-bit copy.
+
+**FSDP2 shards.** A DTensor parameter (sharded on dim 0) is updated through its local
+shard: the update is elementwise, and the block formats cut blocks along rows
+(``mixprec.optim.states``), so a shard's states are exactly those rows of the whole
+tensor's. Which format a state takes is decided on the whole parameter's shape. Each
+state is kept as a DTensor sharded like its parameter, so checkpoints gather or
+reshard it as they do the parameter. Shards take the per-tensor path under
+``fused=True`` too.
 """
 
 from __future__ import annotations
+
+import math
+import sys
 
 import torch
 
@@ -90,6 +101,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 g = None if id(p) in done else self._grad(p)
                 if g is None:
                     continue
+                if _is_dtensor(g):
+                    g = g.to_local()
                 if grad_scale is not None:
                     g = g / grad_scale
                 self._update(p, g.float() if g.dtype != torch.float32 else g,
@@ -110,12 +123,36 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
 
     def _update(self, p, g, group, state, skip) -> None:
         """Decode, run ``_math`` (the subclass's torch-exact update) on fp32 values,
-        encode and commit."""
+        encode and commit. ``g`` is the (local) fp32 gradient."""
+        if _is_dtensor(p):
+            self._update_shard(p, g, group, state, skip)
+        else:
+            self._update_tensor(p, p.shape, g, group, state, skip)
+
+    def _update_shard(self, p, g, group, state, skip) -> None:
+        """A DTensor parameter: the update of its local shard, with each new state
+        wrapped as a DTensor sharded like ``p`` (rows with its rows)."""
+        if self.states != "fp32" and any(pl.is_shard() and pl.dim != 0
+                                         for pl in p.placements):
+            raise NotImplementedError(
+                f"states={self.states!r} for a parameter sharded as {p.placements}: block "
+                "states are cut along rows, so only dim-0 shards (FSDP2's default) hold "
+                "whole blocks. Shard on dim 0, or use states='fp32'.")
+        local = {k: v.to_local() if _is_dtensor(v) else v for k, v in state.items()}
+        self._update_tensor(p.data.to_local(), p.shape, g, group, local, skip)
+        for k, v in local.items():
+            if k not in state:
+                state[k] = v if v.ndim == 0 else _shard_like(v, p)
+
+    def _update_tensor(self, p, shape, g, group, state, skip) -> None:
+        """The update of the plain tensor ``p`` (a parameter, or a shard of one whose
+        whole shape is ``shape``)."""
         fmt = self._weight_format(p)
+        sfmt = stored_format(self.states, shape)
         if not state:
             self._init_state(p, state, fmt)
         w = self._read_weight(p, state, fmt, skip)
-        values = {n: self._read_state(state, n, p, signed, skip)
+        values = {n: self._read_state(state, n, p, signed, skip, sfmt)
                   for n, signed in self._STATES if self._has(state, n)}
         step = state.get("step")
         if step is not None:
@@ -127,7 +164,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             state["step"].copy_(new_step)
         for (n, signed) in self._STATES:
             if n in new_values:
-                self._write_state(state, n, new_values[n], signed, skip, p)
+                self._write_state(state, n, new_values[n], signed, skip, sfmt)
         self._write_weight(p, w, state, fmt, skip)
 
     def _math(self, w, g, values, group, state, step, skip) -> dict:
@@ -217,16 +254,14 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     def _has(state: dict, name: str) -> bool:
         return name in state or f"{name}.q" in state
 
-    def _read_state(self, state, name, p, signed, skip) -> torch.Tensor:
-        fmt = stored_format(self.states, p.numel())
+    def _read_state(self, state, name, p, signed, skip, fmt) -> torch.Tensor:
         if fmt == "fp32":
             v = state[name]
             return v if skip is None else v.clone()
         stored = {k: state[f"{name}.{k}"] for k in ("q", "s") if f"{name}.{k}" in state}
         return decode(stored, fmt, p, signed)
 
-    def _write_state(self, state, name, value, signed, skip, p) -> None:
-        fmt = stored_format(self.states, p.numel())
+    def _write_state(self, state, name, value, signed, skip, fmt) -> None:
         if fmt == "fp32":
             if name not in state:
                 state[name] = value if skip is None else torch.where(
@@ -272,6 +307,24 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if extra is not None:
             for d, s in extra["rng"].items():
                 self._generator(torch.device(d)).set_state(s)
+
+
+def _is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor (without importing DTensor's module: if it was never
+    imported, there is none)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def _shard_like(local: torch.Tensor, p) -> torch.Tensor:
+    """``local``, this rank's rows of a state of ``p``, as a DTensor placed like ``p``
+    whose global dim 0 is ``p``'s (FSDP2's shards may be uneven)."""
+    from torch.distributed.tensor import DTensor
+
+    shape = (p.shape[0], *local.shape[1:])
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                              shape=shape, stride=stride)
 
 
 def _commit(dst: torch.Tensor, new: torch.Tensor, skip) -> None:

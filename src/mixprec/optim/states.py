@@ -8,11 +8,19 @@ format     encoding                                                             
 =========  =====================================================================  ======
 ``fp32``   the tensor itself (no copy: updates are torch's, bit for bit)          4
 ``bf16``   round to nearest even                                                  2
-``fp8``    e4m3 per block of ``BLOCK`` elements, scale = block amax / 448 (fp32)  1 + 4/128
-``int8``   per block: signed states linear, q = rint(x / s), s = amax / 127;      1 + 4/128
+``fp8``    e4m3 per block, scale = block amax / 448 (fp32)                        1 + 4/w
+``int8``   per block: signed states linear, q = rint(x / s), s = amax / 127;      1 + 4/w
            non-negative states (Adam's second moment) as their square root,
            k = rint(sqrt(v) / s) - 1 in 0..255, s = max sqrt(v) / 256
 =========  =====================================================================  ======
+
+**Blocks lie along rows.** A state of shape ``(rows, *rest)`` is viewed as ``rows`` rows
+of ``cols = prod(rest)`` elements; each row is cut into blocks of ``w = min(BLOCK,
+cols)`` elements (the last one zero-padded when ``w`` does not divide ``cols``), one
+fp32 scale per block. A dim-0 shard (FSDP2's) therefore holds whole blocks and encodes
+to exactly the same codes and scales as those rows of the whole tensor: sharded states
+gather, reshard and resume bit for bit at any world size. The codes are stored as
+``(rows, blocks, w)`` and the scales as ``(rows, blocks, 1)``, sharded with the rows.
 
 Why the second moment is stored as its square root in ``fp8`` and ``int8``: Adam
 divides by ``sqrt(v) + eps``, and ``v`` spans twice the binades of ``sqrt(v)``; a
@@ -21,42 +29,51 @@ block of ``v`` stored linearly or in e4m3 flushes its small entries to zero, and
 smallest code is ``s``, so small entries are stored too large, which only shrinks
 their update. Quotients are computed in fp32 and rounded half to even (``torch.round``).
 
-Tensors under ``MIN_NUMEL`` elements stay fp32 whatever the format (biases, norm
-weights: little memory, and the most sensitive); the test is on the whole parameter's
-size (a DTensor's global ``numel``), never on a shard's.
+Tensors under ``MIN_NUMEL`` elements, and 1-D tensors, stay fp32 whatever the format
+(biases, norm weights: little memory, and the most sensitive; a 1-D shard would also
+cut blocks). The test is on the whole parameter's shape (a DTensor's global shape),
+never on a shard's.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 __all__ = ["StateFormat", "STATE_FORMATS", "BLOCK", "MIN_NUMEL", "stored_format",
-           "encode", "decode", "state_bytes"]
+           "block_width", "encode", "decode", "state_bytes"]
 
 StateFormat = Literal["fp32", "bf16", "fp8", "int8"]
 STATE_FORMATS = ("fp32", "bf16", "fp8", "int8")
-#: elements per scale block (fp8, int8)
+#: the widest scale block (fp8, int8): elements of one row per scale
 BLOCK = 128
 #: parameters with fewer elements keep fp32 states
 MIN_NUMEL = 4096
 _E4M3_MAX = 448.0
 
 
-def stored_format(fmt: str, numel: int) -> str:
-    """The format a state of a ``numel``-element parameter is stored in."""
+def stored_format(fmt: str, shape: Sequence[int]) -> str:
+    """The format a state of a parameter of ``shape`` (the whole parameter's) is
+    stored in: ``fmt``, or fp32 for a small or 1-D parameter."""
     if fmt not in STATE_FORMATS:
         raise ValueError(f"state format {fmt!r}; valid: {', '.join(STATE_FORMATS)}")
-    return "fp32" if numel < MIN_NUMEL else fmt
+    return "fp32" if len(shape) < 2 or math.prod(shape) < MIN_NUMEL else fmt
+
+
+def block_width(shape: Sequence[int]) -> int:
+    """Elements per scale block for a state of ``shape``: ``min(BLOCK, cols)``."""
+    return max(1, min(BLOCK, math.prod(shape[1:])))
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
-    """``x`` flattened and zero-padded into rows of ``BLOCK``."""
-    flat = x.reshape(-1)
-    pad = (-flat.numel()) % BLOCK
-    return F.pad(flat, (0, pad)).view(-1, BLOCK)
+    """``x`` as ``(rows, blocks, w)``, each row zero-padded to whole blocks."""
+    w, cols = block_width(x.shape), math.prod(x.shape[1:])
+    rows = x.reshape(x.shape[0], cols)  # explicit: a shard may have no rows
+    return F.pad(rows, (0, (-cols) % w)).view(x.shape[0], -(-cols // w), w)
 
 
 def encode(x: torch.Tensor, fmt: str, signed: bool = True) -> dict[str, torch.Tensor]:
@@ -68,7 +85,7 @@ def encode(x: torch.Tensor, fmt: str, signed: bool = True) -> dict[str, torch.Te
     if fmt == "bf16":
         return {"q": x.to(torch.bfloat16)}
     b = _blocks(x if signed else x.sqrt())
-    amax = b.abs().amax(dim=1, keepdim=True)
+    amax = b.abs().amax(dim=-1, keepdim=True)
     if fmt == "fp8":
         s = amax / _E4M3_MAX
         q = torch.where(s > 0, b / s, 0.0).to(torch.float8_e4m3fn)
@@ -94,14 +111,23 @@ def decode(stored: dict[str, torch.Tensor], fmt: str, like: torch.Tensor,
         b = q.float() * s
     else:
         b = (q.float() + 1) * s
-    x = b.reshape(-1)[:like.numel()].view(like.shape)
+    cols = math.prod(like.shape[1:])
+    x = b.reshape(b.shape[0], b.shape[1] * b.shape[2])[:, :cols].reshape(like.shape)
     return x if signed else x.square()
 
 
-def state_bytes(fmt: str, numel: int) -> int:
-    """Bytes one state of a ``numel``-element parameter takes in ``fmt`` (exact)."""
-    fmt = stored_format(fmt, numel)
+def state_bytes(fmt: str, shape: int | Sequence[int]) -> int:
+    """Bytes one state of a parameter of ``shape`` takes in ``fmt`` (exact). A bare
+    element count ``n`` stands for a matrix of ``n`` elements whose rows are whole
+    blocks (no padding), the planner's model when only a count is known."""
+    if isinstance(shape, int):
+        if shape < MIN_NUMEL:
+            return 4 * shape
+        shape = (-(-shape // BLOCK), BLOCK)
+    fmt = stored_format(fmt, shape)
+    numel = math.prod(shape)
     if fmt in ("fp32", "bf16"):
         return numel * (4 if fmt == "fp32" else 2)
-    blocks = -(-numel // BLOCK)
-    return blocks * BLOCK + blocks * 4
+    w = block_width(shape)
+    blocks = shape[0] * -(-math.prod(shape[1:]) // w)
+    return blocks * w + blocks * 4
