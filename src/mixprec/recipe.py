@@ -32,7 +32,9 @@ ComputeDtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8",
 StoreDtype = Literal["fp32", "bf16", "fp16"]
 MasterDtype = Literal["fp32", "none"]
 LossScaleKind = Literal["none", "static", "dynamic"]
-Fp8Scaling = Literal["delayed", "current", "rowwise"]
+Fp8Scaling = Literal["delayed", "current", "rowwise", "block", "mx"]
+BlockScales = Literal["fp32", "pow2"]
+MxRounding = Literal["rceil", "floor", "ceil", "even"]
 Fp8Format = Literal["hybrid", "e4m3"]
 AmaxAlgo = Literal["max", "most_recent"]
 Fp8Gemm = Literal["auto", "scaled_mm", "dequant", "dequant_fp32"]
@@ -104,7 +106,13 @@ class Recipe:
       ``fp6_e3m2``, ``fp6_e2m3``, ``fp4_e2m1``): matmul operands are block-scaled (32
       elements per e8m0 scale) and always emulated.
     - fp8: ``fp8_scaling`` (per tensor, delayed from an amax history or current; or
-      ``rowwise``: current, one scale per row of each GEMM operand), ``fp8_format``
+      ``rowwise``: current, one scale per row of each GEMM operand; ``block``:
+      DeepSeek-V3's 1×128 tiles for activations and gradients, 128×128 blocks for
+      weights, with ``block_scales`` fp32 or ``pow2``; ``mx``: MXFP8, 1×32 tiles with
+      e8m0 scales whose exponent ``mx_rounding`` picks: ``rceil``, NVIDIA's rule and
+      the default, or the OCP spec's ``floor``, which saturates a block's largest
+      elements, or ``ceil``, ``even``: ``mixprec.fp8.blocks``),
+      ``fp8_format``
       (``hybrid``: e4m3 forward, e5m2 gradients; or ``e4m3`` everywhere),
       ``amax_history_len``, ``amax_compute_algo``, ``margin`` (scale = max / amax / 2^m),
       ``fp8_gemm`` (``scaled_mm``: torch._scaled_mm; ``dequant``: exact upcast + bf16/fp32
@@ -139,6 +147,8 @@ class Recipe:
     amax_compute_algo: AmaxAlgo = "max"
     margin: int = 0
     fp8_gemm: Fp8Gemm = "auto"
+    block_scales: BlockScales = "fp32"
+    mx_rounding: MxRounding = "rceil"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -272,7 +282,7 @@ _LITERALS = {
     "wgrad": Wgrad, "loss_scale": LossScaleKind,
     "on_skip_limit": OnSkipLimit,
     "fp8_scaling": Fp8Scaling, "fp8_format": Fp8Format, "amax_compute_algo": AmaxAlgo,
-    "fp8_gemm": Fp8Gemm,
+    "fp8_gemm": Fp8Gemm, "block_scales": BlockScales, "mx_rounding": MxRounding,
 }
 
 
@@ -335,6 +345,9 @@ PRESETS: dict[str, Recipe] = {
     "fp8": Recipe(compute="fp8"),
     "fp8-current": Recipe(compute="fp8", fp8_scaling="current"),
     "fp8-rowwise": Recipe(compute="fp8", fp8_scaling="rowwise"),
+    # block scales, e4m3 everywhere: DeepSeek-V3's recipe, and OCP MXFP8
+    "fp8-block": Recipe(compute="fp8", fp8_scaling="block", fp8_format="e4m3"),
+    "mxfp8": Recipe(compute="fp8", fp8_scaling="mx", fp8_format="e4m3"),
     # bf16 weights without an fp32 master, kept accurate by the write rule
     "bf16-sr": Recipe(compute="bf16", params="bf16", write="stochastic"),
     "bf16-kahan": Recipe(compute="bf16", params="bf16", write="kahan"),

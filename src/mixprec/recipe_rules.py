@@ -50,6 +50,11 @@ def refuse_impossible(r) -> None:
         raise ValueError(
             f"recipe: compute={r.compute!r} (MX block scaling) has no torch kernels; "
             "it runs emulated only. Drop emulate=false (or set emulate=true).")
+    if r.compute == "fp8" and r.fp8_scaling in ("block", "mx") and r.fp8_gemm == "scaled_mm":
+        raise NotImplementedError(
+            f"recipe: fp8_scaling={r.fp8_scaling} with fp8_gemm=scaled_mm: torch's "
+            "block-scaled _scaled_mm is not wired into mixprec yet. Block and MX "
+            "recipes run the exact dequantizing GEMM (fp8_gemm=auto or dequant_fp32).")
     if r.compute == "fp8" and r.params == "fp16":
         raise ValueError(
             "recipe: compute='fp8' with params='fp16' is not supported: fp8 runs the "
@@ -104,7 +109,7 @@ def warn_useless(r, defaults: dict) -> None:
             stacklevel=3,
         )
     fp8_fields = ("fp8_scaling", "fp8_format", "amax_history_len", "amax_compute_algo",
-                  "margin", "fp8_gemm")
+                  "margin", "fp8_gemm", "block_scales", "mx_rounding")
     changed = [n for n in fp8_fields if getattr(r, n) != defaults[n]]
     if r.compute != "fp8" and changed:
         warnings.warn(
@@ -119,6 +124,17 @@ def warn_useless(r, defaults: dict) -> None:
             "histories belong to delayed scaling; current and rowwise scales come from "
             "the tensor at cast time. It is harmless; drop them, or use "
             "fp8_scaling=delayed.", stacklevel=3)
+    for field, scaling in (("block_scales", "block"), ("mx_rounding", "mx")):
+        if r.compute == "fp8" and getattr(r, field) != defaults[field] \
+                and r.fp8_scaling != scaling:
+            warnings.warn(
+                f"recipe: {field} with fp8_scaling={r.fp8_scaling!r}: it applies to "
+                f"fp8_scaling={scaling} only. It is harmless; drop it.", stacklevel=3)
+    if r.compute == "fp8" and r.fp8_scaling == "mx" and r.margin != defaults["margin"]:
+        warnings.warn(
+            "recipe: margin with fp8_scaling='mx': MX scales are powers of two chosen by "
+            "mx_rounding, not fp8 max / amax / 2^margin. It is harmless; drop it, or use "
+            "mx_rounding=ceil to keep casts from saturating.", stacklevel=3)
     if r.master == "fp32" and r.params == "fp32":
         warnings.warn(
             "recipe: master='fp32' with params='fp32' keeps a second fp32 copy of "

@@ -15,6 +15,18 @@ feature (wgrad, over tokens); ``w`` per output channel (forward) and per input c
 (dgrad, over output channels); ``g`` per token (dgrad) and per output channel (wgrad).
 Backward saves the second casts of ``x`` and ``w``, still one byte per element.
 
+Block scaling (``fp8_scaling=block``, DeepSeek-V3) and MXFP8 (``fp8_scaling=mx``) follow
+the same axes with a scale per tile of the contracted dim (``mixprec.fp8.blocks``):
+``x`` and ``g`` in 1×128 (MX: 1×32) tiles along each GEMM's contracted dim, ``w`` in
+128×128 blocks that serve both of its GEMMs (MX: 1×32 tiles along ``in`` for the
+forward and along ``out`` for dgrad). Scales no longer factor out of the sum, so these
+GEMMs dequantize each operand to fp32 (code × inverse scale: exact for power-of-two
+scales, MX's and ``block_scales=pow2``'s, else one fp32 rounding per element) and run one
+fp32 GEMM with fp32 accumulation, on the CPU and on CUDA alike. That is exact up to
+summation order, where DeepSeek-V3's CUDA kernels accumulate each 128-long tile's
+partial product in the tensor cores' limited-precision accumulator and promote it to
+fp32 per tile. torch's block-scaled ``_scaled_mm`` is not used yet.
+
 GEMM backends (``gemm_backend(device, recipe.fp8_gemm)``):
 
 - ``scaled_mm``: ``torch._scaled_mm``, the hardware fp8 GEMM (CUDA sm89+). This
@@ -40,6 +52,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mixprec.fp8.blocks import BlockCast, cast_blocks, cast_mx, cast_tiles
 from mixprec.fp8.scaling import (
     FP8_MAX,
     amax_to_scale,
@@ -163,6 +176,41 @@ class _Fp8MatmulRowwise(torch.autograd.Function):
         return dx, dw, None, None
 
 
+class _Fp8MatmulBlocks(torch.autograd.Function):
+    """The three GEMMs on block-scaled operands (block or mx); see the module doc."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, mod, out_dtype):
+        with torch.autocast(x2d.device.type, enabled=False):
+            xs, ws = mod._block_cast(x2d, "x", 1), mod._block_cast(weight, "w", 1)
+            y = (xs.dequant() @ ws.dequant().t()).to(out_dtype)
+            # backward: w contracted over out channels (dgrad), x over tokens (wgrad)
+            wc = (mod._block_cast(weight, "w", 0) if ctx.needs_input_grad[0] else None)
+            xc = mod._block_cast(x2d, "x", 0) if ctx.needs_input_grad[1] else None
+        # the fp8 codes (one byte per element) and their scales
+        ctx.save_for_backward(*(t for c in (xc, wc) for t in
+                                ((c.codes, c.inv) if c is not None else (None, None))))
+        ctx.blocks = [(c.rows, c.cols) if c is not None else None for c in (xc, wc)]
+        ctx.mod, ctx.x_dtype, ctx.w_dtype = mod, x2d.dtype, weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        xq, xi, wq, wi = ctx.saved_tensors
+        (xb, wb), mod, dx, dw = ctx.blocks, ctx.mod, None, None
+        xc = BlockCast(xq, xi, *xb) if xb is not None else None
+        wc = BlockCast(wq, wi, *wb) if wb is not None else None
+        with torch.autocast(gy.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                g = mod._block_cast(gy, "g", 1).dequant()  # tiles along out
+                dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
+                dx = (g @ wc.dequant()).to(dx_dtype).to(ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                g = mod._block_cast(gy, "g", 0).dequant()  # tiles along tokens
+                dw = (g.t() @ xc.dequant()).to(ctx.w_dtype)
+        return dx, dw, None, None
+
+
 class Float8Linear(nn.Linear):
     """nn.Linear with fp8 GEMMs and per-tensor (or rowwise) scaling; build with
     ``from_linear``.
@@ -187,6 +235,8 @@ class Float8Linear(nn.Linear):
         self.margin = r.margin
         self.grad_dtype = torch.float8_e5m2 if r.fp8_format == "hybrid" else torch.float8_e4m3fn
         self.gemm_choice = r.fp8_gemm
+        self.block_pow2 = r.block_scales == "pow2"
+        self.mx_rounding = r.mx_rounding
         dev = self.weight.device
         self.register_buffer("fp8_amax_history",
                              torch.zeros(3, r.amax_history_len, device=dev))
@@ -240,6 +290,17 @@ class Float8Linear(nn.Linear):
         scale = nan_if_not_finite(scale, amax)  # an inf must not saturate to a finite max
         return cast_to_fp8(t, scale, dtype), torch.reciprocal(scale)
 
+    def _block_cast(self, t: torch.Tensor, role: str, dim: int) -> BlockCast:
+        """``t`` (2-D) cast for one GEMM, contracted along ``dim``: block scaling's
+        1×128 tiles for ``x``/``g`` and 128×128 blocks for ``w`` (``dim`` then does not
+        matter), or MX 1×32 tiles for all three. ``g`` takes the gradient format."""
+        dtype = self.grad_dtype if role == "g" else torch.float8_e4m3fn
+        if self.scaling == "mx":
+            return cast_mx(t, dim, dtype, self.mx_rounding)
+        if role == "w":
+            return cast_blocks(t, dtype, margin=self.margin, pow2=self.block_pow2)
+        return cast_tiles(t, dim, dtype, margin=self.margin, pow2=self.block_pow2)
+
     def update_scales(self, found_inf: torch.Tensor | None = None) -> None:
         """Delayed scaling: advance the history once per optimizer step (no-op for current)."""
         if self.scaling == "delayed":
@@ -257,6 +318,8 @@ class Float8Linear(nn.Linear):
         w = self.weight.t() if self.transposed else self.weight  # (out, in) either way
         if self.scaling == "rowwise":
             y = _Fp8MatmulRowwise.apply(x2d, w, self, out_dtype)
+        elif self.scaling in ("block", "mx"):
+            y = _Fp8MatmulBlocks.apply(x2d, w, self, out_dtype)
         else:
             # whether to record amaxes is decided here: inside the Function, grad is off
             y = _Fp8Matmul.apply(x2d, w, self, out_dtype, torch.is_grad_enabled())

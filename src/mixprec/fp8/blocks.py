@@ -1,0 +1,170 @@
+"""Block-scaled fp8 casts: DeepSeek-V3's tiles and blocks, and OCP MX (MXFP8).
+
+A block-scaled tensor keeps one scale per few consecutive elements instead of one per
+tensor or per row, so an outlier costs precision in its own block only.
+
+- **block** (``fp8_scaling=block``, DeepSeek-V3): activations and output gradients in
+  1×128 *tiles* along the GEMM's contracted dim (``cast_tiles``), weights in 128×128
+  *blocks* (``cast_blocks``), which serve both of the weight's GEMMs since a transpose
+  keeps them. Scale = fp8 max / tile amax / 2^margin in fp32 (``amax_to_scale``: as
+  torch computes a scalar over a tensor, fp8 max × fp32(1 / amax)), or, with
+  ``block_scales=pow2``, that rounded down to a power of two (Transformer Engine's
+  ``Float8BlockScaling`` option: the dequantization is then exact).
+- **mx** (``fp8_scaling=mx``, OCP Microscaling v1.0): 1×32 tiles along every GEMM's
+  contracted dim, e8m0 (power-of-two) scales ``X``, elements ``x / X`` saturated and
+  rounded to nearest-even (``cast_mx``). The exponent of ``X`` is chosen by
+  ``mx_rounding``, as torchao names the rules:
+
+  =========  ==============================================================
+  ``floor``  ``floor(log2(amax)) - emax_elem`` (the OCP spec)
+  ``ceil``   ``ceil(log2(amax)) - emax_elem``: never saturates, coarser
+  ``even``   ``floor(log2(amax rounded to the element's mantissa))
+             - emax_elem``: floor, but a block whose amax would round up to the
+             next power of two takes the next scale
+  ``rceil``  ``ceil(log2(amax / max_elem))``, ``amax / max_elem`` in fp32
+             (NVIDIA cuBLAS's rule; the largest element lands at or below max)
+  =========  ==============================================================
+
+  (``emax_elem`` = 8 for e4m3, 15 for e5m2.) Exponents are clamped to e8m0's
+  [-127, 127]; an all-zero block takes 2^-127. ``floor`` puts a block's amax in
+  [256, 512) × X for e4m3, so its largest elements saturate at 448: a Gaussian
+  Linear's output reads 24.8 dB against 29.0 for ``rceil`` (``tests/test_fp8_blocks.py``),
+  which is why mixprec's recipes default to ``rceil``.
+
+Both axes of a tile: ``dim=1`` tiles run along rows (a row of ``M × K`` cut every
+``tile`` columns: scales ``(M, ⌈K/tile⌉)``), ``dim=0`` along columns. A last partial
+tile is scaled by its own amax. A tile holding an inf or NaN gets a NaN scale, so the
+cast is NaN and the step is skipped (``mixprec.fp8.scaling``): a saturating cast must
+not turn an inf into a finite max.
+
+Every cast returns a ``BlockCast``: the fp8 codes (one byte per element) and the
+inverse scales. ``dequant()`` gives ``code × inverse scale`` in fp32, exact for
+power-of-two scales, else one fp32 rounding per element; the GEMMs of
+``Float8Linear`` multiply those in fp32 (see ``mixprec.fp8.linear``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mixprec.fp8.scaling import FP8_MAX, amax_to_scale, nan_if_not_finite
+
+__all__ = ["TILE", "MX_TILE", "MX_ROUNDINGS", "BlockCast", "cast_tiles", "cast_blocks",
+           "cast_mx", "mx_exponents"]
+
+#: DeepSeek-V3's tile and block edge
+TILE = 128
+#: OCP MX's block size
+MX_TILE = 32
+MX_ROUNDINGS = ("rceil", "floor", "ceil", "even")
+_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
+_MBITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+
+
+@dataclass(frozen=True)
+class BlockCast:
+    """fp8 ``codes`` of a 2-D tensor and its inverse scales ``inv``, one per ``rows`` ×
+    ``cols`` block (a tile along dim 1 is ``rows=1``)."""
+
+    codes: torch.Tensor
+    inv: torch.Tensor
+    rows: int
+    cols: int
+
+    def dequant(self) -> torch.Tensor:
+        """``codes × inverse scale`` in fp32, shaped like ``codes``."""
+        return self.codes.float() * _expand(self.inv, self.rows, self.cols, self.codes.shape)
+
+
+def _expand(s: torch.Tensor, rows: int, cols: int, shape) -> torch.Tensor:
+    """Per-block values ``s`` repeated over their blocks, cut to ``shape``."""
+    if rows > 1:
+        s = s.repeat_interleave(rows, dim=0)[:shape[0]]
+    if cols > 1:
+        s = s.repeat_interleave(cols, dim=1)[:, :shape[1]]
+    return s
+
+
+def _pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    m, n = t.shape
+    return torch.nn.functional.pad(t, (0, (-n) % cols, 0, (-m) % rows))
+
+
+def _block_amax(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """amax of each ``rows × cols`` block of 2-D ``t`` (zero padding at the edges),
+    fp32, shape ``(⌈M/rows⌉, ⌈N/cols⌉)``."""
+    p = _pad_to(t.detach().float().abs(), rows, cols)
+    m, n = p.shape
+    return p.view(m // rows, rows, n // cols, cols).amax(dim=(1, 3))
+
+
+def _cast(t: torch.Tensor, scale: torch.Tensor, rows: int, cols: int,
+          dtype: torch.dtype) -> BlockCast:
+    """Saturating cast of ``t`` at per-block ``scale`` (NaN where it is NaN)."""
+    m = FP8_MAX[dtype]
+    codes = (t.float() * _expand(scale, rows, cols, t.shape)).clamp_(-m, m).to(dtype)
+    return BlockCast(codes, torch.reciprocal(scale), rows, cols)
+
+
+def _scales(amax: torch.Tensor, dtype: torch.dtype, margin: int, pow2: bool
+            ) -> torch.Tensor:
+    scale = amax_to_scale(amax, FP8_MAX[dtype], margin, torch.ones_like(amax))
+    if pow2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return nan_if_not_finite(scale, amax)
+
+
+def cast_tiles(t: torch.Tensor, dim: int, dtype: torch.dtype, tile: int = TILE,
+               margin: int = 0, pow2: bool = False) -> BlockCast:
+    """``t`` (2-D) in fp8 with one scale per ``tile`` consecutive elements along
+    ``dim``, the GEMM's contracted dim (DeepSeek-V3's 1×128 tiles)."""
+    rows, cols = (1, tile) if dim == 1 else (tile, 1)
+    return _cast(t, _scales(_block_amax(t, rows, cols), dtype, margin, pow2), rows, cols,
+                 dtype)
+
+
+def cast_blocks(t: torch.Tensor, dtype: torch.dtype, block: int = TILE, margin: int = 0,
+                pow2: bool = False) -> BlockCast:
+    """``t`` (2-D) in fp8 with one scale per ``block × block`` block (DeepSeek-V3's
+    weights): the same codes serve ``t`` and its transpose."""
+    return _cast(t, _scales(_block_amax(t, block, block), dtype, margin, pow2), block,
+                 block, dtype)
+
+
+def mx_exponents(amax: torch.Tensor, dtype: torch.dtype, rounding: str = "rceil"
+                 ) -> torch.Tensor:
+    """The e8m0 exponent of each block's scale under ``rounding`` (see the module doc),
+    float64, clamped to [-127, 127]; -127 for an all-zero block, NaN for a block that
+    holds an inf or NaN."""
+    if rounding not in MX_ROUNDINGS:
+        raise ValueError(f"mx_rounding={rounding!r}; valid: {', '.join(MX_ROUNDINGS)}")
+    emax = _EMAX[dtype]
+    if rounding == "rceil":
+        descale = (amax.float() / FP8_MAX[dtype]).double()  # the fp32 quotient
+        m, e = torch.frexp(descale)
+        exp = torch.where(m == 0.5, e - 1, e).double()  # ceil(log2(descale))
+    else:
+        m, e = torch.frexp(amax.double())  # amax = m 2^e, m in [0.5, 1)
+        floor = (e - 1).double()
+        if rounding == "floor":
+            exp = floor
+        elif rounding == "ceil":
+            exp = torch.where(m == 0.5, floor, floor + 1)
+        else:  # even: amax rounded to the element's mantissa may reach the next binade
+            mant = 2 * m  # in [1, 2)
+            exp = torch.where(mant + 2.0**-(_MBITS[dtype] + 1) >= 2, floor + 1, floor)
+        exp = exp - emax
+    exp = torch.where(amax > 0, exp, torch.full_like(exp, -127.0)).clamp(-127, 127)
+    return torch.where(torch.isfinite(amax), exp, torch.full_like(exp, float("nan")))
+
+
+def cast_mx(t: torch.Tensor, dim: int, dtype: torch.dtype = torch.float8_e4m3fn,
+            rounding: str = "rceil", tile: int = MX_TILE) -> BlockCast:
+    """``t`` (2-D) as MX: one e8m0 scale per ``tile`` elements along ``dim``, elements
+    ``t / X`` saturated and rounded to nearest-even in ``dtype``."""
+    rows, cols = (1, tile) if dim == 1 else (tile, 1)
+    exp = mx_exponents(_block_amax(t, rows, cols), dtype, rounding)
+    scale = torch.exp2(-exp).float()  # 1 / X: exact, a power of two (NaN stays NaN)
+    return _cast(t, scale, rows, cols, dtype)
