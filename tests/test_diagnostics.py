@@ -254,9 +254,14 @@ def test_fp8_outlier_tokens_advise_rowwise_scaling():
     first = ranges[("0", "input")]
     assert first["per_tensor"] > 0.5 and first["rowwise"] == 0.0  # 31 of 32 tokens mostly lost
     assert first["spread"] > 20
+    assert "fp8-block" in f.advice and first["blockwise"] == 0.0  # tiles of 128: per row
     rowwise = doctor(fp8_factory, _outlier_batches(1e6), "fp8-rowwise", steps=2,
                      reference_steps=0)
     assert "fp8-range" not in rowwise.codes()
+    block = doctor(fp8_factory, _outlier_batches(1e6), "fp8-block", steps=2,
+                   reference_steps=0)
+    assert "fp8-range" not in block.codes()
+    assert block.facts["fp8_ranges"][0]["blockwise"] == 0.0
     plain = doctor(fp8_factory, _outlier_batches(1.0), "fp8", steps=2, reference_steps=0)
     assert "fp8-range" not in plain.codes() and "grad-underflow" not in plain.codes()
 

@@ -173,14 +173,19 @@ def test_an_outlier_token_costs_only_its_own_tiles(recipe):
         assert 24 < others("mxfp8,mx_rounding=floor") < others(recipe) - 3
 
 
-@pytest.mark.parametrize("recipe", ["fp8-block", "mxfp8", "mxfp8,mx_rounding=floor"])
-def test_block_recipes_train_through_the_engine_like_fp8(recipe):
+@pytest.mark.parametrize("recipe", ["fp8-block,block_scales=pow2", "mxfp8,mx_rounding=floor"])
+def test_block_recipe_variants_convert_and_step(recipe):
+    """The presets train a small GPT in tests/test_engine.py; here their variants convert
+    with their settings and take applied steps."""
     torch.manual_seed(0)
     model = tiny_gpt(d_model=128, n_heads=4)
     engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=3e-3), recipe)
-    assert {m.scaling for m in engine.fp8_modules} == {Recipe.parse(recipe).fp8_scaling}
-    losses = pattern_losses(engine, model, 30, check_applied=True)
-    assert losses[-1] < 0.5 * losses[0]
+    r = Recipe.parse(recipe)
+    mods = engine.fp8_modules
+    assert {(m.scaling, m.block_pow2, m.mx_rounding) for m in mods} == {
+        (r.fp8_scaling, r.block_scales == "pow2", r.mx_rounding)}
+    losses = pattern_losses(engine, model, 5, check_applied=True)
+    assert all(math.isfinite(v) for v in losses)
 
 
 def test_an_inf_input_under_block_scaling_skips_the_step():
@@ -206,3 +211,110 @@ def test_block_recipe_errors_and_warnings_name_the_fix():
         Recipe.parse("mxfp8,margin=1")
     with pytest.raises(ValueError, match="mx_rounding.*valid: rceil, floor, ceil, even"):
         Recipe.parse("mxfp8,mx_rounding=up")
+
+
+# --- NVFP4 --------------------------------------------------------------------------
+
+def test_nvfp4_equals_torchaos_to_nvfp4_bit_for_bit():
+    """torchao's ``NVFP4Tensor.to_nvfp4`` with its per-tensor scale (CPU path): a range
+    of 10^±3, zero rows, an outlier, values on e2m1 ties."""
+    pytest.importorskip("torchao")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchao.prototype.mx_formats.nvfp4_tensor import (
+            NVFP4Tensor,
+            per_tensor_amax_to_scale,
+        )
+    from mixprec.fp8.nvfp4 import cast_nvfp4
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g) * torch.logspace(-3, 3, 64)[:, None]
+    x[3] = 0
+    x[5, 7] = 1e3 * x[5].abs().max()
+    x[9, :16] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] * 2)  # ties
+    t = NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(x.abs().amax()))
+    ours = cast_nvfp4(x, 1)
+    assert torch.equal(ours.dequant(), t.dequantize(torch.float32))
+    assert _sqnr(x, ours.dequant()) >= 8  # torchao's reconstruction threshold
+    y = torch.randn(1024, 512, generator=g)
+    ty = NVFP4Tensor.to_nvfp4(y, per_tensor_scale=per_tensor_amax_to_scale(y.abs().amax()))
+    assert _sqnr(y, cast_nvfp4(y, 1).dequant()) >= _sqnr(y, ty.dequantize(torch.float32))
+
+
+def test_nvfp4_stochastic_rounding_is_unbiased_and_2d_blocks_serve_the_transpose():
+    from mixprec.fp8.nvfp4 import cast_nvfp4
+
+    x = torch.full((1, 16), 2.5)  # between e2m1's 2 and 3 at the block scale's grid
+    x[0, 0] = 6.0 * 448 / 448  # sets the block amax: scale 1
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.stack([cast_nvfp4(x, 1, generator=gen).dequant()[0, 1:]
+                         for _ in range(4000)])
+    exact, p = 2.5, 0.5  # halfway: 2 or 3, each with probability 1/2
+    sigma = 1.0 * (p * (1 - p) / draws.numel()) ** 0.5
+    assert abs(draws.mean().item() - exact) < 4 * sigma
+    assert set(draws.unique().tolist()) == {2.0, 3.0}
+    w = torch.randn(64, 96)
+    a, b = cast_nvfp4(w, square=True), cast_nvfp4(w.t().contiguous(), square=True)
+    assert torch.equal(a.dequant().t(), b.dequant())
+
+
+def test_the_hadamard_transform_is_orthonormal_and_keeps_the_wgrad_product():
+    from mixprec.fp8.nvfp4 import apply_hadamard, hadamard_16
+
+    h = hadamard_16(0).double()
+    assert torch.allclose(h @ h.t(), torch.eye(16, dtype=torch.float64), atol=1e-15)
+    g, x = torch.randn(40, 8, dtype=torch.float64), torch.randn(40, 12, dtype=torch.float64)
+    hg = apply_hadamard(g.float(), h.float()).double()
+    hx = apply_hadamard(x.float(), h.float()).double()
+    assert torch.allclose(hg.t() @ hx, g.t() @ x, atol=1e-5)  # rows padded to 48
+
+
+def test_nvfp4_keeps_the_last_layers_in_bf16_and_each_part_switches():
+    from mixprec.fp8 import convert
+
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(5)])
+    report = convert(model, "nvfp4")  # the head (last Linear) plus 2 more stay
+    assert report.converted == ("0", "1")
+    assert [f for f, why in report.skipped if "bf16_last_layers" in why] == ["2", "3"]
+    r = Recipe.parse("nvfp4,nvfp4_2d=false,nvfp4_rht=off,nvfp4_sr=0,bf16_last_layers=0")
+    assert (r.nvfp4_2d, r.nvfp4_rht, r.nvfp4_sr, r.bf16_last_layers) == (False,) * 3 + (0,)
+    assert Recipe.parse(str(r)) == r
+    with pytest.raises(ValueError, match="nvfp4_sr.*use true or false"):
+        Recipe.parse("nvfp4,nvfp4_sr=maybe")
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4,nvfp4_rht=false,nvfp4_sr=false"])
+def test_nvfp4_trains_and_resumes_bit_for_bit(recipe, tmp_path):
+    """Stochastic rounding draws from each module's checkpointed (seed, calls), the seed
+    fixed by the module's name: a run resumed at step 10 repeats the uninterrupted run's
+    losses exactly, and the module names give the same streams in a new engine."""
+    g = torch.Generator().manual_seed(0)
+    pattern = torch.randint(0, 64, (5,), generator=g)
+    batches = []
+    for _ in range(20):
+        off = torch.randint(0, 5, (8,), generator=g)
+        batches.append(pattern[(torch.arange(33)[None] + off[:, None]) % 5])
+
+    def run(part, load=None, save=None):
+        torch.manual_seed(0)
+        model = tiny_gpt(d_model=64, n_heads=4)
+        e = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=3e-3), recipe)
+        if load:
+            e.load(load)
+        losses = []
+        for idx in part:
+            with e.autocast():
+                loss = model(idx[:, :-1], idx[:, 1:])
+            e.backward(loss)
+            assert not bool(e.step().skipped)
+            losses.append(loss.item())
+        if save:
+            e.save(save)
+        return losses
+
+    full = run(batches)
+    assert full[-1] < 0.7 * full[0]
+    ckpt = tmp_path / "ck.pt"
+    assert run(batches[:10], save=ckpt) == full[:10]
+    torch.manual_seed(123)  # the global generator plays no part
+    assert run(batches[10:], load=ckpt) == full[10:]

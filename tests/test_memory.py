@@ -110,7 +110,8 @@ def _gpt_loss(idx):
 
 
 @pytest.mark.parametrize("recipe", ["fp32", "bf16", "bf16-master", "fp16-master",
-                                    "fp16-master,emulate=false", "fp8"])
+                                    "fp16-master,emulate=false", "fp8", "fp8-block",
+                                    "nvfp4"])
 def test_measure_equals_estimate_on_gpt(recipe):
     torch.manual_seed(0)
     cfg = GPTConfig(n_layers=2, d_model=64, n_heads=4, seq_len=64)

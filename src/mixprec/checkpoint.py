@@ -119,13 +119,12 @@ def fp32_weights(module: nn.Module, param_state) -> dict[str, torch.Tensor]:
     """``module``'s state in fp32 with each working parameter replaced by its fp32
     master (``param_state``: the engine's ``ParamState``), other floating tensors
     upcast exactly, and the fp8 scaling buffers left out."""
-    from mixprec.fp8.linear import fp8_modules
+    from mixprec.fp8.linear import fp8_modules, scaling_buffers
 
     master_of = ({id(w): m for w, m in zip(param_state.working, param_state.masters)}
                  if param_state.has_master else {})
     fp8_keys = {f"{name}.{b}" if name else b
-                for name in fp8_modules(module)
-                for b in ("fp8_amax_history", "fp8_scale")}
+                for name, m in fp8_modules(module).items() for b in scaling_buffers(m)}
     out = {}
     for k, v in module.state_dict(keep_vars=True).items():
         if k in fp8_keys:

@@ -32,7 +32,7 @@ ComputeDtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8",
 StoreDtype = Literal["fp32", "bf16", "fp16"]
 MasterDtype = Literal["fp32", "none"]
 LossScaleKind = Literal["none", "static", "dynamic"]
-Fp8Scaling = Literal["delayed", "current", "rowwise", "block", "mx"]
+Fp8Scaling = Literal["delayed", "current", "rowwise", "block", "mx", "nvfp4"]
 BlockScales = Literal["fp32", "pow2"]
 MxRounding = Literal["rceil", "floor", "ceil", "even"]
 Fp8Format = Literal["hybrid", "e4m3"]
@@ -111,7 +111,12 @@ class Recipe:
       weights, with ``block_scales`` fp32 or ``pow2``; ``mx``: MXFP8, 1×32 tiles with
       e8m0 scales whose exponent ``mx_rounding`` picks: ``rceil``, NVIDIA's rule and
       the default, or the OCP spec's ``floor``, which saturates a block's largest
-      elements, or ``ceil``, ``even``: ``mixprec.fp8.blocks``),
+      elements, or ``ceil``, ``even``: ``mixprec.fp8.blocks``; ``nvfp4``: e2m1
+      elements with an e4m3 scale per 16 and an fp32 scale per tensor, whose parts
+      switch with ``nvfp4_2d`` (16×16 weight blocks), ``nvfp4_rht`` (random Hadamard
+      transform of the wgrad operands) and ``nvfp4_sr`` (stochastic rounding of the
+      gradients): ``mixprec.fp8.nvfp4``), ``bf16_last_layers`` (the last N Linears
+      that would be converted stay in bf16),
       ``fp8_format``
       (``hybrid``: e4m3 forward, e5m2 gradients; or ``e4m3`` everywhere),
       ``amax_history_len``, ``amax_compute_algo``, ``margin`` (scale = max / amax / 2^m),
@@ -149,6 +154,10 @@ class Recipe:
     fp8_gemm: Fp8Gemm = "auto"
     block_scales: BlockScales = "fp32"
     mx_rounding: MxRounding = "rceil"
+    nvfp4_2d: bool = True
+    nvfp4_rht: bool = True
+    nvfp4_sr: bool = True
+    bf16_last_layers: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -298,6 +307,13 @@ def _convert(key: str, raw: str) -> Any:
         if raw.lower() == "none":
             return ()
         return tuple(x.strip().lower() for x in raw.split("+"))
+    default = next(f.default for f in fields(Recipe) if f.name == key)
+    if isinstance(default, bool):
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise ValueError(f"recipe field {key!r}: {raw!r} is not valid; use true or false")
     if key == "emulate":
         if raw.lower() == "auto":
             return None
@@ -307,7 +323,6 @@ def _convert(key: str, raw: str) -> Any:
             return False
         raise ValueError(f"recipe field 'emulate': {raw!r} is not valid; "
                          "use true, false or auto")
-    default = next(f.default for f in fields(Recipe) if f.name == key)
     try:
         if isinstance(default, int):
             return int(raw)
@@ -348,6 +363,8 @@ PRESETS: dict[str, Recipe] = {
     # block scales, e4m3 everywhere: DeepSeek-V3's recipe, and OCP MXFP8
     "fp8-block": Recipe(compute="fp8", fp8_scaling="block", fp8_format="e4m3"),
     "mxfp8": Recipe(compute="fp8", fp8_scaling="mx", fp8_format="e4m3"),
+    # NVIDIA's NVFP4 pretraining recipe; the last two Linears stay in bf16
+    "nvfp4": Recipe(compute="fp8", fp8_scaling="nvfp4", bf16_last_layers=2),
     # bf16 weights without an fp32 master, kept accurate by the write rule
     "bf16-sr": Recipe(compute="bf16", params="bf16", write="stochastic"),
     "bf16-kahan": Recipe(compute="bf16", params="bf16", write="kahan"),

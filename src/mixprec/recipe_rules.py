@@ -37,12 +37,14 @@ def check_numbers(r) -> None:
         need(r.min_scale <= r.init_scale <= r.max_scale, "init_scale",
              f"within [min_scale, max_scale] = [{r.min_scale}, {r.max_scale}]")
     for name, lo in (("growth_interval", 1), ("hysteresis", 1), ("skip_limit", 0),
-                     ("amax_history_len", 1), ("margin", 0)):
+                     ("amax_history_len", 1), ("margin", 0), ("bf16_last_layers", 0)):
         v = getattr(r, name)
         need(isinstance(v, int) and not isinstance(v, bool) and v >= lo, name,
              f"an integer >= {lo}")
     need(r.emulate is None or isinstance(r.emulate, bool), "emulate",
          "true, false or auto")
+    for name in ("nvfp4_2d", "nvfp4_rht", "nvfp4_sr"):
+        need(isinstance(getattr(r, name), bool), name, "true or false")
 
 def refuse_impossible(r) -> None:
     """Combinations that cannot train, or that mixprec cannot run: an error each."""
@@ -50,7 +52,8 @@ def refuse_impossible(r) -> None:
         raise ValueError(
             f"recipe: compute={r.compute!r} (MX block scaling) has no torch kernels; "
             "it runs emulated only. Drop emulate=false (or set emulate=true).")
-    if r.compute == "fp8" and r.fp8_scaling in ("block", "mx") and r.fp8_gemm == "scaled_mm":
+    if r.compute == "fp8" and r.fp8_scaling in ("block", "mx", "nvfp4") \
+            and r.fp8_gemm == "scaled_mm":
         raise NotImplementedError(
             f"recipe: fp8_scaling={r.fp8_scaling} with fp8_gemm=scaled_mm: torch's "
             "block-scaled _scaled_mm is not wired into mixprec yet. Block and MX "
@@ -109,7 +112,8 @@ def warn_useless(r, defaults: dict) -> None:
             stacklevel=3,
         )
     fp8_fields = ("fp8_scaling", "fp8_format", "amax_history_len", "amax_compute_algo",
-                  "margin", "fp8_gemm", "block_scales", "mx_rounding")
+                  "margin", "fp8_gemm", "block_scales", "mx_rounding", "nvfp4_2d",
+                  "nvfp4_rht", "nvfp4_sr", "bf16_last_layers")
     changed = [n for n in fp8_fields if getattr(r, n) != defaults[n]]
     if r.compute != "fp8" and changed:
         warnings.warn(
@@ -124,7 +128,9 @@ def warn_useless(r, defaults: dict) -> None:
             "histories belong to delayed scaling; current and rowwise scales come from "
             "the tensor at cast time. It is harmless; drop them, or use "
             "fp8_scaling=delayed.", stacklevel=3)
-    for field, scaling in (("block_scales", "block"), ("mx_rounding", "mx")):
+    for field, scaling in (("block_scales", "block"), ("mx_rounding", "mx"),
+                           ("nvfp4_2d", "nvfp4"), ("nvfp4_rht", "nvfp4"),
+                           ("nvfp4_sr", "nvfp4")):
         if r.compute == "fp8" and getattr(r, field) != defaults[field] \
                 and r.fp8_scaling != scaling:
             warnings.warn(

@@ -1,4 +1,4 @@
-"""Does fp8 scaling fit each Linear's inputs and gradients? Per tensor against rowwise.
+"""Does fp8 scaling fit each Linear's inputs and gradients? Per tensor, rowwise, per block.
 
 An fp8 cast maps a tensor's amax onto the format's max. Every element ``v`` lands at
 ``|v| · max / amax``: below half the smallest subnormal it flushes to zero, below the
@@ -10,9 +10,12 @@ values more than ~2^17 (~2e5) below the amax are lost. e5m2 spans 2^31.8 (57344 
 ``fp8_ranges(model, loss_fn, recipe)`` runs one fp32 forward and backward with hooks on
 the Linears that ``fp8.convert`` would convert. For each input (e4m3) and output
 gradient (e5m2 under ``fp8_format=hybrid``, else e4m3) it gives the share of non-zero
-elements that flush to zero under per-tensor and under rowwise scaling. The doctor turns
-a share above ``FLUSH_FLAG`` into a finding. Delayed scaling takes its amax from a
-history that is at least the current one, so its real share can only be higher.
+elements that flush to zero under per-tensor, rowwise and block scaling (one scale per
+tile of the last dim: 128 elements, 32 under ``fp8_scaling=mx``). The doctor turns a
+share above ``FLUSH_FLAG`` under the recipe's scaling into a finding. Delayed scaling
+takes its amax from a history that is at least the current one, so its real share can
+only be higher. NVFP4 is not audited: its e2m1 elements span only 2^3.6 below a block's
+amax, so flushing small elements is the format's design, not a misfit.
 """
 
 from __future__ import annotations
@@ -45,11 +48,14 @@ class Fp8Range:
     per_tensor: float
     rowwise: float
     spread: float        # amax / the smallest non-zero |value|, as log2
+    blockwise: float = 0.0  # one scale per tile of the last dim
 
 
-def _flushed(t: torch.Tensor, fmt: str) -> tuple[float, float, float]:
-    """Shares of non-zero elements flushed to zero per tensor and per row, and the log2
-    of the tensor's amax over its smallest non-zero magnitude."""
+def _flushed(t: torch.Tensor, fmt: str, tile: int = 128
+             ) -> tuple[float, float, float, float]:
+    """Shares of non-zero elements flushed to zero per tensor and per row, the log2 of
+    the tensor's amax over its smallest non-zero magnitude, and the share flushed with a
+    scale per ``tile`` elements of a row."""
     f = formats.get(fmt)
     a = t.detach().float().abs().reshape(-1, t.shape[-1])
     nonzero = (a > 0) & torch.isfinite(a)
@@ -62,7 +68,11 @@ def _flushed(t: torch.Tensor, fmt: str) -> tuple[float, float, float]:
     per_tensor = int((nonzero & (a < limit * amax)).sum()) / n
     rowwise = int((nonzero & (a < limit * rows)).sum()) / n
     spread = math.log2(float(amax) / float(a[nonzero].min()))
-    return per_tensor, rowwise, spread
+    pad = torch.nn.functional.pad(torch.where(nonzero, a, 0.0), (0, (-a.shape[1]) % tile))
+    tiles = pad.view(a.shape[0], -1, tile)
+    tile_amax = tiles.amax(dim=-1, keepdim=True)
+    blockwise = int(((tiles > 0) & (tiles < limit * tile_amax)).sum()) / n
+    return per_tensor, rowwise, spread, blockwise
 
 
 def fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor],
@@ -74,12 +84,14 @@ def fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor],
 
     r = Recipe.coerce(recipe)
     grad_fmt = "fp8_e5m2" if r.fp8_format == "hybrid" else "fp8_e4m3"
+    tile = 32 if r.fp8_scaling == "mx" else 128
     seen: list[Fp8Range] = []
     handles = []
 
     def record(name: str, kind: str, fmt: str, t: torch.Tensor) -> None:
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
-            seen.append(Fp8Range(name, kind, fmt, *_flushed(t, fmt)))
+            pt, rw, spread, bw = _flushed(t, fmt, tile)
+            seen.append(Fp8Range(name, kind, fmt, pt, rw, spread, bw))
 
     from mixprec.fp8.linear import fp8_modules
 
@@ -108,25 +120,29 @@ def audit_fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tens
     scaling where that keeps them, else keeping the layer out of fp8."""
     r = Recipe.coerce(recipe)
     ranges = fp8_ranges(model, loss_fn, r)
-    rowwise = r.fp8_scaling == "rowwise"
+    if r.fp8_scaling == "nvfp4":
+        return [], ranges  # fp4 flushes small elements by design (module doc)
+    mode = {"rowwise": "rowwise", "block": "per block", "mx": "per block"}.get(
+        r.fp8_scaling, "per-tensor")
 
     def lost(x: Fp8Range) -> float:
-        return x.rowwise if rowwise else x.per_tensor
+        return {"rowwise": x.rowwise, "per block": x.blockwise}.get(mode, x.per_tensor)
 
     bad = sorted((x for x in ranges if lost(x) > FLUSH_FLAG), key=lost, reverse=True)
     if not bad:
         return [], ranges
     worst = bad[0]
-    mode = "rowwise" if rowwise else "per-tensor"
     evidence = "; ".join(
         f"{x.layer} {x.tensor} ({x.fmt}): {lost(x):.1%} flushed {mode}"
-        + ("" if rowwise else f", {x.rowwise:.1%} rowwise")
+        + ("" if mode != "per-tensor" else
+           f", {x.rowwise:.1%} rowwise, {x.blockwise:.1%} per 128-block")
         + f", amax / smallest = 2^{x.spread:.1f}" for x in bad[:5])
-    helps = not rowwise and all(x.rowwise <= FLUSH_FLAG for x in bad)
+    helps = mode == "per-tensor" and all(x.rowwise <= FLUSH_FLAG for x in bad)
     layers = sorted({x.layer for x in bad})
     if helps:
-        advice = ("use rowwise scaling (recipe 'fp8-rowwise'): a few large rows (tokens) "
-                  "set the per-tensor scale, and a scale per row keeps the others")
+        advice = ("use rowwise scaling (recipe 'fp8-rowwise'), or block scaling "
+                  "('fp8-block'): a few large rows (tokens) set the per-tensor scale, and "
+                  "a scale per row or per 128-element tile keeps the others")
     else:
         advice = (f"keep {', '.join(layers[:3])} out of fp8 "
                   "(mixprec.fp8.convert(model, recipe, filter=...), or "

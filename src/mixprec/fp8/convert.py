@@ -16,6 +16,7 @@ same Parameter objects, so an optimizer already built over the model keeps worki
 from __future__ import annotations
 
 import warnings
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,10 +43,11 @@ class ConvertReport:
         return "\n".join(lines)
 
 
-def plan(model: nn.Module, filter: Callable[[nn.Module, str], bool] | None = None
-         ) -> list[tuple[str, nn.Module, str | None]]:
+def plan(model: nn.Module, filter: Callable[[nn.Module, str], bool] | None = None,
+         keep_last: int = 0) -> list[tuple[str, nn.Module, str | None]]:
     """Each Linear (or GPT-2 ``Conv1D``) of ``model`` with the reason it stays in high
-    precision (None: fp8)."""
+    precision (None: fp8). ``keep_last``: the last N that would be converted stay too
+    (the recipe's ``bf16_last_layers``)."""
     linears = [(fqn, m) for fqn, m in model.named_modules()
                if (isinstance(m, nn.Linear) or is_conv1d(m))
                and not isinstance(m, Float8Linear)]
@@ -69,6 +71,10 @@ def plan(model: nn.Module, filter: Callable[[nn.Module, str], bool] | None = Non
             why = (f"in_features={d_in}, out_features={d_out}: fp8 GEMMs "
                    "need both divisible by 16")
         out.append((fqn, m, why))
+    chosen = [i for i, (_, _, why) in enumerate(out) if why is None]
+    for i in chosen[len(chosen) - keep_last:] if keep_last else ():
+        fqn, m, _ = out[i]
+        out[i] = (fqn, m, f"one of the last {keep_last} Linears (bf16_last_layers)")
     return out
 
 
@@ -77,13 +83,14 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
     """Replace eligible ``nn.Linear`` modules of ``model`` in place; return a report."""
     r = Recipe.coerce(recipe or "fp8")
     converted, skipped = [], []
-    for fqn, m, why in plan(model, filter):
+    for fqn, m, why in plan(model, filter, r.bf16_last_layers):
         if why is not None:
             skipped.append((fqn, why))
             continue
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Float8Linear.from_linear(m, r))
+        # NVFP4's stochastic rounding: each module's own stream, fixed by its name
+        setattr(parent, child, Float8Linear.from_linear(m, r, seed=zlib.crc32(fqn.encode())))
         converted.append(fqn)
     report = ConvertReport(tuple(converted), tuple(skipped))
     if not converted:

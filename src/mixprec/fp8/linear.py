@@ -27,6 +27,15 @@ summation order, where DeepSeek-V3's CUDA kernels accumulate each 128-long tile'
 partial product in the tensor cores' limited-precision accumulator and promote it to
 fp32 per tile. torch's block-scaled ``_scaled_mm`` is not used yet.
 
+NVFP4 (``fp8_scaling=nvfp4``, ``mixprec.fp8.nvfp4``) casts ``x`` and ``g`` in 1×16
+blocks along each GEMM's contracted dim and ``w`` in 16×16 blocks (``nvfp4_2d``; else
+1×16 along ``in`` and along ``out``), with e4m3 block scales and an fp32 scale per tensor.
+The wgrad GEMM first applies a random 16×16 Hadamard transform along the tokens to both
+of its operands (``nvfp4_rht``), and the gradient's elements are rounded stochastically
+(``nvfp4_sr``) from a generator whose seed and call count are the ``nvfp4_rng`` buffer,
+so a resumed run draws the same numbers. The GEMMs multiply dequantized fp32 operands.
+The saved e2m1 codes are kept as e4m3 bytes (every e2m1 value is one).
+
 GEMM backends (``gemm_backend(device, recipe.fp8_gemm)``):
 
 - ``scaled_mm``: ``torch._scaled_mm``, the hardware fp8 GEMM (CUDA sm89+). This
@@ -53,6 +62,7 @@ import torch
 from torch import nn
 
 from mixprec.fp8.blocks import BlockCast, cast_blocks, cast_mx, cast_tiles
+from mixprec.fp8.nvfp4 import NVFP4Cast, apply_hadamard, cast_nvfp4, hadamard_16
 from mixprec.fp8.scaling import (
     FP8_MAX,
     amax_to_scale,
@@ -64,7 +74,7 @@ from mixprec.fp8.scaling import (
 from mixprec.kernels import fp8_gemm_route
 from mixprec.recipe import Recipe
 
-__all__ = ["Float8Linear", "fp8_gemm", "gemm_backend", "fp8_modules"]
+__all__ = ["Float8Linear", "fp8_gemm", "gemm_backend", "fp8_modules", "scaling_buffers"]
 
 
 def gemm_backend(device: torch.device, choice: str = "auto") -> str:
@@ -211,6 +221,49 @@ class _Fp8MatmulBlocks(torch.autograd.Function):
         return dx, dw, None, None
 
 
+def _saved(c: NVFP4Cast) -> tuple:
+    """An NVFP4 cast as tensors to save: codes as e4m3 bytes (exact), scales, descale."""
+    return c.codes.to(torch.float8_e4m3fn), c.scales, c.descale
+
+
+def _restored(codes, scales, descale, rows, cols) -> NVFP4Cast:
+    return NVFP4Cast(codes.float(), scales, descale, rows, cols)
+
+
+class _NVFP4Matmul(torch.autograd.Function):
+    """The three GEMMs in NVFP4; see the module doc."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, mod, out_dtype):
+        with torch.autocast(x2d.device.type, enabled=False):
+            w = cast_nvfp4(weight, 1, square=mod.nvfp4_2d)
+            y = (cast_nvfp4(x2d, 1).dequant() @ w.dequant().t()).to(out_dtype)
+            wd = w if mod.nvfp4_2d else cast_nvfp4(weight, 0)  # dgrad: along out
+            xw = x2d if not mod.nvfp4_rht else apply_hadamard(x2d, mod._hadamard())
+            xc = cast_nvfp4(xw, 0)  # wgrad: blocks along tokens
+        ctx.save_for_backward(*_saved(xc), *_saved(wd))
+        ctx.shapes = ((xc.rows, xc.cols), (wd.rows, wd.cols))
+        ctx.mod, ctx.x_dtype, ctx.w_dtype = mod, x2d.dtype, weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        t = ctx.saved_tensors
+        xc, wd = _restored(*t[:3], *ctx.shapes[0]), _restored(*t[3:], *ctx.shapes[1])
+        mod, dx, dw = ctx.mod, None, None
+        gen = mod._sr_generator(gy.device)
+        with torch.autocast(gy.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                g = cast_nvfp4(gy, 1, generator=gen).dequant()
+                dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
+                dx = (g @ wd.dequant()).to(dx_dtype).to(ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                gw = gy if not mod.nvfp4_rht else apply_hadamard(gy, mod._hadamard())
+                g = cast_nvfp4(gw, 0, generator=gen).dequant()
+                dw = (g.t() @ xc.dequant()).to(ctx.w_dtype)
+        return dx, dw, None, None
+
+
 class Float8Linear(nn.Linear):
     """nn.Linear with fp8 GEMMs and per-tensor (or rowwise) scaling; build with
     ``from_linear``.
@@ -225,7 +278,7 @@ class Float8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._configure(Recipe.coerce(recipe))
 
-    def _configure(self, r: Recipe) -> None:
+    def _configure(self, r: Recipe, seed: int = 0) -> None:
         if self.in_features % 16 or self.out_features % 16:
             raise ValueError(
                 f"Float8Linear needs in_features and out_features divisible by 16, got "
@@ -237,6 +290,11 @@ class Float8Linear(nn.Linear):
         self.gemm_choice = r.fp8_gemm
         self.block_pow2 = r.block_scales == "pow2"
         self.mx_rounding = r.mx_rounding
+        self.nvfp4_2d, self.nvfp4_rht, self.nvfp4_sr = r.nvfp4_2d, r.nvfp4_rht, r.nvfp4_sr
+        if self.scaling == "nvfp4":
+            # (seed, backward calls): the stochastic rounding's stream, checkpointed
+            self.register_buffer("nvfp4_rng", torch.tensor([seed, 0],
+                                                           device=self.weight.device))
         dev = self.weight.device
         self.register_buffer("fp8_amax_history",
                              torch.zeros(3, r.amax_history_len, device=dev))
@@ -246,9 +304,22 @@ class Float8Linear(nn.Linear):
 
     #: the weight is stored (in_features, out_features), as in a GPT-2 ``Conv1D``
     transposed = False
+    def _hadamard(self) -> torch.Tensor:
+        """The wgrad GEMM's 16×16 random Hadamard transform (fixed)."""
+        return hadamard_16(0, self.weight.device)
+
+    def _sr_generator(self, device) -> torch.Generator | None:
+        """NVFP4's stochastic rounding: a generator for this backward, seeded from
+        ``nvfp4_rng`` (seed, calls) and advancing it; None without ``nvfp4_sr``."""
+        if not self.nvfp4_sr:
+            return None
+        seed, calls = (int(v) for v in self.nvfp4_rng.tolist())
+        self.nvfp4_rng[1] += 1
+        return torch.Generator(device).manual_seed(seed * 1_000_003 + calls)
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, recipe: Recipe | str = "fp8") -> Float8Linear:
+    def from_linear(cls, linear: nn.Module, recipe: Recipe | str = "fp8",
+                    seed: int = 0) -> Float8Linear:
         """A Float8Linear that shares ``linear``'s weight and bias Parameters (so an
         optimizer built over the model still holds them).
 
@@ -264,7 +335,7 @@ class Float8Linear(nn.Linear):
             new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight
         new.bias = linear.bias
-        new._configure(Recipe.coerce(recipe))
+        new._configure(Recipe.coerce(recipe), seed)
         return new
 
     @property
@@ -320,6 +391,8 @@ class Float8Linear(nn.Linear):
             y = _Fp8MatmulRowwise.apply(x2d, w, self, out_dtype)
         elif self.scaling in ("block", "mx"):
             y = _Fp8MatmulBlocks.apply(x2d, w, self, out_dtype)
+        elif self.scaling == "nvfp4":
+            y = _NVFP4Matmul.apply(x2d, w, self, out_dtype)
         else:
             # whether to record amaxes is decided here: inside the Function, grad is off
             y = _Fp8Matmul.apply(x2d, w, self, out_dtype, torch.is_grad_enabled())
@@ -339,3 +412,11 @@ def fp8_modules(model: nn.Module) -> dict[str, Float8Linear]:
     """The model's Float8Linears by qualified name: the one test for "converted to fp8"
     (by ``convert``, or by hand)."""
     return {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+
+
+def scaling_buffers(m: Float8Linear) -> dict[str, torch.Tensor]:
+    """The module's fp8 scaling state by buffer name: amax history, scales, fp8 maxima,
+    and NVFP4's stochastic-rounding counter (not weights: ``fp32_state_dict`` leaves
+    them out; the memory ledger counts them as ``fp8``)."""
+    names = ("fp8_amax_history", "fp8_scale", "fp8_max", "nvfp4_rng")
+    return {n: getattr(m, n) for n in names if getattr(m, n, None) is not None}

@@ -48,7 +48,7 @@ def measure(model: nn.Module, engine_or_optimizer, sample_batch=None, *,
     nothing. On CUDA the breakdown also notes ``torch.cuda.max_memory_allocated``.
     Optimizer states exist only after the first ``step()``: measure after one.
     """
-    from mixprec.fp8.linear import fp8_modules
+    from mixprec.fp8.linear import fp8_modules, scaling_buffers
 
     engine = engine_or_optimizer if hasattr(engine_or_optimizer, "param_state") else None
     optimizers = (engine.optimizers if engine is not None else
@@ -56,8 +56,7 @@ def measure(model: nn.Module, engine_or_optimizer, sample_batch=None, *,
     led = _Ledger()
     params = list({id(p): p for p in model.parameters()}.values())
     led.add("params", params)
-    fp8_bufs = [b for m in fp8_modules(model).values()
-                for b in (m.fp8_amax_history, m.fp8_scale, m.fp8_max)]
+    fp8_bufs = [b for m in fp8_modules(model).values() for b in scaling_buffers(m).values()]
     led.add("fp8", fp8_bufs)
     led.add("buffers", model.buffers())
     if engine is not None and engine.param_state.has_master:

@@ -280,14 +280,17 @@ def _activation_item(spec: TransformerSpec, r: Recipe, act_fp32: bool,
 
 def _fp8_state_bytes(model: nn.Module, r: Recipe) -> tuple[float, set[int]]:
     from mixprec.fp8.convert import plan
-    from mixprec.fp8.linear import fp8_modules
+    from mixprec.fp8.linear import fp8_modules, scaling_buffers
 
     existing = list(fp8_modules(model).values())
-    ids = {id(b) for m in existing for b in (m.fp8_amax_history, m.fp8_scale, m.fp8_max)}
+    ids = {id(b) for m in existing for b in scaling_buffers(m).values()}
     per_module = (3 * r.amax_history_len + 3 + 3) * 4  # history, scale, fp8_max
+    if r.fp8_scaling == "nvfp4":
+        per_module += 2 * 8  # nvfp4_rng: the stochastic rounding's (seed, calls)
     if existing:
         return float(len(existing) * per_module), ids
     if r.compute != "fp8":
         return 0.0, ids
-    eligible = sum(1 for _, _, why in plan(model) if why is None)
+    eligible = sum(1 for _, _, why in plan(model, keep_last=r.bf16_last_layers)
+                   if why is None)
     return float(eligible * per_module), ids

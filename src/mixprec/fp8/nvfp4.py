@@ -1,0 +1,115 @@
+"""NVFP4: e2m1 elements, an e4m3 scale per 16 elements, an fp32 scale per tensor.
+
+The cast of a tensor ``t`` (NVIDIA's recipe, as torchao's ``nvfp4_quantize`` computes it):
+
+1. a per-tensor descale ``G = amax(t) / (448 · 6)`` in fp32 (1 for an all-zero tensor),
+   so a block whose amax is the tensor's gets the largest e4m3 scale;
+2. per block of 16 elements, ``s = e4m3(clamp(fp32(amax_b / 6) / G, 2^-6, 448))``,
+   rounded to nearest-even;
+3. elements ``e2m1(clamp(x · fp32(fp32(1 / G) / s), ±6))``, to nearest-even, or
+   stochastically (``stochastic=True``: unbiased, for gradients);
+4. the value is ``code · (s · G)``.
+
+Blocks are 1×16 along a GEMM's contracted dim (``dim``), or, for weights with
+``square=True``, 16×16 (the same codes serve ``w`` and ``wᵀ``). A block holding an inf
+or NaN casts to NaN, so the step is skipped.
+
+``hadamard_16`` gives the 16×16 orthonormal random Hadamard transform that the wgrad
+GEMM applies to both operands along the token dim (``H`` = Sylvester Hadamard / 4 with
+fixed random column signs): ``(Hg)ᵀ(Hx) = gᵀx`` exactly in real arithmetic, while the
+transform spreads an outlier over 16 tokens before the 16-element blocks are cast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mixprec.fp8.blocks import _block_amax, _expand
+
+__all__ = ["NVFP4_BLOCK", "E2M1_GRID", "NVFP4Cast", "cast_nvfp4", "hadamard_16",
+           "apply_hadamard"]
+
+NVFP4_BLOCK = 16
+#: the non-negative e2m1 values
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E4M3_MIN_NORMAL = 2.0**-6
+_DESCALE = 448.0 * 6.0
+
+
+@dataclass(frozen=True)
+class NVFP4Cast:
+    """The e2m1 ``codes`` (their values, in fp32), the e4m3 block ``scales`` (in fp32),
+    the per-tensor descale ``G`` and the block shape."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    descale: torch.Tensor
+    rows: int
+    cols: int
+
+    def dequant(self) -> torch.Tensor:
+        """``code · (s · G)`` in fp32."""
+        s = _expand(self.scales * self.descale, self.rows, self.cols, self.codes.shape)
+        return self.codes * s
+
+
+def _round_e2m1(v: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """``v`` (already within ±6) on the e2m1 grid: nearest-even, or stochastically
+    between the two neighbours with the probability that keeps the mean."""
+    grid = torch.tensor(E2M1_GRID, device=v.device)
+    a = v.abs()
+    hi = torch.bucketize(a, grid).clamp_(max=len(E2M1_GRID) - 1)  # first grid >= a
+    lo = (hi - 1).clamp_(min=0)
+    up, down = grid[hi], grid[lo]
+    if generator is None:
+        gap = up - down
+        # ties go to the even neighbour: an even mantissa bit is an even grid index
+        mid = down + gap / 2
+        pick_up = (a > mid) | ((a == mid) & (hi % 2 == 0))
+        q = torch.where(a >= up, up, torch.where(pick_up, up, down))
+    else:
+        gap = torch.where(up > down, up - down, torch.ones_like(up))
+        p = ((a - down) / gap).clamp_(0, 1)
+        u = torch.rand(a.shape, generator=generator, device=v.device)
+        q = torch.where(u < p, up, down)
+    return torch.where(torch.isnan(v), v, torch.copysign(q, v))
+
+
+def cast_nvfp4(t: torch.Tensor, dim: int = 1, square: bool = False,
+               generator: torch.Generator | None = None) -> NVFP4Cast:
+    """``t`` (2-D) in NVFP4 along ``dim`` (1×16 blocks), or in 16×16 blocks with
+    ``square``; ``generator``: stochastic rounding of the elements."""
+    rows, cols = ((NVFP4_BLOCK, NVFP4_BLOCK) if square else
+                  (1, NVFP4_BLOCK) if dim == 1 else (NVFP4_BLOCK, 1))
+    x = t.detach().float() if t.requires_grad else t.float()
+    amax_t = x.abs().amax()
+    descale = torch.where(amax_t > 0, amax_t / _DESCALE, torch.ones_like(amax_t))
+    amax_b = _block_amax(x, rows, cols)
+    s = ((amax_b / 6.0) / descale).clamp_(_E4M3_MIN_NORMAL, 448.0)
+    s = s.to(torch.float8_e4m3fn).float()
+    bad = ~torch.isfinite(amax_b)
+    s = torch.where(bad, torch.full_like(s, float("nan")), s)
+    mult = torch.reciprocal(descale) / s
+    v = (x * _expand(mult, rows, cols, x.shape)).clamp_(-6.0, 6.0)
+    return NVFP4Cast(_round_e2m1(v, generator), s, descale, rows, cols)
+
+
+def hadamard_16(seed: int = 0, device=None) -> torch.Tensor:
+    """The 16×16 orthonormal Hadamard matrix with random column signs (fixed by
+    ``seed``)."""
+    h = torch.ones(1, 1)
+    for _ in range(4):
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    g = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (16,), generator=g).float() * 2 - 1
+    return (h * signs / 4.0).to(device)
+
+
+def apply_hadamard(t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``H`` applied to each group of 16 rows of ``t`` (rows zero-padded to 16)."""
+    m = t.shape[0]
+    p = torch.nn.functional.pad(t.float(), (0, 0, 0, (-m) % 16))
+    out = torch.einsum("ij,gjn->gin", h, p.view(-1, 16, p.shape[1]))
+    return out.reshape(-1, p.shape[1])
