@@ -1,14 +1,17 @@
 """FP8 numerics, training and a side-by-side with torchao, on this machine.
 
-    python benchmarks/fp8.py [--steps 300] [--skip-torchao]
+    python benchmarks/fp8.py [--steps 300] [--skip-torchao] [--only training]
+                             [--recipes bf16,fp8-block,mxfp8]
 
 1. SQNR (dB) of Float8Linear against a bf16 nn.Linear on Gaussian data, for the output
    and both gradients, per scaling mode and shape (delayed: after one step that fills
    the history, as in training). Then the same with one outlier token (its input row and
-   its gradient row 10^k times larger): per-tensor against rowwise scaling.
+   its gradient row 10^k times larger): per-tensor against rowwise, block and MX scaling.
+   The block recipes (fp8-block, mxfp8, nvfp4 and their switches) in torchao's own SQNR
+   setup (``--only blocks``).
 2. The workbench GPT trained ``--steps`` steps on the built-in corpus with bf16, fp8
-   (delayed), fp8-current and fp8-rowwise from the same seed and data; final validation
-   loss.
+   (delayed), fp8-current, fp8-rowwise, fp8-block and mxfp8 (or ``--recipes``) from the
+   same seed and data; final validation loss.
 3. torchao's ``convert_to_float8_training`` (tensorwise, dynamic) against mixprec
    ``fp8-current`` on a tiny GPT: step time and loss. torchao calls ``torch._scaled_mm``,
    which on this CPU is a reference kernel (~0.1 GFLOP/s), so mixprec runs twice: with its
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import statistics
 import time
 
@@ -30,6 +32,7 @@ from torch import nn
 from mixprec import MixedPrecision
 from mixprec.fp8 import Float8Linear
 from mixprec.workbench import GPT, GPTConfig
+from mixprec.workbench.compare import cpu_name
 from mixprec.workbench.data import load_corpus, sample_batch, val_batches
 
 
@@ -41,7 +44,7 @@ def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
 def sqnr_table() -> None:
     print("\n## SQNR of Float8Linear vs bf16 nn.Linear (dB; higher is better)")
     print(f"{'scaling':<9} {'M x K x N':<18} {'output':>7} {'dgrad':>7} {'wgrad':>7}")
-    for scaling in ("delayed", "current", "rowwise"):
+    for scaling in ("delayed", "current", "rowwise", "block", "mx"):
         for m, k, n in [(16, 16, 16), (256, 512, 128), (1024, 1024, 1024), (512, 4096, 64),
                         (2048, 4096, 4096)]:
             torch.manual_seed(0)
@@ -68,6 +71,39 @@ def sqnr_table() -> None:
                   f"{sqnr(dw, dw8):>7.1f}")
 
 
+BLOCK_SQNR = ("fp8-current", "fp8-rowwise", "fp8-block", "fp8-block,block_scales=pow2",
+              "mxfp8", "mxfp8,mx_rounding=floor", "nvfp4", "nvfp4,nvfp4_2d=false",
+              "nvfp4,nvfp4_rht=false", "nvfp4,nvfp4_sr=false")
+
+
+def block_sqnr_table(m: int = 1024, k: int = 512, n: int = 256) -> None:
+    """torchao's SQNR setup for its block-scaled recipes: x ~ N(0, 1), a bias-free
+    Linear against its fp32 self, the output gradient of ``y.sum()`` (ones) and then
+    Gaussian; output, dgrad and wgrad SQNR in dB."""
+    print(f"\n## SQNR vs the fp32 Linear, {m}x{k}x{n}, x ~ N(0,1) (dB): y.sum() grads | "
+          "Gaussian grads")
+    print(f"{'recipe':<30} {'out':>6} {'dgrad':>6} {'wgrad':>6} | {'out':>6} {'dgrad':>6} "
+          f"{'wgrad':>6}")
+    for recipe in BLOCK_SQNR:
+        row = []
+        for gaussian in (False, True):
+            torch.manual_seed(0)
+            lin = nn.Linear(k, n, bias=False)
+            f8 = Float8Linear.from_linear(nn.Linear(k, n, bias=False), recipe)
+            f8.weight = nn.Parameter(lin.weight.detach().clone())
+            x = torch.randn(m, k)
+            go = torch.randn(m, n) if gaussian else torch.ones(m, n)
+            outs = []
+            for mod in (lin, f8):
+                xi = x.clone().requires_grad_()
+                y = mod(xi)
+                y.backward(go)
+                outs.append((y.detach(), xi.grad, mod.weight.grad))
+            row += [sqnr(a, b) for a, b in zip(*outs)]
+        print(f"{recipe:<30} " + " ".join(f"{v:>6.1f}" for v in row[:3]) + " | "
+              + " ".join(f"{v:>6.1f}" for v in row[3:]))
+
+
 def outlier_table() -> None:
     """One token's input row and gradient row 10^k times the others' (M=K=N=1024): SQNR
     over the other tokens' outputs and input gradients, per-tensor (current) against
@@ -87,7 +123,7 @@ def outlier_table() -> None:
         w64 = lin.weight.detach().double()
         y_ref, dx_ref = (x.double() @ w64.t())[rest], (gy.double() @ w64)[rest]
         for recipe in ("fp8-current", "fp8-rowwise", "fp8-current,fp8_format=e4m3",
-                       "fp8-rowwise,fp8_format=e4m3"):
+                       "fp8-rowwise,fp8_format=e4m3", "fp8-block", "mxfp8"):
             f8 = Float8Linear.from_linear(lin, recipe)
             xi = x.clone().requires_grad_()
             y = f8(xi)
@@ -119,17 +155,21 @@ def train(recipe: str, cfg: GPTConfig, corpus, steps: int, batch: int, lr: float
     return sum(vals) / len(vals), statistics.median(times)
 
 
-def training_comparison(steps: int) -> None:
+TRAINING = ("bf16", "fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8")
+
+
+def training_comparison(steps: int, recipes=TRAINING) -> None:
     corpus = load_corpus(max_bytes=2_000_000)
     cfg = GPTConfig(n_layers=4, d_model=128, n_heads=4, seq_len=128)
     print(f"\n## {steps} steps, GPT {cfg.n_layers}x{cfg.d_model} seq {cfg.seq_len}, batch 16, "
           f"AdamW lr 3e-3, corpus {corpus.fingerprint}: final validation loss (fp32 eval)")
-    results = {r: train(r, cfg, corpus, steps, 16, 3e-3)
-               for r in ("bf16", "fp8", "fp8-current", "fp8-rowwise")}
-    base = results["bf16"][0]
-    print(f"{'recipe':<12} {'val loss':>9} {'vs bf16':>8} {'step (ms)':>10}")
-    for r, (v, t) in results.items():
-        print(f"{r:<12} {v:>9.4f} {(v / base - 1) * 100:>+7.2f}% {t * 1e3:>10.1f}")
+    print(f"{'recipe':<36} {'val loss':>9} {'vs bf16':>8} {'step (ms)':>10}", flush=True)
+    base = None
+    for r in recipes:  # printed as they finish; the first is the baseline
+        v, t = train(r, cfg, corpus, steps, 16, 3e-3)
+        base = v if base is None else base
+        print(f"{r:<36} {v:>9.4f} {(v / base - 1) * 100:>+7.2f}% {t * 1e3:>10.1f}",
+              flush=True)
 
 
 def torchao_comparison(steps: int = 20) -> None:
@@ -200,13 +240,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--skip-torchao", action="store_true")
+    ap.add_argument("--only", choices=("sqnr", "blocks", "outliers", "training", "torchao"))
+    ap.add_argument("--recipes", default=",".join(TRAINING),
+                    help="';'-separated recipes for the training comparison (first: "
+                         "the baseline)")
     args = ap.parse_args()
     print(f"# benchmarks/fp8.py: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{platform.machine()}")
-    sqnr_table()
-    outlier_table()
-    training_comparison(args.steps)
-    if not args.skip_torchao:
+          f"{cpu_name()}")
+    if args.only in (None, "sqnr"):
+        sqnr_table()
+    if args.only in (None, "blocks"):
+        block_sqnr_table()
+    if args.only in (None, "outliers"):
+        outlier_table()
+    if args.only in (None, "training"):
+        sep = ";" if ";" in args.recipes else ","
+        training_comparison(args.steps, args.recipes.split(sep))
+    if args.only in (None, "torchao") and not args.skip_torchao:
         torchao_comparison()
 
 

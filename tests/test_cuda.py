@@ -7,7 +7,7 @@ import torch
 
 from conftest import pattern_losses
 from mixprec import MixedPrecision, formats
-from mixprec.fp8 import fp8_gemm
+from mixprec.fp8 import Float8Linear, fp8_gemm
 from mixprec.fp8.scaling import cast_to_fp8
 from mixprec.workbench import GPT, GPTConfig
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.cuda
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "bf16-master", "fp16", "fp8", "fp8-rowwise",
-                                    "tf32"])
+                                    "tf32", "fp8-block", "mxfp8", "nvfp4"])
 def test_engine_trains_on_cuda(recipe):
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layers=2, d_model=128, n_heads=4, seq_len=128)).cuda()
@@ -127,3 +127,16 @@ def test_compiled_model_on_cuda_matches_eager():
         return out
 
     assert losses(True) == pytest.approx(losses(False), rel=2e-2)
+
+
+@pytest.mark.parametrize("recipe", ["fp8-block", "mxfp8", "nvfp4"])
+def test_block_casts_on_cuda_equal_the_cpus(recipe):
+    """The block, MX and NVFP4 casts and their dequantizing GEMMs give the CPU's values on
+    CUDA (same fp32 ops; the GEMM to fp32 summation order)."""
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(512, 384, bias=False)
+    x = torch.randn(256, 512, generator=g)
+    with torch.no_grad():
+        cpu = Float8Linear.from_linear(lin, recipe)(x)
+        gpu = Float8Linear.from_linear(lin.cuda(), recipe)(x.cuda()).cpu()
+    assert (gpu - cpu).abs().max() <= 1e-5 * cpu.abs().max()

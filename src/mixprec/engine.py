@@ -153,15 +153,18 @@ class MixedPrecision:
                                mode=self.emulation_mode, sink=self.param_state):
             yield
 
-    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False,
+                 divided: bool = False) -> None:
         """Backward of ``loss * scale / grad_accum_steps``; grads go to the buffers.
+        ``divided``: ``loss`` is already divided by ``grad_accum_steps`` (a trainer
+        that accumulates, such as Lightning), so only the scale is applied.
 
         Gradients that another backward left on this engine's parameters (a GAN's
         generator loss reaching the discriminator) are dropped first: each engine
         accumulates only what its own ``backward`` calls make."""
         c, state = self.counters, self.param_state
         check_backward(loss, c.micro, self.grad_accum_steps, state)
-        scaled = self.scaler.scale_loss(loss, self.grad_accum_steps)
+        scaled = self.scaler.scale_loss(loss, 1 if divided else self.grad_accum_steps)
         last = c.micro == self.grad_accum_steps - 1
         state.drop_stray_grads(fresh=c.micro == 0)
         with contextlib.ExitStack() as stack:

@@ -1,0 +1,8 @@
+"""mixprec inside the trainers people already use. Each module imports its framework
+(an optional extra: ``pip install mixprec[lightning]``); the core never imports them.
+
+- ``mixprec.integrations.lightning``: ``MixedPrecisionPlugin``, a Lightning precision
+  plugin that runs the engine underneath ``Trainer``.
+"""
+
+__all__: list[str] = []

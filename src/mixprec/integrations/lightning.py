@@ -1,0 +1,165 @@
+"""A Lightning precision plugin that runs mixprec's engine under ``Trainer``.
+
+    trainer = lightning.Trainer(plugins=[MixedPrecisionPlugin("bf16-master")],
+                                gradient_clip_val=1.0, accumulate_grad_batches=4)
+
+The LightningModule stays as written for plain Lightning. The plugin builds a
+``MixedPrecision`` engine over it and the optimizers of ``configure_optimizers`` once
+Lightning has set them up (``Precision.connect``), and from then on:
+
+- every forward (training, validation, test, predict) runs under ``engine.autocast()``;
+- each backward is ``engine.backward``: loss scaling, fp32 gradient buffers. Lightning
+  has already divided the loss by ``accumulate_grad_batches``, so the engine's
+  ``grad_accum_steps`` is that number and it only scales (``divided=True``);
+- the optimizer step is ``engine.step()``: the non-finite check, unscaled clipping to
+  ``gradient_clip_val`` (by norm; clipping by value raises), the optimizer on the fp32
+  masters, and a skipped step that leaves everything as it was. Lightning's LR schedulers
+  do not advance on a skipped step;
+- checkpoints: the plugin's state is the engine's whole ``state_dict`` (masters, loss
+  scale, counters, fp8 state), and the checkpoint's ``state_dict`` is replaced by the
+  fp32 weights (``engine.fp32_state_dict()``), so a fresh LightningModule loads it
+  strictly and ``Trainer.fit(ckpt_path=...)`` resumes bit for bit.
+
+What it does not do yet: Lightning's DDP and FSDP strategies wrap the module before the
+plugin sees it, and raise ``NotImplementedError`` here (mixprec's own DDP and FSDP run
+through ``MixedPrecision(parallel=...)`` in a loop of your own). Manual optimization
+(``automatic_optimization = False``) is refused too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from lightning.pytorch.plugins.precision import Precision
+
+from mixprec.engine import MixedPrecision
+from mixprec.recipe import Recipe
+
+__all__ = ["MixedPrecisionPlugin"]
+
+
+class MixedPrecisionPlugin(Precision):
+    """Lightning ``Precision`` plugin for a mixprec ``recipe`` (a name or a ``Recipe``).
+    ``engine_kwargs`` go to ``MixedPrecision`` (``fp8_filter``, ``loss_scaler``...);
+    clipping and accumulation come from the Trainer's own arguments."""
+
+    precision = "32-true"  # what Lightning sees: the module and its inputs stay fp32
+
+    def __init__(self, recipe: Recipe | str, **engine_kwargs: Any) -> None:
+        super().__init__()
+        self.recipe = Recipe.coerce(recipe)
+        for k in ("grad_accum_steps", "max_grad_norm", "parallel"):
+            if k in engine_kwargs:
+                raise ValueError(
+                    f"MixedPrecisionPlugin(..., {k}=...): Lightning owns it; use the "
+                    "Trainer's accumulate_grad_batches / gradient_clip_val, and a "
+                    "single-device strategy")
+        self.engine_kwargs = engine_kwargs
+        self.engine: MixedPrecision | None = None
+        self._pending: dict | None = None
+        self._skipped = False
+
+    # --- set-up ----------------------------------------------------------------------
+
+    def connect(self, model, optimizers, lr_schedulers):
+        """Build the engine over the LightningModule and its optimizers (Lightning calls
+        this once they exist), and make the LR schedulers skip-aware."""
+        import lightning.pytorch as pl
+
+        if not isinstance(model, pl.LightningModule):
+            raise NotImplementedError(
+                f"MixedPrecisionPlugin under a strategy that wraps the module "
+                f"({type(model).__name__}): Lightning's DDP/FSDP wrap it before the "
+                "plugin can cast it, which mixprec does not support yet. Use a "
+                "single-device Trainer, or MixedPrecision(parallel='ddp'|'fsdp') in a "
+                "loop of your own.")
+        if not optimizers:
+            return model, optimizers, lr_schedulers  # not fitting: nothing to build
+        if not model.automatic_optimization:
+            raise NotImplementedError(
+                "MixedPrecisionPlugin with manual optimization: call engine.backward / "
+                "engine.step yourself (plugin.engine) or use automatic optimization")
+        trainer = model.trainer
+        if trainer.gradient_clip_algorithm not in (None, "norm"):
+            raise NotImplementedError(
+                f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: mixprec "
+                "clips by norm only (unscaled, inside engine.step). Use 'norm'.")
+        clip = trainer.gradient_clip_val or None
+        self.engine = MixedPrecision(model, optimizers, self.recipe,
+                                     grad_accum_steps=trainer.accumulate_grad_batches,
+                                     max_grad_norm=clip, **self.engine_kwargs)
+        if self._pending is not None:
+            self.engine.load_state_dict(self._pending)
+            self._pending = None
+        self._skip_aware(model)
+        return model, optimizers, lr_schedulers
+
+    def _skip_aware(self, module) -> None:
+        """The module's ``lr_scheduler_step`` hook (which Lightning calls to step each
+        scheduler) does nothing after a skipped optimizer step. Set on the instance, so
+        neither the scheduler's state nor the checkpoint holds it."""
+        step = module.lr_scheduler_step
+
+        def lr_scheduler_step(scheduler, metric=None):
+            if self._skipped:
+                return None
+            return step(scheduler, metric)
+
+        module.lr_scheduler_step = lr_scheduler_step
+
+    # --- the step ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def forward_context(self):
+        """Every forward under the engine's autocast (plain before the engine exists)."""
+        with self.engine.autocast() if self.engine is not None else contextlib.nullcontext():
+            yield
+
+    def backward(self, tensor, model, optimizer, *args, **kwargs) -> None:
+        """``engine.backward`` of Lightning's loss (already divided for accumulation)."""
+        if self.engine is None:
+            raise RuntimeError("MixedPrecisionPlugin: backward before the engine was "
+                               "built (Trainer.fit builds it)")
+        self.engine.backward(tensor, divided=True, **kwargs)
+
+    def optimizer_step(self, optimizer, model, closure, **kwargs):
+        """Run Lightning's closure (training step and backward), then ``engine.step()``:
+        one step for all the engine's optimizers, skipped on non-finite gradients."""
+        result = closure()
+        self._after_closure(model, optimizer)
+        out = self.engine.step()
+        self._skipped = bool(out.skipped)
+        return result
+
+    def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
+        """Nothing: the engine clips the unscaled gradients inside its step."""
+
+    # --- checkpoints -------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's whole state (``MixedPrecision.state_dict``)."""
+        return self.engine.state_dict() if self.engine is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the engine (after Lightning restores the fp32 weights); before the
+        engine exists the state waits for ``connect``."""
+        if not state_dict:
+            return
+        if self.engine is None:
+            self._pending = state_dict
+        else:
+            self.engine.load_state_dict(state_dict)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The checkpoint's weights become the fp32 ones, keyed as the module's own."""
+        if self.engine is not None:
+            checkpoint["state_dict"] = self.engine.fp32_state_dict()
+
+    @property
+    def skipped_last_step(self) -> bool:
+        """Whether the last optimizer step was skipped (non-finite gradients)."""
+        return self._skipped
+
+    def __repr__(self) -> str:
+        return f"MixedPrecisionPlugin({str(self.recipe)!r})"
