@@ -1,0 +1,160 @@
+"""Hugging Face ``Trainer`` under a mixprec recipe: ``MixedPrecisionTrainer``.
+
+    trainer = MixedPrecisionTrainer(recipe="bf16-master", model=model, args=args,
+                                    train_dataset=ds)
+    trainer.train()                      # resume_from_checkpoint=... continues exactly
+
+A ``transformers.Trainer`` whose optimizer step, backward and forward go through a
+``MixedPrecision`` engine, built over the model and the optimizer ``create_optimizer``
+makes (or the one passed in ``optimizers``), with ``TrainingArguments``'
+``gradient_accumulation_steps`` and ``max_grad_norm``. Leave ``bf16``/``fp16`` in
+``TrainingArguments`` off: the recipe is the precision. Through Trainer's own extension
+points:
+
+- ``compute_loss_context_manager``: the forward runs under ``engine.autocast()``;
+- the backward is ``engine.backward(loss, divided=True)``: Trainer has already divided
+  the loss for accumulation (or normalised it by the window's token count);
+- the optimizer Trainer steps is a proxy whose ``step()`` is ``engine.step()``: the
+  non-finite check, unscaled clipping to ``max_grad_norm`` (Trainer's own clipping is
+  turned off), the update of the fp32 masters. A skipped step is reported to
+  Accelerate as one, so Trainer does not advance the LR scheduler;
+- ``save_steps`` checkpoints hold the fp32 weights as the model's (``save_pretrained``
+  loads them into a fresh model) and the engine's state (``mixprec_engine.pt``: masters,
+  loss scale, counters), which ``resume_from_checkpoint`` restores.
+
+Single process only for now: under a distributed launch it raises
+``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from mixprec.engine import MixedPrecision
+from mixprec.recipe import Recipe
+
+__all__ = ["MixedPrecisionTrainer"]
+
+ENGINE_FILE = "mixprec_engine.pt"
+
+
+class _EngineStep(torch.optim.Optimizer):
+    """What Trainer steps: ``step()`` is the engine's; everything else is the wrapped
+    optimizer's (param groups, state, state dict), so schedulers and checkpoints see
+    it unchanged."""
+
+    def __init__(self, engine: MixedPrecision, inner: torch.optim.Optimizer, on_step):
+        self.engine, self.inner, self.on_step = engine, inner, on_step
+        self.defaults = inner.defaults
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.inner.param_groups = value
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def step(self, closure=None):
+        """``engine.step()`` (closures are not supported)."""
+        if closure is not None:
+            raise NotImplementedError("MixedPrecisionTrainer's optimizer takes no closure")
+        out = self.engine.step()
+        self.on_step(bool(out.skipped))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing: the engine keeps its own gradient buffers and clears them itself."""
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"mixprec engine step over {self.inner!r}"
+
+
+class MixedPrecisionTrainer(Trainer):
+    """``transformers.Trainer`` with ``recipe`` (a name or ``Recipe``) run by mixprec's
+    engine; ``engine_kwargs`` go to ``MixedPrecision`` (``fp8_filter``...)."""
+
+    def __init__(self, *args, recipe: Recipe | str, engine_kwargs: dict | None = None,
+                 **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.recipe = Recipe.coerce(recipe)
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.engine: MixedPrecision | None = None
+        if self.args.world_size > 1:
+            raise NotImplementedError(
+                "MixedPrecisionTrainer runs on one process for now; for data parallel "
+                "use MixedPrecision(parallel='ddp'|'fsdp') in a loop of your own")
+        if self.args.bf16 or self.args.fp16:
+            raise ValueError(
+                "MixedPrecisionTrainer: TrainingArguments(bf16=True / fp16=True) would "
+                "add Accelerate's autocast on top of the recipe; leave them False and "
+                f"let recipe={str(self.recipe)!r} set the precision")
+        self.accelerator.backward = self._backward
+
+    # --- the engine ----------------------------------------------------------------
+
+    def create_optimizer(self, model=None):
+        """Trainer's optimizer (or the one given), then the engine over the model and
+        it; Trainer gets the proxy that steps the engine."""
+        if isinstance(self.optimizer, _EngineStep):
+            return self.optimizer
+        inner = super().create_optimizer(model)
+        self.engine = MixedPrecision(
+            self.model, inner, self.recipe,
+            grad_accum_steps=self.args.gradient_accumulation_steps,
+            max_grad_norm=self.args.max_grad_norm or None, **self.engine_kwargs)
+        self.optimizer = _EngineStep(self.engine, inner, self._record_skip)
+        return self.optimizer
+
+    def _record_skip(self, skipped: bool) -> None:
+        # Trainer asks Accelerate whether the step was skipped before the scheduler step
+        opt = self.optimizer
+        if hasattr(opt, "_is_overflow"):
+            opt._is_overflow = skipped
+
+    def _backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.engine.backward(loss, divided=True)
+
+    def compute_loss_context_manager(self):
+        """The forward under ``engine.autocast()`` (before the engine: Trainer's own)."""
+        return (self.engine.autocast() if self.engine is not None
+                else super().compute_loss_context_manager())
+
+    def _clip_grad_norm(self, model):
+        """Nothing: the engine clips the unscaled gradients inside its step."""
+        return None
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return grad_norm
+
+    # --- checkpoints ----------------------------------------------------------------
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The model's files hold the fp32 weights (masters, no fp8 scaling state)."""
+        if self.engine is not None and state_dict is None:
+            state_dict = self.engine.fp32_state_dict()
+        super()._save(output_dir, state_dict=state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.engine is not None:
+            self.engine.save(os.path.join(output_dir, ENGINE_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, ENGINE_FILE) if checkpoint else None
+        if path and os.path.exists(path) and self.engine is not None:
+            self.engine.load(path)

@@ -1,0 +1,119 @@
+"""mixprec.integrations.transformers: a GPT2LMHeadModel from a small config (nothing
+downloaded) trains through MixedPrecisionTrainer as mixprec's own loop trains it."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # transformers.Trainer needs it
+
+from mixprec import MixedPrecision  # noqa: E402
+from mixprec.integrations.transformers import MixedPrecisionTrainer  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=2,
+                                  n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _data(n: int):
+    g = torch.Generator().manual_seed(1)
+    return [{"input_ids": t, "labels": t.clone()}
+            for t in torch.randint(0, 64, (n, 32), generator=g)]
+
+
+class _Recording(MixedPrecisionTrainer):
+    """Records each micro-batch's loss; data in order (no shuffling)."""
+
+    losses: list
+
+    def _get_train_sampler(self, *args, **kwargs):
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        self.losses.append(loss.item())
+        return loss
+
+
+def _train(recipe, steps, accum, out, save_steps=None, resume=None, n=32):
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=2,
+        gradient_accumulation_steps=accum, learning_rate=3e-3, max_grad_norm=1.0,
+        lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, logging_steps=1000,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        report_to=[], use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0,
+        optim="adamw_torch", disable_tqdm=True)
+    t = _Recording(model=_model(), args=args, train_dataset=_data(n), recipe=recipe)
+    t.model_accepts_loss_kwargs = False  # the loss of each micro-batch, / accum by Trainer
+    t.losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.train(resume_from_checkpoint=resume)
+    return t
+
+
+def _own_loop(recipe, steps, accum, n=32, decay=()):
+    """The same model, data, AdamW (in Trainer's two groups and their order: with decay,
+    then without, which orders the clipping norm's sum) and linear schedule."""
+    model = _model()
+    named = list(model.named_parameters())
+    groups = [[p for k, p in named if k in decay], [p for k, p in named if k not in decay]]
+    opt = torch.optim.AdamW([{"params": g} for g in groups if g], lr=3e-3, weight_decay=0.0)
+    sched = transformers.get_linear_schedule_with_warmup(opt, 0, steps)
+    engine = MixedPrecision(model, opt, recipe, grad_accum_steps=accum, max_grad_norm=1.0)
+    data = _data(n)
+    losses, i = [], 0
+    for _ in range(steps):
+        for _ in range(accum):
+            ids = torch.stack([data[(i + k) % n]["input_ids"] for k in range(2)])
+            i += 2
+            with engine.autocast():
+                loss = model(input_ids=ids, labels=ids).loss
+            losses.append(loss.item())
+            engine.backward(loss)
+            out = engine.step()
+        if not out.skipped:
+            sched.step()
+    return losses
+
+
+# Real kernels: under emulate=auto on a CPU without bf16/fp16 units the emulated
+# backward differs from the engine's own loop at the bf16 rounding of some gradients
+# (cause not found; README, Not there yet). fp8 is not an emulated recipe.
+@pytest.mark.parametrize("recipe", ["bf16-master,emulate=false", "fp16-master,emulate=false",
+                                    "fp8"])
+def test_trainer_with_accumulation_4_trains_as_the_engine_bit_for_bit(recipe, tmp_path):
+    t = _train(recipe, 3, 4, tmp_path)
+    decay = set(t.get_decay_parameter_names(t.model))
+    assert t.losses == _own_loop(recipe, 3, 4, decay=decay)
+    assert t.engine.steps == 3 and t.engine.grad_accum_steps == 4
+
+
+def test_resume_from_checkpoint_continues_bit_identically(tmp_path):
+    full = _train("fp16-master", 6, 1, tmp_path / "full")
+    part = _train("fp16-master", 6, 1, tmp_path / "part", save_steps=3)
+    ckpt = tmp_path / "part" / "checkpoint-3"
+    assert (ckpt / "mixprec_engine.pt").exists()
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(ckpt)  # fp32 weights, strictly
+    assert all(p.dtype == torch.float32 for p in loaded.parameters())
+    resumed = _train("fp16-master", 6, 1, tmp_path / "part", resume=str(ckpt))
+    assert part.losses == full.losses
+    assert resumed.losses == full.losses[3:]
+
+
+def test_bf16_arguments_are_refused_with_the_fix(tmp_path):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), bf16=True, use_cpu=True,
+                                          report_to=[])
+    with pytest.raises(ValueError, match="leave them False"):
+        MixedPrecisionTrainer(model=_model(), args=args, train_dataset=_data(4),
+                              recipe="bf16-master")
