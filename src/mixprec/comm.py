@@ -144,8 +144,9 @@ def wrap_ddp(param_state, model: nn.Module, recipe, **ddp_kwargs):
     ``DistributedDataParallel`` (``find_unused_parameters``...)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(model, **{"broadcast_buffers": True, **ddp_kwargs},
-              gradient_as_bucket_view=True)
+    # buffers are broadcast from rank 0 by DDP's default; broadcast_buffers is passed on
+    # only when given (torch 2.13 deprecates the argument)
+    ddp = DDP(model, **ddp_kwargs, gradient_as_bucket_view=True)
     stats = CommStats()
     ddp.register_comm_hook(_HookState(param_state, recipe.comm_dtype, stats), ddp_comm_hook)
     # last in DDP's __dict__, so released after the reducer (module doc: Teardown)
