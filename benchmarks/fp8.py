@@ -242,8 +242,9 @@ def main() -> None:
     ap.add_argument("--skip-torchao", action="store_true")
     ap.add_argument("--only", choices=("sqnr", "blocks", "outliers", "training", "torchao"))
     ap.add_argument("--recipes", default=",".join(TRAINING),
-                    help="';'-separated recipes for the training comparison (first: "
-                         "the baseline)")
+                    help="recipes for the training comparison, ','-separated, or "
+                         "';'-separated when one has key=value fields (first: the "
+                         "baseline)")
     args = ap.parse_args()
     print(f"# benchmarks/fp8.py: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{cpu_name()}")
@@ -254,7 +255,8 @@ def main() -> None:
     if args.only in (None, "outliers"):
         outlier_table()
     if args.only in (None, "training"):
-        sep = ";" if ";" in args.recipes else ","
+        # as `mixprec bench`: a recipe with key=value fields needs ';' between recipes
+        sep = ";" if (";" in args.recipes or "=" in args.recipes) else ","
         training_comparison(args.steps, args.recipes.split(sep))
     if args.only in (None, "torchao") and not args.skip_torchao:
         torchao_comparison()
