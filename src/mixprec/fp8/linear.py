@@ -313,9 +313,18 @@ class Float8Linear(nn.Linear):
         ``nvfp4_rng`` (seed, calls) and advancing it; None without ``nvfp4_sr``."""
         if not self.nvfp4_sr:
             return None
-        seed, calls = (int(v) for v in self.nvfp4_rng.tolist())
-        self.nvfp4_rng[1] += 1
+        if self._rng_host is None:  # once after construction or a load: one host read
+            self._rng_host = [int(v) for v in self.nvfp4_rng.tolist()]
+        seed, calls = self._rng_host
+        self._rng_host[1] += 1
+        self.nvfp4_rng[1] += 1  # the checkpointed copy, on the device: no host sync
         return torch.Generator(device).manual_seed(seed * 1_000_003 + calls)
+
+    _rng_host: list[int] | None = None
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._rng_host = None  # the loaded nvfp4_rng is read again on the next backward
+        super()._load_from_state_dict(*args, **kwargs)
 
     @classmethod
     def from_linear(cls, linear: nn.Module, recipe: Recipe | str = "fp8",

@@ -22,6 +22,7 @@ transform spreads an outlier over 16 tokens before the 16-element blocks are cas
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -83,7 +84,7 @@ def cast_nvfp4(t: torch.Tensor, dim: int = 1, square: bool = False,
     ``square``; ``generator``: stochastic rounding of the elements."""
     rows, cols = ((NVFP4_BLOCK, NVFP4_BLOCK) if square else
                   (1, NVFP4_BLOCK) if dim == 1 else (NVFP4_BLOCK, 1))
-    x = t.detach().float() if t.requires_grad else t.float()
+    x = t.detach().float()
     amax_t = x.abs().amax()
     descale = torch.where(amax_t > 0, amax_t / _DESCALE, torch.ones_like(amax_t))
     amax_b = _block_amax(x, rows, cols)
@@ -96,9 +97,10 @@ def cast_nvfp4(t: torch.Tensor, dim: int = 1, square: bool = False,
     return NVFP4Cast(_round_e2m1(v, generator), s, descale, rows, cols)
 
 
+@functools.cache
 def hadamard_16(seed: int = 0, device=None) -> torch.Tensor:
     """The 16×16 orthonormal Hadamard matrix with random column signs (fixed by
-    ``seed``)."""
+    ``seed``), built once per device (read-only: callers must not modify it)."""
     h = torch.ones(1, 1)
     for _ in range(4):
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
