@@ -372,7 +372,7 @@ def test_quantized_states_under_fsdp_shard_with_their_rows_and_resume_anywhere(t
 @pytest.mark.parametrize("states", ["int8", "fp8"])
 def test_sharded_states_equal_the_whole_tensors_bit_for_bit(states):
     """mixprec.optim on dim-0 DTensor shards (2 ranks; 257 rows split 129 + 128, rows
-    of 130 padded to two blocks, a 1-D tensor) given the same gradients: weights and
+    of 300 padded to two blocks, a 1-D tensor) given the same gradients: weights and
     states equal one process's on the whole tensors bit for bit, because blocks lie
     along rows and the format is chosen on the whole shape."""
     ranks = spawn(w.sharded_optimizer, states)
