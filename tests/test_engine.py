@@ -233,6 +233,50 @@ def test_grad_accumulation_equals_one_big_batch(recipe):
             assert (a - b).norm() <= 2**-7 * b.norm() + 1e-7
 
 
+def test_last_true_ends_a_short_window_as_a_dividing_loop_does():
+    """10 micro-batches, grad_accum_steps=4 and ``last=True`` on the 10th: windows of
+    4, 4 and 2, each update that of torch summing ``loss / 4`` (as Accelerate's
+    ``accumulate`` does at an epoch's end), bit for bit in fp32."""
+    torch.manual_seed(0)
+    data = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(10)]
+    ref = mlp(seed=2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for w in (data[0:4], data[4:8], data[8:10]):
+        ref_opt.zero_grad()
+        for x, y in w:
+            (F.cross_entropy(ref(x), y) / 4).backward()
+        ref_opt.step()
+    model = mlp(seed=2)
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                            "fp32", grad_accum_steps=4)
+    applied = []
+    for i, (x, y) in enumerate(data):
+        with engine.autocast():
+            loss = F.cross_entropy(model(x), y)
+        engine.backward(loss, last=True if i == 9 else None)
+        applied.append(not engine.step().accumulating)
+    assert applied == [False, False, False, True] * 2 + [False, True]
+    assert engine.steps == 3
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_last_is_checked():
+    model = mlp(seed=2)
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32",
+                            grad_accum_steps=2)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    engine.backward(F.cross_entropy(model(x), y), last=True)
+    with pytest.raises(RuntimeError, match=r"after backward\(last=True\).*call step\(\)"):
+        engine.backward(F.cross_entropy(model(x), y))
+    engine.step()
+    engine.backward(F.cross_entropy(model(x), y), last=False)
+    with pytest.raises(ValueError, match="cannot grow past grad_accum_steps"):
+        engine.backward(F.cross_entropy(model(x), y), last=False)
+    with pytest.raises(TypeError, match="expected True, False or None"):
+        engine.backward(F.cross_entropy(model(x), y), last=1)
+
+
 def test_fp32_buffers_sum_bf16_micro_grads_exactly():
     """bf16-master: the buffer equals the float64 sum of the four bf16 micro-gradients."""
     torch.manual_seed(0)

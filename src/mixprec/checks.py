@@ -239,9 +239,23 @@ def check_fsdp_units(parallel: str | None, units, model: nn.Module):
                     "or a callable module -> bool (or None for each ModuleList element)")
 
 
-def check_backward(loss, micro: int, grad_accum_steps: int, param_state) -> None:
+def check_backward(loss, micro: int, grad_accum_steps: int, param_state,
+                   closed: bool = False, last: bool | None = None) -> None:
     """``engine.backward(loss)`` can run: a scalar loss with a graph, no more
-    micro-batches than ``grad_accum_steps``, nothing cleared mid-accumulation."""
+    micro-batches than ``grad_accum_steps``, none after a window ended with
+    ``last=True``, nothing cleared mid-accumulation."""
+    if last is not None and not isinstance(last, bool):
+        raise TypeError(f"backward(last={last!r}): expected True, False or None")
+    if closed:
+        raise RuntimeError(
+            f"backward() after backward(last=True) ended the window at {micro} "
+            f"micro-batch(es) (of grad_accum_steps={grad_accum_steps}); call step() "
+            "first, which applies the update")
+    if last is False and micro == grad_accum_steps - 1:
+        raise ValueError(
+            f"backward(last=False) on micro-batch {micro + 1} of grad_accum_steps="
+            f"{grad_accum_steps}: the window cannot grow past grad_accum_steps; pass "
+            "last=None (or True), or raise grad_accum_steps")
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError("backward() takes the scalar loss tensor; reduce it first "
                          "(e.g. loss.mean())")

@@ -154,18 +154,25 @@ class MixedPrecision:
             yield
 
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False,
-                 divided: bool = False) -> None:
+                 divided: bool = False, last: bool | None = None) -> None:
         """Backward of ``loss * scale / grad_accum_steps``; grads go to the buffers.
         ``divided``: ``loss`` is already divided by ``grad_accum_steps`` (a trainer
         that accumulates, such as Lightning), so only the scale is applied.
+
+        ``last``: whether this micro-batch ends the accumulation window. None: the
+        ``grad_accum_steps``-th does. True ends it here, early (the short window at the
+        end of an epoch, as Accelerate's ``accumulate`` ends it): data parallel reduces
+        now and the next ``step()`` updates, with the sum of the window's gradients
+        still divided by ``grad_accum_steps``, as Accelerate and a loop that divides
+        each loss do. False on the ``grad_accum_steps``-th micro-batch raises.
 
         Gradients that another backward left on this engine's parameters (a GAN's
         generator loss reaching the discriminator) are dropped first: each engine
         accumulates only what its own ``backward`` calls make."""
         c, state = self.counters, self.param_state
-        check_backward(loss, c.micro, self.grad_accum_steps, state)
+        check_backward(loss, c.micro, self.grad_accum_steps, state, c.closed, last)
         scaled = self.scaler.scale_loss(loss, 1 if divided else self.grad_accum_steps)
-        last = c.micro == self.grad_accum_steps - 1
+        last = c.micro == self.grad_accum_steps - 1 if last is None else last
         state.drop_stray_grads(fresh=c.micro == 0)
         with contextlib.ExitStack() as stack:
             if not last:  # data parallel: reduce once, on the last micro-batch
@@ -179,6 +186,7 @@ class MixedPrecision:
         if self.grad_accum_steps > 1:
             state.mark_accumulated()
         c.micro += 1
+        c.closed = last and c.micro < self.grad_accum_steps
 
     def step(self) -> StepResult:
         """Finish a micro-batch; update the weights once ``grad_accum_steps`` are in."""
@@ -189,7 +197,7 @@ class MixedPrecision:
                 "same gradients): each step() consumes the engine.backward(loss) calls "
                 "before it (loss.backward() bypasses the engine: no scaling, no buffers)")
         c.seen = c.micro
-        if c.micro < self.grad_accum_steps:
+        if c.micro < self.grad_accum_steps and not c.closed:
             return StepResult(True, False, self.scaler.scale, None)
         check_setup_unchanged(self.optimizers, self._param_counts, self.param_state,
                               self._frozen)
@@ -202,6 +210,7 @@ class MixedPrecision:
             p.grad = None
         self.param_state.zero()
         self.counters.micro = self.counters.seen = 0
+        self.counters.closed = False
 
     # --- introspection ----------------------------------------------------------------
 

@@ -38,7 +38,8 @@ class StepResult:
     ``float(r.scale)`` and ``float(r.grad_norm)`` are the caller's choice to sync.
 
     - ``accumulating``: True while fewer than ``grad_accum_steps`` micro-batches went
-      through (no update happened; ``skipped`` is then False).
+      through and none ended the window with ``backward(last=True)`` (no update
+      happened; ``skipped`` is then False).
     - ``skipped``: True if gradients were non-finite and the update was skipped.
     - ``scale``: the loss scale after this step's update.
     - ``grad_norm``: global L2 norm of the unscaled gradients before clipping (None
@@ -55,11 +56,13 @@ class StepResult:
 class Counters:
     """Where the loop is: ``micro`` backward calls since the last update, ``seen`` the
     value of ``micro`` at the last ``step()`` call, ``steps`` optimizer steps taken
-    (applied or skipped). Checkpoints save ``steps``; the rest is zero between steps."""
+    (applied or skipped), ``closed`` whether a ``backward(last=True)`` ended the window
+    early. Checkpoints save ``steps``; the rest is zero between steps."""
 
     micro: int = 0
     seen: int = 0
     steps: int = 0
+    closed: bool = False
 
 
 class Step:
@@ -134,6 +137,7 @@ class Step:
         self.param_state.zero()
         c = self.counters
         c.micro = c.seen = 0
+        c.closed = False
         c.steps += 1
         if self.schedulers and not found_inf.item():
             for s in self.schedulers:
