@@ -4,7 +4,9 @@
 - ``mixprec.integrations.lightning``: ``MixedPrecisionPlugin``, a Lightning precision
   plugin that runs the engine underneath ``Trainer``;
 - ``mixprec.integrations.transformers``: ``MixedPrecisionTrainer``, a Hugging Face
-  ``Trainer`` whose step, backward and forward go through the engine.
+  ``Trainer`` whose step, backward and forward go through the engine;
+- ``mixprec.integrations.accelerate``: ``prepare``, ``accelerator.prepare`` for an
+  Accelerate loop whose backward and step are the engine's.
 """
 
 __all__: list[str] = []

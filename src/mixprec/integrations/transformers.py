@@ -35,52 +35,12 @@ import torch
 from transformers import Trainer
 
 from mixprec.engine import MixedPrecision
+from mixprec.integrations._proxies import EngineOptimizer
 from mixprec.recipe import Recipe
 
 __all__ = ["MixedPrecisionTrainer"]
 
 ENGINE_FILE = "mixprec_engine.pt"
-
-
-class _EngineStep(torch.optim.Optimizer):
-    """What Trainer steps: ``step()`` is the engine's; everything else is the wrapped
-    optimizer's (param groups, state, state dict), so schedulers and checkpoints see
-    it unchanged."""
-
-    def __init__(self, engine: MixedPrecision, inner: torch.optim.Optimizer, on_step):
-        self.engine, self.inner, self.on_step = engine, inner, on_step
-        self.defaults = inner.defaults
-
-    @property
-    def param_groups(self):
-        return self.inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.inner.param_groups = value
-
-    @property
-    def state(self):
-        return self.inner.state
-
-    def step(self, closure=None):
-        """``engine.step()`` (closures are not supported)."""
-        if closure is not None:
-            raise NotImplementedError("MixedPrecisionTrainer's optimizer takes no closure")
-        out = self.engine.step()
-        self.on_step(bool(out.skipped))
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing: the engine keeps its own gradient buffers and clears them itself."""
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.inner.load_state_dict(state_dict)
-
-    def __repr__(self) -> str:
-        return f"mixprec engine step over {self.inner!r}"
 
 
 class MixedPrecisionTrainer(Trainer):
@@ -109,14 +69,14 @@ class MixedPrecisionTrainer(Trainer):
     def create_optimizer(self, model=None):
         """Trainer's optimizer (or the one given), then the engine over the model and
         it; Trainer gets the proxy that steps the engine."""
-        if isinstance(self.optimizer, _EngineStep):
+        if isinstance(self.optimizer, EngineOptimizer):
             return self.optimizer
         inner = super().create_optimizer(model)
         self.engine = MixedPrecision(
             self.model, inner, self.recipe,
             grad_accum_steps=self.args.gradient_accumulation_steps,
             max_grad_norm=self.args.max_grad_norm or None, **self.engine_kwargs)
-        self.optimizer = _EngineStep(self.engine, inner, self._record_skip)
+        self.optimizer = EngineOptimizer(self.engine, inner, self._record_skip)
         return self.optimizer
 
     def _record_skip(self, skipped: bool) -> None:

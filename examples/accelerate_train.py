@@ -1,0 +1,103 @@
+"""A plain Accelerate training loop under a mixprec recipe.
+
+    python examples/accelerate_train.py --recipe bf16-master
+    accelerate launch --num_processes 2 --cpu examples/accelerate_train.py --accum 2
+    accelerate launch --num_processes 2 --cpu examples/accelerate_train.py \\
+        --recipe fp16-master --inject-inf 3:1 --out run.json
+
+The loop is Accelerate's own (``accumulate``, ``backward``, ``step``, ``save_state``);
+``mixprec.integrations.accelerate.prepare`` replaces ``accelerator.prepare``. The
+workbench GPT trains on the built-in corpus (nothing is downloaded), each process on its
+shard of the batches. ``--inject-inf STEP:RANK`` multiplies that rank's loss by inf at
+that optimizer step: every rank skips the step together. ``--out`` writes each rank's
+losses, skips, learning rates and final weights digest as JSON (rank 0's file is PATH,
+others PATH.rankN). ``--save-state DIR`` saves at the end; ``--resume DIR`` continues
+from such a save.
+"""
+
+import argparse
+import hashlib
+import json
+
+import torch
+from accelerate import Accelerator
+
+from mixprec.integrations.accelerate import prepare
+from mixprec.workbench import GPT, GPTConfig
+from mixprec.workbench.data import load_corpus, sample_batch
+
+
+def weights_digest(state: dict) -> str:
+    """sha256 over every tensor's bytes, in key order (equal digests: equal weights)."""
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(state[k].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--recipe", default="bf16-master")
+    ap.add_argument("--steps", type=int, default=10, help="optimizer steps")
+    ap.add_argument("--accum", type=int, default=1, help="gradient_accumulation_steps")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
+    ap.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp",
+                    help="how a multi-process launch splits the model")
+    ap.add_argument("--inject-inf", default=None, metavar="STEP:RANK")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--save-state", default=None)
+    ap.add_argument("--resume", default=None)
+    args = ap.parse_args()
+
+    accelerator = Accelerator(gradient_accumulation_steps=args.accum)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    torch.manual_seed(0)  # the same initial weights on every rank
+    cfg = GPTConfig(vocab=256, seq_len=64, n_layers=2, d_model=64, n_heads=4)
+    model = GPT(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.1 * s))
+    corpus = load_corpus(max_bytes=200_000)
+    g = torch.Generator().manual_seed(1)
+    n = args.steps * args.accum * world * args.batch  # every rank: steps * accum batches
+    data, targets = sample_batch(corpus.train, n, cfg.seq_len, g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data, targets),
+                                         batch_size=args.batch)
+    model, optimizer, loader, scheduler = prepare(
+        accelerator, model, optimizer, loader, scheduler, recipe=args.recipe,
+        parallel=args.parallel, max_grad_norm=1.0)
+    engine = optimizer.engine
+    if args.resume:
+        accelerator.load_state(args.resume)
+    poison = tuple(map(int, args.inject_inf.split(":"))) if args.inject_inf else None
+
+    log = {"rank": rank, "world": world, "losses": [], "skipped": [], "lrs": []}
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            loss = model(x, y)
+            log["losses"].append(loss.item())
+            if poison == (engine.steps, rank):
+                loss = loss * float("inf")
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            log["skipped"].append(optimizer.step_was_skipped)
+            log["lrs"].append(scheduler.get_last_lr()[0])
+            if rank == 0 and engine.steps % 5 == 0:
+                print(f"step {engine.steps:3d}  loss {loss.item():.4f}  "
+                      f"scale {float(engine.scale):g}")
+    if args.save_state:
+        accelerator.save_state(args.save_state)
+    # the fp32 masters, whole (under FSDP a gather: every rank calls it)
+    log["weights"] = weights_digest(engine.fp32_state_dict(full=True))
+    log["steps"] = engine.steps
+    if args.out:
+        path = args.out if rank == 0 else f"{args.out}.rank{rank}"
+        with open(path, "w") as f:
+            json.dump(log, f)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""What a trainer holds in place of the optimizer and schedulers the engine drives.
+
+Framework-free: the Hugging Face and Accelerate integrations share these. A trainer
+calls ``optimizer.step()`` and ``zero_grad()`` and reads ``param_groups`` and
+``state_dict()``; the proxy sends the step to the engine and everything else to the
+wrapped optimizer, so schedulers and checkpoints see the optimizer unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mixprec.engine import MixedPrecision
+
+__all__ = ["EngineOptimizer", "EngineScheduler"]
+
+
+class EngineOptimizer(torch.optim.Optimizer):
+    """``step()`` is ``engine.step()``; ``zero_grad()`` does nothing (the engine keeps
+    its own gradient buffers and clears them itself); the rest is ``inner``'s.
+    ``on_step(skipped)`` runs after each step that updated (or skipped)."""
+
+    def __init__(self, engine: MixedPrecision, inner: torch.optim.Optimizer,
+                 on_step: Callable[[bool], None] | None = None):
+        self.engine, self.inner, self.on_step = engine, inner, on_step
+        self.defaults = inner.defaults
+        #: whether the last update was skipped for non-finite gradients (Accelerate's
+        #: ``AcceleratedOptimizer.step_was_skipped``); False while accumulating
+        self.step_was_skipped = False
+
+    @property
+    def param_groups(self):
+        """The wrapped optimizer's (schedulers set the learning rate here)."""
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.inner.param_groups = value
+
+    @property
+    def state(self):
+        """The wrapped optimizer's per-parameter state."""
+        return self.inner.state
+
+    def step(self, closure=None):
+        """``engine.step()`` (closures are not supported): one host sync per update,
+        to tell whether it was skipped."""
+        if closure is not None:
+            raise NotImplementedError("a mixprec engine's optimizer step takes no closure; "
+                                      "compute the loss before calling step()")
+        out = self.engine.step()
+        if out.accumulating:
+            self.step_was_skipped = False
+            return
+        self.step_was_skipped = bool(out.skipped)
+        if self.on_step is not None:
+            self.on_step(self.step_was_skipped)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing: the engine zeroes its buffers after each update."""
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state dict."""
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load into the wrapped optimizer."""
+        self.inner.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"mixprec engine step over {self.inner!r}"
+
+
+class EngineScheduler:
+    """An LR scheduler the engine advances after each *applied* update (a skipped
+    step leaves the learning rate where it was): ``step()`` does nothing, the rest is
+    the scheduler's own (``get_last_lr()``, ``last_epoch``, ``state_dict()``)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def step(self, *args, **kwargs) -> None:
+        """Nothing: the engine steps the scheduler once per applied update."""
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"mixprec engine-stepped {self.inner!r}"

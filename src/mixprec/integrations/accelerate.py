@@ -1,0 +1,168 @@
+"""Accelerate under a mixprec recipe: ``prepare`` in place of ``accelerator.prepare``.
+
+    accelerator = Accelerator(gradient_accumulation_steps=4)   # mixed_precision="no"
+    model, optimizer, loader, scheduler = prepare(
+        accelerator, model, optimizer, loader, scheduler, recipe="bf16-master",
+        max_grad_norm=1.0)
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            loss = model(x, y)           # the forward runs under the recipe
+            accelerator.backward(loss)   # the engine's backward
+            optimizer.step()             # the engine's step: skips, clipping, masters
+            scheduler.step()             # nothing: the engine advances it
+            optimizer.zero_grad()        # nothing: the engine zeroes its buffers
+
+A training loop written for Accelerate keeps its shape; only the ``prepare`` call
+changes. What ``prepare`` does:
+
+- **Objects, in the order given** (as ``accelerator.prepare``): one ``nn.Module`` and
+  one optimizer over its parameters become a ``MixedPrecision`` engine; LR schedulers
+  are handed to the engine, which steps them after each *applied* update only (a
+  skipped step leaves the learning rate); everything else (data loaders) goes through
+  ``accelerator.prepare``, which shards it over the processes.
+- **The model** is moved to ``accelerator.device`` and, under a multi-process launch,
+  wrapped in the engine's own data parallelism (``parallel="ddp"``, or ``"fsdp"``),
+  where every rank agrees on each skipped step. Its ``forward`` runs under
+  ``engine.autocast()``; compute the loss inside it, or under
+  ``optimizer.engine.autocast()``, so norms, softmax and loss get the recipe's fp32.
+- **Backward and accumulation.** ``accelerator.backward(loss)`` is
+  ``engine.backward(loss, last=accelerator.sync_gradients)``: the engine accumulates
+  over ``Accelerator(gradient_accumulation_steps=k)`` micro-batches, reduces once per
+  window, and ends a window where ``accumulate`` does (early at a data loader's end),
+  dividing by ``k`` as Accelerate does.
+- **Checkpoints.** The engine is registered with ``register_for_checkpointing``:
+  ``accelerator.save_state(dir)`` holds its whole state (model, fp32 masters,
+  optimizer, loss scale, counters, schedulers) beside Accelerate's RNG and sampler
+  states, and ``load_state(dir)`` resumes bit for bit, on any number of processes.
+
+``Accelerator(mixed_precision=...)`` must stay ``"no"``: the recipe is the precision,
+and Accelerate's autocast or GradScaler on top of it would cast and scale twice.
+DeepSpeed, Megatron-LM, XLA and Accelerate's own FSDP plugin are refused: use
+``parallel="fsdp"`` for sharding.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from torch import nn
+
+from mixprec.engine import MixedPrecision
+from mixprec.integrations._proxies import EngineOptimizer, EngineScheduler
+from mixprec.recipe import Recipe
+
+__all__ = ["prepare", "EngineCheckpoint"]
+
+_PLAIN = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
+_PARALLEL = ("ddp", "fsdp")
+
+
+class EngineCheckpoint:
+    """What ``register_for_checkpointing`` holds: the engine's whole state
+    (``state_dict(full=True)``, gathered under FSDP, so Accelerate's main process
+    writes all of it), loaded at any world size."""
+
+    def __init__(self, engine: MixedPrecision) -> None:
+        self.engine = engine
+
+    def state_dict(self) -> dict:
+        """``engine.state_dict(full=True)`` (a collective under FSDP)."""
+        return self.engine.state_dict(full=True)
+
+    def load_state_dict(self, state: dict) -> None:
+        """``engine.load_state_dict(state)``."""
+        self.engine.load_state_dict(state)
+
+
+def _split(objects: tuple) -> tuple[int, int, list[int], list[int]]:
+    """Positions of the one module, the one optimizer, the schedulers, the rest."""
+    modules = [i for i, o in enumerate(objects) if isinstance(o, nn.Module)]
+    opts = [i for i, o in enumerate(objects) if isinstance(o, torch.optim.Optimizer)]
+    scheds = [i for i, o in enumerate(objects)
+              if isinstance(o, torch.optim.lr_scheduler.LRScheduler)]
+    if len(modules) != 1 or len(opts) != 1:
+        raise ValueError(
+            f"mixprec.integrations.accelerate.prepare takes one nn.Module and one "
+            f"optimizer (got {len(modules)} and {len(opts)}); for several models, build "
+            "one MixedPrecision engine per model and optimizer")
+    taken = {modules[0], opts[0], *scheds}
+    return modules[0], opts[0], scheds, [i for i in range(len(objects)) if i not in taken]
+
+
+def _check(accelerator: Accelerator, parallel: str, engine_kwargs: dict) -> None:
+    if accelerator.mixed_precision != "no":
+        raise ValueError(
+            f"Accelerator(mixed_precision={accelerator.mixed_precision!r}) would add "
+            "Accelerate's autocast (and GradScaler) on top of the recipe; build it with "
+            "mixed_precision='no' and let the recipe set the precision")
+    if accelerator.distributed_type not in _PLAIN:
+        raise NotImplementedError(
+            f"Accelerate's {accelerator.distributed_type.value} is not supported under a "
+            "mixprec recipe: launch plain data parallel (accelerate launch "
+            "--num_processes N, --cpu on the CPU) and pass parallel='ddp' or 'fsdp' "
+            "to prepare")
+    if parallel not in _PARALLEL:
+        raise ValueError(f"parallel={parallel!r}; valid: {', '.join(_PARALLEL)}")
+    for key, where in (("grad_accum_steps", "Accelerator(gradient_accumulation_steps=)"),
+                       ("scheduler", "the objects passed to prepare"),
+                       ("parallel", "prepare's parallel=")):
+        if key in engine_kwargs:
+            raise ValueError(f"prepare(..., {key}=...): set it through {where}")
+
+
+def _autocast_forward(net: nn.Module, engine: MixedPrecision) -> None:
+    """``net.forward`` under ``engine.autocast()`` (an instance attribute, as
+    Accelerate's own autocast wraps it; the module's class is untouched)."""
+    inner = net.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        with engine.autocast():
+            return inner(*args, **kwargs)
+
+    net.forward = forward
+
+
+def prepare(accelerator: Accelerator, *objects: Any, recipe: Recipe | str,
+            parallel: str = "ddp", **engine_kwargs: Any) -> Any:
+    """``objects`` prepared as ``accelerator.prepare`` would, in the same order, with
+    the module and optimizer run by a ``MixedPrecision`` engine under ``recipe``.
+
+    Returns the module to call (the model, or its data-parallel wrapper under a
+    multi-process launch), an ``EngineOptimizer`` (``.engine`` is the engine), an
+    ``EngineScheduler`` per LR scheduler, and the rest from ``accelerator.prepare``.
+    ``engine_kwargs`` go to ``MixedPrecision`` (``max_grad_norm``, ``fp8_filter``...).
+    """
+    _check(accelerator, parallel, engine_kwargs)
+    mi, oi, scheds, rest = _split(objects)
+    model, inner = objects[mi], objects[oi]
+    model.to(accelerator.device)
+    engine = MixedPrecision(
+        model, inner, recipe, grad_accum_steps=accelerator.gradient_accumulation_steps,
+        scheduler=[objects[i] for i in scheds] or None,
+        parallel=parallel if accelerator.num_processes > 1 else None, **engine_kwargs)
+    net = engine.model
+    _autocast_forward(net, engine)
+
+    def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+        engine.backward(loss, last=bool(accelerator.sync_gradients),
+                        retain_graph=kwargs.pop("retain_graph", False))
+        if kwargs:
+            raise TypeError(f"accelerator.backward under mixprec takes retain_graph only, "
+                            f"not {sorted(kwargs)}")
+
+    accelerator.backward = backward
+    accelerator.register_for_checkpointing(EngineCheckpoint(engine))
+    out = list(objects)
+    out[mi], out[oi] = net, EngineOptimizer(engine, inner)
+    for i in scheds:
+        out[i] = EngineScheduler(objects[i])
+    if rest:
+        prepared = accelerator.prepare(*(objects[i] for i in rest))
+        for i, p in zip(rest, prepared if len(rest) > 1 else (prepared,)):
+            out[i] = p
+    return tuple(out)
