@@ -107,6 +107,35 @@ def test_lightning_trains_as_mixprecs_own_loop_bit_for_bit(recipe):
     assert isinstance(plugin, MixedPrecisionPlugin) and plugin.engine.steps == 4
 
 
+def test_the_short_window_at_an_epochs_end_updates_as_lightning_counts_it():
+    """One epoch of 7 batches with accumulate_grad_batches=2: Lightning steps after
+    batches 2, 4, 6 and 7 (the short window). The engine updates at each, the last
+    one through ``backward(last=True)``: the fp32 weights equal mixprec's own loop's,
+    whose 7th backward ends the window the same way (loss / 2, as Lightning divides)."""
+    batches = _batches(7)
+    module = LitGPT()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1,
+                         plugins=[MixedPrecisionPlugin("bf16-master")],
+                         accumulate_grad_batches=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
+    engine = trainer.precision_plugin.engine
+    assert trainer.global_step == 4 and engine.steps == 4
+    torch.manual_seed(0)
+    gpt = GPT(CFG)
+    opt = torch.optim.AdamW(gpt.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    own = MixedPrecision(gpt, opt, "bf16-master", grad_accum_steps=2, scheduler=sched)
+    for i, b in enumerate(batches):
+        with own.autocast():
+            loss = gpt(b[:, :-1], b[:, 1:])
+        own.backward(loss, last=True if i == 6 else None)
+        own.step()
+    got = engine.fp32_state_dict()
+    assert all(torch.equal(got["gpt." + k], v) for k, v in own.fp32_state_dict().items())
+
+
 def test_skipped_steps_do_not_advance_the_scheduler():
     batches = _batches(6)
     module, trainer = _fit("fp16-master", batches, 6, module=LitGPT(poison={1, 3}))
@@ -145,3 +174,29 @@ def test_what_the_plugin_refuses_names_the_fix():
                              gradient_clip_algorithm="value", enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(LitGPT(), torch.utils.data.DataLoader(_batches(2), batch_size=None))
+
+
+def test_lightning_ddp_on_two_cpu_processes_agrees_on_skips_and_weights(tmp_path):
+    """``examples/lightning_train.py --devices 2``: Lightning's DDP strategy on 2 gloo
+    processes, each rank on its own batches, rank 1's loss inf at step 3. The plugin
+    swaps Lightning's DDP for the engine's: both ranks skip step 3 and end with the same
+    fp32 weights (sha256), which only a gradient reduction gives from different data."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "lightning_train.py"
+    out = tmp_path / "run.json"
+    run = subprocess.run(
+        [sys.executable, str(script), "--devices", "2", "--recipe", "fp16-master",
+         "--steps", "6", "--accumulate", "2", "--inject-inf", "3:1", "--out", str(out),
+         "--save", str(tmp_path / "last.ckpt")],
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+        text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r0, r1 = (json.loads(Path(p).read_text()) for p in (out, f"{out}.rank1"))
+    assert r0["world"] == r1["world"] == 2 and r0["ddp"] == "DistributedDataParallel"
+    assert r0["steps"] == r1["steps"] == 6 and r0["skipped"] == r1["skipped"] == 1
+    assert r0["weights"] == r1["weights"]

@@ -20,10 +20,19 @@ Lightning has set them up (``Precision.connect``), and from then on:
   fp32 weights (``engine.fp32_state_dict()``), so a fresh LightningModule loads it
   strictly and ``Trainer.fit(ckpt_path=...)`` resumes bit for bit.
 
-What it does not do yet: Lightning's DDP and FSDP strategies wrap the module before the
-plugin sees it, and raise ``NotImplementedError`` here (mixprec's own DDP and FSDP run
-through ``MixedPrecision(parallel=...)`` in a loop of your own). Manual optimization
-(``automatic_optimization = False``) is refused too.
+- **accumulation windows** follow Lightning's: the backward inside the optimizer step's
+  closure ends the window, so the short window Lightning closes at an epoch's end
+  updates there (``engine.backward(last=True)``), divided as Lightning divides it;
+- **DDP** (``strategy="ddp"``, or ``"ddp_spawn"``, on CPU or GPU): Lightning wraps the
+  module in its ``DistributedDataParallel`` before the plugin sees it. The plugin
+  unwraps it and returns the engine's own DDP over the cast module in its place
+  (Lightning's DDP keyword arguments pass through), so every rank reduces the
+  gradients once per window and agrees on each skipped step.
+
+What it does not do yet: Lightning's FSDP and DeepSpeed strategies (they shard the
+module before the plugin sees it) raise ``NotImplementedError``; mixprec's own FSDP runs
+through the Accelerate integration or ``MixedPrecision(parallel="fsdp")`` in a loop of
+your own. Manual optimization (``automatic_optimization = False``) is refused too.
 """
 
 from __future__ import annotations
@@ -53,12 +62,13 @@ class MixedPrecisionPlugin(Precision):
             if k in engine_kwargs:
                 raise ValueError(
                     f"MixedPrecisionPlugin(..., {k}=...): Lightning owns it; use the "
-                    "Trainer's accumulate_grad_batches / gradient_clip_val, and a "
-                    "single-device strategy")
+                    "Trainer's accumulate_grad_batches / gradient_clip_val, and "
+                    "strategy='ddp' for data parallel")
         self.engine_kwargs = engine_kwargs
         self.engine: MixedPrecision | None = None
         self._pending: dict | None = None
         self._skipped = False
+        self._closing = False  # inside optimizer_step's closure: the window's last backward
 
     # --- set-up ----------------------------------------------------------------------
 
@@ -66,14 +76,19 @@ class MixedPrecisionPlugin(Precision):
         """Build the engine over the LightningModule and its optimizers (Lightning calls
         this once they exist), and make the LR schedulers skip-aware."""
         import lightning.pytorch as pl
+        from torch.nn.parallel import DistributedDataParallel
 
+        ddp = (isinstance(model, DistributedDataParallel)
+               and isinstance(model.module, pl.LightningModule))
+        if ddp:
+            model = model.module  # Lightning's DDP is dropped: the engine builds its own
         if not isinstance(model, pl.LightningModule):
             raise NotImplementedError(
-                f"MixedPrecisionPlugin under a strategy that wraps the module "
-                f"({type(model).__name__}): Lightning's DDP/FSDP wrap it before the "
-                "plugin can cast it, which mixprec does not support yet. Use a "
-                "single-device Trainer, or MixedPrecision(parallel='ddp'|'fsdp') in a "
-                "loop of your own.")
+                f"MixedPrecisionPlugin under a strategy that shards the module "
+                f"({type(model).__name__}): Lightning's FSDP and DeepSpeed shard it "
+                "before the plugin can cast it, which mixprec does not support. Use "
+                "strategy='ddp' (or one device), or mixprec's own FSDP through "
+                "mixprec.integrations.accelerate or MixedPrecision(parallel='fsdp').")
         if not optimizers:
             return model, optimizers, lr_schedulers  # not fitting: nothing to build
         if not model.automatic_optimization:
@@ -86,14 +101,18 @@ class MixedPrecisionPlugin(Precision):
                 f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: mixprec "
                 "clips by norm only (unscaled, inside engine.step). Use 'norm'.")
         clip = trainer.gradient_clip_val or None
+        parallel = {}
+        if ddp:
+            parallel = {"parallel": "ddp",
+                        "parallel_kwargs": dict(getattr(trainer.strategy, "_ddp_kwargs", {}))}
         self.engine = MixedPrecision(model, optimizers, self.recipe,
                                      grad_accum_steps=trainer.accumulate_grad_batches,
-                                     max_grad_norm=clip, **self.engine_kwargs)
+                                     max_grad_norm=clip, **parallel, **self.engine_kwargs)
         if self._pending is not None:
             self.engine.load_state_dict(self._pending)
             self._pending = None
         self._skip_aware(model)
-        return model, optimizers, lr_schedulers
+        return self.engine.model if ddp else model, optimizers, lr_schedulers
 
     def _skip_aware(self, module) -> None:
         """The module's ``lr_scheduler_step`` hook (which Lightning calls to step each
@@ -121,12 +140,17 @@ class MixedPrecisionPlugin(Precision):
         if self.engine is None:
             raise RuntimeError("MixedPrecisionPlugin: backward before the engine was "
                                "built (Trainer.fit builds it)")
-        self.engine.backward(tensor, divided=True, **kwargs)
+        self.engine.backward(tensor, divided=True, last=True if self._closing else None,
+                             **kwargs)
 
     def optimizer_step(self, optimizer, model, closure, **kwargs):
         """Run Lightning's closure (training step and backward), then ``engine.step()``:
         one step for all the engine's optimizers, skipped on non-finite gradients."""
-        result = closure()
+        self._closing = True
+        try:
+            result = closure()
+        finally:
+            self._closing = False
         self._after_closure(model, optimizer)
         out = self.engine.step()
         self._skipped = bool(out.skipped)
