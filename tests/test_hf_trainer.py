@@ -95,6 +95,37 @@ def test_trainer_with_accumulation_4_trains_as_the_engine_bit_for_bit(recipe, tm
     assert t.engine.steps == 3 and t.engine.grad_accum_steps == 4
 
 
+def test_the_short_window_at_an_epochs_end_updates(tmp_path):
+    """One epoch of 7 micro-batches (14 samples, batch 2) with accumulation 2: Trainer
+    steps after 2, 4, 6 and 7, dividing the last loss by 1 (its window's length). The
+    engine updates at each: losses and fp32 weights equal mixprec's own loop ending its
+    last window with ``backward(last=True)``."""
+    t = _train("bf16-master", 4, 2, tmp_path, n=14)
+    assert t.engine.steps == 4 and t.state.global_step == 4
+    decay = set(t.get_decay_parameter_names(t.model))
+    model = _model()
+    named = list(model.named_parameters())
+    groups = [[p for k, p in named if k in decay], [p for k, p in named if k not in decay]]
+    opt = torch.optim.AdamW([{"params": g} for g in groups if g], lr=3e-3, weight_decay=0.0)
+    sched = transformers.get_linear_schedule_with_warmup(opt, 0, 4)
+    engine = MixedPrecision(model, opt, "bf16-master", grad_accum_steps=2,
+                            max_grad_norm=1.0, scheduler=sched)
+    data, losses = _data(14), []
+    for i in range(7):
+        ids = torch.stack([data[2 * i + k]["input_ids"] for k in range(2)])
+        with engine.autocast():
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        losses.append(loss.item())
+        if i < 6:
+            engine.backward(loss)
+        else:  # the window of one, as Trainer divides it (by 1)
+            engine.backward(loss, divided=True, last=True)
+        engine.step()
+    assert t.losses == losses
+    got, want = t.engine.fp32_state_dict(), engine.fp32_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_resume_from_checkpoint_continues_bit_identically(tmp_path):
     full = _train("fp16-master", 6, 1, tmp_path / "full")
     part = _train("fp16-master", 6, 1, tmp_path / "part", save_steps=3)

@@ -13,7 +13,9 @@ points:
 
 - ``compute_loss_context_manager``: the forward runs under ``engine.autocast()``;
 - the backward is ``engine.backward(loss, divided=True)``: Trainer has already divided
-  the loss for accumulation (or normalised it by the window's token count);
+  the loss for accumulation (or normalised it by the window's token count). The
+  micro-batch Trainer syncs on ends the engine's window, so the short window at an
+  epoch's end updates there;
 - the optimizer Trainer steps is a proxy whose ``step()`` is ``engine.step()``: the
   non-finite check, unscaled clipping to ``max_grad_norm`` (Trainer's own clipping is
   turned off), the update of the fp32 masters. A skipped step is reported to
@@ -86,7 +88,10 @@ class MixedPrecisionTrainer(Trainer):
             opt._is_overflow = skipped
 
     def _backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        self.engine.backward(loss, divided=True)
+        # Trainer marks each micro-batch that ends a window (its sync_gradients), the
+        # short one at an epoch's end included, and has divided the loss for it
+        self.engine.backward(loss, divided=True,
+                             last=bool(self.accelerator.gradient_state.sync_gradients))
 
     def compute_loss_context_manager(self):
         """The forward under ``engine.autocast()`` (before the engine: Trainer's own)."""
