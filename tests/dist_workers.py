@@ -600,3 +600,54 @@ def sharded_optimizer(rank, world, tmp, states):
     full = [torch.randn(s) for s in SHARDED_SHAPES]
     _save(tmp, "shardopt", rank, sharded_steps(full, states, world=world))
     _teardown()
+
+
+def fp8_gather(rank, world, tmp, recipe, steps=6):
+    """FSDP2 on a stack of bias-free 64x64 Linears (every parameter a Float8Linear
+    weight), 2 ranks x 8 samples: the bytes each step all-gathers and the all-reduces
+    it makes, counted at torch.distributed's entry points, and the final weights."""
+    _init(rank, world, tmp)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.GELU(),
+                          nn.Linear(64, 64, bias=False), nn.GELU(),
+                          nn.Linear(64, 64, bias=False))
+    engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2), recipe,
+                            parallel="fsdp", fp8_filter=lambda m, fqn: True)  # head too
+    counts = {"gathered": 0, "all_reduces": 0}
+    real_gather, real_reduce = dist.all_gather_single, dist.all_reduce  # FSDP2 uses these
+
+    def gather(out, inp, *a, **k):
+        counts["gathered"] += inp.numel() * inp.element_size()
+        return real_gather(out, inp, *a, **k)
+
+    def reduce(t, *a, **k):
+        counts["all_reduces"] += 1
+        return real_reduce(t, *a, **k)
+
+    dist.all_gather_single, dist.all_reduce = gather, reduce
+    g = torch.Generator().manual_seed(3)
+    try:
+        for _ in range(steps):
+            x = torch.randn(16, 64, generator=g)
+            y = torch.randint(0, 64, (16,), generator=g)
+            with engine.autocast():
+                loss = F.cross_entropy(engine.model(x.chunk(world)[rank]),
+                                       y.chunk(world)[rank])
+            engine.backward(loss)
+            engine.step()
+    finally:
+        dist.all_gather_single, dist.all_reduce = real_gather, real_reduce
+    from mixprec.fp8.gather import gathers_fp8
+    from mixprec.fp8.linear import fp8_modules
+
+    mods = list(fp8_modules(engine.module).values())
+    state = engine.state_dict(full=True)
+    _save(tmp, "fp8gather", rank, {
+        "params": [p.full_tensor().clone() for p in engine.master_params],
+        "per_step": {k: v / steps for k, v in counts.items()},
+        "fp8_modules": len(mods), "hooked": sum(gathers_fp8(m) for m in mods),
+        "scales": [m.fp8_scale.clone() for m in mods],
+        "hist": [m.fp8_amax_history.clone() for m in mods],
+        "state_keys": sorted(state["model"])})
+    del engine, model
+    _teardown()

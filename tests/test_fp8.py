@@ -568,3 +568,38 @@ def test_engine_fp8_filter_and_a_model_converted_by_hand():
     with pytest.raises(TypeError, match="callable"):
         MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), "fp8", fp8_filter="0")
     assert not any(isinstance(x, Float8Linear) for x in m.modules())  # refused: untouched
+
+
+def test_fp8_all_gather_is_for_per_tensor_scaling_only():
+    from mixprec import Recipe
+
+    assert Recipe.parse("fp8,fp8_all_gather=true").fp8_all_gather is True
+    for scaling in ("rowwise", "block", "mx", "nvfp4"):
+        with pytest.raises(NotImplementedError, match="per-tensor scales"):
+            Recipe.parse(f"fp8,fp8_scaling={scaling},fp8_all_gather=true")
+
+
+def test_fp8_weight_is_its_codes_to_float8linear_and_its_value_to_anything_else():
+    """``Fp8Weight`` (what FSDP2's fp8 all-gather hands a Float8Linear): views keep the
+    codes and scale; any other op sees codes / scale; the Linear's cast takes the codes
+    as they are and records the shard amax it carries."""
+    from mixprec.fp8.gather import Fp8Weight
+    from mixprec.fp8.linear import Float8Linear
+    from mixprec.fp8.scaling import cast_to_fp8
+
+    torch.manual_seed(0)
+    w = torch.randn(32, 16)
+    scale = torch.tensor(448.0) / w.abs().amax()
+    codes = cast_to_fp8(w, scale, torch.float8_e4m3fn)
+    fw = Fp8Weight(codes, scale, torch.tensor(0.5), torch.float32)
+    assert fw.shape == (32, 16) and fw.dtype == torch.float32
+    t = fw.t()
+    assert isinstance(t, Fp8Weight) and torch.equal(t._codes.view(torch.uint8),
+                                                    codes.t().view(torch.uint8))
+    value = codes.float() * torch.reciprocal(scale)
+    assert torch.equal(fw + 0, value) and type(fw + 0) is torch.Tensor
+    lin = Float8Linear(16, 32, bias=False, recipe="fp8")
+    got, inv = lin._cast(fw, 1, torch.float8_e4m3fn, record=True)
+    assert torch.equal(got.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(inv, torch.reciprocal(scale))
+    assert lin.fp8_amax_history[1, 0] == 0.5  # the shard amax, for the step's all-reduce

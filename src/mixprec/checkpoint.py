@@ -188,6 +188,7 @@ def _restore_counters(engine, state: dict) -> None:
     engine.counters.steps = int(state["steps"])
     engine.param_state.mark_working()
     engine.zero_grad()
+    engine.parallelism.after_restore(engine.fp8_modules)
 
 
 def engine_state(engine, full: bool) -> dict:

@@ -14,6 +14,7 @@ moment              single          DDP                          FSDP2
 ``norm_reduce``     None            None (grads are identical)   all-reduce the squares
 ``agree_max_``      nothing         all-reduce MAX               all-reduce MAX
 ``gather``          nothing         nothing                      full tensors (collective)
+``after_restore``   nothing         nothing                      fp8 gather scales
 ==================  ==============  ===========================  ==========================
 
 ``sharded`` is True for FSDP: its fp32 shards are the masters (``ParamState(sharded=)``)
@@ -38,6 +39,7 @@ from mixprec.comm import (
     shard_fsdp,
     wrap_ddp,
 )
+from mixprec.fp8.gather import agree_amaxes_, install_fp8_all_gather, refresh_gather_scales_
 from mixprec.recipe import Recipe
 
 __all__ = ["Parallel", "SingleProcess", "DDP", "FSDP", "make_parallel", "check_parallel_recipe"]
@@ -92,6 +94,9 @@ class Parallel:
         """``obj`` with its shards gathered to whole tensors (a collective under FSDP)."""
         return obj
 
+    def after_restore(self, fp8_modules: list) -> None:
+        """After a checkpoint load wrote the weights: nothing by default."""
+
 
 class SingleProcess(Parallel):
     """One process, no collectives: the default."""
@@ -134,9 +139,25 @@ class FSDP(_Replicated):
     norm_reduce = staticmethod(dist.all_reduce)
 
     def shard(self, model: nn.Module, optimizers: list, emulate: bool) -> nn.Module:
-        """``fully_shard`` the units, then the root; the optimizers follow the shards."""
-        return shard_fsdp(model, self.recipe, optimizers, self.units, emulate=emulate,
-                          **self.kwargs)
+        """``fully_shard`` the units, then the root; the optimizers follow the shards.
+        With ``fp8_all_gather``, the Float8Linear weights get the fp8 gather hooks."""
+        model = shard_fsdp(model, self.recipe, optimizers, self.units, emulate=emulate,
+                           **self.kwargs)
+        if self.recipe.compute == "fp8" and self.recipe.fp8_all_gather:
+            from mixprec.fp8.linear import fp8_modules
+
+            mods = install_fp8_all_gather(list(fp8_modules(model).values()))
+            refresh_gather_scales_(mods, all_reduce_max_)
+        return model
+
+    def agree_amax(self, fp8_modules: list) -> None:
+        """The histories' all-reduce MAX, which also carries current scaling's fp8
+        gather amaxes (``mixprec.fp8.gather``): one collective per step."""
+        agree_amaxes_(fp8_modules, all_reduce_max_)
+
+    def after_restore(self, fp8_modules: list) -> None:
+        """A checkpoint wrote the weights: current scaling's gather scales follow."""
+        refresh_gather_scales_(fp8_modules, all_reduce_max_)
 
     def no_reduce(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """No reduce-scatter until the accumulation's last backward."""

@@ -116,7 +116,9 @@ class Recipe:
       switch with ``nvfp4_2d`` (16×16 weight blocks), ``nvfp4_rht`` (random Hadamard
       transform of the wgrad operands) and ``nvfp4_sr`` (stochastic rounding of the
       gradients): ``mixprec.fp8.nvfp4``), ``bf16_last_layers`` (the last N Linears
-      that would be converted stay in bf16),
+      that would be converted stay in bf16), ``fp8_all_gather`` (under
+      ``parallel="fsdp"``, per-tensor scaling: FSDP2 gathers the Float8Linear weights
+      as e4m3 bytes, a quarter of fp32's: ``mixprec.fp8.gather``),
       ``fp8_format``
       (``hybrid``: e4m3 forward, e5m2 gradients; or ``e4m3`` everywhere),
       ``amax_history_len``, ``amax_compute_algo``, ``margin`` (scale = max / amax / 2^m),
@@ -158,6 +160,7 @@ class Recipe:
     nvfp4_rht: bool = True
     nvfp4_sr: bool = True
     bf16_last_layers: int = 0
+    fp8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):

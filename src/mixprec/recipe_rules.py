@@ -43,7 +43,7 @@ def check_numbers(r) -> None:
              f"an integer >= {lo}")
     need(r.emulate is None or isinstance(r.emulate, bool), "emulate",
          "true, false or auto")
-    for name in ("nvfp4_2d", "nvfp4_rht", "nvfp4_sr"):
+    for name in ("nvfp4_2d", "nvfp4_rht", "nvfp4_sr", "fp8_all_gather"):
         need(isinstance(getattr(r, name), bool), name, "true or false")
 
 def refuse_impossible(r) -> None:
@@ -58,6 +58,13 @@ def refuse_impossible(r) -> None:
             f"recipe: fp8_scaling={r.fp8_scaling} with fp8_gemm=scaled_mm: torch's "
             "block-scaled _scaled_mm is not wired into mixprec yet. Block and MX "
             "recipes run the exact dequantizing GEMM (fp8_gemm=auto or dequant_fp32).")
+    if r.compute == "fp8" and r.fp8_all_gather and r.fp8_scaling not in ("delayed",
+                                                                          "current"):
+        raise NotImplementedError(
+            f"recipe: fp8_all_gather with fp8_scaling={r.fp8_scaling}: the fp8 "
+            "all-gather is built for per-tensor scales (delayed, current), which every "
+            "rank knows before the gather. Use fp8_scaling=delayed or current, or drop "
+            "fp8_all_gather.")
     if r.compute == "fp8" and r.params == "fp16":
         raise ValueError(
             "recipe: compute='fp8' with params='fp16' is not supported: fp8 runs the "
@@ -113,7 +120,7 @@ def warn_useless(r, defaults: dict) -> None:
         )
     fp8_fields = ("fp8_scaling", "fp8_format", "amax_history_len", "amax_compute_algo",
                   "margin", "fp8_gemm", "block_scales", "mx_rounding", "nvfp4_2d",
-                  "nvfp4_rht", "nvfp4_sr", "bf16_last_layers")
+                  "nvfp4_rht", "nvfp4_sr", "bf16_last_layers", "fp8_all_gather")
     changed = [n for n in fp8_fields if getattr(r, n) != defaults[n]]
     if r.compute != "fp8" and changed:
         warnings.warn(

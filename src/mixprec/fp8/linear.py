@@ -62,6 +62,7 @@ import torch
 from torch import nn
 
 from mixprec.fp8.blocks import BlockCast, cast_blocks, cast_mx, cast_tiles
+from mixprec.fp8.gather import Fp8Weight
 from mixprec.fp8.nvfp4 import NVFP4Cast, apply_hadamard, cast_nvfp4, hadamard_16
 from mixprec.fp8.scaling import (
     FP8_MAX,
@@ -357,7 +358,17 @@ class Float8Linear(nn.Linear):
         """``t`` in fp8 with its role's scale, and the inverse scale. Delayed scaling:
         ``record`` adds ``t``'s amax to this step's history slot (max over micro-batches).
         A forward that builds no graph (an evaluation) does not record: it is not part of
-        the step, and a checkpoint taken after it must resume like an uninterrupted run."""
+        the step, and a checkpoint taken after it must resume like an uninterrupted run.
+
+        A weight FSDP2 gathered as fp8 (``Fp8Weight``, ``mixprec.fp8.gather``) is cast
+        already, with this role's scale: its codes are copied (the backward keeps them;
+        FSDP frees the gathered bytes), and ``record`` records this rank's shard amax,
+        which the step's all-reduce MAX makes the whole weight's."""
+        if isinstance(t, Fp8Weight):
+            if record and self.scaling == "delayed":
+                slot = self.fp8_amax_history[role, 0]
+                slot.copy_(torch.maximum(slot, t._amax))
+            return t._codes.clone(), torch.reciprocal(t._scale)
         amax = t.detach().abs().amax().float()
         if self.scaling == "current":
             scale = amax_to_scale(amax, self.fp8_max[role], self.margin,
@@ -427,5 +438,5 @@ def scaling_buffers(m: Float8Linear) -> dict[str, torch.Tensor]:
     """The module's fp8 scaling state by buffer name: amax history, scales, fp8 maxima,
     and NVFP4's stochastic-rounding counter (not weights: ``fp32_state_dict`` leaves
     them out; the memory ledger counts them as ``fp8``)."""
-    names = ("fp8_amax_history", "fp8_scale", "fp8_max", "nvfp4_rng")
+    names = ("fp8_amax_history", "fp8_scale", "fp8_max", "nvfp4_rng", "fp8_gather_scale")
     return {n: getattr(m, n) for n in names if getattr(m, n, None) is not None}

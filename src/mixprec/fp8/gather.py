@@ -1,0 +1,207 @@
+"""fp8 all-gather under FSDP2: Float8Linear weights cross the wire as e4m3 bytes.
+
+Without it, FSDP2 all-gathers each weight in its parameter dtype (fp32, or bf16 under a
+bf16 ``MixedPrecisionPolicy``) and the Float8Linear casts the gathered weight to e4m3.
+With ``fp8_all_gather=true`` each rank casts its own shard to e4m3 *before* the gather,
+so a weight costs 1 byte per element on the wire: 0.25x of fp32, 0.5x of bf16. The
+codes are the same: the cast is elementwise, and its per-tensor scale is one that every
+rank already holds before the gather:
+
+- ``fp8_scaling=delayed``: the weight's scale from the amax history, which the ranks
+  already agree on (one all-reduce MAX per step, ``agree_amaxes_``). The gathered weight
+  carries its rank's shard amax, which a training forward records (FSDP gathers under
+  ``no_grad``, so the forward, not the gather, knows it trains); the all-reduce makes
+  the step's entry the whole weight's amax.
+- ``fp8_scaling=current``: the scale of the weight's current amax, which changes only
+  when the optimizer writes the weights. It is computed once after each optimizer step
+  (and at build and after a checkpoint load) from the shards' amaxes, in the same
+  all-reduce as the histories' (``agree_amaxes_``): one all-reduce per step, not one per
+  weight per forward.
+
+So training with the fp8 all-gather equals training without it bit for bit wherever the
+gathered weight is fp32 (the CPU, emulation). Under a bf16 policy it is at least as
+exact: without it the weight is rounded twice (fp32 to bf16 for the gather, then to
+e4m3), with it once, from the fp32 shard.
+
+How: FSDP2 calls ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on a sharded
+parameter's local tensor where it has them, and re-reads them at its lazy init (the
+first forward), so mixprec sets them on the local tensors of the Float8Linear weights
+after ``fully_shard``. The pre hook returns the shard's codes as uint8 (gloo has no fp8
+dtype; FSDP packs mixed dtypes as uint8 anyway), padded to FSDP's even shard size. The
+post hook views the gathered bytes as e4m3 and returns a ``Fp8Weight``: a tensor of the
+weight's shape and dtype that carries the codes and their scale, which Float8Linear
+uses as its cast. Any other use of it sees the dequantized weight. The forward keeps
+its own copy of the codes for the backward, as it does without the fp8 gather (FSDP
+frees the gathered bytes after the forward). If something replaces a weight's local
+tensor (``load_state_dict(assign=True)``, ``module.to()``), the hooks go with it and
+that weight is gathered in its own dtype again: the same numerics, more bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from mixprec.fp8.scaling import amax_to_scale, cast_to_fp8, nan_if_not_finite
+
+__all__ = ["Fp8Weight", "install_fp8_all_gather", "gathers_fp8", "agree_amaxes_",
+           "refresh_gather_scales_"]
+
+_E4M3 = torch.float8_e4m3fn
+# ops that keep a Fp8Weight (applied to the codes; the scale is per tensor)
+_KEEP = {torch.ops.aten.detach.default, torch.ops.aten.alias.default,
+         torch.ops.aten.as_strided.default, torch.ops.aten.t.default,
+         torch.ops.aten.transpose.int, torch.ops.aten.view.default,
+         torch.ops.aten._unsafe_view.default}
+
+
+class Fp8Weight(torch.Tensor):
+    """A gathered weight as e4m3 codes and the scale they were cast with
+    (``value = codes / scale``), shaped and typed as the weight it stands for, and this
+    rank's shard amax (for delayed scaling's history). Float8Linear takes the codes as
+    its cast; any other op sees the dequantized value."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, codes: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+                dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, codes.shape, strides=codes.stride(), storage_offset=codes.storage_offset(),
+            dtype=dtype, device=codes.device, requires_grad=False)
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+                 dtype: torch.dtype):
+        self._codes, self._scale, self._amax = codes, scale, amax
+
+    def dequantize(self) -> torch.Tensor:
+        """``codes / scale`` in this tensor's dtype (the codes times the inverse scale,
+        in fp32, as the fp8 GEMMs apply it)."""
+        return (self._codes.float() * torch.reciprocal(self._scale)).to(self.dtype)
+
+    def __repr__(self) -> str:
+        return f"Fp8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, e4m3 codes)"
+
+    def __tensor_flatten__(self):
+        return ["_codes", "_scale", "_amax"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
+        return Fp8Weight(inner["_codes"], inner["_scale"], inner["_amax"], dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _KEEP and isinstance(args[0], Fp8Weight):
+            w = args[0]
+            codes = func(w._codes, *args[1:], **kwargs)
+            return Fp8Weight(codes, w._scale, w._amax, w.dtype)
+        unwrap = lambda t: t.dequantize() if isinstance(t, Fp8Weight) else t  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+def gathers_fp8(m: nn.Module) -> bool:
+    """Whether ``m``'s weight is all-gathered as fp8 (its local shard has the hooks)."""
+    w = getattr(m, "weight", None)
+    local = getattr(w, "_local_tensor", None)
+    return local is not None and hasattr(local, "fsdp_pre_all_gather")
+
+
+def _shard(m: nn.Module) -> torch.Tensor:
+    """The rank's shard of ``m.weight`` (a DTensor's local tensor)."""
+    return m.weight._local_tensor
+
+
+def _local_amax(m: nn.Module) -> torch.Tensor:
+    """The shard's amax in fp32 (0 for an empty shard: more ranks than rows)."""
+    t = _shard(m).detach()
+    if t.numel() == 0:
+        return torch.zeros((), device=t.device)
+    return t.abs().amax().float()
+
+
+def _hooks(m: nn.Module):
+    """The pre- and post-all-gather hooks for Float8Linear ``m``'s weight."""
+
+    def fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy):
+        shard = _shard(m).detach()
+        amax = _local_amax(m)
+        if m.scaling == "current":
+            scale = m.fp8_gather_scale
+        else:
+            scale = nan_if_not_finite(m.fp8_scale[1], amax)
+        scale = scale.detach().clone()  # this gather's scale, whatever the buffer does next
+        codes = cast_to_fp8(shard, scale, _E4M3).view(torch.uint8)
+        rows = math.ceil(outer_size[0] / mesh.size()) if len(outer_size) else 0
+        if len(outer_size) and codes.shape[0] < rows:  # FSDP's even shard: pad the tail
+            pad = codes.new_zeros((rows - codes.shape[0], *codes.shape[1:]))
+            codes = torch.cat([codes, pad])
+        return (codes,), (scale, amax)
+
+    def fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None):
+        (raw,), (scale, amax) = outputs, metadata
+        if out is not None:  # the same buffer, gathered again: scale and amax are new
+            out._scale, out._amax = scale, amax
+            return None
+        return Fp8Weight(raw.view(_E4M3), scale, amax, param_dtype), (raw,)
+
+    return fsdp_pre_all_gather, fsdp_post_all_gather
+
+
+def install_fp8_all_gather(modules: list[nn.Module]) -> list[nn.Module]:
+    """Set the hooks on each per-tensor Float8Linear whose weight FSDP2 shards (a
+    DTensor); returns those modules. Current scaling gets a ``fp8_gather_scale``
+    buffer (not saved: it follows from the weights), filled by
+    ``refresh_gather_scales_``."""
+    done = []
+    for m in modules:
+        if m.scaling not in ("delayed", "current") or \
+                not hasattr(getattr(m, "weight", None), "_local_tensor"):
+            continue
+        if m.scaling == "current" and getattr(m, "fp8_gather_scale", None) is None:
+            m.register_buffer("fp8_gather_scale", torch.ones((), device=_shard(m).device),
+                              persistent=False)
+        pre, post = _hooks(m)
+        local = _shard(m)
+        local.fsdp_pre_all_gather, local.fsdp_post_all_gather = pre, post
+        done.append(m)
+    return done
+
+
+def _current(fp8_modules) -> list[nn.Module]:
+    return [m for m in fp8_modules if m.scaling == "current" and gathers_fp8(m)]
+
+
+def _set_gather_scales(mods, amax: torch.Tensor) -> None:
+    for m, a in zip(mods, amax):
+        # the module's fp8_max tensor, as Float8Linear._cast divides: `448.0 / a` would
+        # be reciprocal(a) * 448 (Tensor.__rtruediv__), one ulp off
+        s = amax_to_scale(a, m.fp8_max[1], m.margin, torch.ones_like(a))
+        m.fp8_gather_scale.copy_(nan_if_not_finite(s, a))
+
+
+def refresh_gather_scales_(fp8_modules, all_reduce_max_) -> None:
+    """Current scaling's gather scales from the weights as they are now: the shards'
+    amaxes, max over ranks in one all-reduce (a collective: every rank calls it)."""
+    mods = _current(fp8_modules)
+    if mods:
+        amax = torch.stack([_local_amax(m) for m in mods])
+        _set_gather_scales(mods, all_reduce_max_(amax))
+
+
+def agree_amaxes_(fp8_modules, all_reduce_max_) -> None:
+    """After an optimizer step: the step's amax histories become the max over ranks and
+    current scaling's gather scales follow the new weights, in one all-reduce."""
+    if not fp8_modules:
+        return
+    mods = _current(fp8_modules)
+    hist = torch.stack([m.fp8_amax_history[:, 0] for m in fp8_modules])
+    flat = torch.cat([hist.reshape(-1)] + [_local_amax(m).reshape(1) for m in mods])
+    all_reduce_max_(flat)
+    n = hist.numel()
+    for m, row in zip(fp8_modules, flat[:n].view_as(hist)):
+        m.fp8_amax_history[:, 0] = row
+    _set_gather_scales(mods, flat[n:])
