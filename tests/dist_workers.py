@@ -521,9 +521,10 @@ def lean_engine(recipe, seed=0, parallel="fsdp", opt="sgd"):
     from mixprec.recipe import Recipe
 
     m = make_uneven_mlp(seed)
-    states = Recipe.coerce(recipe).states
-    o = (mo.SGD(m.parameters(), lr=0.1, momentum=0.9, states=states) if opt == "sgd"
-         else mo.AdamW(m.parameters(), lr=1e-2, states=states))
+    r = Recipe.coerce(recipe)
+    kw = {"states": r.states, "write": r.write}
+    o = (mo.SGD(m.parameters(), lr=0.1, momentum=0.9, **kw) if opt == "sgd"
+         else mo.AdamW(m.parameters(), lr=1e-2, **kw))
     return MixedPrecision(m, o, recipe, parallel=parallel)
 
 
@@ -561,17 +562,20 @@ def lean_fsdp(rank, world, tmp, recipe, ckpt, mode):
 SHARDED_SHAPES = ((257, 16), (40, 300), (300,))  # uneven rows, padded blocks, 1-D
 
 
-def sharded_steps(full_params, states, steps=5, world=None):
+def sharded_steps(full_params, states, steps=5, world=None, write="nearest"):
     """mixprec.optim AdamW and SGD (momentum) for ``steps`` steps on the same seeded
     gradients: on ``full_params`` (one process), or with ``world`` on dim-0 DTensor
-    shards of them. Returns the whole weights and states after."""
+    shards of them. A write rule other than nearest steps bf16 weights. Returns the
+    whole weights and states after."""
     import mixprec.optim as mo
     from mixprec.comm import gather_full
 
     out = []
-    for make in (lambda ps: mo.AdamW(ps, lr=1e-2, states=states),
-                 lambda ps: mo.SGD(ps, lr=0.1, momentum=0.9, states=states)):
-        params = [nn.Parameter(p.clone()) for p in full_params]
+    half = write != "nearest"
+    for make in (lambda ps: mo.AdamW(ps, lr=1e-2, states=states, write=write),
+                 lambda ps: mo.SGD(ps, lr=0.1, momentum=0.9, states=states, write=write)):
+        params = [nn.Parameter(p.clone().to(torch.bfloat16) if half else p.clone())
+                  for p in full_params]
         if world is not None:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.tensor import Shard, distribute_tensor
@@ -583,7 +587,7 @@ def sharded_steps(full_params, states, steps=5, world=None):
         g = torch.Generator().manual_seed(11)
         for _ in range(steps):
             for p in params:
-                grad = torch.randn(p.shape, generator=g)
+                grad = torch.randn(p.shape, generator=g).to(p.dtype)
                 p.grad = (grad if world is None
                           else distribute_tensor(grad, p.device_mesh, p.placements))
             opt.step()
@@ -593,12 +597,12 @@ def sharded_steps(full_params, states, steps=5, world=None):
     return out
 
 
-def sharded_optimizer(rank, world, tmp, states):
+def sharded_optimizer(rank, world, tmp, states, write="nearest"):
     """``sharded_steps`` on ``world`` ranks."""
     _init(rank, world, tmp)
     torch.manual_seed(0)
     full = [torch.randn(s) for s in SHARDED_SHAPES]
-    _save(tmp, "shardopt", rank, sharded_steps(full, states, world=world))
+    _save(tmp, "shardopt", rank, sharded_steps(full, states, world=world, write=write))
     _teardown()
 
 

@@ -108,14 +108,18 @@ def test_parallel_modes_are_made_from_their_names():
         make_parallel("ddp", Recipe(), mlp())
 
 
-def test_write_rules_are_refused_under_fsdp_and_states_are_not():
+def test_write_rules_and_states_are_accepted_under_fsdp_with_16_bit_shards():
+    """Under FSDP the shards are fp32 masters, except with a write rule (no master),
+    where they are the 16-bit weights the rule writes."""
     import mixprec.optim as mo
     from mixprec.checks import check_optimizer_precision
+    from mixprec.master import updated_format
 
     m = mlp()
     sr = Recipe.parse("bf16-sr")
-    with pytest.raises(NotImplementedError, match="write=stochastic under parallel='fsdp'"
-                       ".*16-bit shards.*'bf16-master,states=int8'"):
-        check_optimizer_precision([mo.AdamW(m.parameters(), write="stochastic")], sr, "fsdp")
+    check_optimizer_precision([mo.AdamW(m.parameters(), write="stochastic")], sr, "fsdp")
     lean = Recipe.parse("bf16-master,states=int8")
     check_optimizer_precision([mo.AdamW(m.parameters(), states="int8")], lean, "fsdp")
+    assert updated_format(sr, sharded=True) == "bf16"
+    assert updated_format(lean, sharded=True) == "fp32"
+    assert updated_format(Recipe.parse("bf16,params=bf16"), sharded=True) == "fp32"

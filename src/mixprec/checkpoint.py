@@ -348,7 +348,10 @@ def save_resharding(engine, path, extra: dict) -> None:
     meta = {"recipe": engine.recipe, "emulating": engine.emulating,
             "world_size": engine.world_size, "parallel": engine.parallel,
             "layout": "reshardable", "scaler": engine.scaler.state_dict(),
-            "steps": engine.steps, "schedulers": [s.state_dict() for s in engine.schedulers]}
+            "steps": engine.steps, "schedulers": [s.state_dict() for s in engine.schedulers],
+            # what dcp's optimizer state dict drops (mixprec.optim's stream counter)
+            "optim_extra": [o.extra_state() if hasattr(o, "extra_state") else None
+                            for o in engine.optimizers]}
 
     def finish():
         save_atomic({"engine": meta, "extra": extra}, partial / "engine.pt")
@@ -389,10 +392,16 @@ def restore_resharding(engine, path) -> dict:
             f"checkpoint has no optimizer state for {missing[:3]} ({len(missing)} "
             "parameter(s)); build the optimizer over the same parameters as the run that "
             "saved it")
+    for o in engine.optimizers:  # dcp fills the entries that exist: make them all
+        if hasattr(o, "materialize_states"):
+            o.materialize_states()
     model_sd, optim_sd = get_state_dict(engine.module, engine.optimizers)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(engine.module, engine.optimizers, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
+    for o, e in zip(engine.optimizers, meta.get("optim_extra", [])):
+        if e is not None and hasattr(o, "load_extra_state"):
+            o.load_extra_state(e)
     _restore_counters(engine, meta)
     return dict(saved.get("extra", {}))

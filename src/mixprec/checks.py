@@ -124,13 +124,6 @@ def check_optimizer_precision(optimizers: list, r: Recipe, parallel: str | None)
     from mixprec.optim.base import LowPrecisionOptimizer
 
     lean = r.states != "fp32" or r.write != "nearest"
-    if r.write != "nearest" and parallel == "fsdp":
-        raise NotImplementedError(
-            f"recipe {str(r)!r}: write={r.write} under parallel='fsdp' is not supported "
-            "yet: FSDP's shards are fp32 and are the masters, and a write rule needs "
-            "16-bit shards in their place. Use parallel='ddp' for write rules; under "
-            "FSDP, states= (sharded with their parameters) works with -master recipes, "
-            "e.g. 'bf16-master,states=int8'.")
     for i, o in enumerate(optimizers):
         ours = isinstance(o, LowPrecisionOptimizer)
         if ours and (o.states, o.write) != (r.states, r.write):

@@ -35,6 +35,7 @@ reference goes last and the group is destroyed with the GIL released.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -221,12 +222,17 @@ def gather_full(obj):
     from torch.distributed.tensor import DTensor
 
     if isinstance(obj, DTensor):
-        if obj.dtype.is_floating_point and obj.dtype.itemsize == 1:
-            # fp8 (mixprec.optim's states): gloo has no fp8, so the bytes travel as uint8
-            raw = DTensor.from_local(obj.to_local().view(torch.uint8), obj.device_mesh,
-                                     obj.placements, run_check=False, shape=obj.shape,
-                                     stride=obj.stride())
-            return raw.full_tensor().view(obj.dtype)
+        if obj.dtype.itemsize < 4 and obj.dtype != torch.uint8:
+            # fp8, bf16, int16 (mixprec.optim's states and 16-bit shards): gloo has no
+            # such dtypes, so each element travels as its bytes, a new last dim, which
+            # leaves the sharded dims (and uneven shards) as they are
+            size = obj.dtype.itemsize
+            local = obj.to_local().unsqueeze(-1).view(torch.uint8)
+            shape = (*obj.shape, size)
+            stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+            raw = DTensor.from_local(local, obj.device_mesh, obj.placements,
+                                     run_check=False, shape=shape, stride=stride)
+            return raw.full_tensor().view(obj.dtype).squeeze(-1)
         return obj.full_tensor()
     if isinstance(obj, dict):
         return {k: gather_full(v) for k, v in obj.items()}

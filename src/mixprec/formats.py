@@ -233,14 +233,17 @@ def _check_input(x: torch.Tensor) -> None:
 
 
 def _round_integer_(y: torch.Tensor, rounding: str,
-                    generator: torch.Generator | None) -> torch.Tensor:
+                    generator: torch.Generator | None,
+                    noise: torch.Tensor | None = None) -> torch.Tensor:
     """``y`` (non-negative, in units of the target's spacing) rounded to an integer in
     place: to nearest with ties to even, or stochastically, up with probability equal
-    to the fractional part (so the expectation is ``y``)."""
+    to the fractional part (so the expectation is ``y``), against uniform ``noise``
+    in [0, 1) if given, else draws from ``generator``."""
     if rounding == "nearest":
         return y.round_()
     lo = torch.floor(y)
-    u = torch.rand(y.shape, dtype=y.dtype, device=y.device, generator=generator)
+    u = (noise.to(y.dtype) if noise is not None else
+         torch.rand(y.shape, dtype=y.dtype, device=y.device, generator=generator))
     return lo.add_((u < y.sub_(lo)).to(y.dtype))
 
 
@@ -263,12 +266,14 @@ def quantize(
     rounding: Literal["nearest", "stochastic"] = "nearest",
     saturate: bool = False,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Value of each element of ``x`` after conversion into ``fmt``, in ``x``'s dtype.
 
     - ``rounding="nearest"``: round to nearest, ties to even (IEEE default).
       ``"stochastic"``: round to one of the two neighbours with probability proportional
-      to proximity, so ``E[quantize(x)] == x`` (unbiased); draws from ``generator``.
+      to proximity, so ``E[quantize(x)] == x`` (unbiased); draws from ``generator``, or
+      compares against ``noise`` (uniform in [0, 1), shaped like ``x``) when given.
     - Underflow is gradual, through the format's subnormals; signed zeros are kept.
     - Overflow (a value that rounds above ``max``) follows the standard conversion:
       ±inf for fp32/tf32/bf16/fp16/e5m2, NaN for e4m3fn and e8m0, ±max for the fp6/fp4
@@ -293,7 +298,7 @@ def quantize(
         # finer binade than the container gives them (all of them sit in 2^-126's). float64
         # holds every fp32 value, and every e8m0 value is an fp32 value: exact both ways
         out = quantize(x.double(), f, rounding, saturate=saturate,
-                       generator=generator).float()
+                       generator=generator, noise=noise).float()
         # +inf: max when saturating, else NaN (no inf in e8m0), as from fp32 directly
         return out.masked_fill_(x == math.inf, f.max if saturate else math.nan)
 
@@ -310,7 +315,7 @@ def quantize(
         y = a.mul_(_pow2(m - e, x.dtype)) if a is not x else a * _pow2(m - e, x.dtype)
     else:
         y = a.mul_(_pow2(1 - e, x.dtype)).mul_(2.0 ** (m - 1))
-    r = _round_integer_(y, rounding, generator)
+    r = _round_integer_(y, rounding, generator, noise)
     if one_factor:
         v = r.mul_(_pow2(e - m, x.dtype))
     else:

@@ -41,8 +41,12 @@ __all__ = ["ParamState", "updated_format", "updated_dtype"]
 
 def updated_format(recipe: Recipe, sharded: bool = False) -> str:
     """The format of the values the optimizer updates: ``"fp32"`` with fp32 masters and
-    under FSDP (its fp32 shards are the masters), else the recipe's working format."""
-    return "fp32" if recipe.master == "fp32" or sharded else recipe.params
+    under FSDP (its fp32 shards are the masters), else the recipe's working format. A
+    write rule (``write=stochastic|kahan|remainder``: no master) under FSDP updates
+    16-bit shards."""
+    if recipe.master == "fp32" or (sharded and recipe.write == "nearest"):
+        return "fp32"
+    return recipe.params
 
 
 def updated_dtype(recipe: Recipe, emulate: bool = False,
@@ -56,17 +60,22 @@ def updated_dtype(recipe: Recipe, emulate: bool = False,
 class ParamState:
     """Master copies, accumulation buffers and the moves between them.
 
-    ``sharded``: the parameters are FSDP's fp32 shards, which are the masters; the
-    working dtype and the gradients are then fp32 here (FSDP casts on gather and on
-    reduce-scatter), whatever the recipe's ``params``, ``master`` and ``grads`` say."""
+    ``sharded``: the parameters are FSDP's shards. They are fp32 and are the masters;
+    the working dtype and the gradients are then fp32 here (FSDP casts on gather and
+    on reduce-scatter), whatever the recipe's ``params``, ``master`` and ``grads`` say.
+    Except under a write rule (``stochastic``, ``kahan``, ``remainder``), which has no
+    master: the shards are the 16-bit weights (bf16 values in fp32 tensors under
+    emulation), updated by the rule, with fp32 gradient buffers."""
 
     def __init__(self, params: list[nn.Parameter], recipe: Recipe,
                  emulate: bool = False, names: list[str] | None = None,
                  sharded: bool = False) -> None:
         if names is not None and len(names) != len(params):
             raise ValueError(f"{len(names)} names for {len(params)} parameters")
-        if sharded:
+        if sharded and recipe.write == "nearest":
             recipe = recipe.replace(params="fp32", master="none", grads="fp32")
+        elif sharded:  # a write rule: the 16-bit shards are the weights, no master
+            recipe = recipe.replace(grads="fp32")
         self.recipe = recipe
         self.names = list(names) if names is not None else [f"param {i}"
                                                             for i in range(len(params))]

@@ -8,7 +8,8 @@
 - ``write``: how an update lands in a bf16/fp16 weight that has no fp32 master:
   ``"nearest"``, ``"stochastic"``, ``"kahan"`` or ``"remainder"``
   (``mixprec.optim.writes``);
-- ``seed``: the stochastic-rounding generator's seed (its state is checkpointed).
+- ``seed``: the key of the stochastic writes' counter-based bits (with an applied-step
+  counter, checkpointed; the same bits on every rank and at every world size).
 
 Each takes ``found_inf`` / ``grad_scale`` as torch's fused optimizers do, so
 ``MixedPrecision``'s step stays free of host syncs. Example::

@@ -40,9 +40,11 @@ import torch
 from mixprec.optim.states import STATE_FORMATS, decode, encode, stored_format
 from mixprec.optim.writes import (
     WRITE_RULES,
+    counter_bits,
     join_remainder,
     split_remainder,
     stochastic_round,
+    stream_key,
 )
 
 __all__ = ["LowPrecisionOptimizer"]
@@ -52,7 +54,8 @@ _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 class LowPrecisionOptimizer(torch.optim.Optimizer):
     """Base class: ``states`` (fp32, bf16, fp8, int8), ``write`` (nearest, stochastic,
-    kahan, remainder) and ``seed`` (the stochastic-rounding generator's)."""
+    kahan, remainder) and ``seed`` (the key of the stochastic writes' counter-based
+    random bits)."""
 
     #: the engine's no-sync path: this optimizer skips itself given ``found_inf``
     takes_found_inf = True
@@ -74,7 +77,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self.states, self.write, self.seed = states, write, seed
         self.emulated_format: str | None = None
         self.grad_buffers: dict[int, torch.Tensor] | None = None
-        self._generators: dict[torch.device, torch.Generator] = {}
+        #: stochastic writes: applied steps so far, per device (a 0-d int64 tensor that
+        #: keys the counter-based random bits, ``mixprec.optim.writes.counter_bits``)
+        self._sr_steps: dict[torch.device, torch.Tensor] = {}
+        self._index: dict[int, int] = {}
 
     # --- the step ------------------------------------------------------------------
 
@@ -94,6 +100,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                     return loss
             else:
                 skip = found_inf.reshape(()) > 0
+        # each parameter's position: its stochastic-rounding stream (FSDP re-points the
+        # groups at shards after construction, so it is read here, in group order)
+        self._index = {id(q): i for i, q in
+                       enumerate(q for g in self.param_groups for q in g["params"])}
         for group in self.param_groups:
             done = (self._fused_step(group, found_inf, grad_scale)
                     if group.get("fused") else set())
@@ -107,6 +117,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                     g = g / grad_scale
                 self._update(p, g.float() if g.dtype != torch.float32 else g,
                              group, self.state[p], skip)
+        for count in self._sr_steps.values():  # a skipped step draws the same bits again
+            count.add_(1 if skip is None else (~skip).to(count.dtype))
         return loss
 
     def _fused_step(self, group, found_inf, grad_scale) -> set[int]:
@@ -139,14 +151,18 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 "states are cut along rows, so only dim-0 shards (FSDP2's default) hold "
                 "whole blocks. Shard on dim 0, or use states='fp32'.")
         local = {k: v.to_local() if _is_dtensor(v) else v for k, v in state.items()}
-        self._update_tensor(p.data.to_local(), p.shape, g, group, local, skip)
+        offset = _shard_offset(p) if self.write == "stochastic" else 0
+        self._update_tensor(p.data.to_local(), p.shape, g, group, local, skip,
+                            offset=offset, key=id(p))
         for k, v in local.items():
             if k not in state:
                 state[k] = v if v.ndim == 0 else _shard_like(v, p)
 
-    def _update_tensor(self, p, shape, g, group, state, skip) -> None:
+    def _update_tensor(self, p, shape, g, group, state, skip, offset: int = 0,
+                       key: int | None = None) -> None:
         """The update of the plain tensor ``p`` (a parameter, or a shard of one whose
-        whole shape is ``shape``)."""
+        whole shape is ``shape`` and whose first element is element ``offset`` of the
+        whole; ``key``: the parameter's id, for its stochastic-rounding stream)."""
         fmt = self._weight_format(p)
         sfmt = stored_format(self.states, shape)
         if not state:
@@ -165,7 +181,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         for (n, signed) in self._STATES:
             if n in new_values:
                 self._write_state(state, n, new_values[n], signed, skip, sfmt)
-        self._write_weight(p, w, state, fmt, skip)
+        self._write_weight(p, w, state, fmt, skip, offset, id(p) if key is None else key)
 
     def _math(self, w, g, values, group, state, step, skip) -> dict:
         raise NotImplementedError
@@ -197,10 +213,16 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         emulated one) becomes the rounding ``split_remainder`` gives, and its remainder
         the low bits, so weight + remainder equal the fp32 value bit for bit."""
         for p, v in zip(params, fp32_values, strict=True):
-            w, rem = split_remainder(v.detach().float().contiguous())
-            self._init_state(p, self.state[p], "bf16")
-            self.state[p]["remainder"].copy_(rem)
-            p.data.copy_(w if p.dtype == torch.bfloat16 else w.float())
+            shard = _is_dtensor(p)  # FSDP2: the local rows, states sharded like p
+            target = p.data.to_local() if shard else p.data
+            v = v.detach().to_local() if _is_dtensor(v) else v.detach()
+            w, rem = split_remainder(v.float().contiguous())
+            local: dict = {}
+            self._init_state(target, local, "bf16")
+            local["remainder"].copy_(rem)
+            for k, t in local.items():
+                self.state[p][k] = _shard_like(t, p) if shard and t.ndim else t
+            target.copy_(w if target.dtype == torch.bfloat16 else w.float())
 
     def _read_weight(self, p, state, fmt, skip) -> torch.Tensor:
         if fmt == "fp32":
@@ -212,7 +234,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             w = w - state["kahan_comp"].float()
         return w if w is not p.data else w.clone()
 
-    def _write_weight(self, p, w, state, fmt, skip) -> None:
+    def _write_weight(self, p, w, state, fmt, skip, offset: int = 0,
+                      key: int | None = None) -> None:
         if fmt == "fp32":
             if skip is not None:
                 p.data.copy_(torch.where(skip, p.data, w))
@@ -222,7 +245,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if self.write == "remainder":
             new, writes["remainder"] = split_remainder(w)
         elif self.write == "stochastic":
-            new = stochastic_round(w, half, self._generator(p.device))
+            k = stream_key(self.seed, self._index.get(id(p) if key is None else key, 0),
+                           self._sr_step(p.device))
+            bits = counter_bits(w.shape, k, offset, 16 if half == torch.bfloat16 else 24)
+            new = stochastic_round(w, half, bits=bits)
         else:
             new = w.to(half)
             if self.write == "kahan":
@@ -242,11 +268,13 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             return p.detach().float() - state["kahan_comp"].float()
         return p.detach().float().clone()
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        gen = self._generators.get(device)
-        if gen is None:
-            gen = self._generators[device] = torch.Generator(device).manual_seed(self.seed)
-        return gen
+    def _sr_step(self, device: torch.device) -> torch.Tensor:
+        """The applied-step counter on ``device`` (created at 0)."""
+        count = self._sr_steps.get(device)
+        if count is None:
+            count = self._sr_steps[device] = torch.zeros((), dtype=torch.int64,
+                                                         device=device)
+        return count
 
     # --- states --------------------------------------------------------------------
 
@@ -278,25 +306,68 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
 
     # --- checkpoints ---------------------------------------------------------------
 
+    @torch.no_grad()
+    def materialize_states(self) -> None:
+        """Create every state a step creates, as torch does before a
+        ``torch.distributed.checkpoint`` load (which fills existing entries only), also
+        where some exist already (``write="remainder"``'s, made at construction): one
+        step at learning rate 0 on zero gradients. Weights stay bit-identical (every
+        write rule keeps a value it can represent); the loaded states then replace the
+        placeholders."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        grads, lrs, buffers = [p.grad for p in params], [g["lr"] for g in
+                                                         self.param_groups], self.grad_buffers
+        counters = {d: c.clone() for d, c in self._sr_steps.items()}
+        self.grad_buffers = None
+        try:
+            for g in self.param_groups:
+                g["lr"] = 0.0
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            self.step()
+        finally:
+            for p, gr in zip(params, grads):
+                p.grad = gr
+            for g, lr in zip(self.param_groups, lrs):
+                g["lr"] = lr
+            self.grad_buffers = buffers
+            for d, c in counters.items():
+                self._sr_steps[d].copy_(c)
+
+    def extra_state(self) -> dict:
+        """What torch's state dict does not hold: the settings and the stochastic-
+        rounding stream's state (the seed and the applied-step counter: the same on
+        every rank, at any world size). ``torch.distributed.checkpoint`` drops it from
+        ``state_dict()``, so reshardable checkpoints carry it beside."""
+        return {"states": self.states, "write": self.write, "seed": self.seed,
+                "sr_steps": {str(d): c.clone() for d, c in self._sr_steps.items()}}
+
+    def load_extra_state(self, extra: dict) -> None:
+        """Restore ``extra_state()``'s output (the settings must match)."""
+        if (extra["states"], extra["write"]) != (self.states, self.write):
+            raise ValueError(
+                f"optimizer state saved with states={extra['states']!r}, "
+                f"write={extra['write']!r}; this optimizer has states={self.states!r}, "
+                f"write={self.write!r}: build it with the saved settings")
+        self.seed = int(extra.get("seed", self.seed))
+        for d, c in extra.get("sr_steps", {}).items():
+            self._sr_step(torch.device(d)).copy_(c)
+
     def state_dict(self) -> dict:
-        """torch's state dict plus the stochastic-rounding generators' states."""
+        """torch's state dict plus ``extra_state()`` (under ``"mixprec"``)."""
         sd = super().state_dict()
-        sd["mixprec"] = {"states": self.states, "write": self.write, "seed": self.seed,
-                         "rng": {str(d): g.get_state() for d, g in self._generators.items()}}
+        sd["mixprec"] = self.extra_state()
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading, with each state tensor kept in its stored dtype (torch
         would cast int8 codes and fp32 scales to the parameter's dtype), and the
-        generators restored. A state of other formats is refused."""
+        stochastic-rounding counter restored. A state of other formats is refused."""
         sd = dict(state_dict)
         extra = sd.pop("mixprec", None)
         if extra is not None and (extra["states"], extra["write"]) != (self.states,
                                                                        self.write):
-            raise ValueError(
-                f"optimizer state saved with states={extra['states']!r}, "
-                f"write={extra['write']!r}; this optimizer has states={self.states!r}, "
-                f"write={self.write!r}: build it with the saved settings")
+            self.load_extra_state(extra)  # raises, naming both settings
         super().load_state_dict(sd)
         ids = [i for g in sd["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -305,8 +376,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 if isinstance(v, torch.Tensor) and k != "step":
                     self.state[p][k] = v.to(device=p.device).clone()
         if extra is not None:
-            for d, s in extra["rng"].items():
-                self._generator(torch.device(d)).set_state(s)
+            self.load_extra_state(extra)
 
 
 def _is_dtensor(t) -> bool:
@@ -314,6 +384,26 @@ def _is_dtensor(t) -> bool:
     imported, there is none)."""
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(t, mod.DTensor)
+
+
+def _shard_offset(p) -> int:
+    """Element index, in the whole tensor, of the first element of this rank's shard of
+    DTensor ``p`` (dim-0 shards, torch.chunk's split as FSDP2 and DTensor cut them)."""
+    (pl,) = p.placements if len(p.placements) == 1 else (None,)
+    if pl is None or not pl.is_shard():
+        if pl is None:
+            raise NotImplementedError(
+                f"a parameter on a {p.device_mesh.ndim}-D mesh ({p.placements}): "
+                "mixprec.optim's stochastic writes key their bits by the element's index "
+                "on a 1-D mesh (FSDP2); use write='kahan' or 'remainder' here")
+        return 0
+    if pl.dim != 0:
+        raise NotImplementedError(f"a parameter sharded as {p.placements}: stochastic "
+                                  "writes need dim-0 shards (FSDP2's default)")
+    rows, world = p.shape[0], p.device_mesh.size()
+    chunk = -(-rows // world) if rows else 0
+    first = min(p.device_mesh.get_coordinate()[0] * chunk, rows)
+    return first * math.prod(p.shape[1:])
 
 
 def _shard_like(local: torch.Tensor, p) -> torch.Tensor:

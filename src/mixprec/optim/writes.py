@@ -8,8 +8,12 @@ and 1000 updates of ``+1e-4``:
   time: the weight stays 1.0 (seed 000 §2's vanishing update).
 - ``stochastic``: round up with probability equal to the remainder's share of the
   spacing, so ``E[w_new] = new`` (unbiased): the weight reaches 1.1 in expectation. The
-  random bits come from the optimizer's seeded generator (checkpointed, and the same
-  stream on every data-parallel replica, whose weights therefore stay equal).
+  random bits are counter-based (``counter_bits``): a hash of the optimizer's seed, the
+  parameter's position, the applied-step count and the element's index in the *whole*
+  tensor. So every data-parallel replica draws the same bits (its weights stay
+  equal), an FSDP shard draws exactly the bits of its rows of the whole tensor (sharded
+  training equals one process's, bit for bit, at any world size), and the stream's
+  state is one step counter, checkpointed, that a skipped step does not advance.
 - ``kahan``: a compensation buffer ``c`` in the weight's dtype holds what the last
   rounding dropped (``c = w - true``); the next update starts from ``w - c``. The
   stored weight then follows the exact sum: 1000 updates give the bf16 nearest to 1.1.
@@ -24,12 +28,13 @@ and 1000 updates of ``+1e-4``:
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
 
-__all__ = ["WriteRule", "WRITE_RULES", "stochastic_round", "split_remainder",
-           "join_remainder", "write_bytes"]
+__all__ = ["WriteRule", "WRITE_RULES", "stochastic_round", "counter_bits", "stream_key",
+           "split_remainder", "join_remainder", "write_bytes"]
 
 WriteRule = Literal["nearest", "stochastic", "kahan", "remainder"]
 WRITE_RULES = ("nearest", "stochastic", "kahan", "remainder")
@@ -37,22 +42,67 @@ WRITE_RULES = ("nearest", "stochastic", "kahan", "remainder")
 _LOW = 0xFFFF
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2^32`` for ``x`` in [0, 2^32) (int64), without int64 overflow: the
+    constant is split in 16-bit halves, each partial product below 2^48."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with full avalanche (Wellons' ``lowbias32``), on int64."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def stream_key(seed: int, index: int, step: torch.Tensor) -> torch.Tensor:
+    """The 32-bit key of one parameter's draw: the optimizer's ``seed``, the
+    parameter's ``index`` in it and the applied-step counter ``step`` (a 0-d int64
+    tensor, on the device: no host sync)."""
+    base = _mix32(torch.tensor(((seed * 0x9E3779B1) ^ index) & _M32, dtype=torch.int64))
+    return _mix32((step.to(torch.int64) ^ base.to(step.device)) & _M32)
+
+
+def counter_bits(shape, key: torch.Tensor, offset: int = 0, nbits: int = 16
+                 ) -> torch.Tensor:
+    """Uniform ``nbits``-bit integers (int32), one per element of a tensor of
+    ``shape`` whose first element is element ``offset`` of the whole tensor: a hash of
+    the key and each element's global index, so any slice of rows draws exactly the
+    bits the whole tensor would there."""
+    n = math.prod(shape)
+    i = torch.arange(offset, offset + n, dtype=torch.int64, device=key.device)
+    h = _mix32((i & _M32) ^ key)
+    h = _mix32(h ^ (i >> 32) ^ 0x5BD1E995)  # elements past 2^32 change the stream too
+    return (h >> (32 - nbits)).to(torch.int32).view(shape)
+
+
 def stochastic_round(x: torch.Tensor, dtype: torch.dtype,
-                     generator: torch.Generator | None) -> torch.Tensor:
+                     generator: torch.Generator | None = None, *,
+                     bits: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` (fp32) rounded stochastically to ``dtype`` (bf16 or fp16), unbiased.
 
     bf16: a uniform 16-bit integer is added to the fp32 bit pattern and the low 16 bits
     are dropped, which rounds the magnitude up with probability (dropped bits) / 2^16.
     Non-finite values pass through. fp16: ``mixprec.formats.quantize`` with
-    ``rounding="stochastic"`` (its subnormals and overflow included)."""
+    ``rounding="stochastic"`` (its subnormals and overflow included). The random
+    integers come from ``bits`` (``counter_bits``: 16 bits for bf16, 24 for fp16,
+    whose uniform is bits / 2^24) or, without them, from ``generator``."""
     if dtype == torch.float16:
         from mixprec.formats import quantize
 
-        return quantize(x, "fp16", rounding="stochastic", generator=generator).to(dtype)
+        noise = None if bits is None else bits.to(torch.float32) * 2.0**-24
+        return quantize(x, "fp16", rounding="stochastic", generator=generator,
+                        noise=noise).to(dtype)
     if dtype != torch.bfloat16:
         raise ValueError(f"stochastic rounding writes bf16 or fp16 weights, not {dtype}")
-    r = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device,
-                      generator=generator)
+    r = bits if bits is not None else torch.randint(
+        0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
     bits = (x.view(torch.int32) + r) & ~_LOW
     out = bits.view(torch.float32)
     return torch.where(torch.isfinite(x), out, x).to(dtype)
