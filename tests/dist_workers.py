@@ -655,3 +655,29 @@ def fp8_gather(rank, world, tmp, recipe, steps=6):
         "state_keys": sorted(state["model"])})
     del engine, model
     _teardown()
+
+
+def gpt_fp8_gather(rank, world, tmp, recipe, steps=4):
+    """The workbench GPT under FSDP2 (each block its own unit, resharded after the
+    forward and gathered again for the backward) with ``recipe``: the losses and the
+    final fp32 weights."""
+    from mixprec.workbench import GPT, GPTConfig
+
+    _init(rank, world, tmp)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, seq_len=32, n_layers=2, d_model=64, n_heads=4))
+    engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=3e-3), recipe,
+                            parallel="fsdp", max_grad_norm=1.0)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        b = torch.randint(0, 64, (2 * world, 33), generator=g).chunk(world)[rank]
+        with engine.autocast():
+            loss = engine.model(b[:, :-1], b[:, 1:])
+        losses.append(loss.item())
+        engine.backward(loss)
+        engine.step()
+    _save(tmp, "gptfp8", rank, {"losses": losses, "params": engine.fp32_state_dict(full=True),
+                                "fp8": len(engine.fp8_modules)})
+    del engine, model
+    _teardown()

@@ -27,7 +27,8 @@ def spawn(fn, *args, world=2):
             "reshard": "reshard", "fsdp_units": "units",
             "reshardable_save": "reshardable", "reshardable_load": "reshardable",
             "lean_ddp": "lean", "lean_fsdp": "leanfsdp",
-            "sharded_optimizer": "shardopt", "fp8_gather": "fp8gather"}[fn.__name__]
+            "sharded_optimizer": "shardopt", "fp8_gather": "fp8gather",
+            "gpt_fp8_gather": "gptfp8"}[fn.__name__]
     return [torch.load(os.path.join(tmp, f"{name}_rank{r}.pt"), weights_only=False)
             for r in range(world)]
 
@@ -450,3 +451,16 @@ def test_fsdp_fp8_all_gather_sends_a_quarter_of_the_bytes_and_trains_the_same(re
     for a, b in zip(fp8[0]["scales"] + fp8[0]["hist"], plain[0]["scales"] + plain[0]["hist"]):
         assert torch.equal(a, b)
     assert fp8[0]["state_keys"] == plain[0]["state_keys"]  # nothing new in checkpoints
+
+
+def test_fp8_all_gather_on_a_gpt_whose_blocks_regather_for_the_backward():
+    """The workbench GPT, each block an FSDP unit resharded after its forward: its
+    weights are gathered as fp8 again for the backward, and every later gather refills
+    the same buffers (FSDP's ``out=`` path). Losses and fp32 weights equal FSDP without
+    the fp8 all-gather bit for bit."""
+    plain = spawn(w.gpt_fp8_gather, "fp8")
+    fp8 = spawn(w.gpt_fp8_gather, "fp8,fp8_all_gather=true")
+    assert fp8[0]["fp8"] == plain[0]["fp8"] > 0
+    for a, b in zip(fp8, plain):
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in b["params"])
