@@ -24,8 +24,12 @@ points:
   loads them into a fresh model) and the engine's state (``mixprec_engine.pt``: masters,
   loss scale, counters), which ``resume_from_checkpoint`` restores.
 
-Single process only for now: under a distributed launch it raises
-``NotImplementedError``.
+Data parallel: under a multi-process launch (``torchrun``, ``accelerate launch``) the
+engine is built with ``parallel="ddp"`` and Trainer runs the engine's own
+``DistributedDataParallel`` (``_wrap_model``), so Accelerate wraps only the optimizer and
+the data loaders: every rank reduces once per window and agrees on each skipped step.
+The main process writes ``mixprec_engine.pt``; every rank reads it on resume. FSDP and
+DeepSpeed (Trainer's ``fsdp=`` / ``deepspeed=``) raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -55,10 +59,13 @@ class MixedPrecisionTrainer(Trainer):
         self.recipe = Recipe.coerce(recipe)
         self.engine_kwargs = dict(engine_kwargs or {})
         self.engine: MixedPrecision | None = None
-        if self.args.world_size > 1:
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
             raise NotImplementedError(
-                "MixedPrecisionTrainer runs on one process for now; for data parallel "
-                "use MixedPrecision(parallel='ddp'|'fsdp') in a loop of your own")
+                "MixedPrecisionTrainer under Trainer's FSDP or DeepSpeed: they shard the "
+                "model before the engine can cast it. Use plain data parallel (torchrun "
+                "or accelerate launch without fsdp/deepspeed), or mixprec's own FSDP "
+                "through mixprec.integrations.accelerate or MixedPrecision("
+                "parallel='fsdp')")
         if self.args.bf16 or self.args.fp16:
             raise ValueError(
                 "MixedPrecisionTrainer: TrainingArguments(bf16=True / fp16=True) would "
@@ -74,10 +81,12 @@ class MixedPrecisionTrainer(Trainer):
         if isinstance(self.optimizer, EngineOptimizer):
             return self.optimizer
         inner = super().create_optimizer(model)
+        parallel = "ddp" if self.args.world_size > 1 else None
         self.engine = MixedPrecision(
             self.model, inner, self.recipe,
             grad_accum_steps=self.args.gradient_accumulation_steps,
-            max_grad_norm=self.args.max_grad_norm or None, **self.engine_kwargs)
+            max_grad_norm=self.args.max_grad_norm or None, parallel=parallel,
+            **self.engine_kwargs)
         self.optimizer = EngineOptimizer(self.engine, inner, self._record_skip)
         return self.optimizer
 
@@ -98,6 +107,13 @@ class MixedPrecisionTrainer(Trainer):
         return (self.engine.autocast() if self.engine is not None
                 else super().compute_loss_context_manager())
 
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        """For training across processes: the engine's own DDP (so Accelerate does not
+        wrap the model again); otherwise Trainer's own choice."""
+        if training and self.engine is not None and self.engine.parallel == "ddp":
+            return self.engine.model
+        return super()._wrap_model(model, training, dataloader)
+
     def _clip_grad_norm(self, model):
         """Nothing: the engine clips the unscaled gradients inside its step."""
         return None
@@ -115,7 +131,7 @@ class MixedPrecisionTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        if self.engine is not None:
+        if self.engine is not None and self.args.should_save:  # the main process
             self.engine.save(os.path.join(output_dir, ENGINE_FILE))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
