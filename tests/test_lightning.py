@@ -200,3 +200,93 @@ def test_lightning_ddp_on_two_cpu_processes_agrees_on_skips_and_weights(tmp_path
     assert r0["world"] == r1["world"] == 2 and r0["ddp"] == "DistributedDataParallel"
     assert r0["steps"] == r1["steps"] == 6 and r0["skipped"] == r1["skipped"] == 1
     assert r0["weights"] == r1["weights"]
+
+
+def _fabric_loop(recipe, batches, accum=1, poison=(), ckpt=None, resume=None, start=0):
+    """A Fabric loop with ``setup_fabric``: backward and step every micro-batch."""
+    from lightning.fabric import Fabric
+
+    from mixprec.integrations.lightning import setup_fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    gpt = GPT(CFG)
+    opt = torch.optim.AdamW(gpt.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    model, optimizer, scheduler = setup_fabric(fabric, gpt, opt, recipe=recipe,
+                                               scheduler=sched, grad_accum_steps=accum,
+                                               max_grad_norm=1.0)
+    engine = optimizer.engine
+    if resume is not None:
+        fabric.load(resume, {"mixprec": engine})
+    losses, lrs = [], []
+    for i, b in enumerate(batches[start:], start):
+        loss = model(b[:, :-1], b[:, 1:])
+        losses.append(loss.item())
+        if i // accum in poison:
+            loss = loss * float("inf")
+        fabric.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        lrs.append(scheduler.get_last_lr()[0])
+        if ckpt is not None and i == len(batches) // 2 - 1:
+            fabric.save(ckpt, {"mixprec": engine})
+    return losses, lrs, engine
+
+
+@pytest.mark.parametrize("recipe", ["bf16-master", "fp16-master", "fp8"])
+def test_fabric_loop_trains_as_mixprecs_own_loop_bit_for_bit(recipe):
+    batches = _batches(8)
+    losses, _, engine = _fabric_loop(recipe, batches, accum=2)
+    want, own = _own_loop(recipe, batches, 4, accum=2, clip=1.0)
+    assert losses == want and engine.steps == own.steps == 4
+    got, exp = engine.fp32_state_dict(), own.fp32_state_dict()
+    assert all(torch.equal(got[k], exp[k]) for k in exp)
+
+
+def test_fabric_skips_hold_the_scheduler_and_fabric_save_resumes_bit_for_bit(tmp_path):
+    _, lrs, engine = _fabric_loop("fp16-master", _batches(6), poison={1, 3})
+    assert int(engine.skipped_steps) == 2
+    assert lrs == [3e-3 / k for k in (2, 2, 3, 3, 4, 5)]
+    data = _batches(6)
+    full, _, whole = _fabric_loop("bf16-master", data, ckpt=tmp_path / "f.ckpt")
+    rest, _, resumed = _fabric_loop("bf16-master", data, resume=tmp_path / "f.ckpt", start=3)
+    assert rest == full[3:] and resumed.steps == whole.steps == 6
+    got, exp = resumed.fp32_state_dict(), whole.fp32_state_dict()
+    assert all(torch.equal(got[k], exp[k]) for k in exp)
+
+
+def test_setup_fabric_refuses_fabrics_own_precision():
+    from lightning.fabric import Fabric
+
+    from mixprec.integrations.lightning import setup_fabric
+
+    gpt = GPT(CFG)
+    with pytest.raises(ValueError, match="32-true"):
+        setup_fabric(Fabric(accelerator="cpu", devices=1, precision="bf16-mixed"), gpt,
+                     torch.optim.AdamW(gpt.parameters()), recipe="bf16-master")
+
+
+def test_fabric_ddp_on_two_cpu_processes_agrees_on_skips_and_weights(tmp_path):
+    """``examples/fabric_train.py --devices 2``: Fabric's DDP launch (gloo), the
+    engine's DDP, each rank on its own batches, rank 1's fp16 loss inf at step 3: both
+    ranks skip it and end with the same fp32 weights (sha256)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "fabric_train.py"
+    rec = tmp_path / "run.json"
+    run = subprocess.run(
+        [sys.executable, str(script), "--devices", "2", "--recipe", "fp16-master",
+         "--steps", "6", "--inject-inf", "3:1", "--record", str(rec)],
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+        text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r0, r1 = (json.loads(Path(p).read_text()) for p in (rec, f"{rec}.rank1"))
+    assert r0["world"] == r1["world"] == 2 and r0["model"] == "DistributedDataParallel"
+    assert r0["steps"] == r1["steps"] == 6 and r0["skipped"] == r1["skipped"] == 1
+    assert r0["weights"] == r1["weights"]

@@ -8,13 +8,28 @@ wrapped optimizer, so schedulers and checkpoints see the optimizer unchanged.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from mixprec.engine import MixedPrecision
 
-__all__ = ["EngineOptimizer", "EngineScheduler"]
+__all__ = ["EngineOptimizer", "EngineScheduler", "autocast_forward"]
+
+
+def autocast_forward(net: nn.Module, engine: MixedPrecision) -> None:
+    """``net.forward`` under ``engine.autocast()``: an instance attribute, as Accelerate
+    and Lightning wrap a forward for their autocast; the module's class is untouched."""
+    inner = net.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        with engine.autocast():
+            return inner(*args, **kwargs)
+
+    net.forward = forward
 
 
 class EngineOptimizer(torch.optim.Optimizer):

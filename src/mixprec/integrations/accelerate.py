@@ -43,7 +43,6 @@ DeepSpeed, Megatron-LM, XLA and Accelerate's own FSDP plugin are refused: use
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -52,7 +51,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from mixprec.engine import MixedPrecision
-from mixprec.integrations._proxies import EngineOptimizer, EngineScheduler
+from mixprec.integrations._proxies import EngineOptimizer, EngineScheduler, autocast_forward
 from mixprec.recipe import Recipe
 
 __all__ = ["prepare", "EngineCheckpoint"]
@@ -114,19 +113,6 @@ def _check(accelerator: Accelerator, parallel: str, engine_kwargs: dict) -> None
             raise ValueError(f"prepare(..., {key}=...): set it through {where}")
 
 
-def _autocast_forward(net: nn.Module, engine: MixedPrecision) -> None:
-    """``net.forward`` under ``engine.autocast()`` (an instance attribute, as
-    Accelerate's own autocast wraps it; the module's class is untouched)."""
-    inner = net.forward
-
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        with engine.autocast():
-            return inner(*args, **kwargs)
-
-    net.forward = forward
-
-
 def prepare(accelerator: Accelerator, *objects: Any, recipe: Recipe | str,
             parallel: str = "ddp", **engine_kwargs: Any) -> Any:
     """``objects`` prepared as ``accelerator.prepare`` would, in the same order, with
@@ -146,7 +132,7 @@ def prepare(accelerator: Accelerator, *objects: Any, recipe: Recipe | str,
         scheduler=[objects[i] for i in scheds] or None,
         parallel=parallel if accelerator.num_processes > 1 else None, **engine_kwargs)
     net = engine.model
-    _autocast_forward(net, engine)
+    autocast_forward(net, engine)
 
     def backward(loss: torch.Tensor, **kwargs: Any) -> None:
         engine.backward(loss, last=bool(accelerator.sync_gradients),

@@ -33,7 +33,19 @@ What it does not do yet: Lightning's FSDP and DeepSpeed strategies (they shard t
 module before the plugin sees it) raise ``NotImplementedError``; mixprec's own FSDP runs
 through the Accelerate integration or ``MixedPrecision(parallel="fsdp")`` in a loop of
 your own. Manual optimization (``automatic_optimization = False``) is refused too.
+
+**Fabric** has no precision hook that sees the model and its optimizer together, which
+the engine needs for its masters, so it gets ``setup_fabric`` in place of
+``fabric.setup``::
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp"); fabric.launch()
+    model, optimizer = setup_fabric(fabric, model, optimizer, recipe="bf16-master")
+    loss = model(x, y)          # the forward runs under the recipe
+    fabric.backward(loss)       # engine.backward
+    optimizer.step()            # engine.step; optimizer.zero_grad() does nothing
+    fabric.save(path, {"mixprec": optimizer.engine, ...})   # fabric.load restores it
 """
+
 
 from __future__ import annotations
 
@@ -43,9 +55,10 @@ from typing import Any
 from lightning.pytorch.plugins.precision import Precision
 
 from mixprec.engine import MixedPrecision
+from mixprec.integrations._proxies import EngineOptimizer, EngineScheduler, autocast_forward
 from mixprec.recipe import Recipe
 
-__all__ = ["MixedPrecisionPlugin"]
+__all__ = ["MixedPrecisionPlugin", "setup_fabric"]
 
 
 class MixedPrecisionPlugin(Precision):
@@ -187,3 +200,46 @@ class MixedPrecisionPlugin(Precision):
 
     def __repr__(self) -> str:
         return f"MixedPrecisionPlugin({str(self.recipe)!r})"
+
+
+def setup_fabric(fabric, model, optimizer, *, recipe: Recipe | str, scheduler=None,
+                 grad_accum_steps: int = 1, parallel: str = "ddp", **engine_kwargs):
+    """``fabric.setup`` for a mixprec ``recipe``: ``(module, optimizer)``, plus the
+    scheduler if one is given.
+
+    The model moves to ``fabric.device`` and a ``MixedPrecision`` engine is built over
+    it and ``optimizer`` (``parallel`` when ``fabric.world_size > 1``: the engine's own
+    DDP or FSDP, so every rank agrees on each skipped step). The module's forward runs
+    under ``engine.autocast()``; ``fabric.backward(loss)`` becomes ``engine.backward``;
+    the returned optimizer's ``step()`` is ``engine.step()`` (``.engine`` is the
+    engine) and its ``zero_grad()`` does nothing. With ``grad_accum_steps=k`` call
+    ``fabric.backward`` and ``optimizer.step()`` on every micro-batch: the engine
+    divides each loss by k, reduces once per window and updates on the k-th (leave
+    ``fabric.no_backward_sync`` out). A ``scheduler`` is stepped by the engine after
+    each applied update; the returned one's ``step()`` does nothing. ``fabric.save`` /
+    ``fabric.load`` carry the engine's whole state when it is in the state dict.
+
+    Fabric's own precision must stay ``"32-true"``: the recipe is the precision."""
+    if str(getattr(fabric.strategy.precision, "precision", "32-true")) != "32-true":
+        raise ValueError(
+            f"Fabric(precision={fabric.strategy.precision.precision!r}) would add "
+            "Fabric's autocast on top of the recipe; build Fabric with the default "
+            "precision ('32-true') and let the recipe set it")
+    if parallel not in ("ddp", "fsdp"):
+        raise ValueError(f"parallel={parallel!r}; valid: ddp, fsdp")
+    model.to(fabric.device)
+    engine = MixedPrecision(model, optimizer, recipe, grad_accum_steps=grad_accum_steps,
+                            scheduler=scheduler,
+                            parallel=parallel if fabric.world_size > 1 else None,
+                            **engine_kwargs)
+    autocast_forward(engine.model, engine)
+
+    def backward(loss, *args, model=None, **kwargs):
+        if args or set(kwargs) - {"retain_graph"}:
+            raise TypeError("fabric.backward under mixprec takes the loss (and "
+                            "retain_graph) only")
+        engine.backward(loss, retain_graph=kwargs.get("retain_graph", False))
+
+    fabric.backward = backward
+    out = (engine.model, EngineOptimizer(engine, optimizer))
+    return out + (EngineScheduler(scheduler),) if scheduler is not None else out
