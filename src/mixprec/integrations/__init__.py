@@ -2,7 +2,7 @@
 (an optional extra: ``pip install mixprec[lightning]``); the core never imports them.
 
 - ``mixprec.integrations.lightning``: ``MixedPrecisionPlugin``, a Lightning precision
-  plugin that runs the engine underneath ``Trainer``;
+  plugin that runs the engine underneath ``Trainer``, and ``setup_fabric`` for Fabric;
 - ``mixprec.integrations.transformers``: ``MixedPrecisionTrainer``, a Hugging Face
   ``Trainer`` whose step, backward and forward go through the engine;
 - ``mixprec.integrations.accelerate``: ``prepare``, ``accelerator.prepare`` for an
