@@ -140,6 +140,18 @@ def test_save_state_and_load_state_resume_bit_for_bit(tmp_path):
     assert all(torch.equal(got[k], exp[k]) for k in exp)
 
 
+def test_a_cpu_launch_that_started_one_process_warns(monkeypatch):
+    from accelerate import Accelerator
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    for k in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    gpt, opt, _ = _parts()
+    with pytest.warns(UserWarning, match="--multi_gpu --num_processes N"):
+        prepare(Accelerator(), gpt, opt, recipe="fp32")
+
+
 def test_what_prepare_refuses_names_the_fix():
     from accelerate import Accelerator
 
@@ -188,6 +200,15 @@ def test_accelerate_launch_two_cpu_processes_agree_on_skips_and_weights(tmp_path
     assert r0["skipped"] == r1["skipped"] == [False, False, False, True, False, False]
     assert r0["lrs"] == r1["lrs"] and r0["lrs"][3] == r0["lrs"][2]
     assert r0["weights"] == r1["weights"] and r0["losses"] != r1["losses"]
+    if parallel == "ddp":  # the command: one process, and mixprec says so
+        cpu = [sys.executable, "-m", "accelerate.commands.launch", "--cpu",
+               "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+               "--dynamo_backend", "no", "--main_process_port", str(_free_port()), script,
+               "--steps", "1", "--out", str(tmp_path / "cpu")]
+        single = subprocess.run(cpu, env=env, capture_output=True, text=True, timeout=240)
+        assert single.returncode == 0, single.stderr[-3000:]
+        assert json.loads((tmp_path / "cpu").read_text())["world"] == 1
+        assert "started a single process" in single.stderr
     one = subprocess.run([sys.executable, script, "--recipe", "fp16-master", "--steps", "2",
                           "--resume", str(tmp_path / "st"), "--out", str(tmp_path / "one")],
                          env=env, capture_output=True, text=True, timeout=240)

@@ -43,6 +43,8 @@ DeepSpeed, Megatron-LM, XLA and Accelerate's own FSDP plugin are refused: use
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 import torch
@@ -113,6 +115,24 @@ def _check(accelerator: Accelerator, parallel: str, engine_kwargs: dict) -> None
             raise ValueError(f"prepare(..., {key}=...): set it through {where}")
 
 
+_LAUNCHED = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def _warn_single_cpu_launch(accelerator: Accelerator) -> None:
+    """``accelerate launch --cpu --num_processes N`` (N > 1) without mpirun starts one
+    process, with MASTER_ADDR set and no rank environment: say so, and how to get N."""
+    if accelerator.num_processes == 1 and "MASTER_ADDR" in os.environ \
+            and os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") \
+            and not any(k in os.environ for k in _LAUNCHED):
+        warnings.warn(
+            "mixprec: this looks like 'accelerate launch --cpu --num_processes N' that "
+            "started a single process: accelerate's CPU launcher starts several only "
+            "through mpirun (--mpirun_hostfile). For N processes over gloo run "
+            "'ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N "
+            "script.py' (torchrun underneath). Training goes on with 1 process.",
+            stacklevel=3)
+
+
 def prepare(accelerator: Accelerator, *objects: Any, recipe: Recipe | str,
             parallel: str = "ddp", **engine_kwargs: Any) -> Any:
     """``objects`` prepared as ``accelerator.prepare`` would, in the same order, with
@@ -124,6 +144,7 @@ def prepare(accelerator: Accelerator, *objects: Any, recipe: Recipe | str,
     ``engine_kwargs`` go to ``MixedPrecision`` (``max_grad_norm``, ``fp8_filter``...).
     """
     _check(accelerator, parallel, engine_kwargs)
+    _warn_single_cpu_launch(accelerator)
     mi, oi, scheds, rest = _split(objects)
     model, inner = objects[mi], objects[oi]
     model.to(accelerator.device)
