@@ -391,12 +391,17 @@ def test_write_rules_under_fsdp_shard_16_bit_weights_and_resume_anywhere(tmp_pat
     lean 0.029; bf16-master's fp32 masters 0.0095: without a master each rank's bf16
     rounding and reduction order land in the weights themselves); a reshardable
     directory and a whole file resume on 2 ranks bit for bit, the directory on 1 rank
-    within the same bound (measured 0.006 to 0.022)."""
+    within the same bound (measured 0.006 to 0.022). Resumes are checked for the rules
+    whose checkpoints hold something new: stochastic writes' stream counter (which dcp
+    drops from the optimizer's state dict) and remainder's states, built before the
+    first step (which a dcp load must complete); Kahan's and lean's resumed too when
+    measured (0.022, 0.013 on 1 rank)."""
     ckpt = str(tmp_path / "ck")
     saved = spawn(w.lean_fsdp, recipe, ckpt, "save")
     off = _off_one_process(recipe, saved)
     assert off <= 0.05, off
-    _resumes_anywhere(recipe, ckpt, saved, 0.05)
+    if recipe in ("bf16-sr", "bf16-remainder"):  # the stream counter; a partial state
+        _resumes_anywhere(recipe, ckpt, saved, 0.05)
 
 
 @pytest.mark.parametrize("states,write", [("int8", "nearest"), ("fp8", "nearest"),
