@@ -17,6 +17,7 @@ accelerate = pytest.importorskip("accelerate")
 
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
+from conftest import free_port  # noqa: E402
 from mixprec import MixedPrecision  # noqa: E402
 from mixprec.integrations.accelerate import prepare  # noqa: E402
 from mixprec.workbench import GPT, GPTConfig  # noqa: E402
@@ -168,14 +169,6 @@ def test_what_prepare_refuses_names_the_fix():
         prepare(acc, gpt, opt, recipe="bf16", parallel="zero3")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_accelerate_launch_two_cpu_processes_agree_on_skips_and_weights(tmp_path, parallel):
     """``accelerate launch --multi_gpu --num_processes 2`` with ACCELERATE_USE_CPU=1:
@@ -189,7 +182,7 @@ def test_accelerate_launch_two_cpu_processes_agree_on_skips_and_weights(tmp_path
     script = str(ROOT / "examples" / "accelerate_train.py")
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
               "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-              "--dynamo_backend", "no", "--main_process_port", str(_free_port()), script]
+              "--dynamo_backend", "no", "--main_process_port", str(free_port()), script]
     args = ["--parallel", parallel, "--recipe", "fp16-master", "--accum", "2", "--steps", "6",
             "--inject-inf", "3:1", "--out", str(out), "--save-state", str(tmp_path / "st")]
     run = subprocess.run(launch + args, env=env, capture_output=True, text=True,
@@ -203,7 +196,7 @@ def test_accelerate_launch_two_cpu_processes_agree_on_skips_and_weights(tmp_path
     if parallel == "ddp":  # the issue's command: one process, and mixprec says so
         cpu = [sys.executable, "-m", "accelerate.commands.launch", "--cpu",
                "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-               "--dynamo_backend", "no", "--main_process_port", str(_free_port()), script,
+               "--dynamo_backend", "no", "--main_process_port", str(free_port()), script,
                "--steps", "1", "--out", str(tmp_path / "cpu")]
         single = subprocess.run(cpu, env=env, capture_output=True, text=True, timeout=240)
         assert single.returncode == 0, single.stderr[-3000:]

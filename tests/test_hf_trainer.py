@@ -152,27 +152,16 @@ def test_trainer_ddp_on_two_cpu_processes_agrees_on_skips_and_weights(tmp_path):
     its shard of the data, accumulation 2, rank 1's fp16 loss inf at step 3. Both ranks
     skip it and end with the same fp32 weights (sha256), which only a gradient reduction
     gives from different data."""
-    import json
-    import os
-    import socket
-    import subprocess
     import sys
-    from pathlib import Path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer_train.py"
+    from conftest import EXAMPLES, free_port, two_rank_records
+
     rec = tmp_path / "run.json"
-    run = subprocess.run(
+    r0, r1 = two_rank_records(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(port), str(script), "--recipe", "fp16-master", "--steps",
-         "6", "--accumulate", "2", "--inject-inf", "3:1", "--out", str(tmp_path / "o"),
-         "--record", str(rec)],
-        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-        text=True, timeout=240)
-    assert run.returncode == 0, run.stderr[-3000:]
-    r0, r1 = (json.loads(Path(p).read_text()) for p in (rec, f"{rec}.rank1"))
-    assert r0["world"] == r1["world"] == 2 and r0["model"] == "DistributedDataParallel"
+         "--master-port", str(free_port()), str(EXAMPLES / "hf_trainer_train.py"),
+         "--recipe", "fp16-master", "--steps", "6", "--accumulate", "2", "--inject-inf",
+         "3:1", "--out", str(tmp_path / "o"), "--record", str(rec)], rec, tmp_path)
+    assert r0["model"] == "DistributedDataParallel"
     assert r0["steps"] == r1["steps"] == 6 and r0["skipped"] == r1["skipped"] == 1
     assert r0["weights"] == r1["weights"]

@@ -181,23 +181,16 @@ def test_lightning_ddp_on_two_cpu_processes_agrees_on_skips_and_weights(tmp_path
     processes, each rank on its own batches, rank 1's loss inf at step 3. The plugin
     swaps Lightning's DDP for the engine's: both ranks skip step 3 and end with the same
     fp32 weights (sha256), which only a gradient reduction gives from different data."""
-    import json
-    import os
-    import subprocess
     import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "examples" / "lightning_train.py"
+    from conftest import EXAMPLES, two_rank_records
+
     out = tmp_path / "run.json"
-    run = subprocess.run(
-        [sys.executable, str(script), "--devices", "2", "--recipe", "fp16-master",
-         "--steps", "6", "--accumulate", "2", "--inject-inf", "3:1", "--out", str(out),
-         "--save", str(tmp_path / "last.ckpt")],
-        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-        text=True, timeout=240)
-    assert run.returncode == 0, run.stderr[-3000:]
-    r0, r1 = (json.loads(Path(p).read_text()) for p in (out, f"{out}.rank1"))
-    assert r0["world"] == r1["world"] == 2 and r0["ddp"] == "DistributedDataParallel"
+    r0, r1 = two_rank_records(
+        [sys.executable, str(EXAMPLES / "lightning_train.py"), "--devices", "2",
+         "--recipe", "fp16-master", "--steps", "6", "--accumulate", "2", "--inject-inf",
+         "3:1", "--out", str(out), "--save", str(tmp_path / "last.ckpt")], out, tmp_path)
+    assert r0["ddp"] == "DistributedDataParallel"
     assert r0["steps"] == r1["steps"] == 6 and r0["skipped"] == r1["skipped"] == 1
     assert r0["weights"] == r1["weights"]
 
@@ -272,21 +265,15 @@ def test_fabric_ddp_on_two_cpu_processes_agrees_on_skips_and_weights(tmp_path):
     """``examples/fabric_train.py --devices 2``: Fabric's DDP launch (gloo), the
     engine's DDP, each rank on its own batches, rank 1's fp16 loss inf at step 3: both
     ranks skip it and end with the same fp32 weights (sha256)."""
-    import json
-    import os
-    import subprocess
     import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "examples" / "fabric_train.py"
+    from conftest import EXAMPLES, two_rank_records
+
     rec = tmp_path / "run.json"
-    run = subprocess.run(
-        [sys.executable, str(script), "--devices", "2", "--recipe", "fp16-master",
-         "--steps", "6", "--inject-inf", "3:1", "--record", str(rec)],
-        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-        text=True, timeout=240)
-    assert run.returncode == 0, run.stderr[-3000:]
-    r0, r1 = (json.loads(Path(p).read_text()) for p in (rec, f"{rec}.rank1"))
-    assert r0["world"] == r1["world"] == 2 and r0["model"] == "DistributedDataParallel"
+    r0, r1 = two_rank_records(
+        [sys.executable, str(EXAMPLES / "fabric_train.py"), "--devices", "2", "--recipe",
+         "fp16-master", "--steps", "6", "--inject-inf", "3:1", "--record", str(rec)],
+        rec, tmp_path)
+    assert r0["model"] == "DistributedDataParallel"
     assert r0["steps"] == r1["steps"] == 6 and r0["skipped"] == r1["skipped"] == 1
     assert r0["weights"] == r1["weights"]
