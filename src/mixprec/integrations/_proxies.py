@@ -41,9 +41,14 @@ class EngineOptimizer(torch.optim.Optimizer):
                  on_step: Callable[[bool], None] | None = None):
         self.engine, self.inner, self.on_step = engine, inner, on_step
         self.defaults = inner.defaults
-        #: whether the last update was skipped for non-finite gradients (Accelerate's
-        #: ``AcceleratedOptimizer.step_was_skipped``); False while accumulating
-        self.step_was_skipped = False
+        self._skipped: torch.Tensor | bool = False
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last update was skipped for non-finite gradients (Accelerate's
+        ``AcceleratedOptimizer.step_was_skipped``); False while accumulating. Reading it
+        syncs with the device; ``step()`` itself does not, unless ``on_step`` is set."""
+        return bool(self._skipped)
 
     @property
     def param_groups(self):
@@ -60,18 +65,15 @@ class EngineOptimizer(torch.optim.Optimizer):
         return self.inner.state
 
     def step(self, closure=None):
-        """``engine.step()`` (closures are not supported): one host sync per update,
-        to tell whether it was skipped."""
+        """``engine.step()`` (closures are not supported). The skip stays a device
+        tensor until ``step_was_skipped`` is read (or ``on_step`` needs it)."""
         if closure is not None:
             raise NotImplementedError("a mixprec engine's optimizer step takes no closure; "
                                       "compute the loss before calling step()")
         out = self.engine.step()
-        if out.accumulating:
-            self.step_was_skipped = False
-            return
-        self.step_was_skipped = bool(out.skipped)
-        if self.on_step is not None:
-            self.on_step(self.step_was_skipped)
+        self._skipped = False if out.accumulating else out.skipped
+        if self.on_step is not None and not out.accumulating:
+            self.on_step(bool(out.skipped))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing: the engine zeroes its buffers after each update."""

@@ -61,12 +61,22 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _mix32_int(x: int) -> int:
+    """``_mix32`` on a Python int (the same hash, no tensor)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
 def stream_key(seed: int, index: int, step: torch.Tensor) -> torch.Tensor:
     """The 32-bit key of one parameter's draw: the optimizer's ``seed``, the
     parameter's ``index`` in it and the applied-step counter ``step`` (a 0-d int64
-    tensor, on the device: no host sync)."""
-    base = _mix32(torch.tensor(((seed * 0x9E3779B1) ^ index) & _M32, dtype=torch.int64))
-    return _mix32((step.to(torch.int64) ^ base.to(step.device)) & _M32)
+    tensor, on the device). The seed and index part is hashed on the host as a Python
+    int, so a draw makes no host-device transfer."""
+    base = _mix32_int(((seed * 0x9E3779B1) ^ index) & _M32)
+    return _mix32((step.to(torch.int64) ^ base) & _M32)
 
 
 def counter_bits(shape, key: torch.Tensor, offset: int = 0, nbits: int = 16
