@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 
 import pytest
 import torch
 from torch import nn
 
+from mixprec.kernels import EMULATE_ENV
 from mixprec.workbench import GPT, GPTConfig
 
 # Tests that need other processes (distributed ranks, runs killed with SIGKILL) fork them
@@ -21,6 +23,32 @@ multiprocessing.set_forkserver_preload(
      "dist_workers", "children"])
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--path", choices=("auto", "real", "emulated"), default="auto",
+        help="the 16-bit path every emulate=auto choice takes in this run and in the "
+             "processes it starts: 'real' bf16/fp16 kernels, 'emulated' on fp32 kernels, "
+             "or 'auto' (measured on this CPU). Sets MIXPREC_EMULATE.")
+
+
+def pytest_configure(config):
+    # before any child process starts (the forkserver inherits the environment)
+    path = config.getoption("--path")
+    if path != "auto":
+        os.environ[EMULATE_ENV] = "off" if path == "real" else "on"
+
+
+def pytest_report_header(config):
+    from mixprec.kernels import has_fast_kernels
+
+    pinned = os.environ.get(EMULATE_ENV)
+    real = has_fast_kernels("cpu", "bf16")
+    return (f"mixprec 16-bit path: {'real kernels' if real else 'emulated'} "
+            f"({EMULATE_ENV}={pinned})" if pinned else
+            f"mixprec 16-bit path: {'real kernels' if real else 'emulated'} (measured, "
+            f"{torch.backends.cpu.get_cpu_capability()})")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
@@ -28,6 +56,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """No pinned path (``--path``): for tests of what ``auto`` measures and decides."""
+    monkeypatch.delenv(EMULATE_ENV, raising=False)
 
 
 def mlp(seed: int = 0, d_in: int = 16, hidden: int = 32, d_out: int = 4) -> nn.Module:

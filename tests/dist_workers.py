@@ -52,17 +52,29 @@ def make_data(steps: int, batch: int = 16, seed: int = 1):
             for _ in range(steps)]
 
 
-def train_reference(recipe: str, steps: int, accum: int = 1) -> list[torch.Tensor]:
-    """One process, the whole batch of 16 each step."""
-    model = make_mlp(seed=0)
-    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe,
-                            grad_accum_steps=accum)
-    for x, y in make_data(steps):
-        for xs, ys in zip(x.chunk(accum), y.chunk(accum)):
-            with engine.autocast():
-                loss = F.cross_entropy(model(xs), ys)
-            engine.backward(loss)
-            engine.step()
+def train_reference(recipe: str, steps: int, accum: int = 1,
+                    world: int = 1) -> list[torch.Tensor]:
+    """One process, the whole batch of 16 each step.
+
+    ``world > 1``: the same micro-batches, magnitudes and sums as ``world`` ranks of
+    ``equivalence``: ``accum * world`` micro-batches of 16 / world / accum samples, each
+    loss times ``world`` (a rank's mean over its own samples) and the learning rate over
+    ``world`` (the ranks' average of their sums). On one thread, as the ranks run: the
+    GEMMs then sum in the ranks' order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = make_mlp(seed=0)
+        engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1 / world),
+                                recipe, grad_accum_steps=accum * world)
+        for x, y in make_data(steps):
+            for xs, ys in zip(x.chunk(accum * world), y.chunk(accum * world)):
+                with engine.autocast():
+                    loss = F.cross_entropy(model(xs), ys) * world
+                engine.backward(loss)
+                engine.step()
+    finally:
+        torch.set_num_threads(threads)
     return [p.detach().clone() for p in engine.master_params]
 
 
@@ -553,8 +565,16 @@ def lean_fsdp(rank, world, tmp, recipe, ckpt, mode):
     opt = engine.optimizers[0]
     placed = sorted({str(v.placements) for st in opt.state.values() for k, v in st.items()
                      if k != "step"})
-    _save(tmp, "leanfsdp", rank, {"params": engine.fp32_state_dict(full=True),
-                                  "states": _full_states(engine), "placements": placed})
+    shards = [p.to_local() for p in engine.param_state.working]
+    _save(tmp, "leanfsdp", rank, {
+        "params": engine.fp32_state_dict(full=True), "states": _full_states(engine),
+        "placements": placed, "emulating": engine.emulating,
+        "shard_dtypes": sorted({str(t.dtype) for t in shards}),
+        "shard_bytes": sum(t.untyped_storage().nbytes() for t in shards),
+        "shard_numel": sum(t.numel() for t in shards),
+        # the share of shard elements that hold a bf16 value (the rule's writes)
+        "bf16_share": (sum(int((t.float() == t.bfloat16().float()).sum()) for t in shards)
+                       / sum(t.numel() for t in shards))})
     del engine, opt
     _teardown()
 
@@ -680,4 +700,38 @@ def gpt_fp8_gather(rank, world, tmp, recipe, steps=4):
     _save(tmp, "gptfp8", rank, {"losses": losses, "params": engine.fp32_state_dict(full=True),
                                 "fp8": len(engine.fp8_modules)})
     del engine, model
+    _teardown()
+
+
+def disagreeing_choices(rank, world, tmp, recipe, parallel, fast_rank):
+    """Each rank's measured speeds say the opposite (rank ``fast_rank`` has fast bf16
+    units, the other none): every rank must still take rank 0's choices."""
+    from mixprec import kernels
+
+    os.environ.pop(kernels.EMULATE_ENV, None)  # measured, not pinned
+    fast = rank == fast_rank
+    kernels.relative_speed = lambda device, dtype: 1.0 if fast else 0.01
+    kernels._route_speeds = lambda device: {"scaled_mm": 0.0, "dequant_fp32": 10.0,
+                                            "dequant": 100.0 if fast else 1.0}
+    _init(rank, world, tmp)
+    model = make_mlp(seed=0)
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe,
+                            parallel=parallel)
+    seen = []
+    for x, y in make_data(3):
+        xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+        with engine.autocast():
+            seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
+                        else None)
+            loss = F.cross_entropy(engine.model(xs), ys)
+        engine.backward(loss)
+        engine.step()
+    params = [p.detach() for p in engine.master_params]
+    if parallel == "fsdp":
+        params = [p.full_tensor() for p in params]
+    _save(tmp, "choices", rank, {
+        "kernels": engine.kernels, "autocast": seen,
+        "routes": sorted({m.backend for m in engine.fp8_modules}),
+        "checkpoint": engine.state_dict()["kernels"],
+        "params": [p.clone() for p in params]})
     _teardown()

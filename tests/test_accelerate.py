@@ -121,6 +121,7 @@ def test_skipped_steps_do_not_advance_the_scheduler():
     assert lrs == [3e-3 / k for k in (2, 2, 3, 3, 4, 5)]  # held over each skipped step
 
 
+@pytest.mark.paths
 def test_save_state_and_load_state_resume_bit_for_bit(tmp_path):
     """3 optimizer steps (6 micro-batches), ``save_state``; a fresh Accelerator and
     model ``load_state`` and run the other 3: the losses and fp32 weights of 6 steps in

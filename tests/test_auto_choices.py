@@ -19,6 +19,8 @@ from mixprec.diagnostics import doctor
 from mixprec.fp8.linear import Float8Linear
 from mixprec.memory import TransformerSpec, estimate
 
+pytestmark = pytest.mark.usefixtures("measured")  # what auto decides, not a pinned path
+
 # GFLOP/s of each kind of chip, as measured on the machines this project ran on:
 # the Xeon (AMX-BF16, AVX512-FP16) and an AMD EPYC with AVX2 only
 FAST_BF16 = {torch.float32: 300.0, torch.bfloat16: 2000.0, torch.float16: 300.0}
@@ -57,8 +59,8 @@ def test_emulate_auto_follows_the_measured_speed(chip, rates, emulated, recipe):
 @pytest.mark.parametrize("rates,scaled_mm,route", [
     (FAST_BF16, 0.1, "dequant"),        # AMX Xeon: CPU _scaled_mm a reference kernel
     (NO_UNITS, 0.1, "dequant_fp32"),    # AVX2: bf16 GEMMs 90x slower than fp32
-    (NO_UNITS, 66.0, "scaled_mm"),      # _scaled_mm > 1.25x the best exact route
-    (NO_UNITS, 50.0, "dequant_fp32"),   # faster, but not by the margin: exact wins
+    (NO_UNITS, 66.0, "scaled_mm"),      # _scaled_mm > 1.25x the fastest dequant route
+    (NO_UNITS, 50.0, "dequant_fp32"),   # faster, but not by the margin
 ])
 def test_fp8_gemm_auto_takes_the_fastest_route_measured(chip, rates, scaled_mm, route):
     chip(rates, scaled_mm)
@@ -150,3 +152,44 @@ def test_the_doctor_never_advises_what_is_already_on(chip, rates):
     assert report.ok, str(report)
     real = _doctor("bf16,emulate=false")  # the user turned emulation off on a slow chip
     assert ("kernel-slow" in real.codes()) is (rates is NO_UNITS)
+
+
+@pytest.mark.parametrize("rates", [FAST_BF16, NO_UNITS])
+@pytest.mark.parametrize("pin,emulated", [("on", True), ("off", False), ("auto", None)])
+def test_mixprec_emulate_pins_every_auto_choice_to_one_path(chip, monkeypatch, rates, pin,
+                                                           emulated):
+    """MIXPREC_EMULATE=on takes the path of a chip without 16-bit units whatever this one
+    measures, =off the path of one with them; auto (and unset) measures."""
+    chip(rates)
+    monkeypatch.setenv(k.EMULATE_ENV, pin)
+    if emulated is None:
+        emulated = rates is NO_UNITS
+    fp8 = Recipe.parse("fp8")
+    assert k.emulating(Recipe.parse("bf16"), "cpu") is emulated
+    assert k.emulating(Recipe.parse("fp16-master"), "cpu") is emulated
+    assert k.fp8_rest(fp8, "cpu") == ("fp32" if emulated else "bf16")
+    assert k.fp8_gemm_route("cpu") == ("dequant_fp32" if emulated else "dequant")
+    got = k.choices(fp8, "cpu")
+    assert got.source == ("measured" if pin == "auto" else f"MIXPREC_EMULATE={pin}")
+    # an explicit choice in the recipe is never overridden
+    assert k.emulating(Recipe.parse("bf16,emulate=false"), "cpu") is False
+    assert k.emulating(Recipe.parse("bf16,emulate=true"), "cpu") is True
+    model = mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = MixedPrecision(model, torch.optim.AdamW(model.parameters()), "bf16-master")
+    assert engine.emulating is emulated
+    assert engine.param_state.working[0].dtype == (torch.float32 if emulated
+                                                    else torch.bfloat16)
+
+
+def test_a_pinned_scaled_mm_that_is_clearly_faster_still_wins(chip, monkeypatch):
+    chip(FAST_BF16, scaled_mm=5000.0)
+    monkeypatch.setenv(k.EMULATE_ENV, "on")
+    assert k.fp8_gemm_route("cpu") == "scaled_mm"
+
+
+def test_a_bad_mixprec_emulate_names_the_value_and_the_valid_ones(monkeypatch):
+    monkeypatch.setenv(k.EMULATE_ENV, "yes please")
+    with pytest.raises(ValueError, match=r"MIXPREC_EMULATE='yes please'; valid: on, off"):
+        k.emulating(Recipe.parse("bf16"), "cpu")

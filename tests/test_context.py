@@ -93,7 +93,7 @@ def test_matmuls_run_in_compute_dtype(recipe):
                        "fp16,emulate=false": torch.float16}[recipe]
 
 
-def test_fp16_emulated_where_slow(monkeypatch):
+def test_fp16_emulated_where_slow(monkeypatch, measured):
     import mixprec.kernels as k
     from mixprec import formats
 

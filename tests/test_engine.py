@@ -377,6 +377,7 @@ def test_every_preset_trains_a_small_gpt(preset):
 
 # --- any nn.Module ---------------------------------------------------------------------
 
+@pytest.mark.paths
 def test_tied_embedding_keeps_one_shared_master():
     model = TiedLM()
     engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), fused=True),
@@ -396,6 +397,7 @@ def test_tied_embedding_keeps_one_shared_master():
     assert torch.equal(model.emb.weight.float(), master.to(torch.bfloat16).float())
 
 
+@pytest.mark.paths
 def test_cnn_with_batchnorm_keeps_buffers_fp32():
     model = cnn()
     engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9,
@@ -488,6 +490,7 @@ def _train(engine, model, steps, seed):
     return out
 
 
+@pytest.mark.paths
 @pytest.mark.parametrize("recipe", ["bf16", "fp16-master"])
 def test_state_dict_resumes_bit_identically(recipe):
     def fresh():
@@ -584,7 +587,7 @@ def test_bad_arguments():
         e.backward(torch.tensor(1.0))
 
 
-def test_slow_fp16_is_emulated_by_itself_and_says_so(monkeypatch):
+def test_slow_fp16_is_emulated_by_itself_and_says_so(monkeypatch, measured):
     import mixprec.kernels as k
 
     monkeypatch.setattr(k, "relative_speed", lambda dev, dt: 0.02)  # a CPU without fp16
@@ -598,7 +601,7 @@ def test_slow_fp16_is_emulated_by_itself_and_says_so(monkeypatch):
     assert not e.emulating
 
 
-def test_fast_fp16_runs_real_kernels(monkeypatch):
+def test_fast_fp16_runs_real_kernels(monkeypatch, measured):
     import mixprec.kernels as k
 
     monkeypatch.setattr(k, "relative_speed", lambda dev, dt: 1.0)  # AVX512-FP16, say

@@ -425,6 +425,7 @@ def test_inf_reaching_an_fp8_cast_skips_the_step(recipe):
     assert sum(losses[-5:]) < 0.1 * sum(losses[:5])
 
 
+@pytest.mark.paths
 def test_fp8_state_resumes_bit_identically():
     model, engine = _fp8_engine()
     _train(model, engine, _batches(4, 0))

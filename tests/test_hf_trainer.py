@@ -126,6 +126,7 @@ def test_the_short_window_at_an_epochs_end_updates(tmp_path):
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.paths
 def test_resume_from_checkpoint_continues_bit_identically(tmp_path):
     full = _train("fp16-master", 6, 1, tmp_path / "full")
     part = _train("fp16-master", 6, 1, tmp_path / "part", save_steps=3)

@@ -1,8 +1,11 @@
 """The kernel-speed probe: measured numbers, cached."""
 
+import pytest
 import torch
 
 from mixprec.kernels import matmul_gflops, relative_speed
+
+pytestmark = pytest.mark.usefixtures("measured")  # what auto decides, not a pinned path
 
 
 def test_probe_measures_and_caches():

@@ -147,6 +147,7 @@ def test_skipped_steps_do_not_advance_the_scheduler():
     assert module.lrs == [3e-3 / k for k in (1, 2, 2, 3, 3, 4)]
 
 
+@pytest.mark.paths
 def test_resume_from_a_lightning_checkpoint_is_bit_identical(tmp_path):
     """3 steps, ``trainer.save_checkpoint``, then a fresh module and Trainer resume with
     ``ckpt_path`` for 3 more: the same losses as 6 steps in one go. (Each step's batch
@@ -238,6 +239,7 @@ def test_fabric_loop_trains_as_mixprecs_own_loop_bit_for_bit(recipe):
     assert all(torch.equal(got[k], exp[k]) for k in exp)
 
 
+@pytest.mark.paths
 def test_fabric_skips_hold_the_scheduler_and_fabric_save_resumes_bit_for_bit(tmp_path):
     _, lrs, engine = _fabric_loop("fp16-master", _batches(6), poison={1, 3})
     assert int(engine.skipped_steps) == 2

@@ -116,6 +116,7 @@ def test_a_poisoned_step_leaves_every_state_bit_identical(recipe, poison):
     assert torch.equal(opt._sr_step(torch.device("cpu")), before[2])
 
 
+@pytest.mark.paths
 @pytest.mark.parametrize("recipe", ["bf16-sr", "bf16-lean", "bf16-remainder"])
 def test_checkpoints_resume_bit_for_bit(recipe, tmp_path):
     def fresh():

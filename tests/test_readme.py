@@ -68,11 +68,15 @@ def test_the_readme_has_python_examples():
         compile(b, "README.md", "exec")  # at least valid Python
 
 
+@pytest.mark.paths
 def test_readme_examples_run_and_their_comments_hold():
     ns = _namespace()
     checked = 0
+    trained = None  # the engine of the training example (recipe="bf16-master")
     for block in _single_process_blocks():
         exec(compile(block, "README.md", "exec"), ns)  # noqa: S102 - our own README
+        if trained is None and 'recipe="bf16-master"' in block:
+            trained = ns["engine"]
         for line in block.splitlines():
             m = CLAIM.match(line)
             if m is None:
@@ -85,7 +89,13 @@ def test_readme_examples_run_and_their_comments_hold():
                 assert math.isclose(float(got), float(want), rel_tol=1e-12), line
             checked += 1
     assert checked >= 4  # bf16's max, fp16 overflow/underflow, fp16's spacing, ZeRO-3 GB
-    assert ns["engine"].master_params[0].dtype == torch.float32  # block 2 ran its recipe
+    # the training example ran its recipe: fp32 masters of bf16 weights (real bf16
+    # tensors, or under emulation fp32 tensors that hold bf16 values)
+    assert str(trained.recipe) == "bf16-master" and trained.steps > 0
+    assert trained.master_params[0].dtype == torch.float32
+    w = trained.param_state.working[0].detach()
+    assert w.dtype == (torch.float32 if trained.emulating else torch.bfloat16)
+    assert torch.equal(w.float(), w.bfloat16().float())
 
 
 def test_readme_data_parallel_example_runs_in_a_process_group():

@@ -42,6 +42,7 @@ def _losses(kind, recipe, checkpointing=False):
     return out, engine
 
 
+@pytest.mark.paths
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 @pytest.mark.parametrize("recipe", ["bf16-master", "fp8", "bf16-master,wgrad=fp32"])
 def test_transformers_model_trains_and_checkpoints(kind, recipe):

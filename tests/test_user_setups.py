@@ -243,6 +243,7 @@ def test_closure_optimizers_and_late_param_groups_are_refused():
         engine.step()
 
 
+@pytest.mark.paths
 @pytest.mark.parametrize("recipe", ["bf16", "bf16-master", "fp16-master", "fp8",
                                     "bf16,params=bf16"])
 def test_fp32_state_dict_loads_into_a_fresh_fp32_model(recipe):
@@ -355,6 +356,7 @@ def test_a_gan_with_two_engines_trains_like_plain_torch(recipe):
                    for a, b in zip(got, want)) < 0.05
 
 
+@pytest.mark.paths
 def test_save_and_load_are_atomic_and_resume_exactly(tmp_path):
     """engine.save / engine.load: resuming equals not stopping; a torn or foreign file
     raises before anything changes."""

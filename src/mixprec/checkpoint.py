@@ -199,6 +199,7 @@ def engine_state(engine, full: bool) -> dict:
     state = {
         "recipe": engine.recipe,
         "emulating": engine.emulating,
+        "kernels": engine.kernels.as_dict(),  # the choices the run's numerics followed
         "world_size": engine.world_size,
         "parallel": engine.parallel,
         "layout": "sharded" if fsdp and not full else "full",
@@ -346,6 +347,7 @@ def save_resharding(engine, path, extra: dict) -> None:
     model_sd, optim_sd = get_state_dict(engine.module, engine.optimizers)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
     meta = {"recipe": engine.recipe, "emulating": engine.emulating,
+            "kernels": engine.kernels.as_dict(),
             "world_size": engine.world_size, "parallel": engine.parallel,
             "layout": "reshardable", "scaler": engine.scaler.state_dict(),
             "steps": engine.steps, "schedulers": [s.state_dict() for s in engine.schedulers],

@@ -44,7 +44,7 @@ from torch import nn
 
 __all__ = ["CommStats", "require_process_group", "ddp_comm_hook", "fsdp_policy",
            "all_reduce_max_", "broadcast_module_", "wrap_ddp", "shard_fsdp", "agree_amax_",
-           "gather_full"]
+           "gather_full", "broadcast_object", "sixteen_bit_shards", "shard_like"]
 
 
 @dataclass
@@ -82,6 +82,14 @@ def broadcast_module_(model: nn.Module, src: int = 0) -> None:
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             dist.broadcast(t.data, src)
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank ``src``'s ``obj`` (any picklable value) on every rank; the others pass
+    anything, None say. A collective."""
+    box = [obj]
+    dist.broadcast_object_list(box, src)
+    return box[0]
 
 
 def all_reduce_max_(t: torch.Tensor) -> torch.Tensor:
@@ -160,13 +168,25 @@ def shard_fsdp(model: nn.Module, recipe, optimizers, units=None, emulate: bool =
     """``fully_shard`` with the recipe's policy, on each module ``units`` selects (by
     default each element of every ``ModuleList``: a transformer's blocks), innermost
     first, and then on the root; the optimizers, built over the
-    unsharded model, are re-pointed at the fp32 shards (matched by parameter name). State they
+    unsharded model, are re-pointed at the shards (matched by parameter name). State they
     already hold (Adagrad builds it in ``__init__``; or earlier plain steps) is sharded
     like its parameter, from rank 0's copy, as rank 0's weights are the ones kept.
-    Under emulation the weights are gathered in fp32 (``fsdp_policy``)."""
+    Under emulation the weights are gathered in fp32 (``fsdp_policy``).
+
+    The shards are fp32 (the masters) except under a write rule (``write=stochastic``,
+    ``kahan`` or ``remainder``: no master) on real 16-bit kernels. There the trained
+    weights are cast to the recipe's ``params`` dtype before sharding, so each rank
+    stores 16-bit shards, FSDP gathers them as they are, and the reduce-scatter (in
+    ``comm``) hands back gradients in that dtype, which the parameter state adds into
+    fp32 buffers."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
+    if sixteen_bit_shards(recipe, emulate):
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad and p.dtype != recipe.param_dtype:
+                    p.data = p.data.to(recipe.param_dtype)
     before = dict(model.named_parameters())
     policy = fsdp_policy(recipe, emulate)
     # each unit's full weights exist only while it runs; the root unit takes the rest.
@@ -192,6 +212,23 @@ def shard_fsdp(model: nn.Module, recipe, optimizers, units=None, emulate: bool =
         for g in o.param_groups:
             g["params"] = [new_of.get(id(p), p) for p in g["params"]]
     return model
+
+
+def sixteen_bit_shards(recipe, emulate: bool) -> bool:
+    """Whether FSDP's shards are stored in the recipe's 16-bit ``params`` dtype: under a
+    write rule with real 16-bit kernels (emulation keeps 16-bit values in fp32)."""
+    return (recipe.write != "nearest" and not emulate
+            and recipe.param_dtype != torch.float32)
+
+
+def shard_like(full: torch.Tensor, param) -> torch.Tensor:
+    """``full`` (a whole tensor of ``param``'s shape, the same on every rank) placed as
+    the DTensor ``param`` is (a collective), or ``full`` itself for a plain parameter."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(param, DTensor):
+        return full
+    return distribute_tensor(full, param.device_mesh, param.placements)
 
 
 def agree_amax_(fp8_modules) -> None:

@@ -305,13 +305,14 @@ def _tf32() -> Iterator[None]:
         torch.set_float32_matmul_precision(saved[2])
 
 
-def autocast_dtype(recipe: Recipe, device: torch.device | str) -> torch.dtype | None:
+def autocast_dtype(recipe: Recipe, device: torch.device | str,
+                   rest: str | None = None) -> torch.dtype | None:
     """The dtype the forward's autocast runs in, or None for no autocast: fp32/tf32
-    recipes, and fp8 recipes whose other layers run in fp32 on this device
-    (``mixprec.kernels.fp8_rest``)."""
+    recipes, and fp8 recipes whose other layers run in fp32 (``rest``, the engine's
+    agreed choice, or this device's ``mixprec.kernels.fp8_rest``)."""
     if not recipe.uses_autocast:
         return None
-    if recipe.compute == "fp8" and fp8_rest(recipe, device) == "fp32":
+    if recipe.compute == "fp8" and (rest or fp8_rest(recipe, device)) == "fp32":
         return None
     return recipe.compute_dtype
 
@@ -346,11 +347,14 @@ def _function_modes(stack: contextlib.ExitStack, r: Recipe, dev: torch.device,
 @contextlib.contextmanager
 def precision_context(recipe: Recipe | str, device: torch.device | str,
                       emulate: bool | None = None, mode=None,
-                      sink: GradSink | None = None) -> Iterator[None]:
+                      sink: GradSink | None = None, rest: str | None = None
+                      ) -> Iterator[None]:
     """Enter the recipe's precision for a forward pass (and the loss).
 
     ``sink`` (the engine's ``ParamState``) receives the fp32 gradients of low-precision
     parameters under ``wgrad=fp32``; without it only fp32 parameters get them.
+    ``emulate`` and ``rest`` (what fp8 recipes' other layers compute in) are the
+    engine's choices, the same on every rank; None measures them on this device.
 
     >>> import torch
     >>> with precision_context("bf16", "cpu"):
@@ -363,7 +367,7 @@ def precision_context(recipe: Recipe | str, device: torch.device | str,
     with contextlib.ExitStack() as stack:
         if r.compute == "tf32":
             stack.enter_context(_tf32())
-        dtype = autocast_dtype(r, dev)
+        dtype = autocast_dtype(r, dev, rest)
         if dtype is not None:
             stack.enter_context(torch.autocast(dev.type, dtype=dtype))
         if emulate and mode is None:

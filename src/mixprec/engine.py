@@ -150,7 +150,8 @@ class MixedPrecision:
     def autocast(self) -> Iterator[None]:
         """The recipe's precision for the forward pass and the loss."""
         with precision_context(self.recipe, self.device, emulate=self.emulating,
-                               mode=self.emulation_mode, sink=self.param_state):
+                               mode=self.emulation_mode, sink=self.param_state,
+                               rest=self.kernels.fp8_rest):
             yield
 
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False,

@@ -8,22 +8,35 @@ From those measurements this module decides, once per process:
   kernels is emulated exactly on fp32 kernels. CPUs either have units for a format
   (AVX-512 BF16, AMX, AVX512-FP16: ~1x fp32 or better) or run it in software (AVX2:
   ~0.01-0.02x), so the threshold ``FAST_ENOUGH`` sits far from both;
-- ``fp8_gemm=auto`` (``fp8_gemm_route``): ``scaled_mm`` (``torch._scaled_mm``), an exact
-  dequant to bf16 then a bf16 GEMM (``dequant``), or an exact dequant to fp32 then an fp32
-  GEMM (``dequant_fp32``; every e4m3/e5m2 value is an fp32 value, so it is exact up to
-  summation order). CUDA takes ``scaled_mm``. On a CPU the three are timed: the fastest
-  wins, and ``scaled_mm`` (within an ulp, not exact) only when it is clearly faster;
+- ``fp8_gemm=auto`` (``fp8_gemm_route``): ``scaled_mm`` (``torch._scaled_mm``: fp8
+  products, fp32 accumulation, one rounding to the output dtype), ``dequant`` (the codes
+  widened to bf16, which holds every e4m3/e5m2 value exactly, a bf16 GEMM with fp32
+  accumulation whose output is rounded to bf16 and rounded again after the scales are
+  applied), or ``dequant_fp32`` (the codes widened to fp32, an fp32 GEMM, the scales
+  applied in fp32: exact up to fp32 summation order). CUDA takes ``scaled_mm``. On a
+  CPU ``dequant`` stands for bf16's GEMM where bf16 is fast, ``dequant_fp32`` elsewhere,
+  and ``scaled_mm`` wins only where it is clearly faster than that;
 - what the layers around an fp8 recipe's Linears run in (``fp8_rest``): bf16 autocast
   where bf16 is fast, else fp32 (no autocast), which is faster and more exact there.
 
 ``choices(recipe, device)`` reports the decisions with the numbers behind them; the
-engine (``engine.kernels``), ``mixprec bench`` and the doctor show it. Tests replace
-``relative_speed`` / ``fp8_gemm_gflops`` to cover both outcomes of every choice on any
-chip.
+engine (``engine.kernels``), ``mixprec bench`` and the doctor show it. Under DDP and
+FSDP rank 0's choices are every rank's (``mixprec.parallel``), so all ranks run the
+same numerics. Tests replace ``relative_speed`` / ``fp8_gemm_gflops`` to cover both
+outcomes of every choice on any chip.
+
+**Pinning the path.** ``MIXPREC_EMULATE=on`` makes every ``auto`` choice take the path
+of a chip without 16-bit units (bf16/fp16 emulated on fp32 kernels, fp32 around fp8
+Linears, fp32 dequant GEMMs); ``MIXPREC_EMULATE=off`` the path of a chip with them (real
+bf16/fp16 tensors and kernels, bf16 around fp8 Linears, bf16 dequant GEMMs). Unset or
+``auto``, the choices are measured. Both paths run on any CPU (real bf16 on an AVX2 chip
+only slowly), which is how one machine tests both. A recipe's explicit ``emulate=true``
+or ``emulate=false`` is never overridden.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from functools import cache
@@ -34,7 +47,7 @@ from mixprec.recipe import MX_COMPUTE, Recipe
 
 __all__ = ["matmul_gflops", "relative_speed", "FAST_ENOUGH", "has_fast_kernels",
            "emulating", "fp8_gemm_gflops", "fp8_gemm_route", "fp8_rest", "choices",
-           "KernelChoices", "SCALED_MM_MARGIN"]
+           "KernelChoices", "SCALED_MM_MARGIN", "EMULATE_ENV", "pinned_emulation"]
 
 #: below this fraction of fp32's matmul throughput a format counts as having no fast
 #: kernel, and ``emulate=auto`` emulates it on fp32 kernels instead. Chips either have
@@ -42,9 +55,27 @@ __all__ = ["matmul_gflops", "relative_speed", "FAST_ENOUGH", "has_fast_kernels",
 #: threshold sits far from both and a busy machine cannot flip the decision.
 FAST_ENOUGH = 0.2
 
-#: ``fp8_gemm=auto`` on a CPU takes ``_scaled_mm`` over the best exact dequant route only
-#: when it is this much faster: the dequant routes are exact, ``_scaled_mm`` within an ulp
+#: ``fp8_gemm=auto`` on a CPU takes ``_scaled_mm`` over the dequant route only when it is
+#: this much faster: a clear win, not a draw a busy machine decided
 SCALED_MM_MARGIN = 1.25
+
+#: the environment variable that pins every ``auto`` choice to one path (module doc)
+EMULATE_ENV = "MIXPREC_EMULATE"
+_PIN = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False,
+        "auto": None, "": None}
+
+
+def pinned_emulation() -> bool | None:
+    """What ``MIXPREC_EMULATE`` pins ``emulate=auto`` to: True (the emulated path), False
+    (the real 16-bit path) or None (unset or ``auto``: measured). Read at each call, so
+    a test can set it; a value other than on/off/auto raises, naming it."""
+    raw = os.environ.get(EMULATE_ENV, "")
+    key = raw.strip().lower()
+    if key not in _PIN:
+        raise ValueError(f"{EMULATE_ENV}={raw!r}; valid: on, off, auto (or unset). 'on' "
+                         "emulates 16-bit formats on fp32 kernels, 'off' runs their real "
+                         "kernels, 'auto' measures which this device is fast at.")
+    return _PIN[key]
 
 
 @cache
@@ -111,9 +142,13 @@ def relative_speed(device: torch.device | str, dtype: torch.dtype) -> float:
 def has_fast_kernels(device: torch.device | str, compute: str) -> bool:
     """Whether ``device`` has fast kernels for a compute format: measured once. fp16 and
     bf16 on a CPU are fast only on chips with units for them (AVX512-FP16 / AMX-FP16,
-    AVX-512 BF16 / AMX-BF16); the MX formats have no torch kernels anywhere."""
+    AVX-512 BF16 / AMX-BF16); the MX formats have no torch kernels anywhere.
+    ``MIXPREC_EMULATE`` overrides the measurement for fp16 and bf16 (module doc)."""
     if compute in MX_COMPUTE:
         return False
+    pinned = pinned_emulation() if compute in ("fp16", "bf16") else None
+    if pinned is not None:  # MIXPREC_EMULATE: the path is pinned, not measured
+        return not pinned
     if compute in ("fp16", "bf16") and torch.device(device).type == "cpu":
         dt = torch.float16 if compute == "fp16" else torch.bfloat16
         return relative_speed(device, dt) >= FAST_ENOUGH
@@ -170,16 +205,24 @@ def _route_speeds(device: str) -> dict[str, float]:
 
 def fp8_gemm_route(device: torch.device | str, choice: str = "auto") -> str:
     """The fp8 GEMM route for ``device``: ``choice`` itself unless ``auto``; then
-    ``scaled_mm`` on CUDA, and on a CPU the fastest of the three as measured, with the
-    exact dequant routes preferred unless ``_scaled_mm`` is ``SCALED_MM_MARGIN`` faster."""
+    ``scaled_mm`` on CUDA. On a CPU the dequant route is the one that multiplies in the
+    fast format: ``dequant`` (bf16 GEMM, bf16-rounded output) where bf16 is fast,
+    ``dequant_fp32`` (exact up to fp32 summation order) where it is not (measured, or
+    pinned by ``MIXPREC_EMULATE``); ``scaled_mm`` replaces it only where it is
+    ``SCALED_MM_MARGIN`` faster."""
     if choice != "auto":
         return choice
     dev = torch.device(device)
     if dev.type == "cuda":
         return "scaled_mm"
     speeds = _route_speeds(str(dev))
-    exact = max(("dequant", "dequant_fp32"), key=speeds.__getitem__)
-    return "scaled_mm" if speeds["scaled_mm"] > SCALED_MM_MARGIN * speeds[exact] else exact
+    pinned = pinned_emulation()
+    if pinned is None:
+        dequant = max(("dequant", "dequant_fp32"), key=speeds.__getitem__)
+    else:
+        dequant = "dequant_fp32" if pinned else "dequant"
+    return ("scaled_mm" if speeds["scaled_mm"] > SCALED_MM_MARGIN * speeds[dequant]
+            else dequant)
 
 
 @dataclass(frozen=True)
@@ -188,35 +231,46 @@ class KernelChoices:
 
     ``emulate``: whether the compute format is emulated; ``fp8_gemm``: the fp8 GEMM route
     (fp8 recipes); ``fp8_rest``: what the layers around fp8 Linears compute in;
-    ``gflops``: the measured matmul rates behind them (GFLOP/s by name)."""
+    ``gflops``: the measured matmul rates behind them (GFLOP/s by name); ``source``:
+    who decided (``measured``, ``MIXPREC_EMULATE=on|off``, or ``rank 0`` on the other
+    ranks of a data-parallel run)."""
 
     emulate: bool
     fp8_gemm: str | None = None
     fp8_rest: str | None = None
     gflops: dict[str, float] = field(default_factory=dict)
+    source: str = "measured"
 
     def describe(self) -> str:
-        """One line a person reads: what was chosen and the measured rates."""
+        """One line a person reads: what was chosen, by whom, and the measured rates."""
         parts = [f"emulate={'on' if self.emulate else 'off'}"]
         if self.fp8_gemm is not None:
             parts += [f"fp8_gemm={self.fp8_gemm}", f"rest of the model in {self.fp8_rest}"]
+        if self.source != "measured":
+            parts.append(f"decided by {self.source}")
         rates = ", ".join(f"{k} {v:.1f}" for k, v in self.gflops.items())
         return "; ".join(parts) + (f" (measured GFLOP/s: {rates})" if rates else "")
+
+    def as_dict(self) -> dict:
+        """The choices that change numerics, as plain data (checkpoints record it)."""
+        return {"emulate": self.emulate, "fp8_gemm": self.fp8_gemm, "fp8_rest": self.fp8_rest}
 
 
 def choices(recipe: Recipe, device: torch.device | str) -> KernelChoices:
     """Every ``auto`` choice for ``recipe`` on ``device``, with the measured rates (CPU)."""
     dev = torch.device(device)
     emulate = emulating(recipe, dev)
+    pinned = pinned_emulation()
+    source = "measured" if pinned is None else f"{EMULATE_ENV}={'on' if pinned else 'off'}"
     gflops: dict[str, float] = {}
     if dev.type == "cpu" and (recipe.uses_autocast or recipe.emulate):
         gflops["fp32"] = matmul_gflops(str(dev), torch.float32, 256, 0.01)
         for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
             gflops[name] = matmul_gflops(str(dev), dt, 256, 0.01)
     if recipe.compute != "fp8":
-        return KernelChoices(emulate, gflops=gflops)
+        return KernelChoices(emulate, gflops=gflops, source=source)
     route = fp8_gemm_route(dev, "dequant" if recipe.emulate and recipe.fp8_gemm == "auto"
                            else recipe.fp8_gemm)
     if dev.type == "cpu":
         gflops["scaled_mm"] = fp8_gemm_gflops(str(dev))
-    return KernelChoices(emulate, route, fp8_rest(recipe, dev), gflops)
+    return KernelChoices(emulate, route, fp8_rest(recipe, dev), gflops, source)

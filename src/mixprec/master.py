@@ -64,8 +64,9 @@ class ParamState:
     the working dtype and the gradients are then fp32 here (FSDP casts on gather and
     on reduce-scatter), whatever the recipe's ``params``, ``master`` and ``grads`` say.
     Except under a write rule (``stochastic``, ``kahan``, ``remainder``), which has no
-    master: the shards are the 16-bit weights (bf16 values in fp32 tensors under
-    emulation), updated by the rule, with fp32 gradient buffers."""
+    master: the shards are the 16-bit weights (bf16 tensors, which FSDP was given,
+    or bf16 values in fp32 tensors under emulation), updated by the rule, with fp32
+    gradient buffers."""
 
     def __init__(self, params: list[nn.Parameter], recipe: Recipe,
                  emulate: bool = False, names: list[str] | None = None,

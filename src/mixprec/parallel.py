@@ -6,6 +6,7 @@ mode string. Each method is a moment of the step where the modes differ:
 ==================  ==============  ===========================  ==========================
 moment              single          DDP                          FSDP2
 ==================  ==============  ===========================  ==========================
+``choose``          measure         rank 0 measures, broadcasts  rank 0 measures, broadcasts
 ``start``           nothing         broadcast rank 0's weights   broadcast rank 0's weights
 ``shard``           nothing         nothing                      ``fully_shard`` the units
 ``wrap``            nothing         DDP + mixprec's comm hook    nothing (already sharded)
@@ -24,6 +25,8 @@ and a checkpoint holds this rank's shards unless gathered.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,12 +37,14 @@ from mixprec.comm import (
     agree_amax_,
     all_reduce_max_,
     broadcast_module_,
+    broadcast_object,
     gather_full,
     require_process_group,
     shard_fsdp,
     wrap_ddp,
 )
 from mixprec.fp8.gather import agree_amaxes_, install_fp8_all_gather, refresh_gather_scales_
+from mixprec.kernels import KernelChoices
 from mixprec.recipe import Recipe
 
 __all__ = ["Parallel", "SingleProcess", "DDP", "FSDP", "make_parallel", "check_parallel_recipe"]
@@ -60,6 +65,10 @@ class Parallel:
         self.world_size = dist.get_world_size() if self.name else 1
         #: bytes each gradient reduction sent (DDP's comm hook), else None
         self.comm_stats = None
+
+    def choose(self, measure: Callable[[], KernelChoices]) -> KernelChoices:
+        """The kernel choices every rank uses (``measure`` makes them on this rank)."""
+        return measure()
 
     def start(self, model: nn.Module) -> None:
         """Before anything is built from the weights: every rank starts from rank 0's."""
@@ -104,6 +113,16 @@ class SingleProcess(Parallel):
 
 class _Replicated(Parallel):
     """What DDP and FSDP share: start from rank 0, agree by all-reduce MAX."""
+
+    def choose(self, measure: Callable[[], KernelChoices]) -> KernelChoices:
+        """Rank 0 measures and every rank takes its choices: ranks that measured for
+        themselves could resolve an ``auto`` choice differently (a loaded core reads
+        another speed) and train with different numerics."""
+        rank = dist.get_rank()
+        mine = measure() if rank == 0 else None
+        agreed = broadcast_object(mine, 0)
+        return agreed if rank == 0 else dataclasses.replace(
+            agreed, source=f"rank 0 ({agreed.source})")
 
     def start(self, model: nn.Module) -> None:
         broadcast_module_(model)

@@ -23,6 +23,7 @@ from mixprec.checks import (
     check_optimizers,
     param_counts,
 )
+from mixprec.comm import shard_like
 from mixprec.context import fp32_island_modules, make_emulation_mode, wrap_fp32_modules
 from mixprec.fp8.convert import convert as fp8_convert
 from mixprec.fp8.linear import fp8_modules
@@ -144,7 +145,7 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
     params, frozen = check_model(model)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     device = params[0].device
-    kernels = choices(r, device)
+    kernels = par.choose(lambda: choices(r, device))
     check_device(device, r, kernels.emulate)
     check_optimizers(optimizers, params, frozen, r, parallel, kernels.emulate)
     # the model is touched from here on
@@ -153,10 +154,14 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
     emu_mode = make_emulation_mode(r) if kernels.emulate else None
     # before FSDP: fully_shard must manage the Float8Linears, or they see sharded weights
     fp8_report = _swap_fp8(model, r, kernels, fp8_filter)
-    model = par.shard(model, optimizers, kernels.emulate)
-    # write=remainder starts from the exact fp32 weights, before the cast drops bits
+    # write=remainder starts from the exact fp32 weights, before a cast drops bits (FSDP
+    # may store 16-bit shards): taken whole here, placed like the parameters below
     fp32_init = ([p.detach().clone() for p in model.parameters() if p.requires_grad]
                  if r.write == "remainder" else None)
+    model = par.shard(model, optimizers, kernels.emulate)
+    if fp32_init is not None:
+        fp32_init = [shard_like(v, p) for v, p in
+                     zip(fp32_init, [p for p in model.parameters() if p.requires_grad])]
     state = ParamState([p for p in model.parameters() if p.requires_grad], r,
                        emulate=kernels.emulate, names=names, sharded=par.sharded)
     if emu_mode is not None and state.round_to is not None:
@@ -175,7 +180,12 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
 
 def warn_kernel_choices(r: Recipe, kernels: KernelChoices, device: torch.device) -> None:
     """Say where an ``auto`` choice left the format's own kernels (measured)."""
-    if kernels.emulate and r.emulate is None:
+    if kernels.emulate and r.emulate is None and kernels.source != "measured":
+        warnings.warn(
+            f"{r.compute} is emulated exactly on fp32 kernels: {kernels.source} pins the "
+            "emulated path. Set emulate=false in the recipe to run the real kernels.",
+            stacklevel=3)
+    elif kernels.emulate and r.emulate is None:
         warnings.warn(
             f"{r.compute} has no fast kernels on {device.type}: mixprec emulates "
             f"it exactly on fp32 kernels ({kernels.describe()}). Set emulate=false to run "

@@ -34,6 +34,7 @@ DeepSpeed (Trainer's ``fsdp=`` / ``deepspeed=``) raise ``NotImplementedError``.
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -124,10 +125,20 @@ class MixedPrecisionTrainer(Trainer):
     # --- checkpoints ----------------------------------------------------------------
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """The model's files hold the fp32 weights (masters, no fp8 scaling state)."""
-        if self.engine is not None and state_dict is None:
-            state_dict = self.engine.fp32_state_dict()
-        super()._save(output_dir, state_dict=state_dict)
+        """The model's files hold the fp32 weights (masters, no fp8 scaling state), and
+        its config says so: ``save_pretrained`` records the dtype of the model's own
+        parameters, which under a ``-master`` recipe are the 16-bit working copy, and
+        ``from_pretrained`` would load the fp32 weights into that dtype."""
+        if self.engine is None or state_dict is not None:
+            super()._save(output_dir, state_dict=state_dict)
+            return
+        super()._save(output_dir, state_dict=self.engine.fp32_state_dict())
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+        if self.args.should_save and config is not None and hasattr(config, "save_pretrained"):
+            saved = copy.deepcopy(config)
+            saved.dtype = "float32"
+            saved.save_pretrained(output_dir)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
