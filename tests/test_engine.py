@@ -749,3 +749,60 @@ def test_a_gradient_norm_that_overflows_fp32_is_skipped_on_every_path(recipe, fu
     after = opt.state[engine.master_params[0]]
     assert all(torch.equal(v, after[k]) for k, v in state.items())  # moments, step
     assert engine.skipped_steps.item() == 1
+
+
+@pytest.mark.parametrize("recipe,dtype,skips", [("fp16-master", torch.float16, True),
+                                                ("bf16-master", torch.bfloat16, False)])
+def test_a_16_bit_loss_is_named_with_the_fix(recipe, dtype, skips):
+    """A loss computed outside engine.autocast() on a -master recipe's 16-bit logits
+    reaches backward in 16 bits: the engine says so once, with the fix. Under fp16 loss
+    scaling its first step overflows (the scale, 65536, enters a fp16 node) and is
+    skipped, which the warning names."""
+    model = mlp()
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    loss = F.cross_entropy(model(x.to(dtype)), y)  # outside the context: 16-bit
+    assert loss.dtype == dtype
+    with pytest.warns(UserWarning, match="outside engine.autocast.*logits.float") as w:
+        engine.backward(loss)
+    assert ("first steps are skipped" in str(w[0].message)) is skips
+    assert bool(engine.step().skipped) is skips
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per engine
+        engine.backward(F.cross_entropy(model(x.to(dtype)), y))
+
+
+def test_clip_grad_norm_is_torchs_norm_and_clips_only_that_update():
+    """engine.clip_grad_norm_ after the window's last backward: under fp32 the norm and
+    the clipped update equal torch.nn.utils.clip_grad_norm_'s bit for bit; the next
+    update falls back to max_grad_norm (here none). Mid-window, another norm_type or a
+    bad max_norm raise, naming the fix."""
+    import copy
+
+    model = mlp()
+    plain = copy.deepcopy(model)
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32",
+                            grad_accum_steps=2)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    x, y = torch.randn(16, 16), torch.randint(0, 4, (16,))
+    for step in range(2):
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):
+            with engine.autocast():
+                engine.backward(F.cross_entropy(model(xs), ys))
+            (F.cross_entropy(plain(xs), ys) / 2).backward()
+            if engine.counters.micro == 1:
+                with pytest.raises(RuntimeError, match="after 1 of 2 micro-batches"):
+                    engine.clip_grad_norm_(1e-3)
+                continue
+            if step == 0:
+                got = engine.clip_grad_norm_(1e-3)
+                want = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e-3)
+                assert torch.equal(got, want)
+                with pytest.raises(NotImplementedError, match="norm_type=2"):
+                    engine.clip_grad_norm_(1e-3, norm_type=1.0)
+                with pytest.raises(ValueError, match="max_norm must be > 0"):
+                    engine.clip_grad_norm_(0.0)
+            engine.step()
+            opt.step()
+            opt.zero_grad()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))

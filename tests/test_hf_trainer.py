@@ -70,17 +70,19 @@ def _own_loop(recipe, steps, accum, n=32, decay=()):
     groups = [[p for k, p in named if k in decay], [p for k, p in named if k not in decay]]
     opt = torch.optim.AdamW([{"params": g} for g in groups if g], lr=3e-3, weight_decay=0.0)
     sched = transformers.get_linear_schedule_with_warmup(opt, 0, steps)
-    engine = MixedPrecision(model, opt, recipe, grad_accum_steps=accum, max_grad_norm=1.0)
+    engine = MixedPrecision(model, opt, recipe, grad_accum_steps=accum)
     data = _data(n)
     losses, i = [], 0
     for _ in range(steps):
-        for _ in range(accum):
+        for j in range(accum):
             ids = torch.stack([data[(i + k) % n]["input_ids"] for k in range(2)])
             i += 2
             with engine.autocast():  # no KV cache, as Trainer trains (README: emulation)
                 loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             losses.append(loss.item())
             engine.backward(loss)
+            if j == accum - 1:  # Trainer's clip to max_grad_norm, at the window's end
+                engine.clip_grad_norm_(1.0)
             out = engine.step()
         if not out.skipped:
             sched.step()
@@ -108,8 +110,7 @@ def test_the_short_window_at_an_epochs_end_updates(tmp_path):
     groups = [[p for k, p in named if k in decay], [p for k, p in named if k not in decay]]
     opt = torch.optim.AdamW([{"params": g} for g in groups if g], lr=3e-3, weight_decay=0.0)
     sched = transformers.get_linear_schedule_with_warmup(opt, 0, 4)
-    engine = MixedPrecision(model, opt, "bf16-master", grad_accum_steps=2,
-                            max_grad_norm=1.0, scheduler=sched)
+    engine = MixedPrecision(model, opt, "bf16-master", grad_accum_steps=2, scheduler=sched)
     data, losses = _data(14), []
     for i in range(7):
         ids = torch.stack([data[2 * i + k]["input_ids"] for k in range(2)])
@@ -120,6 +121,8 @@ def test_the_short_window_at_an_epochs_end_updates(tmp_path):
             engine.backward(loss)
         else:  # the window of one, as Trainer divides it (by 1)
             engine.backward(loss, divided=True, last=True)
+        if i % 2 == 1 or i == 6:  # Trainer's clip to max_grad_norm, at each window's end
+            engine.clip_grad_norm_(1.0)
         engine.step()
     assert t.losses == losses
     got, want = t.engine.fp32_state_dict(), engine.fp32_state_dict()
@@ -166,3 +169,61 @@ def test_trainer_ddp_on_two_cpu_processes_agrees_on_skips_and_weights(tmp_path):
     assert r0["model"] == "DistributedDataParallel"
     assert r0["steps"] == r1["steps"] == 6 and r0["skipped"] == r1["skipped"] == 1
     assert r0["weights"] == r1["weights"]
+
+
+class _Norms(transformers.TrainerCallback):
+    """Trainer's logged ``grad_norm`` of each step (logging_steps=1), and before each
+    optimizer step the float64 norm of the engine's gradients over its loss scale."""
+
+    def __init__(self):
+        self.norms, self.true = [], []
+        self.trainer = None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        engine = getattr(self.trainer, "engine", None)
+        if engine is not None:
+            scale = engine.scale.double()
+            sq = sum(((g.double() / scale) ** 2).sum() for g in
+                     engine.param_state.gradients())
+            self.true.append(float(sq.sqrt()))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "grad_norm" in logs:
+            self.norms.append(logs["grad_norm"])
+
+
+def _logged_norms(trainer_cls, steps, out, **kw):
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=2,
+        learning_rate=3e-3, max_grad_norm=1e-3, logging_steps=1, report_to=[],
+        use_cpu=True, seed=0, data_seed=0, save_strategy="no", disable_tqdm=True,
+        optim="adamw_torch", weight_decay=0.0)
+    norms = _Norms()
+    t = trainer_cls(model=_model(), args=args, train_dataset=_data(8), callbacks=[norms],
+                    **kw)
+    norms.trainer = t
+    t._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(
+        t.train_dataset)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.train()
+    return t, norms
+
+
+def test_trainer_logs_the_true_grad_norm_and_clips_to_max_grad_norm(tmp_path):
+    """Trainer's own ``max_grad_norm`` clip and its logged ``grad_norm``: under
+    ``fp32,master=fp32`` the logged norms and the trained weights equal plain Trainer's
+    exactly (max_grad_norm=1e-3, so every update is clipped); under ``fp16-master`` the
+    logged norm is the norm of the unscaled gradients (the loss scale divided out)."""
+    plain, want = _logged_norms(transformers.Trainer, 3, tmp_path / "plain")
+    ours, got = _logged_norms(MixedPrecisionTrainer, 3, tmp_path / "ours",
+                              recipe="fp32,master=fp32")
+    assert len(want.norms) == 3 and got.norms == want.norms
+    plain_sd = plain.model.state_dict()
+    assert all(torch.equal(v, plain_sd[k]) for k, v in ours.engine.export_state_dict().items())
+    for recipe in ("bf16-master", "fp16-master"):
+        half, got = _logged_norms(MixedPrecisionTrainer, 3, tmp_path / recipe, recipe=recipe)
+        assert len(got.norms) == len(got.true) == 3
+        for n, t in zip(got.norms, got.true):
+            assert abs(n / t - 1) <= 1e-5, (recipe, n, t)
+    assert float(half.engine.scale) > 1  # fp16: the gradients were scaled

@@ -279,3 +279,95 @@ def test_fabric_ddp_on_two_cpu_processes_agrees_on_skips_and_weights(tmp_path):
     assert r0["model"] == "DistributedDataParallel"
     assert r0["steps"] == r1["steps"] == 6 and r0["skipped"] == r1["skipped"] == 1
     assert r0["weights"] == r1["weights"]
+
+
+# --- the frameworks' own clip calls ----------------------------------------------------
+
+class LitMLP(pl.LightningModule):
+    """Plain Lightning; ``poison``: global steps whose loss is multiplied by inf."""
+
+    def __init__(self, poison=()):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                       torch.nn.Linear(32, 4))
+        self.poison = set(poison)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        return loss * float("inf") if self.global_step in self.poison else loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _mlp_batches(n):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g))
+            for _ in range(n)]
+
+
+def _fit_mlp(plugins, clip, algorithm=None, module=None, steps=4):
+    module = module or LitMLP()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, plugins=plugins,
+                         gradient_clip_val=clip, gradient_clip_algorithm=algorithm,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, torch.utils.data.DataLoader(_mlp_batches(steps),
+                                                        batch_size=None))
+    return module, trainer
+
+
+def test_lightning_gradient_clip_val_clips_as_plain_lightning_does():
+    """Trainer(gradient_clip_val=1e-3) clips every update. Under fp32,master=fp32 the
+    trained weights equal plain Lightning's bit for bit; by value is refused with the
+    fix."""
+    plain, _ = _fit_mlp([], 1e-3)
+    ours, trainer = _fit_mlp([MixedPrecisionPlugin("fp32,master=fp32")], 1e-3)
+    engine = trainer.precision_plugin.engine
+    want = plain.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in engine.export_state_dict().items())
+    free, _ = _fit_mlp([], None)
+    assert not torch.equal(free.net[0].weight, plain.net[0].weight)  # the clip mattered
+    with pytest.raises(NotImplementedError, match="gradient_clip_algorithm='norm'"):
+        _fit_mlp([MixedPrecisionPlugin("bf16-master")], 0.5, algorithm="value")
+
+
+def test_fabric_clip_gradients_returns_the_true_norm_and_skips_an_overflow():
+    """fabric.clip_gradients(model, optimizer, max_norm=...) under fp16-master: the norm
+    of the unscaled fp32 gradients (the loss scale divided out), and the clip of that
+    update; on an inf loss it returns a non-finite norm, nothing raises, and the step is
+    skipped with the masters unchanged."""
+    from lightning.fabric import Fabric
+
+    from mixprec.integrations.lightning import setup_fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    net = LitMLP().net
+    model, optimizer = setup_fabric(fabric, net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                    recipe="fp16-master")
+    engine = optimizer.engine
+    for i, (x, y) in enumerate(_mlp_batches(4)):
+        with engine.autocast():
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        fabric.backward(loss * float("inf") if i == 2 else loss)
+        before = [m.detach().clone() for m in engine.master_params]
+        scale = engine.scale.double()
+        grads = [g.double() / scale for g in engine.param_state.gradients()]
+        norm = fabric.clip_gradients(model, optimizer, max_norm=1e-3)
+        optimizer.step()
+        if i == 2:
+            assert not torch.isfinite(norm) and optimizer.step_was_skipped
+            assert all(torch.equal(a, b) for a, b in zip(before, engine.master_params))
+            continue
+        true = float(sum((g ** 2).sum() for g in grads).sqrt())
+        assert abs(float(norm) / true - 1) <= 1e-5 and float(scale) > 1
+        coef = min(1.0, 1e-3 / (true + 1e-6))
+        for w0, g, w in zip(before, grads, engine.master_params):
+            torch.testing.assert_close(w.double(), w0.double() - 0.1 * coef * g,
+                                       rtol=1e-6, atol=1e-9)
+    with pytest.raises(NotImplementedError, match="max_norm"):
+        fabric.clip_gradients(model, optimizer, clip_val=0.5)

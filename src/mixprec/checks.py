@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 
 import torch
 from torch import nn
@@ -18,7 +19,8 @@ from mixprec.context import check_wgrad, device_supports
 from mixprec.master import ParamState, updated_dtype
 from mixprec.recipe import Recipe
 
-__all__ = ["check_model", "check_device", "check_optimizers", "check_parallel_kwargs",
+__all__ = ["warn_low_precision_loss", "check_model", "check_device", "check_optimizers",
+           "check_parallel_kwargs",
            "check_fsdp_units", "check_fp8_filter", "param_counts", "takes_found_inf",
            "fused_updates", "check_backward", "check_optimizer_precision"]
 
@@ -230,6 +232,26 @@ def check_fsdp_units(parallel: str | None, units, model: nn.Module):
         return units
     raise TypeError(f"fsdp_units={units!r}: give an nn.Module subclass, a tuple of them, "
                     "or a callable module -> bool (or None for each ModuleList element)")
+
+
+def warn_low_precision_loss(loss: torch.Tensor, recipe) -> bool:
+    """Warn (and return True) where the loss reached ``backward`` in fp16 or bf16: it was
+    computed outside ``engine.autocast()`` (where losses run in fp32) on 16-bit outputs.
+    It has lost precision, and under fp16 loss scaling the scaled gradient that enters
+    it (the scale itself, 65536 at the start) overflows fp16: steps are skipped until
+    the scale drops below 65504."""
+    if loss.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    fp16_scaled = loss.dtype == torch.float16 and recipe.loss_scale != "none"
+    scaled = (" Under loss scaling its scaled gradient overflows fp16, so the first "
+              "steps are skipped." if fp16_scaled else "")
+    warnings.warn(
+        f"the loss reached backward() as {loss.dtype} (recipe {str(recipe)!r}): it was "
+        "computed outside engine.autocast() on 16-bit outputs, so it ran in 16 bits, not "
+        f"in fp32.{scaled} Compute the loss under engine.autocast() (losses run in fp32 "
+        "there), or upcast the logits first: F.cross_entropy(logits.float(), y).",
+        stacklevel=3)
+    return True
 
 
 def check_backward(loss, micro: int, grad_accum_steps: int, param_state,

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from mixprec import checkpoint
-from mixprec.checks import check_backward
+from mixprec.checks import check_backward, warn_low_precision_loss
 from mixprec.context import precision_context, recompute_context, run_backward
 from mixprec.recipe import Recipe
 from mixprec.scaler import LossScaler
@@ -142,6 +142,7 @@ class MixedPrecision:
         # the patched forwards belong to this engine: undone by close() or when the
         # engine is collected (the finalizer holds the undo function, not the engine)
         self._undo_islands = weakref.finalize(self, parts.undo_islands)
+        self._warned_loss = False
         warn_kernel_choices(r, self.kernels, self.device)
 
     # --- the loop ---------------------------------------------------------------------
@@ -172,6 +173,8 @@ class MixedPrecision:
         accumulates only what its own ``backward`` calls make."""
         c, state = self.counters, self.param_state
         check_backward(loss, c.micro, self.grad_accum_steps, state, c.closed, last)
+        if not self._warned_loss:
+            self._warned_loss = warn_low_precision_loss(loss, self.recipe)
         scaled = self.scaler.scale_loss(loss, 1 if divided else self.grad_accum_steps)
         last = c.micro == self.grad_accum_steps - 1 if last is None else last
         state.drop_stray_grads(fresh=c.micro == 0)
@@ -205,10 +208,39 @@ class MixedPrecision:
         found_inf, norm = self._step()
         return StepResult(False, found_inf > 0, self.scaler.scale, norm)
 
+    def clip_grad_norm_(self, max_norm: float | None = None,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """The true total norm of this window's gradients, and with ``max_norm`` a clip
+        to it at the update: what ``torch.nn.utils.clip_grad_norm_`` returns and does in
+        fp32 training. The gradients are the ones the optimizer will see: unscaled (the
+        loss scale divided out), fp32, summed over micro-batches and reduced across
+        ranks. The norm is a device tensor (no host sync); reading it syncs.
+
+        Call it after the window's last ``backward`` and before ``step()``; the clip
+        applies to that step only, in place of ``max_grad_norm``. Where a gradient is
+        non-finite the norm is inf or NaN and the step will be skipped; nothing raises
+        (torch's ``error_if_nonfinite`` would). The frameworks' clip calls
+        (``mixprec.integrations``) come here. Only the L2 norm: other ``norm_type``
+        values raise."""
+        if norm_type != 2.0:
+            raise NotImplementedError(
+                f"norm_type={norm_type!r}: the engine's norm is the L2 norm (its skip "
+                "decision and its clip use it); clip with norm_type=2")
+        if max_norm is not None and not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0 or None, got {max_norm!r}")
+        c = self.counters
+        if c.micro == 0 or (c.micro < self.grad_accum_steps and not c.closed):
+            raise RuntimeError(
+                f"clip_grad_norm_ after {c.micro} of {self.grad_accum_steps} micro-batches: "
+                "the gradients are complete (and reduced across ranks) only after the "
+                "window's last backward. Clip there, just before step().")
+        return self._step.clip(max_norm)
+
     def zero_grad(self) -> None:
         """Drop any accumulated gradients and start a fresh accumulation."""
         for p in self.param_state.working:
             p.grad = None
+        self._step._checked = self._step._clip_once = None
         self.param_state.zero()
         self.counters.micro = self.counters.seen = 0
         self.counters.closed = False
@@ -244,6 +276,21 @@ class MixedPrecision:
         ``full=True`` whole tensors (a collective: every rank calls it)."""
         weights = checkpoint.fp32_weights(self.module, self.param_state)
         return self.parallelism.gather(weights) if full else weights
+
+    def export_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The trained model to hand on: what every framework's export writes (its
+        ``save_model``, ``save_pretrained``, ``get_state_dict``, checkpoint files).
+
+        Whole tensors keyed by the model's own ``state_dict`` names, with the fp32
+        masters in place of the 16-bit working copy and no fp8 scaling state, so it
+        loads with ``load_state_dict(strict=True)`` into the plain fp32 model; with
+        ``dtype``, floating tensors are cast to it (one rounding of the masters). Under
+        FSDP it gathers the shards: every rank calls it."""
+        weights = self.fp32_state_dict(full=True)
+        if dtype is not None:
+            weights = {k: v.to(dtype) if v.is_floating_point() else v
+                       for k, v in weights.items()}
+        return weights
 
     def state_dict(self, full: bool = False) -> dict:
         """Everything to resume bit-identically; loads with ``weights_only=True``.

@@ -83,34 +83,63 @@ class Step:
         self._cpu_fp32 = device.type == "cpu" and param_state.recipe.grads == "fp32"
         self.skips = SkipWatch(device)
         self.counters = Counters()
+        #: ``(found_inf, true norm)`` of the window's gradients, once a framework's clip
+        #: call asked for them (``clip``), so the step does not compute them again
+        self._checked: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: a clip that call asked for: this update's max norm, in place of the engine's
+        self._clip_once: float | None = None
 
-    def check(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(found_inf, true norm)``: the one skip decision, agreed across ranks."""
-        norm_scaled = global_norm(grads, self.device, self._cpu_fp32,
-                                  self.parallel.norm_reduce)
+    def clip(self, max_norm: float | None) -> torch.Tensor:
+        """The true norm of the window's gradients (unscaled, fp32, reduced across
+        ranks), and with ``max_norm`` a clip to it at this window's update. Computed
+        once: the update reuses it. Non-finite where the update will be skipped."""
+        if self._checked is None:
+            self._checked = self.check(self.parallel.local(self.param_state.gradients()),
+                                       as_torch=True)
+        if max_norm is not None:
+            self._clip_once = max_norm
+        return self._checked[1]
+
+    def check(self, grads: list[torch.Tensor],
+              as_torch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(found_inf, true norm)``: the one skip decision, agreed across ranks.
+        ``as_torch``: in one process, the norm summed as ``clip_grad_norm_`` sums it
+        (per-tensor norms, then the norm of those), so a framework's clip call reads
+        torch's value to the bit in fp32 training."""
+        if as_torch and self.parallel.norm_reduce is None and grads:
+            wide = all(g.dtype == torch.float32 for g in grads)
+            norms = (torch._foreach_norm(grads, 2.0) if wide else
+                     torch._foreach_norm(grads, 2.0, dtype=torch.float32))
+            norm_scaled = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        else:
+            norm_scaled = global_norm(grads, self.device, self._cpu_fp32,
+                                      self.parallel.norm_reduce)
         found_inf = self.parallel.agree_max_((~torch.isfinite(norm_scaled)).float())
         return found_inf, (norm_scaled / self.scaler.scale if self.scaler.scaled
                            else norm_scaled)
 
-    def grad_scale(self, norm: torch.Tensor) -> torch.Tensor | None:
+    def grad_scale(self, norm: torch.Tensor, max_norm: float | None) -> torch.Tensor | None:
         """What fused optimizers divide each gradient by: the loss scale over the clip
         coefficient (None: nothing to divide)."""
         scaled = self.scaler.scaled
         grad_scale = self.scaler.scale if scaled else None
-        if self.max_grad_norm is not None:
-            grad_scale = (grad_scale if scaled else 1.0) / clip_coef(norm, self.max_grad_norm)
+        if max_norm is not None:
+            grad_scale = (grad_scale if scaled else 1.0) / clip_coef(norm, max_norm)
         return grad_scale
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the step; returns ``(found_inf, grad_norm)`` as device tensors."""
         grads = self.parallel.local(self.param_state.gradients())
-        found_inf, norm = self.check(grads)
+        checked, self._checked = self._checked, None
+        max_norm = self._clip_once if self._clip_once is not None else self.max_grad_norm
+        self._clip_once = None
+        found_inf, norm = checked if checked is not None else self.check(grads)
         if self.in_kernel:
-            grad_scale = self.grad_scale(norm)
+            grad_scale = self.grad_scale(norm, max_norm)
         else:
             self.scaler.unscale_(grads)  # its own inf check is implied by the norm's
-            if self.max_grad_norm is not None:
-                torch._foreach_mul_(grads, clip_coef(norm, self.max_grad_norm))
+            if max_norm is not None:
+                torch._foreach_mul_(grads, clip_coef(norm, max_norm))
             grad_scale = None
         self.param_state.hand_to_optimizer()
         for opt, fused in zip(self.optimizers, self.fused):

@@ -30,6 +30,15 @@ changes. What ``prepare`` does:
   over ``Accelerator(gradient_accumulation_steps=k)`` micro-batches, reduces once per
   window, and ends a window where ``accumulate`` does (early at a data loader's end),
   dividing by ``k`` as Accelerate does.
+- **Clipping.** ``accelerator.clip_grad_norm_(model.parameters(), max_norm)`` is
+  ``engine.clip_grad_norm_(max_norm)``: it returns the true total norm (unscaled, fp32,
+  reduced across processes) and clips the window's update to ``max_norm``. On an
+  overflow it returns inf and the step is skipped. Call it under
+  ``if accelerator.sync_gradients:``. ``clip_grad_value_`` is refused, naming the fix.
+- **Export.** ``accelerator.get_state_dict(model)``, ``accelerator.save_model(model,
+  dir)`` and ``accelerator.unwrap_model(model).save_pretrained(dir)`` write the fp32
+  masters (``engine.export_state_dict()``) under the model's own names, which load
+  strictly into the plain fp32 model; ``save_pretrained``'s config says float32.
 - **Checkpoints.** The engine is registered with ``register_for_checkpointing``:
   ``accelerator.save_state(dir)`` holds its whole state (model, fp32 masters,
   optimizer, loss scale, counters, schedulers) beside Accelerate's RNG and sampler
@@ -133,6 +142,71 @@ def _warn_single_cpu_launch(accelerator: Accelerator) -> None:
             stacklevel=3)
 
 
+def _route_clip_and_export(accelerator: Accelerator, engine: MixedPrecision) -> None:
+    """Accelerate's clip and export calls on this accelerator go to the engine: the
+    norm of the true gradients (which have left the parameters' ``.grad`` for the
+    engine's buffers), and the fp32 masters in place of the 16-bit working copy."""
+    def clip_grad_norm_(parameters, max_norm, norm_type=2):
+        if not accelerator.sync_gradients:
+            raise RuntimeError(
+                "accelerator.clip_grad_norm_ inside an accumulation window: under a "
+                "mixprec recipe the gradients are complete (and reduced) only at the "
+                "window's end. Clip under `if accelerator.sync_gradients:`, as "
+                "Accelerate's gradient accumulation guide does.")
+        return engine.clip_grad_norm_(max_norm, norm_type)
+
+    def clip_grad_value_(parameters, clip_value):
+        raise NotImplementedError(
+            "accelerator.clip_grad_value_ under a mixprec recipe: the engine clips by "
+            "norm, inside its step, on the unscaled fp32 gradients. Use "
+            "accelerator.clip_grad_norm_(model.parameters(), max_norm), or "
+            "prepare(..., max_grad_norm=...).")
+
+    inner_get = accelerator.get_state_dict
+
+    def get_state_dict(model, unwrap: bool = True):
+        if _unwrapped(accelerator, model) is engine.module:
+            return engine.export_state_dict()
+        return inner_get(model, unwrap=unwrap)
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_
+    accelerator.clip_grad_value_ = clip_grad_value_
+    accelerator.get_state_dict = get_state_dict  # save_model writes what this returns
+    _export_pretrained(engine)
+
+
+def _unwrapped(accelerator: Accelerator, model):
+    try:
+        return accelerator.unwrap_model(model)
+    except Exception:  # noqa: BLE001 - not a model Accelerate can unwrap
+        return model
+
+
+def _export_pretrained(engine: MixedPrecision) -> None:
+    """A Hugging Face model's own ``save_pretrained`` (``accelerator.unwrap_model(m)
+    .save_pretrained(dir)``, the documented export) writes the fp32 masters, and a
+    config that says float32, unless it is given a ``state_dict`` of the caller's."""
+    model = engine.module
+    inner = getattr(model, "save_pretrained", None)
+    if inner is None or not callable(inner):
+        return
+
+    def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
+        if state_dict is not None:
+            return inner(save_directory, *args, state_dict=state_dict, **kwargs)
+        out = inner(save_directory, *args, state_dict=engine.export_state_dict(), **kwargs)
+        config = getattr(model, "config", None)
+        if kwargs.get("is_main_process", True) and hasattr(config, "save_pretrained"):
+            import copy
+
+            saved = copy.deepcopy(config)
+            saved.dtype = "float32"  # the dtype of the weights just written
+            saved.save_pretrained(save_directory)
+        return out
+
+    model.save_pretrained = save_pretrained
+
+
 def prepare(accelerator: Accelerator, *objects: Any, recipe: Recipe | str,
             parallel: str = "ddp", **engine_kwargs: Any) -> Any:
     """``objects`` prepared as ``accelerator.prepare`` would, in the same order, with
@@ -163,6 +237,7 @@ def prepare(accelerator: Accelerator, *objects: Any, recipe: Recipe | str,
                             f"not {sorted(kwargs)}")
 
     accelerator.backward = backward
+    _route_clip_and_export(accelerator, engine)
     accelerator.register_for_checkpointing(EngineCheckpoint(engine))
     out = list(objects)
     out[mi], out[oi] = net, EngineOptimizer(engine, inner)

@@ -11,10 +11,12 @@ Lightning has set them up (``Precision.connect``), and from then on:
 - each backward is ``engine.backward``: loss scaling, fp32 gradient buffers. Lightning
   has already divided the loss by ``accumulate_grad_batches``, so the engine's
   ``grad_accum_steps`` is that number and it only scales (``divided=True``);
-- the optimizer step is ``engine.step()``: the non-finite check, unscaled clipping to
-  ``gradient_clip_val`` (by norm; clipping by value raises), the optimizer on the fp32
-  masters, and a skipped step that leaves everything as it was. Lightning's LR schedulers
-  do not advance on a skipped step;
+- Lightning's clip (``gradient_clip_val``, through the precision plugin's
+  ``clip_gradients``, also from a module's ``configure_gradient_clipping``) clips the
+  unscaled fp32 gradients by norm (``engine.clip_grad_norm_``; by value raises);
+- the optimizer step is ``engine.step()``: the non-finite check, the clip, the
+  optimizer on the fp32 masters, and a skipped step that leaves everything as it was.
+  Lightning's LR schedulers do not advance on a skipped step;
 - checkpoints: the plugin's state is the engine's whole ``state_dict`` (masters, loss
   scale, counters, fp8 state), and the checkpoint's ``state_dict`` is replaced by the
   fp32 weights (``engine.fp32_state_dict()``), so a fresh LightningModule loads it
@@ -42,6 +44,7 @@ the engine needs for its masters, so it gets ``setup_fabric`` in place of
     model, optimizer = setup_fabric(fabric, model, optimizer, recipe="bf16-master")
     loss = model(x, y)          # the forward runs under the recipe
     fabric.backward(loss)       # engine.backward
+    fabric.clip_gradients(model, optimizer, max_norm=1.0)   # engine.clip_grad_norm_
     optimizer.step()            # engine.step; optimizer.zero_grad() does nothing
     fabric.save(path, {"mixprec": optimizer.engine, ...})   # fabric.load restores it
 """
@@ -109,18 +112,19 @@ class MixedPrecisionPlugin(Precision):
                 "MixedPrecisionPlugin with manual optimization: call engine.backward / "
                 "engine.step yourself (plugin.engine) or use automatic optimization")
         trainer = model.trainer
-        if trainer.gradient_clip_algorithm not in (None, "norm"):
+        algorithm = getattr(trainer.gradient_clip_algorithm, "value",
+                            trainer.gradient_clip_algorithm)
+        if algorithm not in (None, "norm"):
             raise NotImplementedError(
-                f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: mixprec "
-                "clips by norm only (unscaled, inside engine.step). Use 'norm'.")
-        clip = trainer.gradient_clip_val or None
+                f"gradient_clip_algorithm={algorithm!r}: mixprec clips by norm only "
+                "(unscaled, inside engine.step). Use gradient_clip_algorithm='norm'.")
         parallel = {}
         if ddp:
             parallel = {"parallel": "ddp",
                         "parallel_kwargs": dict(getattr(trainer.strategy, "_ddp_kwargs", {}))}
         self.engine = MixedPrecision(model, optimizers, self.recipe,
                                      grad_accum_steps=trainer.accumulate_grad_batches,
-                                     max_grad_norm=clip, **parallel, **self.engine_kwargs)
+                                     **parallel, **self.engine_kwargs)
         if self._pending is not None:
             self.engine.load_state_dict(self._pending)
             self._pending = None
@@ -170,7 +174,19 @@ class MixedPrecisionPlugin(Precision):
         return result
 
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
-        """Nothing: the engine clips the unscaled gradients inside its step."""
+        """Lightning's clip (``gradient_clip_val``, or a module's own
+        ``configure_gradient_clipping`` calling ``self.clip_gradients``): the engine
+        clips this update's unscaled fp32 gradients to ``clip_val`` by norm
+        (``engine.clip_grad_norm_``). On an overflow step the step is skipped, nothing
+        raises. Clipping by value is refused, naming the fix."""
+        if not clip_val:
+            return
+        algorithm = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)
+        if algorithm not in (None, "norm"):
+            raise NotImplementedError(
+                f"gradient_clip_algorithm={algorithm!r}: mixprec clips by norm only "
+                "(unscaled, inside engine.step). Use gradient_clip_algorithm='norm'.")
+        self.engine.clip_grad_norm_(float(clip_val))
 
     # --- checkpoints -------------------------------------------------------------------
 
@@ -241,5 +257,23 @@ def setup_fabric(fabric, model, optimizer, *, recipe: Recipe | str, scheduler=No
         engine.backward(loss, retain_graph=kwargs.get("retain_graph", False))
 
     fabric.backward = backward
+    inner_clip = fabric.clip_gradients
+
+    def clip_gradients(module, optimizer, clip_val=None, max_norm=None, norm_type=2.0,
+                       error_if_nonfinite=True):
+        if getattr(optimizer, "engine", None) is not engine:
+            return inner_clip(module, optimizer, clip_val=clip_val, max_norm=max_norm,
+                              norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
+        if clip_val is not None:
+            raise NotImplementedError(
+                "fabric.clip_gradients(clip_val=...) under a mixprec recipe: the engine "
+                "clips by norm, on the unscaled fp32 gradients inside its step. Use "
+                "fabric.clip_gradients(model, optimizer, max_norm=...).")
+        if max_norm is None:
+            raise ValueError("fabric.clip_gradients needs max_norm (or clip_val)")
+        # the true norm; an overflow returns inf and the step is skipped, never raises
+        return engine.clip_grad_norm_(float(max_norm), norm_type)
+
+    fabric.clip_gradients = clip_gradients
     out = (engine.model, EngineOptimizer(engine, optimizer))
     return out + (EngineScheduler(scheduler),) if scheduler is not None else out

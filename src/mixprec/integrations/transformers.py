@@ -16,9 +16,11 @@ points:
   the loss for accumulation (or normalised it by the window's token count). The
   micro-batch Trainer syncs on ends the engine's window, so the short window at an
   epoch's end updates there;
+- Trainer's clip (``accelerator.clip_grad_norm_`` with ``max_grad_norm``) is
+  ``engine.clip_grad_norm_``: the true norm of the unscaled fp32 gradients, logged as
+  ``grad_norm``, and the clip of that update;
 - the optimizer Trainer steps is a proxy whose ``step()`` is ``engine.step()``: the
-  non-finite check, unscaled clipping to ``max_grad_norm`` (Trainer's own clipping is
-  turned off), the update of the fp32 masters. A skipped step is reported to
+  non-finite check, the clip, the update of the fp32 masters. A skipped step is reported to
   Accelerate as one, so Trainer does not advance the LR scheduler;
 - ``save_steps`` checkpoints hold the fp32 weights as the model's (``save_pretrained``
   loads them into a fresh model) and the engine's state (``mixprec_engine.pt``: masters,
@@ -35,6 +37,7 @@ DeepSpeed (Trainer's ``fsdp=`` / ``deepspeed=``) raise ``NotImplementedError``.
 from __future__ import annotations
 
 import copy
+import math
 import os
 from typing import Any
 
@@ -73,6 +76,8 @@ class MixedPrecisionTrainer(Trainer):
                 "add Accelerate's autocast on top of the recipe; leave them False and "
                 f"let recipe={str(self.recipe)!r} set the precision")
         self.accelerator.backward = self._backward
+        self._plain_clip = self.accelerator.clip_grad_norm_
+        self.accelerator.clip_grad_norm_ = self._clip_grad_norm_
 
     # --- the engine ----------------------------------------------------------------
 
@@ -86,7 +91,7 @@ class MixedPrecisionTrainer(Trainer):
         self.engine = MixedPrecision(
             self.model, inner, self.recipe,
             grad_accum_steps=self.args.gradient_accumulation_steps,
-            max_grad_norm=self.args.max_grad_norm or None, parallel=parallel,
+            parallel=parallel,  # Trainer's max_grad_norm comes by its own clip call
             **self.engine_kwargs)
         self.optimizer = EngineOptimizer(self.engine, inner, self._record_skip)
         return self.optimizer
@@ -115,12 +120,15 @@ class MixedPrecisionTrainer(Trainer):
             return self.engine.model
         return super()._wrap_model(model, training, dataloader)
 
-    def _clip_grad_norm(self, model):
-        """Nothing: the engine clips the unscaled gradients inside its step."""
-        return None
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        return grad_norm
+    def _clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """Trainer's clip (``accelerator.clip_grad_norm_``, with ``max_grad_norm``, or
+        with inf for the logged norm alone): the engine's true norm (unscaled, fp32,
+        reduced across processes), which Trainer logs as ``grad_norm``, and the clip
+        of this update. An overflow step returns inf and is skipped; nothing raises."""
+        if self.engine is None:
+            return self._plain_clip(parameters, max_norm, norm_type)
+        return self.engine.clip_grad_norm_(None if math.isinf(max_norm) else max_norm,
+                                           norm_type)
 
     # --- checkpoints ----------------------------------------------------------------
 
