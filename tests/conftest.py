@@ -58,6 +58,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def require_cpu_scaled_mm() -> None:
+    """Skip the calling test unless torch._scaled_mm runs on this CPU now. Under
+    ``ONEDNN_MAX_CPU_ISA=AVX2`` on an AVX-512 chip (the mimic of a CPU without bf16
+    units) oneDNN stops creating its fp8 matmul once a 16-bit matmul has run."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    one = torch.ones(())
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"torch._scaled_mm does not run on this CPU here: {str(e)[:80]}")
+
+
 @pytest.fixture
 def measured(monkeypatch):
     """No pinned path (``--path``): for tests of what ``auto`` measures and decides."""

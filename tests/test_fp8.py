@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import TiedLM, tiny_gpt
+from conftest import TiedLM, require_cpu_scaled_mm, tiny_gpt
 from mixprec import MixedPrecision, formats
 from mixprec.fp8 import Float8Linear, convert, fp8_gemm, update_delayed_scales
 from mixprec.fp8.scaling import cast_rowwise, cast_to_fp8
@@ -106,6 +106,7 @@ def test_cast_saturates_and_rounds_like_formats_quantize():
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_gemm_backends_against_float64(out_dtype):
+    require_cpu_scaled_mm()
     g = torch.Generator().manual_seed(0)
     a = (torch.randn(32, 64, generator=g) * 50).to(torch.float8_e4m3fn)
     b = (torch.randn(48, 64, generator=g) * 3000).to(torch.float8_e5m2)
@@ -172,6 +173,8 @@ def test_rowwise_gemms_equal_float64_products_of_the_quantized_operands(gemm):
     reference-quantized operands, each cast along the axis its GEMM contracts: x per
     token and per feature, w per output and per input channel, g per token and per
     output channel. fp32 outputs, so only the summation order differs."""
+    if gemm == "scaled_mm":
+        require_cpu_scaled_mm()
     torch.manual_seed(0)
     lin = nn.Linear(128, 96, bias=False)
     f8 = Float8Linear.from_linear(lin, f"fp8-rowwise,fp8_gemm={gemm}")

@@ -227,3 +227,47 @@ def test_trainer_logs_the_true_grad_norm_and_clips_to_max_grad_norm(tmp_path):
         for n, t in zip(got.norms, got.true):
             assert abs(n / t - 1) <= 1e-5, (recipe, n, t)
     assert float(half.engine.scale) > 1  # fp16: the gradients were scaled
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoints_masters(tmp_path):
+    """load_best_model_at_end with the highest eval loss as "best" (an early
+    checkpoint, not the last): after train(), save_model writes that checkpoint's
+    fp32 masters, bit for bit, as plain Trainer writes its best weights."""
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=2,
+        learning_rate=3e-2, eval_strategy="steps", eval_steps=1, save_strategy="steps",
+        save_steps=1, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+        greater_is_better=True, report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    t = MixedPrecisionTrainer(model=_model(), args=args, train_dataset=_data(8),
+                              eval_dataset=_data(4), recipe="bf16-master")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.train()
+    best = t.state.best_model_checkpoint
+    assert best is not None and not best.endswith("checkpoint-3")  # not the last
+    state = torch.load(f"{best}/mixprec_engine.pt", weights_only=True)
+    t.save_model(str(tmp_path / "final"))
+    final = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "final")
+    names = [n for n, p in t.model.named_parameters() if p.requires_grad]
+    got = dict(final.named_parameters())
+    for name, master in zip(names, state["engine"]["masters"], strict=True):
+        assert torch.equal(got[name].detach(), master), name
+
+
+def test_a_second_train_on_the_same_trainer_goes_on_with_the_same_engine(tmp_path):
+    """trainer.train() twice, as plain Trainer allows: the second call keeps the engine
+    (and its masters) and trains max_steps more, with evaluate() and predict() between."""
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
+        report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
+    t = MixedPrecisionTrainer(model=_model(), args=args, train_dataset=_data(8),
+                              eval_dataset=_data(4), recipe="bf16-master")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.train()
+        engine, first = t.engine, [m.detach().clone() for m in t.engine.master_params]
+        assert "eval_loss" in t.evaluate()
+        assert t.predict(_data(2)).predictions is not None
+        t.train()
+    assert t.engine is engine and engine.steps == 4 and t.state.global_step == 2
+    assert not all(torch.equal(a, b) for a, b in zip(first, engine.master_params))

@@ -3,6 +3,7 @@ under MixedPrecisionPlugin exactly as mixprec's own loop trains it."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -72,22 +73,27 @@ def _fit(recipe, batches, max_steps, accum=1, clip=None, module=None, ckpt=None)
     return module, trainer
 
 
-def _own_loop(recipe, batches, steps, accum=1, clip=None):
-    """mixprec's own loop over the same module, optimizer, schedule and data."""
+def _own_loop(recipe, batches, steps, accum=1, clip=None, clip_call=False):
+    """mixprec's own loop over the same module, optimizer, schedule and data; the clip by
+    ``max_grad_norm``, or with ``clip_call`` as a trainer asks for it (the engine's
+    ``clip_grad_norm_`` at each window's end, torch's norm)."""
     torch.manual_seed(0)
     gpt = GPT(CFG)
     opt = torch.optim.AdamW(gpt.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    engine = MixedPrecision(gpt, opt, recipe, grad_accum_steps=accum, max_grad_norm=clip)
+    engine = MixedPrecision(gpt, opt, recipe, grad_accum_steps=accum,
+                            max_grad_norm=None if clip_call else clip)
     losses = []
     it = iter(batches * 10)
     for _ in range(steps):
-        for _ in range(accum):
+        for j in range(accum):
             b = next(it)
             with engine.autocast():
                 loss = gpt(b[:, :-1], b[:, 1:])
             losses.append(loss.item())
             engine.backward(loss)
+            if clip_call and clip and j == accum - 1:
+                engine.clip_grad_norm_(clip)
             out = engine.step()
         if not out.skipped:
             sched.step()
@@ -98,10 +104,11 @@ def _own_loop(recipe, batches, steps, accum=1, clip=None):
 def test_lightning_trains_as_mixprecs_own_loop_bit_for_bit(recipe):
     """Same seed and data, accumulation over 2 micro-batches (a power of two, so
     Lightning's loss / 2 then scale equals the engine's loss * scale / 2 exactly), and
-    clipping at 1.0: every micro-batch's loss is equal."""
+    clipping at 1.0 (Lightning's gradient_clip_val: the engine's clip_grad_norm_ at each
+    window's end): every micro-batch's loss is equal."""
     batches = _batches(8)
     module, trainer = _fit(recipe, batches, 4, accum=2, clip=1.0)
-    want, _ = _own_loop(recipe, batches, 4, accum=2, clip=1.0)
+    want, _ = _own_loop(recipe, batches, 4, accum=2, clip=1.0, clip_call=True)
     assert module.losses == want
     plugin = trainer.precision_plugin
     assert isinstance(plugin, MixedPrecisionPlugin) and plugin.engine.steps == 4
@@ -371,3 +378,69 @@ def test_fabric_clip_gradients_returns_the_true_norm_and_skips_an_overflow():
                                        rtol=1e-6, atol=1e-9)
     with pytest.raises(NotImplementedError, match="max_norm"):
         fabric.clip_gradients(model, optimizer, clip_val=0.5)
+
+
+class _EpochLR(LitMLP):
+    """A StepLR (step_size=1, gamma=0.5) stepped per epoch; 2 batches an epoch."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+
+    def on_train_epoch_start(self):
+        self.epoch_lrs = getattr(self, "epoch_lrs", [])
+        self.epoch_lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def test_a_skip_at_an_epochs_end_does_not_hold_a_per_epoch_scheduler():
+    """fp16 with the last step of epoch 0 overflowing (global step 1 of 2 per epoch): the
+    step is skipped, and the per-epoch StepLR still halves at each epoch's end, as plain
+    Lightning's does over the same epochs."""
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=3,
+                         plugins=[MixedPrecisionPlugin("fp16-master")], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    module = _EpochLR(poison={1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, torch.utils.data.DataLoader(_mlp_batches(2), batch_size=None))
+    assert int(trainer.precision_plugin.engine.skipped_steps) == 1
+    assert module.epoch_lrs == [0.1, 0.05, 0.025]
+
+
+def test_fabrics_own_accumulation_pattern_with_no_backward_sync():
+    """Fabric's documented accumulation loop (no_backward_sync on the micro-batches that
+    accumulate, optimizer.step() at the window's end) under setup_fabric(
+    grad_accum_steps=2) updates once per window, exactly as stepping every micro-batch
+    does; without grad_accum_steps it is refused, naming it."""
+    from lightning.fabric import Fabric
+
+    from mixprec.integrations.lightning import setup_fabric
+
+    def run(fabric_style):
+        fabric = Fabric(accelerator="cpu", devices=1)
+        net = LitMLP().net
+        model, optimizer = setup_fabric(fabric, net, torch.optim.SGD(net.parameters(),
+                                                                     lr=0.1),
+                                        recipe="bf16-master", grad_accum_steps=2)
+        for i, (x, y) in enumerate(_mlp_batches(6)):
+            accumulating = i % 2 == 0
+            ctx = (fabric.no_backward_sync(model, enabled=accumulating) if fabric_style
+                   else contextlib.nullcontext())
+            with ctx, optimizer.engine.autocast():
+                fabric.backward(torch.nn.functional.cross_entropy(model(x), y))
+            if not fabric_style or not accumulating:
+                optimizer.step()
+        return optimizer.engine
+
+    a, b = run(True), run(False)
+    assert a.steps == b.steps == 3
+    assert all(torch.equal(p, q) for p, q in zip(a.master_params, b.master_params))
+    fabric = Fabric(accelerator="cpu", devices=1)
+    net = LitMLP().net
+    model, optimizer = setup_fabric(fabric, net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                    recipe="bf16-master")
+    with pytest.raises(ValueError, match="grad_accum_steps=k"):
+        with fabric.no_backward_sync(model):
+            pass

@@ -103,9 +103,12 @@ class Step:
     def check(self, grads: list[torch.Tensor],
               as_torch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(found_inf, true norm)``: the one skip decision, agreed across ranks.
-        ``as_torch``: in one process, the norm summed as ``clip_grad_norm_`` sums it
-        (per-tensor norms, then the norm of those), so a framework's clip call reads
-        torch's value to the bit in fp32 training."""
+
+        The step's own norm (``max_grad_norm``) is ``mixprec.gradnorm``'s, exact to fp32
+        on large tensors. ``as_torch`` (a framework's clip call): in one process the
+        norm is summed as ``torch.nn.utils.clip_grad_norm_`` sums it (per-tensor norms,
+        then the norm of those), so in fp32 training the framework reads torch's value
+        to the bit, as it would without mixprec."""
         if as_torch and self.parallel.norm_reduce is None and grads:
             wide = all(g.dtype == torch.float32 for g in grads)
             norms = (torch._foreach_norm(grads, 2.0) if wide else

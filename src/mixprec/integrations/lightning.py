@@ -133,12 +133,14 @@ class MixedPrecisionPlugin(Precision):
 
     def _skip_aware(self, module) -> None:
         """The module's ``lr_scheduler_step`` hook (which Lightning calls to step each
-        scheduler) does nothing after a skipped optimizer step. Set on the instance, so
-        neither the scheduler's state nor the checkpoint holds it."""
+        scheduler) holds a per-step (``interval="step"``) scheduler after a skipped
+        optimizer step: a skip holds back exactly that step's advance. Per-epoch
+        schedulers advance at the epoch's end whatever its last step did. Set on the
+        instance, so neither the scheduler's state nor the checkpoint holds it."""
         step = module.lr_scheduler_step
 
         def lr_scheduler_step(scheduler, metric=None):
-            if self._skipped:
+            if self._skipped and _interval(module.trainer, scheduler) == "step":
                 return None
             return step(scheduler, metric)
 
@@ -218,6 +220,14 @@ class MixedPrecisionPlugin(Precision):
         return f"MixedPrecisionPlugin({str(self.recipe)!r})"
 
 
+def _interval(trainer, scheduler) -> str:
+    """The ``interval`` ("step" or "epoch") Lightning steps ``scheduler`` at."""
+    for config in trainer.lr_scheduler_configs:
+        if config.scheduler is scheduler:
+            return config.interval
+    return "step"
+
+
 def setup_fabric(fabric, model, optimizer, *, recipe: Recipe | str, scheduler=None,
                  grad_accum_steps: int = 1, parallel: str = "ddp", **engine_kwargs):
     """``fabric.setup`` for a mixprec ``recipe``: ``(module, optimizer)``, plus the
@@ -228,10 +238,13 @@ def setup_fabric(fabric, model, optimizer, *, recipe: Recipe | str, scheduler=No
     DDP or FSDP, so every rank agrees on each skipped step). The module's forward runs
     under ``engine.autocast()``; ``fabric.backward(loss)`` becomes ``engine.backward``;
     the returned optimizer's ``step()`` is ``engine.step()`` (``.engine`` is the
-    engine) and its ``zero_grad()`` does nothing. With ``grad_accum_steps=k`` call
-    ``fabric.backward`` and ``optimizer.step()`` on every micro-batch: the engine
-    divides each loss by k, reduces once per window and updates on the k-th (leave
-    ``fabric.no_backward_sync`` out). A ``scheduler`` is stepped by the engine after
+    engine) and its ``zero_grad()`` does nothing. With ``grad_accum_steps=k`` the
+    engine divides each loss by k, reduces once per window and updates on the k-th
+    backward: call ``optimizer.step()`` on every micro-batch or, as Fabric's guide
+    does, only at the window's end, with the micro-batches before it under
+    ``fabric.no_backward_sync(model, enabled=...)``.
+    ``fabric.clip_gradients(model, optimizer, max_norm=...)`` is
+    ``engine.clip_grad_norm_``. A ``scheduler`` is stepped by the engine after
     each applied update; the returned one's ``step()`` does nothing. ``fabric.save`` /
     ``fabric.load`` carry the engine's whole state when it is in the state dict.
 
@@ -250,13 +263,37 @@ def setup_fabric(fabric, model, optimizer, *, recipe: Recipe | str, scheduler=No
                             **engine_kwargs)
     autocast_forward(engine.model, engine)
 
+    no_sync = {"on": False}  # inside fabric.no_backward_sync(model, enabled=True)
+
     def backward(loss, *args, model=None, **kwargs):
         if args or set(kwargs) - {"retain_graph"}:
             raise TypeError("fabric.backward under mixprec takes the loss (and "
                             "retain_graph) only")
-        engine.backward(loss, retain_graph=kwargs.get("retain_graph", False))
+        engine.backward(loss, retain_graph=kwargs.get("retain_graph", False),
+                        last=False if no_sync["on"] else None)
+
+    inner_no_sync = fabric.no_backward_sync
+
+    @contextlib.contextmanager
+    def no_backward_sync(module, enabled: bool = True):
+        if module is not engine.model:
+            with inner_no_sync(module, enabled=enabled):
+                yield
+            return
+        if enabled and engine.grad_accum_steps == 1:
+            raise ValueError(
+                "fabric.no_backward_sync(model) under mixprec: give setup_fabric "
+                "grad_accum_steps=k, the accumulation window's length; the engine then "
+                "reduces once per window (inside no_backward_sync or not) and updates "
+                "on its k-th backward")
+        no_sync["on"] = bool(enabled)
+        try:
+            yield
+        finally:
+            no_sync["on"] = False
 
     fabric.backward = backward
+    fabric.no_backward_sync = no_backward_sync
     inner_clip = fabric.clip_gradients
 
     def clip_gradients(module, optimizer, clip_val=None, max_norm=None, norm_type=2.0,

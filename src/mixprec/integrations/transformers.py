@@ -24,7 +24,9 @@ points:
   Accelerate as one, so Trainer does not advance the LR scheduler;
 - ``save_steps`` checkpoints hold the fp32 weights as the model's (``save_pretrained``
   loads them into a fresh model) and the engine's state (``mixprec_engine.pt``: masters,
-  loss scale, counters), which ``resume_from_checkpoint`` restores.
+  loss scale, counters), which ``resume_from_checkpoint`` restores. With
+  ``load_best_model_at_end`` the best checkpoint's engine state is restored at the end
+  (a ``TrainerCallback``), so ``save_model`` writes the best masters.
 
 Data parallel: under a multi-process launch (``torchrun``, ``accelerate launch``) the
 engine is built with ``parallel="ddp"`` and Trainer runs the engine's own
@@ -42,7 +44,7 @@ import os
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from mixprec.engine import MixedPrecision
 from mixprec.integrations._proxies import EngineOptimizer
@@ -51,6 +53,24 @@ from mixprec.recipe import Recipe
 __all__ = ["MixedPrecisionTrainer"]
 
 ENGINE_FILE = "mixprec_engine.pt"
+
+
+class _BestMasters(TrainerCallback):
+    """``load_best_model_at_end``: Trainer has loaded the best checkpoint's model files
+    into the working copy; the engine then restores that checkpoint's own state
+    (masters, working copy, optimizer, scale), so what is saved and trained next is
+    the best model, not the last step's masters."""
+
+    def __init__(self, trainer: MixedPrecisionTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_end(self, args, state, control, **kwargs):
+        engine, best = self.trainer.engine, state.best_model_checkpoint
+        if engine is None or not args.load_best_model_at_end or not best:
+            return
+        path = os.path.join(best, ENGINE_FILE)
+        if os.path.exists(path):
+            engine.load(path)
 
 
 class MixedPrecisionTrainer(Trainer):
@@ -78,13 +98,18 @@ class MixedPrecisionTrainer(Trainer):
         self.accelerator.backward = self._backward
         self._plain_clip = self.accelerator.clip_grad_norm_
         self.accelerator.clip_grad_norm_ = self._clip_grad_norm_
+        self.add_callback(_BestMasters(self))
 
     # --- the engine ----------------------------------------------------------------
 
     def create_optimizer(self, model=None):
         """Trainer's optimizer (or the one given), then the engine over the model and
         it; Trainer gets the proxy that steps the engine."""
-        if isinstance(self.optimizer, EngineOptimizer):
+        # a second train() on this Trainer: the engine and its optimizer (by then wrapped
+        # by Accelerate) carry on; Trainer resets the optimizer to None where it
+        # re-initialises the model (model_init), and a new engine is built then
+        if isinstance(self.optimizer, EngineOptimizer) or (
+                self.engine is not None and self.optimizer is not None):
             return self.optimizer
         inner = super().create_optimizer(model)
         parallel = "ddp" if self.args.world_size > 1 else None
