@@ -3,6 +3,7 @@ downloaded) trains through MixedPrecisionTrainer as mixprec's own loop trains it
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -271,3 +272,20 @@ def test_a_second_train_on_the_same_trainer_goes_on_with_the_same_engine(tmp_pat
         t.train()
     assert t.engine is engine and engine.steps == 4 and t.state.global_step == 2
     assert not all(torch.equal(a, b) for a, b in zip(first, engine.master_params))
+
+
+class _Poisoned(MixedPrecisionTrainer):
+    """The loss of global step 1 is multiplied by inf (an overflow to skip)."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        return loss * float("inf") if self.state.global_step == 1 else loss
+
+
+def test_an_overflow_under_max_grad_norm_is_skipped_and_nothing_raises(tmp_path):
+    """fp16-master with max_grad_norm=1e-3 and an inf loss at step 1: Trainer's clip call
+    returns a non-finite norm (logged as such), the step is skipped, nothing raises."""
+    t, got = _logged_norms(_Poisoned, 3, tmp_path, recipe="fp16-master")
+    assert int(t.engine.skipped_steps) == 1 and t.engine.steps == 3
+    assert len(got.norms) == 3 and not math.isfinite(got.norms[1])
+    assert all(math.isfinite(n) for i, n in enumerate(got.norms) if i != 1)

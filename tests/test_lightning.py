@@ -444,3 +444,13 @@ def test_fabrics_own_accumulation_pattern_with_no_backward_sync():
     with pytest.raises(ValueError, match="grad_accum_steps=k"):
         with fabric.no_backward_sync(model):
             pass
+
+
+def test_an_overflow_under_gradient_clip_val_is_skipped_and_nothing_raises():
+    """fp16 with gradient_clip_val=1.0 and an inf loss at step 1: Lightning's clip call
+    reaches the engine, which skips the step (masters unchanged) instead of raising."""
+    module, trainer = _fit_mlp([MixedPrecisionPlugin("fp16-master")], 1.0,
+                               module=LitMLP(poison={1}))
+    engine = trainer.precision_plugin.engine
+    assert int(engine.skipped_steps) == 1 and engine.steps == 4
+    assert all(torch.isfinite(m).all() for m in engine.master_params)
