@@ -410,3 +410,42 @@ def test_hf_save_pretrained_writes_fp32_masters(tmp_path):
     assert len(trainable) == len(masters)
     for name, m in zip(trainable, masters):
         assert torch.equal(params[name].detach(), m.detach().cpu()), name
+
+
+def test_a_per_epoch_scheduler_is_the_loops_own_to_step():
+    """Accelerator(step_scheduler_with_optimizer=False) with a StepLR the loop steps once
+    per epoch (2 epochs of 3 steps, one step skipped under fp16): the learning rates
+    equal plain Accelerate's, epoch by epoch; the skip does not move them."""
+
+    def run(ours: bool):
+        accelerator = Accelerator(cpu=True, step_scheduler_with_optimizer=False)
+        model = small_mlp(0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        if ours:
+            model, optimizer, sched = prepare(accelerator, model, optimizer, sched,
+                                              recipe="fp16-master")
+        else:
+            model, optimizer, sched = accelerator.prepare(model, optimizer, sched)
+        lrs = []
+        for epoch in range(2):
+            for i, (x, y) in enumerate(batches(3)):
+                if ours:
+                    with optimizer.engine.autocast():
+                        loss = F.cross_entropy(model(x), y)
+                else:
+                    loss = F.cross_entropy(model(x), y)
+                if epoch == 0 and i == 1:
+                    loss = loss * float("inf")
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                lrs.append(optimizer.param_groups[0]["lr"])
+            sched.step()
+        return lrs
+
+    want = [LR] * 3 + [LR / 2] * 3
+    assert run(True) == want
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    assert run(False) == want

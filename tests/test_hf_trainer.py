@@ -289,3 +289,15 @@ def test_an_overflow_under_max_grad_norm_is_skipped_and_nothing_raises(tmp_path)
     assert int(t.engine.skipped_steps) == 1 and t.engine.steps == 3
     assert len(got.norms) == 3 and not math.isfinite(got.norms[1])
     assert all(math.isfinite(n) for i, n in enumerate(got.norms) if i != 1)
+
+
+def test_resume_from_checkpoint_true_takes_the_latest_checkpoint(tmp_path):
+    """resume_from_checkpoint=True (Trainer finds the latest checkpoint in output_dir):
+    the resumed losses equal the uninterrupted run's."""
+    full = _train("fp16-master", 4, 1, tmp_path / "full")
+    _train("fp16-master", 4, 1, tmp_path / "part", save_steps=2)
+    import shutil
+
+    shutil.rmtree(tmp_path / "part" / "checkpoint-4")  # as if it stopped after step 2
+    resumed = _train("fp16-master", 4, 1, tmp_path / "part", resume=True)
+    assert resumed.losses == full.losses[2:]

@@ -454,3 +454,29 @@ def test_an_overflow_under_gradient_clip_val_is_skipped_and_nothing_raises():
     engine = trainer.precision_plugin.engine
     assert int(engine.skipped_steps) == 1 and engine.steps == 4
     assert all(torch.isfinite(m).all() for m in engine.master_params)
+
+
+def test_model_checkpoint_files_hold_the_fp32_masters(tmp_path):
+    """Lightning's own ModelCheckpoint callback under bf16-master: the .ckpt's
+    state_dict loads strictly into a plain LightningModule and equals the engine's
+    export (the fp32 masters) bit for bit."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3,
+                         plugins=[MixedPrecisionPlugin("bf16-master")], logger=False,
+                         callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3)],
+                         enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(LitMLP(), torch.utils.data.DataLoader(_mlp_batches(3), batch_size=None))
+    (path,) = tmp_path.glob("*.ckpt")
+    saved = torch.load(path, weights_only=False)["state_dict"]
+    plain = LitMLP()
+    plain.load_state_dict(saved)  # strictly
+    want = trainer.precision_plugin.engine.export_state_dict()
+    assert saved.keys() == want.keys()
+    assert all(saved[k].dtype == torch.float32 and torch.equal(saved[k], want[k])
+               for k in want)
+    w = trainer.precision_plugin.engine.param_state.working[0]
+    assert w.dtype == torch.bfloat16 or trainer.precision_plugin.engine.emulating

@@ -18,7 +18,9 @@ changes. What ``prepare`` does:
 - **Objects, in the order given** (as ``accelerator.prepare``): one ``nn.Module`` and
   one optimizer over its parameters become a ``MixedPrecision`` engine; LR schedulers
   are handed to the engine, which steps them after each *applied* update only (a
-  skipped step leaves the learning rate); everything else (data loaders) goes through
+  skipped step leaves the learning rate), unless the Accelerator was built with
+  ``step_scheduler_with_optimizer=False``: then they come back as they are and the
+  loop steps them itself (per epoch, say). Everything else (data loaders) goes through
   ``accelerator.prepare``, which shards it over the processes.
 - **The model** is moved to ``accelerator.device`` and, under a multi-process launch,
   wrapped in the engine's own data parallelism (``parallel="ddp"``, or ``"fsdp"``),
@@ -222,9 +224,12 @@ def prepare(accelerator: Accelerator, *objects: Any, recipe: Recipe | str,
     mi, oi, scheds, rest = _split(objects)
     model, inner = objects[mi], objects[oi]
     model.to(accelerator.device)
+    # Accelerator(step_scheduler_with_optimizer=False): the loop steps its schedulers
+    # itself (per epoch, say), so the engine leaves them alone
+    by_engine = scheds if accelerator.step_scheduler_with_optimizer else []
     engine = MixedPrecision(
         model, inner, recipe, grad_accum_steps=accelerator.gradient_accumulation_steps,
-        scheduler=[objects[i] for i in scheds] or None,
+        scheduler=[objects[i] for i in by_engine] or None,
         parallel=parallel if accelerator.num_processes > 1 else None, **engine_kwargs)
     net = engine.model
     autocast_forward(net, engine)
@@ -241,7 +246,7 @@ def prepare(accelerator: Accelerator, *objects: Any, recipe: Recipe | str,
     accelerator.register_for_checkpointing(EngineCheckpoint(engine))
     out = list(objects)
     out[mi], out[oi] = net, EngineOptimizer(engine, inner)
-    for i in scheds:
+    for i in by_engine:
         out[i] = EngineScheduler(objects[i])
     if rest:
         prepared = accelerator.prepare(*(objects[i] for i in rest))
