@@ -240,7 +240,7 @@ class MixedPrecision:
         """Drop any accumulated gradients and start a fresh accumulation."""
         for p in self.param_state.working:
             p.grad = None
-        self._step._checked = self._step._clip_once = None
+        self._step.forget()
         self.param_state.zero()
         self.counters.micro = self.counters.seen = 0
         self.counters.closed = False

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["global_norm", "sum_of_squares", "clip_coef", "BIG"]
+__all__ = ["global_norm", "torch_norm", "sum_of_squares", "clip_coef", "BIG"]
 
 #: tensors of at least this many elements get their own BLAS dot in the CPU norm
 BIG = 1 << 16
@@ -26,6 +26,17 @@ def global_norm(grads: list[torch.Tensor], device: torch.device,
     if all_reduce is not None:
         all_reduce(sq)
     return sq.sqrt()
+
+
+def torch_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all ``grads`` summed as ``torch.nn.utils.clip_grad_norm_`` sums it
+    (per-tensor ``_foreach_norm``, then the norm of those), in fp32: on fp32 gradients
+    the same bits as torch's, for a framework's clip call that would read torch's."""
+    if all(g.dtype == torch.float32 for g in grads):
+        norms = torch._foreach_norm(grads, 2.0)
+    else:
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
 def sum_of_squares(grads: list[torch.Tensor], device: torch.device,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from mixprec.checks import param_counts, takes_found_inf
-from mixprec.gradnorm import clip_coef, global_norm
+from mixprec.gradnorm import clip_coef, global_norm, torch_norm
 from mixprec.watch import SkipWatch
 
 __all__ = ["Counters", "Step", "StepResult", "check_setup_unchanged"]
@@ -100,6 +100,10 @@ class Step:
             self._clip_once = max_norm
         return self._checked[1]
 
+    def forget(self) -> None:
+        """Drop a clip call's norm and clip (the gradients were dropped)."""
+        self._checked = self._clip_once = None
+
     def check(self, grads: list[torch.Tensor],
               as_torch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(found_inf, true norm)``: the one skip decision, agreed across ranks.
@@ -110,10 +114,7 @@ class Step:
         then the norm of those), so in fp32 training the framework reads torch's value
         to the bit, as it would without mixprec."""
         if as_torch and self.parallel.norm_reduce is None and grads:
-            wide = all(g.dtype == torch.float32 for g in grads)
-            norms = (torch._foreach_norm(grads, 2.0) if wide else
-                     torch._foreach_norm(grads, 2.0, dtype=torch.float32))
-            norm_scaled = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+            norm_scaled = torch_norm(grads)
         else:
             norm_scaled = global_norm(grads, self.device, self._cpu_fp32,
                                       self.parallel.norm_reduce)

@@ -8,6 +8,7 @@ wrapped optimizer, so schedulers and checkpoints see the optimizer unchanged.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 
@@ -16,7 +17,7 @@ from torch import nn
 
 from mixprec.engine import MixedPrecision
 
-__all__ = ["EngineOptimizer", "EngineScheduler", "autocast_forward"]
+__all__ = ["EngineOptimizer", "EngineScheduler", "autocast_forward", "save_fp32_config"]
 
 
 def autocast_forward(net: nn.Module, engine: MixedPrecision) -> None:
@@ -30,6 +31,19 @@ def autocast_forward(net: nn.Module, engine: MixedPrecision) -> None:
             return inner(*args, **kwargs)
 
     net.forward = forward
+
+
+def save_fp32_config(model: nn.Module, directory) -> None:
+    """Rewrite a Hugging Face model's saved config to say ``float32``, the dtype of the
+    fp32 masters just written beside it: ``save_pretrained`` records the dtype of the
+    model's own parameters (under ``-master`` recipes the 16-bit working copy), and
+    ``from_pretrained`` would load the masters into that dtype. No config: nothing."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        return
+    saved = copy.deepcopy(config)
+    saved.dtype = "float32"
+    saved.save_pretrained(directory)
 
 
 class EngineOptimizer(torch.optim.Optimizer):

@@ -64,7 +64,12 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from mixprec.engine import MixedPrecision
-from mixprec.integrations._proxies import EngineOptimizer, EngineScheduler, autocast_forward
+from mixprec.integrations._proxies import (
+    EngineOptimizer,
+    EngineScheduler,
+    autocast_forward,
+    save_fp32_config,
+)
 from mixprec.recipe import Recipe
 
 __all__ = ["prepare", "EngineCheckpoint"]
@@ -167,7 +172,7 @@ def _route_clip_and_export(accelerator: Accelerator, engine: MixedPrecision) -> 
     inner_get = accelerator.get_state_dict
 
     def get_state_dict(model, unwrap: bool = True):
-        if _unwrapped(accelerator, model) is engine.module:
+        if accelerator.unwrap_model(model) is engine.module:
             return engine.export_state_dict()
         return inner_get(model, unwrap=unwrap)
 
@@ -175,13 +180,6 @@ def _route_clip_and_export(accelerator: Accelerator, engine: MixedPrecision) -> 
     accelerator.clip_grad_value_ = clip_grad_value_
     accelerator.get_state_dict = get_state_dict  # save_model writes what this returns
     _export_pretrained(engine)
-
-
-def _unwrapped(accelerator: Accelerator, model):
-    try:
-        return accelerator.unwrap_model(model)
-    except Exception:  # noqa: BLE001 - not a model Accelerate can unwrap
-        return model
 
 
 def _export_pretrained(engine: MixedPrecision) -> None:
@@ -197,13 +195,8 @@ def _export_pretrained(engine: MixedPrecision) -> None:
         if state_dict is not None:
             return inner(save_directory, *args, state_dict=state_dict, **kwargs)
         out = inner(save_directory, *args, state_dict=engine.export_state_dict(), **kwargs)
-        config = getattr(model, "config", None)
-        if kwargs.get("is_main_process", True) and hasattr(config, "save_pretrained"):
-            import copy
-
-            saved = copy.deepcopy(config)
-            saved.dtype = "float32"  # the dtype of the weights just written
-            saved.save_pretrained(save_directory)
+        if kwargs.get("is_main_process", True):
+            save_fp32_config(model, save_directory)
         return out
 
     model.save_pretrained = save_pretrained

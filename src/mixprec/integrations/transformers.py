@@ -38,7 +38,6 @@ DeepSpeed (Trainer's ``fsdp=`` / ``deepspeed=``) raise ``NotImplementedError``.
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 from typing import Any
@@ -47,7 +46,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from mixprec.engine import MixedPrecision
-from mixprec.integrations._proxies import EngineOptimizer
+from mixprec.integrations._proxies import EngineOptimizer, save_fp32_config
 from mixprec.recipe import Recipe
 
 __all__ = ["MixedPrecisionTrainer"]
@@ -166,12 +165,9 @@ class MixedPrecisionTrainer(Trainer):
             super()._save(output_dir, state_dict=state_dict)
             return
         super()._save(output_dir, state_dict=self.engine.fp32_state_dict())
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
-        if self.args.should_save and config is not None and hasattr(config, "save_pretrained"):
-            saved = copy.deepcopy(config)
-            saved.dtype = "float32"
-            saved.save_pretrained(output_dir)
+        if self.args.should_save:
+            save_fp32_config(self.accelerator.unwrap_model(self.model),
+                             output_dir if output_dir is not None else self.args.output_dir)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
