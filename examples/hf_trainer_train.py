@@ -15,6 +15,7 @@ skips and a digest of its final fp32 weights as JSON (PATH, PATH.rankN).
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 
@@ -73,6 +74,13 @@ def main() -> None:
     if rank == 0:
         print(f"{args.recipe}: {e.steps} steps, {int(e.skipped_steps)} skipped, "
               f"loss scale {float(e.scale):g}")
+    # release everything that holds the process group (the Trainer, its engine and DDP
+    # reducer, through reference cycles) before destroying it, so the group is torn down
+    # here and not during interpreter exit, where gloo's threads can abort the process
+    del trainer, e
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
