@@ -96,7 +96,8 @@ def equivalence(rank, world, tmp, recipe, parallel, steps, accum):
         params = [p.full_tensor() for p in params]
     stats = engine.comm_stats
     _save(tmp, "equivalence", rank, {"params": [p.clone() for p in params],
-                                     "bytes": stats.bytes_sent if stats else None})
+                                     "bytes": stats.bytes_sent if stats else None,
+                                     "kernels": engine.kernels.as_dict()})
     dist.destroy_process_group()
 
 

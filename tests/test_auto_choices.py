@@ -74,6 +74,21 @@ def test_fp8_gemm_auto_takes_the_fastest_route_measured(chip, rates, scaled_mm, 
     assert {m.backend for m in model.modules() if isinstance(m, Float8Linear)} == {route}
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_dequant_route_follows_the_same_bf16_decision_as_the_rest(monkeypatch, fast):
+    """A loaded host can misread a multi-threaded best-of GEMM rate (fp32 read 25x slow):
+    the route takes the one-thread bf16 decision that fp8_rest takes, not those rates."""
+    monkeypatch.delenv(k.EMULATE_ENV, raising=False)
+    monkeypatch.setattr(k, "relative_speed", lambda dev, dt: 4.7 if fast else 0.02)
+    # raw rates that say the opposite of relative_speed
+    monkeypatch.setattr(k, "_route_speeds", lambda dev: {
+        "scaled_mm": 0.1, "dequant": 1.0 if fast else 100.0,
+        "dequant_fp32": 100.0 if fast else 1.0})
+    fp8 = Recipe.parse("fp8")
+    assert k.fp8_gemm_route("cpu") == ("dequant" if fast else "dequant_fp32")
+    assert k.fp8_rest(fp8, "cpu") == ("bf16" if fast else "fp32")
+
+
 @pytest.mark.parametrize("rates,rest", [(FAST_BF16, "bf16"), (NO_UNITS, "fp32")])
 def test_fp8_recipes_run_their_other_layers_where_they_are_fast(chip, rates, rest):
     chip(rates)

@@ -207,20 +207,19 @@ def fp8_gemm_route(device: torch.device | str, choice: str = "auto") -> str:
     """The fp8 GEMM route for ``device``: ``choice`` itself unless ``auto``; then
     ``scaled_mm`` on CUDA. On a CPU the dequant route is the one that multiplies in the
     fast format: ``dequant`` (bf16 GEMM, bf16-rounded output) where bf16 is fast,
-    ``dequant_fp32`` (exact up to fp32 summation order) where it is not (measured, or
-    pinned by ``MIXPREC_EMULATE``); ``scaled_mm`` replaces it only where it is
-    ``SCALED_MM_MARGIN`` faster."""
+    ``dequant_fp32`` (exact up to fp32 summation order) where it is not (``has_fast_kernels``,
+    the decision behind ``fp8_rest`` too, or ``MIXPREC_EMULATE``); ``scaled_mm`` replaces
+    it only where it is ``SCALED_MM_MARGIN`` faster than that route."""
     if choice != "auto":
         return choice
     dev = torch.device(device)
     if dev.type == "cuda":
         return "scaled_mm"
     speeds = _route_speeds(str(dev))
-    pinned = pinned_emulation()
-    if pinned is None:
-        dequant = max(("dequant", "dequant_fp32"), key=speeds.__getitem__)
-    else:
-        dequant = "dequant_fp32" if pinned else "dequant"
+    # the same one decision as fp8_rest and emulate (single-thread, alternating, median
+    # of 3): a separate multi-threaded best-of read on a loaded host could flip the route
+    # between two runs of one program, and with it the numerics (~6% after 20 steps)
+    dequant = "dequant" if has_fast_kernels(dev, "bf16") else "dequant_fp32"
     return ("scaled_mm" if speeds["scaled_mm"] > SCALED_MM_MARGIN * speeds[dequant]
             else dequant)
 
