@@ -480,3 +480,116 @@ def test_model_checkpoint_files_hold_the_fp32_masters(tmp_path):
                for k in want)
     w = trainer.precision_plugin.engine.param_state.working[0]
     assert w.dtype == torch.bfloat16 or trainer.precision_plugin.engine.emulating
+
+
+@pytest.fixture(scope="module")
+def sharded_records(tmp_path_factory):
+    """tests/lightning_sharded.py on 2 gloo processes under ModelParallelStrategy: every
+    scenario's record (rank 0's), and the checkpoint directory."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path_factory.mktemp("sharded")
+    script = Path(__file__).with_name("lightning_sharded.py")
+    run = subprocess.run([sys.executable, str(script), str(out)], cwd=out,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return torch.load(out / "records.pt", weights_only=False), out
+
+
+def _one_process(recipe, poison=None):
+    import lightning_sharded as s
+
+    return s.fit(1, recipe, 6, poison=poison)
+
+
+def _rel(a, b):
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max()).item() for k in b)
+
+
+@pytest.mark.parametrize("recipe,tol", [("fp32", 1e-5), ("fp16-master", 2e-2)])
+def test_model_parallel_strategy_on_two_ranks_trains_as_one_process(sharded_records,
+                                                                    recipe, tol):
+    """Lightning's ModelParallelStrategy drives; the engine shards (FSDP2: each block,
+    the GPT, the LightningModule). Two ranks of 4 samples end where one process of 8
+    does, within the FSDP tolerance. Under fp16-master rank 1's loss is inf at step 2:
+    the step is skipped on both ranks and the LR sequence is plain Lightning's with
+    that step's advance removed."""
+    records, _ = sharded_records
+    two = records[recipe]
+    assert two["world"] == 2 and two["model"] == "FSDPShardedGPT"
+    assert {"FSDPBlock", "FSDPGPT"} <= set(two["units"])
+    one = _one_process(recipe, poison=(2, 0) if recipe == "fp16-master" else None)
+    assert _rel(two["weights"], one["weights"]) <= tol
+    plain = [0.5 / (1 + s) for s in range(6)]  # LambdaLR on lr=0.5
+    if recipe == "fp16-master":
+        assert two["skipped"] == one["skipped"] == 1
+        plain = plain[:3] + plain[2:5]  # step 2 skipped: its advance held back
+    assert two["lrs"] == one["lrs"] == pytest.approx(plain, abs=0)
+
+
+@pytest.mark.parametrize("kind", ["file", "distributed"])
+def test_model_parallel_strategy_checkpoints_resume_bit_for_bit(sharded_records, kind):
+    """``trainer.save_checkpoint`` after 3 steps (one file, or Lightning's distributed
+    checkpoint: one shard file per rank), then a fresh Trainer with ``ckpt_path`` for 3
+    more: the same losses, skips and fp32 weights as 6 steps in one go."""
+    records, out = sharded_records
+    full, part, resumed = (records["fp16-master"], records[f"{kind}-part"],
+                           records[f"{kind}-resumed"])
+    assert part["losses"] + resumed["losses"] == full["losses"]
+    assert part["lrs"] + resumed["lrs"] == full["lrs"]
+    assert resumed["steps"] == 6 and resumed["skipped"] == full["skipped"] == 1
+    assert all(torch.equal(resumed["weights"][k], v) for k, v in full["weights"].items())
+    if kind == "distributed":
+        assert {"__0_0.distcp", "__1_0.distcp"} <= set(records["distributed-layout"])
+        return
+    # the file's weights are the gathered fp32 masters, keyed as the plain module's
+    import lightning_sharded as s
+
+    saved = torch.load(out / "ck.ckpt", weights_only=False)["state_dict"]
+    plain = s.ShardedGPT(1, [])
+    plain.configure_model()
+    plain.load_state_dict(saved)  # strictly
+    assert all(v.dtype == torch.float32 for v in saved.values())
+    assert all(torch.equal(saved[k], v) for k, v in part["weights"].items())
+
+
+def test_model_parallel_strategy_refusals_name_the_fix():
+    """What the engine cannot shard is refused at set-up, naming the fix: a
+    configure_model that shards itself. Lightning's FSDPStrategy (FSDP1) takes no
+    precision plugin but its own FSDPPrecision: Lightning refuses, before mixprec runs."""
+    import os
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    import lightning_sharded as s
+
+    before = dict(os.environ)  # Lightning writes MASTER_PORT and the ranks there
+
+    class SelfSharded(s.ShardedGPT):
+        def configure_model(self):
+            super().configure_model()
+            fully_shard(self.gpt)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False,
+                         strategy=ModelParallelStrategy(),
+                         plugins=[MixedPrecisionPlugin("bf16-master")],
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    data = s.batches(1)
+    try:
+        with pytest.raises(NotImplementedError, match="Remove the fully_shard calls"):
+            trainer.fit(SelfSharded(1, data), torch.utils.data.DataLoader(data, batch_size=None))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(before)
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    with pytest.raises(TypeError, match="FSDPPrecision"):  # the Trainer sets it so
+        FSDPStrategy().precision_plugin = MixedPrecisionPlugin("bf16-master")

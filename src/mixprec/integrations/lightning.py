@@ -31,10 +31,19 @@ Lightning has set them up (``Precision.connect``), and from then on:
   (Lightning's DDP keyword arguments pass through), so every rank reduces the
   gradients once per window and agrees on each skipped step.
 
-What it does not do yet: Lightning's FSDP and DeepSpeed strategies (they shard the
-module before the plugin sees it) raise ``NotImplementedError``; mixprec's own FSDP runs
-through the Accelerate integration or ``MixedPrecision(parallel="fsdp")`` in a loop of
-your own. Manual optimization (``automatic_optimization = False``) is refused too.
+- **sharded** (``strategy=ModelParallelStrategy(data_parallel_size=N,
+  tensor_parallel_size=1)``): ``configure_model`` builds the layers and leaves them
+  unsharded; the engine shards them (FSDP2, ``parallel="fsdp"``: each ``ModuleList``
+  element and each child of the LightningModule is a unit) and Lightning drives. Its
+  checkpoints (one file, or ``save_distributed_checkpoint=True``'s one shard file per
+  rank) hold the gathered fp32 weights and the engine's gathered state, and resume bit
+  for bit.
+
+What it does not do: Lightning's ``FSDPStrategy`` (FSDP1) accepts only its own
+``FSDPPrecision`` plugin and wraps the module in flat parameters before any plugin sees
+it; DeepSpeed shards it too; tensor parallelism is not sharded by mixprec. All three are
+refused, naming ``ModelParallelStrategy`` as the route. Manual optimization
+(``automatic_optimization = False``) is refused too.
 
 **Fabric** has no precision hook that sees the model and its optimizer together, which
 the engine needs for its masters, so it gets ``setup_fabric`` in place of
@@ -84,6 +93,7 @@ class MixedPrecisionPlugin(Precision):
         self.engine: MixedPrecision | None = None
         self._pending: dict | None = None
         self._skipped = False
+        self._gather = False  # the engine shards (FSDP): checkpoints gather
         self._closing = False  # inside optimizer_step's closure: the window's last backward
 
     # --- set-up ----------------------------------------------------------------------
@@ -103,8 +113,10 @@ class MixedPrecisionPlugin(Precision):
                 f"MixedPrecisionPlugin under a strategy that shards the module "
                 f"({type(model).__name__}): Lightning's FSDP and DeepSpeed shard it "
                 "before the plugin can cast it, which mixprec does not support. Use "
-                "strategy='ddp' (or one device), or mixprec's own FSDP through "
-                "mixprec.integrations.accelerate or MixedPrecision(parallel='fsdp').")
+                "strategy=ModelParallelStrategy() with a configure_model that builds "
+                "the layers without sharding them (the engine shards them, FSDP2), "
+                "strategy='ddp', or one device.")
+        sharded = _sharded_by_engine(model.trainer)
         if not optimizers:
             return model, optimizers, lr_schedulers  # not fitting: nothing to build
         if not model.automatic_optimization:
@@ -122,9 +134,14 @@ class MixedPrecisionPlugin(Precision):
         if ddp:
             parallel = {"parallel": "ddp",
                         "parallel_kwargs": dict(getattr(trainer.strategy, "_ddp_kwargs", {}))}
+        elif sharded and trainer.world_size > 1:
+            # the engine shards (FSDP2); Lightning drives
+            parallel = {"parallel": "fsdp", "fsdp_units": _lightning_units(model)}
+            self._gather = True
+        kwargs = {**parallel, **self.engine_kwargs}  # a user's own fsdp_units win
         self.engine = MixedPrecision(model, optimizers, self.recipe,
                                      grad_accum_steps=trainer.accumulate_grad_batches,
-                                     **parallel, **self.engine_kwargs)
+                                     **kwargs)
         if self._pending is not None:
             self.engine.load_state_dict(self._pending)
             self._pending = None
@@ -193,8 +210,12 @@ class MixedPrecisionPlugin(Precision):
     # --- checkpoints -------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The engine's whole state (``MixedPrecision.state_dict``)."""
-        return self.engine.state_dict() if self.engine is not None else {}
+        """The engine's whole state (``MixedPrecision.state_dict``); under the engine's
+        FSDP gathered (every rank calls it: Lightning dumps checkpoints on every rank),
+        as only rank 0 writes this part of a checkpoint."""
+        if self.engine is None:
+            return {}
+        return self.engine.state_dict(full=self._gather)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the engine (after Lightning restores the fp32 weights); before the
@@ -209,7 +230,7 @@ class MixedPrecisionPlugin(Precision):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The checkpoint's weights become the fp32 ones, keyed as the module's own."""
         if self.engine is not None:
-            checkpoint["state_dict"] = self.engine.fp32_state_dict()
+            checkpoint["state_dict"] = self.engine.fp32_state_dict(full=self._gather)
 
     @property
     def skipped_last_step(self) -> bool:
@@ -218,6 +239,52 @@ class MixedPrecisionPlugin(Precision):
 
     def __repr__(self) -> str:
         return f"MixedPrecisionPlugin({str(self.recipe)!r})"
+
+
+def _sharded_by_engine(trainer) -> bool:
+    """Whether the Trainer's strategy is Lightning's ``ModelParallelStrategy``, where the
+    engine itself shards the module (FSDP2) once ``configure_model`` has built it. The
+    module must reach the plugin unsharded, and data parallel only."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import FSDPModule
+
+    strategy = trainer.strategy
+    if not isinstance(strategy, ModelParallelStrategy):
+        return False
+    module = strategy.lightning_module
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        raise NotImplementedError(
+            "MixedPrecisionPlugin under ModelParallelStrategy with a configure_model that "
+            "calls fully_shard: the engine casts the layers and shards them itself (FSDP2, "
+            "each ModuleList element a unit), so configure_model must build the layers "
+            "without sharding them. Remove the fully_shard calls.")
+    mesh = strategy.device_mesh
+    if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
+        raise NotImplementedError(
+            f"MixedPrecisionPlugin with tensor parallelism (tensor_parallel_size="
+            f"{mesh['tensor_parallel'].size()}): mixprec shards data parallel only. Use "
+            "ModelParallelStrategy(data_parallel_size=<devices>, tensor_parallel_size=1).")
+    return True
+
+
+def _lightning_units(module):
+    """FSDP units for a LightningModule: each ``ModuleList`` element (a transformer's
+    blocks) and each direct child that holds parameters. Lightning calls
+    ``training_step``, not the LightningModule's ``forward``, so a unit's weights are
+    gathered only where a submodule's forward runs: the LightningModule itself must hold
+    no parameters of its own."""
+    import torch.nn as nn
+
+    own = [n for n, _ in module.named_parameters(recurse=False)]
+    if own:
+        raise NotImplementedError(
+            f"MixedPrecisionPlugin under ModelParallelStrategy: the LightningModule holds "
+            f"parameters of its own ({', '.join(own)}). Lightning runs training_step, not "
+            "the module's forward, so FSDP would never gather them. Move them into a "
+            "submodule (an nn.Module attribute whose forward uses them).")
+    chosen = {id(b) for m in module.modules() if isinstance(m, nn.ModuleList) for b in m}
+    chosen |= {id(c) for c in module.children() if any(True for _ in c.parameters())}
+    return lambda m: id(m) in chosen
 
 
 def _interval(trainer, scheduler) -> str:
