@@ -35,6 +35,19 @@ def test_trainer_methods_the_hugging_face_integration_overrides():
     _needs(trainer, "_load_optimizer_and_scheduler", ["checkpoint"])  # its restore
     # the public calls it routes: Trainer clips through accelerator.clip_grad_norm_
     assert "self.accelerator.clip_grad_norm_" in inspect.getsource(trainer._clip_grad_norm)
+    # fsdp=: the engine shards in place of the plugin TrainingArguments builds from it
+    _needs(trainer, "create_accelerator_and_postprocess", [])
+    src = inspect.getsource(trainer.create_accelerator_and_postprocess)
+    assert "self.args.fsdp_plugin_args" in src, (
+        "Trainer no longer builds Accelerate's FSDP plugin from args.fsdp_plugin_args: "
+        "MixedPrecisionTrainer takes fsdp= from there for the engine's FSDP")
+    args = transformers.TrainingArguments("unused", use_cpu=True, report_to=[])
+    assert hasattr(args, "fsdp_plugin_args")
+    # a wrapper that is not the model keeps Trainer from accelerator.prepare(model)
+    assert "use_accelerator_prepare = model is self.model" in inspect.getsource(
+        trainer._prepare_for_training), (
+        "Trainer no longer skips accelerator.prepare(model) for a model _wrap_model "
+        "wrapped: under fsdp= it would add a DDP over the engine's FSDP")
 
 
 def test_accelerates_skip_flag_that_trainer_reads():

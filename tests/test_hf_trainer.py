@@ -301,3 +301,88 @@ def test_resume_from_checkpoint_true_takes_the_latest_checkpoint(tmp_path):
     shutil.rmtree(tmp_path / "part" / "checkpoint-4")  # as if it stopped after step 2
     resumed = _train("fp16-master", 4, 1, tmp_path / "part", resume=True)
     assert resumed.losses == full.losses[2:]
+
+
+@pytest.fixture(scope="module")
+def sharded_records(tmp_path_factory):
+    """tests/hf_sharded.py under ``torchrun --nproc-per-node 2`` (gloo):
+    ``TrainingArguments(fsdp="full_shard")``, every scenario's record (rank 0's)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import free_port
+
+    out = tmp_path_factory.mktemp("hf-sharded")
+    script = Path(__file__).with_name("hf_sharded.py")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                          "2", "--master-port", str(free_port()), str(script), str(out)],
+                         cwd=out, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return torch.load(out / "records.pt", weights_only=False), out
+
+
+def _rel(a, b):
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max()).item() for k in b)
+
+
+@pytest.mark.parametrize("recipe,tol", [("fp32", 1e-5), ("fp16-master", 2e-2)])
+def test_trainer_fsdp_on_two_ranks_trains_as_one_process(sharded_records, recipe, tol,
+                                                        tmp_path):
+    """``fsdp="full_shard"`` with ``transformer_layer_cls_to_wrap``: the engine shards
+    (each GPT2Block, then the model) and Trainer drives. Two ranks of 4 sequences end
+    where one process of 8 does, within FSDP's tolerance; Trainer logs the same LR and
+    grad_norm sequences. Under fp16-master rank 1's loss is inf at step 2: both ranks
+    skip it and the linear schedule holds for exactly that step."""
+    import hf_sharded
+
+    records, _ = sharded_records
+    two = records[recipe]
+    assert two["parallel"] == "fsdp" and two["wrapped"] == "_Sharded"
+    assert two["units"] == ["FSDPGPT2Block", "FSDPGPT2LMHeadModel"]
+    one = hf_sharded.train(recipe, 6, str(tmp_path), fsdp=False,
+                           poison=(2, 0) if recipe == "fp16-master" else None)
+    assert _rel(two["weights"], one["weights"]) <= tol
+    assert two["lrs"] == one["lrs"]
+    plain = [0.5 * (6 - s) / 6 for s in range(6)]  # linear decay from 0.5 over 6 steps
+    if recipe == "fp16-master":
+        assert two["skipped"] == one["skipped"] == 1
+        assert math.isnan(two["grad_norms"][2])
+        plain = plain[:3] + plain[2:5]
+    assert two["lrs"] == pytest.approx(plain, rel=1e-12)
+    finite = [(a, b) for a, b in zip(two["grad_norms"], one["grad_norms"]) if a == a]
+    assert all(abs(a - b) <= 2 * tol * b for a, b in finite)  # the true, reduced norm
+
+
+def test_trainer_fsdp_checkpoints_resume_and_export_the_masters(sharded_records):
+    """``resume_from_checkpoint`` of the step-3 checkpoint (a fresh Trainer, both ranks)
+    ends bit for bit where the uninterrupted run does. ``save_model`` called on every
+    rank writes the gathered fp32 masters, which ``from_pretrained`` loads strictly into
+    the plain model."""
+    records, out = sharded_records
+    full, resumed = records["fp16-master"], records["resumed"]
+    assert resumed["steps"] == 6 and resumed["skipped"] == 1
+    assert all(torch.equal(resumed["weights"][k], v) for k, v in full["weights"].items())
+    plain = transformers.GPT2LMHeadModel.from_pretrained(out / "exported")
+    got = plain.state_dict()
+    assert all(got[k].dtype == torch.float32 and torch.equal(got[k], v)
+               for k, v in full["weights"].items())
+
+
+def test_fsdp_settings_the_engine_does_not_do_are_refused_naming_them():
+    from mixprec.integrations.transformers import _engine_fsdp
+
+    with pytest.raises(NotImplementedError, match="FSDP2 only"):
+        _engine_fsdp({"fsdp_version": 1})
+    with pytest.raises(NotImplementedError, match="cpu_offload.*Remove it"):
+        _engine_fsdp({"fsdp_version": 2, "cpu_offload": True})
+    with pytest.raises(NotImplementedError, match="SHARDED_STATE_DICT"):
+        _engine_fsdp({"fsdp_version": 2, "state_dict_type": "SHARDED_STATE_DICT"})
+    units = _engine_fsdp({"fsdp_version": 2, "transformer_cls_names_to_wrap": "GPT2Block",
+                          "reshard_after_forward": False})
+    assert units["parallel_kwargs"] == {"reshard_after_forward": False}
+    model = _model()
+    assert [type(m).__name__ for m in model.modules() if units["fsdp_units"](m)] == [
+        "GPT2Block", "GPT2Block"]

@@ -32,8 +32,15 @@ Data parallel: under a multi-process launch (``torchrun``, ``accelerate launch``
 engine is built with ``parallel="ddp"`` and Trainer runs the engine's own
 ``DistributedDataParallel`` (``_wrap_model``), so Accelerate wraps only the optimizer and
 the data loaders: every rank reduces once per window and agrees on each skipped step.
-The main process writes ``mixprec_engine.pt``; every rank reads it on resume. FSDP and
-DeepSpeed (Trainer's ``fsdp=`` / ``deepspeed=``) raise ``NotImplementedError``.
+The main process writes ``mixprec_engine.pt``; every rank reads it on resume.
+
+Sharded: ``TrainingArguments(fsdp="full_shard")`` under a multi-process launch. The
+engine shards (``parallel="fsdp"``, FSDP2 with the recipe's policy; the units are
+``fsdp_config``'s ``transformer_layer_cls_to_wrap``, by default each ``ModuleList``
+element) in place of Accelerate's FSDP plugin, and Trainer drives. ``save_model`` and
+the checkpoints gather on every rank and the main process writes whole fp32 files
+(``mixprec_engine.pt`` holds the optimizer's state too). Accelerate's own FSDP
+(``accelerate launch --use_fsdp``) and DeepSpeed raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -52,6 +59,53 @@ from mixprec.recipe import Recipe
 __all__ = ["MixedPrecisionTrainer"]
 
 ENGINE_FILE = "mixprec_engine.pt"
+
+
+SCHEDULER_FILE = "scheduler.pt"  # Trainer's own name for its scheduler's state
+
+
+def _engine_fsdp(plugin: dict) -> dict:
+    """``TrainingArguments(fsdp=..., fsdp_config=...)``'s plugin arguments as the
+    engine's FSDP: ``transformer_layer_cls_to_wrap`` names the units (default: each
+    ``ModuleList`` element), ``reshard_after_forward`` passes on. What the engine's FSDP
+    does not do is refused, naming the setting."""
+    if int(plugin.get("fsdp_version", 2)) != 2:
+        raise NotImplementedError(
+            "MixedPrecisionTrainer with fsdp_config={'version': 1}: the engine shards "
+            "with FSDP2 only; drop 'version' (2 is the default)")
+    refused = [k for k in ("cpu_offload", "activation_checkpointing",
+                           "cpu_ram_efficient_loading") if plugin.get(k)]
+    policy = str(plugin.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP"))
+    if policy not in ("TRANSFORMER_BASED_WRAP", "NO_WRAP"):
+        refused.append(f"auto_wrap_policy={policy!r}")
+    if "FULL_STATE_DICT" not in str(plugin.get("state_dict_type", "FULL_STATE_DICT")):
+        refused.append(f"state_dict_type={plugin['state_dict_type']!r}")
+    if refused:
+        raise NotImplementedError(
+            f"MixedPrecisionTrainer with fsdp_config {', '.join(refused)}: the engine's "
+            "FSDP does not do it (its checkpoints are whole fp32 files; the units are "
+            "transformer_layer_cls_to_wrap's classes). Remove it from fsdp_config")
+    out: dict = {"parallel_kwargs": {
+        "reshard_after_forward": bool(plugin.get("reshard_after_forward", True))}}
+    names = plugin.get("transformer_cls_names_to_wrap")
+    if names and policy != "NO_WRAP":
+        wanted = set(str(names).split(","))
+        out["fsdp_units"] = lambda m: type(m).__name__ in wanted
+    elif policy == "NO_WRAP":
+        out["fsdp_units"] = lambda m: False
+    return out
+
+
+class _Sharded(torch.nn.Module):
+    """The engine's FSDP model as Trainer's ``model_wrapped``: a module that is not the
+    model itself, so Trainer prepares only the optimizer with Accelerate."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
 
 
 class _BestMasters(TrainerCallback):
@@ -78,17 +132,23 @@ class MixedPrecisionTrainer(Trainer):
 
     def __init__(self, *args, recipe: Recipe | str, engine_kwargs: dict | None = None,
                  **kwargs) -> None:
+        self._fsdp: dict | None = None  # TrainingArguments(fsdp=...): the engine's FSDP
         super().__init__(*args, **kwargs)
         self.recipe = Recipe.coerce(recipe)
         self.engine_kwargs = dict(engine_kwargs or {})
+        if "parallel" in self.engine_kwargs:
+            raise ValueError(
+                "MixedPrecisionTrainer(engine_kwargs={'parallel': ...}): the launch decides "
+                "it (torchrun / accelerate launch: DDP; TrainingArguments(fsdp="
+                "'full_shard'): the engine's FSDP)")
         self.engine: MixedPrecision | None = None
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:
             raise NotImplementedError(
-                "MixedPrecisionTrainer under Trainer's FSDP or DeepSpeed: they shard the "
-                "model before the engine can cast it. Use plain data parallel (torchrun "
-                "or accelerate launch without fsdp/deepspeed), or mixprec's own FSDP "
-                "through mixprec.integrations.accelerate or MixedPrecision("
-                "parallel='fsdp')")
+                "MixedPrecisionTrainer under Accelerate's own FSDP (accelerate launch "
+                "--use_fsdp, an FSDP accelerate config) or DeepSpeed: they shard the model "
+                "before the engine can cast it. Pass TrainingArguments(fsdp='full_shard') "
+                "instead (the engine shards, FSDP2) and launch without Accelerate's FSDP, "
+                "or use plain data parallel")
         if self.args.bf16 or self.args.fp16:
             raise ValueError(
                 "MixedPrecisionTrainer: TrainingArguments(bf16=True / fp16=True) would "
@@ -101,6 +161,21 @@ class MixedPrecisionTrainer(Trainer):
 
     # --- the engine ----------------------------------------------------------------
 
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's Accelerator, without Accelerate's FSDP plugin where
+        ``TrainingArguments(fsdp=...)`` asks for sharding: the engine shards instead
+        (``parallel="fsdp"``, FSDP2 with the recipe's policy), after casting, and
+        Accelerate wraps only the optimizer and the data loaders."""
+        plugin = self.args.fsdp_plugin_args
+        if plugin is None:
+            return super().create_accelerator_and_postprocess()
+        self._fsdp = _engine_fsdp(plugin)
+        self.args.fsdp_plugin_args = None
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            self.args.fsdp_plugin_args = plugin
+
     def create_optimizer(self, model=None):
         """Trainer's optimizer (or the one given), then the engine over the model and
         it; Trainer gets the proxy that steps the engine."""
@@ -111,12 +186,14 @@ class MixedPrecisionTrainer(Trainer):
                 self.engine is not None and self.optimizer is not None):
             return self.optimizer
         inner = super().create_optimizer(model)
-        parallel = "ddp" if self.args.world_size > 1 else None
+        parallel: dict = {"parallel": "ddp"} if self.args.world_size > 1 else {}
+        if self._fsdp is not None:
+            parallel = {"parallel": "fsdp", **self._fsdp}
         self.engine = MixedPrecision(
             self.model, inner, self.recipe,
             grad_accum_steps=self.args.gradient_accumulation_steps,
-            parallel=parallel,  # Trainer's max_grad_norm comes by its own clip call
-            **self.engine_kwargs)
+            # Trainer's max_grad_norm comes by its own clip call
+            **{**parallel, **self.engine_kwargs})
         self.optimizer = EngineOptimizer(self.engine, inner, self._record_skip)
         return self.optimizer
 
@@ -142,6 +219,10 @@ class MixedPrecisionTrainer(Trainer):
         wrap the model again); otherwise Trainer's own choice."""
         if training and self.engine is not None and self.engine.parallel == "ddp":
             return self.engine.model
+        if training and self.engine is not None and self.engine.parallel == "fsdp":
+            # sharded in place: a wrapper that is not the model, so that Trainer does
+            # not hand the model to accelerator.prepare (which would add a DDP)
+            return _Sharded(self.engine.model)
         return super()._wrap_model(model, training, dataloader)
 
     def _clip_grad_norm_(self, parameters, max_norm, norm_type=2):
@@ -164,18 +245,34 @@ class MixedPrecisionTrainer(Trainer):
         if self.engine is None or state_dict is not None:
             super()._save(output_dir, state_dict=state_dict)
             return
-        super()._save(output_dir, state_dict=self.engine.fp32_state_dict())
+        # every rank gathers (Trainer calls _save on every rank; the main one writes)
+        super()._save(output_dir, state_dict=self.engine.export_state_dict())
         if self.args.should_save:
             save_fp32_config(self.accelerator.unwrap_model(self.model),
                              output_dir if output_dir is not None else self.args.output_dir)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        path = os.path.join(output_dir, ENGINE_FILE)
+        if self.engine is not None and self.engine.parallel == "fsdp":
+            # the engine's gathered state holds the optimizer's (its own file would
+            # hold rank 0's shards only); every rank gathers, the main one writes
+            self.engine.save(path, full=True)
+            if self.args.should_save:
+                torch.save(self.lr_scheduler.state_dict(),
+                           os.path.join(output_dir, SCHEDULER_FILE))
+            return
         super()._save_optimizer_and_scheduler(output_dir)
         if self.engine is not None and self.args.should_save:  # the main process
-            self.engine.save(os.path.join(output_dir, ENGINE_FILE))
+            self.engine.save(path)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
         path = os.path.join(checkpoint, ENGINE_FILE) if checkpoint else None
+        if self.engine is not None and self.engine.parallel == "fsdp":
+            if path and os.path.exists(path):
+                self.engine.load(path)
+                self.lr_scheduler.load_state_dict(torch.load(
+                    os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
+            return
+        super()._load_optimizer_and_scheduler(checkpoint)
         if path and os.path.exists(path) and self.engine is not None:
             self.engine.load(path)
