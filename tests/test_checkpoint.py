@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from conftest import mlp
+from mixprec import MixedPrecision
 from mixprec.checkpoint import (
     CheckpointError,
     check_engine_state,
@@ -96,3 +97,47 @@ def test_fp32_weights_leave_out_the_fp8_scaling_buffers():
     assert set(got) == set(m.state_dict()) - fp8_keys
     fresh = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
     fresh.load_state_dict(got, strict=True)  # loads into a plain fp32 model
+
+
+@pytest.mark.parametrize("recipe", ["bf16-master", "fp16-master", "fp8", "bf16",
+                                    "bf16-master,emulate=true"])
+def test_load_fp32_state_dict_takes_an_export_into_masters_and_working_copy(recipe):
+    """An export loads into a fresh engine: its masters equal the exporting engine's bit
+    for bit and its working copy is their rounding, as after an update (the next step
+    runs: the engine wrote it). A wrong key or shape raises before anything changes."""
+    import warnings
+
+    def build():
+        torch.manual_seed(1)
+        m = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 8))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return m, MixedPrecision(m, torch.optim.AdamW(m.parameters(), lr=1e-2), recipe)
+
+    def train(m, e, n):
+        g = torch.Generator().manual_seed(2)
+        for _ in range(n):
+            with e.autocast():
+                loss = m(torch.randn(16, 32, generator=g)).float().pow(2).mean()
+            e.backward(loss)
+            e.step()
+
+    m, e = build()
+    train(m, e, 3)
+    want = e.export_state_dict()
+    m2, e2 = build()
+    before = {k: v.clone() for k, v in e2.export_state_dict().items()}
+    bad = {**want, "0.weight": want["0.weight"][:, :4]}
+    with pytest.raises(ValueError, match="does not match this model.*nothing was loaded"):
+        e2.load_fp32_state_dict(bad)
+    with pytest.raises(ValueError, match="does not match"):
+        e2.load_fp32_state_dict({k: v for k, v in want.items() if k != "2.bias"})
+    assert all(torch.equal(before[k], v) for k, v in e2.export_state_dict().items())
+    e2.load_fp32_state_dict(want)
+    got = e2.export_state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    assert all(torch.equal(a, b) for a, b in zip(e2.param_state.working,
+                                                 e.param_state.working))
+    train(m2, e2, 1)
+    assert e2.steps == 1

@@ -593,3 +593,51 @@ def test_model_parallel_strategy_refusals_name_the_fix():
 
     with pytest.raises(TypeError, match="FSDPPrecision"):  # the Trainer sets it so
         FSDPStrategy().precision_plugin = MixedPrecisionPlugin("bf16-master")
+
+
+@pytest.mark.parametrize("recipe", ["bf16-master", "fp8"])
+def test_fabric_save_of_the_model_writes_the_masters_and_fabric_load_sets_them(tmp_path,
+                                                                               recipe):
+    """Fabric's guide: ``fabric.save(path, {"model": model, "optimizer": optimizer,
+    "step": 3})`` and ``fabric.load(path, state)``. The model's entry is the fp32
+    masters (no fp8 scaling state), which load strictly into the plain GPT; loading it
+    into a fresh engine sets its masters bit for bit, its working copy to their
+    rounding, and the next steps run."""
+    from lightning.fabric import Fabric
+
+    from mixprec.integrations.lightning import setup_fabric
+
+    def build():
+        fabric = Fabric(accelerator="cpu", devices=1)
+        torch.manual_seed(0)
+        gpt = GPT(CFG)
+        opt = torch.optim.AdamW(gpt.parameters(), lr=3e-3)
+        return (fabric, *setup_fabric(fabric, gpt, opt, recipe=recipe))
+
+    data = _batches(4)
+    fabric, model, optimizer = build()
+    for b in data[:3]:
+        fabric.backward(model(b[:, :-1], b[:, 1:]))
+        optimizer.step()
+    engine = optimizer.engine
+    path = tmp_path / "f.ckpt"
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})
+    saved = torch.load(path, weights_only=False)
+    want = engine.export_state_dict()
+    assert saved["model"].keys() == want.keys()
+    assert all(torch.equal(saved["model"][k], v) and v.dtype == torch.float32
+               for k, v in want.items())
+    GPT(CFG).load_state_dict(saved["model"])  # strictly, into the plain model
+
+    fabric2, model2, optimizer2 = build()
+    state = {"model": model2, "optimizer": optimizer2, "step": 0}
+    remainder = fabric2.load(path, state)
+    assert state["step"] == 3 and state["model"] is model2 and remainder == {}
+    fresh = optimizer2.engine
+    got = fresh.export_state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    assert all(torch.equal(a, b) for a, b in zip(fresh.param_state.working,
+                                                 engine.param_state.working))
+    assert optimizer2.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+    fabric2.backward(model2(data[3][:, :-1], data[3][:, 1:]))
+    assert not optimizer2.step() and fresh.steps == 1  # the weights' writer is the engine

@@ -135,6 +135,24 @@ def fp32_weights(module: nn.Module, param_state) -> dict[str, torch.Tensor]:
     return out
 
 
+def load_fp32_weights(engine, weights: dict) -> None:
+    """``MixedPrecision.load_fp32_state_dict``: ``fp32_weights``' keys and shapes, whole
+    tensors; masters take them exactly, the working copy their rounding (as after an
+    update), other entries load as they are. Checked before anything changes."""
+    _not_mid_accumulation(engine)
+    module, ps = engine.module, engine.param_state
+    have = module.state_dict()
+    expected = {k: tuple(have[k].shape) for k in fp32_weights(module, ps)}
+    _same_model(expected, {k: tuple(v.shape) for k, v in weights.items()})
+    new = {k: _like(weights[k], have[k]) for k in expected}
+    with torch.no_grad():
+        if ps.has_master:
+            for name, m in zip(ps.names, ps.masters, strict=True):
+                m.copy_(new[name])
+        module.load_state_dict(new, strict=False)  # fp8 scaling state stays as it is
+        ps.refresh_working()
+
+
 def _like(full, like, rows: bool = False):
     """``full`` cut to ``like``'s shard when ``like`` is a DTensor of its shape; with
     ``rows``, of its dim 0 (``mixprec.optim``'s block states, sharded with the rows of

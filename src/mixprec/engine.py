@@ -292,6 +292,16 @@ class MixedPrecision:
                        for k, v in weights.items()}
         return weights
 
+    def load_fp32_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load trained weights, as ``export_state_dict`` (or ``fp32_state_dict(full=True)``)
+        wrote them: whole fp32 tensors keyed like the model's ``state_dict``, no fp8
+        scaling state. Masters take the values exactly, and the working copy their
+        rounding to nearest, as after an update; the optimizer, loss scale and counters
+        stay as they are (``load_state_dict`` restores those). Under FSDP every rank
+        calls it with the same whole tensors and keeps its shards. Keys or shapes that
+        do not match raise before anything changes."""
+        checkpoint.load_fp32_weights(self, weights)
+
     def state_dict(self, full: bool = False) -> dict:
         """Everything to resume bit-identically; loads with ``weights_only=True``.
         Whole tensors (any world size), except under FSDP: this rank's shards, or with

@@ -56,6 +56,7 @@ the engine needs for its masters, so it gets ``setup_fabric`` in place of
     fabric.clip_gradients(model, optimizer, max_norm=1.0)   # engine.clip_grad_norm_
     optimizer.step()            # engine.step; optimizer.zero_grad() does nothing
     fabric.save(path, {"mixprec": optimizer.engine, ...})   # fabric.load restores it
+    fabric.save(path, {"model": model, "optimizer": optimizer})  # the fp32 masters
 """
 
 
@@ -287,6 +288,51 @@ def _lightning_units(module):
     return lambda m: id(m) in chosen
 
 
+class _Weights:
+    """Stands in for the model in ``fabric.save`` / ``fabric.load``: its state is the
+    engine's export (the fp32 masters), and loading sets masters and working copy."""
+
+    def __init__(self, engine: MixedPrecision) -> None:
+        self.engine = engine
+
+    def state_dict(self) -> dict:
+        return self.engine.export_state_dict()
+
+    def load_state_dict(self, weights: dict) -> None:
+        self.engine.load_fp32_state_dict(weights)
+
+
+def _route_fabric_checkpoints(fabric, engine: MixedPrecision) -> None:
+    """``fabric.save(path, {"model": model, "optimizer": optimizer, ...})``, as Fabric's
+    guide writes it: the model's entry is the fp32 masters (``export_state_dict``, so it
+    loads strictly into the plain model), the optimizer's is the wrapped optimizer's
+    state; ``fabric.load`` of the same dict sets the masters and the working copy from
+    it. The engine itself (``{"mixprec": engine}``) still carries the whole state."""
+    inner_save, inner_load = fabric.save, fabric.load
+    mine = {id(engine.model), id(engine.module)}
+
+    def swap(state):
+        if state is None:
+            return None, ()
+        routed = [k for k, v in state.items() if id(v) in mine]
+        return {k: (_Weights(engine) if k in routed else v) for k, v in state.items()}, routed
+
+    def save(path, state, filter=None):
+        swapped, _ = swap(state)
+        return inner_save(path, swapped, filter=filter)
+
+    def load(path, state=None, strict=True, **kwargs):
+        swapped, routed = swap(state)
+        remainder = inner_load(path, swapped, strict=strict, **kwargs)
+        if state is not None:  # Fabric writes loaded plain values back into the dict
+            for k, v in swapped.items():
+                if k not in routed:
+                    state[k] = v
+        return remainder
+
+    fabric.save, fabric.load = save, load
+
+
 def _interval(trainer, scheduler) -> str:
     """The ``interval`` ("step" or "epoch") Lightning steps ``scheduler`` at."""
     for config in trainer.lr_scheduler_configs:
@@ -313,7 +359,9 @@ def setup_fabric(fabric, model, optimizer, *, recipe: Recipe | str, scheduler=No
     ``fabric.clip_gradients(model, optimizer, max_norm=...)`` is
     ``engine.clip_grad_norm_``. A ``scheduler`` is stepped by the engine after
     each applied update; the returned one's ``step()`` does nothing. ``fabric.save`` /
-    ``fabric.load`` carry the engine's whole state when it is in the state dict.
+    ``fabric.load`` carry the engine's whole state when it is in the state dict; the
+    model's entry (``{"model": model}``) is the fp32 masters, and loading it sets the
+    masters and the working copy.
 
     Fabric's own precision must stay ``"32-true"``: the recipe is the precision."""
     if str(getattr(fabric.strategy.precision, "precision", "32-true")) != "32-true":
@@ -379,5 +427,7 @@ def setup_fabric(fabric, model, optimizer, *, recipe: Recipe | str, scheduler=No
         return engine.clip_grad_norm_(float(max_norm), norm_type)
 
     fabric.clip_gradients = clip_gradients
-    out = (engine.model, EngineOptimizer(engine, optimizer))
+    proxy = EngineOptimizer(engine, optimizer)
+    _route_fabric_checkpoints(fabric, engine)
+    out = (engine.model, proxy)
     return out + (EngineScheduler(scheduler),) if scheduler is not None else out
