@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--save-state", default=None)
     ap.add_argument("--resume", default=None)
+    ap.add_argument("--export", default=None, metavar="DIR",
+                    help="accelerator.save_model(model, DIR) at the end (every rank)")
     args = ap.parse_args()
 
     accelerator = Accelerator(gradient_accumulation_steps=args.accum)
@@ -92,6 +94,13 @@ def main() -> None:
     # the fp32 masters, whole (under FSDP a gather: every rank calls it)
     log["weights"] = weights_digest(engine.fp32_state_dict(full=True))
     log["steps"] = engine.steps
+    if args.export:  # Accelerate's own export calls, on every rank as its docs say
+        log["get_state_dict"] = weights_digest(accelerator.get_state_dict(model))
+        accelerator.save_model(model, args.export)
+        accelerator.wait_for_everyone()
+        from safetensors.torch import load_file
+
+        log["save_model"] = weights_digest(load_file(f"{args.export}/model.safetensors"))
     if args.out:
         path = args.out if rank == 0 else f"{args.out}.rank{rank}"
         with open(path, "w") as f:

@@ -176,8 +176,9 @@ def test_accelerate_launch_two_cpu_processes_agree_on_skips_and_weights(tmp_path
     torchrun underneath, gloo, 2 ranks. (``--cpu --num_processes 2`` starts a single
     process in accelerate 1.x: its CPU launcher runs several only through mpirun.) Rank
     1's loss is inf at step 3; both ranks skip it, hold the LR, and end with the same
-    fp32 weights (gathered under FSDP); then (FSDP) the 2-rank ``save_state`` resumes
-    on one process. The DDP run also runs the issue's ``--cpu`` command."""
+    fp32 weights (gathered under FSDP), which ``get_state_dict`` and ``save_model``
+    write; then (FSDP) the 2-rank ``save_state`` resumes on one process. The DDP run
+    also runs the ``--cpu --num_processes 2`` command."""
     out = tmp_path / "run.json"
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     script = str(ROOT / "examples" / "accelerate_train.py")
@@ -185,7 +186,8 @@ def test_accelerate_launch_two_cpu_processes_agree_on_skips_and_weights(tmp_path
               "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
               "--dynamo_backend", "no", "--main_process_port", str(free_port()), script]
     args = ["--parallel", parallel, "--recipe", "fp16-master", "--accum", "2", "--steps", "6",
-            "--inject-inf", "3:1", "--out", str(out), "--save-state", str(tmp_path / "st")]
+            "--inject-inf", "3:1", "--out", str(out), "--save-state", str(tmp_path / "st"),
+            "--export", str(tmp_path / "export")]
     run = subprocess.run(launch + args, env=env, capture_output=True, text=True,
                          timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -194,7 +196,9 @@ def test_accelerate_launch_two_cpu_processes_agree_on_skips_and_weights(tmp_path
     assert r0["skipped"] == r1["skipped"] == [False, False, False, True, False, False]
     assert r0["lrs"] == r1["lrs"] and r0["lrs"][3] == r0["lrs"][2]
     assert r0["weights"] == r1["weights"] and r0["losses"] != r1["losses"]
-    if parallel == "ddp":  # the issue's command: one process, and mixprec says so
+    # Accelerate's exports (gathered under FSDP) are the fp32 masters, bit for bit
+    assert r0["get_state_dict"] == r0["save_model"] == r0["weights"]
+    if parallel == "ddp":  # `--cpu --num_processes 2`: one process, and mixprec says so
         cpu = [sys.executable, "-m", "accelerate.commands.launch", "--cpu",
                "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                "--dynamo_backend", "no", "--main_process_port", str(free_port()), script,

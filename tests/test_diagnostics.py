@@ -154,7 +154,7 @@ def test_e_fp16_on_this_cpu_gets_the_measured_kernel_finding(monkeypatch):
                     reference_steps=0)
     f = next(f for f in report.findings if f.code == "kernel-better-dtype")
     assert "6.0x faster" in f.title and "bf16" in f.advice
-    rates[torch.float16] = 4.0  # a CPU without fp16 units (the 70x)
+    rates[torch.float16] = 4.0  # a CPU without fp16 units (70x slower than fp32)
     report = doctor(mlp_factory(), batches(), "fp16,emulate=false", steps=1,
                     reference_steps=0)
     f = next(f for f in report.findings if f.code == "kernel-slow")

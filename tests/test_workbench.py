@@ -259,7 +259,7 @@ def test_compare_flags_a_recipe_whose_step_is_over_twice_fp32s_with_the_cause():
     facts = {"time_shares": {"ops": [("aten::mm", 40.0), ("aten::_to_copy", 9.5)]}}
     assert slow_step_findings("bf16", results, facts) == []   # 1.2x: not flagged
     assert slow_step_findings("fp32", results, facts) == []
-    (f,) = slow_step_findings("fp8", results, facts)           # the 0.05x fp8
+    (f,) = slow_step_findings("fp8", results, facts)           # fp8 at 0.05x of fp32
     assert f.code == "step-slow" and f.severity == "warning"
     assert "18.4x the fp32 step" in f.title
     assert "aten::mm 40.0 ms" in f.evidence and "kernels: emulate=on" in f.evidence
