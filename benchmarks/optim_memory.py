@@ -5,7 +5,7 @@
 On the workbench GPT (the compare default size): each recipe with real 16-bit tensors
 (``emulate=false``, so the bytes are those of the storage a GPU would hold), one step
 and one more backward (so states and gradients exist), then ``measure()`` beside
-``estimate()``, item by item. Then the seeds' 70B account under the same recipes
+``estimate()``, item by item. Then a 70B model's account under the same recipes
 (``estimate`` of a bare count, every state counted as quantized). The README's tables
 come from this script.
 """
@@ -63,7 +63,7 @@ def main() -> None:
         per = sum(got[k] for k in ITEMS) / n
         print(f"{recipe:<26}" + "".join(f"{got[k] / n:>11.3f}" for k in ITEMS)
               + f"{per:>9.3f}{'yes' if same else 'NO':>21}")
-    print("\n# the seeds' 70B model (seed 000 §1), AdamW, GB = 1e9 bytes, estimate()")
+    print("\n# a 70B model, AdamW, GB = 1e9 bytes, estimate()")
     print(f"{'recipe':<26}" + "".join(f"{k:>11}" for k in ITEMS) + f"{'total':>9}")
     for recipe in RECIPES:
         b = estimate("70B", recipe)

@@ -1,4 +1,4 @@
-"""`mixprec formats`: the table and the seed's two worked examples."""
+"""`mixprec formats`: the table and two worked examples."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_update_at_2048(capsys):
     assert main(["formats", "--value", "2048", "--update", "1e-4"]) == 0
     rows = _rows(capsys.readouterr().out)
     assert "vanishes" in rows["fp16"] and "vanishes" in rows["bf16"]
-    # fp32's spacing at 2048 is 2^-12: 1e-4 is less than half of it (seed 004 is wrong)
+    # fp32's spacing at 2048 is 2^-12: 1e-4 is less than half of it (a common claim says it is kept)
     assert "vanishes" in rows["fp32"] and "0.000244141" in rows["fp32"]
     # e4m3 has no inf: 2048 overflows to NaN, so there is no stored value to update
     # (NaN + 1e-4 != NaN must not read "survives"), and its error is not 0

@@ -305,7 +305,7 @@ def _gpt_batch():
 
 
 def test_vanished_updates_in_bf16_weights_and_at_2048_in_fp32():
-    """Seed 004 §2.1 measured, not assumed: AdamW at lr 1e-4 takes steps of ~1e-4, which
+    """Vanishing updates measured, not assumed: AdamW at lr 1e-4 takes steps of ~1e-4, which
     bf16 weights near 1 (half-ulp up to 2^-9) mostly lose and an fp32 master keeps. And
     weights near 2048 lose SGD steps below 1e-4 even in fp32 (half-ulp 1.2e-4 there)."""
     bf16 = doctor(mlp_factory(), batches(), "bf16,params=bf16", steps=2, lr=1e-4,

@@ -146,7 +146,7 @@ def test_fault_injection_skips_and_leaves_state_bit_identical(recipe):
     assert sum(losses[-10:]) < 0.1 * sum(losses[:10])  # still converges (>10x lower)
 
 
-# --- FP32 accumulation (seed 000 §2) ---------------------------------------------------
+# --- FP32 accumulation ------------------------------------------------------------------
 
 def _accumulate(recipe: str, n: int = 4096, g: float = 1e-7) -> float:
     w = nn.Linear(1, 1, bias=False)
@@ -164,19 +164,19 @@ def _accumulate(recipe: str, n: int = 4096, g: float = 1e-7) -> float:
     return engine.param_state.gradients()[0].double().item() / max(float(engine.scale), 1.0)
 
 
-def test_seed_accumulation_of_4096_tiny_gradients():
+def test_accumulation_of_4096_tiny_gradients():
     want = 4096 * 1e-7
     kahan = _accumulate("fp32,grad_accum=kahan")
     plain = _accumulate("fp32")
     fp16 = _accumulate("fp16-master,grads=fp16,loss_scale=static,init_scale=1")
-    assert abs(kahan - want) / want < 1e-6       # the seed's figure, to 1e-6
+    assert abs(kahan - want) / want < 1e-6       # the published figure, to 1e-6
     assert abs(plain - want) / want < 1e-4       # plain fp32: n·2^-24 growth, ~7e-6
     assert abs(plain - want) / want > 1e-6
     assert abs(fp16 - want) / want > 0.3         # fp16 .grad stalls near 2.44e-4
     assert fp16 == 2.0**-12
 
 
-# --- master weights (seed 004 §2.1) ----------------------------------------------------
+# --- master weights --------------------------------------------------------------------
 
 def _nudge(recipe: str, w0: float, steps: int = 1000, update: float = 1e-4) -> float:
     lin = nn.Linear(1, 1, bias=False)
@@ -194,7 +194,7 @@ def _nudge(recipe: str, w0: float, steps: int = 1000, update: float = 1e-4) -> f
 def test_master_weights_keep_updates_that_bf16_weights_lose():
     assert abs(_nudge("bf16-master", 1.0) - 1.1) < 1e-4           # fp32 master keeps them
     assert _nudge("bf16,params=bf16", 1.0) == 1.0                  # pure bf16: all vanish
-    # Seed 004 uses a weight of 2048: there fp32's spacing is 2^-12 ~ 2.44e-4, so an
+    # The common example uses a weight of 2048: there fp32's spacing is 2^-12 ~ 2.44e-4, so an
     # update of 1e-4 vanishes in the fp32 master as well (a correction to the seed).
     assert _nudge("bf16-master", 2048.0, steps=50) == 2048.0
     # just below 2048 the fp32 master keeps them (rounded to its 2^-13 spacing)

@@ -190,12 +190,12 @@ def test_format_limits(name, max_, min_normal, min_sub):
         assert float(fi.eps) == f.eps
 
 
-def test_seed_examples():
-    # seed 000 §3: 2^-30 underflows to 0 in fp16, survives in bf16
+def test_worked_examples_of_range_and_spacing():
+    # 2^-30 underflows to 0 in fp16, survives in bf16
     g = torch.tensor([2.0**-30])
     assert formats.quantize(g, "fp16").item() == 0.0
     assert formats.quantize(g, "bf16").item() == 2.0**-30
-    # seed 004 §2.1 says 2048 + 1e-4 is kept in fp32. It is not: fp32's spacing at 2048
+    # a common claim says 2048 + 1e-4 is kept in fp32. It is not: fp32's spacing at 2048
     # is 2^-12 ~ 2.44e-4, and 1e-4 is less than half of it. All three lose it there;
     # just below 2048 (spacing 2^-13) fp32 keeps it while fp16 and bf16 still lose it.
     w = torch.tensor([2048.0], dtype=torch.float64) + 1e-4
@@ -205,7 +205,7 @@ def test_seed_examples():
     w = torch.tensor([1024.0], dtype=torch.float64) + 1e-4
     assert formats.quantize(w, "fp32").item() > 1024.0
     assert formats.quantize(w, "fp16").item() == formats.quantize(w, "bf16").item() == 1024.0
-    # seed 001 §1: fp16 max 65504
+    # fp16 max 65504
     assert formats.quantize(torch.tensor([65504.0, 65520.0]), "fp16").tolist() == [65504, math.inf]
 
 

@@ -223,7 +223,7 @@ def test_rowwise_forward_is_bit_identical_to_torchao_rowwise():
 
 def test_rowwise_keeps_precision_next_to_an_outlier_token():
     """One token 1e5 times larger than the rest: a per-tensor scale pushes the other
-    tokens into e4m3's subnormals, a per-token scale does not (seed 000 §5's per-tensor
+    tokens into e4m3's subnormals, a per-token scale does not (a per-tensor
     scaling, and the case rowwise scaling exists for)."""
     torch.manual_seed(0)
     lin = nn.Linear(128, 96)

@@ -1,4 +1,4 @@
-"""The memory planner against the seeds' tables, the ZeRO paper, and measured bytes."""
+"""The memory planner against published memory tables, the ZeRO paper, and measured bytes."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def gb(b, item=None):
 
 
 @pytest.mark.filterwarnings("ignore:recipe. params='fp16' with master='none':UserWarning")
-def test_seed_000_llama_70b():  # the seed's pure-fp16 row, which mixprec warns about
+def test_a_70b_model_as_commonly_tabulated():  # the pure-fp16 row, which mixprec warns about
     fp32 = estimate("70B", "fp32")
     assert (gb(fp32, "params"), gb(fp32, "grads"), gb(fp32, "optimizer"), gb(fp32)) == (
         280, 280, 560, 1120)
@@ -31,28 +31,28 @@ def test_seed_000_llama_70b():  # the seed's pure-fp16 row, which mixprec warns 
     assert (gb(pure, "params"), gb(pure, "grads"), gb(pure, "optimizer"), gb(pure)) == (
         140, 140, 280, 560)
     mixed = estimate("70B", MIXED_FP16_GRADS)
-    # the seed's "~840 GB" row is 140 + 140 + 560: it leaves out the fp32 master (280)
+    # the usual "~840 GB" row is 140 + 140 + 560: it leaves out the fp32 master (280)
     assert gb(mixed, "params") + gb(mixed, "grads") + gb(mixed, "optimizer") == 840
     assert gb(mixed, "master") == 280 and gb(mixed) == 1120
 
 
-def test_seed_004_100b():
+def test_a_100b_model_as_commonly_tabulated():
     fp32 = estimate("100B", "fp32")
     assert (gb(fp32, "params"), gb(fp32, "optimizer"), gb(fp32, "grads"), gb(fp32)) == (
         400, 800, 400, 1600)
     mixed = estimate("100B", MIXED_FP16_GRADS)
     assert (gb(mixed, "params"), gb(mixed, "grads")) == (200, 200)
-    # the seed's 1400 GB = master 400 + states 800 + fp16 grads 200, without the fp16
+    # the usual 1400 GB = master 400 + states 800 + fp16 grads 200, without the fp16
     # working copy (200) that forward and backward run on
     assert gb(mixed, "master") + gb(mixed, "optimizer") + gb(mixed, "grads") == 1400
     assert gb(mixed) == 1600
 
 
-def test_seed_003_7b():
+def test_a_7b_model_as_commonly_tabulated():
     fp32 = estimate("7B", "fp32")
     assert (gb(fp32, "params"), gb(fp32)) == (28, 112)
     mixed = estimate("7B", MIXED_FP16_GRADS)
-    # the seed's 84 GB counts one Adam moment (28); AdamW keeps two (56): 14+14+28+56
+    # the usual 84 GB counts one Adam moment (28); AdamW keeps two (56): 14+14+28+56
     assert gb(mixed) == 112
     assert gb(mixed) - gb(mixed, "optimizer") / 2 == 84
 

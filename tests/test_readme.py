@@ -1,6 +1,7 @@
-"""The README's Python examples run as written, and the values their comments state are
-the values they return. The blocks are fragments, so the test supplies what they leave
-to the reader (a model, batches, ``x``)."""
+"""The Python examples of the README and the manual (docs/) run as written, and the
+values their comments state are the values they return. The blocks are fragments, each
+page's in one namespace in reading order, so the test supplies what they leave to the
+reader (a model, batches, ``x``)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,22 @@ from torch import nn
 
 import mixprec
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+ROOT = Path(__file__).resolve().parents[1]
+#: the README, then the manual's pages in reading order; a page's blocks run in one
+#: namespace, in order (a later block uses what an earlier one defined)
+PAGES = ["README.md", "docs/index.md", "docs/getting-started.md", "docs/concepts/fp32.md",
+         "docs/concepts/formats.md", "docs/concepts/recipes.md", "docs/guides/your-loop.md",
+         "docs/concepts/fp8.md", "docs/guides/memory.md", "docs/concepts/optimizer-states.md",
+         "docs/guides/any-cpu.md", "docs/guides/distributed.md",
+         "docs/guides/checkpoints.md", "docs/guides/doctor.md",
+         "docs/guides/workbench.md", "docs/benchmarks.md", "docs/guides/trainers.md",
+         "docs/guides/lightning.md", "docs/guides/hf-trainer.md", "docs/guides/accelerate.md",
+         "docs/troubleshooting.md", "docs/not-there-yet.md", "docs/development.md",
+         "docs/reference/recipes.md", "docs/reference/formats.md", "docs/reference/cli.md",
+         "docs/reference/api.md", "docs/changelog.md"]
+PAGE_BLOCKS = {page: re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S)
+               for page in PAGES}
+BLOCKS = [b for page in PAGES for b in PAGE_BLOCKS[page]]
 # "expr   # 1.875", "expr  # tensor([inf, 0.])", "expr  # spacing there: tensor([2.])"
 CLAIM = re.compile(r"^(?P<expr>\S.*?)\s{2,}# (?:[a-z ]+: )?"
                    r"(?P<value>tensor\(.*\)|[-+]?\d[\d.e+-]*)$")
@@ -45,6 +60,7 @@ def _namespace() -> dict:
         return F.cross_entropy(model(x), y)
 
     return {"torch": torch, "F": F, "nn": nn, "mixprec": mixprec, "model": model_factory(),
+            "MixedPrecision": mixprec.MixedPrecision,
             "batches": batches,
             "x": torch.randn(64, generator=g) * 300, "g": g, "sample_batch": batches[0][0],
             "model_factory": model_factory, "batch_fn": batch_fn}
@@ -61,6 +77,11 @@ def _single_process_blocks() -> list[str]:
     return [b for b in BLOCKS if "init_process_group" not in b and not _trainer_block(b)]
 
 
+def test_every_page_of_the_manual_is_read():
+    pages = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")}
+    assert pages == set(PAGES) - {"README.md"}, pages ^ (set(PAGES) - {"README.md"})
+
+
 def test_the_readme_has_python_examples():
     trainer = [b for b in BLOCKS if _trainer_block(b)]
     assert len(BLOCKS) >= 5 and len(_single_process_blocks()) == len(BLOCKS) - 1 - len(trainer)
@@ -69,12 +90,17 @@ def test_the_readme_has_python_examples():
 
 
 @pytest.mark.paths
-def test_readme_examples_run_and_their_comments_hold():
-    ns = _namespace()
+def test_readme_examples_run_and_their_comments_hold(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the examples save checkpoints where they run
     checked = 0
     trained = None  # the engine of the training example (recipe="bf16-master")
-    for block in _single_process_blocks():
-        exec(compile(block, "README.md", "exec"), ns)  # noqa: S102 - our own README
+    runnable = set(_single_process_blocks())
+    for page, block in [(p, b) for p in PAGES for b in PAGE_BLOCKS[p]]:
+        if block not in runnable:
+            continue
+        if block is PAGE_BLOCKS[page][0] or block == PAGE_BLOCKS[page][0]:
+            ns = _namespace()  # each page starts from the reader's own model and data
+        exec(compile(block, page, "exec"), ns)  # noqa: S102 - our own docs
         if trained is None and 'recipe="bf16-master"' in block:
             trained = ns["engine"]
         for line in block.splitlines():

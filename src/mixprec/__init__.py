@@ -16,4 +16,4 @@ from mixprec.watch import SkipLimitError
 __all__ = ["distributed", "formats", "fp8", "Recipe", "PRESETS", "MixedPrecision",
            "StepResult", "SkipLimitError", "LossScaler", "precision_context", "doctor",
            "__version__"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

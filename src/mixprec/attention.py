@@ -25,6 +25,8 @@ other call goes to ``F.scaled_dot_product_attention`` as usual.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -67,7 +69,7 @@ _NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale
           "enable_gqa")
 
 
-def route_attention(args, kwargs):
+def route_attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run an SDPA call through the fp32 backward, or return ``NOT_TAKEN``.
 
     The caller checks that autocast is on for the CPU with a 16-bit dtype."""

@@ -28,11 +28,19 @@ import importlib
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from mixprec.comm import gather_full
+
+if TYPE_CHECKING:
+    from mixprec.master import ParamState
+    from mixprec.recipe import Recipe
+
+# the ``engine`` arguments below are a ``mixprec.engine.MixedPrecision``, typed ``Any``:
+# this module sits below the engine and imports nothing of it, not even for types
 
 __all__ = ["CheckpointError", "save_atomic", "load_checkpoint", "check_engine_state",
            "engine_state", "save_engine", "load_engine", "restore_engine", "save_resharding",
@@ -43,7 +51,7 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: unreadable, or from another run's settings."""
 
 
-def save_atomic(obj, path: str | Path) -> None:
+def save_atomic(obj: Any, path: str | os.PathLike[str]) -> None:
     """``torch.save`` to a temp file, fsync, rename over ``path``, fsync the folder.
     The temp file's name holds the process id, so ranks that write the same path at
     once each rename a whole file (the last one wins) instead of interleaving bytes."""
@@ -61,7 +69,7 @@ def save_atomic(obj, path: str | Path) -> None:
         os.close(fd)
 
 
-def load_checkpoint(path: str | Path) -> dict:
+def load_checkpoint(path: str | os.PathLike[str]) -> dict:
     """``torch.load(path, weights_only=True)``, or a ``CheckpointError`` with the fix.
     FSDP checkpoints hold DTensors, whose module (1.5 s to import) is loaded only for
     a file that needs it."""
@@ -82,8 +90,9 @@ def load_checkpoint(path: str | Path) -> dict:
             "truncated or corrupt. Nothing was changed: delete it to start over") from None
 
 
-def check_engine_state(state: dict, recipe, emulating: bool, world_size: int,
-                       parallel: str | None, optimizers, module: nn.Module) -> None:
+def check_engine_state(state: dict, recipe: Recipe, emulating: bool, world_size: int,
+                       parallel: str | None, optimizers: list[torch.optim.Optimizer],
+                       module: nn.Module) -> None:
     """Raise, naming both sides, unless ``state`` (``MixedPrecision.state_dict()``) can
     resume this engine: same recipe, emulation, optimizers and their param groups' sizes,
     model keys and shapes; and for FSDP shards, FSDP at the same world size. torch's
@@ -115,7 +124,7 @@ def check_engine_state(state: dict, recipe, emulating: bool, world_size: int,
                 {k: tuple(v.shape) for k, v in state["model"].items()})
 
 
-def fp32_weights(module: nn.Module, param_state) -> dict[str, torch.Tensor]:
+def fp32_weights(module: nn.Module, param_state: ParamState) -> dict[str, torch.Tensor]:
     """``module``'s state in fp32 with each working parameter replaced by its fp32
     master (``param_state``: the engine's ``ParamState``), other floating tensors
     upcast exactly, and the fp8 scaling buffers left out."""
@@ -169,7 +178,8 @@ def _like(full, like, rows: bool = False):
     return full
 
 
-def shard_full_state(state: dict, module: nn.Module, trainable: list, optimizers) -> dict:
+def shard_full_state(state: dict, module: nn.Module, trainable: list,
+                     optimizers: list[torch.optim.Optimizer]) -> dict:
     """A ``"full"`` engine state with each tensor cut like its FSDP counterpart: model
     entries like ``module``'s, ``masters`` like the ``trainable`` parameters (FSDP's
     shards are the masters), optimizer state like the parameter it belongs to. Returns
@@ -209,7 +219,7 @@ def _restore_counters(engine, state: dict) -> None:
     engine.parallelism.after_restore(engine.fp8_modules)
 
 
-def engine_state(engine, full: bool) -> dict:
+def engine_state(engine: Any, full: bool) -> dict:
     """``MixedPrecision.state_dict(full)``: recipe, layout, model, masters, optimizers,
     scaler, counters and schedulers."""
     _not_mid_accumulation(engine)
@@ -232,7 +242,8 @@ def engine_state(engine, full: bool) -> dict:
     return engine.parallelism.gather(state) if full else state
 
 
-def save_engine(engine, path, full: bool, extra: dict) -> None:
+def save_engine(engine: Any, path: str | os.PathLike[str], full: bool,
+                extra: dict) -> None:
     """``MixedPrecision.save``: atomically, from this rank; under FSDP with ``full``,
     gathered, written by rank 0, and the outcome shared so that every rank raises if
     the write failed (none is left waiting)."""
@@ -260,7 +271,7 @@ def _on_rank0(write, path) -> None:
                            f"({error[0]}); the previous one, if any, is intact")
 
 
-def load_engine(engine, path) -> dict:
+def load_engine(engine: Any, path: str | os.PathLike[str]) -> dict:
     """``MixedPrecision.load``: a file ``save`` wrote, or a ``reshardable`` directory;
     returns the extras."""
     if os.path.isdir(path) or os.path.isdir(f"{path}.old"):
@@ -273,7 +284,7 @@ def load_engine(engine, path) -> dict:
     return dict(state.get("extra", {}))
 
 
-def restore_engine(engine, state: dict) -> None:
+def restore_engine(engine: Any, state: dict) -> None:
     """``MixedPrecision.load_state_dict``: check, then load. Masters cross layouts:
     under FSDP the fp32 shards are the masters; a ``-master`` recipe elsewhere keeps
     them beside its low-precision working copy."""
@@ -336,7 +347,7 @@ def _require_fsdp(engine, what: str) -> None:
             "checkpoint is whole and loads at any world size already")
 
 
-def save_resharding(engine, path, extra: dict) -> None:
+def save_resharding(engine: Any, path: str | os.PathLike[str], extra: dict) -> None:
     """``MixedPrecision.save(path, reshardable=True)``: a directory written with
     ``torch.distributed.checkpoint`` (every rank its own shards) and ``engine.pt``
     (recipe, scaler, counters, schedulers, extras), assembled in ``PATH.partial`` and
@@ -384,7 +395,7 @@ def save_resharding(engine, path, extra: dict) -> None:
     _on_rank0(finish, path)
 
 
-def restore_resharding(engine, path) -> dict:
+def restore_resharding(engine: Any, path: str | os.PathLike[str]) -> dict:
     """``MixedPrecision.load`` of a ``reshardable`` directory, under FSDP at any world
     size. Recipe, emulation, the model's keys and shapes and the optimizer's entries are
     checked against the directory's metadata before anything is read into the engine.

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,9 @@ from mixprec.wgrad import (
     route,
     upcast_param,
 )
+
+if TYPE_CHECKING:
+    from mixprec.emulate import EmulationMode
 
 __all__ = ["precision_context", "recompute_context", "run_backward", "PrecisionMode",
            "device_supports", "fp32_island_modules", "wrap_fp32_modules", "has_fast_kernels",
@@ -317,7 +321,7 @@ def autocast_dtype(recipe: Recipe, device: torch.device | str,
     return recipe.compute_dtype
 
 
-def make_emulation_mode(recipe: Recipe):
+def make_emulation_mode(recipe: Recipe) -> EmulationMode | None:
     """The EmulationMode for a recipe (one per engine, so backward sees forward's tags),
     or None when emulation has nothing to do for it."""
     from mixprec.emulate import EmulationMode
@@ -346,7 +350,7 @@ def _function_modes(stack: contextlib.ExitStack, r: Recipe, dev: torch.device,
 
 @contextlib.contextmanager
 def precision_context(recipe: Recipe | str, device: torch.device | str,
-                      emulate: bool | None = None, mode=None,
+                      emulate: bool | None = None, mode: EmulationMode | None = None,
                       sink: GradSink | None = None, rest: str | None = None
                       ) -> Iterator[None]:
     """Enter the recipe's precision for a forward pass (and the loss).

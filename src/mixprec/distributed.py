@@ -11,6 +11,10 @@ sits above the engine, so that the engine never imports it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
 from torch import nn
 
 from mixprec.comm import (
@@ -26,11 +30,17 @@ from mixprec.comm import (
 )
 from mixprec.engine import MixedPrecision
 
+if TYPE_CHECKING:
+    from mixprec.recipe import Recipe
+
 __all__ = ["CommStats", "require_process_group", "ddp_comm_hook", "fsdp_policy", "prepare",
            "all_reduce_max_", "broadcast_module_", "wrap_ddp", "shard_fsdp", "agree_amax_"]
 
 
-def prepare(model: nn.Module, optimizer, recipe="bf16", parallel: str = "ddp", **kwargs):
+def prepare(model: nn.Module,
+            optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+            recipe: Recipe | str = "bf16", parallel: str = "ddp",
+            **kwargs: Any) -> tuple[nn.Module, MixedPrecision]:
     """``(module to call, engine)`` for data-parallel training.
 
     Example (``torchrun --nproc-per-node 2 train.py``)::

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -84,7 +85,7 @@ class _LeaveLowPrecision(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def unrounded():
+def unrounded() -> Iterator[None]:
     """Ops inside run on fp32 kernels with real fp32 outputs, unrounded and untagged.
 
     For GEMMs that real hardware runs with an fp32 output (``mm(..., out_dtype=fp32)``:
@@ -157,7 +158,7 @@ def _round_(t: torch.Tensor, f: Format) -> torch.Tensor:
     return t
 
 
-def round_(tensors, fmt: str | Format) -> None:
+def round_(tensors: Iterable[torch.Tensor], fmt: str | Format) -> None:
     """Round fp32 tensors in place to ``fmt`` (parameters stored in low precision)."""
     f = formats.get(fmt)
     for t in tensors:
@@ -237,7 +238,7 @@ class EmulationMode(TorchDispatchMode):
             _ACTIVE.pop()
         return super().__exit__(*exc)
 
-    def tag(self, tensors) -> None:
+    def tag(self, tensors: Iterable[torch.Tensor]) -> None:
         """Mark fp32 tensors that hold this format's values (the working parameters of
         ``-master`` recipes) as virtually low-precision: ops on them then round as the
         real kernels on real bf16/fp16 parameters do."""

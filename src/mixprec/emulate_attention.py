@@ -33,6 +33,7 @@ Dropout and unequal head counts (GQA) fall back to EmulationMode's generic rule
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 import torch
 
@@ -100,7 +101,8 @@ def _kernel_exp_(x: torch.Tensor, block: int) -> torch.Tensor:
     return x
 
 
-def modelled(q, k, v, dropout_p=0.0, attn_mask=None) -> bool:
+def modelled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+             attn_mask: torch.Tensor | None = None) -> bool:
     """Whether this call takes the kernel path the model reproduces: no dropout, equal
     head counts, and a mask (if any) that broadcasts to (B, H, Tq, Tk)."""
     if dropout_p or q.dim() != 4 or not q.shape[:2] == k.shape[:2] == v.shape[:2]:
@@ -128,7 +130,9 @@ def _causal_(s: torch.Tensor, r0: int, c0: int, fill: float) -> torch.Tensor:
 _ROWS = 64  # query rows per chunk: rows are independent, chunks only bound memory
 
 
-def flash_attention_forward(q, k, v, is_causal: bool, scale: float | None, rnd,
+def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            is_causal: bool, scale: float | None,
+                            rnd: Callable[[torch.Tensor], torch.Tensor],
                             attn_mask: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, logsumexp)`` of the kernel for (B, H, T, D) inputs holding format values.
@@ -193,9 +197,12 @@ def _q_split(tq: int) -> int:
     return 256 if tq >= 768 else 64 if tq >= 192 else 32
 
 
-def flash_attention_backward(grad_out, q, k, v, out, lse, is_causal: bool,
-                             scale: float | None, rnd,
-                             attn_mask: torch.Tensor | None = None):
+def flash_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                             is_causal: bool, scale: float | None,
+                             rnd: Callable[[torch.Tensor], torch.Tensor],
+                             attn_mask: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of the kernel, each rounded as its half-precision buffer is."""
     sc = _scale(q, scale)
     tq, tk = q.shape[-2], k.shape[-2]

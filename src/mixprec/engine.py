@@ -25,9 +25,11 @@ fused Adam, AdamW, SGD); others, and LR schedulers, cost one per step.
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,6 +42,9 @@ from mixprec.scaler import LossScaler
 from mixprec.setup import as_optimizers, build, check_loop_args, warn_kernel_choices
 from mixprec.step import Step, StepResult, check_setup_unchanged
 from mixprec.watch import SkipLimitError
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
 
 __all__ = ["MixedPrecision", "StepResult", "SkipLimitError"]
 
@@ -106,11 +111,12 @@ class MixedPrecision:
         *,
         grad_accum_steps: int = 1,
         max_grad_norm: float | None = None,
-        scheduler=None,
+        scheduler: LRScheduler | list[LRScheduler] | tuple[LRScheduler, ...] | None = None,
         parallel: str | None = None,
         parallel_kwargs: dict | None = None,
-        fsdp_units=None,
-        fp8_filter=None,
+        fsdp_units: type[nn.Module] | tuple[type[nn.Module], ...]
+        | Callable[[nn.Module], bool] | None = None,
+        fp8_filter: Callable[[nn.Module, str], bool] | None = None,
         loss_scaler: LossScaler | None = None,
     ) -> None:
         r = Recipe.coerce(recipe)
@@ -308,7 +314,8 @@ class MixedPrecision:
         ``full=True`` gathered (a collective). Layouts: ``mixprec.checkpoint``."""
         return checkpoint.engine_state(self, full)
 
-    def save(self, path, full: bool = False, reshardable: bool = False, **extra) -> None:
+    def save(self, path: str | os.PathLike[str], full: bool = False,
+             reshardable: bool = False, **extra: Any) -> None:
         """Write ``state_dict(full)`` (and ``extra``: a step count, a data position...) to
         ``path`` atomically: a crash mid-write leaves the previous file whole.
 
@@ -330,7 +337,7 @@ class MixedPrecision:
         else:
             checkpoint.save_engine(self, path, full, extra)
 
-    def load(self, path) -> dict:
+    def load(self, path: str | os.PathLike[str]) -> dict:
         """Restore what ``save`` wrote and return its ``extra``. An unreadable file, or
         one this engine cannot resume (another recipe; FSDP shards of another world
         size), raises before anything changes. A directory is a ``reshardable`` save,

@@ -8,6 +8,9 @@ max (3.4e38). ``clip_coef`` is ``min(1, max_norm / (norm + 1e-6))``, torch's
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 __all__ = ["global_norm", "torch_norm", "sum_of_squares", "clip_coef", "BIG"]
@@ -17,7 +20,8 @@ BIG = 1 << 16
 
 
 def global_norm(grads: list[torch.Tensor], device: torch.device,
-                cpu_fp32: bool = False, all_reduce=None) -> torch.Tensor:
+                cpu_fp32: bool = False,
+                all_reduce: Callable[[torch.Tensor], Any] | None = None) -> torch.Tensor:
     """L2 norm of all ``grads`` (an fp32 scalar on ``device``; 0 for no gradients).
 
     ``all_reduce``: sums the squares across ranks in place before the root, for shards

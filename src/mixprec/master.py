@@ -8,7 +8,7 @@
 - ``opt_params``: what the optimizer updates: fp32 masters for ``master=fp32``, else
   the working parameters themselves;
 - ``buffers``: where gradients add up across micro-batches, in the recipe's ``grads``
-  dtype (seed 000 §2: 4096 additions of 1e-7 in fp16 stall near 2.4e-4; in fp32 they
+  dtype (4096 additions of 1e-7 in fp16 stall near 2.4e-4; in fp32 they
   reach 4.096e-4). Where the buffer's dtype equals the optimizer parameter's, the
   buffer *is* that parameter's ``.grad``, so the optimizer reads it with no copy.
 

@@ -11,7 +11,7 @@ and the non-finite check are one fused pass
 (``torch._amp_foreach_non_finite_check_and_unscale_``) and the update is a handful
 of tensor ops, so nothing here waits for the device.
 
-Dynamic rule (seeds 000, 002, 003, 004; seed 001 §2 states it backwards):
+Dynamic rule (as torch's GradScaler and the literature state it):
 any inf/NaN -> the step is skipped; after ``hysteresis`` consecutive overflows the
 scale is multiplied by ``backoff_factor``, never below ``min_scale``; after
 ``growth_interval`` consecutive clean steps it is multiplied by ``growth_factor``,

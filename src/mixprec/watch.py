@@ -9,8 +9,13 @@ After ``recipe.skip_limit`` consecutive skipped steps it warns or raises
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from mixprec.recipe import Recipe
+    from mixprec.scaler import LossScaler
 
 __all__ = ["SkipLimitError", "SkipWatch", "HostMirror"]
 
@@ -55,7 +60,7 @@ class SkipWatch:
         self._mirror = HostMirror(2, device)
         self._warned_streak = 0
 
-    def check(self, scaler, recipe) -> None:
+    def check(self, scaler: LossScaler, recipe: Recipe) -> None:
         """Look at the skip streak one step late (no sync); warn or raise
         ``SkipLimitError`` per ``recipe.on_skip_limit`` once it reaches ``skip_limit``."""
         limit = recipe.skip_limit

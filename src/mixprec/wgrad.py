@@ -32,7 +32,8 @@ buffers is something a compiled graph would drop.
 from __future__ import annotations
 
 import sys
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,13 @@ __all__ = ["GradSink", "Fp32WeightGrads", "upcast_param", "route", "NOT_ROUTED",
 
 class GradSink(Protocol):
     """Where fp32 gradients of low-precision parameters go (the engine's ``ParamState``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # what typing.Protocol's own ``__init__`` does, annotated: a protocol refuses to
+        # be instantiated; a class that subclasses it gets the next ``__init__`` it has
+        if type(self)._is_protocol:
+            raise TypeError("Protocols cannot be instantiated")
+        super().__init__(*args, **kwargs)
 
     def wants_fp32_grad(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is a low-precision parameter with an fp32 buffer (under
@@ -186,7 +194,8 @@ NOT_ROUTED = object()
 ROUTED_FUNCS = frozenset((F.linear, F.embedding))
 
 
-def route(func, args, kwargs, device_type: str, sink: GradSink | None):
+def route(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+          device_type: str, sink: GradSink | None) -> Any:
     """Run ``F.linear`` / ``F.embedding`` so the weight gradients come out in fp32, or
     return ``NOT_ROUTED``. Linear: where autocast is on for ``device_type`` and grad is
     on. Embedding: a low-precision table that ``sink`` buffers."""

@@ -7,6 +7,7 @@ code. rich is imported lazily, only to print.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -199,6 +200,11 @@ _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``mixprec`` command line; returns the process exit code (2: bad input)."""
+    missing = [m for m in ("rich", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"mixprec: the command line needs {' and '.join(missing)}: "
+              "pip install 'mixprec[cli]'", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -75,7 +75,7 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     _common(p, steps=150, size="medium")
     p.add_argument("--out", default="runs/compare", help="report.html, report.json, runs")
     p.add_argument("--scenario", choices=["overflow"],
-                   help="overflow: seed 001's fp16-without-loss-scaling story")
+                   help="overflow: fp16 without loss scaling, from real runs")
 
 
 def run_compare(args: argparse.Namespace) -> int:

@@ -4,6 +4,8 @@ of the matmul FLOPs, and the measured kernel speed of this device."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -14,6 +16,9 @@ from mixprec.diagnostics.findings import Finding
 from mixprec.master import updated_format
 from mixprec.recipe import Recipe
 
+if TYPE_CHECKING:
+    from mixprec.engine import MixedPrecision
+
 __all__ = ["audit_dtypes", "audit_scale_history", "matmul_coverage", "audit_kernel_speed"]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -23,9 +28,10 @@ def _name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
 
 
-def audit_dtypes(model: nn.Module, optimizer_or_engine, recipe: Recipe | str) -> list[Finding]:
+def audit_dtypes(model: nn.Module, optimizer_or_engine: torch.optim.Optimizer | MixedPrecision,
+                 recipe: Recipe | str) -> list[Finding]:
     """Check what is stored in which dtype: model params, what the optimizer updates,
-    optimizer states and gradient buffers (seed 004's first check: print the dtypes
+    optimizer states and gradient buffers (the first thing to check: print the dtypes
     and confirm the master is fp32)."""
     r = Recipe.coerce(recipe)
     engine = optimizer_or_engine if hasattr(optimizer_or_engine, "param_state") else None
@@ -74,7 +80,7 @@ def audit_dtypes(model: nn.Module, optimizer_or_engine, recipe: Recipe | str) ->
 
 def audit_scale_history(history: list[float], recipe: Recipe | str) -> list[Finding]:
     """A scale that never moves means overflow handling is not wired (or the scale is
-    pinned at a bound). Frequent backoffs mean instability (seed 004 §4)."""
+    pinned at a bound). Frequent backoffs mean instability."""
     r = Recipe.coerce(recipe)
     if r.loss_scale != "dynamic" or len(history) < 2:
         return []
@@ -90,7 +96,7 @@ def audit_scale_history(history: list[float], recipe: Recipe | str) -> list[Find
             f"scale {s:g} for all {n} steps with growth_interval={r.growth_interval}: a "
             "dynamic scale grows after every clean interval and backs off on overflow",
             "check that the scaled loss is what backward() runs on and that step() sees "
-            "the gradients (seed 004: a flat scale means the detection is not wired). If "
+            "the gradients (a flat scale means the overflow detection is not wired). If "
             "it sits at max_scale, raise max_scale or ignore this.",
             {"steps": n, "scale": s}))
     backoffs = sum(1 for a, b in zip(history, history[1:]) if b < a)
@@ -154,7 +160,7 @@ class _FlopsByDtype(TorchDispatchMode):
         return out
 
 
-def matmul_coverage(run) -> dict[str, float]:
+def matmul_coverage(run: Callable[[], Any]) -> dict[str, float]:
     """Share of matmul/conv/attention FLOPs of ``run()`` per input dtype."""
     mode = _FlopsByDtype()
     with mode:

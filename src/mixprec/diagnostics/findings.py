@@ -6,9 +6,34 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-__all__ = ["Finding", "Report"]
+__all__ = ["Finding", "Report", "CODES"]
 
 Severity = Literal["error", "warning", "info"]
+
+#: Every finding code the doctor, the dtype audit and the workbench emit, with what it
+#: means in a few words (the troubleshooting page has one entry per code).
+CODES: dict[str, str] = {
+    "nonfinite-origin": "inf/NaN traced to the module and op where it first appears",
+    "nonfinite": "non-finite gradients that no module produced: the data or the loss",
+    "grad-underflow": "gradient elements that flush to zero in fp16 at the loss scale",
+    "update-vanish": "weight updates lost in the weights' rounding",
+    "master-dtype": "the optimizer updates 16-bit weights, not fp32 masters",
+    "optimizer-state-dtype": "optimizer states stored in 16 bits",
+    "param-dtype": "parameters not in the recipe's working dtype",
+    "grad-dtype": "gradient buffers in another dtype than the recipe's",
+    "scale-constant": "a dynamic loss scale that never moves",
+    "scale-unstable": "a loss scale that backs off on many steps",
+    "scale-at-min": "a loss scale stuck at min_scale",
+    "reference-divergence": "layers whose gradients are far from fp32's",
+    "coverage": "a small share of matmul FLOPs in low precision",
+    "fp8-range": "fp8 casts that flush a layer's values to zero",
+    "kernel-emulated": "no fast kernel for the format here: emulated exactly",
+    "kernel-slow": "the format's matmuls are slower than fp32's here",
+    "kernel-better-dtype": "the other 16-bit format is much faster here",
+    "time-share": "matmuls are a small share of the step, bounding any speed-up",
+    "step-slow": "a recipe's step takes several times fp32's",
+    "engine": "the recipe cannot run on this model",
+}
 
 
 @dataclass(frozen=True)
@@ -21,6 +46,14 @@ class Finding:
     evidence: str
     advice: str
     data: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.code not in CODES:
+            raise ValueError(f"finding code {self.code!r} is not in "
+                             "mixprec.diagnostics.findings.CODES; add it there (and its "
+                             "entry to the troubleshooting page)")
+        if self.severity not in ("error", "warning", "info"):
+            raise ValueError(f"severity {self.severity!r}; valid: error, warning, info")
 
     def __str__(self) -> str:
         return (f"[{self.severity}] {self.title}\n  evidence: {self.evidence}\n"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -75,7 +76,7 @@ class NumericsMonitor:
         return hook
 
     @contextlib.contextmanager
-    def sample(self, step: int):
+    def sample(self, step: int) -> Iterator[bool]:
         """Record inside this block if ``step`` is a sampled step."""
         self.active = step % self.every == 0
         if self.active:

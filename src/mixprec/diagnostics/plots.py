@@ -3,19 +3,33 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mixprec import formats
 from mixprec.diagnostics.monitor import NumericsMonitor
 from mixprec.diagnostics.stats import HIST_EDGES, WATCHED
 
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from mixprec.recipe import Recipe
+
 __all__ = ["draw_plots"]
 
 
-def draw_plots(model_factory, batch_fn, recipe, scales, out: Path) -> list[str]:
+def draw_plots(model_factory: Callable[[], nn.Module],
+               batch_fn: Callable[[nn.Module, int], torch.Tensor], recipe: Recipe | str,
+               scales: Sequence[float], out: Path) -> list[str]:
     """Gradient-magnitude histogram with the formats' ranges (Micikevicius et al. 2018,
     Fig. 3), per-layer underflow fractions, and the loss-scale trace."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("doctor(plots=...) draws with matplotlib: pip install "
+                          "'mixprec[cli]' (or matplotlib)") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,4 +1,4 @@
-"""The recipe against fp32, layer by layer (seed 004 §4: run both for a few steps and
+"""The recipe against fp32, layer by layer (run both for a few steps and
 compare gradient norms). Same seed, same data; per-layer gradient norm ratio and cosine
 similarity at every step, and both loss curves."""
 
@@ -32,7 +32,8 @@ def _layer(param_name: str) -> str:
 
 def compare_to_fp32(model_factory: Callable[[], nn.Module],
                     batch_fn: Callable[[nn.Module, int], torch.Tensor],
-                    recipe: Recipe | str, steps: int = 3, lr: float = 1e-3):
+                    recipe: Recipe | str, steps: int = 3, lr: float = 1e-3
+                    ) -> tuple[list[LayerComparison], list[float], list[float]]:
     """Train ``steps`` steps of ``recipe`` and of fp32 from the same factory and batches;
     return (per-layer comparisons sorted worst first, recipe losses, fp32 losses)."""
     from mixprec.engine import MixedPrecision

@@ -27,7 +27,8 @@ SAMPLE = 65536
 #: formats whose range each statistic is measured against
 WATCHED = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
 #: binades tracked: |x| in [2^e, 2^(e+1)) for e = EXP_MIN .. EXP_MAX-1 (fp32's whole range)
-EXP_MIN, EXP_MAX = -150, 130
+EXP_MIN = -150
+EXP_MAX = 130
 HIST_EDGES = torch.arange(EXP_MIN, EXP_MAX + 1, dtype=torch.float32)
 _NB = EXP_MAX - EXP_MIN
 

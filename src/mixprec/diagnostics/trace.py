@@ -4,7 +4,9 @@ then backward), whose output or output-gradient is not finite."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,7 +40,7 @@ def _amax(t) -> float:
     return a.max().item() if a.numel() else math.inf
 
 
-def trace_nonfinite(model: nn.Module, run) -> NonFiniteOrigin | None:
+def trace_nonfinite(model: nn.Module, run: Callable[[], Any]) -> NonFiniteOrigin | None:
     """Call ``run()`` (a forward and backward) with hooks on every module and return the
     first non-finite origin, or None if everything stayed finite. Costs host syncs: a
     diagnostic, not for the training loop."""

@@ -2,7 +2,7 @@
 
 A weight ``w`` stored in a format with spacing ``ulp(w)`` keeps an update ``u`` only if
 ``|u| > ulp(w) / 2``. Otherwise ``w + u`` rounds back to ``w`` and the step did nothing
-for that element (seed 004 §2.1). In bf16, near |w| = 1 that is any update below 2^-9 ≈
+for that element. In bf16, near |w| = 1 that is any update below 2^-9 ≈
 0.002, the size of a typical Adam step at lr 1e-3. This is why the optimizer should
 update fp32 master weights. An fp32 master has the same limit, 2^-24 of the weight, which
 only matters for large weights with small learning rates: at |w| = 2048, an update of
@@ -25,10 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from mixprec.diagnostics.findings import Finding
+
+if TYPE_CHECKING:
+    from mixprec.engine import MixedPrecision
 
 __all__ = ["Vanished", "vanished_updates", "audit_vanished_updates", "VANISH_FLAG"]
 
@@ -54,7 +58,7 @@ class Vanished:
         return self.vanished / self.updated if self.updated else 0.0
 
 
-def vanished_updates(engine, step: Callable[[Callable[[], None]], bool],
+def vanished_updates(engine: MixedPrecision, step: Callable[[Callable[[], None]], bool],
                      names: list[str] | None = None) -> list[Vanished] | None:
     """Run one training step and compare the optimizer's tensors before and after.
 

@@ -40,6 +40,7 @@ that weight is gathered in its own dtype again: the same numerics, more bytes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -183,7 +184,8 @@ def _set_gather_scales(mods, amax: torch.Tensor) -> None:
         m.fp8_gather_scale.copy_(nan_if_not_finite(s, a))
 
 
-def refresh_gather_scales_(fp8_modules, all_reduce_max_) -> None:
+def refresh_gather_scales_(fp8_modules: Sequence[nn.Module],
+                           all_reduce_max_: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Current scaling's gather scales from the weights as they are now: the shards'
     amaxes, max over ranks in one all-reduce (a collective: every rank calls it)."""
     mods = _current(fp8_modules)
@@ -192,7 +194,8 @@ def refresh_gather_scales_(fp8_modules, all_reduce_max_) -> None:
         _set_gather_scales(mods, all_reduce_max_(amax))
 
 
-def agree_amaxes_(fp8_modules, all_reduce_max_) -> None:
+def agree_amaxes_(fp8_modules: Sequence[nn.Module],
+                  all_reduce_max_: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """After an optimizer step: the step's amax histories become the max over ranks and
     current scaling's gather scales follow the new weights, in one all-reduce."""
     if not fp8_modules:

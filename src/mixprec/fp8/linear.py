@@ -275,7 +275,8 @@ class Float8Linear(nn.Linear):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 recipe: Recipe | str = "fp8", device=None, dtype=None) -> None:
+                 recipe: Recipe | str = "fp8", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._configure(Recipe.coerce(recipe))
 

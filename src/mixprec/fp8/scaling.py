@@ -8,7 +8,7 @@ Each fp8 tensor ``t`` is stored as ``cast(t * scale)`` with ``scale = fp8_max / 
 - **rowwise** scaling is current scaling with one scale per row of a GEMM operand
   (``cast_rowwise``): per token for activations and gradients, per output or input
   channel for weights. One outlier token then costs precision in its own row only.
-- **delayed** scaling (Transformer Engine's recipe, seed 000 §5) uses a scale computed
+- **delayed** scaling (Transformer Engine's recipe) uses a scale computed
   from a history of the amaxes of previous steps, so the cast needs no reduction before
   it. ``history[:, 0]`` collects this step's amax (the max over micro-batches); at the
   optimizer step the new scale comes from ``max`` over the history (or the most recent

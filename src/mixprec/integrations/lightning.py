@@ -63,13 +63,23 @@ the engine needs for its masters, so it gets ``setup_fabric`` in place of
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning.pytorch.plugins.precision import Precision
+from torch import nn
 
 from mixprec.engine import MixedPrecision
 from mixprec.integrations._proxies import EngineOptimizer, EngineScheduler, autocast_forward
 from mixprec.recipe import Recipe
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric import Fabric
+    from lightning.fabric.utilities.types import Steppable
+    from lightning.pytorch.utilities import GradClipAlgorithmType
+    from torch.optim.lr_scheduler import LRScheduler
 
 __all__ = ["MixedPrecisionPlugin", "setup_fabric"]
 
@@ -99,7 +109,9 @@ class MixedPrecisionPlugin(Precision):
 
     # --- set-up ----------------------------------------------------------------------
 
-    def connect(self, model, optimizers, lr_schedulers):
+    def connect(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                lr_schedulers: list[Any]
+                ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
         """Build the engine over the LightningModule and its optimizers (Lightning calls
         this once they exist), and make the LR schedulers skip-aware."""
         import lightning.pytorch as pl
@@ -167,12 +179,13 @@ class MixedPrecisionPlugin(Precision):
     # --- the step ----------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def forward_context(self):
+    def forward_context(self) -> Iterator[None]:
         """Every forward under the engine's autocast (plain before the engine exists)."""
         with self.engine.autocast() if self.engine is not None else contextlib.nullcontext():
             yield
 
-    def backward(self, tensor, model, optimizer, *args, **kwargs) -> None:
+    def backward(self, tensor: torch.Tensor, model: pl.LightningModule,
+                 optimizer: Steppable | None, *args: Any, **kwargs: Any) -> None:
         """``engine.backward`` of Lightning's loss (already divided for accumulation)."""
         if self.engine is None:
             raise RuntimeError("MixedPrecisionPlugin: backward before the engine was "
@@ -180,7 +193,8 @@ class MixedPrecisionPlugin(Precision):
         self.engine.backward(tensor, divided=True, last=True if self._closing else None,
                              **kwargs)
 
-    def optimizer_step(self, optimizer, model, closure, **kwargs):
+    def optimizer_step(self, optimizer: Steppable, model: pl.LightningModule,
+                       closure: Callable[[], Any], **kwargs: Any) -> Any:
         """Run Lightning's closure (training step and backward), then ``engine.step()``:
         one step for all the engine's optimizers, skipped on non-finite gradients."""
         self._closing = True
@@ -193,7 +207,9 @@ class MixedPrecisionPlugin(Precision):
         self._skipped = bool(out.skipped)
         return result
 
-    def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: int | float = 0.0,
+                       gradient_clip_algorithm: GradClipAlgorithmType | str | None = None
+                       ) -> None:
         """Lightning's clip (``gradient_clip_val``, or a module's own
         ``configure_gradient_clipping`` calling ``self.clip_gradients``): the engine
         clips this update's unscaled fp32 gradients to ``clip_val`` by norm
@@ -341,8 +357,11 @@ def _interval(trainer, scheduler) -> str:
     return "step"
 
 
-def setup_fabric(fabric, model, optimizer, *, recipe: Recipe | str, scheduler=None,
-                 grad_accum_steps: int = 1, parallel: str = "ddp", **engine_kwargs):
+def setup_fabric(fabric: Fabric, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 recipe: Recipe | str, scheduler: LRScheduler | None = None,
+                 grad_accum_steps: int = 1, parallel: str = "ddp", **engine_kwargs: Any
+                 ) -> (tuple[nn.Module, EngineOptimizer]
+                       | tuple[nn.Module, EngineOptimizer, EngineScheduler]):
     """``fabric.setup`` for a mixprec ``recipe``: ``(module, optimizer)``, plus the
     scheduler if one is given.
 

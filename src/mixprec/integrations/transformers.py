@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -55,6 +55,9 @@ from transformers import Trainer, TrainerCallback
 from mixprec.engine import MixedPrecision
 from mixprec.integrations._proxies import EngineOptimizer, save_fp32_config
 from mixprec.recipe import Recipe
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
 
 __all__ = ["MixedPrecisionTrainer"]
 
@@ -130,8 +133,8 @@ class MixedPrecisionTrainer(Trainer):
     """``transformers.Trainer`` with ``recipe`` (a name or ``Recipe``) run by mixprec's
     engine; ``engine_kwargs`` go to ``MixedPrecision`` (``fp8_filter``...)."""
 
-    def __init__(self, *args, recipe: Recipe | str, engine_kwargs: dict | None = None,
-                 **kwargs) -> None:
+    def __init__(self, *args: Any, recipe: Recipe | str, engine_kwargs: dict | None = None,
+                 **kwargs: Any) -> None:
         self._fsdp: dict | None = None  # TrainingArguments(fsdp=...): the engine's FSDP
         super().__init__(*args, **kwargs)
         self.recipe = Recipe.coerce(recipe)
@@ -176,7 +179,8 @@ class MixedPrecisionTrainer(Trainer):
         finally:
             self.args.fsdp_plugin_args = plugin
 
-    def create_optimizer(self, model=None):
+    def create_optimizer(self, model: torch.nn.Module | None = None
+                         ) -> torch.optim.Optimizer:
         """Trainer's optimizer (or the one given), then the engine over the model and
         it; Trainer gets the proxy that steps the engine."""
         # a second train() on this Trainer: the engine and its optimizer (by then wrapped
@@ -209,7 +213,7 @@ class MixedPrecisionTrainer(Trainer):
         self.engine.backward(loss, divided=True,
                              last=bool(self.accelerator.gradient_state.sync_gradients))
 
-    def compute_loss_context_manager(self):
+    def compute_loss_context_manager(self) -> AbstractContextManager:
         """The forward under ``engine.autocast()`` (before the engine: Trainer's own)."""
         return (self.engine.autocast() if self.engine is not None
                 else super().compute_loss_context_manager())

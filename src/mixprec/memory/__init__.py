@@ -28,7 +28,7 @@ bytes saved for backward in one forward pass, through
 ``torch.autograd.graph.saved_tensors_hooks``, split into activations and low-precision
 weight copies made by autocast or fp8 casts.
 
-Units: ``GB`` means 10^9 bytes, as the seeds and the ZeRO paper use.
+Units: ``GB`` means 10^9 bytes, as published memory tables and the ZeRO paper use.
 """
 
 from mixprec.memory.ledger import measure

@@ -4,12 +4,16 @@ explains the accounting)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from mixprec.memory.plan import ITEMS, Breakdown
 from mixprec.wgrad import WEIGHT_CAST_TAG
+
+if TYPE_CHECKING:
+    from mixprec.engine import MixedPrecision
 
 __all__ = ["measure"]
 
@@ -35,7 +39,9 @@ class _Ledger:
             self.items[item] = self.items.get(item, 0.0) + nbytes
 
 
-def measure(model: nn.Module, engine_or_optimizer, sample_batch=None, *,
+def measure(model: nn.Module,
+            engine_or_optimizer: MixedPrecision | torch.optim.Optimizer | None,
+            sample_batch: torch.Tensor | tuple[Any, ...] | None = None, *,
             loss_fn: Callable | None = None) -> Breakdown:
     """Exact bytes held for ``model`` and its engine (or plain optimizer), by storage.
 

@@ -160,7 +160,7 @@ def estimate(
 ) -> Breakdown:
     """Bytes per rank of each item for ``params`` trained with ``recipe``.
 
-    >>> round(estimate("70B", "fp32").gb())       # seed 000 §1: ~1120 GB
+    >>> round(estimate("70B", "fp32").gb())       # AdamW, fp32: ~1120 GB
     1120
 
     For a module, frozen parameters (``requires_grad=False``) count in ``params`` at

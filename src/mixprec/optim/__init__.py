@@ -19,6 +19,10 @@ Each takes ``found_inf`` / ``grad_scale`` as torch's fused optimizers do, so
     engine = MixedPrecision(model, opt, "bf16-sr,states=int8")
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from mixprec.optim.adam import Adam, AdamW
@@ -27,11 +31,16 @@ from mixprec.optim.sgd import SGD
 from mixprec.optim.states import STATE_FORMATS
 from mixprec.optim.writes import WRITE_RULES
 
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
+
+    from mixprec.recipe import Recipe
+
 __all__ = ["Adam", "AdamW", "SGD", "LowPrecisionOptimizer", "STATE_FORMATS", "WRITE_RULES",
            "adamw_for"]
 
 
-def adamw_for(recipe, params, **kwargs) -> torch.optim.Optimizer:
+def adamw_for(recipe: Recipe | str, params: ParamsT, **kwargs: Any) -> torch.optim.Optimizer:
     """The AdamW a recipe trains with: torch's fused one where the recipe keeps fp32
     states and nearest writes, else ``mixprec.optim.AdamW`` with its ``states`` and
     ``write``. ``kwargs`` are AdamW's (``lr``, ``betas``, ``weight_decay``...).

@@ -7,10 +7,15 @@ default, non-fused implementation on the CPU) bit for bit.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from mixprec.optim.base import LowPrecisionOptimizer, _is_dtensor
 from mixprec.optim.states import stored_format
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["Adam", "AdamW"]
 
@@ -33,7 +38,8 @@ class Adam(LowPrecisionOptimizer):
     _STATES = (("exp_avg", True), ("exp_avg_sq", False))
     _decoupled = False
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, params: ParamsT, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, maximize: bool = False,
                  fused: bool = False, states: str = "fp32", write: str = "nearest",
                  seed: int = 0) -> None:
@@ -120,7 +126,8 @@ class AdamW(Adam):
 
     _decoupled = True
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, params: ParamsT, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
                  fused: bool = False, states: str = "fp32", write: str = "nearest",
                  seed: int = 0) -> None:

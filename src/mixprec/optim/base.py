@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,6 +48,9 @@ from mixprec.optim.writes import (
     stochastic_round,
     stream_key,
 )
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["LowPrecisionOptimizer"]
 
@@ -65,7 +70,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     #: the state names this optimizer stores, and which of them are non-negative
     _STATES: tuple[tuple[str, bool], ...] = ()
 
-    def __init__(self, params, defaults: dict, *, states: str = "fp32",
+    def __init__(self, params: ParamsT, defaults: dict, *, states: str = "fp32",
                  write: str = "nearest", seed: int = 0) -> None:
         if states not in STATE_FORMATS:
             raise ValueError(f"states={states!r}; valid: {', '.join(STATE_FORMATS)}")
@@ -85,7 +90,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     # --- the step ------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One update of every parameter with a gradient (see the module docstring)."""
         loss = None
         if closure is not None:

@@ -5,9 +5,14 @@ for op: with fp32 states and weights it equals ``torch.optim.SGD`` bit for bit.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from mixprec.optim.base import LowPrecisionOptimizer
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["SGD"]
 
@@ -26,7 +31,7 @@ class SGD(LowPrecisionOptimizer):
 
     _STATES = (("momentum_buffer", True),)
 
-    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0,
+    def __init__(self, params: ParamsT, lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
                  *, maximize: bool = False, states: str = "fp32", write: str = "nearest",
                  seed: int = 0) -> None:

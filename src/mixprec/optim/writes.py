@@ -5,7 +5,7 @@ decides what the 16-bit weight keeps of it. With ``w = 1.0`` in bf16 (spacing 2^
 and 1000 updates of ``+1e-4``:
 
 - ``nearest``: round to nearest even. An update below half the spacing is lost every
-  time: the weight stays 1.0 (seed 000 §2's vanishing update).
+  time: the weight stays 1.0 (the classic vanishing update).
 - ``stochastic``: round up with probability equal to the remainder's share of the
   spacing, so ``E[w_new] = new`` (unbiased): the weight reaches 1.1 in expectation. The
   random bits are counter-based (``counter_bits``): a hash of the optimizer's seed, the
@@ -29,6 +29,7 @@ and 1000 updates of ``+1e-4``:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -79,7 +80,7 @@ def stream_key(seed: int, index: int, step: torch.Tensor) -> torch.Tensor:
     return _mix32((step.to(torch.int64) ^ base) & _M32)
 
 
-def counter_bits(shape, key: torch.Tensor, offset: int = 0, nbits: int = 16
+def counter_bits(shape: Sequence[int], key: torch.Tensor, offset: int = 0, nbits: int = 16
                  ) -> torch.Tensor:
     """Uniform ``nbits``-bit integers (int32), one per element of a tensor of
     ``shape`` whose first element is element ``offset`` of the whole tensor: a hash of

@@ -20,6 +20,8 @@ import json
 import statistics
 import time
 import warnings
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,6 +32,9 @@ from mixprec.kernels import fp8_gemm_gflops, matmul_gflops
 from mixprec.optim import adamw_for
 from mixprec.recipe import Recipe
 from mixprec.workbench.model import GPT, SIZES
+
+if TYPE_CHECKING:
+    from mixprec.kernels import KernelChoices
 
 __all__ = ["bench", "peak_gflops", "paired_overhead"]
 
@@ -56,7 +61,7 @@ def paired_overhead(times: list[float], base: list[float]) -> tuple[float, float
     return statistics.median(ratios), q[0], q[2]
 
 
-def peak_gflops(device: str, compute: str, kernels=None) -> float:
+def peak_gflops(device: str, compute: str, kernels: KernelChoices | None = None) -> float:
     """Measured GEMM rate of the kernels a recipe really multiplies with: its compute
     dtype's; fp32's where ``kernels`` (``engine.kernels``) says it is emulated; for fp8,
     torch._scaled_mm on CUDA and on the CPU the GEMM of the route ``kernels`` chose."""
@@ -87,7 +92,8 @@ def _mlp(d: int = 1024) -> nn.Module:
                          nn.Linear(d, d))
 
 
-def bench(recipes=("fp32", "bf16", "bf16-master", "fp16", "fp8"), *, size: str = "base",
+def bench(recipes: Iterable[str] = ("fp32", "bf16", "bf16-master", "fp16", "fp8"), *,
+          size: str = "base",
           batch: int = 8, seq: int | None = None, steps: int = 6, warmup: int = 2,
           device: str = "cpu", model: str = "gpt") -> dict:
     """Run the benchmark; returns a dict (``--json`` prints it)."""

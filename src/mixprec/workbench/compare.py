@@ -5,7 +5,7 @@ SVG charts, no network) to ``out``: loss curves, final validation loss against f
 tokens/s and speed-up, memory by category (``memory.measure``), the loss-scale trace and
 skipped steps, and the doctor's findings for each recipe.
 
-``scenario="overflow"`` (seed 001's opening story) trains with the loss multiplied by
+``scenario="overflow"`` (fp16 without loss scaling) trains with the loss multiplied by
 1e-7, as when a sum-reduced loss is divided by a huge token count. AdamW's updates do not
 depend on the gradient's scale, so fp32 and bf16 train as usual. In fp16 with no loss
 scaling the gradients fall below 6e-8 and flush to zero, and training stalls. Dynamic
@@ -22,6 +22,7 @@ import math
 import platform
 import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -44,8 +45,8 @@ SCENARIOS = {
 }
 
 
-def compare(recipes=None, *, steps: int = 150, size: str = "medium", batch: int = 16,
-            seq: int | None = None, lr: float = 3e-3, seed: int = 0,
+def compare(recipes: Iterable[str] | None = None, *, steps: int = 150, size: str = "medium",
+            batch: int = 16, seq: int | None = None, lr: float = 3e-3, seed: int = 0,
             out: str | Path = "runs/compare", scenario: str | None = None,
             progress: bool | None = None, doctor_steps: int = 2) -> dict:
     """Run each recipe and write the report; returns the report dict."""
@@ -205,7 +206,11 @@ def _svg(fig) -> str:
 
 def _charts(report: dict) -> dict[str, str]:
     """The report's charts as SVG strings: losses, throughput, memory, loss scale."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("the compare report draws with matplotlib: pip install "
+                          "'mixprec[cli]' (or matplotlib)") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

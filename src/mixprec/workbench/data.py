@@ -75,7 +75,8 @@ def sample_batch(data: torch.Tensor, batch: int, seq: int,
     return win[:, :-1], win[:, 1:]
 
 
-def val_batches(data: torch.Tensor, batch: int, seq: int, n: int = 8):
+def val_batches(data: torch.Tensor, batch: int, seq: int, n: int = 8
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed list of validation batches (evenly spaced windows): same every call."""
     span = data.numel() - seq - 1
     starts = torch.linspace(0, span - 1, n * batch).long().tolist()

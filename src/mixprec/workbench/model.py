@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +87,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Decoder-only transformer; ``forward(idx, targets)`` returns logits, or the loss."""
 
-    def __init__(self, config: GPTConfig | None = None, **overrides) -> None:
+    def __init__(self, config: GPTConfig | None = None, **overrides: Any) -> None:
         super().__init__()
         c = self.config = config or GPTConfig(**overrides)
         self.tok = nn.Embedding(c.vocab, c.d_model)
@@ -110,7 +111,7 @@ class GPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (b, t, vocab) for token ids ``idx`` (b, t); with ``targets``, the
         mean cross-entropy instead."""
         b, t = idx.shape

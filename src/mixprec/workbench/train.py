@@ -312,7 +312,10 @@ class _Progress:
         self.bar = None
         if not show:
             return
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+        try:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+        except ImportError:  # the library without its cli extra: no bar, no failure
+            return
 
         self.bar = Progress(TextColumn(f"[bold]{cfg.recipe}[/]"), BarColumn(),
                             TextColumn("{task.completed}/{task.total}"),
