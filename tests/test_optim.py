@@ -3,6 +3,8 @@ against float64 references, and the write rules' numerics."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -38,6 +40,12 @@ TORCH_TWINS = [
     ("SGD", dict(lr=1e-2, momentum=0.9, weight_decay=1e-2)),
     ("SGD", dict(lr=1e-2, momentum=0.9, nesterov=True)),
     ("SGD", dict(lr=1e-2, momentum=0.9, dampening=0.1, maximize=True)),
+    # torch's other arguments: amsgrad computed, the rest accepted as torch takes them
+    ("Adam", dict(lr=1e-2, amsgrad=True)),
+    ("AdamW", dict(lr=1e-2, weight_decay=0.1, amsgrad=True, foreach=False)),
+    ("Adam", dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
+    ("AdamW", dict(lr=1e-2, foreach=True, capturable=False, differentiable=False)),
+    ("SGD", dict(lr=1e-2, momentum=0.9, foreach=False)),
 ]
 
 
@@ -318,3 +326,196 @@ def test_counter_bits_are_uniform_and_any_row_slice_draws_the_wholes_bits():
     for b in range(16):
         freq = ((whole >> b) & 1).double().mean().item()
         assert abs(freq - 0.5) < 5 * 0.5 / n**0.5, b
+
+
+# --- the step in pieces ------------------------------------------------------------------
+
+ODD = ((257, 40), (16, 64, 3, 3), (12, 1000), (9000,), (3, 5000), (1030, 7))
+
+
+@pytest.mark.parametrize("name, kw", TORCH_TWINS)
+def test_a_step_in_pieces_still_equals_torch_bit_for_bit(monkeypatch, name, kw):
+    """With pieces of at most 2048 elements every tensor here is stepped in several
+    (rows of 257, 3×3 convolutions, a 1-D tensor, rows wider than a piece): the fp32
+    result is still torch's own, bit for bit."""
+    import mixprec.optim.base as base
+
+    monkeypatch.setattr(base, "CHUNK", 2048)
+    assert all(base.chunk_rows(s) < s[0] for s in ODD)
+    a, b, _, _ = _pair(lambda p: getattr(torch.optim, name)(p, **kw),
+                       lambda p: getattr(mo, name)(p, **kw), steps=5, shapes=ODD)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("states", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("write, dtype", [("nearest", torch.float32),
+                                          ("nearest", torch.bfloat16),
+                                          ("stochastic", torch.bfloat16),
+                                          ("stochastic", torch.float16),
+                                          ("kahan", torch.bfloat16),
+                                          ("remainder", torch.bfloat16)])
+def test_a_step_in_pieces_equals_the_whole_tensors_step(monkeypatch, states, write, dtype):
+    _pieces_equal_whole(monkeypatch, states, write, dtype, sync_free=False)
+
+
+@pytest.mark.parametrize("states, write, dtype", [("int8", "stochastic", torch.bfloat16),
+                                                  ("fp8", "remainder", torch.bfloat16),
+                                                  ("int8", "nearest", torch.float32)])
+def test_a_skipped_device_step_in_pieces_equals_the_whole_tensors(monkeypatch, states,
+                                                                  write, dtype):
+    _pieces_equal_whole(monkeypatch, states, write, dtype, sync_free=True)
+
+
+def _pieces_equal_whole(monkeypatch, states, write, dtype, sync_free):
+    """Quantized states and 16-bit writes, in pieces or whole: the same weights, codes,
+    scales and buffers, bit for bit (also through a skipped device step), so the bounded
+    step changes no checkpoint."""
+    import mixprec.optim.base as base
+
+    def run(chunk):
+        monkeypatch.setattr(base, "CHUNK", chunk)
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in ODD]
+        opt = mo.AdamW(ps, lr=1e-2, states=states, write=write)
+        opt.sync_free = sync_free
+        g = torch.Generator().manual_seed(1)
+        for i in range(4):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g).to(dtype)
+            if sync_free:
+                opt.found_inf = torch.tensor([1.0 if i == 2 else 0.0])
+            opt.step()
+        return ps, opt.state_dict()
+
+    (pa, sa), (pb, sb) = run(1 << 40), run(2048)
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb))
+    for i, st in sa["state"].items():
+        for k, v in st.items():
+            assert not isinstance(v, torch.Tensor) or torch.equal(v, sb["state"][i][k]), k
+
+
+def test_sgd_without_momentum_also_steps_in_pieces(monkeypatch):
+    """SGD with momentum 0 keeps no state, so its pieces start at the first step."""
+    import mixprec.optim.base as base
+
+    calls = []
+    monkeypatch.setattr(base, "CHUNK", 1024)
+    inner = base.LowPrecisionOptimizer._update_piece
+    monkeypatch.setattr(base.LowPrecisionOptimizer, "_update_piece",
+                        lambda self, p, *a: calls.append(p.numel()) or inner(self, p, *a))
+    p = torch.nn.Parameter(torch.randn(257, 300).to(torch.bfloat16))
+    p.grad = torch.randn(p.shape).to(torch.bfloat16)
+    mo.SGD([p], lr=0.1, write="stochastic").step()
+    assert len(calls) > 1 and max(calls) <= 1024 and sum(calls) == p.numel()
+
+
+def _round_ups_over_steps(opt_factory, steps: int = 16, n: int = 4096):
+    """Each step rounds the same fp32 value, a quarter of bf16's spacing above 1.0,
+    through the optimizer's stochastic write (SGD at lr 0 from an fp32 value held by a
+    remainder-free weight: the write rounds ``w`` itself). Returns each element's count
+    of round-ups over the steps."""
+    p = torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
+    opt = opt_factory([p])
+    ups = torch.zeros(n)
+    for _ in range(steps):
+        p.data.fill_(1.0)
+        p.grad = torch.full((n,), -(2**-9), dtype=torch.bfloat16)  # w + 2^-9 exactly
+        opt.step()
+        ups += (p.detach().float() > 1.0).float()
+    return ups
+
+
+def test_stochastic_writes_draw_fresh_bits_every_step():
+    """Round-ups per element over 16 steps follow Binomial(16, 1/4): mean 4, variance 3.
+    A stream that repeats its bits every step gives each element 0 or 16 round-ups
+    (variance 48): the variance check is what catches it."""
+    ups = _round_ups_over_steps(lambda ps: mo.SGD(ps, lr=1.0, write="stochastic", seed=3))
+    assert abs(ups.mean().item() - 4.0) < 0.15
+    assert 2.5 < ups.var().item() < 3.6
+    assert len(ups.unique()) > 5 and ups.max() < 16
+
+
+def test_the_fresh_bits_check_fails_on_a_stream_that_repeats(monkeypatch):
+    """The same check on a stream whose key ignores the step (bits repeat): unbiased on
+    average, so a mean test passes, but the variance is 16x the binomial's."""
+    import mixprec.optim.base as base
+
+    real = base.stream_key
+    monkeypatch.setattr(base, "stream_key", lambda seed, index, step: real(
+        seed, index, torch.zeros_like(step)))
+    ups = _round_ups_over_steps(lambda ps: mo.SGD(ps, lr=1.0, write="stochastic", seed=3))
+    assert abs(ups.mean().item() - 4.0) < 0.5
+    assert ups.var().item() > 30
+
+
+def test_the_rounding_counter_of_another_device_resumes_here():
+    """A checkpoint whose counter was keyed by ``cuda:1`` loads on this CPU, and the
+    next stochastic write draws the bits of that step count, as the uninterrupted run
+    does (the count, not the device, is the stream's state)."""
+    def make():
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(64, 256).to(torch.bfloat16))
+        return p, mo.AdamW([p], lr=1e-2, write="stochastic", seed=5)
+
+    p, opt = make()
+    g = torch.Generator().manual_seed(2)
+    grads = [torch.randn(64, 256, generator=g).to(torch.bfloat16) for _ in range(6)]
+    for gr in grads[:5]:
+        p.grad = gr
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())  # the live state moves on with the next step
+    assert set(sd["mixprec"]["sr_steps"]) == {"cpu"}
+    sd["mixprec"]["sr_steps"] = {"cuda:1": sd["mixprec"]["sr_steps"]["cpu"]}
+    saved = p.detach().clone()
+    p.grad = grads[5]
+    opt.step()
+    q, fresh = make()
+    q.data.copy_(saved)
+    fresh.load_state_dict(sd)
+    q.grad = grads[5]
+    fresh.step()
+    assert torch.equal(q, p)
+
+
+def test_amsgrad_with_quantized_states_keeps_its_maximum_coded_like_the_moment():
+    p = torch.nn.Parameter(torch.randn(64, 256))
+    # beta2 0.5: the second moment falls after the large first gradient, its max stays
+    opt = mo.AdamW([p], lr=1e-2, betas=(0.9, 0.5), amsgrad=True, states="int8")
+    q = torch.nn.Parameter(p.detach().clone())
+    opt16 = mo.AdamW([q], lr=1e-2, betas=(0.9, 0.5), amsgrad=True, states="bf16")
+    for i in range(3):
+        p.grad = torch.randn(p.shape) * (3.0 if i == 0 else 1.0)
+        q.grad = p.grad.clone()
+        opt.step()
+        opt16.step()
+    assert {"max_exp_avg_sq.q", "max_exp_avg_sq.s"} <= set(opt.state[p])
+    vmax, v = (opt16.state[q][k].float() for k in ("max_exp_avg_sq.q", "exp_avg_sq.q"))
+    assert (vmax >= v).all() and (vmax > v).float().mean() > 0.5
+
+
+def test_torch_arguments_that_change_the_maths_or_the_layout_are_refused():
+    p = torch.nn.Parameter(torch.randn(64, 256))
+    with pytest.raises(NotImplementedError, match="differentiable=True.*torch.optim"):
+        mo.Adam([p], differentiable=True)
+    with pytest.raises(NotImplementedError, match="SGD\\(fused=True\\)"):
+        mo.SGD([p], fused=True)
+    with pytest.raises(ValueError, match="param group 1 asks for states='bf16'.*one per "
+                                         "optimizer"):
+        mo.AdamW([{"params": [p]}, {"params": [torch.nn.Parameter(torch.ones(8))],
+                                     "states": "bf16"}], states="int8")
+
+
+def test_a_torch_checkpoint_is_refused_by_a_quantized_optimizer_before_loading():
+    """torch's AdamW state (fp32 moments) into states='int8': refused, naming both
+    formats, with the optimizer untouched (it used to load, then fail at the step)."""
+    p = torch.nn.Parameter(torch.randn(64, 256))
+    torch_opt = torch.optim.AdamW([p])
+    p.grad = torch.randn(p.shape)
+    torch_opt.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    ours = mo.AdamW([q], states="int8")
+    with pytest.raises(ValueError, match="fp32 states \\(e.g. 'exp_avg'.*states='int8'.*"
+                                         "states='fp32'"):
+        ours.load_state_dict(torch_opt.state_dict())
+    assert not ours.state
+    mo.AdamW([q]).load_state_dict(torch_opt.state_dict())  # fp32 states take it

@@ -21,10 +21,14 @@ __all__ = ["Adam", "AdamW"]
 
 
 class Adam(LowPrecisionOptimizer):
-    """``torch.optim.Adam``'s arguments (no ``amsgrad``), plus ``states``, ``write``
-    and ``seed``. ``fused=True`` steps fp32 parameters with fp32 states in torch's own
-    fused kernel (equal to ``torch.optim.Adam(fused=True)``); the others, and every
-    quantized state, take the per-tensor path.
+    """``torch.optim.Adam``'s arguments, plus ``states``, ``write`` and ``seed``.
+    ``fused=True`` steps fp32 parameters with fp32 states in torch's own fused kernel
+    (equal to ``torch.optim.Adam(fused=True)``); the others, every quantized state and
+    ``amsgrad`` take the per-tensor path, torch's single-tensor update op for op.
+    ``amsgrad`` keeps the running maximum of the second moment as a third state (stored
+    like it). ``foreach`` and ``capturable`` are accepted and change no number (the
+    per-tensor path is torch's for-loop; it makes no host sync on a device either way);
+    ``differentiable=True`` is refused. ``decoupled_weight_decay=True`` is AdamW.
 
     >>> import torch
     >>> p = torch.nn.Parameter(torch.ones(64, 64, dtype=torch.bfloat16))
@@ -35,14 +39,23 @@ class Adam(LowPrecisionOptimizer):
     ['exp_avg.q', 'exp_avg.s', 'exp_avg_sq.q', 'exp_avg_sq.s', 'step']
     """
 
-    _STATES = (("exp_avg", True), ("exp_avg_sq", False))
+    _STATES = (("exp_avg", True), ("exp_avg_sq", False), ("max_exp_avg_sq", False))
     _decoupled = False
 
     def __init__(self, params: ParamsT, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, *, maximize: bool = False,
-                 fused: bool = False, states: str = "fp32", write: str = "nearest",
-                 seed: int = 0) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
+                 foreach: bool | None = None, maximize: bool = False,
+                 capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = False, decoupled_weight_decay: bool = False,
+                 states: str = "fp32", write: str = "nearest", seed: int = 0) -> None:
+        if differentiable:
+            raise NotImplementedError(
+                f"{type(self).__name__}(differentiable=True): mixprec's step runs under "
+                "no_grad on decoded states; use torch.optim for a differentiable step")
+        if decoupled_weight_decay:
+            self._decoupled = True
+        fused = bool(fused)
         if not 0.0 <= lr:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -53,7 +66,8 @@ class Adam(LowPrecisionOptimizer):
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        maximize=maximize, fused=fused)
+                        amsgrad=bool(amsgrad), maximize=maximize, fused=fused,
+                        foreach=foreach, capturable=capturable)
         super().__init__(params, defaults, states=states, write=write, seed=seed)
 
     def _init_state(self, p, state, fmt) -> None:
@@ -61,7 +75,12 @@ class Adam(LowPrecisionOptimizer):
         device = p.device if self.sync_free or p.device.type != "cpu" else "cpu"
         state["step"] = torch.tensor(0.0, dtype=torch.float32, device=device)
 
+    def _creates(self, group: dict) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
     def _fused_step(self, group, found_inf, grad_scale) -> set[int]:
+        if group["amsgrad"]:
+            return set()  # the per-tensor path, torch's single-tensor amsgrad
         fmt = self.states
         ps = [p for p in group["params"]
               if p.dtype == torch.float32 and self.emulated_format is None
@@ -106,6 +125,13 @@ class Adam(LowPrecisionOptimizer):
         v = torch.zeros_like(w, memory_format=torch.preserve_format) if v is None else v
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        out = {"exp_avg": m, "exp_avg_sq": v}
+        if group["amsgrad"]:
+            vmax = values.get("max_exp_avg_sq")
+            vmax = torch.zeros_like(v) if vmax is None else vmax
+            torch.maximum(vmax, v, out=vmax)
+            out["max_exp_avg_sq"] = vmax
+            v = vmax  # the denominator uses the running maximum, as torch's does
         if skip is None and step.device.type == "cpu":
             n = step.item()  # a CPU tensor: no device sync
             bias_correction1 = 1 - beta1**n
@@ -117,7 +143,7 @@ class Adam(LowPrecisionOptimizer):
             denom = (v.sqrt() / ((1 - beta2**step).sqrt() * -step_size)).add_(
                 eps / -step_size)
             w.addcdiv_(m, denom)
-        return {"exp_avg": m, "exp_avg_sq": v}
+        return out
 
 
 class AdamW(Adam):
@@ -128,8 +154,12 @@ class AdamW(Adam):
 
     def __init__(self, params: ParamsT, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
-                 fused: bool = False, states: str = "fp32", write: str = "nearest",
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
+                 maximize: bool = False, foreach: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = False, states: str = "fp32", write: str = "nearest",
                  seed: int = 0) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, maximize=maximize,
-                         fused=fused, states=states, write=write, seed=seed)
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         foreach=foreach, capturable=capturable,
+                         differentiable=differentiable, fused=fused, states=states,
+                         write=write, seed=seed)

@@ -79,12 +79,23 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         super().__init__(params, defaults)
+        for i, g in enumerate(self.param_groups):
+            for name, value in (("states", states), ("write", write)):
+                if name in g and g[name] != value:
+                    raise ValueError(
+                        f"param group {i} asks for {name}={g[name]!r}, the optimizer for "
+                        f"{name}={value!r}: {name} is one per optimizer; build one "
+                        "optimizer per setting (the engine takes a list of optimizers)")
         self.states, self.write, self.seed = states, write, seed
         self.emulated_format: str | None = None
         self.grad_buffers: dict[int, torch.Tensor] | None = None
+        self._grad_scale: torch.Tensor | None = None  # this step's, read by each piece
         #: stochastic writes: applied steps so far, per device (a 0-d int64 tensor that
         #: keys the counter-based random bits, ``mixprec.optim.writes.counter_bits``)
         self._sr_steps: dict[torch.device, torch.Tensor] = {}
+        #: where a device's counter starts (a restored checkpoint's count: every device
+        #: steps together, so one count serves all, whatever device saved it)
+        self._sr_start = 0
         self._index: dict[int, int] = {}
 
     # --- the step ------------------------------------------------------------------
@@ -118,10 +129,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                     continue
                 if _is_dtensor(g):
                     g = g.to_local()
-                if grad_scale is not None:
-                    g = g / grad_scale
-                self._update(p, g.float() if g.dtype != torch.float32 else g,
-                             group, self.state[p], skip)
+                self._grad_scale = grad_scale  # each piece unscales and upcasts its rows
+                self._update(p, g, group, self.state[p], skip)
         for count in self._sr_steps.values():  # a skipped step draws the same bits again
             count.add_(1 if skip is None else (~skip).to(count.dtype))
         return loss
@@ -167,26 +176,70 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                        key: int | None = None) -> None:
         """The update of the plain tensor ``p`` (a parameter, or a shard of one whose
         whole shape is ``shape`` and whose first element is element ``offset`` of the
-        whole; ``key``: the parameter's id, for its stochastic-rounding stream)."""
+        whole; ``key``: the parameter's id, for its stochastic-rounding stream).
+
+        The step runs over pieces of rows (``chunk_rows``), so its scratch (decoded
+        states, fp32 weights and gradients, hashes) is bounded by ``CHUNK`` elements,
+        not by the tensor. Every op is elementwise or per row (blocks lie along rows,
+        the random bits are keyed by the element's index in the whole tensor), so the
+        result equals the whole tensor's update bit for bit (torch's own, with fp32
+        states and weights: tests/test_optim.py checks both on odd shapes)."""
         fmt = self._weight_format(p)
         sfmt = stored_format(self.states, shape)
         if not state:
             self._init_state(p, state, fmt)
-        w = self._read_weight(p, state, fmt, skip)
-        values = {n: self._read_state(state, n, p, signed, skip, sfmt)
-                  for n, signed in self._STATES if self._has(state, n)}
+        key = id(p) if key is None else key
         step = state.get("step")
         if step is not None:
             new_step = step + 1 if skip is None else step + (~skip).float()
         else:
             new_step = None
-        new_values = self._math(w, g, values, group, state, new_step, skip)
+        complete = all(self._has(state, n) for n in self._creates(group))
+        rows = p.shape[0] if p.ndim else 1
+        per = chunk_rows(tuple(p.shape))
+        if not complete or per >= rows:  # the step that creates the states: one piece
+            self._update_piece(p, g, group, state, skip, new_step, fmt, sfmt, offset, key)
+        else:
+            cols = math.prod(p.shape[1:])
+            # 0-d states (flags) are read by every piece as they were before the step
+            flags = {k: v for k, v in state.items()
+                     if isinstance(v, torch.Tensor) and v.ndim == 0 and k != "step"}
+            piece: dict = {}
+            for r0 in range(0, rows, per):
+                r1 = min(rows, r0 + per)
+                piece = {k: (v[r0:r1] if isinstance(v, torch.Tensor) and v.ndim
+                             and v.shape[0] == rows else v) for k, v in state.items()}
+                piece.update({k: v.clone() for k, v in flags.items()})
+                self._update_piece(p.data[r0:r1], g[r0:r1], group, piece, skip, new_step,
+                                   fmt, sfmt, offset + r0 * cols, key)
+            for k, v in flags.items():
+                v.copy_(piece[k])
         if new_step is not None:
             state["step"].copy_(new_step)
+
+    def _creates(self, group: dict) -> tuple[str, ...]:
+        """The states this optimizer keeps for a parameter of ``group`` once it has
+        stepped (all of ``_STATES`` unless a subclass says otherwise)."""
+        return tuple(n for n, _ in self._STATES)
+
+    def _update_piece(self, p, g, group, state, skip, new_step, fmt, sfmt, offset,
+                      key) -> None:
+        """Decode, update and encode the rows ``p`` (a view of the parameter, ``state``
+        the same rows of its states), writing the results into them. ``g``: those rows
+        of the gradient as stored; unscaled and upcast here, piece by piece."""
+        scale = self._grad_scale
+        if scale is not None:
+            g = g / scale
+        if g.dtype != torch.float32:
+            g = g.float()
+        w = self._read_weight(p, state, fmt, skip)
+        values = {n: self._read_state(state, n, p, signed, skip, sfmt)
+                  for n, signed in self._STATES if self._has(state, n)}
+        new_values = self._math(w, g, values, group, state, new_step, skip)
         for (n, signed) in self._STATES:
             if n in new_values:
                 self._write_state(state, n, new_values[n], signed, skip, sfmt)
-        self._write_weight(p, w, state, fmt, skip, offset, id(p) if key is None else key)
+        self._write_weight(p, w, state, fmt, skip, offset, key)
 
     def _math(self, w, g, values, group, state, step, skip) -> dict:
         raise NotImplementedError
@@ -277,8 +330,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         """The applied-step counter on ``device`` (created at 0)."""
         count = self._sr_steps.get(device)
         if count is None:
-            count = self._sr_steps[device] = torch.zeros((), dtype=torch.int64,
-                                                         device=device)
+            count = self._sr_steps[device] = torch.full((), self._sr_start,
+                                                        dtype=torch.int64, device=device)
         return count
 
     # --- states --------------------------------------------------------------------
@@ -355,8 +408,13 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 f"write={extra['write']!r}; this optimizer has states={self.states!r}, "
                 f"write={self.write!r}: build it with the saved settings")
         self.seed = int(extra.get("seed", self.seed))
-        for d, c in extra.get("sr_steps", {}).items():
-            self._sr_step(torch.device(d)).copy_(c)
+        # the count, not the device that saved it: a cuda:0 checkpoint resumes on a CPU
+        # or on cuda:1 with the same bits (every device's counter is the same count)
+        counts = [int(c) for c in extra.get("sr_steps", {}).values()]
+        if counts:
+            self._sr_start = max(counts)
+            for c in self._sr_steps.values():
+                c.fill_(self._sr_start)
 
     def state_dict(self) -> dict:
         """torch's state dict plus ``extra_state()`` (under ``"mixprec"``)."""
@@ -373,6 +431,23 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if extra is not None and (extra["states"], extra["write"]) != (self.states,
                                                                        self.write):
             self.load_extra_state(extra)  # raises, naming both settings
+        if extra is None:  # torch's own optimizer, or an older mixprec: its states are fp32
+            coded = [k for st in sd["state"].values() for k in st if k.endswith((".q", ".s"))]
+            plain = [k for st in sd["state"].values() for k in st
+                     if k in {n for n, _ in self._STATES}]
+            if plain and self.states != "fp32" and any(
+                    stored_format(self.states, p.shape) != "fp32"
+                    for g in self.param_groups for p in g["params"]):
+                raise ValueError(
+                    f"this state dict holds fp32 states (e.g. {plain[0]!r}, as torch's "
+                    f"optimizers write), this optimizer stores states={self.states!r}: "
+                    "build it with states='fp32' to load it, or load a checkpoint that "
+                    f"{type(self).__name__}(states={self.states!r}) wrote")
+            if coded:
+                raise ValueError(
+                    f"this state dict holds coded states ({coded[0]!r}) but no 'mixprec' "
+                    "entry naming their format; load the whole state dict that "
+                    "mixprec.optim wrote")
         super().load_state_dict(sd)
         ids = [i for g in sd["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -382,6 +457,21 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                     self.state[p][k] = v.to(device=p.device).clone()
         if extra is not None:
             self.load_extra_state(extra)
+
+
+#: elements of a tensor one piece of the step decodes and updates at a time: its
+#: scratch (a few fp32 and int64 temporaries per element) stays near 16 MiB
+CHUNK = 1 << 18
+
+
+def chunk_rows(shape: tuple[int, ...]) -> int:
+    """Rows of a tensor of ``shape`` per piece of the step: at most ``CHUNK``
+    elements, or one row where a row is wider."""
+    rows = shape[0] if shape else 1
+    cols = math.prod(shape[1:]) if shape else 1
+    if cols == 0 or rows == 0:
+        return max(rows, 1)
+    return max(1, CHUNK // cols)
 
 
 def _is_dtensor(t) -> bool:

@@ -33,8 +33,13 @@ class SGD(LowPrecisionOptimizer):
 
     def __init__(self, params: ParamsT, lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
-                 *, maximize: bool = False, states: str = "fp32", write: str = "nearest",
-                 seed: int = 0) -> None:
+                 *, maximize: bool = False, foreach: bool | None = None,
+                 differentiable: bool = False, fused: bool | None = None,
+                 states: str = "fp32", write: str = "nearest", seed: int = 0) -> None:
+        if differentiable or fused:
+            raise NotImplementedError(
+                f"SGD({'differentiable' if differentiable else 'fused'}=True): mixprec's "
+                "SGD steps per tensor under no_grad; use torch.optim.SGD for it")
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
         if momentum < 0.0:
@@ -44,8 +49,12 @@ class SGD(LowPrecisionOptimizer):
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
-                        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
+                        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+                        foreach=foreach)
         super().__init__(params, defaults, states=states, write=write, seed=seed)
+
+    def _creates(self, group: dict) -> tuple[str, ...]:
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
     def _math(self, w, g, values, group, state, step, skip) -> dict:
         lr, momentum = group["lr"], group["momentum"]
