@@ -416,6 +416,31 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             for c in self._sr_steps.values():
                 c.fill_(self._sr_start)
 
+    def _check_stored_formats(self, sd: dict) -> None:
+        """Each parameter's saved states are in the form this optimizer stores them:
+        coded (``name.q``, ``name.s``) where its format codes them, plain fp32 where it
+        keeps fp32 (torch's own optimizers write plain fp32 states for all)."""
+        names = {n for n, _ in self._STATES}
+        ids = [i for g in sd["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params):
+            saved = sd["state"].get(i, {})
+            want = stored_format(self.states, tuple(p.shape))
+            plain = [k for k in saved if k in names]
+            coded = [k for k in saved if k.split(".")[0] in names and "." in k]
+            if want != "fp32" and plain:
+                raise ValueError(
+                    f"this state dict holds fp32 states (e.g. {plain[0]!r} of a parameter "
+                    f"of shape {tuple(p.shape)}, as torch's optimizers write), this "
+                    f"optimizer stores states={self.states!r}: build it with "
+                    "states='fp32' to load it, or load a checkpoint that "
+                    f"{type(self).__name__}(states={self.states!r}) wrote")
+            if want == "fp32" and coded:
+                raise ValueError(
+                    f"this state dict holds coded states ({coded[0]!r}) of a parameter "
+                    f"this optimizer (states={self.states!r}) keeps in fp32: build it with "
+                    "the states the checkpoint was written with")
+
     def state_dict(self) -> dict:
         """torch's state dict plus ``extra_state()`` (under ``"mixprec"``)."""
         sd = super().state_dict()
@@ -431,23 +456,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if extra is not None and (extra["states"], extra["write"]) != (self.states,
                                                                        self.write):
             self.load_extra_state(extra)  # raises, naming both settings
-        if extra is None:  # torch's own optimizer, or an older mixprec: its states are fp32
-            coded = [k for st in sd["state"].values() for k in st if k.endswith((".q", ".s"))]
-            plain = [k for st in sd["state"].values() for k in st
-                     if k in {n for n, _ in self._STATES}]
-            if plain and self.states != "fp32" and any(
-                    stored_format(self.states, p.shape) != "fp32"
-                    for g in self.param_groups for p in g["params"]):
-                raise ValueError(
-                    f"this state dict holds fp32 states (e.g. {plain[0]!r}, as torch's "
-                    f"optimizers write), this optimizer stores states={self.states!r}: "
-                    "build it with states='fp32' to load it, or load a checkpoint that "
-                    f"{type(self).__name__}(states={self.states!r}) wrote")
-            if coded:
-                raise ValueError(
-                    f"this state dict holds coded states ({coded[0]!r}) but no 'mixprec' "
-                    "entry naming their format; load the whole state dict that "
-                    "mixprec.optim wrote")
+        self._check_stored_formats(sd)
         super().load_state_dict(sd)
         ids = [i for g in sd["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -460,8 +469,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
 
 
 #: elements of a tensor one piece of the step decodes and updates at a time: its
-#: scratch (a few fp32 and int64 temporaries per element) stays near 16 MiB
-CHUNK = 1 << 18
+#: scratch (a few fp32 and int64 temporaries per element) stays near 8 MiB
+CHUNK = 1 << 17
 
 
 def chunk_rows(shape: tuple[int, ...]) -> int:
