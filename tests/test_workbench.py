@@ -92,8 +92,7 @@ def _run(args, kill_after_ckpt=None):
     return alive
 
 
-@pytest.mark.paths
-@pytest.mark.parametrize("recipe", ["bf16", "fp16"])
+@pytest.mark.parametrize("recipe", [pytest.param("bf16", marks=pytest.mark.paths), "fp16"])
 def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path, recipe):
     steps = 40
     ref = tmp_path / "ref"
