@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers.Trainer needs it
 
+import hf_sharded  # noqa: E402  (tests/: the model and data both files train)
 from mixprec import MixedPrecision  # noqa: E402
 from mixprec.integrations.transformers import MixedPrecisionTrainer  # noqa: E402
 
@@ -19,17 +20,12 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def _model():
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=2,
-                                  n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-                                  attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(cfg)
+    """A GPT2LMHeadModel from a small config (the one tests/hf_sharded.py trains)."""
+    return hf_sharded.model()
 
 
 def _data(n: int):
-    g = torch.Generator().manual_seed(1)
-    return [{"input_ids": t, "labels": t.clone()}
-            for t in torch.randint(0, 64, (n, 32), generator=g)]
+    return hf_sharded.data(n)
 
 
 class _Recording(MixedPrecisionTrainer):
