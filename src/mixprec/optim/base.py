@@ -118,6 +118,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 skip = found_inf.reshape(()) > 0
         # each parameter's position: its stochastic-rounding stream (FSDP re-points the
         # groups at shards after construction, so it is read here, in group order)
+        self._grad_scale = grad_scale  # each piece unscales and upcasts its own rows
         self._index = {id(q): i for i, q in
                        enumerate(q for g in self.param_groups for q in g["params"])}
         for group in self.param_groups:
@@ -129,7 +130,6 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                     continue
                 if _is_dtensor(g):
                     g = g.to_local()
-                self._grad_scale = grad_scale  # each piece unscales and upcasts its rows
                 self._update(p, g, group, self.state[p], skip)
         for count in self._sr_steps.values():  # a skipped step draws the same bits again
             count.add_(1 if skip is None else (~skip).to(count.dtype))
