@@ -5,9 +5,9 @@
 The workbench GPT (``mixprec train``'s loop: same seed, same data, AdamW betas
 (0.9, 0.95), lr 3e-3 with warmup and cosine decay, clipping at 1.0) at the compare
 default size, one run per row, as ``emulate=auto`` decides on this CPU. torchao's
-``AdamW8bit`` and ``AdamWFp8`` run in the same loop on ``bf16-master``'s fp32 masters
-where torchao is installed (a benchmark dependency), beside ``bf16-master,states=int8``
-and ``states=fp8``. torchao's ``_AdamW(bf16_stochastic_round=True)`` needs real bf16
+``AdamW8bit``, ``AdamWFp8`` and ``AdamW4bit`` run in the same loop on ``bf16-master``'s fp32 masters
+where torchao is installed (a benchmark dependency), beside ``bf16-master,states=int8``,
+``states=fp8`` and ``states=int4``. torchao's ``_AdamW(bf16_stochastic_round=True)`` needs real bf16
 weight tensors, which emulation replaces by fp32 ones holding bf16 values: where bf16 is
 emulated it steps real bf16 copies of them (``Bf16Storage``), which is the same
 arithmetic as on bf16 weights. Model-state bytes are ``measure()``'s after the run. No
@@ -37,10 +37,12 @@ ROWS = [  # label, recipe, optimizer (None: the one the recipe needs)
     ("bf16 moments", "bf16-master,states=bf16", None),
     ("fp8 moments", "bf16-master,states=fp8", None),
     ("int8 moments", "bf16-master,states=int8", None),
+    ("int4 moments", "bf16-master,states=int4", None),
     ("bf16-lean", "bf16-lean", None),
     ("SR + bf16 moments", "bf16-sr,states=bf16", None),  # torchao _AdamW's bytes
     ("torchao AdamWFp8", "bf16-master", "AdamWFp8"),
     ("torchao AdamW8bit", "bf16-master", "AdamW8bit"),
+    ("torchao AdamW4bit", "bf16-master", "AdamW4bit"),
     ("torchao bf16 SR AdamW", "bf16,params=bf16", "_AdamW"),
 ]
 ITEMS = ("params", "grads", "master", "optimizer")
@@ -143,7 +145,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--skip-torchao", action="store_true")
     ap.add_argument("--only", default=None,
-                    help="run the fp32 row and the rows whose label contains this")
+                    help="run the fp32 row and the rows whose label contains one of "
+                         "these (comma-separated)")
     ap.add_argument("--noise-seeds", type=int, default=0,
                     help="only run fp32 with seeds 1..N (other init and data): how far "
                          "the final loss moves between runs that differ in no numerics")
@@ -167,7 +170,8 @@ def main() -> None:
     for label, recipe, ao_cls in ROWS:
         if ao_cls is not None and not have_torchao:
             continue
-        if args.only and base is not None and args.only not in label:
+        if args.only and base is not None and not any(
+                o in label for o in args.only.split(",")):
             continue
         loss, per, dt, emulated = _run(recipe, ao_cls, args)
         base = loss if base is None else base

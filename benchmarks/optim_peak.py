@@ -26,6 +26,7 @@ CASES = [
     ("bf16-remainder", "mixprec", "fp32", "remainder", "bf16"),
     ("int8 states, fp32 weights", "mixprec", "int8", "nearest", "fp32"),
     ("fp8 states, fp32 weights", "mixprec", "fp8", "nearest", "fp32"),
+    ("int4 states, fp32 weights", "mixprec", "int4", "nearest", "fp32"),
     ("bf16 states, fp32 weights", "mixprec", "bf16", "nearest", "fp32"),
     ("mixprec AdamW, fp32", "mixprec", "fp32", "nearest", "fp32"),
     ("torch AdamW, fp32", "torch", "fp32", "nearest", "fp32"),

@@ -580,7 +580,7 @@ def lean_fsdp(rank, world, tmp, recipe, ckpt, mode):
     _teardown()
 
 
-SHARDED_SHAPES = ((257, 16), (40, 300), (300,))  # uneven rows, padded blocks, 1-D
+SHARDED_SHAPES = ((257, 16), (40, 700), (300,))  # uneven rows, rows of 2 blocks, 1-D
 
 
 def sharded_steps(full_params, states, steps=5, world=None, write="nearest"):

@@ -449,14 +449,15 @@ def test_write_rules_under_fsdp_shard_16_bit_weights_and_resume_anywhere(tmp_pat
 
 @pytest.mark.parametrize("states,write", [("int8", "nearest"), ("fp8", "nearest"),
                                           ("int8", "stochastic"), ("fp8", "kahan"),
-                                          ("int8", "remainder")])
+                                          ("int8", "remainder"), ("int4", "nearest")])
 def test_sharded_states_equal_the_whole_tensors_bit_for_bit(states, write):
     """mixprec.optim on dim-0 DTensor shards (2 ranks; 257 rows split 129 + 128, rows
-    of 300 padded to two blocks, a 1-D tensor) given the same gradients: weights and
-    states equal one process's on the whole tensors bit for bit, because blocks lie
-    along rows and the format is chosen on the whole shape. With a write rule the
-    weights are bf16: stochastic writes draw, on each shard, the counter-based bits of
-    its rows of the whole tensor; Kahan's and remainder's buffers shard with the rows."""
+    of 700 in blocks of 256 + 444 (int4: 4 x 128 + 188), a 1-D tensor) given the same
+    gradients: weights and states equal one process's on the whole tensors bit for
+    bit, because blocks lie along rows and the format is chosen on the whole shape.
+    With a write rule the weights are bf16: stochastic writes draw, on each shard, the
+    counter-based bits of its rows of the whole tensor; Kahan's and remainder's buffers
+    shard with the rows."""
     ranks = spawn(w.sharded_optimizer, states, write)
     torch.manual_seed(0)
     full = [torch.randn(s) for s in w.SHARDED_SHAPES]

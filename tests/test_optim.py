@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
 import mixprec.optim as mo
-from mixprec.optim.states import BLOCK, MIN_NUMEL, decode, encode, state_bytes
+from mixprec.optim.states import BLOCK, BLOCK4, MIN_NUMEL, decode, encode, state_bytes
 from mixprec.optim.writes import join_remainder, split_remainder, stochastic_round
 
 SHAPES = ((64, 32), (32,), (40, 130))
@@ -64,103 +65,154 @@ def test_fused_fp32_states_equal_torchs_fused_kernel_bit_for_bit(name):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def _ref_blocks(x: torch.Tensor) -> list[list[torch.Tensor]]:
+def _ref_blocks(x: torch.Tensor, w: int = BLOCK) -> list[list[torch.Tensor]]:
     """The documented blocks, one row at a time: each row of ``x`` (dim 0) cut into
-    pieces of min(256, cols) elements, the last zero-padded (a slow, separate path)."""
+    ``max(1, cols // w)`` blocks of ``w`` elements, the last taking the rest of the row
+    (a slow, separate path)."""
     rows = x.reshape(x.shape[0], -1)
-    w = min(BLOCK, rows.shape[1])
-    out = []
-    for row in rows:
-        pieces = [row[i:i + w] for i in range(0, row.numel(), w)]
-        out.append([torch.cat([q, q.new_zeros(w - q.numel())]) for q in pieces])
-    return out
+    cols = rows.shape[1]
+    nb = max(1, cols // w)
+    return [[row[i * w:(i + 1) * w if i < nb - 1 else cols] for i in range(nb)]
+            for row in rows]
 
 
-def _ref_decode(x: torch.Tensor, quant) -> torch.Tensor:
-    """``quant(block) -> float64 values`` over every documented block of ``x``, put
-    back in ``x``'s shape."""
-    cols = x[0].numel()
-    rows = [torch.cat([quant(b) for b in row])[:cols] for row in _ref_blocks(x)]
+def _ref_decode(x: torch.Tensor, quant, w: int = BLOCK) -> torch.Tensor:
+    """``quant(block) -> values`` over every documented block of ``x``, put back in
+    ``x``'s shape."""
+    rows = [torch.cat([quant(b) for b in row]) for row in _ref_blocks(x, w)]
     return torch.stack(rows).view(x.shape)
 
 
+def _f32(b: torch.Tensor):
+    """The block as numpy float32 (an implementation of the documented fp32 arithmetic
+    independent of torch's kernels; numpy's float32 sqrt is correctly rounded)."""
+    return b.numpy().astype(np.float32)
+
+
 def _int8_signed(b):
-    s = b.abs().max() / 127  # the fp32 scale, as documented
-    if s == 0:
-        return torch.zeros_like(b, dtype=torch.float64)
-    q = torch.round((b / s).double()).clamp(-127, 127)  # fp32 quotient, half to even
-    return q * s.double()
+    a = np.abs(_f32(b)).max()
+    if a == 0:
+        return torch.zeros_like(b)
+    y = np.abs(_f32(b)) / a
+    q = np.round(np.sqrt(np.sqrt(y)) * np.float32(127))  # half to even, as torch
+    val = np.square(np.square(q / np.float32(127))) * a
+    return torch.from_numpy(np.copysign(val, _f32(b)))
 
 
-def test_int8_signed_states_equal_the_float64_reference():
+def test_int8_signed_states_equal_the_documented_fourth_root_grid():
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(40, 300, generator=g) * torch.logspace(-6, 0, 300)).contiguous()
     x[3] = 0  # all-zero blocks
-    got = decode(encode(x, "int8"), "int8", x).double()
-    assert torch.equal(got, _ref_decode(x, _int8_signed).float().double())
+    stored = encode(x, "int8")
+    assert stored["q"].dtype == torch.int8 and stored["q"].abs().max() == 127
+    got = decode(stored, "int8", x)
+    assert torch.equal(got, _ref_decode(x, _int8_signed))
+    # in float64 terms: 127 levels of the fourth root keep values down to 4e-6 of the
+    # block maximum within 50% (a linear grid rounds everything under 1/254 of it to 0)
+    x64, got64 = x.double(), got.double()
+    tiny = (x64.abs() > 4e-6 * x64.abs().amax(1, keepdim=True)) & (x64 != 0)
+    assert ((got64 - x64).abs() <= 0.5 * x64.abs())[tiny].all()
 
 
 def test_blocks_lie_along_rows_so_a_dim0_shard_encodes_as_those_rows_do():
     g = torch.Generator().manual_seed(8)
-    x = torch.randn(37, 400, generator=g) * torch.logspace(-3, 3, 37)[:, None]
-    for fmt, signed in (("int8", True), ("int8", False), ("fp8", True)):
+    x = torch.randn(37, 700, generator=g) * torch.logspace(-3, 3, 37)[:, None]
+    for fmt, signed in (("int8", True), ("int8", False), ("fp8", True), ("fp8", False),
+                        ("int4", True), ("int4", False)):
         full = encode(x.abs() if not signed else x, fmt, signed)
         part = encode((x.abs() if not signed else x)[19:], fmt, signed)  # a rank's rows
-        assert full["q"].shape == (37, 2, 256) and full["s"].shape == (37, 2, 1)
+        nb, cols = (5, 350) if fmt == "int4" else (2, 700)  # 700 = 256 + 444; 5 x 128+
+        assert full["q"].shape == (37, cols) and full["s"].shape == (37, nb)
         assert torch.equal(full["q"][19:].view(torch.uint8), part["q"].view(torch.uint8))
         assert torch.equal(full["s"][19:], part["s"])
     empty = encode(x[:0], "int8")  # a shard with no rows (more ranks than rows)
-    assert decode(empty, "int8", x[:0]).shape == (0, 400)
+    assert decode(empty, "int8", x[:0]).shape == (0, 700)
 
 
-def test_int8_second_moment_is_its_square_root_on_a_grid_without_zero():
+def test_int8_second_moment_is_a_fourth_root_grid_without_zero():
     g = torch.Generator().manual_seed(4)
-    v = torch.rand(7, 111, generator=g).pow(6)  # non-negative, wide range; w = 111
+    v = torch.rand(7, 111, generator=g).pow(6)  # non-negative, wide range; one block
     stored = encode(v, "int8", signed=False)
     assert stored["q"].dtype == torch.uint8
 
-    def sqrt_grid(b):
-        s = b.max() / 256
-        k = (torch.round((b / s).double()) - 1).clamp(0, 255)
-        return ((k + 1) * s.double()).float().double()
+    def grid(b):
+        a = _f32(b).max()
+        k = np.clip(np.round(np.sqrt(np.sqrt(_f32(b) / a)) * np.float32(256)) - 1, 0, 255)
+        return torch.from_numpy(np.square(np.square((k + 1) / np.float32(256))) * a)
 
-    want = _ref_decode(v.sqrt(), sqrt_grid).float().square()
     got = decode(stored, "int8", v, signed=False)
-    assert torch.equal(got, want)
+    assert torch.equal(got, _ref_decode(v, grid))
     assert (got > 0).all()  # no entry flushed to zero: the update stays bounded
 
 
 def test_fp8_states_equal_e4m3_of_the_block_scaled_value():
     ml_dtypes = pytest.importorskip("ml_dtypes")
-    import numpy as np
 
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(6, 130, 2, generator=g) * 10  # rows of 260: blocks 256, 4 + pad
+    x = torch.randn(6, 130, 2, generator=g) * 10  # rows of 260: one block
 
-    def e4m3(b):
-        s = b.abs().max() / 448
-        quot = (b / s).numpy().astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-        return torch.from_numpy(quot) * s.double()
+    def e4m3(b, floor=0.0):
+        s = _f32(b.abs()).max() / np.float32(448)
+        quot = (_f32(b) / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        if floor:  # a non-negative state: zero codes read as the smallest subnormal
+            quot = np.maximum(quot, np.float32(floor))
+        return torch.from_numpy(quot * s)
 
-    want = _ref_decode(x, e4m3).float()
-    assert torch.equal(decode(encode(x, "fp8"), "fp8", x), want)
+    assert torch.equal(decode(encode(x, "fp8"), "fp8", x), _ref_decode(x, e4m3))
+    v = x.square() * torch.logspace(-12, 0, 260).view(130, 2)  # underflows e4m3
+    got = decode(encode(v, "fp8", signed=False), "fp8", v, signed=False)
+    assert torch.equal(got, _ref_decode(v, lambda b: e4m3(b, 2.0 ** -9)))  # no zero
+    assert (got > 0).all()
+
+
+def test_int4_states_are_packed_nibbles_of_the_documented_grids():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(9, 301, generator=g) * torch.logspace(-4, 0, 301)  # 128 + 173
+    stored = encode(x, "int4")
+    assert stored["q"].shape == (9, 151) and stored["s"].shape == (9, 2)
+    mags = (np.arange(8) / 7.0) ** 3
+
+    def signed(b):  # nearest of a * (k / 7)^3 in linear terms, ties to the smaller
+        a = np.abs(_f32(b)).max()
+        y = (np.abs(_f32(b)) / a).astype(np.float64)
+        mids = ((mags[1:] + mags[:-1]) / 2).astype(np.float32)
+        k = (y[:, None] > mids[None, :]).sum(1)
+        val = (k.astype(np.float32) ** 3 / np.float32(343)) * a
+        return torch.from_numpy(np.where(_f32(b) < 0, -val, val).astype(np.float32))
+
+    assert torch.equal(decode(stored, "int4", x), _ref_decode(x, signed, BLOCK4))
+    # the nibbles: column 2j low, 2j + 1 high, the odd row's last high nibble zero
+    k = torch.stack([stored["q"] & 15, stored["q"] >> 4], -1).reshape(9, 302)
+    assert (k[:, 301] == 0).all() and k.max() <= 15
+    v = x.square()
+    got = decode(encode(v, "int4", signed=False), "int4", v, signed=False)
+
+    def grid(b):
+        a = _f32(b).max()
+        k = np.clip(np.round(np.sqrt(np.sqrt(_f32(b) / a)) * np.float32(16)) - 1, 0, 15)
+        return torch.from_numpy(np.square(np.square((k + 1) / np.float32(16))) * a)
+
+    assert torch.equal(got, _ref_decode(v, grid, BLOCK4)) and (got > 0).all()
 
 
 def test_state_bytes_and_the_small_tensor_rule():
     assert state_bytes("int8", (MIN_NUMEL - 1, 1)) == 4 * (MIN_NUMEL - 1)  # small: fp32
     assert state_bytes("int8", (8192,)) == 4 * 8192  # 1-D: fp32
     assert state_bytes("int8", (32, 128)) == 4096 + 32 * 4
-    assert state_bytes("fp8", (64, 64)) == 4096 + 64 * 4  # rows of 64: w = 64
-    assert BLOCK == 256  # torchao's AdamW8bit / AdamWFp8 width
-    assert state_bytes("fp8", (17, 257)) == 17 * 2 * (256 + 4)  # padded to 2 blocks
-    assert state_bytes("int8", 4097) == 17 * 256 + 17 * 4  # a bare count
+    assert state_bytes("fp8", (64, 64)) == 4096 + 64 * 4  # rows of 64: one block each
+    assert BLOCK == 256 and BLOCK4 == 128  # torchao's AdamW8bit / AdamWFp8 / AdamW4bit
+    assert state_bytes("fp8", (17, 257)) == 17 * (257 + 4)  # one block of 257, unpadded
+    assert state_bytes("int8", (17, 767)) == 17 * (767 + 2 * 4)  # 256 + 511
+    assert state_bytes("int4", (17, 257)) == 17 * (129 + 2 * 4)  # 128 + 129, in nibbles
+    assert state_bytes("int8", 4097) == 4097 + 16 * 4  # a bare count: whole blocks
     assert state_bytes("bf16", (50, 100)) == 10000
     assert state_bytes("bf16", (300,)) == state_bytes("bf16", 30) * 10 == 600  # no blocks
-    with pytest.raises(ValueError, match="valid: fp32, bf16, fp8, int8"):
-        state_bytes("int4", (10, 10))
+    with pytest.raises(ValueError, match="valid: fp32, bf16, fp8, int8, int4"):
+        state_bytes("int2", (10, 10))
 
 
-@pytest.mark.parametrize("states, tol", [("bf16", 0.02), ("fp8", 0.1), ("int8", 0.1)])
+@pytest.mark.parametrize("states, tol", [("bf16", 0.02), ("fp8", 0.1), ("int8", 0.1),
+                                         ("int4", 0.3)])
 def test_quantized_states_track_fp32_adamw(states, tol):
     a, b, _, om = _pair(lambda p: torch.optim.AdamW(p, lr=1e-3),
                         lambda p: mo.AdamW(p, lr=1e-3, states=states))
@@ -236,7 +288,7 @@ def test_stochastic_writes_keep_small_updates_in_expectation():
 @pytest.mark.parametrize("sync_free", [False, True])
 @pytest.mark.parametrize("states, write, fused", [
     ("fp32", "nearest", False), ("int8", "stochastic", False), ("fp8", "kahan", False),
-    ("bf16", "remainder", False), ("int8", "stochastic", True)])
+    ("bf16", "remainder", False), ("int8", "stochastic", True), ("int4", "nearest", False)])
 def test_a_skipped_step_leaves_every_state_bit_identical(states, write, fused, sync_free,
                                                          monkeypatch):
     monkeypatch.setattr(mo.LowPrecisionOptimizer, "sync_free", sync_free)
@@ -295,8 +347,8 @@ def test_state_dict_round_trips_with_weights_only(tmp_path):
 
 def test_bad_settings_are_refused():
     p = [torch.nn.Parameter(torch.ones(2))]
-    with pytest.raises(ValueError, match="states='int4'; valid: fp32, bf16, fp8, int8"):
-        mo.AdamW(p, states="int4")
+    with pytest.raises(ValueError, match="states='int2'; valid: fp32, bf16, fp8, int8, int4"):
+        mo.AdamW(p, states="int2")
     with pytest.raises(ValueError, match="write='round'; valid: nearest"):
         mo.SGD(p, write="round")
     h = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
@@ -347,7 +399,7 @@ def test_a_step_in_pieces_still_equals_torch_bit_for_bit(monkeypatch, name, kw):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("states", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("states", ["bf16", "fp8", "int8", "int4"])
 @pytest.mark.parametrize("write, dtype", [("nearest", torch.float32),
                                           ("nearest", torch.bfloat16),
                                           ("stochastic", torch.bfloat16),
@@ -360,7 +412,7 @@ def test_a_step_in_pieces_equals_the_whole_tensors_step(monkeypatch, states, wri
 
 @pytest.mark.parametrize("states, write, dtype", [("int8", "stochastic", torch.bfloat16),
                                                   ("fp8", "remainder", torch.bfloat16),
-                                                  ("int8", "nearest", torch.float32)])
+                                                  ("int4", "nearest", torch.float32)])
 def test_a_skipped_device_step_in_pieces_equals_the_whole_tensors(monkeypatch, states,
                                                                   write, dtype):
     _pieces_equal_whole(monkeypatch, states, write, dtype, sync_free=True)

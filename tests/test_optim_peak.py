@@ -32,9 +32,10 @@ def test_the_step_peak_is_at_most_one_byte_per_parameter():
     fixed ~8 MiB of scratch over 16.8M parameters); before the step ran in pieces
     these were 20 and 56 to 64 B/param."""
     bench = _bench()
-    # the costliest write rule on int8 states, and decoded states on fp32 weights (the
-    # benchmark adds sr, kahan, remainder, fp8 and bf16 states, and an embedding)
-    wanted = ("bf16-lean", "int8 states")
+    # the costliest write rule on int8 states, and decoded int8 and int4 states on fp32
+    # weights (the benchmark adds sr, kahan, remainder, fp8 and bf16 states, and an
+    # embedding-shaped tensor)
+    wanted = ("bf16-lean", "int8 states", "int4 states")
     cases = [c for c in bench.CASES if c[0].startswith(wanted)]
     peaks = bench.run_cases((4096, 4096), cases)
     got = {c[0]: round(p, 2) for c, p in zip(cases, peaks)}

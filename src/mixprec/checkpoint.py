@@ -423,6 +423,9 @@ def restore_resharding(engine: Any, path: str | os.PathLike[str]) -> dict:
             f"checkpoint has no optimizer state for {missing[:3]} ({len(missing)} "
             "parameter(s)); build the optimizer over the same parameters as the run that "
             "saved it")
+    for o, e in zip(engine.optimizers, meta.get("optim_extra", [])):
+        if e is not None and hasattr(o, "check_extra_state"):
+            o.check_extra_state(e, reshardable=True)
     for o in engine.optimizers:  # dcp fills the entries that exist: make them all
         if hasattr(o, "materialize_states"):
             o.materialize_states()

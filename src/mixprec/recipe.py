@@ -41,7 +41,7 @@ Fp8Gemm = Literal["auto", "scaled_mm", "dequant", "dequant_fp32"]
 OnSkipLimit = Literal["warn", "raise"]
 GradAccum = Literal["plain", "kahan"]
 Wgrad = Literal["compute", "fp32"]
-StateDtype = Literal["fp32", "bf16", "fp8", "int8"]
+StateDtype = Literal["fp32", "bf16", "fp8", "int8", "int4"]
 WriteRule = Literal["nearest", "stochastic", "kahan", "remainder"]
 
 #: What ``keep_fp32`` may name: module families and functional ops run in FP32.
@@ -80,8 +80,8 @@ class Recipe:
       precision knobs).
     - ``params``: dtype the model's parameters are stored in (the working copy).
     - ``master``: ``fp32`` keeps an FP32 master copy that the optimizer updates.
-    - ``states``: what the optimizer's states are stored in (``fp32``, ``bf16``, ``fp8``
-      or ``int8``), and ``write``: how an update lands in 16-bit weights without a
+    - ``states``: what the optimizer's states are stored in (``fp32``, ``bf16``, ``fp8``,
+      ``int8`` or ``int4``), and ``write``: how an update lands in 16-bit weights without a
       master (``nearest``, ``stochastic``, ``kahan`` or ``remainder``). Both need a
       ``mixprec.optim`` optimizer unless they are fp32 / nearest.
     - ``grads``: dtype gradients are accumulated in across micro-batches;

@@ -8,6 +8,7 @@ it writes that version's format instead, so the committed .pt is the record.
     python tests/data/optim_0_2.py
 """
 
+import copy
 from pathlib import Path
 
 import torch
@@ -37,7 +38,8 @@ def main() -> None:
             for p, gr in zip(params, grads(step)):
                 p.grad = gr.to(dtype)
             opt.step()
-        saved = {"optim": opt.state_dict(), "params": [p.detach().clone() for p in params]}
+        saved = {"optim": copy.deepcopy(opt.state_dict()),  # not the live tensors
+                 "params": [p.detach().clone() for p in params]}
         for step in range(3, 5):
             for p, gr in zip(params, grads(step)):
                 p.grad = gr.to(dtype)

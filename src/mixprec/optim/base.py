@@ -39,7 +39,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mixprec.optim.states import STATE_FORMATS, decode, encode, stored_format
+from mixprec.optim.states import (
+    LAYOUT,
+    STATE_FORMATS,
+    decode,
+    decode_layout1,
+    encode,
+    stored_format,
+)
 from mixprec.optim.writes import (
     WRITE_RULES,
     counter_bits,
@@ -58,7 +65,7 @@ _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class LowPrecisionOptimizer(torch.optim.Optimizer):
-    """Base class: ``states`` (fp32, bf16, fp8, int8), ``write`` (nearest, stochastic,
+    """Base class: ``states`` (fp32, bf16, fp8, int8, int4), ``write`` (nearest, stochastic,
     kahan, remainder) and ``seed`` (the key of the stochastic writes' counter-based
     random bits)."""
 
@@ -398,15 +405,29 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         every rank, at any world size). ``torch.distributed.checkpoint`` drops it from
         ``state_dict()``, so reshardable checkpoints carry it beside."""
         return {"states": self.states, "write": self.write, "seed": self.seed,
+                "layout": LAYOUT,
                 "sr_steps": {str(d): c.clone() for d, c in self._sr_steps.items()}}
 
-    def load_extra_state(self, extra: dict) -> None:
-        """Restore ``extra_state()``'s output (the settings must match)."""
+    def check_extra_state(self, extra: dict, reshardable: bool = False) -> None:
+        """Refuse, before anything is loaded, a checkpoint this optimizer cannot read:
+        other ``states`` / ``write`` settings, or (in a ``reshardable`` directory, whose
+        entries load in place) block states in another storage layout."""
         if (extra["states"], extra["write"]) != (self.states, self.write):
             raise ValueError(
                 f"optimizer state saved with states={extra['states']!r}, "
                 f"write={extra['write']!r}; this optimizer has states={self.states!r}, "
                 f"write={self.write!r}: build it with the saved settings")
+        layout = int(extra.get("layout", 1))
+        if reshardable and layout != LAYOUT and self.states in ("fp8", "int8"):
+            raise ValueError(
+                f"this reshardable checkpoint holds {self.states} optimizer states in "
+                f"storage layout {layout} (mixprec 0.2); this version reads layout "
+                f"{LAYOUT} in place. Load it once with mixprec 0.2 and save it with "
+                "save(path, full=True): this version converts full checkpoints")
+
+    def load_extra_state(self, extra: dict) -> None:
+        """Restore ``extra_state()``'s output (the settings must match)."""
+        self.check_extra_state(extra)
         self.seed = int(extra.get("seed", self.seed))
         # the count, not the device that saved it: a cuda:0 checkpoint resumes on a CPU
         # or on cuda:1 with the same bits (every device's counter is the same count)
@@ -453,9 +474,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         stochastic-rounding counter restored. A state of other formats is refused."""
         sd = dict(state_dict)
         extra = sd.pop("mixprec", None)
-        if extra is not None and (extra["states"], extra["write"]) != (self.states,
-                                                                       self.write):
-            self.load_extra_state(extra)  # raises, naming both settings
+        if extra is not None:
+            self.check_extra_state(extra)  # raises, naming both settings
         self._check_stored_formats(sd)
         super().load_state_dict(sd)
         ids = [i for g in sd["param_groups"] for i in g["params"]]
@@ -464,8 +484,39 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             for k, v in sd["state"].get(i, {}).items():
                 if isinstance(v, torch.Tensor) and k != "step":
                     self.state[p][k] = v.to(device=p.device).clone()
+        if extra is not None and int(extra.get("layout", 1)) != LAYOUT:
+            self._convert_layout1()
         if extra is not None:
             self.load_extra_state(extra)
+
+    def _convert_layout1(self) -> None:
+        """Re-encode block states that mixprec 0.2 stored (layout 1) in this version's
+        maps and blocks, once, with a warning (the decoded values move by at most one
+        step of the new grid)."""
+        import warnings
+
+        converted = 0
+        for p in (q for g in self.param_groups for q in g["params"]):
+            state = self.state.get(p, {})
+            fmt = stored_format(self.states, tuple(p.shape))
+            for name, signed in self._STATES:
+                if fmt in ("fp32", "bf16") or f"{name}.q" not in state:
+                    continue
+                if _is_dtensor(p):
+                    raise NotImplementedError(
+                        "converting mixprec 0.2 block states of a sharded parameter: load "
+                        "the checkpoint unsharded (or with mixprec 0.2, then save it "
+                        "full) before sharding")
+                old = {k: state.pop(f"{name}.{k}") for k in ("q", "s")}
+                value = decode_layout1(old, fmt, p, signed)
+                for k, v in encode(value, fmt, signed).items():
+                    state[f"{name}.{k}"] = v
+                converted += 1
+        if converted:
+            warnings.warn(
+                f"optimizer checkpoint from mixprec 0.2: {converted} {self.states} state(s) "
+                "re-encoded in this version's storage (finer maps, unpadded blocks); "
+                "save again to keep the new form", stacklevel=3)
 
 
 #: elements of a tensor one piece of the step decodes and updates at a time: its
