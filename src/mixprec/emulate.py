@@ -45,6 +45,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from mixprec import emulate_attention, formats
 from mixprec.formats import Format
+from mixprec.kernels import ieee_fp32_matmul
 
 __all__ = ["EmulationMode", "mx_quantize", "mx_scales", "MX_BLOCK", "round_", "active_mode",
            "leave_low_precision", "unrounded"]
@@ -227,16 +228,25 @@ class EmulationMode(TorchDispatchMode):
         self.virtual = WeakTensorKeyDictionary()
         self._casts: list[weakref.ref] = []  # differentiable casts awaiting their node
         self.passthrough = False  # inside ``unrounded()``: ops run as plain fp32
+        self._pins: list = []  # the IEEE fp32 matmul pin of each entry
 
     def __enter__(self):
         _ACTIVE.append(self)
+        # the fp32 GEMMs on rounded operands are exact only in IEEE fp32 (not bf16 or
+        # TF32 under set_float32_matmul_precision): pinned while the mode is active
+        pin = ieee_fp32_matmul()
+        pin.__enter__()
+        self._pins.append(pin)
         return super().__enter__()
 
     def __exit__(self, *exc):
         self._hook_casts()
         if _ACTIVE and _ACTIVE[-1] is self:
             _ACTIVE.pop()
-        return super().__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._pins.pop().__exit__(None, None, None)
 
     def tag(self, tensors: Iterable[torch.Tensor]) -> None:
         """Mark fp32 tensors that hold this format's values (the working parameters of

@@ -36,8 +36,10 @@ or ``emulate=false`` is never overridden.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -47,7 +49,8 @@ from mixprec.recipe import MX_COMPUTE, Recipe
 
 __all__ = ["matmul_gflops", "relative_speed", "FAST_ENOUGH", "has_fast_kernels",
            "emulating", "fp8_gemm_gflops", "fp8_gemm_route", "fp8_rest", "choices",
-           "KernelChoices", "SCALED_MM_MARGIN", "EMULATE_ENV", "pinned_emulation"]
+           "KernelChoices", "SCALED_MM_MARGIN", "EMULATE_ENV", "pinned_emulation",
+           "ieee_fp32_matmul"]
 
 #: below this fraction of fp32's matmul throughput a format counts as having no fast
 #: kernel, and ``emulate=auto`` emulates it on fp32 kernels instead. Chips either have
@@ -273,3 +276,38 @@ def choices(recipe: Recipe, device: torch.device | str) -> KernelChoices:
     if dev.type == "cpu":
         gflops["scaled_mm"] = fp8_gemm_gflops(str(dev))
     return KernelChoices(emulate, route, fp8_rest(recipe, dev), gflops, source)
+
+
+def _fp32_matmul_knobs() -> list:
+    """The backends' fp32 matmul precision settings (oneDNN on CPUs, cuBLAS on CUDA)."""
+    knobs = []
+    for name in ("mkldnn", "cuda"):
+        backend = getattr(torch.backends, name, None)
+        mm = getattr(backend, "matmul", None)
+        if mm is not None and hasattr(mm, "fp32_precision"):
+            knobs.append(mm)
+    return knobs
+
+
+@contextlib.contextmanager
+def ieee_fp32_matmul() -> Iterator[None]:
+    """fp32 matmuls inside run in full IEEE fp32, whatever the user set, and the user's
+    setting is restored on exit.
+
+    ``torch.set_float32_matmul_precision("medium")`` (or ``"high"``, or
+    ``allow_tf32``) lets fp32 GEMMs run in bf16 on AMX / AVX-512 BF16 CPUs (oneDNN) and
+    in TF32 on NVIDIA GPUs: about 3 significant digits. mixprec's exact routes (the
+    dequantizing fp8, block, MX and NVFP4 GEMMs, and emulation) compute products of
+    low-precision values that fp32 holds exactly, so they pin ``"ieee"`` around their
+    GEMMs; everything else keeps the user's choice."""
+    saved = []
+    try:
+        for knob in _fp32_matmul_knobs():
+            value = knob.fp32_precision
+            if value != "ieee":
+                knob.fp32_precision = "ieee"
+                saved.append((knob, value))
+        yield
+    finally:
+        for knob, value in reversed(saved):
+            knob.fp32_precision = value

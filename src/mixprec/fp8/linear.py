@@ -72,7 +72,7 @@ from mixprec.fp8.scaling import (
     nan_if_not_finite,
     update_delayed_scales,
 )
-from mixprec.kernels import fp8_gemm_route
+from mixprec.kernels import fp8_gemm_route, ieee_fp32_matmul
 from mixprec.recipe import Recipe
 
 __all__ = ["Float8Linear", "fp8_gemm", "gemm_backend", "fp8_modules", "scaling_buffers"]
@@ -104,8 +104,11 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch
         raise ValueError(f"fp8 GEMM backend {backend!r}; valid: scaled_mm, dequant, "
                          "dequant_fp32, auto")
     fp32 = out_dtype == torch.float32 or backend == "dequant_fp32"
-    work = torch.float32 if fp32 else torch.bfloat16
-    y = torch.mm(a.to(work), b.to(work))
+    if not fp32:
+        y = torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16))
+    else:
+        with ieee_fp32_matmul():
+            y = torch.mm(a.float(), b.float())
     return (y.float() * (inv_a * inv_b)).to(out_dtype)
 
 
@@ -192,7 +195,7 @@ class _Fp8MatmulBlocks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, weight, mod, out_dtype):
-        with torch.autocast(x2d.device.type, enabled=False):
+        with torch.autocast(x2d.device.type, enabled=False), ieee_fp32_matmul():
             xs, ws = mod._block_cast(x2d, "x", 1), mod._block_cast(weight, "w", 1)
             y = (xs.dequant() @ ws.dequant().t()).to(out_dtype)
             # backward: w contracted over out channels (dgrad), x over tokens (wgrad)
@@ -211,7 +214,7 @@ class _Fp8MatmulBlocks(torch.autograd.Function):
         (xb, wb), mod, dx, dw = ctx.blocks, ctx.mod, None, None
         xc = BlockCast(xq, xi, *xb) if xb is not None else None
         wc = BlockCast(wq, wi, *wb) if wb is not None else None
-        with torch.autocast(gy.device.type, enabled=False):
+        with torch.autocast(gy.device.type, enabled=False), ieee_fp32_matmul():
             if ctx.needs_input_grad[0]:
                 g = mod._block_cast(gy, "g", 1).dequant()  # tiles along out
                 dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
@@ -236,7 +239,7 @@ class _NVFP4Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, weight, mod, out_dtype):
-        with torch.autocast(x2d.device.type, enabled=False):
+        with torch.autocast(x2d.device.type, enabled=False), ieee_fp32_matmul():
             w = cast_nvfp4(weight, 1, square=mod.nvfp4_2d)
             y = (cast_nvfp4(x2d, 1).dequant() @ w.dequant().t()).to(out_dtype)
             wd = w if mod.nvfp4_2d else cast_nvfp4(weight, 0)  # dgrad: along out
@@ -253,7 +256,7 @@ class _NVFP4Matmul(torch.autograd.Function):
         xc, wd = _restored(*t[:3], *ctx.shapes[0]), _restored(*t[3:], *ctx.shapes[1])
         mod, dx, dw = ctx.mod, None, None
         gen = mod._sr_generator(gy.device)
-        with torch.autocast(gy.device.type, enabled=False):
+        with torch.autocast(gy.device.type, enabled=False), ieee_fp32_matmul():
             if ctx.needs_input_grad[0]:
                 g = cast_nvfp4(gy, 1, generator=gen).dequant()
                 dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
