@@ -273,9 +273,13 @@ def test_nvfp4_keeps_the_last_layers_in_bf16_and_each_part_switches():
     from mixprec.fp8 import convert
 
     model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(5)])
-    report = convert(model, "nvfp4")  # the head (last Linear) plus 2 more stay
-    assert report.converted == ("0", "1")
-    assert [f for f, why in report.skipped if "bf16_last_layers" in why] == ["2", "3"]
+    report = convert(model, "nvfp4")  # the last 2 Linears stay, the head among them
+    assert report.converted == ("0", "1", "2")
+    assert [f for f, why in report.skipped if "bf16_last_layers" in why] == ["3"]
+    assert dict(report.skipped)["4"] == "output head: the last Linear"
+    deep = nn.Sequential(*[nn.Linear(32, 32) for _ in range(5)])
+    report = convert(deep, "nvfp4,bf16_last_layers=4")
+    assert report.converted == ("0",) and len(report.skipped) == 4
     r = Recipe.parse("nvfp4,nvfp4_2d=false,nvfp4_rht=off,nvfp4_sr=0,bf16_last_layers=0")
     assert (r.nvfp4_2d, r.nvfp4_rht, r.nvfp4_sr, r.bf16_last_layers) == (False,) * 3 + (0,)
     assert Recipe.parse(str(r)) == r

@@ -115,8 +115,8 @@ class Recipe:
       elements with an e4m3 scale per 16 and an fp32 scale per tensor, whose parts
       switch with ``nvfp4_2d`` (16×16 weight blocks), ``nvfp4_rht`` (random Hadamard
       transform of the wgrad operands) and ``nvfp4_sr`` (stochastic rounding of the
-      gradients): ``mixprec.fp8.nvfp4``), ``bf16_last_layers`` (the last N Linears
-      that would be converted stay in bf16), ``fp8_all_gather`` (under
+      gradients): ``mixprec.fp8.nvfp4``), ``bf16_last_layers`` (the model's last N
+      Linears stay in bf16, the output head among them), ``fp8_all_gather`` (under
       ``parallel="fsdp"``, per-tensor scaling: FSDP2 gathers the Float8Linear weights
       as e4m3 bytes, a quarter of fp32's: ``mixprec.fp8.gather``),
       ``fp8_format``

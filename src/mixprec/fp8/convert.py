@@ -46,8 +46,8 @@ class ConvertReport:
 def plan(model: nn.Module, filter: Callable[[nn.Module, str], bool] | None = None,
          keep_last: int = 0) -> list[tuple[str, nn.Module, str | None]]:
     """Each Linear (or GPT-2 ``Conv1D``) of ``model`` with the reason it stays in high
-    precision (None: fp8). ``keep_last``: the last N that would be converted stay too
-    (the recipe's ``bf16_last_layers``)."""
+    precision (None: fp8). ``keep_last``: the model's last N Linears stay too (the
+    recipe's ``bf16_last_layers``; the output head, kept anyway, is one of them)."""
     linears = [(fqn, m) for fqn, m in model.named_modules()
                if (isinstance(m, nn.Linear) or is_conv1d(m))
                and not isinstance(m, Float8Linear)]
@@ -71,10 +71,10 @@ def plan(model: nn.Module, filter: Callable[[nn.Module, str], bool] | None = Non
             why = (f"in_features={d_in}, out_features={d_out}: fp8 GEMMs "
                    "need both divisible by 16")
         out.append((fqn, m, why))
-    chosen = [i for i, (_, _, why) in enumerate(out) if why is None]
-    for i in chosen[len(chosen) - keep_last:] if keep_last else ():
-        fqn, m, _ = out[i]
-        out[i] = (fqn, m, f"one of the last {keep_last} Linears (bf16_last_layers)")
+    for i in range(max(0, len(out) - keep_last), len(out)):
+        fqn, m, why = out[i]
+        if why is None:
+            out[i] = (fqn, m, f"one of the last {keep_last} Linears (bf16_last_layers)")
     return out
 
 
