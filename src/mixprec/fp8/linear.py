@@ -58,6 +58,8 @@ kernel on one chip and as fast as fp32 on another.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -84,6 +86,44 @@ def gemm_backend(device: torch.device, choice: str = "auto") -> str:
     return fp8_gemm_route(device, choice)
 
 
+def _no_autocast(t: torch.Tensor):
+    """Autocast off around the GEMMs, which pick their own dtypes (meta tensors, used to
+    check the CUDA calls against torch's meta kernels, have no autocast)."""
+    if t.device.type == "meta":
+        return contextlib.nullcontext()
+    return torch.autocast(t.device.type, enabled=False)
+
+
+#: torch._scaled_mm needs the contraction dim and the output's columns divisible by 16
+SCALED_MM_MULTIPLE = 16
+
+
+def _pad_cols(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """``t`` (rows, c) of fp8 codes with zero columns up to ``cols`` (fp8's zero byte is
+    +0, which adds nothing to a dot product)."""
+    if t.shape[1] == cols:
+        return t
+    pad = torch.zeros(t.shape[0], cols - t.shape[1], dtype=torch.uint8, device=t.device)
+    return torch.cat([t.view(torch.uint8), pad], 1).view(t.dtype)
+
+
+def _scaled_mm_operands(a: torch.Tensor, b: torch.Tensor):
+    """``a`` (M, K) row-major and ``b`` (K, N) column-major, with K and N padded with
+    zeros to multiples of 16, as ``torch._scaled_mm`` takes them. The weight gradient
+    contracts over tokens (``gᵀ @ x``), whose count is any number; zero padding
+    changes no sum. Returns ``(a, b, N)``; the output's first N columns are the
+    product."""
+    m16 = SCALED_MM_MULTIPLE
+    k, n = a.shape[1], b.shape[1]
+    k16, n16 = -(-k // m16) * m16, -(-n // m16) * m16
+    a = _pad_cols(a.contiguous(), k16)
+    bt = _pad_cols(b.t().contiguous(), k16)  # (N, K) row-major: b column-major
+    if n16 != n:
+        bt = torch.cat([bt.view(torch.uint8), torch.zeros(n16 - n, k16, dtype=torch.uint8,
+                                                          device=bt.device)]).view(bt.dtype)
+    return a, bt.t(), n
+
+
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
              out_dtype: torch.dtype, backend: str) -> torch.Tensor:
     """(a · inv_a) @ (b · inv_b) for fp8 ``a`` (M, K) and ``b`` (K, N), fp32 accumulation.
@@ -93,13 +133,15 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch
     bf16 only, so for other outputs ``scaled_mm`` runs at unit scales into fp32 and
     applies them after: the same sum, one more pass over the output."""
     if backend == "scaled_mm":
-        a = a.contiguous()
-        b = b if b.stride(0) == 1 else b.t().contiguous().t()  # _scaled_mm: b column-major
+        a, b, n = _scaled_mm_operands(a, b)
+        if inv_b.numel() > 1 and inv_b.shape[-1] != b.shape[1]:  # rowwise: pad N's scales
+            inv_b = torch.cat([inv_b, inv_b.new_ones(1, b.shape[1] - inv_b.shape[-1])], 1)
         if inv_a.numel() == 1 and inv_b.numel() == 1 or out_dtype == torch.bfloat16:
-            return torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
+            y = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
+            return y if y.shape[1] == n else y[:, :n]
         one = torch.ones((), device=a.device)
         y = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
-        return (y * (inv_a * inv_b)).to(out_dtype)
+        return (y * (inv_a * inv_b)).to(out_dtype)[:, :n]
     if backend not in ("dequant", "dequant_fp32"):
         raise ValueError(f"fp8 GEMM backend {backend!r}; valid: scaled_mm, dequant, "
                          "dequant_fp32, auto")
@@ -140,7 +182,7 @@ def _input_and_weight_grads(ctx, g_dgrad, g_wgrad, w8, w_inv, x8, x_inv):
 class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, mod, out_dtype, record):
-        with torch.autocast(x2d.device.type, enabled=False):
+        with _no_autocast(x2d):
             x8, x_inv = mod._cast(x2d, 0, torch.float8_e4m3fn, record)
             w8, w_inv = mod._cast(weight, 1, torch.float8_e4m3fn, record)
             y = fp8_gemm(x8, w8.t(), x_inv, w_inv, out_dtype, mod.backend)
@@ -151,7 +193,7 @@ class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x8, w8, x_inv, w_inv = ctx.saved_tensors
-        with torch.autocast(gy.device.type, enabled=False):
+        with _no_autocast(gy):
             g = ctx.mod._cast(gy, 2, ctx.mod.grad_dtype, record=True)  # records the amax
             dx, dw = _input_and_weight_grads(ctx, lambda: g, lambda: g, w8, w_inv, x8, x_inv)
         return dx, dw, None, None, None
@@ -163,7 +205,7 @@ class _Fp8MatmulRowwise(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, mod, out_dtype):
         e4m3, margin = torch.float8_e4m3fn, mod.margin
-        with torch.autocast(x2d.device.type, enabled=False):
+        with _no_autocast(x2d):
             x8, x_inv = cast_rowwise(x2d, 1, e4m3, margin)      # (M, 1): per token
             w8, w_inv = cast_rowwise(weight, 1, e4m3, margin)   # (N, 1): per out channel
             y = fp8_gemm(x8, w8.t(), x_inv, w_inv.t(), out_dtype, mod.backend)
@@ -181,7 +223,7 @@ class _Fp8MatmulRowwise(torch.autograd.Function):
     def backward(ctx, gy):
         xc8, wc8, xc_inv, wc_inv = ctx.saved_tensors
         fmt, margin = ctx.mod.grad_dtype, ctx.mod.margin
-        with torch.autocast(gy.device.type, enabled=False):
+        with _no_autocast(gy):
             dx, dw = _input_and_weight_grads(
                 ctx,
                 lambda: cast_rowwise(gy, 1, fmt, margin),   # (M, 1): per token
@@ -195,7 +237,7 @@ class _Fp8MatmulBlocks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, weight, mod, out_dtype):
-        with torch.autocast(x2d.device.type, enabled=False), ieee_fp32_matmul():
+        with _no_autocast(x2d), ieee_fp32_matmul():
             xs, ws = mod._block_cast(x2d, "x", 1), mod._block_cast(weight, "w", 1)
             y = (xs.dequant() @ ws.dequant().t()).to(out_dtype)
             # backward: w contracted over out channels (dgrad), x over tokens (wgrad)
@@ -214,7 +256,7 @@ class _Fp8MatmulBlocks(torch.autograd.Function):
         (xb, wb), mod, dx, dw = ctx.blocks, ctx.mod, None, None
         xc = BlockCast(xq, xi, *xb) if xb is not None else None
         wc = BlockCast(wq, wi, *wb) if wb is not None else None
-        with torch.autocast(gy.device.type, enabled=False), ieee_fp32_matmul():
+        with _no_autocast(gy), ieee_fp32_matmul():
             if ctx.needs_input_grad[0]:
                 g = mod._block_cast(gy, "g", 1).dequant()  # tiles along out
                 dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
@@ -239,7 +281,7 @@ class _NVFP4Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, weight, mod, out_dtype):
-        with torch.autocast(x2d.device.type, enabled=False), ieee_fp32_matmul():
+        with _no_autocast(x2d), ieee_fp32_matmul():
             w = cast_nvfp4(weight, 1, square=mod.nvfp4_2d)
             y = (cast_nvfp4(x2d, 1).dequant() @ w.dequant().t()).to(out_dtype)
             wd = w if mod.nvfp4_2d else cast_nvfp4(weight, 0)  # dgrad: along out
@@ -256,7 +298,7 @@ class _NVFP4Matmul(torch.autograd.Function):
         xc, wd = _restored(*t[:3], *ctx.shapes[0]), _restored(*t[3:], *ctx.shapes[1])
         mod, dx, dw = ctx.mod, None, None
         gen = mod._sr_generator(gy.device)
-        with torch.autocast(gy.device.type, enabled=False), ieee_fp32_matmul():
+        with _no_autocast(gy), ieee_fp32_matmul():
             if ctx.needs_input_grad[0]:
                 g = cast_nvfp4(gy, 1, generator=gen).dequant()
                 dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
@@ -408,7 +450,8 @@ class Float8Linear(nn.Linear):
         """``x @ W.T + b`` with x and W cast to e4m3 at their scales (e5m2 or e4m3
         for the gradient in backward); the output is in the autocast dtype."""
         dev = x.device.type
-        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        out_dtype = (torch.get_autocast_dtype(dev) if dev != "meta"
+                     and torch.is_autocast_enabled(dev) else x.dtype)
         x2d = x.reshape(-1, x.shape[-1])
         w = self.weight.t() if self.transposed else self.weight  # (out, in) either way
         if self.scaling == "rowwise":
