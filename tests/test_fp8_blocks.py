@@ -241,6 +241,26 @@ def test_nvfp4_equals_torchaos_to_nvfp4_bit_for_bit():
     assert _sqnr(y, cast_nvfp4(y, 1).dequant()) >= _sqnr(y, ty.dequantize(torch.float32))
 
 
+def test_nvfp4_element_rounding_equals_formats_e2m1_on_every_binade():
+    """The cast's bit-level e2m1 rounding (exponent bits give the grid's step) against
+    ``formats.quantize``'s general rounding: every representable fp32 pattern in
+    [0, 6] at a stride, the ties, ±0 and subnormals; and the stochastic path's
+    probability is the distance to the lower neighbour, as the generic rounding's."""
+    from mixprec import formats
+    from mixprec.fp8.nvfp4 import _round_e2m1
+
+    bits = torch.arange(0, 0x40C00001, 97, dtype=torch.int64).to(torch.int32)  # 0 .. 6
+    a = bits.view(torch.float32)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 1e-40, 0.0])
+    v = torch.cat([a, -a, ties, -ties])
+    want = formats.quantize(v, "fp4_e2m1")
+    assert torch.equal(_round_e2m1(v, None).view(torch.int32), want.view(torch.int32))
+    g1, g2 = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    u = torch.rand(v.shape, generator=g2)
+    got = _round_e2m1(v, g1)
+    assert torch.equal(got, formats.quantize(v, "fp4_e2m1", "stochastic", noise=u))
+
+
 def test_nvfp4_stochastic_rounding_is_unbiased_and_2d_blocks_serve_the_transpose():
     from mixprec.fp8.nvfp4 import cast_nvfp4
 

@@ -56,26 +56,35 @@ class NVFP4Cast:
         return self.codes * s
 
 
-def _round_e2m1(v: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def _e2m1_step(a: torch.Tensor) -> torch.Tensor:
+    """The e2m1 grid's spacing at each ``a`` (non-negative fp32, at most 6): 0.5 below 2
+    (the subnormal 0.5 and the binade [1, 2)), then 1 in [2, 4) and 2 in [4, 6]; i.e.
+    ``2^(max(e, 0) - 1)`` for ``a``'s binary exponent ``e``, built from its exponent
+    bits (a power of two, so dividing by it is exact)."""
+    biased = a.view(torch.int32) >> 23  # a >= 0: the sign bit is clear
+    return ((biased.clamp_(min=127) - 1) << 23).view(torch.float32)
+
+
+def _round_e2m1(v: torch.Tensor, generator: torch.Generator | None,
+                a: torch.Tensor | None = None) -> torch.Tensor:
     """``v`` (already within ±6) on the e2m1 grid: nearest-even, or stochastically
-    between the two neighbours with the probability that keeps the mean."""
-    grid = torch.tensor(E2M1_GRID, device=v.device)
-    a = v.abs()
-    hi = torch.bucketize(a, grid).clamp_(max=len(E2M1_GRID) - 1)  # first grid >= a
-    lo = (hi - 1).clamp_(min=0)
-    up, down = grid[hi], grid[lo]
+    between the two neighbours with the probability that keeps the mean. ``a``:
+    ``|v|`` if the caller has it (it is consumed).
+
+    ``a / step`` is exact, so ``torch.round`` (half to even) picks the neighbour with
+    the even mantissa bit on a tie, and ``a / step - floor(a / step)`` is exactly the
+    distance to the lower neighbour in steps (the stochastic rounding's probability of
+    going up). A NaN stays NaN (its exponent bits make a finite step)."""
+    a = v.abs() if a is None else a
+    step = _e2m1_step(a)
+    k = a.div_(step)
     if generator is None:
-        gap = up - down
-        # ties go to the even neighbour: an even mantissa bit is an even grid index
-        mid = down + gap / 2
-        pick_up = (a > mid) | ((a == mid) & (hi % 2 == 0))
-        q = torch.where(a >= up, up, torch.where(pick_up, up, down))
+        q = k.round_().mul_(step)
     else:
-        gap = torch.where(up > down, up - down, torch.ones_like(up))
-        p = ((a - down) / gap).clamp_(0, 1)
-        u = torch.rand(a.shape, generator=generator, device=v.device)
-        q = torch.where(u < p, up, down)
-    return torch.where(torch.isnan(v), v, torch.copysign(q, v))
+        down = k.floor()
+        u = torch.rand(k.shape, generator=generator, device=v.device)
+        q = torch.where(u < k.sub_(down), down.add(1), down).mul_(step)
+    return q.copysign_(v)
 
 
 def cast_nvfp4(t: torch.Tensor, dim: int = 1, square: bool = False,
@@ -85,16 +94,17 @@ def cast_nvfp4(t: torch.Tensor, dim: int = 1, square: bool = False,
     rows, cols = ((NVFP4_BLOCK, NVFP4_BLOCK) if square else
                   (1, NVFP4_BLOCK) if dim == 1 else (NVFP4_BLOCK, 1))
     x = t.detach().float()
-    amax_t = x.abs().amax()
-    descale = torch.where(amax_t > 0, amax_t / _DESCALE, torch.ones_like(amax_t))
     amax_b = _block_amax(x, rows, cols)
+    amax_t = amax_b.amax()  # the tensor's amax: the largest block's
+    descale = torch.where(amax_t > 0, amax_t / _DESCALE, torch.ones_like(amax_t))
     s = ((amax_b / 6.0) / descale).clamp_(_E4M3_MIN_NORMAL, 448.0)
     s = s.to(torch.float8_e4m3fn).float()
     bad = ~torch.isfinite(amax_b)
     s = torch.where(bad, torch.full_like(s, float("nan")), s)
     mult = torch.reciprocal(descale) / s
-    v = (x * _expand(mult, rows, cols, x.shape)).clamp_(-6.0, 6.0)
-    return NVFP4Cast(_round_e2m1(v, generator), s, descale, rows, cols)
+    v = x * _expand(mult, rows, cols, x.shape)
+    a = v.abs().clamp_(max=6.0)  # |v| within ±6 (a NaN stays NaN)
+    return NVFP4Cast(_round_e2m1(v, generator, a), s, descale, rows, cols)
 
 
 @functools.cache
