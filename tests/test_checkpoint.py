@@ -61,8 +61,11 @@ def test_every_mismatch_is_named_before_anything_loads():
     check(_state(m, opt))  # the same run: fine
     with pytest.raises(ValueError, match="saved with recipe 'bf16-master'.*runs 'bf16'"):
         check(_state(m, opt, "bf16-master"))
-    with pytest.raises(ValueError, match="emulation on.*emulate=true"):
-        check(_state(m, opt, emulating=True))
+    with pytest.warns(UserWarning, match="emulation on.*emulate=auto resolves to off"):
+        check(_state(m, opt, emulating=True))  # auto here: resumes, saying so
+    with pytest.raises(ValueError, match="emulation on but this recipe pins emulate=false"):
+        check_engine_state(_state(m, opt, emulating=True), Recipe.coerce("bf16,emulate=false"),
+                           False, 1, None, [opt], m)
     with pytest.raises(ValueError, match="FSDP shards of 2 rank.*full=True"):
         check(_state(m, opt, world_size=2, layout="sharded"))
     with pytest.raises(ValueError, match="1 optimizer\\(s\\), this engine has 2"):
@@ -141,3 +144,48 @@ def test_load_fp32_state_dict_takes_an_export_into_masters_and_working_copy(reci
                                                  e.param_state.working))
     train(m2, e2, 1)
     assert e2.steps == 1
+
+
+def test_a_run_saved_under_emulation_resumes_where_auto_resolves_to_real_kernels(
+        monkeypatch, tmp_path):
+    """Saved with ``emulate=true`` (an AVX2 laptop's choice), resumed with
+    ``emulate=auto`` on a device whose bf16 kernels measure fast (monkeypatched): the
+    weights, masters and optimizer state load as saved, one warning says what changes,
+    and training goes on."""
+    import warnings
+
+    import mixprec.kernels as k
+    from mixprec import MixedPrecision
+
+    def build(recipe):
+        torch.manual_seed(0)
+        m = mlp()
+        return m, MixedPrecision(m, torch.optim.AdamW(m.parameters(), lr=1e-2), recipe)
+
+    def steps(m, engine, n):
+        torch.manual_seed(1)
+        for _ in range(n):
+            with engine.autocast():
+                loss = m(torch.randn(8, m[0].in_features)).float().square().mean()
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+
+    m, engine = build("bf16-master,emulate=true")
+    steps(m, engine, 2)
+    engine.save(tmp_path / "ck.pt")
+    saved = {k_: v.clone() for k_, v in m.state_dict().items()}
+    monkeypatch.setattr(k, "relative_speed", lambda dev, dt: 1.0)  # fast bf16 here
+    m2, engine2 = build("bf16-master")
+    assert not engine2.emulating
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine2.load(tmp_path / "ck.pt")
+    msgs = [str(w.message) for w in caught]
+    assert len(msgs) == 1 and "trained with emulation on" in msgs[0], msgs
+    assert all(torch.equal(v.float(), saved[k_].float()) for k_, v in m2.state_dict().items())
+    steps(m2, engine2, 2)
+    assert all(torch.isfinite(p).all() for p in m2.parameters())
+    m3, engine3 = build("bf16-master,emulate=false")  # pinned the other way: refused
+    with pytest.raises(ValueError, match="pins emulate=false"):
+        engine3.load(tmp_path / "ck.pt")

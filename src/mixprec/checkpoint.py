@@ -24,9 +24,11 @@ which FSDP on any number of ranks reads back, each rank reading the pieces it ne
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -315,18 +317,39 @@ def restore_engine(engine: Any, state: dict) -> None:
 
 
 def _run_settings(state: dict, recipe, emulating: bool) -> None:
-    """The recipe and emulation checks of ``check_engine_state``."""
+    """The recipe and emulation checks of ``check_engine_state``.
+
+    The recipes must agree but for ``emulate``: the weights and states of an emulated
+    run are in the same formats as a real one's (fp32 tensors holding the format's
+    values), so a run saved where ``emulate=auto`` resolved one way resumes where it
+    resolves the other, with one warning (from there on the kernels round as this
+    device's do). Only a recipe that pins ``emulate`` to the other value is refused."""
+    from mixprec.recipe import Recipe
+
     saved = state.get("recipe")
-    if saved != recipe:
+    if saved is not None and not isinstance(saved, Recipe):
+        saved = Recipe.coerce(saved)
+    if saved is None or dataclasses.replace(saved, emulate=recipe.emulate) != recipe:
         raise ValueError(
             f"checkpoint was saved with recipe {str(saved)!r} but this engine runs "
             f"{str(recipe)!r}; build the engine with the checkpoint's recipe")
-    if state.get("emulating", emulating) != emulating:
+    was = state.get("emulating", emulating)
+    if was == emulating:
+        return
+    on = {True: "on", False: "off"}
+    how = "mixprec emulates it" if emulating else "this device's kernels do"
+    if recipe.emulate is not None:
         raise ValueError(
-            f"checkpoint was trained with emulation {'on' if state['emulating'] else 'off'}"
-            f" but this engine resolved emulate=auto to {'on' if emulating else 'off'}"
-            f"; set emulate={'true' if state['emulating'] else 'false'} in the recipe to "
-            "resume with the same numerics")
+            f"checkpoint was trained with emulation {on[was]} but this recipe pins "
+            f"emulate={str(recipe.emulate).lower()}; set emulate={str(was).lower()} to "
+            "resume with the same numerics, or leave emulate to auto to resume with this "
+            "device's kernels")
+    warnings.warn(
+        f"checkpoint was trained with emulation {on[was]}; on this device emulate=auto "
+        f"resolves to {on[emulating]}. The weights and optimizer states are in the same "
+        f"formats and resume as saved; from here on {recipe.compute} rounds as {how}. Set "
+        f"emulate={str(was).lower()} in the recipe to keep the saved numerics.",
+        stacklevel=4)
 
 
 def _same_model(have: dict, got: dict) -> None:
