@@ -1,4 +1,4 @@
-"""Optimizer step time: mixprec.optim against torch's AdamW and torchao's AdamW8bit.
+"""Optimizer step time: mixprec.optim against torch's AdamW and torchao's low-bit AdamWs.
 
     python benchmarks/optim_speed.py [--size medium] [--rounds 20] [--skip-torchao]
 
@@ -49,13 +49,15 @@ def main() -> None:
         "mixprec AdamW fp8": lambda p: mo.AdamW(p, lr=1e-3, states="fp8"),
         "mixprec AdamW int8": lambda p: mo.AdamW(p, lr=1e-3, states="int8"),
         "mixprec AdamW int8 fused": lambda p: mo.AdamW(p, lr=1e-3, states="int8", fused=True),
+        "mixprec AdamW int4": lambda p: mo.AdamW(p, lr=1e-3, states="int4"),
     }
     if not args.skip_torchao:
         try:
-            from torchao.optim import AdamW8bit, AdamWFp8
+            from torchao.optim import AdamW4bit, AdamW8bit, AdamWFp8
 
             makers["torchao AdamW8bit"] = lambda p: AdamW8bit(p, lr=1e-3)
             makers["torchao AdamWFp8"] = lambda p: AdamWFp8(p, lr=1e-3)
+            makers["torchao AdamW4bit"] = lambda p: AdamW4bit(p, lr=1e-3)
         except ImportError:
             pass
     opts = {k: make(_params(cfg)) for k, make in makers.items()}

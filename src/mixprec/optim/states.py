@@ -153,8 +153,8 @@ def _pow4(y: torch.Tensor) -> torch.Tensor:
 
 
 def _ratio(b: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """``|b| / s`` in ``[0, 1]``, 0 where the block's scale is 0."""
-    return torch.where(s > 0, b.abs() / s, 0.0)
+    """``|b| / s`` in ``[0, 1]``, 0 where the block's scale is 0 (its elements are)."""
+    return b.abs().div_(torch.where(s > 0, s, 1.0))
 
 
 #: the 7 midpoints between int4's first-moment magnitudes ``(k / 7)^3``, in fp32
@@ -194,7 +194,7 @@ def encode(x: torch.Tensor, fmt: str, signed: bool = True) -> dict[str, torch.Te
         return {"q": q, "s": s}
     if fmt == "int8" and signed:
         q = _scaled(r, a, w, lambda b, sb: _root4(_ratio(b, sb)).mul_(127).round_()
-                    .mul_(torch.sign(b)).to(torch.int8))
+                    .copysign_(b).to(torch.int8))
     elif fmt == "int8":
         q = _scaled(r, a, w, lambda b, sb: _root4(_ratio(b, sb)).mul_(256).round_()
                     .sub_(1).clamp_(0, 255).to(torch.uint8))
@@ -229,8 +229,11 @@ def decode(stored: dict[str, torch.Tensor], fmt: str, like: torch.Tensor,
             c = c.clamp_min_(_E4M3_TINY)
         out = _scaled(c, s, w, lambda b, sb: b * sb)
     elif fmt == "int8" and signed:
-        out = _scaled(q, s, w, lambda b, sb: _pow4(b.float().abs().div_(127))
-                      .mul_(torch.sign(b)).mul_(sb))
+        def value(b, sb):
+            c = b.float()
+            return _pow4(c.abs().div_(127)).mul_(sb).copysign_(c)
+
+        out = _scaled(q, s, w, value)
     elif fmt == "int8":
         out = _scaled(q, s, w, lambda b, sb: _pow4(b.float().add_(1).div_(256)).mul_(sb))
     elif signed:  # int4: (k / 7)^3 with the sign bit
