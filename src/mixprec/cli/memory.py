@@ -82,9 +82,14 @@ def run(args: argparse.Namespace) -> int:
         t.add_row(k, *(f"{b[k] / GB:,.2f}" for b in results.values()))
     t.add_row("[bold]total[/bold]", *(f"[bold]{b.total / GB:,.2f}[/bold]"
                                       for b in results.values()))
-    if cap:
-        t.add_row(f"fits {cap / GB:g} GB?", *("yes" if b.total <= cap else "[red]no[/red]"
-                                             for b in results.values()))
+    if any(b.peak is not None for b in results.values()):
+        t.add_row("[bold]peak (step)[/bold]", *(
+            f"[bold]{b.peak / GB:,.2f}[/bold]" if b.peak is not None else "-"
+            for b in results.values()))
+    if cap:  # the peak where it is known: a step must fit, not only its steady state
+        t.add_row(f"fits {cap / GB:g} GB?", *(
+            "yes" if (b.peak if b.peak is not None else b.total) <= cap else "[red]no[/red]"
+            for b in results.values()))
     con = Console(width=160)
     con.print(t)
     for n in next(iter(results.values())).notes:

@@ -3,6 +3,7 @@ explains the accounting)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
     from mixprec.engine import MixedPrecision
 
 __all__ = ["measure"]
+
+_CPU_DEVICE = torch.autograd.DeviceType.CPU
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
@@ -42,7 +45,7 @@ class _Ledger:
 def measure(model: nn.Module,
             engine_or_optimizer: MixedPrecision | torch.optim.Optimizer | None,
             sample_batch: torch.Tensor | tuple[Any, ...] | None = None, *,
-            loss_fn: Callable | None = None) -> Breakdown:
+            loss_fn: Callable | None = None, peak: bool = False) -> Breakdown:
     """Exact bytes held for ``model`` and its engine (or plain optimizer), by storage.
 
     With ``sample_batch`` it also runs one forward pass, inside the engine's precision
@@ -53,6 +56,16 @@ def measure(model: nn.Module,
     statistics and fp8 amax histories are restored afterwards, so measuring changes
     nothing. On CUDA the breakdown also notes ``torch.cuda.max_memory_allocated``.
     Optimizer states exist only after the first ``step()``: measure after one.
+
+    ``peak=True`` also measures the high-water mark of one whole training step on
+    ``sample_batch`` (forward in the engine's precision context, ``loss_fn(output)``
+    or the output itself as the loss, backward, optimizer step, zero_grad), as
+    ``Breakdown.peak``: the bytes held before the step plus the most the step's
+    allocations rose above them. On a CPU the allocations are read from
+    ``torch.profiler`` (``profile_memory=True``: every tensor the step allocates and
+    frees, kernels' own scratch included), on CUDA from ``max_memory_allocated``. The
+    step is undone afterwards: the engine's (or model's and optimizer's) state is
+    restored from a copy taken before it, so measuring trains nothing.
     """
     from mixprec.fp8.linear import fp8_modules, scaling_buffers
 
@@ -84,7 +97,88 @@ def measure(model: nn.Module,
         notes.append(f"cuda max_memory_allocated: {torch.cuda.max_memory_allocated(dev)}")
     items = {k: led.items.get(k, 0.0) for k in ITEMS if k in led.items}
     recipe = str(engine.recipe) if engine is not None else "(optimizer only)"
-    return Breakdown(items, recipe, tuple(notes))
+    high = None
+    if peak:
+        if sample_batch is None or not optimizers:
+            raise ValueError("measure(..., peak=True) runs one training step: pass the "
+                             "engine (or optimizer) and a sample_batch")
+        steady = sum(v for k, v in items.items() if k not in ("activations", "weight_casts"))
+        high = steady + _step_high_water(model, engine, optimizers, sample_batch, loss_fn)
+        notes.append("peak: one training step's high-water mark, measured "
+                     + ("by torch.profiler" if dev.type == "cpu" else
+                        "by max_memory_allocated"))
+    return Breakdown(items, recipe, tuple(notes), peak=high)
+
+
+def _step_high_water(model, engine, optimizers, batch, loss_fn) -> float:
+    """The most bytes one training step allocates above what is held when it starts
+    (see ``measure``); the step is undone afterwards."""
+    import copy
+
+    inputs = batch if isinstance(batch, (tuple, list)) else (batch,)
+    if engine is not None:
+        saved = copy.deepcopy(engine.state_dict())
+    else:
+        saved = (copy.deepcopy(model.state_dict()),
+                 [copy.deepcopy(o.state_dict()) for o in optimizers])
+
+    def step() -> None:
+        ctx = engine.autocast() if engine is not None else contextlib.nullcontext()
+        with ctx:
+            out = model(*inputs)
+            loss = loss_fn(out) if loss_fn is not None else out
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("measure(..., peak=True): the model's output is not a scalar "
+                             "loss; pass loss_fn=lambda out: ... to make one")
+        if engine is not None:
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+        else:
+            loss.backward()
+            for o in optimizers:
+                o.step()
+                o.zero_grad()
+
+    params = [p for p in model.parameters()]
+    dev = params[0].device if params else torch.device("cpu")
+    try:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            step()
+            torch.cuda.synchronize(dev)
+            return float(torch.cuda.max_memory_allocated(dev) - base)
+        return float(_cpu_high_water(step))
+    finally:
+        if engine is not None:
+            engine.load_state_dict(saved)
+        else:
+            model.load_state_dict(saved[0])
+            for o, sd in zip(optimizers, saved[1]):
+                o.load_state_dict(sd)
+
+
+def _cpu_high_water(fn: Callable[[], None]) -> int:
+    """The running sum of the CPU allocator's allocations and frees during ``fn``, at
+    its highest (torch.profiler's memory events, in time order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    results = getattr(prof.profiler, "kineto_results", None)
+    if results is None:
+        raise NotImplementedError("this torch's profiler gives no memory events: "
+                                  "measure(..., peak=True) needs torch.profiler's "
+                                  "profile_memory on the CPU")
+    events = sorted((e.start_ns(), e.nbytes()) for e in results.events()
+                    if e.name() == "[memory]" and e.device_type() == _CPU_DEVICE)
+    live = high = 0
+    for _, n in events:
+        live += n
+        high = max(high, live)
+    return high
 
 
 _VIEW_NODES = ("TBackward", "ViewBackward", "TransposeBackward", "PermuteBackward",

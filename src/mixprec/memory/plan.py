@@ -13,6 +13,12 @@ import torch
 from torch import nn
 
 from mixprec.master import updated_dtype
+from mixprec.memory.transient import (
+    backward_transient,
+    linear_shapes,
+    saved_weight_bytes,
+    step_scratch,
+)
 from mixprec.recipe import Recipe
 
 __all__ = ["Breakdown", "TransformerSpec", "estimate", "parse_count", "activation_bytes",
@@ -36,6 +42,10 @@ class Breakdown:
     items: dict[str, float]
     recipe: str
     notes: tuple[str, ...] = field(default=())
+    #: the highest bytes held during one training step (forward, backward and optimizer
+    #: step): ``measure(..., peak=True)``'s measured high-water mark, or ``estimate``'s
+    #: prediction when it has a transformer spec; None when not known
+    peak: float | None = None
 
     @property
     def total(self) -> float:
@@ -54,6 +64,8 @@ class Breakdown:
         rows = [f"{'item':<13}{'GB':>12}"]
         rows += [f"{k:<13}{v / GB:>12.3f}" for k, v in self.items.items() if v]
         rows.append(f"{'total':<13}{self.total / GB:>12.3f}")
+        if self.peak is not None:
+            rows.append(f"{'peak':<13}{self.peak / GB:>12.3f}")
         return "\n".join(rows + [f"  note: {n}" for n in self.notes])
 
 
@@ -179,7 +191,7 @@ def estimate(
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     n = parse_count(params)
     notes = []
-    from mixprec.kernels import emulating, fp8_rest
+    from mixprec.kernels import emulating, fp8_gemm_route, fp8_rest
 
     dev = torch.device("cpu")
     if isinstance(params, nn.Module):
@@ -214,11 +226,70 @@ def estimate(
         "fp8": fp8_bytes,
         "buffers": buffers,
     }
+    peak = None
     if isinstance(activations, TransformerSpec):
-        items["activations"] = _activation_item(activations, r, act_fp32, notes)
+        items["activations"] = _activation_item(activations, r, act_fp32, notes, emulated)
+        act_bytes = 4.0 if act_fp32 or r.compute in ("fp32", "tf32") else 2.0
+        shapes = _linear_routes(params, activations, r, emulated, act_fp32)
+        items["weight_casts"] = saved_weight_bytes(shapes)
+        route = fp8_gemm_route(dev, r.fp8_gemm) if on_model else (
+            "scaled_mm" if r.fp8_gemm == "auto" else r.fp8_gemm)
+        tokens = activations.seq_len * activations.micro_batch
+        steady = sum(v for k, v in items.items() if k not in ("activations",
+                                                                "weight_casts"))
+        # gradients that autograd makes afresh each backward (no accumulation buffers:
+        # ``mixprec.master``'s direct case) are not yet there when the backward peaks
+        stored = torch.float32 if emulated else r.param_dtype
+        direct = (r.master != "fp32" and r.grad_accum != "kahan"
+                  and stored == r.grad_dtype)
+        fresh = items["grads"] if direct else 0.0
+        backward = (sum(items.values()) - fresh
+                    + backward_transient(tokens, shapes, act_bytes, route))
+        largest = (max((p.numel() for p in params.parameters()), default=0) if on_model
+                   else 4 * activations.hidden * activations.hidden * activations.ffn_mult)
+        uses_pieces = r.states != "fp32" or r.write != "nearest"
+        from mixprec.optim.base import CHUNK
+
+        after = steady + (step_scratch(largest, CHUNK) if uses_pieces else 0.0)
+        peak = max(backward, after)
+        notes.append("peak: steady state + activations + saved weight copies + the "
+                     "widest Linear's backward working set (mixprec.memory.transient)")
     elif activations is not None:
         items["activations"] = float(activations)
-    return Breakdown(items, str(r), tuple(notes))
+    return Breakdown(items, str(r), tuple(notes), peak=peak)
+
+
+def _linear_routes(params, spec: TransformerSpec, r: Recipe, emulated: bool,
+                   act_fp32: bool) -> list[tuple[int, int, str]]:
+    """``(in, out, route)`` of each Linear: the module's, or a transformer's from
+    ``spec`` (QKV, projection, the two MLP Linears per layer, and the head)."""
+    from mixprec.fp8.convert import plan
+    from mixprec.fp8.linear import Float8Linear
+
+    if r.compute in ("fp32", "tf32") or (r.compute == "fp8" and act_fp32):
+        rest = "fp32"  # also the layers around fp8 Linears where this device runs fp32
+    elif emulated:
+        rest = "autocast_emulated"  # each weight's rounded copy, in an fp32 tensor
+    elif r.master == "fp32" or r.params != "fp32":
+        rest = "weights16"
+    else:
+        rest = "autocast16"
+    fp8 = {"delayed": "fp8", "current": "fp8", "rowwise": "rowwise", "block": "block",
+           "mx": "block", "nvfp4": "nvfp4"}.get(r.fp8_scaling, "fp8")
+    if isinstance(params, nn.Module):
+        out = []
+        chosen = ({fqn for fqn, _, why in plan(params, keep_last=r.bf16_last_layers)
+                   if why is None} if r.compute == "fp8" else set())
+        for fqn, i, o in linear_shapes(params):
+            m = params.get_submodule(fqn) if fqn else params
+            route = fp8 if isinstance(m, Float8Linear) or fqn in chosen else rest
+            out.append((i, o, route))
+        return out
+    h, f = spec.hidden, spec.ffn_mult
+    inner = fp8 if r.compute == "fp8" else rest
+    per_layer = [(h, 3 * h, inner), (h, h, inner), (h, f * h, inner), (f * h, h, inner)]
+    head = [(h, spec.vocab, rest)] if spec.vocab else []
+    return per_layer * spec.layers + head
 
 
 def _optimizer_bytes(r: Recipe, opt: str, n: int, sizes: list | None,
@@ -264,9 +335,12 @@ def _module_counts(model: nn.Module, r: Recipe):
 
 
 def _activation_item(spec: TransformerSpec, r: Recipe, act_fp32: bool,
-                     notes: list[str]) -> float:
+                     notes: list[str], emulated: bool = False) -> float:
     """Activation bytes of a transformer: fp32 norms and softmax where the recipe keeps
-    them (unless the spec says), values of the recipe's compute width."""
+    them (unless the spec says), values of the recipe's compute width. Under emulation
+    the fused attention's output is saved twice: the emulated kernel keeps its own
+    fp32 output, and the projection its contiguous input (one more ``4·s·b·h`` a
+    layer)."""
     per = 4 if act_fp32 else {"fp32": 4, "tf32": 4}.get(r.compute, 2)
     islands = r.has_fp32_islands
     if spec.fp32_norms is None:
@@ -275,7 +349,10 @@ def _activation_item(spec: TransformerSpec, r: Recipe, act_fp32: bool,
         spec = dataclasses.replace(spec, fp32_softmax=islands and "softmax" in r.keep_fp32)
     notes.append(f"activations: Korthikanti et al. 2022, attention={spec.attention}, "
                  f"recompute={spec.recompute}, {per}-byte values")
-    return activation_bytes(spec, per, 1 if r.compute == "fp8" else None)
+    total = activation_bytes(spec, per, 1 if r.compute == "fp8" else None)
+    if emulated and spec.attention == "flash" and spec.recompute == "none":
+        total += spec.layers * 4.0 * spec.seq_len * spec.micro_batch * spec.hidden
+    return total
 
 
 def _fp8_state_bytes(model: nn.Module, r: Recipe) -> tuple[float, set[int]]:

@@ -1,0 +1,91 @@
+"""A training step's peak: ``measure(..., peak=True)`` reads it from the allocator's
+events, and ``estimate`` predicts it within 5% on the workbench GPT for every preset
+(benchmarks/memory_peak.py prints the same comparison at the compare size)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import MixedPrecision
+from mixprec.memory import measure
+from mixprec.recipe import PRESETS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("memory_peak",
+                                                  ROOT / "benchmarks" / "memory_peak.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Scratch(nn.Module):
+    """A Linear whose forward makes (and drops) a 16 MiB temporary that nothing saves."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        big = torch.full((4 << 20,), 2.0)  # 16 MiB, freed before the output is returned
+        return self.lin(x * big[0]).square().mean()
+
+
+def test_the_measured_peak_sees_temporaries_and_the_step_is_undone():
+    torch.manual_seed(0)
+    model = _Scratch()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    engine = MixedPrecision(model, opt, "fp32")
+    x = torch.randn(32, 64)
+    for _ in range(2):
+        engine.backward(model(x))
+        engine.step()
+        engine.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    states = {k: v.clone() for k, v in opt.state[model.lin.weight].items()}
+    got = measure(model, engine, x, peak=True)
+    steady_and_saved = got.total
+    assert got.peak >= steady_and_saved + (16 << 20), (got.peak, steady_and_saved)
+    assert got.peak < steady_and_saved + (24 << 20)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(v, opt.state[model.lin.weight][k]) for k, v in states.items())
+    assert engine.steps == 2
+    with pytest.raises(ValueError, match="sample_batch"):
+        measure(model, engine, peak=True)
+
+
+@pytest.mark.parametrize("recipe", list(PRESETS))
+def test_estimated_peak_is_within_5_percent_of_the_measured_one(recipe):
+    steady, est, got = _bench().peaks(recipe, size="small", batch=8)
+    assert est is not None and got is not None
+    assert got > steady
+    assert abs(est / got - 1) <= 0.05, (recipe, est / 2**20, got / 2**20)
+
+
+def test_mixprec_memory_prints_the_peak_and_judges_the_fit_by_it(capsys):
+    """A 7B Llama-like spec: the steady state fits 80 GB under bf16-master with ZeRO-3
+    over 8 GPUs, and the peak is the row the fit is judged by."""
+    from mixprec.cli import main
+    from mixprec.memory import TransformerSpec, estimate
+
+    args = ["memory", "--params", "7B", "--recipe", "bf16-master", "--zero", "3",
+            "--gpus", "8", "--layers", "32", "--hidden", "4096", "--heads", "32",
+            "--seq", "4096", "--batch", "1", "--vocab", "32000"]
+    assert main([*args, "--device-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    spec = TransformerSpec(layers=32, hidden=4096, heads=32, seq_len=4096, micro_batch=1,
+                           vocab=32000, attention="flash", dropout=False)
+    b = estimate("7B", "bf16-master", zero_stage=3, world_size=8, activations=spec)
+    assert b.peak > b.total  # the widest Linear's backward on top of everything saved
+    assert "peak (step)" in out and f"{b.peak / 1e9:,.2f}" in out
+    # a capacity between the steady total and the peak: the step does not fit
+    cap = (b.total + b.peak) / 2 / 1e9
+    assert main([*args, "--device-memory", f"{cap:.3f}GB"]) == 0
+    assert "no" in capsys.readouterr().out.split("fits")[1]
