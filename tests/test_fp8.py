@@ -322,9 +322,22 @@ def test_convert_tied_head_and_filter():
     assert dict(report.skipped)["mix"] == "filter returned False"
 
 
-def test_no_eligible_linear_warns():
+def test_a_recipe_that_converts_nothing_raises_unless_allowed():
+    def model():
+        return nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 3))
+
+    with pytest.raises(ValueError, match=r"converts no Linear.*0: in_features=10.*"
+                                         r"2: output head.*allow_none=True"):
+        convert(model())
     with pytest.warns(UserWarning, match="no Linear was converted"):
-        convert(nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 3)))
+        convert(model(), allow_none=True)
+    # a 2-Linear MLP under nvfp4: both are among the last 2 Linears (the head too)
+    mlp2 = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    with pytest.raises(ValueError, match="0: one of the last 2 Linears"):
+        MixedPrecision(mlp2, torch.optim.SGD(mlp2.parameters(), lr=0.1), "nvfp4")
+    with pytest.warns(UserWarning, match="no Linear was converted"):  # the user's choice
+        MixedPrecision(mlp2, torch.optim.SGD(mlp2.parameters(), lr=0.1), "nvfp4",
+                       fp8_filter=lambda m, fqn: False)
 
 
 def test_float8linear_rejects_bad_dims():

@@ -79,8 +79,14 @@ def plan(model: nn.Module, filter: Callable[[nn.Module, str], bool] | None = Non
 
 
 def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
-            filter: Callable[[nn.Module, str], bool] | None = None) -> ConvertReport:
-    """Replace eligible ``nn.Linear`` modules of ``model`` in place; return a report."""
+            filter: Callable[[nn.Module, str], bool] | None = None,
+            allow_none: bool = False) -> ConvertReport:
+    """Replace eligible ``nn.Linear`` modules of ``model`` in place; return a report.
+
+    A recipe that would convert nothing (every Linear too small, the head, or one of
+    the last ``bf16_last_layers``) trains nothing in fp8: that raises ``ValueError``
+    naming each Linear and why, unless ``allow_none`` or a ``filter`` says the choice
+    was the user's (then it warns)."""
     r = Recipe.coerce(recipe or "fp8")
     converted, skipped = [], []
     for fqn, m, why in plan(model, filter, r.bf16_last_layers):
@@ -94,9 +100,14 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
         converted.append(fqn)
     report = ConvertReport(tuple(converted), tuple(skipped))
     if not converted:
-        warnings.warn(
-            "fp8: no Linear was converted, so nothing runs in fp8. "
-            + ("; ".join(f"{f}: {w}" for f, w in skipped[:5]) if skipped
-               else "The model has no nn.Linear."),
-            stacklevel=2)
+        why = ("; ".join(f"{f}: {w}" for f, w in skipped[:8]) if skipped
+               else "the model has no nn.Linear")
+        if not (allow_none or filter is not None):
+            raise ValueError(
+                f"recipe {str(r)!r} converts no Linear of this model, so nothing would "
+                f"run in fp8 ({why}). Use a 16-bit recipe (bf16-master), lower "
+                "bf16_last_layers, give the Linears dims divisible by 16, or pass "
+                "allow_none=True (MixedPrecision: fp8_filter=...) to train it so anyway")
+        warnings.warn(f"fp8: no Linear was converted, so nothing runs in fp8 ({why})",
+                      stacklevel=2)
     return report

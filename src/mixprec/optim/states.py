@@ -123,6 +123,8 @@ def _amax(r: torch.Tensor, w: int) -> torch.Tensor:
     then each row's last block (the rest of the row)."""
     rows, cols = r.shape
     nb = max(1, cols // w)
+    if cols and cols == nb * w:  # whole blocks: one view
+        return r.reshape(rows, nb, w).abs().amax(-1)
     head = (nb - 1) * w
     last = r[:, head:].abs().amax(-1, keepdim=True) if cols else r.new_zeros(rows, 1)
     if not head:
@@ -135,6 +137,8 @@ def _scaled(r: torch.Tensor, s: torch.Tensor, w: int, fn) -> torch.Tensor:
     joined to ``(rows, cols)``."""
     rows, cols = r.shape
     nb = s.shape[1]
+    if cols == nb * w:  # whole blocks: one view
+        return fn(r.reshape(rows, nb, w), s[:, :, None]).reshape(rows, cols)
     head = (nb - 1) * w
     parts = []
     if head:
