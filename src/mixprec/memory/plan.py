@@ -180,6 +180,11 @@ def estimate(
     resolved on its device (fp16 on a CPU is emulated by default, and its working
     copy then lives in fp32 tensors). For a bare count, only
     ``emulate=true`` counts as emulated.
+
+    With a ``TransformerSpec`` the breakdown also predicts the saved weight copies
+    (``weight_casts``) and a step's ``peak``: the items less the gradients that
+    autograd makes afresh each backward, plus the widest Linear's backward working set
+    (``mixprec.memory.transient``), or the optimizer step's scratch where larger.
     """
     r = Recipe.coerce(recipe)
     opt = optimizer.lower().replace("-", "_")
