@@ -170,3 +170,16 @@ def two_rank_records(argv: list[str], record, cwd) -> tuple[dict, dict]:
     r0, r1 = (json.loads(Path(p).read_text()) for p in (record, f"{record}.rank1"))
     assert r0["world"] == r1["world"] == 2
     return r0, r1
+
+
+def benchmark(name: str):
+    """The module ``benchmarks/<name>.py``, loaded from its file (benchmarks are scripts,
+    not a package), for tests that run a benchmark's measurement."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

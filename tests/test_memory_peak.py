@@ -4,26 +4,18 @@ events, and ``estimate`` predicts it within 5% on the workbench GPT for every pr
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
+from conftest import benchmark
 from mixprec import MixedPrecision
 from mixprec.memory import measure
 from mixprec.recipe import PRESETS
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("memory_peak",
-                                                  ROOT / "benchmarks" / "memory_peak.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark("memory_peak")
 
 
 class _Scratch(nn.Module):

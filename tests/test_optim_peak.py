@@ -4,21 +4,16 @@ format (benchmarks/optim_peak.py measures the resident set's high-water mark).""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import benchmark
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("optim_peak",
-                                                  ROOT / "benchmarks" / "optim_peak.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark("optim_peak")
 
 
 needs_linux = pytest.mark.skipif(
