@@ -125,7 +125,7 @@ def check_optimizer_precision(optimizers: list, r: Recipe, parallel: str | None)
     rule needs ``mixprec.optim`` optimizers built with the same settings."""
     from mixprec.optim.base import LowPrecisionOptimizer
 
-    lean = r.states != "fp32" or r.write != "nearest"
+    lean = r.needs_mixprec_optim
     for i, o in enumerate(optimizers):
         ours = isinstance(o, LowPrecisionOptimizer)
         if ours and (o.states, o.write) != (r.states, r.write):

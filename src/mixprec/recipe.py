@@ -272,6 +272,13 @@ class Recipe:
         return self.compute in MX_COMPUTE
 
     @property
+    def needs_mixprec_optim(self) -> bool:
+        """Whether the optimizer must be ``mixprec.optim``'s: the states are stored below
+        fp32, or updates land in 16-bit weights by a rule (torch's optimizers do
+        neither)."""
+        return self.states != "fp32" or self.write != "nearest"
+
+    @property
     def has_fp32_islands(self) -> bool:
         """Whether ``keep_fp32`` applies: something runs or is stored in low precision."""
         return bool(self.keep_fp32) and (self.uses_autocast or self.params != "fp32")

@@ -144,7 +144,7 @@ def _engine(model: nn.Module, r: Recipe, optimizer: str, lr: float):
 def _optimizer(model: nn.Module, r: Recipe, optimizer: str, lr: float):
     """torch's AdamW (its defaults) or plain SGD; ``mixprec.optim``'s where the recipe
     stores states or writes weights by a rule."""
-    if r.states == "fp32" and r.write == "nearest":
+    if not r.needs_mixprec_optim:
         cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
         return cls(model.parameters(), lr=lr)
     import mixprec.optim as mo

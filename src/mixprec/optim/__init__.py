@@ -52,6 +52,6 @@ def adamw_for(recipe: Recipe | str, params: ParamsT, **kwargs: Any) -> torch.opt
     from mixprec.recipe import Recipe
 
     r = Recipe.coerce(recipe)
-    if r.states == "fp32" and r.write == "nearest":
+    if not r.needs_mixprec_optim:
         return torch.optim.AdamW(params, fused=True, **kwargs)
     return AdamW(params, states=r.states, write=r.write, **kwargs)
