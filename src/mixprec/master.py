@@ -57,6 +57,16 @@ def updated_dtype(recipe: Recipe, emulate: bool = False,
     return torch.float32 if emulate or fmt == "fp32" else recipe.param_dtype
 
 
+def grads_in_place(recipe: Recipe, emulate: bool = False) -> bool:
+    """Whether autograd accumulates the gradients in ``.grad`` itself, with no
+    accumulation buffers: no master, plain accumulation, and working parameters stored
+    in the ``grads`` dtype (fp32 tensors under emulation). Such gradients are made
+    afresh each backward and freed by ``zero_grad``."""
+    stored = torch.float32 if emulate else recipe.param_dtype
+    return (recipe.master != "fp32" and recipe.grad_accum != "kahan"
+            and stored == recipe.grad_dtype)
+
+
 class ParamState:
     """Master copies, accumulation buffers and the moves between them.
 
@@ -108,8 +118,8 @@ class ParamState:
         #: set when the optimizers read ``buffers`` themselves (``mixprec.optim``'s
         #: ``grad_buffers``): 16-bit weights then get no 16-bit copy of their gradient
         self.optimizer_reads_buffers = False
-        self.direct = (not self.has_master and not self.kahan
-                       and all(p.dtype == gdt for p in params))
+        # every trained parameter was cast to ``pdt`` above
+        self.direct = grads_in_place(recipe, emulate)
         self.buffers: list[torch.Tensor] = []
         self.compensations: list[torch.Tensor] = []
         if not self.direct:

@@ -140,7 +140,7 @@ def _step_high_water(model, engine, optimizers, batch, loss_fn) -> float:
                 o.step()
                 o.zero_grad()
 
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     dev = params[0].device if params else torch.device("cpu")
     try:
         if dev.type == "cuda":

@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from mixprec.master import updated_dtype
+from mixprec.master import grads_in_place, updated_dtype
 from mixprec.memory.transient import (
     backward_transient,
     linear_shapes,
@@ -242,20 +242,16 @@ def estimate(
         tokens = activations.seq_len * activations.micro_batch
         steady = sum(v for k, v in items.items() if k not in ("activations",
                                                                 "weight_casts"))
-        # gradients that autograd makes afresh each backward (no accumulation buffers:
-        # ``mixprec.master``'s direct case) are not yet there when the backward peaks
-        stored = torch.float32 if emulated else r.param_dtype
-        direct = (r.master != "fp32" and r.grad_accum != "kahan"
-                  and stored == r.grad_dtype)
-        fresh = items["grads"] if direct else 0.0
+        # gradients that autograd makes afresh each backward (no accumulation buffers)
+        # are not yet there when the backward peaks
+        fresh = items["grads"] if grads_in_place(r, emulated) else 0.0
         backward = (sum(items.values()) - fresh
                     + backward_transient(tokens, shapes, act_bytes, route))
         largest = (max((p.numel() for p in params.parameters()), default=0) if on_model
-                   else 4 * activations.hidden * activations.hidden * activations.ffn_mult)
-        uses_pieces = r.states != "fp32" or r.write != "nearest"
+                   else activations.ffn_mult * activations.hidden ** 2)  # an MLP weight
         from mixprec.optim.base import CHUNK
 
-        after = steady + (step_scratch(largest, CHUNK) if uses_pieces else 0.0)
+        after = steady + (step_scratch(largest, CHUNK) if r.needs_mixprec_optim else 0.0)
         peak = max(backward, after)
         notes.append("peak: steady state + activations + saved weight copies + the "
                      "widest Linear's backward working set (mixprec.memory.transient)")
@@ -303,7 +299,7 @@ def _optimizer_bytes(r: Recipe, opt: str, n: int, sizes: list | None,
     update; ``mixprec.optim`` (recipes with ``states`` or ``write``) in ``r.states``
     per tensor (small tensors fp32), plus the write rule's 2 bytes per 16-bit weight."""
     per = _STATES[opt][0]
-    if r.states == "fp32" and r.write == "nearest":
+    if not r.needs_mixprec_optim:
         return n * per * _state_bytes(r, emulated)
     if opt not in ("adamw", "adam", "sgd_momentum", "sgd"):
         raise ValueError(f"recipe {str(r)!r} needs a mixprec.optim optimizer (adamw, adam, "
