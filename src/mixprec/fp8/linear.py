@@ -63,7 +63,7 @@ import contextlib
 import torch
 from torch import nn
 
-from mixprec.fp8.blocks import BlockCast, cast_blocks, cast_mx, cast_tiles
+from mixprec.fp8.blocks import BlockCast, _pad_to, cast_blocks, cast_mx, cast_tiles
 from mixprec.fp8.gather import Fp8Weight
 from mixprec.fp8.nvfp4 import NVFP4Cast, apply_hadamard, cast_nvfp4, hadamard_16
 from mixprec.fp8.scaling import (
@@ -98,30 +98,16 @@ def _no_autocast(t: torch.Tensor):
 SCALED_MM_MULTIPLE = 16
 
 
-def _pad_cols(t: torch.Tensor, cols: int) -> torch.Tensor:
-    """``t`` (rows, c) of fp8 codes with zero columns up to ``cols`` (fp8's zero byte is
-    +0, which adds nothing to a dot product)."""
-    if t.shape[1] == cols:
-        return t
-    pad = torch.zeros(t.shape[0], cols - t.shape[1], dtype=torch.uint8, device=t.device)
-    return torch.cat([t.view(torch.uint8), pad], 1).view(t.dtype)
-
-
 def _scaled_mm_operands(a: torch.Tensor, b: torch.Tensor):
     """``a`` (M, K) row-major and ``b`` (K, N) column-major, with K and N padded with
     zeros to multiples of 16, as ``torch._scaled_mm`` takes them. The weight gradient
-    contracts over tokens (``gᵀ @ x``), whose count is any number; zero padding
-    changes no sum. Returns ``(a, b, N)``; the output's first N columns are the
-    product."""
+    contracts over tokens (``gᵀ @ x``), whose count is any number; fp8's zero byte is
+    +0, so the padding changes no sum. Returns ``(a, b, N)``; the output's first N
+    columns are the product."""
     m16 = SCALED_MM_MULTIPLE
-    k, n = a.shape[1], b.shape[1]
-    k16, n16 = -(-k // m16) * m16, -(-n // m16) * m16
-    a = _pad_cols(a.contiguous(), k16)
-    bt = _pad_cols(b.t().contiguous(), k16)  # (N, K) row-major: b column-major
-    if n16 != n:
-        bt = torch.cat([bt.view(torch.uint8), torch.zeros(n16 - n, k16, dtype=torch.uint8,
-                                                          device=bt.device)]).view(bt.dtype)
-    return a, bt.t(), n
+    a = _pad_to(a.contiguous().view(torch.uint8), 1, m16).view(a.dtype)
+    bt = _pad_to(b.t().contiguous().view(torch.uint8), m16, m16).view(b.dtype)  # (N, K)
+    return a, bt.t(), b.shape[1]
 
 
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
