@@ -118,34 +118,35 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], math.prod(x.shape[1:])) if x.ndim else x.reshape(1, 1)
 
 
-def _amax(r: torch.Tensor, w: int) -> torch.Tensor:
-    """Each row block's absolute maximum, ``(rows, blocks)``: the full-width blocks,
-    then each row's last block (the rest of the row)."""
+def _parts(r: torch.Tensor, w: int) -> list[torch.Tensor]:
+    """The row blocks of ``r`` (``(rows, cols)``) as views ``(rows, k, width)``: one
+    view where every block has ``w`` elements or a row is a single block, else the
+    full-width blocks and then each row's last block (the rest of the row)."""
     rows, cols = r.shape
     nb = max(1, cols // w)
-    if cols and cols == nb * w:  # whole blocks: one view
-        return r.reshape(rows, nb, w).abs().amax(-1)
+    if cols == nb * w:
+        return [r.reshape(rows, nb, w)]
+    if nb == 1:
+        return [r.reshape(rows, 1, cols)]
     head = (nb - 1) * w
-    last = r[:, head:].abs().amax(-1, keepdim=True) if cols else r.new_zeros(rows, 1)
-    if not head:
-        return last
-    return torch.cat([r[:, :head].reshape(rows, nb - 1, w).abs().amax(-1), last], 1)
+    return [r[:, :head].reshape(rows, nb - 1, w), r[:, head:].reshape(rows, 1, cols - head)]
+
+
+def _amax(r: torch.Tensor, w: int) -> torch.Tensor:
+    """Each row block's absolute maximum, ``(rows, blocks)``."""
+    if r.shape[1] == 0:
+        return r.new_zeros(r.shape[0], 1)
+    return torch.cat([v.abs().amax(-1) for v in _parts(r, w)], 1)
 
 
 def _scaled(r: torch.Tensor, s: torch.Tensor, w: int, fn) -> torch.Tensor:
-    """``fn(block, its scale)`` over ``r``'s blocks, scales ``s`` (``(rows, blocks)``),
-    joined to ``(rows, cols)``."""
-    rows, cols = r.shape
-    nb = s.shape[1]
-    if cols == nb * w:  # whole blocks: one view
-        return fn(r.reshape(rows, nb, w), s[:, :, None]).reshape(rows, cols)
-    head = (nb - 1) * w
-    parts = []
-    if head:
-        parts.append(fn(r[:, :head].reshape(rows, nb - 1, w),
-                        s[:, :-1, None]).reshape(rows, head))
-    parts.append(fn(r[:, head:], s[:, -1:]))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+    """``fn(block, its scale)`` over ``r``'s blocks (``s``: ``(rows, blocks)``), joined
+    back to ``(rows, cols)``."""
+    rows, out, k = r.shape[0], [], 0
+    for v in _parts(r, w):
+        out.append(fn(v, s[:, k:k + v.shape[1], None]).reshape(rows, v.shape[1] * v.shape[2]))
+        k += v.shape[1]
+    return out[0] if len(out) == 1 else torch.cat(out, 1)
 
 
 def _root4(y: torch.Tensor) -> torch.Tensor:
