@@ -36,7 +36,7 @@ from torch import nn
 from mixprec.emulate import round_
 from mixprec.recipe import Recipe
 
-__all__ = ["ParamState", "updated_format", "updated_dtype"]
+__all__ = ["ParamState", "updated_format", "updated_dtype", "grads_in_place"]
 
 
 def updated_format(recipe: Recipe, sharded: bool = False) -> str:
