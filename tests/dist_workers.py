@@ -671,8 +671,9 @@ def fp8_gather(rank, world, tmp, recipe, steps=6):
         "params": [p.full_tensor().clone() for p in engine.master_params],
         "per_step": {k: v / steps for k, v in counts.items()},
         "fp8_modules": len(mods), "hooked": sum(gathers_fp8(m) for m in mods),
-        "scales": [m.fp8_scale.clone() for m in mods],
-        "hist": [m.fp8_amax_history.clone() for m in mods],
+        # delayed scaling's state (current scaling keeps none)
+        "scales": [m.fp8_scale.clone() for m in mods if m.quantizer.has_history],
+        "hist": [m.fp8_amax_history.clone() for m in mods if m.quantizer.has_history],
         "state_keys": sorted(state["model"])})
     del engine, model
     _teardown()

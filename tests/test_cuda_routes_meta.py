@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from mixprec.fp8 import Float8Linear
-from mixprec.fp8.linear import fp8_gemm
+from mixprec.fp8.gemm import fp8_gemm
 
 ROUTES = ["fp8,fp8_gemm=scaled_mm", "fp8-current,fp8_gemm=scaled_mm",
           "fp8-rowwise,fp8_gemm=scaled_mm", "fp8,fp8_format=e4m3,fp8_gemm=scaled_mm"]

@@ -122,8 +122,11 @@ def check_engine_state(state: dict, recipe: Recipe, emulating: bool, world_size:
                 f"optimizer {i} of the checkpoint has param groups of {got_groups} "
                 f"parameters, this engine's has {have_groups}; build the optimizer over "
                 "the same parameters, in the same groups, as the run that saved it")
+    from mixprec.fp8.linear import legacy_scaling_keys
+
+    stale = legacy_scaling_keys(module, state["model"])
     _same_model({k: tuple(v.shape) for k, v in module.state_dict().items()},
-                {k: tuple(v.shape) for k, v in state["model"].items()})
+                {k: tuple(v.shape) for k, v in state["model"].items() if k not in stale})
 
 
 def fp32_weights(module: nn.Module, param_state: ParamState) -> dict[str, torch.Tensor]:
@@ -438,7 +441,10 @@ def restore_resharding(engine: Any, path: str | os.PathLike[str]) -> dict:
     have = {f"model.{k}": tuple(v.shape) for k, v in engine.module.state_dict().items()}
     got = {k: tuple(m.size) for k, m in md.items()
            if k.startswith("model.") and hasattr(m, "size")}
-    _same_model(have, got)
+    from mixprec.fp8.linear import legacy_scaling_keys
+
+    stale = legacy_scaling_keys(engine.module, {k[len("model."):]: None for k in got})
+    _same_model(have, {k: v for k, v in got.items() if k[len("model."):] not in stale})
     trained = [n for n, p in engine.module.named_parameters() if p.requires_grad]
     missing = [n for n in trained if not any(k.startswith(f"optim.state.{n}.") for k in md)]
     if missing:

@@ -232,12 +232,14 @@ def shard_like(full: torch.Tensor, param) -> torch.Tensor:
 
 
 def agree_amax_(fp8_modules) -> None:
-    """This step's fp8 amaxes become the max over ranks (one all-reduce)."""
-    if not fp8_modules:
+    """This step's fp8 amaxes become the max over ranks (one all-reduce; none where no
+    module's scaling keeps a history)."""
+    mods = [m for m in fp8_modules if m.quantizer.has_history]
+    if not mods:
         return
-    cur = torch.stack([m.fp8_amax_history[:, 0] for m in fp8_modules])
+    cur = torch.stack([m.fp8_amax_history[:, 0] for m in mods])
     all_reduce_max_(cur)
-    for m, row in zip(fp8_modules, cur):
+    for m, row in zip(mods, cur):
         m.fp8_amax_history[:, 0] = row
 
 

@@ -45,6 +45,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from mixprec import emulate_attention, formats
 from mixprec.formats import Format
+from mixprec.fp8.blocks import MX_TILE, cast_mx, mx_exponents
+from mixprec.fp8.quantized import block_amax
 from mixprec.kernels import ieee_fp32_matmul
 
 __all__ = ["EmulationMode", "mx_quantize", "mx_scales", "MX_BLOCK", "round_", "active_mode",
@@ -112,7 +114,7 @@ def leave_low_precision(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype != torch.float32 else x
 
 aten = torch.ops.aten
-MX_BLOCK = 32
+MX_BLOCK = MX_TILE
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
             aten.baddbmm.default}
 # Ops whose outputs are inputs' values (or zero): representable in, representable out.
@@ -166,46 +168,39 @@ def round_(tensors: Iterable[torch.Tensor], fmt: str | Format) -> None:
         _round_(t.detach(), f)
 
 
+def _rows(x: torch.Tensor, dim: int, block: int) -> torch.Tensor:
+    """``x`` with ``dim`` moved last, as 2-D rows that MX blocks cut along."""
+    n = x.shape[dim]
+    if n % block:
+        raise ValueError(f"MX needs the reduction dimension divisible by {block}, got {n}")
+    return x.movedim(dim, -1).reshape(-1, n)
+
+
 def mx_scales(x: torch.Tensor, fmt: str | Format, dim: int = -1,
               block: int = MX_BLOCK) -> torch.Tensor:
-    """Per-block e8m0 scales of the OCP MX spec: ``2^(floor(log2(amax)) - emax_elem)``.
+    """Per-block e8m0 scales of the OCP MX spec: ``2^(floor(log2(amax)) - emax_elem)``
+    (``mixprec.fp8.blocks.mx_exponents`` with ``floor``).
 
     A block of zeros gets the scale 2^-127 (the spec's choice is free there; any scale
-    gives zeros). Shape: ``x`` with ``dim`` divided by ``block``.
+    gives zeros). Shape: ``x`` with ``dim`` moved last and divided by ``block``.
     """
-    f = formats.get(fmt)
-    xb = _blocks(x, dim, block)
-    amax = xb.abs().amax(dim=-1)
-    e = torch.floor(torch.log2(amax.double())).clamp(min=-127 - f.emax)
-    e = torch.where(amax > 0, e, torch.full_like(e, -127.0 - f.emax))
-    return torch.exp2((e - f.emax).clamp(-127, 127)).to(torch.float32)
+    dim = dim % x.dim()
+    rows = _rows(x, dim, block)
+    exp = mx_exponents(block_amax(rows, 1, block), formats.get(fmt), "floor")
+    shape = x.movedim(dim, -1).shape
+    return torch.exp2(exp).to(torch.float32).reshape(*shape[:-1], -1)
 
 
 def mx_quantize(x: torch.Tensor, fmt: str | Format, dim: int = -1,
                 block: int = MX_BLOCK) -> torch.Tensor:
-    """The values of ``x`` after MX conversion: scale per block, elements saturated and
-    rounded to nearest-even in ``fmt``, then scaled back (fp32 result)."""
+    """The values of ``x`` after MX conversion (``mixprec.fp8.blocks.cast_mx`` with the
+    spec's ``floor`` rule): scale per block, elements saturated and rounded to
+    nearest-even in ``fmt``, then scaled back (fp32 result)."""
     f = formats.get(fmt)
     dim = dim % x.dim()
-    scale = mx_scales(x, f, dim, block)
-    xb = _blocks(x.float(), dim, block)
-    q = formats.quantize(xb / scale.unsqueeze(-1), f, saturate=True) * scale.unsqueeze(-1)
-    return _unblocks(q, x.shape, dim)
-
-
-def _blocks(x: torch.Tensor, dim: int, block: int) -> torch.Tensor:
-    dim = dim % x.dim()
-    n = x.shape[dim]
-    if n % block:
-        raise ValueError(f"MX needs the reduction dimension divisible by {block}, got {n}")
-    moved = x.movedim(dim, -1)
-    return moved.reshape(*moved.shape[:-1], n // block, block)
-
-
-def _unblocks(xb: torch.Tensor, shape: torch.Size, dim: int) -> torch.Tensor:
-    moved_shape = list(shape)
-    moved_shape.append(moved_shape.pop(dim))
-    return xb.reshape(moved_shape).movedim(-1, dim)
+    rows = _rows(x, dim, block)
+    q = cast_mx(rows, 1, f.torch_dtype or f, "floor", block).dequant()
+    return q.reshape(x.movedim(dim, -1).shape).movedim(-1, dim)
 
 
 class EmulationMode(TorchDispatchMode):

@@ -84,7 +84,9 @@ def fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor],
 
     r = Recipe.coerce(recipe)
     grad_fmt = "fp8_e5m2" if r.fp8_format == "hybrid" else "fp8_e4m3"
-    tile = 32 if r.fp8_scaling == "mx" else 128
+    from mixprec.fp8.quantizers import quantizer_for
+
+    tile = quantizer_for(r).tile
     seen: list[Fp8Range] = []
     handles = []
 
@@ -120,10 +122,11 @@ def audit_fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tens
     scaling where that keeps them, else keeping the layer out of fp8."""
     r = Recipe.coerce(recipe)
     ranges = fp8_ranges(model, loss_fn, r)
-    if r.fp8_scaling == "nvfp4":
+    from mixprec.fp8.quantizers import quantizer_for
+
+    mode = quantizer_for(r).flush_view
+    if not mode:
         return [], ranges  # fp4 flushes small elements by design (module doc)
-    mode = {"rowwise": "rowwise", "block": "per block", "mx": "per block"}.get(
-        r.fp8_scaling, "per-tensor")
 
     def lost(x: Fp8Range) -> float:
         return {"rowwise": x.rowwise, "per block": x.blockwise}.get(mode, x.per_tensor)

@@ -1,12 +1,18 @@
-"""FP8 training: Float8Linear (per-tensor or rowwise scaled) and the module swap.
+"""FP8 and FP4 training: quantizers, Float8Linear and the module swap.
 
-``scaling`` (amax histories; delayed, current and rowwise scales), ``linear``
-(Float8Linear and the fp8 GEMM backends), ``convert`` (swap a model's eligible
-nn.Linear modules).
+``quantizers`` (one object per scaling: delayed, current, rowwise, block, MX, NVFP4,
+and the registry ``quantizer_for`` reads a recipe with), ``quantized`` (what a cast
+returns: codes, scales, dequantize, transpose), ``scaling`` / ``blocks`` / ``nvfp4``
+(the casts), ``gemm`` (the per-tensor and rowwise GEMM routes), ``linear``
+(Float8Linear: one autograd Function for every scaling), ``convert`` (swap a model's
+eligible nn.Linear modules), ``gather`` (FSDP2's fp8 all-gather).
 """
 
 from mixprec.fp8.convert import ConvertReport, convert
-from mixprec.fp8.linear import Float8Linear, fp8_gemm, gemm_backend
+from mixprec.fp8.gemm import fp8_gemm, gemm_backend
+from mixprec.fp8.linear import Float8Linear
+from mixprec.fp8.quantized import Quantized
+from mixprec.fp8.quantizers import QUANTIZERS, Quantizer, quantizer_for
 from mixprec.fp8.scaling import (
     amax_to_scale,
     cast_rowwise,
@@ -15,4 +21,5 @@ from mixprec.fp8.scaling import (
 )
 
 __all__ = ["Float8Linear", "convert", "ConvertReport", "fp8_gemm", "gemm_backend",
+           "Quantizer", "Quantized", "QUANTIZERS", "quantizer_for",
            "amax_to_scale", "cast_to_fp8", "cast_rowwise", "update_delayed_scales"]

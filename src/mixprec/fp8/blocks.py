@@ -37,75 +37,38 @@ tile is scaled by its own amax. A tile holding an inf or NaN gets a NaN scale, s
 cast is NaN and the step is skipped (``mixprec.fp8.scaling``): a saturating cast must
 not turn an inf into a finite max.
 
-Every cast returns a ``BlockCast``: the fp8 codes (one byte per element) and the
-inverse scales. ``dequant()`` gives ``code × inverse scale`` in fp32, exact for
-power-of-two scales, else one fp32 rounding per element; the GEMMs of
-``Float8Linear`` multiply those in fp32 (see ``mixprec.fp8.linear``).
+Every cast returns a ``Quantized`` (``mixprec.fp8.quantized``): the codes and the
+inverse scales per block. ``cast_mx`` also takes the narrower MX element formats of
+``mixprec.formats`` (fp6, fp4), whose codes it keeps as their values in fp32; its
+limits (``emax``, mantissa bits, largest value) come from ``formats`` for every
+element format, so the MX emulation of ``mixprec.emulate`` is this same cast.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from mixprec import formats
+from mixprec.formats import Format
+from mixprec.fp8.quantized import Quantized, block_amax, expand_blocks
 from mixprec.fp8.scaling import FP8_MAX, amax_to_scale, nan_if_not_finite
 
-__all__ = ["TILE", "MX_TILE", "MX_ROUNDINGS", "BlockCast", "cast_tiles", "cast_blocks",
-           "cast_mx", "mx_exponents"]
+__all__ = ["TILE", "MX_TILE", "MX_ROUNDINGS", "cast_tiles", "cast_blocks", "cast_mx",
+           "mx_exponents"]
 
 #: DeepSeek-V3's tile and block edge
 TILE = 128
 #: OCP MX's block size
 MX_TILE = 32
 MX_ROUNDINGS = ("rceil", "floor", "ceil", "even")
-_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
-_MBITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
-
-
-@dataclass(frozen=True)
-class BlockCast:
-    """fp8 ``codes`` of a 2-D tensor and its inverse scales ``inv``, one per ``rows`` ×
-    ``cols`` block (a tile along dim 1 is ``rows=1``)."""
-
-    codes: torch.Tensor
-    inv: torch.Tensor
-    rows: int
-    cols: int
-
-    def dequant(self) -> torch.Tensor:
-        """``codes × inverse scale`` in fp32, shaped like ``codes``."""
-        return self.codes.float() * _expand(self.inv, self.rows, self.cols, self.codes.shape)
-
-
-def _expand(s: torch.Tensor, rows: int, cols: int, shape) -> torch.Tensor:
-    """Per-block values ``s`` repeated over their blocks, cut to ``shape``."""
-    if rows > 1:
-        s = s.repeat_interleave(rows, dim=0)[:shape[0]]
-    if cols > 1:
-        s = s.repeat_interleave(cols, dim=1)[:, :shape[1]]
-    return s
-
-
-def _pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    m, n = t.shape
-    return torch.nn.functional.pad(t, (0, (-n) % cols, 0, (-m) % rows))
-
-
-def _block_amax(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """amax of each ``rows × cols`` block of 2-D ``t`` (zero padding at the edges),
-    fp32, shape ``(⌈M/rows⌉, ⌈N/cols⌉)``."""
-    p = _pad_to(t.detach().float().abs(), rows, cols)
-    m, n = p.shape
-    return p.view(m // rows, rows, n // cols, cols).amax(dim=(1, 3))
 
 
 def _cast(t: torch.Tensor, scale: torch.Tensor, rows: int, cols: int,
-          dtype: torch.dtype) -> BlockCast:
+          dtype: torch.dtype) -> Quantized:
     """Saturating cast of ``t`` at per-block ``scale`` (NaN where it is NaN)."""
     m = FP8_MAX[dtype]
-    codes = (t.float() * _expand(scale, rows, cols, t.shape)).clamp_(-m, m).to(dtype)
-    return BlockCast(codes, torch.reciprocal(scale), rows, cols)
+    codes = (t.float() * expand_blocks(scale, rows, cols, t.shape)).clamp_(-m, m).to(dtype)
+    return Quantized(codes, torch.reciprocal(scale), rows, cols)
 
 
 def _scales(amax: torch.Tensor, dtype: torch.dtype, margin: int, pow2: bool
@@ -117,32 +80,32 @@ def _scales(amax: torch.Tensor, dtype: torch.dtype, margin: int, pow2: bool
 
 
 def cast_tiles(t: torch.Tensor, dim: int, dtype: torch.dtype, tile: int = TILE,
-               margin: int = 0, pow2: bool = False) -> BlockCast:
+               margin: int = 0, pow2: bool = False) -> Quantized:
     """``t`` (2-D) in fp8 with one scale per ``tile`` consecutive elements along
     ``dim``, the GEMM's contracted dim (DeepSeek-V3's 1×128 tiles)."""
     rows, cols = (1, tile) if dim == 1 else (tile, 1)
-    return _cast(t, _scales(_block_amax(t, rows, cols), dtype, margin, pow2), rows, cols,
+    return _cast(t, _scales(block_amax(t, rows, cols), dtype, margin, pow2), rows, cols,
                  dtype)
 
 
 def cast_blocks(t: torch.Tensor, dtype: torch.dtype, block: int = TILE, margin: int = 0,
-                pow2: bool = False) -> BlockCast:
+                pow2: bool = False) -> Quantized:
     """``t`` (2-D) in fp8 with one scale per ``block × block`` block (DeepSeek-V3's
     weights): the same codes serve ``t`` and its transpose."""
-    return _cast(t, _scales(_block_amax(t, block, block), dtype, margin, pow2), block,
+    return _cast(t, _scales(block_amax(t, block, block), dtype, margin, pow2), block,
                  block, dtype)
 
 
-def mx_exponents(amax: torch.Tensor, dtype: torch.dtype, rounding: str = "rceil"
-                 ) -> torch.Tensor:
-    """The e8m0 exponent of each block's scale under ``rounding`` (see the module doc),
-    float64, clamped to [-127, 127]; -127 for an all-zero block, NaN for a block that
-    holds an inf or NaN."""
+def mx_exponents(amax: torch.Tensor, fmt: torch.dtype | str | Format,
+                 rounding: str = "rceil") -> torch.Tensor:
+    """The e8m0 exponent of each block's scale for element format ``fmt`` under
+    ``rounding`` (see the module doc), float64, clamped to [-127, 127]; -127 for an
+    all-zero block, NaN for a block that holds an inf or NaN."""
     if rounding not in MX_ROUNDINGS:
         raise ValueError(f"mx_rounding={rounding!r}; valid: {', '.join(MX_ROUNDINGS)}")
-    emax = _EMAX[dtype]
+    f = formats.get(fmt)
     if rounding == "rceil":
-        descale = (amax.float() / FP8_MAX[dtype]).double()  # the fp32 quotient
+        descale = (amax.float() / f.max).double()  # the fp32 quotient
         m, e = torch.frexp(descale)
         exp = torch.where(m == 0.5, e - 1, e).double()  # ceil(log2(descale))
     else:
@@ -154,17 +117,24 @@ def mx_exponents(amax: torch.Tensor, dtype: torch.dtype, rounding: str = "rceil"
             exp = torch.where(m == 0.5, floor, floor + 1)
         else:  # even: amax rounded to the element's mantissa may reach the next binade
             mant = 2 * m  # in [1, 2)
-            exp = torch.where(mant + 2.0**-(_MBITS[dtype] + 1) >= 2, floor + 1, floor)
-        exp = exp - emax
+            exp = torch.where(mant + 2.0**-(f.mantissa_bits + 1) >= 2, floor + 1, floor)
+        exp = exp - f.emax
     exp = torch.where(amax > 0, exp, torch.full_like(exp, -127.0)).clamp(-127, 127)
     return torch.where(torch.isfinite(amax), exp, torch.full_like(exp, float("nan")))
 
 
-def cast_mx(t: torch.Tensor, dim: int, dtype: torch.dtype = torch.float8_e4m3fn,
-            rounding: str = "rceil", tile: int = MX_TILE) -> BlockCast:
+def cast_mx(t: torch.Tensor, dim: int, dtype: torch.dtype | str | Format =
+            torch.float8_e4m3fn, rounding: str = "rceil", tile: int = MX_TILE
+            ) -> Quantized:
     """``t`` (2-D) as MX: one e8m0 scale per ``tile`` elements along ``dim``, elements
-    ``t / X`` saturated and rounded to nearest-even in ``dtype``."""
+    ``t / X`` saturated and rounded to nearest-even in ``dtype`` (an fp8 dtype, whose
+    codes are bytes, or any element format of ``mixprec.formats``, whose codes are its
+    values in fp32)."""
     rows, cols = (1, tile) if dim == 1 else (tile, 1)
-    exp = mx_exponents(_block_amax(t, rows, cols), dtype, rounding)
+    exp = mx_exponents(block_amax(t, rows, cols), dtype, rounding)
     scale = torch.exp2(-exp).float()  # 1 / X: exact, a power of two (NaN stays NaN)
-    return _cast(t, scale, rows, cols, dtype)
+    if isinstance(dtype, torch.dtype) and dtype in FP8_MAX:
+        return _cast(t, scale, rows, cols, dtype)
+    v = t.float() * expand_blocks(scale, rows, cols, t.shape)
+    return Quantized(formats.quantize(v, dtype, saturate=True), torch.reciprocal(scale),
+                     rows, cols)

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from mixprec.fp8.scaling import amax_to_scale, cast_to_fp8, nan_if_not_finite
+from mixprec.fp8.scaling import amax_to_scale, cast_to_fp8, fp8_max_tensor, nan_if_not_finite
 
 __all__ = ["Fp8Weight", "install_fp8_all_gather", "gathers_fp8", "agree_amaxes_",
            "refresh_gather_scales_"]
@@ -130,7 +130,7 @@ def _hooks(m: nn.Module):
     def fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy):
         shard = _shard(m).detach()
         amax = _local_amax(m)
-        if m.scaling == "current":
+        if not m.quantizer.has_history:  # current scaling
             scale = m.fp8_gather_scale
         else:
             scale = nan_if_not_finite(m.fp8_scale[1], amax)
@@ -159,10 +159,10 @@ def install_fp8_all_gather(modules: list[nn.Module]) -> list[nn.Module]:
     ``refresh_gather_scales_``."""
     done = []
     for m in modules:
-        if m.scaling not in ("delayed", "current") or \
+        if not m.quantizer.per_tensor or \
                 not hasattr(getattr(m, "weight", None), "_local_tensor"):
             continue
-        if m.scaling == "current" and getattr(m, "fp8_gather_scale", None) is None:
+        if not m.quantizer.has_history and getattr(m, "fp8_gather_scale", None) is None:
             m.register_buffer("fp8_gather_scale", torch.ones((), device=_shard(m).device),
                               persistent=False)
         pre, post = _hooks(m)
@@ -173,14 +173,13 @@ def install_fp8_all_gather(modules: list[nn.Module]) -> list[nn.Module]:
 
 
 def _current(fp8_modules) -> list[nn.Module]:
-    return [m for m in fp8_modules if m.scaling == "current" and gathers_fp8(m)]
+    return [m for m in fp8_modules if not m.quantizer.has_history and gathers_fp8(m)]
 
 
 def _set_gather_scales(mods, amax: torch.Tensor) -> None:
     for m, a in zip(mods, amax):
-        # the module's fp8_max tensor, as Float8Linear._cast divides: `448.0 / a` would
-        # be reciprocal(a) * 448 (Tensor.__rtruediv__), one ulp off
-        s = amax_to_scale(a, m.fp8_max[1], m.margin, torch.ones_like(a))
+        # as the per-tensor cast divides (a tensor max, not reciprocal(a) * 448)
+        s = amax_to_scale(a, fp8_max_tensor(_E4M3, a.device), m.margin, torch.ones_like(a))
         m.fp8_gather_scale.copy_(nan_if_not_finite(s, a))
 
 
@@ -197,14 +196,18 @@ def refresh_gather_scales_(fp8_modules: Sequence[nn.Module],
 def agree_amaxes_(fp8_modules: Sequence[nn.Module],
                   all_reduce_max_: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """After an optimizer step: the step's amax histories become the max over ranks and
-    current scaling's gather scales follow the new weights, in one all-reduce."""
-    if not fp8_modules:
-        return
+    current scaling's gather scales follow the new weights, in one all-reduce (none
+    where no module has either)."""
     mods = _current(fp8_modules)
-    hist = torch.stack([m.fp8_amax_history[:, 0] for m in fp8_modules])
-    flat = torch.cat([hist.reshape(-1)] + [_local_amax(m).reshape(1) for m in mods])
+    hists = [m for m in fp8_modules if m.quantizer.has_history]
+    if not (mods or hists):
+        return
+    hist = torch.stack([m.fp8_amax_history[:, 0] for m in hists]) if hists else None
+    parts = [hist.reshape(-1)] if hists else []
+    flat = torch.cat(parts + [_local_amax(m).reshape(1) for m in mods])
     all_reduce_max_(flat)
-    n = hist.numel()
-    for m, row in zip(fp8_modules, flat[:n].view_as(hist)):
-        m.fp8_amax_history[:, 0] = row
+    n = hist.numel() if hists else 0
+    if hists:
+        for m, row in zip(hists, flat[:n].view_as(hist)):
+            m.fp8_amax_history[:, 0] = row
     _set_gather_scales(mods, flat[n:])

@@ -23,37 +23,18 @@ transform spreads an outlier over 16 tokens before the 16-element blocks are cas
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
-from mixprec.fp8.blocks import _block_amax, _expand
+from mixprec import formats
+from mixprec.fp8.quantized import Quantized, block_amax, expand_blocks
 
-__all__ = ["NVFP4_BLOCK", "E2M1_GRID", "NVFP4Cast", "cast_nvfp4", "hadamard_16",
-           "apply_hadamard"]
+__all__ = ["NVFP4_BLOCK", "cast_nvfp4", "hadamard_16", "apply_hadamard"]
 
 NVFP4_BLOCK = 16
-#: the non-negative e2m1 values
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_E4M3_MIN_NORMAL = 2.0**-6
-_DESCALE = 448.0 * 6.0
-
-
-@dataclass(frozen=True)
-class NVFP4Cast:
-    """The e2m1 ``codes`` (their values, in fp32), the e4m3 block ``scales`` (in fp32),
-    the per-tensor descale ``G`` and the block shape."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    descale: torch.Tensor
-    rows: int
-    cols: int
-
-    def dequant(self) -> torch.Tensor:
-        """``code · (s · G)`` in fp32."""
-        s = _expand(self.scales * self.descale, self.rows, self.cols, self.codes.shape)
-        return self.codes * s
+_E4M3 = formats.get("fp8_e4m3")
+_E2M1_MAX = formats.get("fp4_e2m1").max  # 6
+_DESCALE = _E4M3.max * _E2M1_MAX
 
 
 def _e2m1_step(a: torch.Tensor) -> torch.Tensor:
@@ -88,23 +69,28 @@ def _round_e2m1(v: torch.Tensor, generator: torch.Generator | None,
 
 
 def cast_nvfp4(t: torch.Tensor, dim: int = 1, square: bool = False,
-               generator: torch.Generator | None = None) -> NVFP4Cast:
+               generator: torch.Generator | None = None) -> Quantized:
     """``t`` (2-D) in NVFP4 along ``dim`` (1×16 blocks), or in 16×16 blocks with
-    ``square``; ``generator``: stochastic rounding of the elements."""
+    ``square``; ``generator``: stochastic rounding of the elements.
+
+    The result's codes are the e2m1 values as e4m3 bytes (every e2m1 value is one), its
+    inverse scales the e4m3 block scales ``s`` (in fp32) and its ``outer`` the descale
+    ``G``: the value is ``code · (s · G)``."""
     rows, cols = ((NVFP4_BLOCK, NVFP4_BLOCK) if square else
                   (1, NVFP4_BLOCK) if dim == 1 else (NVFP4_BLOCK, 1))
     x = t.detach().float()
-    amax_b = _block_amax(x, rows, cols)
+    amax_b = block_amax(x, rows, cols)
     amax_t = amax_b.amax()  # the tensor's amax: the largest block's
     descale = torch.where(amax_t > 0, amax_t / _DESCALE, torch.ones_like(amax_t))
-    s = ((amax_b / 6.0) / descale).clamp_(_E4M3_MIN_NORMAL, 448.0)
+    s = ((amax_b / _E2M1_MAX) / descale).clamp_(_E4M3.min_normal, _E4M3.max)
     s = s.to(torch.float8_e4m3fn).float()
     bad = ~torch.isfinite(amax_b)
     s = torch.where(bad, torch.full_like(s, float("nan")), s)
     mult = torch.reciprocal(descale) / s
-    v = x * _expand(mult, rows, cols, x.shape)
-    a = v.abs().clamp_(max=6.0)  # |v| within ±6 (a NaN stays NaN)
-    return NVFP4Cast(_round_e2m1(v, generator, a), s, descale, rows, cols)
+    v = x * expand_blocks(mult, rows, cols, x.shape)
+    a = v.abs().clamp_(max=_E2M1_MAX)  # |v| within ±6 (a NaN stays NaN)
+    codes = _round_e2m1(v, generator, a).to(torch.float8_e4m3fn)
+    return Quantized(codes, s, rows, cols, outer=descale)
 
 
 @functools.cache

@@ -33,13 +33,19 @@ import torch
 from mixprec import formats
 
 __all__ = ["ROLES", "amax_to_scale", "cast_to_fp8", "cast_rowwise", "nan_if_not_finite",
-           "update_delayed_scales", "FP8_MAX"]
+           "update_delayed_scales", "FP8_MAX", "fp8_max_tensor"]
 
 ROLES = ("input", "weight", "grad_output")
 FP8_MAX = {
     torch.float8_e4m3fn: formats.get("fp8_e4m3").max,
     torch.float8_e5m2: formats.get("fp8_e5m2").max,
 }
+
+
+def fp8_max_tensor(dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``dtype``'s largest value as a 0-d fp32 tensor: ``max / amax`` then divides
+    tensors (``448.0 / a`` would be ``reciprocal(a) * 448``, one ulp off)."""
+    return torch.full((), FP8_MAX[dtype], device=device)
 
 
 def amax_to_scale(amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int,

@@ -266,6 +266,7 @@ def _linear_routes(params, spec: TransformerSpec, r: Recipe, emulated: bool,
     ``spec`` (QKV, projection, the two MLP Linears per layer, and the head)."""
     from mixprec.fp8.convert import plan
     from mixprec.fp8.linear import Float8Linear
+    from mixprec.fp8.quantizers import quantizer_for
 
     if r.compute in ("fp32", "tf32") or (r.compute == "fp8" and act_fp32):
         rest = "fp32"  # also the layers around fp8 Linears where this device runs fp32
@@ -275,8 +276,7 @@ def _linear_routes(params, spec: TransformerSpec, r: Recipe, emulated: bool,
         rest = "weights16"
     else:
         rest = "autocast16"
-    fp8 = {"delayed": "fp8", "current": "fp8", "rowwise": "rowwise", "block": "block",
-           "mx": "block", "nvfp4": "nvfp4"}.get(r.fp8_scaling, "fp8")
+    fp8 = quantizer_for(r).memory_route if r.compute == "fp8" else "fp8"
     if isinstance(params, nn.Module):
         out = []
         chosen = ({fqn for fqn, _, why in plan(params, keep_last=r.bf16_last_layers)
@@ -359,16 +359,19 @@ def _activation_item(spec: TransformerSpec, r: Recipe, act_fp32: bool,
 def _fp8_state_bytes(model: nn.Module, r: Recipe) -> tuple[float, set[int]]:
     from mixprec.fp8.convert import plan
     from mixprec.fp8.linear import fp8_modules, scaling_buffers
+    from mixprec.fp8.quantizers import quantizer_for
 
     existing = list(fp8_modules(model).values())
-    ids = {id(b) for m in existing for b in scaling_buffers(m).values()}
-    per_module = (3 * r.amax_history_len + 3 + 3) * 4  # history, scale, fp8_max
-    if r.fp8_scaling == "nvfp4":
-        per_module += 2 * 8  # nvfp4_rng: the stochastic rounding's (seed, calls)
+    bufs = [b for m in existing for b in scaling_buffers(m).values()]
+    ids = {id(b) for b in bufs}
     if existing:
-        return float(len(existing) * per_module), ids
+        return float(sum(b.numel() * b.element_size() for b in bufs)), ids
     if r.compute != "fp8":
         return 0.0, ids
+    # what the quantizer keeps per module: delayed scaling's history, scales and maxima,
+    # NVFP4's stochastic-rounding counter; nothing for the others
+    per_module = sum(t.numel() * t.element_size()
+                     for t, _ in quantizer_for(r).buffers("meta").values())
     eligible = sum(1 for _, _, why in plan(model, keep_last=r.bf16_last_layers)
                    if why is None)
     return float(eligible * per_module), ids

@@ -13,11 +13,11 @@ bytes (4 in fp32 or under emulation, else 2), the backward holds at once:
   none on ``scaled_mm``;
 - block and MX fp8: the gradient's block cast (``T·O·5``), its fp32 dequantized copy and
   the other operand's (``4·(T·O + I·O)`` for dgrad, ``4·(T·O + T·I)`` for wgrad, while
-  the dgrad's copy of the gradient is still alive: ``4·T·O`` more);
-- NVFP4: the gradient's cast keeps about eight fp32 copies of it alive at once (its
+  the dgrad's cast of the gradient, its codes, is still alive: ``T·O`` more);
+- NVFP4: the gradient's cast keeps about seven fp32 copies of it alive at once (its
   fp32 view, the expanded scales, the scaled values, their magnitudes, the grid steps,
-  the random draws, the rounded codes and their dequantized values: ``32·T·O``), plus
-  the Hadamard-transformed wgrad operands (``4·(T·O + T·I)``).
+  the random draws, the rounded values: ``28·T·O``), plus the dgrad cast's codes
+  (``T·O``) and the Hadamard-transformed wgrad operands (``4·(T·O + T·I)``).
 
 The peak is taken at the widest Linear (the largest sum). The saved weight copies are
 what autocast's cast cache keeps (2 bytes per weight element for fp32 weights under a
@@ -81,9 +81,9 @@ def backward_transient(tokens: int, shapes: Iterable[tuple[int, int, str]],
             copies = {"dequant": 2, "dequant_fp32": 4}.get(fp8_gemm, 0)
             need += (5 if act_bytes < 4 else 1) * to + copies * (to + io)
         elif route == "block":
-            need += 5 * to + 4 * max(to + io, to + ti) + 4 * to
+            need += 5 * to + 4 * max(to + io, to + ti) + to
         elif route == "nvfp4":
-            need += 32 * to + 4 * (to + ti)
+            need += 29 * to + 4 * (to + ti)
         best = max(best, need)
     return best
 

@@ -74,6 +74,8 @@ from typing import Literal
 
 import torch
 
+from mixprec import formats
+
 __all__ = ["StateFormat", "STATE_FORMATS", "BLOCK", "BLOCK4", "MIN_NUMEL", "LAYOUT",
            "stored_format", "block_width", "num_blocks", "encode", "decode",
            "decode_layout1", "state_bytes"]
@@ -88,8 +90,8 @@ BLOCK4 = 128
 MIN_NUMEL = 4096
 #: the storage layout this version writes (0.2 wrote layout 1)
 LAYOUT = 2
-_E4M3_MAX = 448.0
-_E4M3_TINY = 2.0 ** -9  # e4m3's smallest subnormal
+_E4M3_MAX = formats.get("fp8_e4m3").max
+_E4M3_TINY = formats.get("fp8_e4m3").min_subnormal  # 2^-9
 _BLOCK_FORMATS = ("fp8", "int8", "int4")
 
 

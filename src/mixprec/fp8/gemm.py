@@ -1,0 +1,76 @@
+"""The per-tensor and rowwise fp8 GEMM routes (``fp8_gemm=...``).
+
+- ``scaled_mm``: ``torch._scaled_mm``, the hardware fp8 GEMM (CUDA sm89+). A CPU build
+  has it too, as a reference kernel (~0.1 GFLOP/s on one chip, as fast as fp32 on
+  another), so ``auto`` measures it there (``mixprec.kernels.fp8_gemm_route``). The
+  contraction dim and the output's columns are padded with zero codes to multiples of
+  16, as the kernel requires: the weight gradient contracts over tokens, any number.
+- ``dequant``: the fp8 operands upcast exactly to bf16 (e4m3/e5m2 values are bf16
+  values) and multiplied with fp32 accumulation; an fp32 output uses an fp32 GEMM;
+- ``dequant_fp32``: the same upcast, to fp32, and an fp32 GEMM for every output, with
+  full-precision fp32 matmul pinned (``mixprec.kernels.ieee_fp32_matmul``).
+
+The block-scaled quantizers (block, MX, NVFP4) multiply their dequantized operands in
+fp32 (``mixprec.fp8.quantizers``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.fp8.quantized import pad_to
+from mixprec.kernels import fp8_gemm_route, ieee_fp32_matmul
+
+__all__ = ["fp8_gemm", "gemm_backend", "SCALED_MM_MULTIPLE"]
+
+
+def gemm_backend(device: torch.device, choice: str = "auto") -> str:
+    """The GEMM backend for ``device``: ``scaled_mm``, ``dequant`` or ``dequant_fp32``
+    (``auto``: measured, ``mixprec.kernels.fp8_gemm_route``)."""
+    return fp8_gemm_route(device, choice)
+
+
+#: torch._scaled_mm needs the contraction dim and the output's columns divisible by 16
+SCALED_MM_MULTIPLE = 16
+
+
+def _scaled_mm_operands(a: torch.Tensor, b: torch.Tensor):
+    """``a`` (M, K) row-major and ``b`` (K, N) column-major, with K and N padded with
+    zeros to multiples of 16, as ``torch._scaled_mm`` takes them. The weight gradient
+    contracts over tokens (``gᵀ @ x``), whose count is any number; fp8's zero byte is
+    +0, so the padding changes no sum. Returns ``(a, b, N)``; the output's first N
+    columns are the product."""
+    m16 = SCALED_MM_MULTIPLE
+    a = pad_to(a.contiguous().view(torch.uint8), 1, m16).view(a.dtype)
+    bt = pad_to(b.t().contiguous().view(torch.uint8), m16, m16).view(b.dtype)  # (N, K)
+    return a, bt.t(), b.shape[1]
+
+
+def fp8_gemm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
+             out_dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """(a · inv_a) @ (b · inv_b) for fp8 ``a`` (M, K) and ``b`` (K, N), fp32 accumulation.
+
+    ``inv_a`` and ``inv_b`` are scalars (per-tensor) or one per row of ``a`` (M, 1) and
+    per column of ``b`` (1, N) (rowwise). torch's rowwise ``_scaled_mm`` kernels write
+    bf16 only, so for other outputs ``scaled_mm`` runs at unit scales into fp32 and
+    applies them after: the same sum, one more pass over the output."""
+    if backend == "scaled_mm":
+        a, b, n = _scaled_mm_operands(a, b)
+        if inv_b.numel() > 1 and inv_b.shape[-1] != b.shape[1]:  # rowwise: pad N's scales
+            inv_b = torch.cat([inv_b, inv_b.new_ones(1, b.shape[1] - inv_b.shape[-1])], 1)
+        if inv_a.numel() == 1 and inv_b.numel() == 1 or out_dtype == torch.bfloat16:
+            y = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
+            return y if y.shape[1] == n else y[:, :n]
+        one = torch.ones((), device=a.device)
+        y = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return (y * (inv_a * inv_b)).to(out_dtype)[:, :n]
+    if backend not in ("dequant", "dequant_fp32"):
+        raise ValueError(f"fp8 GEMM backend {backend!r}; valid: scaled_mm, dequant, "
+                         "dequant_fp32, auto")
+    fp32 = out_dtype == torch.float32 or backend == "dequant_fp32"
+    if not fp32:
+        y = torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16))
+    else:
+        with ieee_fp32_matmul():
+            y = torch.mm(a.float(), b.float())
+    return (y.float() * (inv_a * inv_b)).to(out_dtype)
