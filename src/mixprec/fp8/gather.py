@@ -200,14 +200,15 @@ def agree_amaxes_(fp8_modules: Sequence[nn.Module],
     where no module has either)."""
     mods = _current(fp8_modules)
     hists = [m for m in fp8_modules if m.quantizer.has_history]
-    if not (mods or hists):
+    parts = [m.fp8_amax_history[:, 0] for m in hists] + [_local_amax(m).reshape(1)
+                                                         for m in mods]
+    if not parts:
         return
-    hist = torch.stack([m.fp8_amax_history[:, 0] for m in hists]) if hists else None
-    parts = [hist.reshape(-1)] if hists else []
-    flat = torch.cat(parts + [_local_amax(m).reshape(1) for m in mods])
+    flat = torch.cat(parts)
     all_reduce_max_(flat)
-    n = hist.numel() if hists else 0
-    if hists:
-        for m, row in zip(hists, flat[:n].view_as(hist)):
-            m.fp8_amax_history[:, 0] = row
+    n = 0
+    for m in hists:
+        rows = m.fp8_amax_history.shape[0]
+        m.fp8_amax_history[:, 0] = flat[n:n + rows]
+        n += rows
     _set_gather_scales(mods, flat[n:])

@@ -83,11 +83,13 @@ def is_conv1d(m: nn.Module) -> bool:
 
 
 def _pack(casts) -> tuple[list, list]:
-    """Casts (or None) as tensors to save and the metadata that rebuilds them."""
+    """Casts (or None) as tensors to save and the metadata that rebuilds them. The
+    metadata holds no tensor: every byte backward keeps goes through
+    ``save_for_backward`` (and so through any saved-tensor hooks, e.g. offloading)."""
     tensors, meta = [], []
     for c in casts:
         tensors += list(c.tensors()) if c is not None else [None] * 3
-        meta.append(c)
+        meta.append(c.like((None, None, None)) if c is not None else None)
     return tensors, meta
 
 
