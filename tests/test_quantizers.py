@@ -95,11 +95,16 @@ def test_float8linear_steps_equal_mixprec_0_2(old):
 
 
 @pytest.mark.parametrize("recipe", ["fp8-current", "nvfp4", "fp8"])
-def test_checkpoints_of_mixprec_0_2_resume(old, recipe):
+def test_checkpoints_of_mixprec_0_2_resume(old, recipe, monkeypatch):
     """0.2.0's Float8Linears carried delayed-scaling buffers under every scaling; a
     checkpoint of theirs loads strictly here (a scaling without history drops them,
     NVFP4 keeps its stochastic-rounding counter) and the next two steps reach 0.2.0's
-    losses and weights."""
+    losses and weights. The record was written on a chip with fast bf16, where the
+    layers around the fp8 Linears run under bf16 autocast; the real 16-bit path is
+    pinned so a chip without bf16 units (which would run them in fp32) takes it too."""
+    from mixprec.kernels import EMULATE_ENV
+
+    monkeypatch.setenv(EMULATE_ENV, "off")
     gen = _generator()
     rec = old["checkpoints"][recipe]
     model = gen.model()
