@@ -232,6 +232,45 @@ def test_bench_table_without_fp32_and_with_long_recipe_names(capsys):
     assert all(r.split()[3] == "–" for r in rows)          # no fp32 baseline
 
 
+def test_bench_compile_times_each_recipe_compiled_and_torchaos_beside_fp8(capsys,
+                                                                         monkeypatch):
+    """``--compile``: each recipe's compiled twin and, beside ``fp8-current``, torchao's
+    compiled float8 on the same Linears, interleaved in the recipe's phase. dynamo's
+    ``eager`` backend stands in for inductor here (the plumbing, not the kernels:
+    tests/test_compile.py compiles every recipe with inductor)."""
+    import functools
+
+    pytest.importorskip("torchao.float8")
+    from torchao.float8.float8_linear import Float8Linear as AoLinear
+
+    from mixprec.workbench import bench as bench_mod
+
+    built = []
+    real = bench_mod._torchao_loop
+
+    def spy(model, *args):
+        step = real(model, *args)
+        built.append(sorted(n for n, m in model.named_modules() if isinstance(m, AoLinear)))
+        return step
+
+    monkeypatch.setattr(bench_mod, "_torchao_loop", spy)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    assert main(["bench", "--size", "tiny", "--batch", "2", "--seq", "32", "--steps", "2",
+                 "--recipes", "bf16,fp8-current", "--compile", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["recipe"]: r for r in out["rows"]}
+    assert out["compile"] is True
+    for r in rows.values():
+        assert r["compiled_step_ms"] > 0 and r["compile_speedup"] > 0
+    assert rows["bf16"]["vs_torchao"] is None
+    ao = rows["fp8-current"]
+    assert ao["torchao_step_ms"] > 0 and ao["vs_torchao_iqr"][0] <= ao["vs_torchao"]
+    # torchao converted exactly the Linears mixprec converted (the head stays)
+    assert len(built) == 1 and built[0] and not any("head" in n for n in built[0])
+    table = bench_mod.format_table(out)
+    assert "vs torchao" in table and "fp8-current" in table.split("vs torchao")[1]
+
+
 def test_paired_overhead_is_the_median_of_per_round_ratios():
     from mixprec.workbench.bench import paired_overhead
 

@@ -11,6 +11,14 @@ recipe is timed in its own phase, interleaved step by step with its hand-written
   fp32 (plain), bf16 and fp16 (``torch.autocast`` + ``torch.amp.GradScaler`` for fp16),
   as the median of per-round paired ratios with its quartiles (``paired_overhead``);
 - bytes held (``memory.measure``).
+
+With ``compile=True`` (``--compile``) each recipe also runs with its model under
+``torch.compile`` (inductor), interleaved step by step with the eager loop, and the fp8
+recipes with torchao's float8 training (tensorwise scaling, the same Linears converted,
+the same autocast) under ``torch.compile`` too, where torchao is installed (its
+tensorwise recipe beside ``fp8`` and ``fp8-current``, rowwise beside ``fp8-rowwise``): the paired
+ratios say whether compiling pays and how mixprec's compiled step compares with the
+peer's. The compile itself happens in the warm-up steps and is not timed.
 """
 
 from __future__ import annotations
@@ -95,27 +103,27 @@ def _mlp(d: int = 1024) -> nn.Module:
 def bench(recipes: Iterable[str] = ("fp32", "bf16", "bf16-master", "fp16", "fp8"), *,
           size: str = "base",
           batch: int = 8, seq: int | None = None, steps: int = 6, warmup: int = 2,
-          device: str = "cpu", model: str = "gpt") -> dict:
-    """Run the benchmark; returns a dict (``--json`` prints it)."""
+          device: str = "cpu", model: str = "gpt", compile: bool = False) -> dict:
+    """Run the benchmark; returns a dict (``--json`` prints it). ``compile``: also time
+    each recipe compiled, and torchao's compiled float8 beside the fp8 recipes."""
+    if compile and warmup < 1:
+        raise ValueError(f"warmup={warmup}: compile needs at least 1 warm-up step, in "
+                         "which the graphs are compiled")
     dev = torch.device(device)
     build, loss_of, tokens, flops_per_step, seq = _workload(model, size, batch, seq, dev)
-    loops, hand = {}, {}
+    loops, twins = {}, {}
     for r in recipes:
         rec = Recipe.coerce(r)
-        m = build()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            e = MixedPrecision(m, adamw_for(rec, m.parameters()), rec)
-
-        def step(m=m, e=e):
-            with e.autocast():
-                loss = loss_of(m)
-            e.backward(loss)
-            e.step()
-        loops[r] = (step, m, e)
+        m, e, step = _engine_loop(build, rec, loss_of)
+        loops[r], twins[r] = (step, m, e), {}
         if rec.compute in ("fp32", "bf16", "fp16") and rec.params == "fp32":
-            hand[r] = _hand_loop(build(), rec, dev, loss_of, e.emulating)
-    times = _time_phases(loops, hand, dev, warmup, steps)
+            twins[r][f"hand:{r}"] = _hand_loop(build(), rec, dev, loss_of, e.emulating)
+        if compile:
+            twins[r][f"compiled:{r}"] = _engine_loop(build, rec, loss_of, compiled=True)[2]
+            peer = _TORCHAO_RECIPE.get(rec.fp8_scaling) if rec.compute == "fp8" else None
+            if peer and _has_torchao():
+                twins[r][f"torchao:{r}"] = _torchao_loop(build(), m, e, dev, loss_of, peer)
+    times = _time_phases(loops, twins, dev, warmup, steps)
     rows = []
     from mixprec.memory import measure
 
@@ -124,19 +132,95 @@ def bench(recipes: Iterable[str] = ("fp32", "bf16", "bf16-master", "fp16", "fp8"
         med = statistics.median(times[r])
         peak = peak_gflops(device, rec.compute, e.kernels)
         achieved = flops_per_step / med / 1e9
-        over, q25, q75 = (paired_overhead(times[r], times[f"hand:{r}"]) if r in hand
-                          else (None, None, None))
+        over, q25, q75 = (paired_overhead(times[r], times[f"hand:{r}"])
+                          if f"hand:{r}" in times else (None, None, None))
         rows.append({"recipe": r, "step_ms": med * 1e3, "tokens_per_s": tokens / med,
                      "gflops": achieved, "peak_gflops": peak, "mfu": achieved / peak,
                      "overhead_vs_hand": over, "overhead_iqr": (q25, q75),
                      "model_state_bytes": measure(m, e).total,
                      "emulated": e.emulating, "kernels": e.kernels.describe()})
+        if compile:
+            rows[-1].update(_compiled_figures(times, r))
     base = next((x for x in rows if x["recipe"] == "fp32"), None)
     for x in rows:
         x["speedup_vs_fp32"] = base["step_ms"] / x["step_ms"] if base else None
     return {"model": model, "size": size, "batch": batch, "seq": seq, "device": device,
-            "steps": steps, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "steps": steps, "compile": compile, "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
             "flops_per_step": flops_per_step, "rows": rows}
+
+
+def _engine_loop(build, rec: Recipe, loss_of, compiled: bool = False):
+    """``(model, engine, step)``: one training step of ``rec`` through the engine, on
+    the model or (``compiled``) on ``torch.compile(model)``."""
+    m = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        e = MixedPrecision(m, adamw_for(rec, m.parameters()), rec)
+    f = torch.compile(m) if compiled else m
+
+    def step():
+        with e.autocast():
+            loss = loss_of(f)
+        e.backward(loss)
+        e.step()
+    return m, e, step
+
+
+#: torchao's float8 training recipe for each scaling it has a counterpart of
+_TORCHAO_RECIPE = {"delayed": "tensorwise", "current": "tensorwise", "rowwise": "rowwise"}
+
+
+def _has_torchao() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception:  # not installed, or built for another torch
+        return False
+    return True
+
+
+def _torchao_loop(model: nn.Module, converted: nn.Module, engine: MixedPrecision,
+                  dev: torch.device, loss_of, recipe: str):
+    """torchao's float8 training step under ``torch.compile``: its ``recipe``
+    (``tensorwise`` or ``rowwise`` dynamic scaling) on the Linears mixprec converted in
+    ``converted``, the autocast ``engine`` runs the other layers in, torch's fused
+    AdamW."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from mixprec.context import autocast_dtype
+
+    names = {n for n, mod in converted.named_modules() if type(mod).__name__ == "Float8Linear"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        convert_to_float8_training(
+            model, config=Float8LinearConfig.from_recipe_name(recipe),
+            module_filter_fn=lambda mod, fqn: fqn in names)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    dtype = autocast_dtype(engine.recipe, dev, engine.kernels.fp8_rest)
+    f = torch.compile(model)
+
+    def step():
+        with torch.autocast(dev.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = loss_of(f)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def _compiled_figures(times: dict[str, list[float]], r: str) -> dict:
+    """The compiled step's median, its speed-up over eager (median of paired ratios)
+    and, beside torchao's compiled float8, the ratio of the two (< 1: mixprec faster)."""
+    c = times[f"compiled:{r}"]
+    out = {"compiled_step_ms": statistics.median(c) * 1e3,
+           "compile_speedup": 1 / (1 + paired_overhead(c, times[r])[0]),
+           "torchao_step_ms": None, "vs_torchao": None, "vs_torchao_iqr": (None, None)}
+    ao = times.get(f"torchao:{r}")
+    if ao is not None:
+        med, q25, q75 = paired_overhead(c, ao)
+        out.update(torchao_step_ms=statistics.median(ao) * 1e3, vs_torchao=1 + med,
+                   vs_torchao_iqr=(1 + q25, 1 + q75))
+    return out
 
 
 def _workload(model: str, size: str, batch: int, seq: int | None, dev: torch.device):
@@ -167,18 +251,21 @@ def _workload(model: str, size: str, batch: int, seq: int | None, dev: torch.dev
     raise ValueError(f"model {model!r}; valid: gpt, mlp")
 
 
-def _time_phases(loops: dict, hand: dict, dev: torch.device, warmup: int,
+def _time_phases(loops: dict, twins: dict[str, dict], dev: torch.device, warmup: int,
                  steps: int) -> dict[str, list[float]]:
-    """Seconds per step of each loop. One phase per recipe: the engine and its
-    hand-written twin interleaved (order rotating). Phases are kept apart because a
-    big loop's allocations perturb the one after it; speed-ups compare phase medians."""
+    """Seconds per step of each loop. One phase per recipe: the engine and its twins
+    (hand-written, compiled, the peer's) interleaved, the order rotating. Phases are
+    kept apart because a big loop's allocations perturb the one after it; speed-ups
+    compare phase medians."""
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     times = {}
     for r in loops:
-        fns = {r: loops[r][0]}
-        if r in hand:
-            fns[f"hand:{r}"] = hand[r]
+        fns = {r: loops[r][0], **twins.get(r, {})}
         names = list(fns)
+        if any(k.startswith(("compiled:", "torchao:")) for k in names):
+            # each phase compiles new model instances of the same code: without a
+            # reset, dynamo's recompile limit (8) would send later phases to eager
+            torch._dynamo.reset()
         for k in names:
             times[k] = []
         for i in range(warmup + steps):
@@ -243,6 +330,21 @@ def format_table(result: dict) -> str:
             f"{iqr:>14}{x['model_state_bytes'] / 2**20:>10.1f}")
     lines.append("overhead: median over rounds of (engine step / hand-written step) - 1, "
                  "each round timing the two back to back; IQR: its quartiles")
+    if result.get("compile"):
+        lines += ["", f"{'recipe':<{w}}{'eager ms':>9}{'compiled':>9}{'speed-up':>9}"
+                      f"{'torchao':>9}{'vs torchao':>11}{'(IQR)':>13}"]
+        for x in result["rows"]:
+            ao, lo_hi, ao_ms = x["vs_torchao"], x["vs_torchao_iqr"], x["torchao_step_ms"]
+            lines.append(
+                f"{x['recipe']:<{w}}{x['step_ms']:>9.1f}{x['compiled_step_ms']:>9.1f}"
+                f"{x['compile_speedup']:>8.2f}x"
+                f"{(f'{ao_ms:.1f}' if ao else '–'):>9}"
+                f"{(f'{ao:.2f}x' if ao else '–'):>11}"
+                f"{(f'{lo_hi[0]:.2f}..{lo_hi[1]:.2f}' if ao else '–'):>13}")
+        lines.append("compiled: the model under torch.compile (inductor), interleaved with "
+                     "eager; speed-up: eager / compiled; vs torchao: mixprec compiled / "
+                     "torchao float8 compiled (tensorwise, or rowwise beside fp8-rowwise), "
+                     "paired per round (< 1: faster)")
     lines += [f"kernels {x['recipe']}: {x['kernels']}" for x in result["rows"]]
     return "\n".join(lines)
 
@@ -255,6 +357,9 @@ def add_arguments(p) -> None:
     p.add_argument("--seq", type=int)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--compile", action="store_true",
+                   help="also time each recipe under torch.compile, and torchao's "
+                        "compiled float8 beside the fp8 recipes")
     p.add_argument("--json", action="store_true")
 
 
@@ -264,6 +369,6 @@ def run(args) -> int:
     sep = ";" if ";" in args.recipes or "=" in args.recipes else ","
     result = bench([r for r in args.recipes.split(sep) if r], size=args.size,
                    batch=args.batch, seq=args.seq, steps=args.steps, device=args.device,
-                   model=args.model)
+                   model=args.model, compile=args.compile)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
