@@ -93,3 +93,165 @@ def test_wgrad_fp32_holds_under_compile():
     del a["pos.weight"], b["pos.weight"]  # reduced over the batch in bf16 by the model
     for k in a:
         assert ((a[k] - b[k]).norm() / b[k].norm()) < 1e-6, k
+
+
+# --- inductor: the real kernels, fused -------------------------------------------------
+
+#: every recipe with real kernels (``emulate=false`` pins them on any chip). NVFP4's
+#: stochastic rounding of the gradients has its own test below.
+INDUCTOR_RECIPES = ["fp32", "bf16", "bf16-master", "fp16", "fp8", "fp8-current",
+                    "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4,nvfp4_sr=false"]
+
+
+def _stack(seed: int = 1) -> torch.nn.Module:
+    """Three Linears with a LayerNorm: fp8 recipes convert the first two (the head stays),
+    nvfp4 the first one (its last two stay in bf16)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64),
+                               torch.nn.GELU(), torch.nn.Linear(64, 32), torch.nn.GELU(),
+                               torch.nn.Linear(32, 16))
+
+
+def _inductor_losses(recipe: str, compiled: bool, steps: int = 3):
+    """Losses of ``steps`` steps on 30 tokens (not a multiple of 16), and what dynamo
+    counted: graph breaks by reason, graphs compiled."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(30, 32, generator=g), torch.randint(0, 16, (30,), generator=g)
+    model = _stack()
+    engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                            recipe + ",emulate=false")
+    f = torch.compile(model) if compiled else model
+    out = []
+    for _ in range(steps):
+        with engine.autocast():
+            loss = F.cross_entropy(f(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+        out.append(loss.item())
+    converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    FRAMES["model"] = model
+    return out, dict(counters["graph_break"]), counters["stats"]["unique_graphs"], converted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", INDUCTOR_RECIPES)
+def test_inductor_compiles_every_recipe_in_one_graph(recipe):
+    """Forward and backward (the quantizers' amax, scale and cast, the GEMM routes) are
+    one graph with no break, and 3 steps stay within 1e-5 of eager. Inductor is asked to
+    round where eager rounds (``emulate_precision_casts``); without it, fusing the bf16
+    roundings of neighbouring ops away moves bf16-master's loss by ~2e-5."""
+    import torch._inductor.config as inductor
+
+    with inductor.patch(emulate_precision_casts=True):
+        eager, _, _, converted = _inductor_losses(recipe, False)
+        compiled, breaks, graphs, _ = _inductor_losses(recipe, True)
+    assert breaks == {}
+    assert graphs == 1  # frames were compiled: one graph holds the whole forward
+    assert converted == (0 if recipe.startswith(("fp32", "bf16", "fp16")) else
+                         1 if recipe.startswith("nvfp4") else 2)
+    assert compiled == pytest.approx(eager, rel=1e-5)
+
+
+def test_compiled_exact_routes_warn_once_when_fp32_matmul_is_not_ieee(monkeypatch):
+    """A graph cannot switch the fp32 matmul precision: under "medium" the exact routes
+    say, once, that compiled GEMMs follow it; under "highest" nothing is said."""
+    import warnings
+
+    from mixprec import kernels
+    from mixprec.fp8.linear import Float8Linear
+
+    monkeypatch.setattr(kernels, "_WARNED_COMPILE", [])
+    lin = Float8Linear.from_linear(torch.nn.Linear(32, 32), "fp8-block")
+    x = torch.randn(16, 32, requires_grad=True)
+
+    def run(precision):
+        torch._dynamo.reset()
+        saved = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(precision)
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                f = torch.compile(lin, backend="aot_eager")
+                for _ in range(2):
+                    f(x).sum().backward()
+        finally:
+            torch.set_float32_matmul_precision(saved)
+        return [w for w in seen if "matmul precision" in str(w.message)]
+
+    assert run("highest") == []
+    assert len(run("medium")) == 1
+    assert run("medium") == []  # once per process
+
+
+def test_compile_under_emulation_warns_once_that_it_compiles_nothing(monkeypatch):
+    """Dynamo runs code under a dispatch mode eagerly: the user is told once, not left
+    to wonder why the compiled model is no faster."""
+    import warnings
+
+    from mixprec import emulate
+
+    monkeypatch.setattr(emulate, "_WARNED_COMPILE", [])
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    model = tiny_gpt(seed=1)
+    engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                            "bf16,emulate=true")
+    f = torch.compile(model, backend=counter)
+    idx = torch.randint(0, 64, (4, 17))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with engine.autocast():
+                loss = f(idx[:, :-1], idx[:, 1:])
+            engine.backward(loss)
+            engine.step()
+    said = [w for w in seen if "compiles nothing under emulation" in str(w.message)]
+    assert counter.frame_count == 0 and len(said) == 1
+    # eager under emulation says nothing
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        emulate._WARNED_COMPILE.clear()
+        with engine.autocast():
+            loss = model(idx[:, :-1], idx[:, 1:])
+    assert not [w for w in seen if "compiles nothing" in str(w.message)]
+
+
+def _counter_generator(self, device):
+    """Eager twin of the compiled stream: the key ``_compiled_sr_key`` makes."""
+    rng = self.nvfp4_rng
+    key = rng[0] * 1_000_003 + rng[1]
+    rng[1:] += 1
+    return key
+
+
+@pytest.mark.slow
+def test_compiled_nvfp4_rounds_gradients_stochastically_in_the_graph(monkeypatch):
+    """A compiled backward cannot make a generator: NVFP4's stochastic rounding draws
+    from the counter stream keyed by ``nvfp4_rng``, in the one graph, and advances the
+    count there. Eager on the same stream gives the same 3 steps (1e-5), and the buffer
+    advances by one per backward in both, so a checkpoint resumes either way."""
+    import torch._inductor.config as inductor
+
+    from mixprec.fp8.linear import Float8Linear
+
+    def rng():
+        return [m.nvfp4_rng.tolist() for m in FRAMES["model"].modules()
+                if hasattr(m, "nvfp4_rng")]
+
+    with inductor.patch(emulate_precision_casts=True):
+        compiled, breaks, graphs, _ = _inductor_losses("nvfp4", True)
+        compiled_rng = rng()
+        monkeypatch.setattr(Float8Linear, "_sr_generator", _counter_generator)
+        eager, _, _, converted = _inductor_losses("nvfp4", False)
+    assert breaks == {} and graphs == 1 and converted == 1
+    assert compiled == pytest.approx(eager, rel=1e-5)
+    assert compiled_rng == rng() and compiled_rng[0][1] == 3  # one per backward
+    monkeypatch.undo()
+    generator = _inductor_losses("nvfp4", False)[0]  # eager's own stream: other bits
+    assert generator[0] == eager[0] and generator[1:] != eager[1:]

@@ -278,6 +278,81 @@ def test_nvfp4_stochastic_rounding_is_unbiased_and_2d_blocks_serve_the_transpose
     assert torch.equal(a.dequant().t(), b.dequant())
 
 
+def test_mx_exponents_match_exact_arithmetic_down_to_fp32_subnormals():
+    """The e8m0 exponents, read from the float bits, against exact Python arithmetic
+    (``math.frexp`` on the float32 values and quotients) for every rounding and element
+    format: powers of two and their neighbours from 2^-149 to 2^127, random magnitudes,
+    0, inf and NaN. A block whose amax / max underflows fp32 takes -127 (the true ceil
+    of its log2 is below the clamp)."""
+    import math
+
+    import numpy as np
+
+    from mixprec import formats
+    from mixprec.fp8.blocks import MX_ROUNDINGS, mx_exponents
+
+    p2 = torch.exp2(torch.arange(-149, 128).float())
+    g = torch.Generator().manual_seed(0)
+    rand = torch.rand(500, generator=g) * torch.exp2(torch.randint(-149, 127, (500,),
+                                                                   generator=g).float())
+    a = torch.cat([p2, p2 * (1 - 2**-24), p2[:-1] * (1 + 2**-23), rand,
+                   torch.tensor([0.0, 1.75, 1.875, 1.9375, float("inf"), float("nan")])])
+
+    def exact(x: float, f, rounding: str) -> float:
+        if math.isnan(x) or math.isinf(x):
+            return math.nan
+        if x == 0:
+            return -127.0
+        if rounding == "rceil":
+            q = float(np.float32(x) / np.float32(f.max))  # the fp32 quotient
+            if q == 0:
+                return -127.0
+            m, e = math.frexp(q)
+            k = e - 1 if m == 0.5 else e
+        else:
+            m, e = math.frexp(x)
+            k = e - 1
+            if rounding == "ceil" and m != 0.5:
+                k += 1
+            if rounding == "even" and 2 * m + 2.0 ** -(f.mantissa_bits + 1) >= 2:
+                k += 1
+            k -= f.emax
+        return float(min(max(k, -127), 127))
+
+    for name in ("fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1"):
+        f = formats.get(name)
+        for rounding in MX_ROUNDINGS:
+            got = mx_exponents(a, f, rounding).tolist()
+            want = [exact(x, f, rounding) for x in a.tolist()]
+            assert all(g_ == w or (math.isnan(g_) and math.isnan(w))
+                       for g_, w in zip(got, want)), (name, rounding)
+
+
+def test_the_counter_stream_is_uniform_keyed_and_rounds_without_bias():
+    """The compiled graphs' stochastic rounding draws ``counter_uniform``: 24-bit
+    uniforms whose 64-bin histogram over 2^20 draws is flat to 5 sigma, independent of
+    the neighbouring key (correlation), repeatable, and unbiased through the e2m1
+    rounding. Against a float64 reference: the mean of the rounded values."""
+    from mixprec.fp8.nvfp4 import _round_e2m1, counter_uniform
+
+    n = 1 << 20
+    u = counter_uniform(torch.tensor(7), (n,))
+    assert u.dtype == torch.float32 and 0 <= u.min() and u.max() < 1
+    assert torch.equal(u, counter_uniform(torch.tensor(7), (n,)))
+    counts = torch.histc(u.double(), bins=64, min=0, max=1)
+    expect = n / 64
+    assert ((counts - expect).abs() < 5 * expect**0.5).all()
+    w = counter_uniform(torch.tensor(8), (n,))
+    r = torch.corrcoef(torch.stack([u, w]).double())[0, 1]
+    assert abs(r) < 5 / n**0.5
+    assert (torch.stack([u[:-1], u[1:]]).double().corrcoef()[0, 1]).abs() < 5 / n**0.5
+    v = torch.full((n,), 2.25)  # between 2 and 3: up with probability 1/4
+    got = _round_e2m1(v.clone(), torch.tensor(3))
+    assert set(got.unique().tolist()) == {2.0, 3.0}
+    sigma = (0.25 * 0.75 / n) ** 0.5
+    assert abs(got.double().mean().item() - 2.25) < 5 * sigma
+
+
 def test_the_hadamard_transform_is_orthonormal_and_keeps_the_wgrad_product():
     from mixprec.fp8.nvfp4 import apply_hadamard, hadamard_16
 

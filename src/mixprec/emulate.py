@@ -35,6 +35,9 @@ the carrier (bf16), as MX hardware returns bf16 or fp32. Convolutions run in bf1
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 
@@ -203,6 +206,30 @@ def mx_quantize(x: torch.Tensor, fmt: str | Format, dim: int = -1,
     return q.reshape(x.movedim(dim, -1).shape).movedim(-1, dim)
 
 
+_WARNED_COMPILE: list[bool] = []
+
+
+def _warn_if_compiled() -> None:
+    """Warn once if a ``torch.compile``d function is running: dynamo runs every frame
+    eagerly while a dispatch mode is active, so under emulation it compiles nothing."""
+    f = sys._getframe(2)
+    while f is not None:
+        code = f.f_code
+        if code.co_name == "compile_wrapper" and code.co_filename.endswith(_EVAL_FRAME):
+            _WARNED_COMPILE.append(True)
+            warnings.warn(
+                "torch.compile compiles nothing under emulation: mixprec emulates the "
+                "16-bit formats this chip has no fast kernels for through a dispatch "
+                "mode, and dynamo runs code under a dispatch mode eagerly (the numbers "
+                "are the emulation's, the speed eager's). Pin emulate=false to compile "
+                "the real 16-bit kernels, or drop torch.compile.", stacklevel=3)
+            return
+        f = f.f_back
+
+
+_EVAL_FRAME = os.path.join("_dynamo", "eval_frame.py")
+
+
 class EmulationMode(TorchDispatchMode):
     """Round to ``fmt`` where a real ``carrier``-dtype kernel would (see module doc).
 
@@ -224,9 +251,11 @@ class EmulationMode(TorchDispatchMode):
         self._casts: list[weakref.ref] = []  # differentiable casts awaiting their node
         self.passthrough = False  # inside ``unrounded()``: ops run as plain fp32
         self._pins: list = []  # the IEEE fp32 matmul pin of each entry
+        self._probe_compile = not _WARNED_COMPILE  # look for torch.compile at a matmul
 
     def __enter__(self):
         _ACTIVE.append(self)
+        self._probe_compile = not _WARNED_COMPILE
         # the fp32 GEMMs on rounded operands are exact only in IEEE fp32 (not bf16 or
         # TF32 under set_float32_matmul_precision): pinned while the mode is active
         pin = ieee_fp32_matmul()
@@ -289,6 +318,9 @@ class EmulationMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if self._casts:
             self._hook_casts()
+        if self._probe_compile and func in _MATMULS:
+            self._probe_compile = False
+            _warn_if_compiled()
         if func is aten._to_copy.default and kwargs.get("dtype") == self.carrier:
             src = args[0]
             out = func(src, **{**kwargs, "dtype": torch.float32})

@@ -289,6 +289,39 @@ def _fp32_matmul_knobs() -> list:
     return knobs
 
 
+def _fp32_matmul_is_ieee() -> bool:
+    """Whether every backend's fp32 matmul runs in IEEE fp32 (read once per compile:
+    dynamo treats the answer as a constant instead of breaking the graph on it)."""
+    inherited = torch.get_float32_matmul_precision() == "highest"  # what "none" follows
+    return all(knob.fp32_precision == "ieee" or (knob.fp32_precision == "none" and inherited)
+               for knob in _fp32_matmul_knobs())
+
+
+def _warn_inexact_under_compile() -> bool:
+    """Warn, once per process, that compiled exact routes follow the user's setting."""
+    if not _WARNED_COMPILE:
+        _WARNED_COMPILE.append(True)
+        import warnings
+
+        warnings.warn(
+            "torch.compile: the fp32 matmul precision is not 'highest', so the exact "
+            "fp32 GEMMs of the dequantizing fp8/block/MX/NVFP4 routes run in reduced "
+            "precision inside compiled graphs (eager pins IEEE fp32 around them); call "
+            "torch.set_float32_matmul_precision('highest') to make them exact",
+            stacklevel=2)
+    return True
+
+
+_WARNED_COMPILE: list[bool] = []
+
+# What ``torch.compiler.assume_constant_result`` marks (dynamo calls the function once
+# while tracing and keeps the answer as a constant), set here directly: the decorator
+# imports dynamo, which importing mixprec must not. tests/test_compile.py counts 0
+# graph breaks through these under inductor.
+_fp32_matmul_is_ieee._dynamo_marked_constant = True
+_warn_inexact_under_compile._dynamo_marked_constant = True
+
+
 @contextlib.contextmanager
 def ieee_fp32_matmul() -> Iterator[None]:
     """fp32 matmuls inside run in full IEEE fp32, whatever the user set, and the user's
@@ -299,7 +332,16 @@ def ieee_fp32_matmul() -> Iterator[None]:
     in TF32 on NVIDIA GPUs: about 3 significant digits. mixprec's exact routes (the
     dequantizing fp8, block, MX and NVFP4 GEMMs, and emulation) compute products of
     low-precision values that fp32 holds exactly, so they pin ``"ieee"`` around their
-    GEMMs; everything else keeps the user's choice."""
+    GEMMs; everything else keeps the user's choice.
+
+    Under ``torch.compile`` the setting cannot change inside a graph: the GEMMs run in
+    whatever precision is set when the graph runs, and a setting other than IEEE warns
+    once (``torch.set_float32_matmul_precision("highest")`` makes them exact)."""
+    if torch.compiler.is_compiling():
+        if not _fp32_matmul_is_ieee():
+            _warn_inexact_under_compile()
+        yield
+        return
     saved = []
     try:
         for knob in _fp32_matmul_knobs():

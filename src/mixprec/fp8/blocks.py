@@ -49,7 +49,7 @@ from __future__ import annotations
 import torch
 
 from mixprec import formats
-from mixprec.formats import Format
+from mixprec.formats import _CONTAINERS, Format
 from mixprec.fp8.quantized import Quantized, block_amax, expand_blocks
 from mixprec.fp8.scaling import FP8_MAX, amax_to_scale, nan_if_not_finite
 
@@ -96,31 +96,43 @@ def cast_blocks(t: torch.Tensor, dtype: torch.dtype, block: int = TILE, margin: 
                  block, dtype)
 
 
+def _log2_floor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``floor(log2 x)`` (as ``x``'s float dtype) and the significand ``x / 2^floor`` in
+    [1, 2), read from the bits: exact for every finite ``x > 0``, subnormals included
+    (lifted by 2^64 first). Integer shifts and masks only, so compilers vectorize it."""
+    idt, mbits, bias, emask = _CONTAINERS[x.dtype]
+    sub = x < 2.0 ** (1 - bias)
+    bits = torch.where(sub, x * 2.0**64, x).view(idt)
+    e = ((bits >> mbits) & emask) - bias
+    mant = ((bits & ((1 << mbits) - 1)) | (bias << mbits)).view(x.dtype)
+    return e.to(x.dtype) - torch.where(sub, 64.0, 0.0).to(x.dtype), mant
+
+
 def mx_exponents(amax: torch.Tensor, fmt: torch.dtype | str | Format,
                  rounding: str = "rceil") -> torch.Tensor:
     """The e8m0 exponent of each block's scale for element format ``fmt`` under
-    ``rounding`` (see the module doc), float64, clamped to [-127, 127]; -127 for an
-    all-zero block, NaN for a block that holds an inf or NaN."""
+    ``rounding`` (see the module doc), as float32 integers clamped to [-127, 127]; -127
+    for an all-zero block, NaN for a block that holds an inf or NaN. float64 ``amax`` is
+    read in float64, anything else in float32."""
     if rounding not in MX_ROUNDINGS:
         raise ValueError(f"mx_rounding={rounding!r}; valid: {', '.join(MX_ROUNDINGS)}")
     f = formats.get(fmt)
+    a = amax if amax.dtype == torch.float64 else amax.float()
+    ok = torch.isfinite(a) & (a > 0)
     if rounding == "rceil":
-        descale = (amax.float() / f.max).double()  # the fp32 quotient
-        m, e = torch.frexp(descale)
-        exp = torch.where(m == 0.5, e - 1, e).double()  # ceil(log2(descale))
+        descale = torch.where(ok, a.float() / f.max, 1.0)  # the fp32 quotient
+        floor, mant = _log2_floor(descale)
+        exp = torch.where(mant == 1.0, floor, floor + 1)  # ceil(log2(descale))
     else:
-        m, e = torch.frexp(amax.double())  # amax = m 2^e, m in [0.5, 1)
-        floor = (e - 1).double()
-        if rounding == "floor":
-            exp = floor
-        elif rounding == "ceil":
-            exp = torch.where(m == 0.5, floor, floor + 1)
-        else:  # even: amax rounded to the element's mantissa may reach the next binade
-            mant = 2 * m  # in [1, 2)
-            exp = torch.where(mant + 2.0**-(f.mantissa_bits + 1) >= 2, floor + 1, floor)
-        exp = exp - f.emax
-    exp = torch.where(amax > 0, exp, torch.full_like(exp, -127.0)).clamp(-127, 127)
-    return torch.where(torch.isfinite(amax), exp, torch.full_like(exp, float("nan")))
+        floor, mant = _log2_floor(torch.where(ok, a, 1.0))
+        if rounding == "ceil":
+            floor = torch.where(mant == 1.0, floor, floor + 1)
+        elif rounding == "even":  # amax rounded to the element's mantissa may reach
+            # the next binade
+            floor = torch.where(mant >= 2 - 2.0 ** -(f.mantissa_bits + 1), floor + 1, floor)
+        exp = floor - f.emax
+    exp = torch.where(a > 0, exp.float(), -127.0).clamp(-127, 127)
+    return torch.where(torch.isfinite(a), exp, float("nan"))
 
 
 def cast_mx(t: torch.Tensor, dim: int, dtype: torch.dtype | str | Format =

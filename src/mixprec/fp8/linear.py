@@ -215,12 +215,24 @@ class Float8Linear(nn.Linear):
         the step, and a checkpoint taken after it must resume like an uninterrupted run."""
         return self.quantizer.cast(t, role, dim, self.scaling_state(), record, generator)
 
-    def _sr_generator(self, device) -> torch.Generator | None:
+    def _sr_generator(self, device) -> torch.Generator | torch.Tensor | None:
         """Stochastic rounding of the gradients: a generator for this backward, seeded
         from ``nvfp4_rng`` (seed, calls) and advancing it; None where the quantizer
-        rounds to nearest."""
-        if not self.quantizer.stochastic_grads:
-            return None
+        rounds to nearest.
+
+        A compiled backward cannot make a generator: there the key ``seed · 1000003 +
+        calls`` (a tensor) is returned for ``nvfp4.counter_uniform``, and the count
+        advances on the device, inside the graph. Compiled and eager runs draw different
+        random bits, each reproducible and resumable from the same buffer (a module that
+        switches between the two within one run continues its eager count from its
+        last eager backward; a checkpoint or ``load_state_dict`` re-reads it)."""
+        if not self.quantizer.stochastic_grads or torch.device(device).type == "meta":
+            return None  # (meta tensors: shapes only, rounded to nearest)
+        if torch.compiler.is_compiling():
+            rng = self.nvfp4_rng
+            key = rng[0] * 1_000_003 + rng[1]
+            rng[1:] += 1
+            return key
         if self._rng_host is None:  # once after construction or a load: one host read
             self._rng_host = [int(v) for v in self.nvfp4_rng.tolist()]
         seed, calls = self._rng_host

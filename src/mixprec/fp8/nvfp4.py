@@ -23,13 +23,14 @@ transform spreads an outlier over 16 tokens before the 16-element blocks are cas
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
 from mixprec import formats
 from mixprec.fp8.quantized import Quantized, block_amax, expand_blocks
 
-__all__ = ["NVFP4_BLOCK", "cast_nvfp4", "hadamard_16", "apply_hadamard"]
+__all__ = ["NVFP4_BLOCK", "cast_nvfp4", "hadamard_16", "apply_hadamard", "counter_uniform"]
 
 NVFP4_BLOCK = 16
 _E4M3 = formats.get("fp8_e4m3")
@@ -46,11 +47,32 @@ def _e2m1_step(a: torch.Tensor) -> torch.Tensor:
     return ((biased.clamp_(min=127) - 1) << 23).view(torch.float32)
 
 
-def _round_e2m1(v: torch.Tensor, generator: torch.Generator | None,
+_M32 = 0xFFFFFFFF
+
+
+def counter_uniform(key: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """Uniform floats in [0, 1) (24 random bits each) for every element of ``shape``,
+    hashed from (``key``, the element's index) on ``key``'s device: no generator state,
+    so compiled graphs draw them too, and the same key gives the same numbers on every
+    device. The hash is a 32-bit integer mixer (xor-shift, multiply) in int64 whose
+    products stay below 2^63."""
+    n = math.prod(shape)
+    i = torch.arange(n, device=key.device, dtype=torch.int64)
+    x = (i + ((key.to(torch.int64) & _M32) * 0x61C88647 & _M32)) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    x = x ^ (x >> 16)
+    return ((x >> 8).to(torch.float32) * 2.0**-24).reshape(shape)
+
+
+def _round_e2m1(v: torch.Tensor, generator: torch.Generator | torch.Tensor | None,
                 a: torch.Tensor | None = None) -> torch.Tensor:
     """``v`` (already within ±6) on the e2m1 grid: nearest-even, or stochastically
-    between the two neighbours with the probability that keeps the mean. ``a``:
-    ``|v|`` if the caller has it (it is consumed).
+    between the two neighbours with the probability that keeps the mean, drawn from
+    ``generator`` (a ``torch.Generator``, or a key tensor for ``counter_uniform``).
+    ``a``: ``|v|`` if the caller has it (it is consumed).
 
     ``a / step`` is exact, so ``torch.round`` (half to even) picks the neighbour with
     the even mantissa bit on a tie, and ``a / step - floor(a / step)`` is exactly the
@@ -63,13 +85,14 @@ def _round_e2m1(v: torch.Tensor, generator: torch.Generator | None,
         q = k.round_().mul_(step)
     else:
         down = k.floor()
-        u = torch.rand(k.shape, generator=generator, device=v.device)
+        u = (counter_uniform(generator, k.shape) if isinstance(generator, torch.Tensor)
+             else torch.rand(k.shape, generator=generator, device=v.device))
         q = torch.where(u < k.sub_(down), down.add(1), down).mul_(step)
     return q.copysign_(v)
 
 
 def cast_nvfp4(t: torch.Tensor, dim: int = 1, square: bool = False,
-               generator: torch.Generator | None = None) -> Quantized:
+               generator: torch.Generator | torch.Tensor | None = None) -> Quantized:
     """``t`` (2-D) in NVFP4 along ``dim`` (1×16 blocks), or in 16×16 blocks with
     ``square``; ``generator``: stochastic rounding of the elements.
 
@@ -93,16 +116,31 @@ def cast_nvfp4(t: torch.Tensor, dim: int = 1, square: bool = False,
     return Quantized(codes, s, rows, cols, outer=descale)
 
 
-@functools.cache
-def hadamard_16(seed: int = 0, device=None) -> torch.Tensor:
-    """The 16×16 orthonormal Hadamard matrix with random column signs (fixed by
-    ``seed``), built once per device (read-only: callers must not modify it)."""
+def _hadamard_16(seed: int) -> torch.Tensor:
     h = torch.ones(1, 1)
     for _ in range(4):
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     g = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (16,), generator=g).float() * 2 - 1
-    return (h * signs / 4.0).to(device)
+    return h * signs / 4.0
+
+
+#: seed 0's matrix, built at import so that compiled graphs read it as a constant
+#: instead of tracing a generator
+_H16 = _hadamard_16(0)
+
+
+@functools.cache
+def _hadamard_on(seed: int, device) -> torch.Tensor:
+    return (_H16 if seed == 0 else _hadamard_16(seed)).to(device)
+
+
+def hadamard_16(seed: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
+    """The 16×16 orthonormal Hadamard matrix with random column signs (fixed by
+    ``seed``), built once per device (read-only: callers must not modify it)."""
+    if seed == 0 and torch.compiler.is_compiling():
+        return _H16.to(device)
+    return _hadamard_on(seed, device)
 
 
 def apply_hadamard(t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
