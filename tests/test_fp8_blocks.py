@@ -203,8 +203,12 @@ def test_an_inf_input_under_block_scaling_skips_the_step():
 
 
 def test_block_recipe_errors_and_warnings_name_the_fix():
-    with pytest.raises(NotImplementedError, match="block-scaled _scaled_mm.*dequant_fp32"):
-        Recipe.parse("fp8-block,fp8_gemm=scaled_mm")
+    from mixprec.fp8 import Float8Linear
+
+    lin = Float8Linear.from_linear(nn.Linear(128, 128), Recipe.parse(
+        "fp8-block,fp8_gemm=scaled_mm"))  # torch's block-scaled kernels: CUDA only
+    with pytest.raises(ValueError, match="block-scaled kernels run on CUDA only.*auto"):
+        lin(torch.randn(4, 128))
     with pytest.warns(UserWarning, match="mx_rounding with fp8_scaling='block'"):
         Recipe.parse("fp8-block,mx_rounding=ceil")
     with pytest.warns(UserWarning, match="margin with fp8_scaling='mx'"):

@@ -271,8 +271,12 @@ def choices(recipe: Recipe, device: torch.device | str) -> KernelChoices:
             gflops[name] = matmul_gflops(str(dev), dt, 256, 0.01)
     if recipe.compute != "fp8":
         return KernelChoices(emulate, gflops=gflops, source=source)
-    route = fp8_gemm_route(dev, "dequant" if recipe.emulate and recipe.fp8_gemm == "auto"
-                           else recipe.fp8_gemm)
+    if recipe.block_scaled:  # as mixprec.fp8.scaled_mm.block_route decides
+        route = ("scaled_mm" if recipe.fp8_gemm == "scaled_mm" or dev.type == "cuda"
+                 and recipe.fp8_gemm == "auto" else "dequant_fp32")
+    else:
+        route = fp8_gemm_route(dev, "dequant" if recipe.emulate and
+                               recipe.fp8_gemm == "auto" else recipe.fp8_gemm)
     if dev.type == "cpu":
         gflops["scaled_mm"] = fp8_gemm_gflops(str(dev))
     return KernelChoices(emulate, route, fp8_rest(recipe, dev), gflops, source)

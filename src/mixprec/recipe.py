@@ -272,6 +272,13 @@ class Recipe:
         return self.compute in MX_COMPUTE
 
     @property
+    def block_scaled(self) -> bool:
+        """Whether an fp8 recipe scales per block (``block``, ``mx``, ``nvfp4``): its
+        GEMMs run torch's block-scaled kernels on CUDA or the exact dequantizing fp32
+        GEMM (``mixprec.fp8.scaled_mm.block_route``), not the per-tensor routes."""
+        return self.compute == "fp8" and self.fp8_scaling in ("block", "mx", "nvfp4")
+
+    @property
     def needs_mixprec_optim(self) -> bool:
         """Whether the optimizer must be ``mixprec.optim``'s: the states are stored below
         fp32, or updates land in 16-bit weights by a rule (torch's optimizers do

@@ -52,12 +52,6 @@ def refuse_impossible(r) -> None:
         raise ValueError(
             f"recipe: compute={r.compute!r} (MX block scaling) has no torch kernels; "
             "it runs emulated only. Drop emulate=false (or set emulate=true).")
-    if r.compute == "fp8" and r.fp8_scaling in ("block", "mx", "nvfp4") \
-            and r.fp8_gemm == "scaled_mm":
-        raise NotImplementedError(
-            f"recipe: fp8_scaling={r.fp8_scaling} with fp8_gemm=scaled_mm: torch's "
-            "block-scaled _scaled_mm is not wired into mixprec yet. Block and MX "
-            "recipes run the exact dequantizing GEMM (fp8_gemm=auto or dequant_fp32).")
     if r.compute == "fp8" and r.fp8_all_gather and r.fp8_scaling not in ("delayed",
                                                                           "current"):
         raise NotImplementedError(

@@ -47,7 +47,10 @@ The per-tensor and rowwise GEMM routes (``gemm_backend(device, recipe.fp8_gemm)`
 bf16 GEMM rounds once before the scale is applied, so it is within 1 bf16 ulp of
 ``_scaled_mm``; on a CPU without fast bf16 (AVX2) ``dequant_fp32`` runs ~7x faster
 (``benchmarks/cpu_kernels.py``). ``auto`` picks ``scaled_mm`` on CUDA, and on a CPU the
-fastest route as measured (``mixprec.kernels.fp8_gemm_route``).
+fastest route as measured (``mixprec.kernels.fp8_gemm_route``). The block, MX and
+NVFP4 casts run torch's block-scaled kernels on CUDA once a probe has matched them to
+the exact dequantizing GEMM there, which they use everywhere else
+(``mixprec.fp8.scaled_mm``).
 """
 
 from __future__ import annotations
@@ -57,7 +60,6 @@ import contextlib
 import torch
 from torch import nn
 
-from mixprec.fp8.gemm import gemm_backend
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.quantizers import quantizer_for
 from mixprec.recipe import Recipe
@@ -279,10 +281,12 @@ class Float8Linear(nn.Linear):
 
     @property
     def backend(self) -> str:
-        """The per-tensor and rowwise fp8 GEMM that runs: ``"scaled_mm"``
-        (``torch._scaled_mm``), ``"dequant"`` (fp8 values in bf16, whose products are
-        exact, fp32 accumulation) or ``"dequant_fp32"``."""
-        return gemm_backend(self.weight.device, self.gemm_choice)
+        """The GEMM route that runs (the quantizer's ``route`` for ``fp8_gemm``):
+        ``"scaled_mm"`` (torch's scaled matmul: ``torch._scaled_mm`` per tensor and
+        rowwise, the block-scaled kernels for block, MX and NVFP4), ``"dequant"`` (fp8
+        values in bf16, whose products are exact, fp32 accumulation) or
+        ``"dequant_fp32"``."""
+        return self.quantizer.route(self.weight.device, self.gemm_choice)
 
     def update_scales(self, found_inf: torch.Tensor | None = None) -> None:
         """Once per optimizer step: the quantizer's update (delayed scaling advances its

@@ -37,9 +37,10 @@ import torch
 
 from mixprec.fp8.blocks import MX_TILE, TILE, cast_blocks, cast_mx, cast_tiles
 from mixprec.fp8.gather import Fp8Weight
-from mixprec.fp8.gemm import fp8_gemm
+from mixprec.fp8.gemm import fp8_gemm, gemm_backend
 from mixprec.fp8.nvfp4 import apply_hadamard, cast_nvfp4, hadamard_16
 from mixprec.fp8.quantized import Quantized
+from mixprec.fp8.scaled_mm import block_route, block_scaled_mm
 from mixprec.fp8.scaling import (
     FP8_MAX,
     ROLES,
@@ -124,10 +125,19 @@ class Quantizer:
         dequantizing quantizers (``mixprec.kernels.ieee_fp32_matmul``)."""
         return ieee_fp32_matmul() if self.exact_fp32 else contextlib.nullcontext()
 
+    def route(self, device: torch.device | str, choice: str = "auto") -> str:
+        """The GEMM route ``mm`` takes on ``device`` for the recipe's ``fp8_gemm``
+        ``choice``: for the block scalings ``mixprec.fp8.scaled_mm.block_route``
+        (torch's block-scaled kernel, or the exact dequantizing GEMM)."""
+        return block_route(device, self, choice)
+
     def mm(self, a: Quantized, b: Quantized, out_dtype: torch.dtype, backend: str
            ) -> torch.Tensor:
         """``a @ b`` (``a`` (M, K), ``b`` (K, N), each scaled along K) in ``out_dtype``,
-        fp32 accumulation. Default: the exact dequantizing route."""
+        fp32 accumulation: torch's block-scaled kernel where ``backend`` is
+        ``scaled_mm``, else the exact dequantizing GEMM."""
+        if backend == "scaled_mm":
+            return block_scaled_mm(a, b, out_dtype, self.name)
         return (a.dequant() @ b.dequant()).to(out_dtype)
 
     def update(self, state: dict, found_inf: torch.Tensor | None = None) -> None:
@@ -141,6 +151,11 @@ class _PerTensor(Quantizer):
 
     reused_roles: ClassVar[tuple[str, ...]] = ROLES
     per_tensor: ClassVar[bool] = True
+
+    def route(self, device: torch.device | str, choice: str = "auto") -> str:
+        """``mixprec.fp8.gemm.gemm_backend``: ``scaled_mm``, ``dequant`` or
+        ``dequant_fp32``, measured where ``choice`` is ``auto``."""
+        return gemm_backend(torch.device(device), choice)
 
     def mm(self, a: Quantized, b: Quantized, out_dtype: torch.dtype, backend: str
            ) -> torch.Tensor:
@@ -242,6 +257,7 @@ class RowwiseScaling(Quantizer):
         return Quantized(codes, inv)
 
     mm = _PerTensor.mm
+    route = _PerTensor.route
 
 
 @dataclass(frozen=True)

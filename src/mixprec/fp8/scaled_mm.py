@@ -1,0 +1,241 @@
+"""The block-scaled casts on torch's scaled matmul (``torch.nn.functional.scaled_mm``).
+
+torch has hardware kernels for each of mixprec's block scalings, on CUDA only (a CPU
+build takes tensorwise and rowwise scales):
+
+- ``block`` (Hopper, sm90): 1×128 tiles against 128×128 weight blocks (forward and
+  dgrad) or against 1×128 tiles (wgrad), fp32 scales. The tiles' scales are laid out
+  outer-dim-major (stride ``(1, rows)``); a 128×128 block's scales are ``(L4, N/128)``
+  with ``L4`` the K blocks rounded up to 4, also column-major. K and N are padded with
+  zero codes to multiples of 128.
+- ``mx`` (Blackwell, sm100): 1×32 tiles on both operands, e8m0 scales in cuBLAS's
+  ``SWIZZLE_32_4_4`` layout (``swizzle_32_4_4``); K padded to 32.
+- ``nvfp4`` (sm100): e2m1 codes packed two per byte (``pack_e2m1``, the first element
+  in the low nibble), 1×16 e4m3 scales swizzled the same way, K padded to 32. A 16×16
+  weight block's scale serves each of its 16 rows. The per-tensor descales multiply the
+  fp32 output afterwards.
+
+The padding is zero codes under unit scales, so it changes no sum; the output keeps its
+first N columns. A block holding an inf or NaN has a NaN scale, so its products are NaN
+and the step is skipped, as on the dequantizing route.
+
+No call here has run on a GPU yet. ``block_route`` (``fp8_gemm=auto``) therefore takes
+the kernel on a device only after one probe per scaling agrees with the exact
+dequantizing route there (and is faster); otherwise it keeps the dequantizing route and
+says why once. Every call's shapes, dtypes, strides and scale layouts are checked on any
+machine against torch's meta kernels (``device="meta"``).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from functools import cache
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from mixprec.fp8.quantized import Quantized, expand_blocks
+
+__all__ = ["BLOCK_KINDS", "block_scaled_mm", "block_route",
+           "swizzle_32_4_4", "pack_e2m1"]
+
+class _BlockQuantizer(Protocol):
+    """What the route needs of a quantizer (``mixprec.fp8.quantizers``): its scaling's
+    name and its cast."""
+
+    name: str
+
+    def cast(self, t: torch.Tensor, role: str, dim: int, state: dict) -> Quantized:
+        """``t`` cast for ``role`` along ``dim``."""
+        ...
+
+
+#: the scalings with a block-scaled kernel, and the multiple K is padded to
+BLOCK_KINDS = {"block": 128, "mx": 32, "nvfp4": 32}
+
+
+def _pad(t: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Tensor:
+    """2-D ``t`` padded at the end to multiples of ``rows`` and ``cols`` with ``value``."""
+    m, n = t.shape
+    return F.pad(t, (0, (-n) % cols, 0, (-m) % rows), value=value)
+
+
+def _col_major(s: torch.Tensor) -> torch.Tensor:
+    """``s`` (2-D) copied into strides ``(1, rows)``, as the kernels read scales (also
+    where a dim has size 1, which ``.t().contiguous().t()`` would leave row-major)."""
+    out = torch.empty_strided(s.shape, (1, s.shape[0]), dtype=s.dtype, device=s.device)
+    return out.copy_(s)
+
+
+def swizzle_32_4_4(s: torch.Tensor, pad_value: float = 1.0) -> torch.Tensor:
+    """Block scales ``s`` (rows, K blocks) in cuBLAS's ``SWIZZLE_32_4_4`` layout, flat:
+    padded with ``pad_value`` to 128 × 4 tiles, tiles in row-major order, and within a
+    tile element ``(r, c)`` at ``(r % 32) · 16 + (r // 32) · 4 + c``."""
+    p = _pad(s, 128, 4, pad_value)
+    rows, cols = p.shape
+    return p.view(rows // 128, 4, 32, cols // 4, 4).permute(0, 3, 2, 1, 4).reshape(-1)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 values (held as ``float8_e4m3fn``, (R, K) with K even) as
+    ``float4_e2m1fn_x2`` (R, K / 2): each value's 4-bit code (sign, 2 exponent bits, 1
+    mantissa bit) read from its e4m3 bits, element ``2i`` in the low nibble of byte
+    ``i``. e4m3 exponent field 6 is e2m1's subnormal 0.5."""
+    b = codes.contiguous().view(torch.uint8).to(torch.int32)
+    exp, man = (b >> 3) & 0xF, (b >> 2) & 1
+    mag = torch.where(exp <= 6, (exp == 6).to(torch.int32), ((exp - 6) << 1) | man)
+    nib = (mag | ((b >> 4) & 0x8)).to(torch.uint8)  # the sign bit 7 -> nibble bit 3
+    return (nib[:, 0::2] | (nib[:, 1::2] << 4)).view(torch.float4_e2m1fn_x2)
+
+
+def _block_shape(q: Quantized) -> tuple[int, int]:
+    """The block shape in ``q``'s orientation."""
+    return (q.cols, q.rows) if q.transposed else (q.rows, q.cols)
+
+
+def _k_scales(q: Quantized, side: str, tile: int) -> torch.Tensor:
+    """``q``'s scales as one row per row of ``a`` / column of ``b`` and one column per
+    ``tile`` along K (a 16×16 block's scale repeated over its rows)."""
+    br, bc = _block_shape(q)
+    s = q.inv if side == "a" else q.inv.t()
+    inner = bc if side == "a" else br
+    outer = br if side == "a" else bc
+    if inner != tile:
+        raise ValueError(f"{side}: blocks of {br}x{bc} do not tile K by {tile}")
+    if outer > 1:  # one scale per block of rows: repeated over them
+        n = q.codes.shape[0] if side == "a" else q.codes.shape[1]
+        s = expand_blocks(s, outer, 1, (n, s.shape[1]))
+    return s
+
+
+def _operands(a: Quantized, b: Quantized, kmult: int, nmult: int):
+    """Codes of ``a`` (M, Kp) row-major and of ``b`` as (Np, Kp) rows (the kernel's
+    column-major (Kp, Np)), zero-padded."""
+    ac = _pad(a.codes.contiguous().view(torch.uint8), 1, kmult).view(a.data.dtype)
+    bt = b.codes.t().contiguous().view(torch.uint8)
+    bt = _pad(bt, nmult, kmult).view(b.data.dtype)
+    return ac, bt
+
+
+def block_scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, kind: str
+                    ) -> torch.Tensor:
+    """``a @ b`` on torch's block-scaled kernel for ``kind`` (``block``, ``mx`` or
+    ``nvfp4``; see the module doc): ``a`` (M, K) and ``b`` (K, N) cast by that
+    quantizer along K, fp32 accumulation, in ``out_dtype``."""
+    if kind not in BLOCK_KINDS:
+        raise ValueError(f"kind={kind!r}; valid: {', '.join(BLOCK_KINDS)}")
+    n = b.codes.shape[1]
+    st = F.ScalingType
+    if kind == "block":
+        ac, bt = _operands(a, b, 128, 128)
+        kb = ac.shape[1] // 128
+        sa = _pad(_k_scales(a, "a", 128), 1, kb, 1.0)
+        if _block_shape(b) == (128, 128):  # a weight: (L4, N/128), column-major
+            sb = _pad(b.inv.float(), 4, 1, 1.0)
+            sb = _pad(sb, 1, bt.shape[0] // 128, 1.0)
+            rb = st.BlockWise128x128
+        else:
+            sb = _pad(_k_scales(b, "b", 128), bt.shape[0], kb, 1.0)
+            rb = st.BlockWise1x128
+        y = F.scaled_mm(ac, bt.t(), _col_major(sa), st.BlockWise1x128, _col_major(sb),
+                        rb, output_dtype=out_dtype)
+        return y[:, :n]
+    tile = 32 if kind == "mx" else 16
+    ac, bt = _operands(a, b, 32, 16)
+    kb = ac.shape[1] // tile
+    sa = _pad(_k_scales(a, "a", tile), 1, kb, 1.0)
+    sb = _pad(_k_scales(b, "b", tile), bt.shape[0], kb, 1.0)
+    sw = F.SwizzleType.SWIZZLE_32_4_4
+    if kind == "mx":
+        e8 = torch.float8_e8m0fnu
+        y = F.scaled_mm(ac, bt.t(), swizzle_32_4_4(sa).to(e8), st.BlockWise1x32,
+                        swizzle_32_4_4(sb).to(e8), st.BlockWise1x32, swizzle_a=sw,
+                        swizzle_b=sw, output_dtype=out_dtype)
+        return y[:, :n]
+    e4 = torch.float8_e4m3fn
+    y = F.scaled_mm(pack_e2m1(ac), pack_e2m1(bt).t(), swizzle_32_4_4(sa).to(e4),
+                    st.BlockWise1x16, swizzle_32_4_4(sb).to(e4), st.BlockWise1x16,
+                    swizzle_a=sw, swizzle_b=sw, output_dtype=torch.float32)
+    outer = torch.ones((), device=y.device)
+    for q in (a, b):
+        if q.outer is not None:
+            outer = outer * q.outer
+    return (y[:, :n] * outer).to(out_dtype)
+
+
+def block_route(device: torch.device | str, quantizer: _BlockQuantizer,
+                choice: str = "auto") -> str:
+    """The GEMM route of a block-scaled ``quantizer`` on ``device``: ``scaled_mm``
+    (``block_scaled_mm``) or ``dequant_fp32`` (the exact dequantizing GEMM).
+
+    ``choice`` ``scaled_mm`` forces the kernel (on CUDA, or meta tensors); ``dequant``
+    and ``dequant_fp32`` are the dequantizing GEMM; ``auto`` takes the kernel on CUDA
+    where ``_probe`` found it matching the dequantizing route and faster."""
+    dev = torch.device(device)
+    if choice == "scaled_mm":
+        if dev.type not in ("cuda", "meta"):
+            raise ValueError(
+                f"fp8_gemm=scaled_mm with fp8_scaling={quantizer.name}: torch's "
+                f"block-scaled kernels run on CUDA only (1x128/128x128 on sm90, MX and "
+                f"NVFP4 on sm100), not on {dev.type}. Use fp8_gemm=auto (the exact "
+                "dequantizing GEMM here).")
+        return "scaled_mm"
+    if choice in ("dequant", "dequant_fp32"):
+        return "dequant_fp32"
+    if choice != "auto":
+        raise ValueError(f"fp8_gemm={choice!r}; valid: auto, scaled_mm, dequant, "
+                         "dequant_fp32")
+    if dev.type != "cuda":
+        return "dequant_fp32"
+    return "scaled_mm" if _probe(str(dev), quantizer) else "dequant_fp32"
+
+
+@cache
+def _probe(device: str, quantizer: _BlockQuantizer) -> bool:
+    """Whether ``block_scaled_mm`` on ``device`` agrees with the dequantizing GEMM for
+    ``quantizer`` on the three GEMMs of a Linear (200 tokens: K not a multiple of the
+    tiles, bf16 and fp32 outputs) and is faster on a 4096² GEMM. Says why not, once."""
+    kind = quantizer.name
+    try:
+        g = torch.Generator(device).manual_seed(0)
+        x = torch.randn(200, 384, device=device, generator=g)
+        w = torch.randn(256, 384, device=device, generator=g)
+        gy = torch.randn(200, 256, device=device, generator=g)
+        cast = quantizer.cast
+        xq, wq = cast(x, "input", 1, {}), cast(w, "weight", 1, {})
+        gq, wd = cast(gy, "grad_output", 1, {}), cast(w, "weight", 0, {})
+        gt, xt = cast(gy, "grad_output", 0, {}), cast(x, "input", 0, {})
+        for pa, pb in ((xq, wq.t()), (gq, wd), (gt.t(), xt)):
+            want = pa.dequant() @ pb.dequant()
+            for dt in (torch.bfloat16, torch.float32):
+                got = block_scaled_mm(pa, pb, dt, kind).float()
+                err = ((got - want).norm() / want.norm()).item()
+                if not err < 1e-2:
+                    raise RuntimeError(f"{dt} output off the dequantizing GEMM by "
+                                       f"{err:.3g} (relative)")
+        big = torch.randn(4096, 4096, device=device, generator=g)
+        qa, qb = cast(big, "input", 1, {}), cast(big, "weight", 1, {}).t()
+        fast, slow = (lambda: block_scaled_mm(qa, qb, torch.bfloat16, kind),
+                      lambda: (qa.dequant() @ qb.dequant()).to(torch.bfloat16))
+        t_fast, t_slow = _seconds(fast), _seconds(slow)
+    except Exception as e:  # a kernel this device or build lacks, or a wrong layout
+        warnings.warn(f"fp8_gemm=auto, fp8_scaling={kind}: torch's block-scaled kernel "
+                      f"is not used on {device} ({type(e).__name__}: {e}); the exact "
+                      "dequantizing GEMM runs instead", stacklevel=3)
+        return False
+    return t_fast < t_slow
+
+
+def _seconds(fn, reps: int = 5) -> float:
+    """Median seconds per call of ``fn`` on CUDA (synchronized)."""
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t)
+    return sorted(out)[reps // 2]
