@@ -386,6 +386,33 @@ def test_nvfp4_keeps_the_last_layers_in_bf16_and_each_part_switches():
         Recipe.parse("nvfp4,nvfp4_sr=maybe")
 
 
+def test_bf16_last_fraction_keeps_that_share_of_the_linears_rounded_up():
+    """15% of 20 Linears is 3 (the head among them); the larger of the two rules wins;
+    the planner prices the same split; bad shares name the field and the valid range."""
+    from mixprec.fp8 import convert
+    from mixprec.memory import estimate
+
+    def model():
+        return nn.Sequential(*[nn.Linear(32, 32) for _ in range(20)])
+
+    report = convert(model(), "nvfp4,bf16_last_layers=0,bf16_last_fraction=0.15")
+    assert report.converted == tuple(str(i) for i in range(17))
+    assert [f for f, w in report.skipped if "bf16_last_fraction=0.15" in w] == ["17", "18"]
+    assert len(convert(model(), "nvfp4,bf16_last_layers=5,bf16_last_fraction=0.15"
+                       ).converted) == 15
+    assert len(convert(model(), "nvfp4,bf16_last_layers=2,bf16_last_fraction=0.1"
+                       ).converted) == 18  # ceil(2.0) = 2: the rules tie
+    r = Recipe.parse("nvfp4,bf16_last_fraction=0.15")
+    assert Recipe.parse(str(r)) == r
+    m = model()
+    by_share = estimate(m, "nvfp4,bf16_last_layers=0,bf16_last_fraction=0.15").total
+    assert by_share == estimate(m, "nvfp4,bf16_last_layers=3").total
+    assert by_share != estimate(m, "nvfp4,bf16_last_layers=0").total
+    for bad in ("1.0", "-0.1", "x"):
+        with pytest.raises(ValueError, match="bf16_last_fraction"):
+            Recipe.parse(f"nvfp4,bf16_last_fraction={bad}")
+
+
 @pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4,nvfp4_rht=false,nvfp4_sr=false"])
 def test_nvfp4_trains_and_resumes_bit_for_bit(recipe, tmp_path):
     """Stochastic rounding draws from each module's checkpointed (seed, calls), the seed

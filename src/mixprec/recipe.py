@@ -116,7 +116,9 @@ class Recipe:
       switch with ``nvfp4_2d`` (16×16 weight blocks), ``nvfp4_rht`` (random Hadamard
       transform of the wgrad operands) and ``nvfp4_sr`` (stochastic rounding of the
       gradients): ``mixprec.fp8.nvfp4``), ``bf16_last_layers`` (the model's last N
-      Linears stay in bf16, the output head among them), ``fp8_all_gather`` (under
+      Linears stay in bf16, the output head among them), ``bf16_last_fraction`` (that
+      share of the model's Linears, rounded up, stays in bf16 too: whichever of the
+      two keeps more), ``fp8_all_gather`` (under
       ``parallel="fsdp"``, per-tensor scaling: FSDP2 gathers the Float8Linear weights
       as e4m3 bytes, a quarter of fp32's: ``mixprec.fp8.gather``),
       ``fp8_format``
@@ -160,6 +162,7 @@ class Recipe:
     nvfp4_rht: bool = True
     nvfp4_sr: bool = True
     bf16_last_layers: int = 0
+    bf16_last_fraction: float = 0.0
     fp8_all_gather: bool = False
 
     def __post_init__(self) -> None:

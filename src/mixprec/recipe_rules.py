@@ -41,6 +41,9 @@ def check_numbers(r) -> None:
         v = getattr(r, name)
         need(isinstance(v, int) and not isinstance(v, bool) and v >= lo, name,
              f"an integer >= {lo}")
+    need(isinstance(r.bf16_last_fraction, (int, float)) and not isinstance(
+        r.bf16_last_fraction, bool) and 0 <= r.bf16_last_fraction < 1,
+        "bf16_last_fraction", "a share in [0, 1) (0.15: the last 15% of the Linears)")
     need(r.emulate is None or isinstance(r.emulate, bool), "emulate",
          "true, false or auto")
     for name in ("nvfp4_2d", "nvfp4_rht", "nvfp4_sr", "fp8_all_gather"):
@@ -114,7 +117,8 @@ def warn_useless(r, defaults: dict) -> None:
         )
     fp8_fields = ("fp8_scaling", "fp8_format", "amax_history_len", "amax_compute_algo",
                   "margin", "fp8_gemm", "block_scales", "mx_rounding", "nvfp4_2d",
-                  "nvfp4_rht", "nvfp4_sr", "bf16_last_layers", "fp8_all_gather")
+                  "nvfp4_rht", "nvfp4_sr", "bf16_last_layers", "bf16_last_fraction",
+                  "fp8_all_gather")
     changed = [n for n in fp8_fields if getattr(r, n) != defaults[n]]
     if r.compute != "fp8" and changed:
         warnings.warn(

@@ -15,6 +15,7 @@ same Parameter objects, so an optimizer already built over the model keeps worki
 
 from __future__ import annotations
 
+import math
 import warnings
 import zlib
 from collections.abc import Callable
@@ -44,10 +45,13 @@ class ConvertReport:
 
 
 def plan(model: nn.Module, filter: Callable[[nn.Module, str], bool] | None = None,
-         keep_last: int = 0) -> list[tuple[str, nn.Module, str | None]]:
+         keep_last: int = 0, keep_fraction: float = 0.0
+         ) -> list[tuple[str, nn.Module, str | None]]:
     """Each Linear (or GPT-2 ``Conv1D``) of ``model`` with the reason it stays in high
     precision (None: fp8). ``keep_last``: the model's last N Linears stay too (the
-    recipe's ``bf16_last_layers``; the output head, kept anyway, is one of them)."""
+    recipe's ``bf16_last_layers``; the output head, kept anyway, is one of them);
+    ``keep_fraction``: or that share of them, rounded up, where it is more (the
+    recipe's ``bf16_last_fraction``)."""
     linears = [(fqn, m) for fqn, m in model.named_modules()
                if (isinstance(m, nn.Linear) or is_conv1d(m))
                and not isinstance(m, Float8Linear)]
@@ -71,10 +75,13 @@ def plan(model: nn.Module, filter: Callable[[nn.Module, str], bool] | None = Non
             why = (f"in_features={d_in}, out_features={d_out}: fp8 GEMMs "
                    "need both divisible by 16")
         out.append((fqn, m, why))
-    for i in range(max(0, len(out) - keep_last), len(out)):
+    by_share = math.ceil(keep_fraction * len(out) - 1e-9)
+    keep, rule = ((by_share, f"bf16_last_fraction={keep_fraction:g}")
+                  if by_share > keep_last else (keep_last, "bf16_last_layers"))
+    for i in range(max(0, len(out) - keep), len(out)):
         fqn, m, why = out[i]
         if why is None:
-            out[i] = (fqn, m, f"one of the last {keep_last} Linears (bf16_last_layers)")
+            out[i] = (fqn, m, f"one of the last {keep} Linears ({rule})")
     return out
 
 
@@ -89,7 +96,7 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
     was the user's (then it warns)."""
     r = Recipe.coerce(recipe or "fp8")
     converted, skipped = [], []
-    for fqn, m, why in plan(model, filter, r.bf16_last_layers):
+    for fqn, m, why in plan(model, filter, r.bf16_last_layers, r.bf16_last_fraction):
         if why is not None:
             skipped.append((fqn, why))
             continue
@@ -106,7 +113,8 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
             raise ValueError(
                 f"recipe {str(r)!r} converts no Linear of this model, so nothing would "
                 f"run in fp8 ({why}). Use a 16-bit recipe (bf16-master), lower "
-                "bf16_last_layers, give the Linears dims divisible by 16, or pass "
+                "bf16_last_layers or bf16_last_fraction, give the Linears dims "
+                "divisible by 16, or pass "
                 "allow_none=True (MixedPrecision: fp8_filter=...) to train it so anyway")
         warnings.warn(f"fp8: no Linear was converted, so nothing runs in fp8 ({why})",
                       stacklevel=2)

@@ -279,7 +279,8 @@ def _linear_routes(params, spec: TransformerSpec, r: Recipe, emulated: bool,
     fp8 = quantizer_for(r).memory_route if r.compute == "fp8" else "fp8"
     if isinstance(params, nn.Module):
         out = []
-        chosen = ({fqn for fqn, _, why in plan(params, keep_last=r.bf16_last_layers)
+        chosen = ({fqn for fqn, _, why in plan(params, keep_last=r.bf16_last_layers,
+                                                keep_fraction=r.bf16_last_fraction)
                    if why is None} if r.compute == "fp8" else set())
         for fqn, i, o in linear_shapes(params):
             m = params.get_submodule(fqn) if fqn else params
@@ -372,6 +373,7 @@ def _fp8_state_bytes(model: nn.Module, r: Recipe) -> tuple[float, set[int]]:
     # NVFP4's stochastic-rounding counter; nothing for the others
     per_module = sum(t.numel() * t.element_size()
                      for t, _ in quantizer_for(r).buffers("meta").values())
-    eligible = sum(1 for _, _, why in plan(model, keep_last=r.bf16_last_layers)
+    eligible = sum(1 for _, _, why in plan(model, keep_last=r.bf16_last_layers,
+                                           keep_fraction=r.bf16_last_fraction)
                    if why is None)
     return float(eligible * per_module), ids
