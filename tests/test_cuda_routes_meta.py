@@ -236,3 +236,33 @@ def test_block_scaled_kernels_match_the_dequantizing_gemm_on_cuda(recipe):
     want = a.dequant() @ b.dequant()
     got = block_scaled_mm(a, b, torch.bfloat16, q.name).float()
     assert ((got - want).norm() / want.norm()) < 1e-2
+
+
+def test_the_probe_runs_outside_compiled_graphs(monkeypatch):
+    """A compiled forward reads the route on CUDA: dynamo calls the probe's answer once
+    while tracing and keeps it as a constant (no graph break, the probe's GEMMs never
+    traced)."""
+    from torch._dynamo.utils import counters
+
+    import mixprec.fp8.scaled_mm as route
+    from mixprec.fp8.quantizers import quantizer_for
+
+    calls = []
+
+    def probe(device, quantizer):
+        calls.append(device)
+        torch.manual_seed(0)  # something dynamo could not put in a graph
+        return True
+
+    monkeypatch.setattr(route, "_probe", probe)
+    q = quantizer_for("mxfp8")
+
+    def f(x):
+        return x * 2 if route._kernel_ok("cuda:0", q) else x
+
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.compile(f, backend="eager", fullgraph=True)
+    assert torch.equal(g(torch.ones(3)), torch.full((3,), 2.0))
+    assert g(torch.ones(3)).sum() == 6 and calls == ["cuda:0"]
+    assert dict(counters["graph_break"]) == {}

@@ -189,7 +189,18 @@ def block_route(device: torch.device | str, quantizer: _BlockQuantizer,
                          "dequant_fp32")
     if dev.type != "cuda":
         return "dequant_fp32"
-    return "scaled_mm" if _probe(str(dev), quantizer) else "dequant_fp32"
+    return "scaled_mm" if _kernel_ok(str(dev), quantizer) else "dequant_fp32"
+
+
+def _kernel_ok(device: str, quantizer: _BlockQuantizer) -> bool:
+    """``_probe``'s answer. Under ``torch.compile`` dynamo calls this once while tracing
+    and keeps the answer as a constant (the mark ``torch.compiler.assume_constant_result``
+    sets, set directly: the decorator imports dynamo), so the probe never runs in a
+    graph."""
+    return _probe(device, quantizer)
+
+
+_kernel_ok._dynamo_marked_constant = True
 
 
 @cache
