@@ -20,6 +20,18 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 FRAMES: dict[str, int] = {}  # frames dynamo compiled in the last compiled run
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _own_inductor_cache(tmp_path_factory):
+    """These tests compile into a cache of their own. Inductor's on-disk cache is shared
+    by every process of the machine, and code it cached under other CPU-capability
+    settings (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``, which CI uses to mimic an
+    AVX2 chip) was loaded under these and gave wrong losses."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+    yield
+    mp.undo()
+
+
 def _losses(recipe, compiled, steps=3, islands=True, gpt=True):
     """Losses of a few steps: the tiny GPT, or an MLP whose LayerNorm gets bf16 input
     (there the islands change the numbers under every recipe)."""
