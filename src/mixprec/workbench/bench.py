@@ -123,7 +123,8 @@ def bench(recipes: Iterable[str] = ("fp32", "bf16", "bf16-master", "fp16", "fp8"
             peer = _TORCHAO_RECIPE.get(rec.fp8_scaling) if rec.compute == "fp8" else None
             if peer and _has_torchao():
                 twins[r][f"torchao:{r}"] = _torchao_loop(build(), m, e, dev, loss_of, peer)
-    times = _time_phases(loops, twins, dev, warmup, steps)
+    failed: dict[str, str] = {}
+    times = _time_phases(loops, twins, dev, warmup, steps, failed)
     rows = []
     from mixprec.memory import measure
 
@@ -140,7 +141,8 @@ def bench(recipes: Iterable[str] = ("fp32", "bf16", "bf16-master", "fp16", "fp8"
                      "model_state_bytes": measure(m, e).total,
                      "emulated": e.emulating, "kernels": e.kernels.describe()})
         if compile:
-            rows[-1].update(_compiled_figures(times, r))
+            rows[-1].update(_compiled_figures(times, r),
+                            torchao_error=failed.get(f"torchao:{r}"))
     base = next((x for x in rows if x["recipe"] == "fp32"), None)
     for x in rows:
         x["speedup_vs_fp32"] = base["step_ms"] / x["step_ms"] if base else None
@@ -252,11 +254,13 @@ def _workload(model: str, size: str, batch: int, seq: int | None, dev: torch.dev
 
 
 def _time_phases(loops: dict, twins: dict[str, dict], dev: torch.device, warmup: int,
-                 steps: int) -> dict[str, list[float]]:
+                 steps: int, failed: dict[str, str] | None = None
+                 ) -> dict[str, list[float]]:
     """Seconds per step of each loop. One phase per recipe: the engine and its twins
     (hand-written, compiled, the peer's) interleaved, the order rotating. Phases are
     kept apart because a big loop's allocations perturb the one after it; speed-ups
-    compare phase medians."""
+    compare phase medians. A peer's step that raises (torchao's float8 GEMM where this
+    CPU's oneDNN has no fp8 kernel) leaves the phase, its error in ``failed``."""
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     times = {}
     for r in loops:
@@ -270,9 +274,18 @@ def _time_phases(loops: dict, twins: dict[str, dict], dev: torch.device, warmup:
             times[k] = []
         for i in range(warmup + steps):
             for k in names[i % len(names):] + names[:i % len(names)]:
+                if k not in fns:
+                    continue
                 sync()
                 t = time.perf_counter()
-                fns[k]()
+                try:
+                    fns[k]()
+                except Exception as e:
+                    if not k.startswith("torchao:") or failed is None:
+                        raise
+                    failed[k] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    del fns[k], times[k]
+                    continue
                 sync()
                 if i >= warmup:
                     times[k].append(time.perf_counter() - t)
@@ -341,6 +354,8 @@ def format_table(result: dict) -> str:
                 f"{(f'{ao_ms:.1f}' if ao else '–'):>9}"
                 f"{(f'{ao:.2f}x' if ao else '–'):>11}"
                 f"{(f'{lo_hi[0]:.2f}..{lo_hi[1]:.2f}' if ao else '–'):>13}")
+        lines += [f"torchao beside {x['recipe']} failed: {x['torchao_error']}"
+                  for x in result["rows"] if x.get("torchao_error")]
         lines.append("compiled: the model under torch.compile (inductor), interleaved with "
                      "eager; speed-up: eager / compiled; vs torchao: mixprec compiled / "
                      "torchao float8 compiled (tensorwise, or rowwise beside fp8-rowwise), "
