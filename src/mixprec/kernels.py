@@ -50,7 +50,7 @@ from mixprec.recipe import MX_COMPUTE, Recipe
 __all__ = ["matmul_gflops", "relative_speed", "FAST_ENOUGH", "has_fast_kernels",
            "emulating", "fp8_gemm_gflops", "fp8_gemm_route", "fp8_rest", "choices",
            "KernelChoices", "SCALED_MM_MARGIN", "EMULATE_ENV", "pinned_emulation",
-           "ieee_fp32_matmul"]
+           "ieee_fp32_matmul", "block_gemm_route"]
 
 #: below this fraction of fp32's matmul throughput a format counts as having no fast
 #: kernel, and ``emulate=auto`` emulates it on fp32 kernels instead. Chips either have
@@ -227,6 +227,17 @@ def fp8_gemm_route(device: torch.device | str, choice: str = "auto") -> str:
             else dequant)
 
 
+def block_gemm_route(device: torch.device | str, choice: str = "auto") -> str:
+    """The GEMM route of the block-scaled recipes (block, MX, NVFP4) for ``fp8_gemm``
+    ``choice``: ``scaled_mm`` (torch's block-scaled kernels) where chosen, or under
+    ``auto`` on CUDA, where ``mixprec.fp8.scaled_mm.block_route`` still confirms it
+    with a probe on the device; else ``dequant_fp32``, the exact dequantizing GEMM
+    (``dequant`` names it too: these scalings have no bf16 route)."""
+    if choice == "scaled_mm" or choice == "auto" and torch.device(device).type == "cuda":
+        return "scaled_mm"
+    return "dequant_fp32"
+
+
 @dataclass(frozen=True)
 class KernelChoices:
     """The hardware-dependent choices for one recipe on one device, and why.
@@ -271,9 +282,8 @@ def choices(recipe: Recipe, device: torch.device | str) -> KernelChoices:
             gflops[name] = matmul_gflops(str(dev), dt, 256, 0.01)
     if recipe.compute != "fp8":
         return KernelChoices(emulate, gflops=gflops, source=source)
-    if recipe.block_scaled:  # as mixprec.fp8.scaled_mm.block_route decides
-        route = ("scaled_mm" if recipe.fp8_gemm == "scaled_mm" or dev.type == "cuda"
-                 and recipe.fp8_gemm == "auto" else "dequant_fp32")
+    if recipe.block_scaled:
+        route = block_gemm_route(dev, recipe.fp8_gemm)
     else:
         route = fp8_gemm_route(dev, "dequant" if recipe.emulate and
                                recipe.fp8_gemm == "auto" else recipe.fp8_gemm)

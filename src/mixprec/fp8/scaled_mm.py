@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.fp8.quantized import Quantized, expand_blocks
+from mixprec.kernels import block_gemm_route
 
 __all__ = ["BLOCK_KINDS", "block_scaled_mm", "block_route",
            "swizzle_32_4_4", "pack_e2m1"]
@@ -174,22 +175,19 @@ def block_route(device: torch.device | str, quantizer: _BlockQuantizer,
     and ``dequant_fp32`` are the dequantizing GEMM; ``auto`` takes the kernel on CUDA
     where ``_probe`` found it matching the dequantizing route and faster."""
     dev = torch.device(device)
-    if choice == "scaled_mm":
-        if dev.type not in ("cuda", "meta"):
-            raise ValueError(
-                f"fp8_gemm=scaled_mm with fp8_scaling={quantizer.name}: torch's "
-                f"block-scaled kernels run on CUDA only (1x128/128x128 on sm90, MX and "
-                f"NVFP4 on sm100), not on {dev.type}. Use fp8_gemm=auto (the exact "
-                "dequantizing GEMM here).")
-        return "scaled_mm"
-    if choice in ("dequant", "dequant_fp32"):
-        return "dequant_fp32"
-    if choice != "auto":
+    if choice not in ("auto", "scaled_mm", "dequant", "dequant_fp32"):
         raise ValueError(f"fp8_gemm={choice!r}; valid: auto, scaled_mm, dequant, "
                          "dequant_fp32")
-    if dev.type != "cuda":
+    if choice == "scaled_mm" and dev.type not in ("cuda", "meta"):
+        raise ValueError(
+            f"fp8_gemm=scaled_mm with fp8_scaling={quantizer.name}: torch's "
+            f"block-scaled kernels run on CUDA only (1x128/128x128 on sm90, MX and "
+            f"NVFP4 on sm100), not on {dev.type}. Use fp8_gemm=auto (the exact "
+            "dequantizing GEMM here).")
+    route = block_gemm_route(dev, choice)  # the one rule, which engine.kernels reports
+    if route == "scaled_mm" and choice == "auto" and not _kernel_ok(str(dev), quantizer):
         return "dequant_fp32"
-    return "scaled_mm" if _kernel_ok(str(dev), quantizer) else "dequant_fp32"
+    return route
 
 
 def _kernel_ok(device: str, quantizer: _BlockQuantizer) -> bool:
