@@ -17,11 +17,13 @@ valid choices; combinations that cannot train raise, useless-but-harmless ones w
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
 
 import torch
 
+from mixprec.layer_rules import LayerRule, first_match, owner_of, parse_rule
 from mixprec.recipe_rules import MX_COMPUTE, check_numbers, refuse_impossible, warn_useless
 
 __all__ = ["Recipe", "PRESETS", "MX_COMPUTE", "KEEP_FP32_CHOICES", "DEFAULT_KEEP_FP32",
@@ -127,6 +129,9 @@ class Recipe:
       ``fp8_gemm`` (``scaled_mm``: torch._scaled_mm; ``dequant``: exact upcast + bf16/fp32
       GEMM; ``dequant_fp32``: exact upcast + fp32 GEMM; ``auto``: scaled_mm on CUDA, the
       fastest measured on the CPU, ``mixprec.kernels``).
+    - ``layers``: per-module rules, ``layer:PATTERN=FORMAT`` (a Linear's fp8 format, or
+      bf16) and ``states:PATTERN=FORMAT`` (its parameters' optimizer states), matched
+      against module names, first match wins (``mixprec.layer_rules``).
     """
 
     compute: ComputeDtype = "fp32"
@@ -164,6 +169,9 @@ class Recipe:
     bf16_last_layers: int = 0
     bf16_last_fraction: float = 0.0
     fp8_all_gather: bool = False
+    #: per-module rules (``mixprec.layer_rules``): ``layer:PATTERN=FORMAT`` and
+    #: ``states:PATTERN=FORMAT`` fragments, first match wins
+    layers: tuple[LayerRule, ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -181,6 +189,7 @@ class Recipe:
                 f"valid: {', '.join(KEEP_FP32_CHOICES)} (join several with '+', or 'none')"
             )
         check_numbers(self)
+        _check_layers(self)
         refuse_impossible(self)
         warn_useless(self, _DEFAULTS)
 
@@ -207,8 +216,12 @@ class Recipe:
                 raise ValueError(f"recipe {text!r}: unknown preset {base!r}; "
                                  f"valid presets: {', '.join(preset_names())}")
         overrides: dict[str, Any] = {}
-        names = [f.name for f in fields(cls)]
+        rules: list[LayerRule] = []
+        names = [f.name for f in fields(cls) if f.name != "layers"]
         for p in parts:
+            if ":" in p.partition("=")[0]:
+                rules.append(parse_rule(p))
+                continue
             if "=" not in p:
                 raise ValueError(f"recipe {text!r}: fragment {p!r} is not key=value (only "
                                  "the first fragment may be a preset name)")
@@ -220,6 +233,8 @@ class Recipe:
             if key in overrides:
                 raise ValueError(f"recipe {text!r}: field {key!r} given twice")
             overrides[key] = _convert(key, raw)
+        if rules:
+            overrides["layers"] = tuple(rules)
         return PRESETS[base].replace(**overrides) if overrides else PRESETS[base]
 
     @classmethod
@@ -239,7 +254,8 @@ class Recipe:
             diff = _diff(p, self)
             if best_diff is None or len(diff) < len(best_diff):
                 best_name, best_diff = name, diff
-        return ",".join([best_name, *(f"{k}={_format(v)}" for k, v in best_diff)])
+        return ",".join([best_name, *(f"{k}={_format(v)}" for k, v in best_diff),
+                         *map(str, self.layers)])
 
     # --- derived facts used by the engine -----------------------------------------
 
@@ -286,7 +302,69 @@ class Recipe:
         """Whether the optimizer must be ``mixprec.optim``'s: the states are stored below
         fp32, or updates land in 16-bit weights by a rule (torch's optimizers do
         neither)."""
-        return self.states != "fp32" or self.write != "nearest"
+        return (self.states != "fp32" or self.write != "nearest"
+                or any(r.kind == "states" and r.value != "fp32" for r in self.layers))
+
+    # --- per-module rules (mixprec.layer_rules) -------------------------------------
+
+    @property
+    def layer_rules(self) -> tuple[LayerRule, ...]:
+        """The ``layer:`` rules (the Linears' compute formats), in order."""
+        return tuple(r for r in self.layers if r.kind == "layer")
+
+    @property
+    def state_rules(self) -> tuple[LayerRule, ...]:
+        """The ``states:`` rules (the parameters' optimizer-state formats), in order."""
+        return tuple(r for r in self.layers if r.kind == "states")
+
+    @property
+    def base(self) -> Recipe:
+        """This recipe without its per-module rules."""
+        return self.replace(layers=()) if self.layers else self
+
+    @property
+    def fp8_name(self) -> str | None:
+        """The fp8 preset whose scaling and element format this recipe has (``fp8``,
+        ``fp8-current``, ...; None for a recipe that is not fp8)."""
+        if self.compute != "fp8":
+            return None
+        return _FP8_NAMES.get(self.fp8_scaling)
+
+    def layer_format(self, module_name: str) -> str:
+        """The compute format of the Linear named ``module_name``: its ``layer:`` rule's
+        (``bf16`` or an fp8 preset name), else this recipe's own (the fp8 preset of its
+        scaling, or ``compute``). The head and ``bf16_last_layers`` still apply to
+        Linears no rule names (``mixprec.fp8.convert``)."""
+        rule = first_match(self.layers, "layer", module_name)
+        if rule is not None:
+            return rule.value
+        return self.fp8_name or self.compute
+
+    def for_layer(self, module_name: str) -> Recipe:
+        """The recipe a Linear named ``module_name`` runs its fp8 GEMMs with: this one,
+        with the scaling and element format of its ``layer:`` rule's preset, and no
+        rules."""
+        rule = first_match(self.layers, "layer", module_name)
+        if rule is None:
+            return self.base
+        name = rule.value
+        if name == "bf16":
+            raise ValueError(f"Linear {module_name!r} is kept in bf16 by its rule; it "
+                             "has no fp8 recipe")
+        preset = PRESETS[name]
+        own = self.base
+        if (preset.fp8_scaling, preset.fp8_format) == (own.fp8_scaling, own.fp8_format):
+            return own
+        with warnings.catch_warnings():  # the recipe's other fp8 fields, harmless here
+            warnings.simplefilter("ignore")
+            return own.replace(fp8_scaling=preset.fp8_scaling,
+                               fp8_format=preset.fp8_format)
+
+    def state_format(self, param_name: str) -> str:
+        """The format of the optimizer states of the parameter named ``param_name``:
+        the first ``states:`` rule matching the module that owns it, else ``states``."""
+        rule = first_match(self.layers, "states", owner_of(param_name))
+        return rule.value if rule is not None else self.states
 
     @property
     def has_fp32_islands(self) -> bool:
@@ -367,7 +445,29 @@ def _format(v: Any) -> str:
 
 def _diff(a: Recipe, b: Recipe) -> list[tuple[str, Any]]:
     return [(f.name, getattr(b, f.name)) for f in fields(Recipe)
-            if getattr(a, f.name) != getattr(b, f.name)]
+            if f.name != "layers" and getattr(a, f.name) != getattr(b, f.name)]
+
+
+def _check_layers(r: Recipe) -> None:
+    """Rules are LayerRules, each (kind, pattern) once; layer rules need an fp8 recipe."""
+    if not isinstance(r.layers, tuple) or not all(isinstance(x, LayerRule)
+                                                  for x in r.layers):
+        raise ValueError(f"recipe field 'layers': {r.layers!r} is not a tuple of "
+                         "mixprec.layer_rules.LayerRule; write rules as "
+                         "layer:PATTERN=FORMAT or states:PATTERN=FORMAT fragments")
+    seen = set()
+    for rule in r.layers:
+        if (rule.kind, rule.pattern) in seen:
+            raise ValueError(f"recipe rule {rule}: {rule.kind}:{rule.pattern} is given "
+                             "twice; keep one (the first that matches decides)")
+        seen.add((rule.kind, rule.pattern))
+    layer = [str(x) for x in r.layers if x.kind == "layer"]
+    if layer and r.compute != "fp8":
+        raise ValueError(
+            f"recipe rules {', '.join(layer)} with compute={r.compute!r}: layer rules "
+            "choose among fp8 formats and bf16 inside an fp8 recipe, which runs the rest "
+            "of the model under bf16. Start from an fp8 preset (e.g. 'fp8-current,"
+            f"{layer[0]}') or drop them.")
 
 
 PRESETS: dict[str, Recipe] = {
@@ -394,10 +494,14 @@ PRESETS: dict[str, Recipe] = {
                         states="int8"),
 }
 
+#: fp8_scaling -> the fp8 preset named for it (each preset's element format)
+_FP8_NAMES = {"delayed": "fp8", "current": "fp8-current", "rowwise": "fp8-rowwise",
+              "block": "fp8-block", "mx": "mxfp8", "nvfp4": "nvfp4"}
+
 
 def preset_names() -> list[str]:
     """Names accepted by ``Recipe.parse`` as the first field (fp32, bf16, ...)."""
     return list(PRESETS)
 
 
-torch.serialization.add_safe_globals([Recipe])
+torch.serialization.add_safe_globals([Recipe, LayerRule])

@@ -1,0 +1,109 @@
+"""Per-module rules in a recipe: which Linears run which fp8/fp4 format, and which
+parameters keep their optimizer states in how many bits.
+
+A rule is a ``key:PATTERN=VALUE`` fragment of a recipe string, after the preset and
+its overrides::
+
+    >>> from mixprec import Recipe
+    >>> r = Recipe.parse("fp8-current,layer:blocks.*.fc=mxfp8,layer:head=bf16,"
+    ...                  "states:*.emb=int8")
+    >>> r.layer_format("blocks.3.fc"), r.layer_format("head"), r.layer_format("x")
+    ('mxfp8', 'bf16', 'fp8-current')
+    >>> r.state_format("tok.emb.weight"), r.state_format("head.weight")
+    ('int8', 'fp32')
+    >>> Recipe.parse(str(r)) == r
+    True
+
+- ``layer:PATTERN=FORMAT`` matches module names (``fnmatch``, as
+  ``model.named_modules()`` spells them) and sets the compute format of the matched
+  Linears: ``bf16`` (kept in the recipe's high precision, as the output head is) or an
+  fp8 preset (``fp8``, ``fp8-current``, ``fp8-rowwise``, ``fp8-block``, ``mxfp8``,
+  ``nvfp4``), whose scaling and element format replace the recipe's for that Linear;
+  every other fp8 setting (margin, GEMM route, ...) is the recipe's. Layer rules need an
+  fp8 recipe (``compute=fp8``): it is what runs the rest of the model under bf16.
+  A rule overrides the default policy (the head and ``bf16_last_layers``), never the
+  hardware's limits (dims divisible by 16).
+- ``states:PATTERN=FORMAT`` matches the name of the module that owns a parameter and
+  sets the format of that parameter's optimizer states (``fp32``, ``bf16``, ``fp8``,
+  ``int8``, ``int4``; ``mixprec.optim``).
+
+Rules are ordered: for each module, the first rule of its kind that matches decides,
+and a module no rule matches takes the recipe's own setting.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["LayerRule", "LAYER_FORMATS", "STATE_RULE_FORMATS", "RULE_KINDS",
+           "parse_rule", "first_match", "owner_of"]
+
+#: what a ``layer:`` rule may set: high precision, or one of the fp8/fp4 presets
+LAYER_FORMATS = ("bf16", "fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8",
+                 "nvfp4")
+#: what a ``states:`` rule may set (``mixprec.optim.STATE_FORMATS``)
+STATE_RULE_FORMATS = ("fp32", "bf16", "fp8", "int8", "int4")
+RULE_KINDS = ("layer", "states")
+
+RuleKind = Literal["layer", "states"]
+# names as named_modules() writes them, with fnmatch's * ? [ ] ! among them
+_PATTERN = re.compile(r"^[A-Za-z0-9_.*?\[\]!\-]+$")
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    """One rule: modules whose name matches ``pattern`` (fnmatch) get ``value`` for
+    ``kind`` (``layer``: the Linear's compute format; ``states``: its parameters'
+    optimizer-state format)."""
+
+    kind: RuleKind
+    pattern: str
+    value: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in RULE_KINDS:
+            raise ValueError(f"recipe rule {self}: unknown kind {self.kind!r}; valid: "
+                             f"{', '.join(RULE_KINDS)} (layer:PATTERN=FORMAT, "
+                             "states:PATTERN=FORMAT)")
+        if not isinstance(self.pattern, str) or not _PATTERN.match(self.pattern):
+            raise ValueError(
+                f"recipe rule {self}: pattern {self.pattern!r} is not a module name "
+                "pattern; use the names model.named_modules() gives, with fnmatch's * ? "
+                "[...] (no spaces, commas, semicolons, colons or '=')")
+        valid = LAYER_FORMATS if self.kind == "layer" else STATE_RULE_FORMATS
+        if self.value not in valid:
+            raise ValueError(f"recipe rule {self}: unknown format {self.value!r} for "
+                             f"{self.kind}:; valid: {', '.join(valid)}")
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.pattern}={self.value}"
+
+    def matches(self, name: str) -> bool:
+        """Whether the module name ``name`` matches this rule's pattern."""
+        return fnmatch.fnmatchcase(name, self.pattern)
+
+
+def parse_rule(fragment: str) -> LayerRule:
+    """``"layer:blocks.*.fc=mxfp8"`` -> ``LayerRule("layer", "blocks.*.fc", "mxfp8")``."""
+    head, eq, value = fragment.partition("=")
+    kind, colon, pattern = head.partition(":")
+    if not (eq and colon):
+        raise ValueError(f"recipe rule {fragment!r} is not KIND:PATTERN=FORMAT (e.g. "
+                         "layer:blocks.*.fc=mxfp8 or states:*.emb=int8)")
+    return LayerRule(kind.strip().lower(), pattern.strip(), value.strip().lower())
+
+
+def first_match(rules: tuple[LayerRule, ...], kind: str, name: str) -> LayerRule | None:
+    """The first rule of ``kind`` whose pattern matches ``name`` (None: no rule does)."""
+    for rule in rules:
+        if rule.kind == kind and rule.matches(name):
+            return rule
+    return None
+
+
+def owner_of(param_name: str) -> str:
+    """The name of the module that owns parameter ``param_name`` (``""``: the root)."""
+    return param_name.rpartition(".")[0]
