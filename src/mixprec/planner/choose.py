@@ -1,0 +1,240 @@
+"""Choose a format per Linear and a state format per module from measured costs.
+
+The inputs are numbers only (``Layer`` options measured by ``timing`` and ``numerics``,
+the two whole-model baselines, per-element optimizer costs), so the choice is a pure
+function that tests drive with any speeds they like.
+
+A configuration's predicted step time and peak come from the measured baselines plus
+deltas: with at least one fp8 Linear, the step of the fp8 recipe with no Linear
+converted (the rest of the model as the fp8 recipe runs it) plus each Linear's time in
+its format less its time in bf16 there; with none, the measured step of the 16-bit
+recipe itself. Saved activation bytes move the peak the same way, and each state format
+moves it by its exact bytes (``mixprec.optim.states.state_bytes``, two states for
+AdamW).
+
+``goal="fastest"``: every Linear takes its fastest format among those that pass the
+numerics (SQNR floor, no saturating delayed scale); the fp8 recipe is kept only if it
+beats the 16-bit one as a whole. Under a memory budget, moves that save bytes are then
+taken greedily, most bytes per second lost first, until the peak fits.
+``goal="smallest"``: from the fastest plan, byte-saving moves are taken, most bytes per
+second lost first, while the step stays within the speed floor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from mixprec.planner.timing import BF16
+
+__all__ = ["Option", "Layer", "StateUnit", "Baselines", "Config", "predict", "choose",
+           "NoPlanFits", "STATE_ORDER"]
+
+#: state formats from the most bytes to the fewest
+STATE_ORDER = ("fp32", "bf16", "int8", "int4")
+
+
+class NoPlanFits(ValueError):
+    """No configuration meets the memory budget (or the speed floor)."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One format for one Linear: measured ``seconds`` and ``saved_bytes``, SQNR
+    against bf16 (inf for bf16 itself), and why it is not allowed (None: it is)."""
+
+    fmt: str
+    seconds: float
+    saved_bytes: float
+    sqnr: float = math.inf
+    refused: str | None = None
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A Linear: its name, (in, out), and its options by format (bf16 always there)."""
+
+    name: str
+    shape: tuple[int, int]
+    options: dict[str, Option]
+
+    def allowed(self) -> list[Option]:
+        """The options that pass the numerics, bf16 first."""
+        return [o for o in self.options.values() if o.refused is None]
+
+
+@dataclass(frozen=True)
+class StateUnit:
+    """A module that owns parameters: their shapes, for the state bytes and step cost."""
+
+    name: str
+    shapes: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class Baselines:
+    """Measured whole-model figures: the 16-bit recipe's step (s) and peak (bytes), and
+    the fp8 recipe's with no Linear converted; optimizer seconds per element by state
+    format (``"fused"``: torch's fused AdamW, which the base recipes use)."""
+
+    step_16: float
+    peak_16: float
+    step_shell: float
+    peak_shell: float
+    step_cost: dict[str, float]
+    n_states: int = 2
+
+
+@dataclass
+class Config:
+    """A plan in the making: a format per Linear, a state format per module, and why."""
+
+    layers: dict[str, str]
+    states: dict[str, str]
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def copy(self) -> Config:
+        return Config(dict(self.layers), dict(self.states), dict(self.reasons))
+
+    @property
+    def any_fp8(self) -> bool:
+        return any(f != BF16 for f in self.layers.values())
+
+
+def _state_bytes(fmt: str, shape) -> float:
+    from mixprec.optim.states import state_bytes
+
+    return float(state_bytes(fmt, tuple(shape)))
+
+
+def _stored(fmt: str, shape) -> str:
+    from mixprec.optim.states import stored_format
+
+    return stored_format(fmt, tuple(shape))
+
+
+def predict(cfg: Config, layers: dict[str, Layer], units: dict[str, StateUnit],
+            base: Baselines) -> tuple[float, float]:
+    """(seconds per step, peak bytes) of ``cfg`` (the module docstring's model)."""
+    if cfg.any_fp8:
+        t, peak = base.step_shell, base.peak_shell
+        for name, f in cfg.layers.items():
+            opts = layers[name].options
+            t += opts[f].seconds - opts[BF16].seconds
+            peak += opts[f].saved_bytes - opts[BF16].saved_bytes
+    else:
+        t, peak = base.step_16, base.peak_16
+    if any(f != "fp32" for f in cfg.states.values()):
+        # every parameter then steps in mixprec.optim.AdamW rather than torch's fused one
+        for name, f in cfg.states.items():
+            for shape in units[name].shapes:
+                n = math.prod(shape)
+                stored = _stored(f, shape)
+                t += n * (base.step_cost[stored] - base.step_cost["fused"])
+                peak += base.n_states * (_state_bytes(stored, shape)
+                                         - _state_bytes("fp32", shape))
+    return t, peak
+
+
+def _fastest(layers: dict[str, Layer], units: dict[str, StateUnit],
+             base: Baselines) -> Config:
+    cfg = Config({}, {u: "fp32" for u in units})
+    for name, layer in layers.items():
+        allowed = layer.allowed()
+        best = min(allowed, key=lambda o: o.seconds)
+        cfg.layers[name] = best.fmt
+        bf = layer.options[BF16]
+        fp8 = [o for o in layer.options.values() if o.fmt != BF16]
+        if best.fmt != BF16:
+            cfg.reasons[name] = (f"fastest allowed: {bf.seconds / best.seconds:.2f}x "
+                                 "bf16's speed")
+        elif not fp8:
+            cfg.reasons[name] = "bf16: no fp8 format measured"
+        elif all(o.refused for o in fp8):
+            cfg.reasons[name] = "bf16: " + "; ".join(f"{o.fmt} {o.refused}" for o in fp8)
+        else:
+            quick = min((o for o in fp8 if o.refused is None), key=lambda o: o.seconds)
+            cfg.reasons[name] = (f"bf16: fastest; {quick.fmt} runs at "
+                                 f"{bf.seconds / quick.seconds:.2f}x bf16's speed (its "
+                                 "casts cost more than its GEMM saves)")
+    if cfg.any_fp8 and predict(cfg, layers, units, base)[0] >= base.step_16:
+        for name, f in cfg.layers.items():
+            if f != BF16:
+                cfg.layers[name] = BF16
+                cfg.reasons[name] = ("bf16: the fp8 recipe's step is slower than the "
+                                     "16-bit recipe's as a whole, though this layer alone "
+                                     f"was faster in {f}")
+    return cfg
+
+
+def _moves(cfg: Config, layers: dict[str, Layer], units: dict[str, StateUnit],
+           state_formats: tuple[str, ...]):
+    """Every single change: a Linear to another allowed format, a module's states one
+    step down ``STATE_ORDER`` (within ``state_formats``)."""
+    for name, layer in layers.items():
+        for o in layer.allowed():
+            if o.fmt != cfg.layers[name]:
+                new = cfg.copy()
+                new.layers[name] = o.fmt
+                new.reasons[name] = f"{o.fmt}: saves activation bytes"
+                yield new
+    order = [f for f in STATE_ORDER if f in state_formats]
+    for name in units:
+        cur = cfg.states[name]
+        lower = order[order.index(cur) + 1:] if cur in order else []
+        if lower:
+            new = cfg.copy()
+            new.states[name] = lower[0]
+            yield new
+
+
+def _greedy(cfg: Config, layers, units, base, state_formats, done, allowed) -> Config:
+    """Take the move with the most bytes saved per second lost, while ``allowed(t, p)``
+    holds for the result, until ``done(t, p)``."""
+    t, p = predict(cfg, layers, units, base)
+    while not done(t, p):
+        best, best_key = None, None
+        for new in _moves(cfg, layers, units, state_formats):
+            t2, p2 = predict(new, layers, units, base)
+            saved, lost = p - p2, t2 - t
+            if saved <= 0 or not allowed(t2, p2):
+                continue
+            key = math.inf if lost <= 0 else saved / lost
+            key = (key, saved)
+            if best_key is None or key > best_key:
+                best, best_key = (new, t2, p2), key
+        if best is None:
+            return cfg
+        cfg, t, p = best
+    return cfg
+
+
+def choose(layers: dict[str, Layer], units: dict[str, StateUnit], base: Baselines, *,
+           goal: str = "fastest", memory: float | None = None,
+           max_step: float | None = None,
+           state_formats: tuple[str, ...] = ("fp32", "bf16", "int8")) -> Config:
+    """The configuration for ``goal`` (module docstring): ``memory`` is a budget on the
+    predicted peak (bytes), ``max_step`` on the predicted step (seconds, for
+    ``smallest``). Raises ``NoPlanFits`` when no move brings the peak under ``memory``."""
+    if goal not in ("fastest", "smallest"):
+        raise ValueError(f"goal={goal!r}; valid: fastest, smallest")
+    cfg = _fastest(layers, units, base)
+    fits = (lambda t, p: True) if memory is None else (lambda t, p: p <= memory)
+    if goal == "fastest":
+        if memory is not None:
+            cfg = _greedy(cfg, layers, units, base, state_formats, fits,
+                          lambda t, p: True)
+    else:
+        floor = math.inf if max_step is None else max_step
+        cfg = _greedy(cfg, layers, units, base, state_formats, lambda t, p: False,
+                      lambda t, p: t <= floor)
+    t, p = predict(cfg, layers, units, base)
+    if memory is not None and p > memory:
+        raise NoPlanFits(
+            f"no plan fits memory={memory / 1e6:.1f} MB: the smallest found peaks at "
+            f"{p / 1e6:.1f} MB ({goal}). Allow fewer-byte states (state_formats with "
+            "'int4'), more fp8 formats, a smaller batch, or a larger budget.")
+    for name, f in cfg.states.items():
+        if f != "fp32":
+            cfg.reasons[f"states:{name}"] = f"states {f}: fits the memory budget"
+    return cfg
