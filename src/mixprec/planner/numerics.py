@@ -84,10 +84,12 @@ def _capture(model, batches, loss_fn):
 
         def fwd(mod, args, out, n=n):
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            got[n].append([x, None])
+            pair = [x, None]
+            got[n].append(pair)
             if out.requires_grad:
-                out.register_hook(lambda g, n=n, k=len(got[n]) - 1: got[n][k].__setitem__(
-                    1, g.detach().reshape(-1, g.shape[-1]).float()))
+                def keep(g, pair=pair):
+                    pair[1] = g.detach().reshape(-1, g.shape[-1]).float()
+                out.register_hook(keep)
         handles.append(m.register_forward_hook(fwd))
     try:
         for b in batches:

@@ -55,8 +55,13 @@ from mixprec.planner.choose import (
     predict,
 )
 from mixprec.planner.numerics import layer_numerics, linear_names
-from mixprec.planner.timing import BF16, device_key, layer_costs, recipe_for_format, \
-    state_step_costs
+from mixprec.planner.timing import (
+    BF16,
+    device_key,
+    layer_costs,
+    recipe_for_format,
+    state_step_costs,
+)
 from mixprec.recipe import Recipe
 
 __all__ = ["plan", "Plan", "PlanRow", "CANDIDATES", "DEFAULT_MIN_SQNR", "call_loss",
