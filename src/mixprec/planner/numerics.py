@@ -8,8 +8,9 @@ of a training step on those tensors:
 - the reference is bf16: operands rounded to bf16, products accumulated in fp32 (what
   bf16 autocast computes, up to summation order);
 - an fp8/fp4 format runs a ``Float8Linear`` built with that format's recipe, forward and
-  backward, casts included (delayed scaling sees the batches in order, so its scale
-  comes from the earlier batches' amax history, as in training).
+  backward, casts included (delayed scaling sees the batches in order, after one
+  unscored pass over the first, so its scale comes from the earlier batches' amax
+  history, as in training).
 
 For each GEMM the signal-to-quantization-noise ratio against bf16,
 ``SQNR = 10·log10(Σ ref² / Σ (ref − out)²)`` in dB, is taken at its worst over the
@@ -155,6 +156,11 @@ def _score(lin, w, pairs, refs, r: Recipe) -> LayerNumerics:
         f8 = Float8Linear.from_linear(plain, r)
     s_out, s_dx, s_dw, lost, total, headroom = [], [], [], 0, 0, None
     history = {"input": 0.0, "grad_output": 0.0}
+    skip = 1 if r.fp8_scaling == "delayed" else 0
+    if skip:
+        # training's first step has no history to scale by; from the second on the
+        # scale is the history's: warm it on the first batch, score every batch after
+        pairs, refs = [pairs[0], *pairs], [refs[0], *refs]
     for i, ((x, g), (y0, dx0, dw0)) in enumerate(zip(pairs, refs)):
         xi = x.clone().requires_grad_(True)
         f8.weight.grad = None
@@ -164,6 +170,8 @@ def _score(lin, w, pairs, refs, r: Recipe) -> LayerNumerics:
         s_dx.append(sqnr_db(dx0, xi.grad))
         s_dw.append(sqnr_db(dw0, f8.weight.grad))
         for t, role in ((x, "input"), (g, "grad_output")):
+            if i < skip:
+                break
             with torch.no_grad():
                 q = f8.quantize(t, role, 1).dequant().float()
             a, b = _flushed(t, q)
@@ -174,7 +182,5 @@ def _score(lin, w, pairs, refs, r: Recipe) -> LayerNumerics:
                     h = math.log2(history[role] / amax)
                     headroom = h if headroom is None else min(headroom, h)
                 history[role] = max(history[role], amax)
-    # delayed scaling's first batch has no history to scale by: score it from the rest
-    skip = 1 if r.fp8_scaling == "delayed" and len(pairs) > 1 else 0
     return LayerNumerics(min(s_out[skip:]), min(s_dx[skip:]), min(s_dw[skip:]),
                          lost / total if total else 0.0, headroom)
