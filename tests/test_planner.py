@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import mixprec
-import mixprec.planner.planning as plan_mod
+import mixprec.planner.survey as survey_mod
 import mixprec.planner.timing as timing
 from mixprec import Recipe
 from mixprec.planner import NoPlanFits, Plan
@@ -66,12 +66,12 @@ def chip(monkeypatch):
         monkeypatch.setattr(timing, "_measure", _chip(fp8_speedup, **kw))
 
         def baselines(model, b, shell, batch, loss_fn, state_formats, device):
-            shapes = plan_mod._shapes(model, plan_mod.linear_names(model), batch, loss_fn)
+            shapes = survey_mod._shapes(model, survey_mod.linear_names(model), batch, loss_fn)
             t = sum(timing._measure(s, ["bf16"], shell, device, 0)["bf16"].seconds
                     for s in shapes.values())
             cost = {"fused": 1e-9, "fp32": 2e-9, "bf16": 2e-9, "int8": 3e-9, "int4": 4e-9}
             return Baselines(t, 1e8, t, 1e8, cost)
-        monkeypatch.setattr(plan_mod, "_baselines", baselines)
+        monkeypatch.setattr(survey_mod, "_baselines", baselines)
     yield set_chip
     timing.clear_cache()
 
@@ -215,7 +215,7 @@ def test_rules_are_compressed_over_repeated_blocks():
     choice = {n: ("mxfp8" if n.endswith("fc") else "fp8-current") for n in names}
     choice["head"] = "bf16"
     choice["blocks.1.qkv"] = "bf16"
-    rules = plan_mod._compress(choice, names, None)
+    rules = survey_mod.compress(choice, names, None)
     assert ("blocks.*.fc", "mxfp8") in rules and ("head", "bf16") in rules
     assert ("blocks.1.qkv", "bf16") in rules and ("blocks.0.qkv", "fp8-current") in rules
     r = Recipe.parse("fp8-current,"

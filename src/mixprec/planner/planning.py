@@ -27,45 +27,22 @@ above, moves the Linear with the lowest SQNR back to bf16.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import re
-import statistics
-import time
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from mixprec.layer_rules import LayerRule
-from mixprec.planner.choose import (
-    STATE_ORDER,
-    Baselines,
-    Config,
-    Layer,
-    Option,
-    StateUnit,
-    choose,
-    predict,
-)
-from mixprec.planner.numerics import layer_numerics, linear_names
-from mixprec.planner.timing import (
-    BF16,
-    device_key,
-    layer_costs,
-    recipe_for_format,
-    state_step_costs,
-)
+from mixprec.planner.choose import STATE_ORDER, Config, Layer, choose
+from mixprec.planner.survey import Survey, forward_loss, survey
+from mixprec.planner.timing import BF16, device_key
 from mixprec.recipe import Recipe
 
-__all__ = ["plan", "Plan", "PlanRow", "CANDIDATES", "DEFAULT_MIN_SQNR", "call_loss",
-           "measure_step"]
+__all__ = ["plan", "plan_from", "Plan", "PlanRow", "CANDIDATES", "DEFAULT_MIN_SQNR"]
 
 #: the formats the planner measures by default
 CANDIDATES = ("bf16", "fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4")
@@ -171,21 +148,6 @@ def _json_number(v):
     return str(v)
 
 
-def call_loss(model: nn.Module, batch, loss_fn: Callable | None) -> torch.Tensor:
-    """The loss of ``model`` on ``batch``: ``loss_fn(model, batch)``, or else the
-    model called on the batch (a tuple as positional arguments, a dict as keywords)
-    returning a scalar tensor or an object with ``.loss`` (Hugging Face)."""
-    if loss_fn is not None:
-        return loss_fn(model, batch)
-    out = (model(**batch) if isinstance(batch, dict) else
-           model(*batch) if isinstance(batch, (tuple, list)) else model(batch))
-    loss = getattr(out, "loss", out)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError("the model's output on sample_batch is not a scalar loss: pass "
-                         "loss_fn=lambda model, batch: <scalar loss>")
-    return loss
-
-
 def plan(model: nn.Module, sample_batch: Any, *, goal: str = "fastest",
          memory: float | str | None = None, max_loss: float | None = 0.01,
          min_sqnr: float = DEFAULT_MIN_SQNR, base: Recipe | str = "bf16-master",
@@ -222,59 +184,33 @@ def plan(model: nn.Module, sample_batch: Any, *, goal: str = "fastest",
     state_formats = tuple(state_formats)
     _check_args(b, goal, formats, state_formats, max_loss, min_sqnr)
     budget = None if memory is None else float(_bytes(memory, parse_count))
-    shell = recipe_for_format(b, "fp8-current")
     batches = list(calibration) if calibration is not None else [sample_batch]
-    device = next(model.parameters()).device
-
-    names = linear_names(model)
-    if not names:
-        raise ValueError("plan: the model has no nn.Linear to choose a format for; "
-                         "train it with a 16-bit recipe (bf16-master)")
-    shapes = _shapes(model, names, sample_batch, loss_fn)
-    fixed = _fixed_reasons(model)
-    costs = layer_costs({s for s in shapes.values()}, formats, shell, device,
-                        seconds=seconds, cache_file=cache_file)
-    quality = layer_numerics(model, batches, lambda m, bt: call_loss(m, bt, loss_fn),
-                             [f for f in formats if f != BF16], shell)
-    layers = {}
-    for n in names:
-        opts = {}
-        for f in formats:
-            c = costs[(shapes[n], f)]
-            q = quality.get((n, f))
-            refused = None
-            if f != BF16:
-                if fixed.get(n):
-                    refused = fixed[n]
-                elif q is None:
-                    refused = "has no gradient on the calibration batches"
-                elif q.sqnr < min_sqnr:
-                    refused = f"SQNR {q.sqnr:.1f} dB < floor {min_sqnr:g} dB"
-                elif q.headroom is not None and q.headroom < 0:
-                    refused = (f"delayed scale saturates (amax rose 2^{-q.headroom:.1f} "
-                               "above its history)")
-            opts[f] = Option(f, c.seconds, c.saved_bytes,
-                             math.inf if q is None else q.sqnr, refused)
-        if BF16 not in opts:
-            raise ValueError("plan: formats must include 'bf16' (the fallback of every "
-                             "Linear)")
-        layers[n] = Layer(n, shapes[n][:2], opts)
-    units = _state_units(model)
-    base_m = _baselines(model, b, shell, sample_batch, loss_fn, state_formats, device)
+    sv = survey(model, sample_batch, base=b, formats=formats, state_formats=state_formats,
+                min_sqnr=min_sqnr, loss_fn=loss_fn, batches=batches,
+                cache_file=cache_file, seconds=seconds)
     if goal == "smallest":
-        max_step = base_m.step_16 * (1.0 if max_step is None else max_step)
-    cfg = choose(layers, units, base_m, goal=goal, memory=budget, max_step=max_step,
-                 state_formats=state_formats)
+        max_step = sv.baselines.step_16 * (1.0 if max_step is None else max_step)
+    cfg = choose(sv.layers, sv.units, sv.baselines, goal=goal, memory=budget,
+                 max_step=max_step, state_formats=state_formats)
     delta = None
     if max_loss is not None:
-        cfg, delta = _hold_loss(model, b, shell, cfg, layers, batches, loss_fn, max_loss)
-    recipe = _recipe(b, shell, cfg, names, units)
-    t, peak = predict(cfg, layers, units, base_m)
-    rows = tuple(_row(layers[n], cfg, quality) for n in names)
-    return Plan(recipe, rows, goal, float(min_sqnr), t, peak,
-                {"16-bit": {"step_s": base_m.step_16, "peak": base_m.peak_16},
-                 "fp8-shell": {"step_s": base_m.step_shell, "peak": base_m.peak_shell}},
-                device_key(device), max_loss, budget, delta,
+        cfg, delta = _hold_loss(model, sv, cfg, batches, loss_fn, max_loss)
+    return plan_from(sv, cfg, goal=goal, max_loss=max_loss, memory=budget,
+                     loss_delta=delta, device=next(model.parameters()).device)
+
+
+def plan_from(sv: Survey, cfg: Config, *, goal: str = "fastest",
+              max_loss: float | None = None, memory: float | None = None,
+              loss_delta: float | None = None, device="cpu") -> Plan:
+    """The ``Plan`` of configuration ``cfg`` on survey ``sv``: its recipe, table and
+    predictions."""
+    t, peak = sv.predict(cfg)
+    rows = tuple(_row(sv.layers[n], cfg, sv.quality) for n in sv.names)
+    b = sv.baselines
+    return Plan(sv.recipe(cfg), rows, goal, sv.min_sqnr, t, peak,
+                {"16-bit": {"step_s": b.step_16, "peak": b.peak_16},
+                 "fp8-shell": {"step_s": b.step_shell, "peak": b.peak_shell}},
+                device_key(device), max_loss, memory, loss_delta,
                 {k: v for k, v in cfg.reasons.items() if k.startswith("states:")})
 
 
@@ -311,182 +247,24 @@ def _bytes(memory, parse_count) -> float:
     return float(memory)
 
 
-def _shapes(model, names, batch, loss_fn) -> dict[str, tuple[int, int, int, bool]]:
-    """(in, out, tokens, bias) of each Linear, read from one forward on ``batch``."""
-    out, handles = {}, []
-    for n in names:
-        m = model.get_submodule(n)
-        w = m.weight
-        d_in, d_out = (w.shape if type(m) is not nn.Linear else w.shape[::-1])
-
-        def hook(mod, args, res, n=n, d_in=d_in, d_out=d_out):
-            out[n] = (int(d_in), int(d_out), int(args[0].numel() // d_in),
-                      mod.bias is not None)
-        handles.append(m.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            call_loss(model, batch, loss_fn)
-    finally:
-        for h in handles:
-            h.remove()
-    missing = [n for n in names if n not in out]
-    for n in missing:  # a Linear the batch never reaches: priced at one token
-        m = model.get_submodule(n)
-        d_out, d_in = m.weight.shape if type(m) is nn.Linear else m.weight.shape[::-1]
-        out[n] = (int(d_in), int(d_out), 1, m.bias is not None)
-    return out
-
-
-def _fixed_reasons(model) -> dict[str, str]:
-    """The Linears no fp8 format can take (dims, subclasses), with the reason."""
-    from mixprec.fp8.convert import plan as convert_plan
-
-    return {fqn: why for fqn, _, why in convert_plan(model, filter=lambda m, n: True)
-            if why is not None}
-
-
-def _state_units(model) -> dict[str, StateUnit]:
-    units: dict[str, list] = {}
-    seen = set()
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen or "." not in name:
-            continue  # a parameter of the root module has no module name to rule on
-        seen.add(id(p))
-        units.setdefault(name.rpartition(".")[0], []).append(tuple(p.shape))
-    return {k: StateUnit(k, tuple(v)) for k, v in units.items()}
-
-
-def _engine(model, recipe: Recipe, fp8_filter=None, lr: float = 1e-3):
-    from mixprec.engine import MixedPrecision
-    from mixprec.optim import adamw_for
-
-    opt = adamw_for(recipe.base, model.parameters(), lr=lr)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return MixedPrecision(model, opt, recipe,
-                              fp8_filter=fp8_filter if recipe.compute == "fp8" else None)
-
-
-def measure_step(model: nn.Module, recipe: Recipe, batch, loss_fn=None, *,
-                 fp8_filter=None, steps: int = 4, peak: bool = True
-                 ) -> tuple[float, float | None]:
-    """Median seconds of a training step of a copy of ``model`` under ``recipe`` and the
-    step's measured peak bytes (``mixprec.memory.measure(peak=True)``)."""
-    from mixprec.memory import measure
-
-    m = copy.deepcopy(model)
-    eng = _engine(m, recipe, fp8_filter)
-    dev = next(m.parameters()).device
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-
-    def one():
-        with eng.autocast():
-            loss = call_loss(m, batch, loss_fn)
-        eng.backward(loss)
-        eng.step()
-
-    one()
-    times = []
-    for _ in range(steps):
-        sync()
-        t = time.perf_counter()
-        one()
-        sync()
-        times.append(time.perf_counter() - t)
-    high = None
-    if peak:
-        high = measure(_Bound(m, batch, loss_fn), eng, sample_batch=(), peak=True,
-                       loss_fn=lambda out: out).peak
-    return statistics.median(times), high
-
-
-class _Bound(nn.Module):
-    """The model with its batch bound: calling it returns the loss (for ``measure``)."""
-
-    def __init__(self, model, batch, loss_fn):
-        super().__init__()
-        self.model, self.batch, self.loss_fn = model, batch, loss_fn
-
-    def forward(self):
-        return call_loss(self.model, self.batch, self.loss_fn)
-
-
-def _baselines(model, b, shell, batch, loss_fn, state_formats, device) -> Baselines:
-    t16, p16 = measure_step(model, b, batch, loss_fn)
-    ts, ps = measure_step(model, shell, batch, loss_fn, fp8_filter=lambda m, n: False)
-    cost = state_step_costs([f for f in state_formats], device)
-    return Baselines(t16, p16, ts, ps, cost)
-
-
-def _forward_loss(model, recipe: Recipe, batches, loss_fn, fp8_filter=None) -> float:
-    m = copy.deepcopy(model)
-    eng = _engine(m, recipe, fp8_filter)
-    total = 0.0
-    with torch.no_grad():
-        for bt in batches:
-            with eng.autocast():
-                total += float(call_loss(m, bt, loss_fn))
-    return total / len(batches)
-
-
-def _hold_loss(model, b, shell, cfg: Config, layers, batches, loss_fn, max_loss):
+def _hold_loss(model, sv: Survey, cfg: Config, batches, loss_fn, max_loss):
     """Move the lowest-SQNR fp8 Linear back to bf16 while the plan's calibration loss
     is more than ``max_loss`` above the 16-bit recipe's; returns the relative change."""
-    ref = _forward_loss(model, b, batches, loss_fn)
+    ref = forward_loss(model, sv.base, batches, loss_fn)
     while True:
         if not cfg.any_fp8:
             return cfg, 0.0
-        r = _layer_recipe(shell, cfg, list(layers))
-        got = _forward_loss(model, r, batches, loss_fn)
+        got = forward_loss(model, sv.layer_recipe(cfg), batches, loss_fn)
         delta = (got - ref) / abs(ref) if ref else 0.0
         if delta <= max_loss:
             return cfg, delta
         worst = min((n for n, f in cfg.layers.items() if f != BF16),
-                    key=lambda n: layers[n].options[cfg.layers[n]].sqnr)
+                    key=lambda n: sv.layers[n].options[cfg.layers[n]].sqnr)
         cfg = cfg.copy()
         cfg.reasons[worst] = (f"bf16: the plan's calibration loss was {delta:+.2%} "
                               f"(over max_loss {max_loss:.2%}) with it in "
                               f"{cfg.layers[worst]}, the lowest SQNR")
         cfg.layers[worst] = BF16
-
-
-def _compress(choice: dict[str, str], universe: list[str], default: str | None
-              ) -> list[tuple[str, str]]:
-    """(pattern, value) rules for ``choice``: names that differ only in their numeric
-    parts (``blocks.3.fc``) share one ``*`` pattern when every name it matches in
-    ``universe`` has the same value; entries equal to ``default`` are dropped."""
-    out: list[tuple[str, str]] = []
-    done: set[str] = set()
-    for name in universe:
-        if name in done or name not in choice:
-            continue
-        pat = re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)
-        group = [n for n in universe if fnmatchcase(n, pat)]
-        if pat != name and all(choice.get(n) == choice[name] for n in group):
-            done.update(group)
-            if choice[name] != default:
-                out.append((pat, choice[name]))
-        else:
-            done.add(name)
-            if choice[name] != default:
-                out.append((name, choice[name]))
-    return out
-
-
-def _layer_recipe(shell: Recipe, cfg: Config, names: list[str]) -> Recipe:
-    """The fp8 recipe with one ``layer:`` rule per Linear (compressed), no states."""
-    fp8 = [f for f in cfg.layers.values() if f != BF16]
-    main = max(set(fp8), key=fp8.count)
-    r = recipe_for_format(shell, main)
-    rules = tuple(LayerRule("layer", p, v) for p, v in _compress(cfg.layers, names, None))
-    return r.replace(layers=rules)
-
-
-def _recipe(b: Recipe, shell: Recipe, cfg: Config, names, units) -> Recipe:
-    r = _layer_recipe(shell, cfg, names) if cfg.any_fp8 else b
-    states = tuple(LayerRule("states", p, v) for p, v in
-                   _compress(cfg.states, list(units), r.states))
-    return r.replace(layers=r.layers + states) if states else r
 
 
 def _row(layer: Layer, cfg: Config, quality) -> PlanRow:

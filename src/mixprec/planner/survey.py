@@ -1,0 +1,291 @@
+"""What the planner measures about one model on this device, before it chooses.
+
+``survey(model, sample_batch, ...)`` returns a ``Survey``: each Linear's options (time
+and saved bytes per format from ``timing``, SQNR and refusals from ``numerics``), the
+modules that own parameters (for state formats), and the whole model's measured
+baselines: the step time and peak of the 16-bit recipe and of the fp8 recipe with no
+Linear converted (``measure_step``). ``Survey.predict(config)`` prices any
+configuration from them (``choose.predict``), and ``Survey.recipe(config)`` writes it
+as a recipe with per-module rules, so a configuration can be predicted and then
+measured (``benchmarks/plan.py`` does both).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.layer_rules import LayerRule
+from mixprec.planner.choose import Baselines, Config, Layer, Option, StateUnit, predict
+from mixprec.planner.numerics import LayerNumerics, layer_numerics, linear_names
+from mixprec.planner.timing import BF16, layer_costs, recipe_for_format, state_step_costs
+from mixprec.recipe import Recipe
+
+__all__ = ["Survey", "survey", "call_loss", "measure_step", "forward_loss"]
+
+
+@dataclass
+class Survey:
+    """The measurements behind a plan (module docstring)."""
+
+    base: Recipe
+    shell: Recipe
+    names: list[str]
+    layers: dict[str, Layer]
+    units: dict[str, StateUnit]
+    baselines: Baselines
+    quality: dict[tuple[str, str], LayerNumerics]
+    min_sqnr: float
+
+    def predict(self, cfg: Config) -> tuple[float, float]:
+        """(seconds per step, peak bytes) predicted for ``cfg``."""
+        return predict(cfg, self.layers, self.units, self.baselines)
+
+    def uniform(self, fmt: str, states: str = "fp32") -> Config:
+        """Every Linear in ``fmt`` where it may take it (else bf16), every module's
+        states in ``states``: for predicting plans the planner would not choose."""
+        layers = {n: (fmt if fmt in lay.options and lay.options[fmt].refused is None
+                      else BF16) for n, lay in self.layers.items()}
+        return Config(layers, {u: states for u in self.units})
+
+    def recipe(self, cfg: Config) -> Recipe:
+        """``cfg`` as a recipe: the fp8 recipe of its most common fp8 format with one
+        ``layer:`` rule per Linear (where any Linear is fp8, else the 16-bit recipe),
+        and ``states:`` rules for modules whose states are not the recipe's."""
+        r = self.layer_recipe(cfg) if cfg.any_fp8 else self.base
+        states = tuple(LayerRule("states", p, v) for p, v in
+                       compress(cfg.states, list(self.units), r.states))
+        return r.replace(layers=r.layers + states) if states else r
+
+    def layer_recipe(self, cfg: Config) -> Recipe:
+        """The fp8 recipe of ``cfg``'s Linears, without its state rules."""
+        fp8 = [f for f in cfg.layers.values() if f != BF16]
+        main = max(sorted(set(fp8)), key=fp8.count)
+        r = recipe_for_format(self.shell, main)
+        rules = tuple(LayerRule("layer", p, v)
+                      for p, v in compress(cfg.layers, self.names, None))
+        return r.replace(layers=rules)
+
+
+def compress(choice: dict[str, str], universe: list[str], default: str | None
+             ) -> list[tuple[str, str]]:
+    """(pattern, value) rules for ``choice``: names that differ only in their numeric
+    parts (``blocks.3.fc``) share one ``*`` pattern when every name it matches in
+    ``universe`` has the same value; entries equal to ``default`` are dropped."""
+    out: list[tuple[str, str]] = []
+    done: set[str] = set()
+    for name in universe:
+        if name in done or name not in choice:
+            continue
+        pat = re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)
+        group = [n for n in universe if fnmatchcase(n, pat)]
+        if pat != name and all(choice.get(n) == choice[name] for n in group):
+            done.update(group)
+            if choice[name] != default:
+                out.append((pat, choice[name]))
+        else:
+            done.add(name)
+            if choice[name] != default:
+                out.append((name, choice[name]))
+    return out
+
+
+def survey(model: nn.Module, sample_batch: Any, *, base: Recipe, formats: tuple[str, ...],
+           state_formats: tuple[str, ...], min_sqnr: float, loss_fn: Callable | None,
+           batches: list, cache_file=None, seconds: float = 0.25) -> Survey:
+    """Measure ``model`` for the planner (module docstring; ``mixprec.plan``'s
+    arguments)."""
+    shell = recipe_for_format(base, "fp8-current")
+    device = next(model.parameters()).device
+    names = linear_names(model)
+    if not names:
+        raise ValueError("plan: the model has no nn.Linear to choose a format for; "
+                         "train it with a 16-bit recipe (bf16-master)")
+    if BF16 not in formats:
+        raise ValueError("plan: formats must include 'bf16' (the fallback of every "
+                         "Linear)")
+    shapes = _shapes(model, names, sample_batch, loss_fn)
+    fixed = _fixed_reasons(model)
+    costs = layer_costs(set(shapes.values()), formats, shell, device, seconds=seconds,
+                        cache_file=cache_file)
+    quality = layer_numerics(model, batches, lambda m, bt: call_loss(m, bt, loss_fn),
+                             [f for f in formats if f != BF16], shell)
+    layers = {}
+    for n in names:
+        opts = {}
+        for f in formats:
+            c = costs[(shapes[n], f)]
+            q = quality.get((n, f))
+            opts[f] = Option(f, c.seconds, c.saved_bytes,
+                             math.inf if q is None else q.sqnr,
+                             None if f == BF16 else _refusal(fixed.get(n), q, min_sqnr))
+        layers[n] = Layer(n, shapes[n][:2], opts)
+    units = _state_units(model)
+    base_m = _baselines(model, base, shell, sample_batch, loss_fn, state_formats, device)
+    return Survey(base, shell, names, layers, units, base_m, quality, float(min_sqnr))
+
+
+def _refusal(fixed: str | None, q: LayerNumerics | None, floor: float) -> str | None:
+    if fixed:
+        return fixed
+    if q is None:
+        return "has no gradient on the calibration batches"
+    if q.sqnr < floor:
+        return f"SQNR {q.sqnr:.1f} dB < floor {floor:g} dB"
+    if q.headroom is not None and q.headroom < 0:
+        return f"delayed scale saturates (amax rose 2^{-q.headroom:.1f} above its history)"
+    return None
+
+
+def call_loss(model: nn.Module, batch, loss_fn: Callable | None) -> torch.Tensor:
+    """The loss of ``model`` on ``batch``: ``loss_fn(model, batch)``, or else the
+    model called on the batch (a tuple as positional arguments, a dict as keywords)
+    returning a scalar tensor or an object with ``.loss`` (Hugging Face)."""
+    if loss_fn is not None:
+        return loss_fn(model, batch)
+    out = (model(**batch) if isinstance(batch, dict) else
+           model(*batch) if isinstance(batch, (tuple, list)) else model(batch))
+    loss = getattr(out, "loss", out)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError("the model's output on sample_batch is not a scalar loss: pass "
+                         "loss_fn=lambda model, batch: <scalar loss>")
+    return loss
+
+
+
+def _shapes(model, names, batch, loss_fn) -> dict[str, tuple[int, int, int, bool]]:
+    """(in, out, tokens, bias) of each Linear, read from one forward on ``batch``."""
+    out, handles = {}, []
+    for n in names:
+        m = model.get_submodule(n)
+        w = m.weight
+        d_in, d_out = (w.shape if type(m) is not nn.Linear else w.shape[::-1])
+
+        def hook(mod, args, res, n=n, d_in=d_in, d_out=d_out):
+            out[n] = (int(d_in), int(d_out), int(args[0].numel() // d_in),
+                      mod.bias is not None)
+        handles.append(m.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            call_loss(model, batch, loss_fn)
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [n for n in names if n not in out]
+    for n in missing:  # a Linear the batch never reaches: priced at one token
+        m = model.get_submodule(n)
+        d_out, d_in = m.weight.shape if type(m) is nn.Linear else m.weight.shape[::-1]
+        out[n] = (int(d_in), int(d_out), 1, m.bias is not None)
+    return out
+
+
+
+def _fixed_reasons(model) -> dict[str, str]:
+    """The Linears no fp8 format can take (dims, subclasses), with the reason."""
+    from mixprec.fp8.convert import plan as convert_plan
+
+    return {fqn: why for fqn, _, why in convert_plan(model, filter=lambda m, n: True)
+            if why is not None}
+
+
+
+def _state_units(model) -> dict[str, StateUnit]:
+    units: dict[str, list] = {}
+    seen = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen or "." not in name:
+            continue  # a parameter of the root module has no module name to rule on
+        seen.add(id(p))
+        units.setdefault(name.rpartition(".")[0], []).append(tuple(p.shape))
+    return {k: StateUnit(k, tuple(v)) for k, v in units.items()}
+
+
+
+def _engine(model, recipe: Recipe, fp8_filter=None, lr: float = 1e-3):
+    from mixprec.engine import MixedPrecision
+    from mixprec.optim import adamw_for
+
+    opt = adamw_for(recipe.base, model.parameters(), lr=lr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return MixedPrecision(model, opt, recipe,
+                              fp8_filter=fp8_filter if recipe.compute == "fp8" else None)
+
+
+
+def measure_step(model: nn.Module, recipe: Recipe, batch, loss_fn=None, *,
+                 fp8_filter=None, steps: int = 4, peak: bool = True
+                 ) -> tuple[float, float | None]:
+    """Median seconds of a training step of a copy of ``model`` under ``recipe`` and the
+    step's measured peak bytes (``mixprec.memory.measure(peak=True)``)."""
+    from mixprec.memory import measure
+
+    m = copy.deepcopy(model)
+    eng = _engine(m, recipe, fp8_filter)
+    dev = next(m.parameters()).device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def one():
+        with eng.autocast():
+            loss = call_loss(m, batch, loss_fn)
+        eng.backward(loss)
+        eng.step()
+
+    one()
+    times = []
+    for _ in range(steps):
+        sync()
+        t = time.perf_counter()
+        one()
+        sync()
+        times.append(time.perf_counter() - t)
+    high = None
+    if peak:
+        high = measure(_Bound(m, batch, loss_fn), eng, sample_batch=(), peak=True,
+                       loss_fn=lambda out: out).peak
+    return statistics.median(times), high
+
+
+
+class _Bound(nn.Module):
+    """The model with its batch bound: calling it returns the loss (for ``measure``)."""
+
+    def __init__(self, model, batch, loss_fn):
+        super().__init__()
+        self.model, self.batch, self.loss_fn = model, batch, loss_fn
+
+    def forward(self):
+        return call_loss(self.model, self.batch, self.loss_fn)
+
+
+
+def _baselines(model, b, shell, batch, loss_fn, state_formats, device) -> Baselines:
+    t16, p16 = measure_step(model, b, batch, loss_fn)
+    ts, ps = measure_step(model, shell, batch, loss_fn, fp8_filter=lambda m, n: False)
+    cost = state_step_costs([f for f in state_formats], device)
+    return Baselines(t16, p16, ts, ps, cost)
+
+
+
+def forward_loss(model, recipe: Recipe, batches, loss_fn, fp8_filter=None) -> float:
+    m = copy.deepcopy(model)
+    eng = _engine(m, recipe, fp8_filter)
+    total = 0.0
+    with torch.no_grad():
+        for bt in batches:
+            with eng.autocast():
+                total += float(call_loss(m, bt, loss_fn))
+    return total / len(batches)
+
+
