@@ -5,10 +5,11 @@ and the registry ``quantizer_for`` reads a recipe with), ``quantized`` (what a c
 returns: codes, scales, dequantize, transpose), ``scaling`` / ``blocks`` / ``nvfp4``
 (the casts), ``gemm`` (the per-tensor and rowwise GEMM routes), ``linear``
 (Float8Linear: one autograd Function for every scaling), ``convert`` (swap a model's
-eligible nn.Linear modules), ``gather`` (FSDP2's fp8 all-gather).
+eligible nn.Linear modules, as the recipe's ``layer:`` rules say; ``layer_formats``),
+``gather`` (FSDP2's fp8 all-gather).
 """
 
-from mixprec.fp8.convert import ConvertReport, convert
+from mixprec.fp8.convert import ConvertReport, convert, layer_formats
 from mixprec.fp8.gemm import fp8_gemm, gemm_backend
 from mixprec.fp8.linear import Float8Linear
 from mixprec.fp8.quantized import Quantized
@@ -20,6 +21,7 @@ from mixprec.fp8.scaling import (
     update_delayed_scales,
 )
 
-__all__ = ["Float8Linear", "convert", "ConvertReport", "fp8_gemm", "gemm_backend",
+__all__ = ["Float8Linear", "convert", "ConvertReport", "layer_formats", "fp8_gemm",
+           "gemm_backend",
            "Quantizer", "Quantized", "QUANTIZERS", "quantizer_for",
            "amax_to_scale", "cast_to_fp8", "cast_rowwise", "update_delayed_scales"]

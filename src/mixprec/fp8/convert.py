@@ -11,6 +11,13 @@ the output head. The head is the last Linear, or one whose weight is tied to an
 embedding: its logits feed the loss directly and fp8 costs the most accuracy there.
 ``filter(module, fqn) -> bool`` replaces the policy (dims still apply). The swap reuses the
 same Parameter objects, so an optimizer already built over the model keeps working.
+
+A recipe's ``layer:`` rules (``mixprec.layer_rules``) decide before the policy and the
+filter: a Linear matched by ``layer:PATTERN=bf16`` is kept, one matched by an fp8 preset
+(``layer:blocks.*.fc=mxfp8``) is converted with that preset's scaling
+(``Recipe.for_layer``), head or not. The hardware's limits (dims divisible by 16, Linear
+subclasses) still keep a Linear a rule asked fp8 for, with a reason naming the rule.
+``layer_formats`` says what each Linear will run in without converting anything.
 """
 
 from __future__ import annotations
@@ -18,52 +25,64 @@ from __future__ import annotations
 import math
 import warnings
 import zlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from mixprec.fp8.linear import Float8Linear, is_conv1d
+from mixprec.layer_rules import LayerRule, first_match
 from mixprec.recipe import Recipe
 
-__all__ = ["convert", "plan", "ConvertReport"]
+__all__ = ["convert", "plan", "layer_formats", "ConvertReport"]
 
 
 @dataclass(frozen=True)
 class ConvertReport:
-    """What ``convert`` did: fqns converted, and (fqn, reason) for each Linear skipped."""
+    """What ``convert`` did: fqns converted, and (fqn, reason) for each Linear skipped;
+    ``formats``: each of those Linears' format, the fp8 preset a converted one runs
+    (``fp8-current``, ``mxfp8``, ...) or ``bf16`` for a kept one (``layer_formats``)."""
 
     converted: tuple[str, ...]
     skipped: tuple[tuple[str, str], ...]
+    formats: Mapping[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"fp8: converted {len(self.converted)} Linear(s), left "
                  f"{len(self.skipped)} in higher precision"]
-        lines += [f"  fp8   {fqn}" for fqn in self.converted]
+        lines += [f"  fp8   {fqn}" + (f": {self.formats[fqn]}" if fqn in self.formats
+                                      else "") for fqn in self.converted]
         lines += [f"  kept  {fqn}: {why}" for fqn, why in self.skipped]
         return "\n".join(lines)
 
 
 def plan(model: nn.Module, filter: Callable[[nn.Module, str], bool] | None = None,
-         keep_last: int = 0, keep_fraction: float = 0.0
+         keep_last: int = 0, keep_fraction: float = 0.0, *,
+         rules: tuple[LayerRule, ...] = ()
          ) -> list[tuple[str, nn.Module, str | None]]:
     """Each Linear (or GPT-2 ``Conv1D``) of ``model`` with the reason it stays in high
     precision (None: fp8). ``keep_last``: the model's last N Linears stay too (the
     recipe's ``bf16_last_layers``; the output head, kept anyway, is one of them);
     ``keep_fraction``: or that share of them, rounded up, where it is more (the
-    recipe's ``bf16_last_fraction``)."""
+    recipe's ``bf16_last_fraction``). ``rules``: a recipe's ``layer:`` rules, which
+    decide for the Linears they match before the policy and ``filter`` do (``bf16``
+    keeps one; an fp8 preset converts it where its dims and class allow)."""
     linears = [(fqn, m) for fqn, m in model.named_modules()
                if (isinstance(m, nn.Linear) or is_conv1d(m))
                and not isinstance(m, Float8Linear)]
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     last = linears[-1][0] if linears else None
-    out = []
+    out, ruled = [], set()
     for fqn, m in linears:
+        rule = first_match(rules, "layer", fqn)
+        if rule is not None:
+            ruled.add(fqn)
+            out.append((fqn, m, _by_rule(m, rule)))
+            continue
         why = None
         d_in, d_out = m.weight.shape[::-1] if not is_conv1d(m) else m.weight.shape
         if type(m) is not nn.Linear and not is_conv1d(m):
-            why = (f"{type(m).__name__} is a Linear subclass whose owner may use its weight "
-                   "directly (e.g. nn.MultiheadAttention.out_proj)")
+            why = _subclass_reason(m)
         elif filter is not None:
             if not filter(m, fqn):
                 why = "filter returned False"
@@ -72,40 +91,121 @@ def plan(model: nn.Module, filter: Callable[[nn.Module, str], bool] | None = Non
         elif fqn == last:
             why = "output head: the last Linear"
         if why is None and (d_in % 16 or d_out % 16):
-            why = (f"in_features={d_in}, out_features={d_out}: fp8 GEMMs "
-                   "need both divisible by 16")
+            why = _dims_reason(d_in, d_out)
         out.append((fqn, m, why))
     by_share = math.ceil(keep_fraction * len(out) - 1e-9)
     keep, rule = ((by_share, f"bf16_last_fraction={keep_fraction:g}")
                   if by_share > keep_last else (keep_last, "bf16_last_layers"))
     for i in range(max(0, len(out) - keep), len(out)):
         fqn, m, why = out[i]
-        if why is None:
+        if why is None and fqn not in ruled:  # a rule names this one: it decides
             out[i] = (fqn, m, f"one of the last {keep} Linears ({rule})")
+    return out
+
+
+def _subclass_reason(m: nn.Module) -> str:
+    return (f"{type(m).__name__} is a Linear subclass whose owner may use its weight "
+            "directly (e.g. nn.MultiheadAttention.out_proj)")
+
+
+def _dims_reason(d_in: int, d_out: int) -> str:
+    return (f"in_features={d_in}, out_features={d_out}: fp8 GEMMs "
+            "need both divisible by 16")
+
+
+def _by_rule(m: nn.Module, rule: LayerRule) -> str | None:
+    """Why a Linear matched by ``rule`` stays in high precision (None: it converts)."""
+    if rule.value == "bf16":
+        return f"rule {rule}"
+    d_in, d_out = m.weight.shape[::-1] if not is_conv1d(m) else m.weight.shape
+    if type(m) is not nn.Linear and not is_conv1d(m):
+        limit = _subclass_reason(m)
+    elif d_in % 16 or d_out % 16:
+        limit = _dims_reason(d_in, d_out)
+    else:
+        return None
+    return f"{limit}; rule {rule} asked for {rule.value}, which cannot apply here"
+
+
+def _decide(model: nn.Module, r: Recipe, filter) -> list[tuple[str, nn.Module, str,
+                                                                str | None]]:
+    """``plan`` under recipe ``r``, with each Linear's format (``layer_formats``)."""
+    rows = plan(model, filter, r.bf16_last_layers, r.bf16_last_fraction,
+                rules=r.layer_rules)
+    return [(fqn, m, "bf16" if why is not None else r.layer_format(fqn), why)
+            for fqn, m, why in rows]
+
+
+def layer_formats(model: nn.Module, recipe: Recipe | str,
+                  filter: Callable[[nn.Module, str], bool] | None = None
+                  ) -> dict[str, str]:
+    """Every Linear (and GPT-2 ``Conv1D``) of ``model`` by name -> the format it will
+    run in under ``recipe``: for an fp8 recipe, the fp8 preset of each Linear
+    ``convert(model, recipe, filter=filter)`` would convert (``"fp8-current"``,
+    ``"mxfp8"``, ... as its ``layer:`` rule or the recipe's scaling says) and
+    ``"bf16"`` for each it would keep (the head, a rule's ``bf16``, dims not divisible
+    by 16, ...). A model that holds Float8Linears already (converted by hand, or by an
+    engine) is read as it is, as the engine leaves it: each Float8Linear runs its own
+    preset, every other Linear bf16. For a recipe without fp8 every Linear runs in its
+    ``compute`` (``"bf16"``, ``"fp32"``, ...). Nothing is converted.
+
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 16))
+    >>> layer_formats(net, "fp8-current,layer:1=mxfp8")
+    {'0': 'fp8-current', '1': 'mxfp8', '2': 'bf16'}
+    """
+    r = Recipe.coerce(recipe)
+    done = any(isinstance(m, Float8Linear) for m in model.modules())
+    decided = ({fqn: fmt for fqn, _, fmt, _ in _decide(model, r, filter)}
+               if r.compute == "fp8" and not done else {})
+    rest = "bf16" if r.compute == "fp8" else r.compute
+    out = {}
+    for fqn, m in model.named_modules():
+        if isinstance(m, Float8Linear):
+            out[fqn] = m.fp8_recipe.fp8_name or "fp8"
+        elif isinstance(m, nn.Linear) or is_conv1d(m):
+            out[fqn] = decided.get(fqn, rest)
     return out
 
 
 def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
             filter: Callable[[nn.Module, str], bool] | None = None,
-            allow_none: bool = False) -> ConvertReport:
+            allow_none: bool = False,
+            routes: Mapping[str, str] | None = None) -> ConvertReport:
     """Replace eligible ``nn.Linear`` modules of ``model`` in place; return a report.
 
-    A recipe that would convert nothing (every Linear too small, the head, or one of
-    the last ``bf16_last_layers``) trains nothing in fp8: that raises ``ValueError``
-    naming each Linear and why, unless ``allow_none`` or a ``filter`` says the choice
-    was the user's (then it warns)."""
+    A Linear matched by one of the recipe's ``layer:`` rules runs the rule's format
+    (``Recipe.for_layer``), or stays in bf16; a rule that decides for no Linear of the
+    model warns (its pattern is likely wrong). A recipe that would convert nothing
+    (every Linear too small, the head, or one of the last ``bf16_last_layers``) trains
+    nothing in fp8: that raises ``ValueError`` naming each Linear and why, unless
+    ``allow_none`` or a ``filter`` says the choice was the user's (then it warns).
+    ``routes``: the fp8 GEMM route (``fp8_gemm``) for each ``fp8_scaling`` (the engine
+    passes the ones it measured, ``KernelChoices.fp8_gemm_routes``); a scaling it does
+    not name keeps the recipe's.
+
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 16))
+    >>> report = convert(net, "fp8-current,layer:1=mxfp8,layer:2=fp8-current")
+    >>> [net[i].scaling for i in range(3)], report.formats["1"]
+    (['current', 'mx', 'current'], 'mxfp8')
+    """
     r = Recipe.coerce(recipe or "fp8")
+    rows = _decide(model, r, filter)
+    _warn_unused_rules(model, r)
     converted, skipped = [], []
-    for fqn, m, why in plan(model, filter, r.bf16_last_layers, r.bf16_last_fraction):
+    for fqn, m, _, why in rows:
         if why is not None:
             skipped.append((fqn, why))
             continue
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         # NVFP4's stochastic rounding: each module's own stream, fixed by its name
-        setattr(parent, child, Float8Linear.from_linear(m, r, seed=zlib.crc32(fqn.encode())))
+        setattr(parent, child, Float8Linear.from_linear(m, _layer_recipe(r, fqn, routes),
+                                                        seed=zlib.crc32(fqn.encode())))
         converted.append(fqn)
-    report = ConvertReport(tuple(converted), tuple(skipped))
+    report = ConvertReport(tuple(converted), tuple(skipped),
+                           {fqn: fmt for fqn, _, fmt, _ in rows})
     if not converted:
         why = ("; ".join(f"{f}: {w}" for f, w in skipped[:8]) if skipped
                else "the model has no nn.Linear")
@@ -119,3 +219,35 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
         warnings.warn(f"fp8: no Linear was converted, so nothing runs in fp8 ({why})",
                       stacklevel=2)
     return report
+
+
+def _layer_recipe(r: Recipe, fqn: str, routes: Mapping[str, str] | None) -> Recipe:
+    """The recipe the Linear ``fqn`` runs with: its rule's scaling, on its route."""
+    own = r.for_layer(fqn)
+    route = (routes or {}).get(own.fp8_scaling, own.fp8_gemm)
+    if route == own.fp8_gemm:
+        return own
+    with warnings.catch_warnings():  # the recipe's other fp8 fields warned once already
+        warnings.simplefilter("ignore")
+        return own.replace(fp8_gemm=route)
+
+
+def _warn_unused_rules(model: nn.Module, r: Recipe) -> None:
+    """One warning naming each ``layer:`` rule that decides for no Linear of the model."""
+    if not r.layer_rules:
+        return
+    names = [fqn for fqn, m in model.named_modules()
+             if isinstance(m, nn.Linear) or is_conv1d(m)]
+    used = {first_match(r.layer_rules, "layer", n) for n in names}
+    unused = [rule for rule in r.layer_rules if rule not in used]
+    if not unused:
+        return
+    shadowed = [str(x) for x in unused if any(x.matches(n) for n in names)]
+    sample = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    warnings.warn(
+        f"recipe rule(s) {', '.join(map(str, unused))} match no Linear of this model"
+        + (f" ({', '.join(shadowed)}: every Linear it matches is taken by an earlier "
+           "rule; the first match wins)" if shadowed else "")
+        + f"; its Linears are named {sample or '(none)'}. Patterns match whole module "
+        "names (fnmatch): write e.g. 'layer:blocks.*.fc=mxfp8', or drop the rule.",
+        stacklevel=3)
