@@ -21,7 +21,8 @@ from mixprec.recipe import Recipe
 
 __all__ = ["warn_low_precision_loss", "check_model", "check_device", "check_optimizers",
            "check_parallel_kwargs",
-           "check_fsdp_units", "check_fp8_filter", "param_counts", "takes_found_inf",
+           "check_fsdp_units", "check_fp8_filter", "check_fp8_all_gather", "param_counts",
+           "takes_found_inf",
            "fused_updates", "check_backward", "check_optimizer_precision"]
 
 
@@ -202,6 +203,29 @@ def check_fp8_filter(fp8_filter, recipe, model: nn.Module) -> None:
         raise ValueError(f"fp8_filter given, but the model holds Float8Linears already "
                          f"({', '.join(done[:3])}): the engine converts nothing more. "
                          "Convert by hand or pass fp8_filter, not both.")
+
+
+def check_fp8_all_gather(recipe, model: nn.Module, fp8_filter=None) -> None:
+    """``fp8_all_gather`` gathers per-tensor fp8 weights only: an error where the
+    recipe's ``layer:`` rules would convert a Linear of ``model`` to another scaling
+    (rowwise, block, MX, NVFP4), whose scales no rank knows before the gather."""
+    if recipe.compute != "fp8" or not recipe.fp8_all_gather or not recipe.layer_rules:
+        return
+    from mixprec.fp8.convert import layer_formats
+    from mixprec.fp8.linear import fp8_modules
+
+    if fp8_modules(model):
+        return  # converted by hand: the engine converts nothing
+    # the presets of per-tensor scaling (delayed, current): what the gather can carry
+    bad = [f"{name} ({fmt})" for name, fmt in layer_formats(model, recipe, fp8_filter).items()
+           if fmt not in ("bf16", "fp8", "fp8-current")]
+    if bad:
+        raise NotImplementedError(
+            f"recipe {str(recipe)!r}: fp8_all_gather, but its layer: rules convert "
+            f"{', '.join(bad[:4])}{' and more' if len(bad) > 4 else ''} to a scaling "
+            "the fp8 all-gather cannot carry: it is built for per-tensor scales (fp8, "
+            "fp8-current), which every rank knows before the gather. Give those Linears "
+            "fp8, fp8-current or bf16 in the rules, or drop fp8_all_gather.")
 
 
 def check_fsdp_units(parallel: str | None, units, model: nn.Module):

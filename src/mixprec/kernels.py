@@ -45,7 +45,7 @@ from functools import cache
 
 import torch
 
-from mixprec.recipe import MX_COMPUTE, Recipe
+from mixprec.recipe import MX_COMPUTE, PRESETS, Recipe
 
 __all__ = ["matmul_gflops", "relative_speed", "FAST_ENOUGH", "has_fast_kernels",
            "emulating", "fp8_gemm_gflops", "fp8_gemm_route", "fp8_rest", "choices",
@@ -246,19 +246,30 @@ class KernelChoices:
     (fp8 recipes); ``fp8_rest``: what the layers around fp8 Linears compute in;
     ``gflops``: the measured matmul rates behind them (GFLOP/s by name); ``source``:
     who decided (``measured``, ``MIXPREC_EMULATE=on|off``, or ``rank 0`` on the other
-    ranks of a data-parallel run)."""
+    ranks of a data-parallel run); ``fp8_gemm_routes``: under ``layer:`` rules, the
+    route of each fp8 scaling the Linears run (``gemm_for``)."""
 
     emulate: bool
     fp8_gemm: str | None = None
     fp8_rest: str | None = None
     gflops: dict[str, float] = field(default_factory=dict)
     source: str = "measured"
+    #: recipes with ``layer:`` rules: the fp8 GEMM route of each ``fp8_scaling`` their
+    #: Linears run (``fp8_gemm`` is the recipe's own scaling's); empty without rules
+    fp8_gemm_routes: dict[str, str] = field(default_factory=dict)
+
+    def gemm_for(self, scaling: str) -> str | None:
+        """The fp8 GEMM route of a Linear with fp8 scaling ``scaling``."""
+        return self.fp8_gemm_routes.get(scaling, self.fp8_gemm)
 
     def describe(self) -> str:
         """One line a person reads: what was chosen, by whom, and the measured rates."""
         parts = [f"emulate={'on' if self.emulate else 'off'}"]
         if self.fp8_gemm is not None:
-            parts += [f"fp8_gemm={self.fp8_gemm}", f"rest of the model in {self.fp8_rest}"]
+            other = ", ".join(f"{s}: {r}" for s, r in self.fp8_gemm_routes.items()
+                              if r != self.fp8_gemm)
+            parts += [f"fp8_gemm={self.fp8_gemm}" + (f" ({other})" if other else ""),
+                      f"rest of the model in {self.fp8_rest}"]
         if self.source != "measured":
             parts.append(f"decided by {self.source}")
         rates = ", ".join(f"{k} {v:.1f}" for k, v in self.gflops.items())
@@ -266,7 +277,10 @@ class KernelChoices:
 
     def as_dict(self) -> dict:
         """The choices that change numerics, as plain data (checkpoints record it)."""
-        return {"emulate": self.emulate, "fp8_gemm": self.fp8_gemm, "fp8_rest": self.fp8_rest}
+        out = {"emulate": self.emulate, "fp8_gemm": self.fp8_gemm, "fp8_rest": self.fp8_rest}
+        if self.fp8_gemm_routes:
+            out["fp8_gemm_routes"] = dict(self.fp8_gemm_routes)
+        return out
 
 
 def choices(recipe: Recipe, device: torch.device | str) -> KernelChoices:
@@ -282,14 +296,23 @@ def choices(recipe: Recipe, device: torch.device | str) -> KernelChoices:
             gflops[name] = matmul_gflops(str(dev), dt, 256, 0.01)
     if recipe.compute != "fp8":
         return KernelChoices(emulate, gflops=gflops, source=source)
-    if recipe.block_scaled:
-        route = block_gemm_route(dev, recipe.fp8_gemm)
-    else:
-        route = fp8_gemm_route(dev, "dequant" if recipe.emulate and
-                               recipe.fp8_gemm == "auto" else recipe.fp8_gemm)
+    route = _fp8_route(recipe, recipe.fp8_scaling, dev)
+    # layer: rules may put Linears on other scalings, whose GEMMs take other routes
+    scalings = [recipe.fp8_scaling] + [PRESETS[r.value].fp8_scaling
+                                       for r in recipe.layer_rules if r.value != "bf16"]
+    routes = ({s: _fp8_route(recipe, s, dev) for s in dict.fromkeys(scalings)}
+              if recipe.layer_rules else {})
     if dev.type == "cpu":
         gflops["scaled_mm"] = fp8_gemm_gflops(str(dev))
-    return KernelChoices(emulate, route, fp8_rest(recipe, dev), gflops, source)
+    return KernelChoices(emulate, route, fp8_rest(recipe, dev), gflops, source, routes)
+
+
+def _fp8_route(recipe: Recipe, scaling: str, dev: torch.device) -> str:
+    """The GEMM route of ``recipe``'s ``fp8_gemm`` for Linears with fp8 ``scaling``."""
+    if scaling in ("block", "mx", "nvfp4"):  # Recipe.block_scaled
+        return block_gemm_route(dev, recipe.fp8_gemm)
+    return fp8_gemm_route(dev, "dequant" if recipe.emulate and
+                          recipe.fp8_gemm == "auto" else recipe.fp8_gemm)
 
 
 def _fp32_matmul_knobs() -> list:

@@ -18,6 +18,7 @@ from torch import nn
 
 from mixprec.checks import (
     check_device,
+    check_fp8_all_gather,
     check_fp8_filter,
     check_model,
     check_optimizers,
@@ -85,18 +86,36 @@ def check_loop_args(model, grad_accum_steps, max_grad_norm, loss_scaler) -> None
 
 def _swap_fp8(model: nn.Module, r: Recipe, kernels: KernelChoices, fp8_filter):
     """fp8 recipes: Linears -> Float8Linears, reusing the Parameters (the optimizer stays
-    valid), on the GEMM route ``kernels`` chose. A model converted by hand is kept."""
+    valid), each as the recipe's ``layer:`` rules say, on the GEMM route ``kernels``
+    chose for its scaling. A model converted by hand is kept."""
     if r.compute != "fp8":
         return None
-    done = {m.scaling for m in fp8_modules(model).values()}
-    if not done:
-        return fp8_convert(model, r.replace(fp8_gemm=kernels.fp8_gemm), filter=fp8_filter)
-    if done != {r.fp8_scaling}:
+    mods = fp8_modules(model)
+    if not mods:
+        return fp8_convert(model, r.replace(fp8_gemm=kernels.fp8_gemm), filter=fp8_filter,
+                           routes=kernels.fp8_gemm_routes or None)
+    off = {name: m.scaling for name, m in mods.items() if m.scaling != _scaling_of(r, name)}
+    if off and not r.layer_rules:
         warnings.warn(
             f"the model's Float8Linears (converted by hand) use fp8_scaling="
-            f"{'/'.join(sorted(done))}, the recipe says {r.fp8_scaling}: each module "
-            "keeps its own. Convert with the engine's recipe to match.", stacklevel=4)
+            f"{'/'.join(sorted({m.scaling for m in mods.values()}))}, the recipe says "
+            f"{r.fp8_scaling}: each module keeps its own. Convert with the engine's "
+            "recipe to match.",
+            stacklevel=4)
+    elif off:
+        said = ", ".join(f"{n}: {s}, the recipe says {_scaling_of(r, n)}"
+                         for n, s in list(off.items())[:4])
+        warnings.warn(
+            f"{len(off)} of the model's Float8Linears (converted by hand) use another "
+            f"fp8_scaling than the recipe and its layer: rules give them ({said}): each "
+            "module keeps its own. Convert with the engine's recipe to match.",
+            stacklevel=4)
     return None
+
+
+def _scaling_of(r: Recipe, name: str) -> str:
+    """The fp8 scaling the recipe's rules give the Linear ``name`` (``bf16``: none)."""
+    return "bf16" if r.layer_format(name) == "bf16" else r.for_layer(name).fp8_scaling
 
 
 def _repoint(optimizers: list, state: ParamState) -> None:
@@ -141,6 +160,7 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
     """Check everything, then build the parts, in the order the module docstring gives."""
     check_parallel_recipe(parallel, r)
     check_fp8_filter(fp8_filter, r, model)
+    check_fp8_all_gather(r, model, fp8_filter)
     par = make_parallel(parallel, r, model, parallel_kwargs, fsdp_units)
     params, frozen = check_model(model)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
