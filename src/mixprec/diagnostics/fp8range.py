@@ -49,6 +49,7 @@ class Fp8Range:
     rowwise: float
     spread: float        # amax / the smallest non-zero |value|, as log2
     blockwise: float = 0.0  # one scale per tile of the last dim
+    scaling: str = ""    # the layer's fp8 scaling (its layer: rule's, or the recipe's)
 
 
 def _flushed(t: torch.Tensor, fmt: str, tile: int = 128
@@ -81,29 +82,30 @@ def fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor],
     ``mixprec.fp8.convert`` would convert (and any Float8Linear already there); the
     model's gradients are left as they were."""
     from mixprec.fp8.convert import plan
-
-    r = Recipe.coerce(recipe)
-    grad_fmt = "fp8_e5m2" if r.fp8_format == "hybrid" else "fp8_e4m3"
+    from mixprec.fp8.linear import fp8_modules
     from mixprec.fp8.quantizers import quantizer_for
 
-    tile = quantizer_for(r).tile
+    r = Recipe.coerce(recipe)
     seen: list[Fp8Range] = []
     handles = []
 
-    def record(name: str, kind: str, fmt: str, t: torch.Tensor) -> None:
+    def record(name: str, kind: str, fmt: str, t: torch.Tensor, lr: Recipe) -> None:
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
-            pt, rw, spread, bw = _flushed(t, fmt, tile)
-            seen.append(Fp8Range(name, kind, fmt, pt, rw, spread, bw))
+            pt, rw, spread, bw = _flushed(t, fmt, quantizer_for(lr).tile)
+            seen.append(Fp8Range(name, kind, fmt, pt, rw, spread, bw, lr.fp8_scaling))
 
-    from mixprec.fp8.linear import fp8_modules
-
-    mods = [(n, m) for n, m, why in plan(model) if why is None]
-    mods += list(fp8_modules(model).items())
-    for name, mod in mods:
+    # each Linear with the recipe it runs (its layer: rule's scaling, or its own)
+    mods = [(n, m, r.for_layer(n)) for n, m, why in plan(model, rules=r.layer_rules)
+            if why is None]
+    mods += [(n, m, m.fp8_recipe) for n, m in fp8_modules(model).items()]
+    for name, mod, lr in mods:
+        grad_fmt = "fp8_e5m2" if lr.fp8_format == "hybrid" else "fp8_e4m3"
         handles.append(mod.register_forward_pre_hook(
-            lambda m, args, name=name: record(name, "input", "fp8_e4m3", args[0])))
+            lambda m, args, name=name, lr=lr: record(name, "input", "fp8_e4m3", args[0],
+                                                     lr)))
         handles.append(mod.register_full_backward_hook(
-            lambda m, gin, gout, name=name: record(name, "grad_output", grad_fmt, gout[0])))
+            lambda m, gin, gout, name=name, lr=lr, fmt=grad_fmt:
+            record(name, "grad_output", fmt, gout[0], lr)))
     saved = {p: p.grad for p in model.parameters()}
     try:
         loss_fn(model).float().backward()
@@ -122,34 +124,38 @@ def audit_fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tens
     scaling where that keeps them, else keeping the layer out of fp8."""
     r = Recipe.coerce(recipe)
     ranges = fp8_ranges(model, loss_fn, r)
-    from mixprec.fp8.quantizers import quantizer_for
+    from mixprec.fp8.quantizers import QUANTIZERS, quantizer_for
 
-    mode = quantizer_for(r).flush_view
-    if not mode:
-        return [], ranges  # fp4 flushes small elements by design (module doc)
+    default = quantizer_for(r).flush_view
+
+    def mode(x: Fp8Range) -> str:  # each layer is judged by its own scaling
+        cls = QUANTIZERS.get(x.scaling)
+        return cls.flush_view if cls is not None else default
 
     def lost(x: Fp8Range) -> float:
-        return {"rowwise": x.rowwise, "per block": x.blockwise}.get(mode, x.per_tensor)
+        return {"rowwise": x.rowwise, "per block": x.blockwise}.get(mode(x), x.per_tensor)
 
-    bad = sorted((x for x in ranges if lost(x) > FLUSH_FLAG), key=lost, reverse=True)
+    # fp4 flushes small elements by design (module doc): its layers are not judged
+    bad = sorted((x for x in ranges if mode(x) and lost(x) > FLUSH_FLAG), key=lost,
+                 reverse=True)
     if not bad:
         return [], ranges
     worst = bad[0]
     evidence = "; ".join(
-        f"{x.layer} {x.tensor} ({x.fmt}): {lost(x):.1%} flushed {mode}"
-        + ("" if mode != "per-tensor" else
+        f"{x.layer} {x.tensor} ({x.fmt}): {lost(x):.1%} flushed {mode(x)}"
+        + ("" if mode(x) != "per-tensor" else
            f", {x.rowwise:.1%} rowwise, {x.blockwise:.1%} per 128-block")
         + f", amax / smallest = 2^{x.spread:.1f}" for x in bad[:5])
-    helps = mode == "per-tensor" and all(x.rowwise <= FLUSH_FLAG for x in bad)
+    helps = all(mode(x) == "per-tensor" and x.rowwise <= FLUSH_FLAG for x in bad)
     layers = sorted({x.layer for x in bad})
     if helps:
         advice = ("use rowwise scaling (recipe 'fp8-rowwise'), or block scaling "
                   "('fp8-block'): a few large rows (tokens) set the per-tensor scale, and "
                   "a scale per row or per 128-element tile keeps the others")
     else:
-        advice = (f"keep {', '.join(layers[:3])} out of fp8 "
-                  "(mixprec.fp8.convert(model, recipe, filter=...), or "
-                  "MixedPrecision(..., fp8_filter=...)), or use bf16"
+        advice = (f"keep {', '.join(layers[:3])} out of fp8 (a recipe rule "
+                  f"'layer:{layers[0]}=bf16', mixprec.fp8.convert(model, recipe, "
+                  "filter=...), or MixedPrecision(..., fp8_filter=...)), or use bf16"
                   + ("" if r.fp8_format == "hybrid" or worst.tensor != "grad_output"
                      else "; e5m2 gradients (fp8_format=hybrid) have 2^14 more range"))
     return [Finding("warning", "fp8-range",
