@@ -216,7 +216,7 @@ def _engine(model, recipe: Recipe, fp8_filter=None, lr: float = 1e-3):
     from mixprec.engine import MixedPrecision
     from mixprec.optim import adamw_for
 
-    opt = adamw_for(recipe.base, model.parameters(), lr=lr)
+    opt = adamw_for(recipe, list(model.named_parameters()), lr=lr)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return MixedPrecision(model, opt, recipe,
