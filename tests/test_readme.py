@@ -28,7 +28,7 @@ PAGES = ["README.md", "docs/index.md", "docs/getting-started.md", "docs/concepts
          "docs/concepts/formats.md", "docs/concepts/recipes.md", "docs/guides/your-loop.md",
          "docs/concepts/fp8.md", "docs/guides/memory.md", "docs/concepts/optimizer-states.md",
          "docs/guides/any-cpu.md", "docs/guides/distributed.md",
-         "docs/guides/checkpoints.md", "docs/guides/doctor.md",
+         "docs/guides/checkpoints.md", "docs/guides/doctor.md", "docs/guides/plan.md",
          "docs/guides/workbench.md", "docs/benchmarks.md", "docs/guides/trainers.md",
          "docs/guides/lightning.md", "docs/guides/hf-trainer.md", "docs/guides/accelerate.md",
          "docs/troubleshooting.md", "docs/not-there-yet.md", "docs/development.md",
