@@ -45,13 +45,56 @@ def adamw_for(recipe: Recipe | str, params: ParamsT, **kwargs: Any) -> torch.opt
     states and nearest writes, else ``mixprec.optim.AdamW`` with its ``states`` and
     ``write``. ``kwargs`` are AdamW's (``lr``, ``betas``, ``weight_decay``...).
 
+    ``params`` may be ``model.named_parameters()`` (or param groups of such pairs):
+    the recipe's ``states:`` rules then set each parameter's state format by its name
+    (``set_state_formats``). A recipe whose rules give some parameters other states
+    needs the names: with plain parameters it raises (or build
+    ``mixprec.optim.AdamW(params, states=..., write=...)`` and let ``MixedPrecision``
+    apply the rules).
+
     >>> import torch
     >>> type(adamw_for("bf16-lean", [torch.nn.Parameter(torch.ones(2))])).__module__
     'mixprec.optim.adam'
+    >>> m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    >>> opt = adamw_for("bf16-master,states:0=int8", m.named_parameters())
+    >>> opt.state_format(m[0].weight), opt.state_format(m[1].weight)
+    ('int8', 'fp32')
     """
     from mixprec.recipe import Recipe
 
     r = Recipe.coerce(recipe)
+    params, names = _split_names(params)
     if not r.needs_mixprec_optim:
         return torch.optim.AdamW(params, fused=True, **kwargs)
-    return AdamW(params, states=r.states, write=r.write, **kwargs)
+    opt = AdamW(params, states=r.states, write=r.write, **kwargs)
+    rules = [str(x) for x in r.state_rules if x.value != r.states]
+    if rules and names is None:
+        raise ValueError(
+            f"recipe {str(r)!r} has states: rules ({', '.join(rules)}) that match "
+            "parameters by name, and adamw_for was given parameters without names: pass "
+            "model.named_parameters() (or param groups of (name, parameter) pairs), or "
+            f"build mixprec.optim.AdamW(model.parameters(), states={r.states!r}, "
+            f"write={r.write!r}) and let MixedPrecision apply the rules")
+    if names is not None and r.state_rules:
+        opt.set_state_formats({p: r.state_format(n) for n, p in names})
+    return opt
+
+
+def _split_names(params: Any) -> tuple[Any, list | None]:
+    """``params`` without parameter names, and the ``(name, parameter)`` pairs when
+    it had them (``model.named_parameters()``, or param groups of such pairs)."""
+    if isinstance(params, torch.Tensor):
+        return [params], None
+    items = list(params)
+    groups = items if items and all(isinstance(x, dict) for x in items) else None
+    lists = [list(g["params"]) if not isinstance(g["params"], torch.Tensor)
+             else [g["params"]] for g in groups] if groups else [items]
+    pairs = [x for lst in lists for x in lst if isinstance(x, tuple)]
+    if not pairs:
+        return items, None
+    if len(pairs) != sum(map(len, lists)):
+        raise ValueError("adamw_for: some parameters have names and some do not; pass "
+                         "model.named_parameters() for all of them, or none")
+    if groups is None:
+        return [p for _, p in items], pairs
+    return [{**g, "params": [p for _, p in lst]} for g, lst in zip(groups, lists)], pairs

@@ -81,10 +81,10 @@ class Adam(LowPrecisionOptimizer):
     def _fused_step(self, group, found_inf, grad_scale) -> set[int]:
         if group["amsgrad"]:
             return set()  # the per-tensor path, torch's single-tensor amsgrad
-        fmt = self.states
-        ps = [p for p in group["params"]
+        ps = [p for p in group["params"]  # each parameter's own state format decides
               if p.dtype == torch.float32 and self.emulated_format is None
-              and stored_format(fmt, p.shape) == "fp32" and not _is_dtensor(p)
+              and stored_format(self._own_format(p), p.shape) == "fp32"
+              and not _is_dtensor(p)
               and (g := self._grad(p)) is not None and g.dtype == torch.float32]
         if not ps:
             return set()

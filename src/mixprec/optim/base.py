@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -92,8 +92,16 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                     raise ValueError(
                         f"param group {i} asks for {name}={g[name]!r}, the optimizer for "
                         f"{name}={value!r}: {name} is one per optimizer; build one "
-                        "optimizer per setting (the engine takes a list of optimizers)")
+                        "optimizer per setting (the engine takes a list of optimizers)"
+                        + (", or give those parameters their own state format with "
+                           "set_state_formats({param: format})" if name == "states"
+                           else ""))
         self.states, self.write, self.seed = states, write, seed
+        #: per-parameter state formats set by ``set_state_formats``, by the parameter's
+        #: position in the param groups (positions survive the engine re-pointing the
+        #: groups at fp32 masters or FSDP shards; tensors' ids do not)
+        self._formats: dict[int, str] = {}
+        self._fmt: dict[int, str] = {}  # this step's declared format, by id
         self.emulated_format: str | None = None
         self.grad_buffers: dict[int, torch.Tensor] | None = None
         self._grad_scale: torch.Tensor | None = None  # this step's, read by each piece
@@ -104,6 +112,84 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         #: steps together, so one count serves all, whatever device saved it)
         self._sr_start = 0
         self._index: dict[int, int] = {}
+
+    # --- per-parameter state formats -----------------------------------------------
+
+    def set_state_formats(self, formats: Mapping[torch.Tensor, str]) -> None:
+        """Store the states of some parameters in another format than ``states``:
+        ``{parameter: "int8", ...}``, keyed on the tensors this optimizer updates (under
+        ``MixedPrecision`` with fp32 masters: the masters; the engine sets the recipe's
+        ``states:`` rules itself). Each parameter's update then decodes and encodes its
+        own format (``stored_format``: small and 1-D tensors still keep fp32 in the
+        block formats); fp32 ones stay torch's update bit for bit, and ``fused=True``
+        takes only those. States that exist already are re-encoded in the new format.
+
+        >>> import torch
+        >>> from mixprec.optim import AdamW
+        >>> emb, head = (torch.nn.Parameter(torch.ones(64, 64)) for _ in range(2))
+        >>> opt = AdamW([emb, head])
+        >>> opt.set_state_formats({emb: "int8"})
+        >>> opt.state_format(emb), opt.state_format(head)
+        ('int8', 'fp32')
+        """
+        position = {id(p): i for i, p in enumerate(self._params())}
+        new = {}
+        for p, fmt in formats.items():
+            if fmt not in STATE_FORMATS:
+                raise ValueError(f"state format {fmt!r} for a parameter of shape "
+                                 f"{tuple(p.shape)}; valid: {', '.join(STATE_FORMATS)}")
+            if id(p) not in position:
+                raise ValueError(
+                    f"set_state_formats: a tensor of shape {tuple(p.shape)} is not a "
+                    "parameter of this optimizer; key the formats on the tensors in its "
+                    "param_groups (under MixedPrecision with fp32 masters: "
+                    "engine.param_state.opt_params)")
+            new[position[id(p)]] = fmt
+        params = self._params()
+        before = self.state_formats()
+        for i, fmt in new.items():
+            if fmt != before[i] and self.state.get(params[i]):
+                self._recode(params[i], before[i], fmt)
+        self._formats.update(new)
+
+    def state_format(self, p: torch.Tensor) -> str:
+        """The state format set for parameter ``p``: ``set_state_formats``', else the
+        optimizer's ``states`` (before ``stored_format``'s rule for small tensors)."""
+        for q, fmt in zip(self._params(), self.state_formats()):
+            if q is p:
+                return fmt
+        raise ValueError(f"a tensor of shape {tuple(p.shape)} is not a parameter of this "
+                         "optimizer")
+
+    def state_formats(self) -> list[str]:
+        """Each parameter's state format (``state_format``), in param-group order."""
+        return [self._formats.get(i, self.states) for i in range(len(self._params()))]
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _own_format(self, p) -> str:
+        """This step's declared format of ``p`` (set by ``step``)."""
+        return self._fmt.get(id(p), self.states)
+
+    @torch.no_grad()
+    def _recode(self, p, old: str, new: str) -> None:
+        """Re-encode the existing states of ``p`` from format ``old`` into ``new``."""
+        if _is_dtensor(p):
+            raise NotImplementedError(
+                "changing the state format of a sharded parameter that has states: set "
+                "the formats before the first step (or before sharding)")
+        state, shape = self.state[p], tuple(p.shape)
+        was, will = stored_format(old, shape), stored_format(new, shape)
+        if was == will:
+            return
+        for name, signed in self._STATES:
+            if not self._has(state, name):
+                continue
+            value = self._read_state(state, name, p, signed, None, was).clone()
+            for k in (name, f"{name}.q", f"{name}.s"):
+                state.pop(k, None)
+            self._write_state(state, name, value, signed, None, will)
 
     # --- the step ------------------------------------------------------------------
 
@@ -128,6 +214,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         self._grad_scale = grad_scale  # each piece unscales and upcasts its own rows
         self._index = {id(q): i for i, q in
                        enumerate(q for g in self.param_groups for q in g["params"])}
+        self._fmt = {id(q): f for q, f in zip(self._params(), self.state_formats())}
         for group in self.param_groups:
             done = (self._fused_step(group, found_inf, grad_scale)
                     if group.get("fused") else set())
@@ -165,10 +252,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     def _update_shard(self, p, g, group, state, skip) -> None:
         """A DTensor parameter: the update of its local shard, with each new state
         wrapped as a DTensor sharded like ``p`` (rows with its rows)."""
-        if self.states != "fp32" and any(pl.is_shard() and pl.dim != 0
-                                         for pl in p.placements):
+        own = self._own_format(p)
+        if own != "fp32" and any(pl.is_shard() and pl.dim != 0 for pl in p.placements):
             raise NotImplementedError(
-                f"states={self.states!r} for a parameter sharded as {p.placements}: block "
+                f"states={own!r} for a parameter sharded as {p.placements}: block "
                 "states are cut along rows, so only dim-0 shards (FSDP2's default) hold "
                 "whole blocks. Shard on dim 0, or use states='fp32'.")
         local = {k: v.to_local() if _is_dtensor(v) else v for k, v in state.items()}
@@ -192,10 +279,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         result equals the whole tensor's update bit for bit (torch's own, with fp32
         states and weights: tests/test_optim.py checks both on odd shapes)."""
         fmt = self._weight_format(p)
-        sfmt = stored_format(self.states, shape)
+        key = id(p) if key is None else key
+        sfmt = stored_format(self._fmt.get(key, self.states), shape)
         if not state:
             self._init_state(p, state, fmt)
-        key = id(p) if key is None else key
         step = state.get("step")
         if step is not None:
             new_step = step + 1 if skip is None else step + (~skip).float()
@@ -404,23 +491,39 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         rounding stream's state (the seed and the applied-step counter: the same on
         every rank, at any world size). ``torch.distributed.checkpoint`` drops it from
         ``state_dict()``, so reshardable checkpoints carry it beside."""
-        return {"states": self.states, "write": self.write, "seed": self.seed,
-                "layout": LAYOUT,
-                "sr_steps": {str(d): c.clone() for d, c in self._sr_steps.items()}}
+        extra = {"states": self.states, "write": self.write, "seed": self.seed,
+                 "layout": LAYOUT,
+                 "sr_steps": {str(d): c.clone() for d, c in self._sr_steps.items()}}
+        formats = self.state_formats()
+        if any(f != self.states for f in formats):  # set_state_formats': each one's
+            extra["formats"] = formats
+        return extra
 
     def check_extra_state(self, extra: dict, reshardable: bool = False) -> None:
         """Refuse, before anything is loaded, a checkpoint this optimizer cannot read:
-        other ``states`` / ``write`` settings, or (in a ``reshardable`` directory, whose
-        entries load in place) block states in another storage layout."""
+        other ``states`` / ``write`` settings, another state format for a parameter
+        (``set_state_formats``), or (in a ``reshardable`` directory, whose entries load
+        in place) block states in another storage layout."""
         if (extra["states"], extra["write"]) != (self.states, self.write):
             raise ValueError(
                 f"optimizer state saved with states={extra['states']!r}, "
                 f"write={extra['write']!r}; this optimizer has states={self.states!r}, "
                 f"write={self.write!r}: build it with the saved settings")
-        layout = int(extra.get("layout", 1))
-        if reshardable and layout != LAYOUT and self.states in ("fp8", "int8"):
+        mine = self.state_formats()
+        saved = list(extra.get("formats") or [extra["states"]] * len(mine))
+        if len(saved) == len(mine) and saved != mine:
+            i = next(i for i, (a, b) in enumerate(zip(saved, mine)) if a != b)
+            shape = tuple(self._params()[i].shape)
             raise ValueError(
-                f"this reshardable checkpoint holds {self.states} optimizer states in "
+                f"optimizer state saved with {saved[i]} states for parameter {i} (shape "
+                f"{shape}); this optimizer keeps {mine[i]} states for it: set the "
+                "formats the checkpoint was written with (set_state_formats, or the same "
+                "recipe with its states: rules) before loading")
+        layout = int(extra.get("layout", 1))
+        block = sorted({f for f in mine if f in ("fp8", "int8")})
+        if reshardable and layout != LAYOUT and block:
+            raise ValueError(
+                f"this reshardable checkpoint holds {'/'.join(block)} optimizer states in "
                 f"storage layout {layout} (mixprec 0.2); this version reads layout "
                 f"{LAYOUT} in place. Load it once with mixprec 0.2 and save it with "
                 "save(path, full=True): this version converts full checkpoints")
@@ -444,22 +547,22 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         names = {n for n, _ in self._STATES}
         ids = [i for g in sd["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        for i, p in zip(ids, params):
+        for i, p, own in zip(ids, params, self.state_formats()):
             saved = sd["state"].get(i, {})
-            want = stored_format(self.states, tuple(p.shape))
+            want = stored_format(own, tuple(p.shape))
             plain = [k for k in saved if k in names]
             coded = [k for k in saved if k.split(".")[0] in names and "." in k]
             if want != "fp32" and plain:
                 raise ValueError(
                     f"this state dict holds fp32 states (e.g. {plain[0]!r} of a parameter "
                     f"of shape {tuple(p.shape)}, as torch's optimizers write), this "
-                    f"optimizer stores states={self.states!r}: build it with "
+                    f"optimizer stores states={own!r} for it: build it with "
                     "states='fp32' to load it, or load a checkpoint that "
-                    f"{type(self).__name__}(states={self.states!r}) wrote")
+                    f"{type(self).__name__}(states={own!r}) wrote")
             if want == "fp32" and coded:
                 raise ValueError(
                     f"this state dict holds coded states ({coded[0]!r}) of a parameter "
-                    f"this optimizer (states={self.states!r}) keeps in fp32: build it with "
+                    f"this optimizer (states={own!r} for it) keeps in fp32: build it with "
                     "the states the checkpoint was written with")
 
     def state_dict(self) -> dict:
@@ -495,10 +598,10 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         step of the new grid)."""
         import warnings
 
-        converted = 0
-        for p in (q for g in self.param_groups for q in g["params"]):
+        converted, formats = 0, set()
+        for p, own in zip(self._params(), self.state_formats()):
             state = self.state.get(p, {})
-            fmt = stored_format(self.states, tuple(p.shape))
+            fmt = stored_format(own, tuple(p.shape))
             for name, signed in self._STATES:
                 if fmt in ("fp32", "bf16") or f"{name}.q" not in state:
                     continue
@@ -512,9 +615,11 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                 for k, v in encode(value, fmt, signed).items():
                     state[f"{name}.{k}"] = v
                 converted += 1
+                formats.add(fmt)
         if converted:
             warnings.warn(
-                f"optimizer checkpoint from mixprec 0.2: {converted} {self.states} state(s) "
+                f"optimizer checkpoint from mixprec 0.2: {converted} "
+                f"{'/'.join(sorted(formats))} state(s) "
                 "re-encoded in this version's storage (finer maps, unpadded blocks); "
                 "save again to keep the new form", stacklevel=3)
 
