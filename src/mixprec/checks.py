@@ -122,8 +122,10 @@ def takes_found_inf(opt: torch.optim.Optimizer) -> bool:
 
 
 def check_optimizer_precision(optimizers: list, r: Recipe, parallel: str | None) -> None:
-    """A recipe that stores optimizer states below fp32 or writes 16-bit weights by a
-    rule needs ``mixprec.optim`` optimizers built with the same settings."""
+    """A recipe that stores optimizer states below fp32 (its ``states``, or a
+    ``states:`` rule's for some parameters) or writes 16-bit weights by a rule needs
+    ``mixprec.optim`` optimizers built with the same settings (the engine applies the
+    rules to them)."""
     from mixprec.optim.base import LowPrecisionOptimizer
 
     lean = r.needs_mixprec_optim
@@ -138,6 +140,14 @@ def check_optimizer_precision(optimizers: list, r: Recipe, parallel: str | None)
             name = type(o).__name__
             alt = f"mixprec.optim.{name}" if name in ("Adam", "AdamW", "SGD") else \
                 "mixprec.optim.AdamW (or Adam, SGD)"
+            rules = [str(x) for x in r.state_rules if x.value != "fp32"]
+            if r.states == "fp32" and r.write == "nearest" and rules:
+                raise ValueError(
+                    f"recipe {str(r)!r}: its rule{'s' * (len(rules) > 1)} "
+                    f"{', '.join(rules)} store{'s' * (len(rules) == 1)} the matched "
+                    f"parameters' optimizer states below fp32, which torch's {name} "
+                    f"cannot do. Use {alt}(params, ..., states={r.states!r}, "
+                    f"write={r.write!r}): MixedPrecision applies the rules to it.")
             raise ValueError(
                 f"recipe {str(r)!r} stores optimizer states in {r.states} and writes "
                 f"weights by {r.write!r}, which torch's {name} cannot do. Use "

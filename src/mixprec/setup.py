@@ -29,6 +29,7 @@ from mixprec.context import fp32_island_modules, make_emulation_mode, wrap_fp32_
 from mixprec.fp8.convert import convert as fp8_convert
 from mixprec.fp8.linear import fp8_modules
 from mixprec.kernels import KernelChoices, choices, has_fast_kernels
+from mixprec.layer_rules import owner_of
 from mixprec.master import ParamState
 from mixprec.optim.base import LowPrecisionOptimizer
 from mixprec.parallel import Parallel, check_parallel_recipe, make_parallel
@@ -136,10 +137,23 @@ def _repoint(optimizers: list, state: ParamState) -> None:
 def _hand_over(optimizers: list, state: ParamState, fp32_init: list | None) -> None:
     """What ``mixprec.optim`` optimizers take from the parameter state: the fp32
     gradient buffers of 16-bit weights (so no 16-bit copy is made), the format that
-    emulated weights hold, and for ``write="remainder"`` the exact initial values."""
+    emulated weights hold, for ``write="remainder"`` the exact initial values, and
+    each parameter's state format by the recipe's ``states:`` rules (keyed on what
+    the optimizer updates: the masters where there are some)."""
+    rules = state.recipe.state_rules
+    owners = list(dict.fromkeys(owner_of(n) for n in state.names))
+    for rule in rules:  # a pattern that names nothing is most likely misspelt
+        if not any(rule.matches(m) for m in owners):
+            warnings.warn(
+                f"recipe rule {rule} matches the module of no trained parameter (they "
+                f"are {', '.join(map(repr, owners[:4]))}{', ...' * (len(owners) > 4)}): "
+                "check its pattern against the names model.named_modules() gives",
+                stacklevel=4)
     ours = [o for o in optimizers if isinstance(o, LowPrecisionOptimizer)]
     if not ours:
         return
+    if rules:
+        _set_state_formats(ours, state)
     index = {id(p): i for i, p in enumerate(state.working)}
     if not state.has_master and not state.direct and len(ours) == len(optimizers):
         buffers = {id(w): b for w, b in zip(state.working, state.buffers)}
@@ -152,6 +166,28 @@ def _hand_over(optimizers: list, state: ParamState, fp32_init: list | None) -> N
         if fp32_init is not None:
             mine = [p for g in o.param_groups for p in g["params"] if id(p) in index]
             o.init_remainders(mine, [fp32_init[index[id(p)]] for p in mine])
+
+
+def _set_state_formats(optimizers: list, state: ParamState) -> None:
+    """Each optimizer's parameters get the state format the recipe's rules give their
+    names; a format set by hand that the recipe contradicts is replaced, with a
+    warning."""
+    r = state.recipe
+    where = {id(q): i for i, q in enumerate(state.opt_params)}
+    for o in optimizers:
+        formats = {}
+        for q, had in zip(o._params(), o.state_formats()):
+            if id(q) not in where:
+                continue  # a frozen parameter: never stepped
+            name = state.names[where[id(q)]]
+            formats[q] = want = r.state_format(name)
+            if had not in (o.states, want):
+                warnings.warn(
+                    f"{type(o).__name__} keeps {had} states for {name!r} (set by hand); "
+                    f"recipe {str(r)!r} says {want}: the recipe's rules decide. Put a "
+                    f"states:{owner_of(name) or '*'}={had} rule in the recipe to keep it.",
+                    stacklevel=5)
+        o.set_state_formats(formats)
 
 
 def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,

@@ -143,14 +143,19 @@ def _engine(model: nn.Module, r: Recipe, optimizer: str, lr: float):
 
 def _optimizer(model: nn.Module, r: Recipe, optimizer: str, lr: float):
     """torch's AdamW (its defaults) or plain SGD; ``mixprec.optim``'s where the recipe
-    stores states or writes weights by a rule."""
+    stores states or writes weights by a rule, with each parameter's state format as
+    the recipe's ``states:`` rules give its name."""
     if not r.needs_mixprec_optim:
         cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
         return cls(model.parameters(), lr=lr)
     import mixprec.optim as mo
 
     cls = mo.AdamW if optimizer == "adamw" else mo.SGD
-    return cls(model.parameters(), lr=lr, states=r.states, write=r.write)
+    opt = cls(model.parameters(), lr=lr, states=r.states, write=r.write)
+    if r.state_rules:
+        opt.set_state_formats({p: r.state_format(n) for n, p in model.named_parameters()
+                               if p.requires_grad})
+    return opt
 
 
 def _train(engine, model, batch_fn, steps: int):
