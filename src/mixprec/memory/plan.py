@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from mixprec.master import grads_in_place, updated_dtype
+from mixprec.memory.layers import fp8_share, layer_recipes
 from mixprec.memory.transient import (
     backward_transient,
     linear_shapes,
@@ -212,11 +213,13 @@ def estimate(
     if isinstance(params, nn.Module):
         frozen_n, n_tensors, frozen_bytes, fp8_bytes, buffers = _module_counts(params, r)
         n -= frozen_n
-        sizes = [tuple(p.shape) for p in {id(p): p for p in params.parameters()}.values()
-                 if p.requires_grad]
+        named = [(k, p) for k, p in params.named_parameters() if p.requires_grad]
+        sizes = [tuple(p.shape) for _, p in named]
+        # each parameter's state format: the recipe's states: rule for its module
+        formats = [r.state_format(k) for k, _ in named]
     else:
         n_tensors, frozen_bytes, fp8_bytes, buffers = 0, 0.0, 0.0, 0.0
-        sizes = None
+        sizes = formats = None
         if r.compute == "fp8":
             notes.append("fp8 scaling state needs the module to count its Linears (~0)")
     shard = {k: (world_size if zero_stage >= lvl else 1)
@@ -226,14 +229,17 @@ def estimate(
         "params": (n * param_bytes + frozen_bytes) / shard["params"],
         "grads": n * grads_per / shard["grads"],
         "master": (n * 4 if r.master == "fp32" else 0) / shard["optimizer"],
-        "optimizer": (_optimizer_bytes(r, opt, n, sizes, emulated, notes)
+        "optimizer": (_optimizer_bytes(r, opt, n, sizes, emulated, notes, formats)
                       + 4 * n_tensors * _STATES[opt][1]) / shard["optimizer"],
         "fp8": fp8_bytes,
         "buffers": buffers,
     }
     peak = None
     if isinstance(activations, TransformerSpec):
-        items["activations"] = _activation_item(activations, r, act_fp32, notes, emulated)
+        share = (fp8_share(params, r) if on_model and r.layer_rules
+                 and r.compute == "fp8" else 1.0)
+        items["activations"] = _activation_item(activations, r, act_fp32, notes, emulated,
+                                                share)
         act_bytes = 4.0 if act_fp32 or r.compute in ("fp32", "tf32") else 2.0
         shapes = _linear_routes(params, activations, r, emulated, act_fp32)
         items["weight_casts"] = saved_weight_bytes(shapes)
@@ -264,8 +270,6 @@ def _linear_routes(params, spec: TransformerSpec, r: Recipe, emulated: bool,
                    act_fp32: bool) -> list[tuple[int, int, str]]:
     """``(in, out, route)`` of each Linear: the module's, or a transformer's from
     ``spec`` (QKV, projection, the two MLP Linears per layer, and the head)."""
-    from mixprec.fp8.convert import plan
-    from mixprec.fp8.linear import Float8Linear
     from mixprec.fp8.quantizers import quantizer_for
 
     if r.compute in ("fp32", "tf32") or (r.compute == "fp8" and act_fp32):
@@ -278,14 +282,12 @@ def _linear_routes(params, spec: TransformerSpec, r: Recipe, emulated: bool,
         rest = "autocast16"
     fp8 = quantizer_for(r).memory_route if r.compute == "fp8" else "fp8"
     if isinstance(params, nn.Module):
+        # each Linear at its own format: its layer: rule's fp8 preset, or kept in bf16
+        recipes = layer_recipes(params, r) if r.compute == "fp8" else {}
         out = []
-        chosen = ({fqn for fqn, _, why in plan(params, keep_last=r.bf16_last_layers,
-                                                keep_fraction=r.bf16_last_fraction)
-                   if why is None} if r.compute == "fp8" else set())
         for fqn, i, o in linear_shapes(params):
-            m = params.get_submodule(fqn) if fqn else params
-            route = fp8 if isinstance(m, Float8Linear) or fqn in chosen else rest
-            out.append((i, o, route))
+            own = recipes.get(fqn)
+            out.append((i, o, rest if own is None else quantizer_for(own).memory_route))
         return out
     h, f = spec.hidden, spec.ffn_mult
     inner = fp8 if r.compute == "fp8" else rest
@@ -295,10 +297,12 @@ def _linear_routes(params, spec: TransformerSpec, r: Recipe, emulated: bool,
 
 
 def _optimizer_bytes(r: Recipe, opt: str, n: int, sizes: list | None,
-                     emulated: bool, notes: list[str]) -> float:
+                     emulated: bool, notes: list[str],
+                     formats: list[str] | None = None) -> float:
     """Parameter-sized optimizer state: torch's optimizers keep it in the dtype they
-    update; ``mixprec.optim`` (recipes with ``states`` or ``write``) in ``r.states``
-    per tensor (small tensors fp32), plus the write rule's 2 bytes per 16-bit weight."""
+    update; ``mixprec.optim`` (recipes with ``states``, ``states:`` rules or ``write``)
+    in each tensor's own format (``formats``, the rules' by name; else ``r.states``;
+    small tensors fp32), plus the write rule's 2 bytes per 16-bit weight."""
     per = _STATES[opt][0]
     if not r.needs_mixprec_optim:
         return n * per * _state_bytes(r, emulated)
@@ -312,12 +316,17 @@ def _optimizer_bytes(r: Recipe, opt: str, n: int, sizes: list | None,
         sizes = [n]  # state_bytes' model of a bare count: rows of whole blocks
         notes.append(f"states={r.states}: every tensor counted as quantized (a module "
                      "counts the small ones in fp32)")
+        if r.state_rules:
+            notes.append("states: rules match parameter names: pass the module to "
+                         f"apply them (a bare count is priced at states={r.states})")
+    if formats is None:
+        formats = [r.states] * len(sizes)
     weights16 = r.params != "fp32" and r.master == "none"
     # under emulation kahan's compensation lives in fp32 tensors, as the weights do
     wide = 2 if emulated and r.write == "kahan" else 1
     total = 0
-    for k in sizes:  # a shape, or a bare count
-        total += per * state_bytes(r.states, k)
+    for k, fmt in zip(sizes, formats):  # a shape, or a bare count
+        total += per * state_bytes(fmt, k)
         if weights16:
             total += wide * write_bytes(r.write, k if isinstance(k, int) else math.prod(k))
     return total
@@ -337,12 +346,15 @@ def _module_counts(model: nn.Module, r: Recipe):
 
 
 def _activation_item(spec: TransformerSpec, r: Recipe, act_fp32: bool,
-                     notes: list[str], emulated: bool = False) -> float:
+                     notes: list[str], emulated: bool = False,
+                     fp8_share: float = 1.0) -> float:
     """Activation bytes of a transformer: fp32 norms and softmax where the recipe keeps
     them (unless the spec says), values of the recipe's compute width. Under emulation
     the fused attention's output is saved twice: the emulated kernel keeps its own
     fp32 output, and the projection its contiguous input (one more ``4·s·b·h`` a
-    layer)."""
+    layer). Under fp8, ``fp8_share`` of the Linears' inputs
+    (``mixprec.memory.layers.fp8_share``) are saved as 1-byte codes and the rest at
+    the compute width."""
     per = 4 if act_fp32 else {"fp32": 4, "tf32": 4}.get(r.compute, 2)
     islands = r.has_fp32_islands
     if spec.fp32_norms is None:
@@ -352,13 +364,17 @@ def _activation_item(spec: TransformerSpec, r: Recipe, act_fp32: bool,
     notes.append(f"activations: Korthikanti et al. 2022, attention={spec.attention}, "
                  f"recompute={spec.recompute}, {per}-byte values")
     total = activation_bytes(spec, per, 1 if r.compute == "fp8" else None)
+    if r.compute == "fp8" and fp8_share < 1.0:
+        # layer: rules keep some Linears in bf16: their inputs are saved unquantized
+        total = fp8_share * total + (1 - fp8_share) * activation_bytes(spec, per)
+        notes.append(f"activations: {fp8_share:.0%} of the Linears' inputs (by "
+                     "in_features) saved in fp8, the rest kept in bf16 by layer: rules")
     if emulated and spec.attention == "flash" and spec.recompute == "none":
         total += spec.layers * 4.0 * spec.seq_len * spec.micro_batch * spec.hidden
     return total
 
 
 def _fp8_state_bytes(model: nn.Module, r: Recipe) -> tuple[float, set[int]]:
-    from mixprec.fp8.convert import plan
     from mixprec.fp8.linear import fp8_modules, scaling_buffers
     from mixprec.fp8.quantizers import quantizer_for
 
@@ -369,11 +385,12 @@ def _fp8_state_bytes(model: nn.Module, r: Recipe) -> tuple[float, set[int]]:
         return float(sum(b.numel() * b.element_size() for b in bufs)), ids
     if r.compute != "fp8":
         return 0.0, ids
-    # what the quantizer keeps per module: delayed scaling's history, scales and maxima,
+    # what each Linear's quantizer keeps: delayed scaling's history, scales and maxima,
     # NVFP4's stochastic-rounding counter; nothing for the others
-    per_module = sum(t.numel() * t.element_size()
-                     for t, _ in quantizer_for(r).buffers("meta").values())
-    eligible = sum(1 for _, _, why in plan(model, keep_last=r.bf16_last_layers,
-                                           keep_fraction=r.bf16_last_fraction)
-                   if why is None)
-    return float(eligible * per_module), ids
+    total = 0
+    for own in layer_recipes(model, r).values():
+        if own is not None:
+            total += sum(t.numel() * t.element_size()
+                         for t, _ in quantizer_for(own).buffers("meta").values())
+    return float(total), ids
+

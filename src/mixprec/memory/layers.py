@@ -1,0 +1,53 @@
+"""Each Linear's compute format, for the planner: which Linears a recipe runs in fp8
+and with which quantizer, its ``layer:`` rules applied (the one rule is
+``mixprec.fp8.convert.layer_formats``; this module only reads it)."""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import nn
+
+from mixprec.memory.transient import linear_shapes
+from mixprec.recipe import PRESETS, Recipe
+
+__all__ = ["layer_recipes", "fp8_share"]
+
+
+def layer_recipes(model: nn.Module, r: Recipe) -> dict[str, Recipe | None]:
+    """Each Linear's fp8 recipe under fp8 recipe ``r`` (None: kept in high precision),
+    from ``mixprec.fp8.convert.layer_formats``: its ``layer:`` rule's preset, or
+    ``r``'s own, or a hand-converted Float8Linear's."""
+    from mixprec.fp8.convert import layer_formats
+    from mixprec.fp8.linear import Float8Linear
+
+    out: dict[str, Recipe | None] = {}
+    for fqn, fmt in layer_formats(model, r).items():
+        m = model.get_submodule(fqn) if fqn else model
+        preset = PRESETS.get(fmt)
+        if isinstance(m, Float8Linear):
+            out[fqn] = m.fp8_recipe
+        elif preset is None or preset.compute != "fp8":
+            out[fqn] = None
+        elif (preset.fp8_scaling, preset.fp8_format) == (r.fp8_scaling, r.fp8_format):
+            out[fqn] = r.base
+        else:
+            with warnings.catch_warnings():  # the recipe's other fp8 fields, harmless
+                warnings.simplefilter("ignore")
+                out[fqn] = r.base.replace(fp8_scaling=preset.fp8_scaling,
+                                          fp8_format=preset.fp8_format)
+    return out
+
+
+def fp8_share(model: nn.Module, r: Recipe) -> float:
+    """The share of the Linears' inputs (weighted by ``in_features``) that fp8 recipe
+    ``r`` with ``layer:`` rules saves in fp8, among the Linears it would run in fp8
+    without them (the rest, the head among them, the activation formula already
+    prices as it did)."""
+    shapes = {fqn: i for fqn, i, _ in linear_shapes(model)}
+    own, base = layer_recipes(model, r), layer_recipes(model, r.base)
+    pool = [fqn for fqn, rec in base.items() if rec is not None and fqn in shapes]
+    total = sum(shapes[f] for f in pool)
+    if not total:
+        return 1.0
+    return sum(shapes[f] for f in pool if own.get(f) is not None) / total
