@@ -371,3 +371,26 @@ def test_measuring_a_step_of_an_engine_with_rules_changes_nothing():
         assert opt.state[q].keys() == old.keys()
         assert all(torch.equal(opt.state[q][k], v) for k, v in old.items())
     assert opt.state_format(engine.param_state.opt_params[0]) == "int8"
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_a_skipped_step_leaves_mixed_format_states_bit_identical(sync_free):
+    """An inf in the loss: every state of every format, and every master, unchanged (the
+    CPU's early return, and the device path's ``torch.where`` forced on the CPU)."""
+    model = _model()
+    engine = _engine(model, RULES)
+    opt = engine.optimizers[0]
+    opt.sync_free = sync_free
+    _train(engine, model, 2)
+    masters = engine.param_state.opt_params
+    before = ([q.detach().clone() for q in masters],
+              [{k: v.clone() for k, v in opt.state[q].items()} for q in masters])
+    with engine.autocast():
+        loss = model(torch.randn(16, 64)).float().mean() * float("inf")
+    engine.backward(loss)
+    assert bool(engine.step().skipped)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], masters))
+    for q, old in zip(masters, before[1]):
+        assert opt.state[q].keys() == old.keys()
+        assert all(torch.equal(opt.state[q][k], v) for k, v in old.items())
+    assert "exp_avg.q" in opt.state[masters[0]]
