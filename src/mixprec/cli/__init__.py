@@ -195,6 +195,8 @@ _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "compare": ("train several recipes side by side and write report.html",
                 _lazy("mixprec.cli.workbench", "add_compare_arguments"),
                 _lazy("mixprec.cli.workbench", "run_compare")),
+    "plan": ("a per-layer precision plan for the workbench GPT, measured (plan.json)",
+             _lazy("mixprec.cli.plan", "add_arguments"), _lazy("mixprec.cli.plan", "run")),
 }
 
 

@@ -12,7 +12,9 @@ __all__ = ["add_arguments", "run", "load_target"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``mixprec doctor``."""
-    p.add_argument("--recipe", default="bf16", help="recipe to diagnose (default bf16)")
+    p.add_argument("--recipe", default="bf16",
+                   help="recipe to diagnose (default bf16), or a plan file from `mixprec "
+                        "plan` (.json): its planned fp8 layers are held to its SQNR floor")
     p.add_argument("--model", default="workbench",
                    help="'workbench' (a small GPT on the built-in corpus) or "
                         "'package.module:factory', where factory() returns "

@@ -71,7 +71,9 @@ def _cuda() -> bool:
 def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``mixprec compare``."""
     p.add_argument("--recipes", help="comma-separated presets, or ';'-separated recipes "
-                                     "(default: fp32,bf16,bf16-master,fp16,fp8)")
+                                     "(default: fp32,bf16,bf16-master,fp16,fp8); an entry "
+                                     "may be a plan file from `mixprec plan` (plan.json) "
+                                     "or 'plan' (plan this model now)")
     _common(p, steps=150, size="medium")
     p.add_argument("--out", default="runs/compare", help="report.html, report.json, runs")
     p.add_argument("--scenario", choices=["overflow"],

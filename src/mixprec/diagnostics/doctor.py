@@ -22,15 +22,21 @@ Checks, each turned into a finding with evidence and advice:
 8. where a step's time goes: the share in matmuls bounds what lower precision can gain
    (Amdahl), and the biggest other ops are named (``timeshare.py``);
 9. whether updates reach the weights: one step, the share of elements with a non-zero
-   gradient whose stored value did not move (``updates.py``).
+   gradient whose stored value did not move (``updates.py``);
+10. given a plan (``mixprec.plan``'s ``Plan``, or its JSON file) in place of the recipe:
+    training runs under the plan's recipe, and each fp8/fp4 Linear's SQNR against bf16,
+    measured as the planner does on the trained weights and the run's batches, is held
+    to the plan's floor (``mixprec.planner.check``, imported only for a plan).
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,18 +67,26 @@ RATIO_FLAG = 1.25
 
 def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
            batch_fn: Callable[[nn.Module, int], torch.Tensor],
-           recipe: Recipe | str = "bf16", *, steps: int = 10, lr: float = 1e-3,
+           recipe: Recipe | str | os.PathLike | Any = "bf16", *, steps: int = 10, lr: float = 1e-3,
            reference_steps: int = 3, scale_history: list[float] | None = None,
            plots: str | Path | None = None, optimizer: str = "adamw") -> Report:
     """Diagnose ``recipe`` on a model; see the module docstring.
 
     ``batch_fn(model, step)`` returns the step's loss; the doctor calls it under the
-    recipe's precision context. Example::
+    recipe's precision context. ``recipe`` may be a ``Plan`` or a plan file (``.json``):
+    the doctor then trains under the plan's recipe and flags each fp8/fp4 Linear whose
+    SQNR falls below the plan's floor (``plan-floor``). Example::
 
         report = doctor(lambda: MyNet(), lambda m, i: F.cross_entropy(m(x[i]), y[i]),
                         "fp16", steps=20)
         print(report)             # findings: severity, evidence, advice
     """
+    plan = None
+    if _is_plan(recipe):  # the planner sits above the diagnostics: imported only here
+        from mixprec.planner.check import as_plan
+
+        plan = as_plan(recipe)
+        recipe = plan.recipe
     r = Recipe.coerce(recipe)
     if isinstance(model_factory, nn.Module):
         import copy
@@ -86,6 +100,10 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
                          "and 'sgd' (no momentum)")
     facts: dict = {"steps": steps}
     model = model_factory()
+    if plan is not None:
+        from mixprec.planner.check import check_layers
+
+        check_layers(plan, model)
     findings, kfacts = audit_kernel_speed(next(model.parameters()).device, r)
     facts.update(kfacts)
     engine, opt, error = _engine(model, r, optimizer, lr)
@@ -96,6 +114,8 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
         return Report(str(r), findings, {**facts, "engine_error": error})
     scales, losses, skipped_at = _train(engine, model, batch_fn, steps)
     facts.update(losses=losses, scales=scales, skipped=skipped_at)
+    if plan is not None:
+        findings += _plan_floor(plan, model_factory, engine, batch_fn, steps, facts)
     if skipped_at:
         findings.append(_trace_first_skip(engine, model, batch_fn, r, skipped_at, steps))
     findings += _underflow(model_factory, batch_fn, r)
@@ -125,6 +145,29 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
 
         facts["plots"] = draw_plots(model_factory, batch_fn, r, scales, Path(plots))
     return report
+
+
+def _is_plan(recipe) -> bool:
+    """A ``Plan`` (duck-typed: the diagnostics do not import the planner) or a plan
+    file's path (``.json``)."""
+    if isinstance(recipe, (str, os.PathLike)):
+        return os.fspath(recipe).endswith(".json")
+    return not isinstance(recipe, Recipe) and hasattr(recipe, "layer_floor")
+
+
+def _plan_floor(plan, model_factory, engine, batch_fn, steps: int,
+                facts: dict) -> list[Finding]:
+    """``plan-floor`` findings: the plan's fp8/fp4 Linears measured on the trained
+    weights (fp32, plain Linears: a fresh model with the engine's fp32 weights) and
+    the run's last few batches."""
+    from mixprec.planner.check import audit_plan
+
+    fresh = model_factory()
+    fresh.load_state_dict(engine.fp32_state_dict())
+    batches = list(range(max(0, steps - 3), steps))
+    found, checks = audit_plan(plan, fresh, batch_fn, batches)
+    facts["plan_sqnr"] = [{**asdict(c), "below": c.below} for c in checks]
+    return found
 
 
 def _engine(model: nn.Module, r: Recipe, optimizer: str, lr: float):

@@ -33,6 +33,7 @@ CODES: dict[str, str] = {
     "time-share": "matmuls are a small share of the step, bounding any speed-up",
     "step-slow": "a recipe's step takes several times fp32's",
     "engine": "the recipe cannot run on this model",
+    "plan-floor": "a planned fp8/fp4 layer whose SQNR fell below the plan's floor",
 }
 
 

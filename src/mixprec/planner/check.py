@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from mixprec.diagnostics.findings import Finding
+from mixprec.planner import Plan
 from mixprec.planner.numerics import layer_numerics, linear_names
-from mixprec.planner.plan import Plan
 from mixprec.planner.timing import BF16
 
 __all__ = ["LayerCheck", "as_plan", "is_plan", "check_layers", "plan_sqnr", "audit_plan"]

@@ -5,6 +5,11 @@ SVG charts, no network) to ``out``: loss curves, final validation loss against f
 tokens/s and speed-up, memory by category (``memory.measure``), the loss-scale trace and
 skipped steps, and the doctor's findings for each recipe.
 
+An entry may be a plan: a path ending in ``.json`` written by ``mixprec plan`` (trained
+under its recipe, labelled by the file's stem) or ``plan``, a plan made now for this
+model (``mixprec.workbench.planning``). The report shows each plan's table, and the
+doctor checks its fp8/fp4 layers against the plan's SQNR floor.
+
 ``scenario="overflow"`` (fp16 without loss scaling) trains with the loss multiplied by
 1e-7, as when a sum-reduced loss is divided by a huge token count. AdamW's updates do not
 depend on the gradient's scale, so fp32 and bf16 train as usual. In fp16 with no loss
@@ -49,7 +54,10 @@ def compare(recipes: Iterable[str] | None = None, *, steps: int = 150, size: str
             batch: int = 16, seq: int | None = None, lr: float = 3e-3, seed: int = 0,
             out: str | Path = "runs/compare", scenario: str | None = None,
             progress: bool | None = None, doctor_steps: int = 2) -> dict:
-    """Run each recipe and write the report; returns the report dict."""
+    """Run each recipe and write the report; returns the report dict.
+
+    An entry is a recipe, a plan file (``*.json``) or ``plan`` (plan this model now):
+    see the module docstring."""
     extra = {}
     story = None
     if scenario is not None:
@@ -58,30 +66,52 @@ def compare(recipes: Iterable[str] | None = None, *, steps: int = 150, size: str
         sc = SCENARIOS[scenario]
         recipes = recipes or sc["recipes"]
         extra, story = sc["config"], sc["story"]
-    recipes = list(recipes or DEFAULT_RECIPES)
-    for r in recipes:
-        Recipe.coerce(r)  # fail before any training
+    entries = _entries(list(recipes or DEFAULT_RECIPES), size, batch, seq, seed)
     out = Path(out)
     results: dict[str, TrainResult] = {}
     walls = {}
-    for r in recipes:
+    for label, (r, _) in entries.items():
         cfg = TrainConfig(recipe=r, steps=steps, size=size, batch=batch, seq=seq, lr=lr,
                           seed=seed, eval_every=max(1, steps // 6), ckpt_every=steps,
                           **extra)
         t = time.perf_counter()
-        results[r] = train(cfg, out / _slug(r), progress=progress, measure_memory=True)
-        walls[r] = time.perf_counter() - t
-    findings = _doctor(results, doctor_steps) if doctor_steps else {}
+        results[label] = train(cfg, out / _slug(label), progress=progress,
+                               measure_memory=True)
+        walls[label] = time.perf_counter() - t
+    plans = {label: p for label, (_, p) in entries.items() if p is not None}
+    findings = _doctor(results, doctor_steps, plans) if doctor_steps else {}
     report = _report_dict(results, walls, findings, scenario, story)
+    for row in report["summary"]:
+        label = row["recipe"]
+        row["recipe_string"] = entries[label][0]
+        if label in plans:
+            row["plan"] = {"recipe": str(plans[label].recipe),
+                           "rows": [dataclasses.asdict(x) for x in plans[label].rows],
+                           "table": plans[label].table()}
     write_report(report, out)
     return report
+
+
+def _entries(recipes: list[str], size, batch, seq, seed) -> dict:
+    """``{label: (recipe string, plan or None)}``; every recipe is checked and every
+    plan made or loaded before any training."""
+    from mixprec.workbench.planning import resolve_entry
+
+    out: dict = {}
+    for entry in recipes:
+        label, r, p = resolve_entry(entry, size=size, batch=batch, seq=seq, seed=seed)
+        Recipe.coerce(r)  # fail before any training
+        if label in out and label != entry:  # plan.json beside plan: the path labels it
+            label = entry
+        out[label] = (r, p)
+    return out
 
 
 def _slug(recipe: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in recipe)
 
 
-def _doctor(results, steps) -> dict:
+def _doctor(results, steps, plans=None) -> dict:
     from mixprec.diagnostics import doctor
     from mixprec.workbench.data import load_corpus, sample_batch
     from mixprec.workbench.model import GPT, SIZES
@@ -104,7 +134,8 @@ def _doctor(results, steps) -> dict:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            rep = doctor(factory, batch_fn, r, steps=steps, reference_steps=0)
+            rep = doctor(factory, batch_fn, (plans or {}).get(r, cfg.recipe), steps=steps,
+                         reference_steps=0)
         found = list(rep.findings) + slow_step_findings(r, results, rep.facts)
         out[r] = [dataclasses.asdict(f) for f in found]
     return out
@@ -297,6 +328,22 @@ def _fmt(v, pct=False, digits=4):
     return f"{v:,.{digits}g}" if isinstance(v, float) else str(v)
 
 
+def _plan_html(row: dict) -> str:
+    """One plan entry's table: each Linear's format, states, predicted speed-up, SQNR,
+    saved bytes and the reason, with the recipe it trained under."""
+    p = row["plan"]
+    head = "".join(f"<th>{h}</th>" for h in ("layer", "shape", "choice", "states",
+                                             "speed-up", "SQNR dB", "saved MB", "reason"))
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in (
+            x["layer"], "x".join(map(str, x["shape"])), x["choice"], x["states"],
+            f"{x['speedup']:.2f}x", "–" if x["sqnr"] is None else f"{x['sqnr']:.1f}",
+            f"{x['saved_bytes'] / 1e6:.2f}", x["reason"])) + "</tr>"
+        for x in p["rows"])
+    return (f"<h3>{html.escape(row['recipe'])}</h3><p><code>{html.escape(p['recipe'])}"
+            f"</code></p><table class='plan'><tr>{head}</tr>{body}</table>")
+
+
 def write_report(report: dict, out: str | Path) -> Path:
     """``out/report.json`` and the self-contained ``out/report.html``."""
     out = Path(out)
@@ -324,6 +371,8 @@ def write_report(report: dict, out: str | Path) -> Path:
              else "")
     cfg = html.escape(json.dumps(report["config"]))
     figs = "".join(f"<figure id='{k}'>{v}</figure>" for k, v in charts.items())
+    plans = "".join(_plan_html(r) for r in report["summary"] if r.get("plan"))
+    plans = f"<h2>Plans</h2><div id='plans'>{plans}</div>" if plans else ""
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>mixprec compare</title>
 <style>
@@ -344,6 +393,7 @@ and data for every recipe. Machine: {html.escape(report["machine"])}.<br>
 <th>tokens/s</th><th>speed-up</th><th>memory</th><th>skipped</th><th>emulated</th>
 <th>train loss (first 5 → last 5)</th></tr>{rows}</table>
 <div class="grid">{figs}</div>
+{plans}
 <h2>Doctor's findings</h2><ul id="findings">{finds}</ul>
 </body></html>"""
     path = out / "report.html"

@@ -225,8 +225,10 @@ def _build(cfg: TrainConfig, parallel: str | None):
     mcfg = dataclasses.replace(SIZES[cfg.size], seq_len=cfg.seq_len)
     torch.manual_seed(cfg.seed)
     model = GPT(mcfg)
-    opt = adamw_for(cfg.recipe, model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                    weight_decay=0.0)
+    # a recipe's states: rules pick each parameter's state format by its name
+    named = Recipe.coerce(cfg.recipe).state_rules
+    opt = adamw_for(cfg.recipe, model.named_parameters() if named else model.parameters(),
+                    lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = MixedPrecision(model, opt, Recipe.coerce(cfg.recipe),
