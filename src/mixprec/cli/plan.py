@@ -77,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     p.save(args.out)
     print(p.table())
     print(f"plan: {args.out}")
-    print(f"train it: mixprec train --size {args.size} --recipe '{p.recipe}'")
-    print(f"compare it: mixprec compare --size {args.size} --recipes {args.out},bf16,fp8")
+    shape = f"--size {args.size} --batch {args.batch}" + (f" --seq {args.seq}" if args.seq
+                                                           else "")
+    print(f"train it: mixprec train {shape} --recipe '{p.recipe}'")
+    print(f"compare it: mixprec compare {shape} --recipes {args.out},bf16,fp8")
     return 0
