@@ -80,7 +80,7 @@ def _model_and_batch():
     torch.manual_seed(0)
     model = Skinny()
     x = torch.randn(2048, 16)
-    return model, x, (lambda m, b: m(b).pow(2).mean())
+    return model, x, (lambda m, b: m(b).float().pow(2).mean())
 
 
 @pytest.mark.parametrize("fp8_speedup,big", [(2.0, "fp8-current"), (0.8, "bf16")])
@@ -249,3 +249,26 @@ def test_bad_arguments_name_the_value_and_the_choices(kw, match):
     model, x, loss = _model_and_batch()
     with pytest.raises(ValueError, match=match):
         mixprec.plan(model, x, loss_fn=loss, **kw)
+
+
+def test_a_budget_the_16_bit_states_exceed_gets_a_plan_that_fits_measured():
+    # fp32 AdamW states of this model are 2 x 4 bytes x 0.79M = 6.3 MB; the budget
+    # takes 3 MB off the 16-bit recipe's measured peak, so states must shrink
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1536), nn.GELU(), nn.Linear(1536, 256))
+    x = torch.randn(64, 256)
+    loss = lambda m, b: m(b).float().pow(2).mean()  # noqa: E731
+    _, peak16 = mixprec.planner.measure_step(model, Recipe.parse("bf16-master"), x, loss,
+                                             steps=1)
+    budget = peak16 - 3e6
+    p = mixprec.plan(model, x, loss_fn=loss, memory=budget,
+                     formats=("bf16", "fp8-current"), seconds=0.05)
+    assert p.predicted_peak <= budget
+    assert any(r.value in ("bf16", "int8") for r in p.recipe.state_rules)
+    # measured: the plan's recipe in a real engine, one step's high-water mark
+    _, measured = mixprec.planner.measure_step(model, p.recipe, x, loss, steps=1)
+    assert measured <= budget, (measured, budget, str(p.recipe))
+    assert abs(measured - p.predicted_peak) <= 0.1 * measured
+    with pytest.raises(NoPlanFits, match="no plan fits"):
+        mixprec.plan(model, x, loss_fn=loss, memory=peak16 / 10,
+                     formats=("bf16", "fp8-current"), seconds=0.05)
