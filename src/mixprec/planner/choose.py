@@ -94,10 +94,12 @@ class Config:
     reasons: dict[str, str] = field(default_factory=dict)
 
     def copy(self) -> Config:
+        """An independent copy (its dicts copied)."""
         return Config(dict(self.layers), dict(self.states), dict(self.reasons))
 
     @property
     def any_fp8(self) -> bool:
+        """Whether any Linear is in an fp8/fp4 format."""
         return any(f != BF16 for f in self.layers.values())
 
 

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from mixprec.planner.choose import STATE_ORDER, Config, Layer, choose
@@ -201,7 +202,8 @@ def plan(model: nn.Module, sample_batch: Any, *, goal: str = "fastest",
 
 def plan_from(sv: Survey, cfg: Config, *, goal: str = "fastest",
               max_loss: float | None = None, memory: float | None = None,
-              loss_delta: float | None = None, device="cpu") -> Plan:
+              loss_delta: float | None = None,
+              device: torch.device | str = "cpu") -> Plan:
     """The ``Plan`` of configuration ``cfg`` on survey ``sv``: its recipe, table and
     predictions."""
     t, peak = sv.predict(cfg)

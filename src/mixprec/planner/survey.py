@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -103,7 +104,8 @@ def compress(choice: dict[str, str], universe: list[str], default: str | None
 
 def survey(model: nn.Module, sample_batch: Any, *, base: Recipe, formats: tuple[str, ...],
            state_formats: tuple[str, ...], min_sqnr: float, loss_fn: Callable | None,
-           batches: list, cache_file=None, seconds: float = 0.25) -> Survey:
+           batches: list, cache_file: str | Path | None = None,
+           seconds: float = 0.25) -> Survey:
     """Measure ``model`` for the planner (module docstring; ``mixprec.plan``'s
     arguments)."""
     shell = recipe_for_format(base, "fp8-current")
@@ -148,7 +150,7 @@ def _refusal(fixed: str | None, q: LayerNumerics | None, floor: float) -> str | 
     return None
 
 
-def call_loss(model: nn.Module, batch, loss_fn: Callable | None) -> torch.Tensor:
+def call_loss(model: nn.Module, batch: Any, loss_fn: Callable | None) -> torch.Tensor:
     """The loss of ``model`` on ``batch``: ``loss_fn(model, batch)``, or else the
     model called on the batch (a tuple as positional arguments, a dict as keywords)
     returning a scalar tensor or an object with ``.loss`` (Hugging Face)."""
@@ -224,8 +226,9 @@ def _engine(model, recipe: Recipe, fp8_filter=None, lr: float = 1e-3):
 
 
 
-def measure_step(model: nn.Module, recipe: Recipe, batch, loss_fn=None, *,
-                 fp8_filter=None, steps: int = 4, peak: bool = True
+def measure_step(model: nn.Module, recipe: Recipe, batch: Any,
+                 loss_fn: Callable | None = None, *,
+                 fp8_filter: Callable | None = None, steps: int = 4, peak: bool = True
                  ) -> tuple[float, float | None]:
     """Median seconds of a training step of a copy of ``model`` under ``recipe`` and the
     step's measured peak bytes (``mixprec.memory.measure(peak=True)``)."""
@@ -278,7 +281,10 @@ def _baselines(model, b, shell, batch, loss_fn, state_formats, device) -> Baseli
 
 
 
-def forward_loss(model, recipe: Recipe, batches, loss_fn, fp8_filter=None) -> float:
+def forward_loss(model: nn.Module, recipe: Recipe, batches: list,
+                 loss_fn: Callable | None, fp8_filter: Callable | None = None) -> float:
+    """The mean loss of a copy of ``model`` under ``recipe``'s precision on
+    ``batches`` (forward only, no update)."""
     m = copy.deepcopy(model)
     eng = _engine(m, recipe, fp8_filter)
     total = 0.0
