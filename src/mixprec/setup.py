@@ -95,7 +95,8 @@ def _swap_fp8(model: nn.Module, r: Recipe, kernels: KernelChoices, fp8_filter):
     if not mods:
         return fp8_convert(model, r.replace(fp8_gemm=kernels.fp8_gemm), filter=fp8_filter,
                            routes=kernels.fp8_gemm_routes or None)
-    off = {name: m.scaling for name, m in mods.items() if m.scaling != _scaling_of(r, name)}
+    off = {name: m.scaling for name, m in mods.items()
+           if _scaling_of(r, name) != m.scaling}  # the module against its rule
     if off and not r.layer_rules:
         warnings.warn(
             f"the model's Float8Linears (converted by hand) use fp8_scaling="

@@ -156,7 +156,7 @@ def _score(lin, w, pairs, refs, r: Recipe) -> LayerNumerics:
         f8 = Float8Linear.from_linear(plain, r)
     s_out, s_dx, s_dw, lost, total, headroom = [], [], [], 0, 0, None
     history = {"input": 0.0, "grad_output": 0.0}
-    skip = 1 if r.fp8_scaling == "delayed" else 0
+    skip = 1 if f8.quantizer.has_history else 0
     if skip:
         # training's first step has no history to scale by; from the second on the
         # scale is the history's: warm it on the first batch, score every batch after
@@ -176,7 +176,7 @@ def _score(lin, w, pairs, refs, r: Recipe) -> LayerNumerics:
                 q = f8.quantize(t, role, 1).dequant().float()
             a, b = _flushed(t, q)
             lost, total = lost + a, total + b
-            if r.fp8_scaling == "delayed":
+            if f8.quantizer.has_history:
                 amax = t.abs().max().item()
                 if i > 0 and amax > 0 and history[role] > 0:
                     h = math.log2(history[role] / amax)
