@@ -81,8 +81,8 @@ def main() -> None:
               f"{sv.baselines.peak_16 / 1e6:.1f} MB; fp8 shell step "
               f"{sv.baselines.step_shell * 1e3:.1f} ms, peak "
               f"{sv.baselines.peak_shell / 1e6:.1f} MB")
-        print(f"| configuration | predicted step | measured step | meas/pred | "
-              f"predicted peak | measured peak | meas/pred |")
+        print("| configuration | predicted step | measured step | meas/pred | "
+              "predicted peak | measured peak | meas/pred |")
         print("|---|---|---|---|---|---|---|")
         for label, cfg in configs(sv, mlp).items():
             p = plan_from(sv, cfg)

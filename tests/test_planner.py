@@ -241,7 +241,8 @@ def test_plan_file_round_trips(chip, tmp_path):
     ({"goal": "quickest"}, "goal='quickest'"),
     ({"base": "fp16-master"}, "bf16 recipe"),
     ({"formats": ("bf16", "fp9")}, "fp9"),
-    ({"state_formats": ("int8",)}, "fp32 among them"),
+    ({"state_formats": ("int8",)}, "lacks .fp32."),
+    ({"state_formats": ("fp32", "int3")}, "unknown \\[.int3.\\]"),
     ({"max_loss": -1}, "max_loss"),
     ({"memory": "lots"}, "memory='lots'"),
 ])

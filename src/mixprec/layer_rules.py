@@ -25,7 +25,9 @@ its overrides::
   hardware's limits (dims divisible by 16).
 - ``states:PATTERN=FORMAT`` matches the name of the module that owns a parameter and
   sets the format of that parameter's optimizer states (``fp32``, ``bf16``, ``fp8``,
-  ``int8``, ``int4``; ``mixprec.optim``).
+  ``int8``, ``int4``; ``mixprec.optim``). A parameter that several modules share (an
+  output head tied to its embedding) is one tensor with one set of states: it is ruled
+  by the name ``model.named_parameters()`` gives it, its first owner's.
 
 Rules are ordered: for each module, the first rule of its kind that matches decides,
 and a module no rule matches takes the recipe's own setting.

@@ -31,7 +31,7 @@ weight copies made by autocast or fp8 casts.
 Units: ``GB`` means 10^9 bytes, as published memory tables and the ZeRO paper use.
 """
 
-from mixprec.memory.ledger import measure
+from mixprec.memory.ledger import high_water, measure
 from mixprec.memory.plan import (
     GB,
     ITEMS,
@@ -42,5 +42,6 @@ from mixprec.memory.plan import (
     parse_count,
 )
 
-__all__ = ["Breakdown", "TransformerSpec", "estimate", "measure", "parse_count",
+__all__ = ["Breakdown", "TransformerSpec", "estimate", "measure", "high_water",
+           "parse_count",
            "activation_bytes", "ITEMS", "GB"]

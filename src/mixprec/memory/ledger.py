@@ -16,7 +16,7 @@ from mixprec.wgrad import WEIGHT_CAST_TAG
 if TYPE_CHECKING:
     from mixprec.engine import MixedPrecision
 
-__all__ = ["measure"]
+__all__ = ["measure", "high_water"]
 
 _CPU_DEVICE = torch.autograd.DeviceType.CPU
 
@@ -44,7 +44,7 @@ class _Ledger:
 
 def measure(model: nn.Module,
             engine_or_optimizer: MixedPrecision | torch.optim.Optimizer | None,
-            sample_batch: torch.Tensor | tuple[Any, ...] | None = None, *,
+            sample_batch: torch.Tensor | tuple[Any, ...] | dict | None = None, *,
             loss_fn: Callable | None = None, peak: bool = False) -> Breakdown:
     """Exact bytes held for ``model`` and its engine (or plain optimizer), by storage.
 
@@ -52,7 +52,8 @@ def measure(model: nn.Module,
     context when given an engine, and counts what autograd saves for backward. The
     tensors are deduplicated by storage and split into ``activations`` and
     ``weight_casts`` (bf16/fp8 copies of weights made by autocast or fp8 casts).
-    ``sample_batch`` is a tensor or a tuple of model inputs. Buffers such as BatchNorm
+    ``sample_batch`` is a tensor, a tuple of model inputs or a dict of keyword inputs
+    (a Hugging Face batch). Buffers such as BatchNorm
     statistics and fp8 amax histories are restored afterwards, so measuring changes
     nothing. On CUDA the breakdown also notes ``torch.cuda.max_memory_allocated``.
     Optimizer states exist only after the first ``step()``: measure after one.
@@ -115,7 +116,6 @@ def _step_high_water(model, engine, optimizers, batch, loss_fn) -> float:
     (see ``measure``); the step is undone afterwards."""
     import copy
 
-    inputs = batch if isinstance(batch, (tuple, list)) else (batch,)
     if engine is not None:
         saved = copy.deepcopy(engine.state_dict())
     else:
@@ -125,7 +125,7 @@ def _step_high_water(model, engine, optimizers, batch, loss_fn) -> float:
     def step() -> None:
         ctx = engine.autocast() if engine is not None else contextlib.nullcontext()
         with ctx:
-            out = model(*inputs)
+            out = _call(model, batch)
             loss = loss_fn(out) if loss_fn is not None else out
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("measure(..., peak=True): the model's output is not a scalar "
@@ -160,6 +160,20 @@ def _step_high_water(model, engine, optimizers, batch, loss_fn) -> float:
                 o.load_state_dict(sd)
 
 
+def high_water(fn: Callable[[], None], device: torch.device | str = "cpu") -> int:
+    """The most bytes ``fn`` holds at once above what was allocated when it started:
+    ``max_memory_allocated`` on CUDA, torch.profiler's allocator events on a CPU."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        fn()
+        torch.cuda.synchronize(dev)
+        return int(torch.cuda.max_memory_allocated(dev) - base)
+    return _cpu_high_water(fn)
+
+
 def _cpu_high_water(fn: Callable[[], None]) -> int:
     """The running sum of the CPU allocator's allocations and frees during ``fn``, at
     its highest (torch.profiler's memory events, in time order)."""
@@ -179,6 +193,14 @@ def _cpu_high_water(fn: Callable[[], None]) -> int:
         live += n
         high = max(high, live)
     return high
+
+
+def _call(model: nn.Module, batch):
+    """The model on a sample batch: a dict as keyword inputs (Hugging Face), a tuple or
+    list as positional ones, a tensor as the one input."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    return model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
 
 
 _VIEW_NODES = ("TBackward", "ViewBackward", "TransposeBackward", "PermuteBackward",
@@ -220,11 +242,10 @@ def _measure_forward(model, engine, batch, loss_fn, led: _Ledger, params) -> Non
 
     snapshot = {k: v.clone() for k, v in model.state_dict(keep_vars=False).items()
                 if k in dict(model.named_buffers())}
-    inputs = batch if isinstance(batch, (tuple, list)) else (batch,)
     ctx = engine.autocast() if engine is not None else torch.autocast("cpu", enabled=False)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
-            out = model(*inputs)
+            out = _call(model, batch)
             if loss_fn is not None:
                 out = loss_fn(out)
         del out

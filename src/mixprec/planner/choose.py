@@ -41,13 +41,15 @@ class NoPlanFits(ValueError):
 @dataclass(frozen=True)
 class Option:
     """One format for one Linear: measured ``seconds`` and ``saved_bytes``, SQNR
-    against bf16 (inf for bf16 itself), and why it is not allowed (None: it is)."""
+    against bf16 (inf for bf16 itself), why it is not allowed (None: it is), and the
+    bytes its forward + backward holds beyond the saved ones (``working_bytes``)."""
 
     fmt: str
     seconds: float
     saved_bytes: float
     sqnr: float = math.inf
     refused: str | None = None
+    working_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,11 @@ class Config:
         return any(f != BF16 for f in self.layers.values())
 
 
+def _size(n: float) -> str:
+    """Bytes for a message: MB where that reads, else the exact count."""
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n:,.0f} bytes"
+
+
 def _state_bytes(fmt: str, shape) -> float:
     from mixprec.optim.states import state_bytes
 
@@ -120,10 +127,14 @@ def predict(cfg: Config, layers: dict[str, Layer], units: dict[str, StateUnit],
     """(seconds per step, peak bytes) of ``cfg`` (the module docstring's model)."""
     if cfg.any_fp8:
         t, peak = base.step_shell, base.peak_shell
+        scale = _time_scale(layers, base)
         for name, f in cfg.layers.items():
             opts = layers[name].options
-            t += opts[f].seconds - opts[BF16].seconds
+            t += scale * (opts[f].seconds - opts[BF16].seconds)
             peak += opts[f].saved_bytes - opts[BF16].saved_bytes
+        # the backward's peak holds the widest Linear's working set on top
+        peak += (max(layers[n].options[f].working_bytes for n, f in cfg.layers.items())
+                 - max(lay.options[BF16].working_bytes for lay in layers.values()))
     else:
         t, peak = base.step_16, base.peak_16
     if any(f != "fp32" for f in cfg.states.values()):
@@ -136,6 +147,14 @@ def predict(cfg: Config, layers: dict[str, Layer], units: dict[str, StateUnit],
                 peak += base.n_states * (_state_bytes(stored, shape)
                                          - _state_bytes("fp32", shape))
     return t, peak
+
+
+def _time_scale(layers: dict[str, Layer], base: Baselines) -> float:
+    """1, or less where the Linears timed alone add up to more than the whole measured
+    step (a busy machine while they were timed): their times are then scaled to fill at
+    most the step, so a prediction stays a positive duration."""
+    alone = sum(lay.options[BF16].seconds for lay in layers.values())
+    return 1.0 if alone <= base.step_shell or alone == 0 else base.step_shell / alone
 
 
 def _fastest(layers: dict[str, Layer], units: dict[str, StateUnit],
@@ -233,9 +252,15 @@ def choose(layers: dict[str, Layer], units: dict[str, StateUnit], base: Baseline
     t, p = predict(cfg, layers, units, base)
     if memory is not None and p > memory:
         raise NoPlanFits(
-            f"no plan fits memory={memory / 1e6:.1f} MB: the smallest found peaks at "
-            f"{p / 1e6:.1f} MB ({goal}). Allow fewer-byte states (state_formats with "
+            f"no plan fits memory={_size(memory)}: the smallest found peaks at "
+            f"{_size(p)} ({goal}). Allow fewer-byte states (state_formats with "
             "'int4'), more fp8 formats, a smaller batch, or a larger budget.")
+    if goal == "smallest" and max_step is not None and t > max_step:
+        raise NoPlanFits(
+            f"no plan meets the speed floor: the fastest found takes {t * 1e3:.2f} ms a "
+            f"step, over max_step={max_step * 1e3:.2f} ms. Raise max_step (a multiple "
+            "of the 16-bit recipe's step: 1.0 is as fast as it), or allow faster "
+            "formats.")
     for name, f in cfg.states.items():
         if f != "fp32":
             cfg.reasons[f"states:{name}"] = f"states {f}: fits the memory budget"

@@ -207,7 +207,7 @@ def plan_from(sv: Survey, cfg: Config, *, goal: str = "fastest",
     """The ``Plan`` of configuration ``cfg`` on survey ``sv``: its recipe, table and
     predictions."""
     t, peak = sv.predict(cfg)
-    rows = tuple(_row(sv.layers[n], cfg, sv.quality) for n in sv.names)
+    rows = tuple(_row(sv.layers[n], cfg, sv.quality, sv.owner.get(n, n)) for n in sv.names)
     b = sv.baselines
     return Plan(sv.recipe(cfg), rows, goal, sv.min_sqnr, t, peak,
                 {"16-bit": {"step_s": b.step_16, "peak": b.peak_16},
@@ -229,8 +229,9 @@ def _check_args(b: Recipe, goal, formats, state_formats, max_loss, min_sqnr) -> 
         raise ValueError(f"plan: formats {bad}; valid: {', '.join(LAYER_FORMATS)}")
     bad = [f for f in state_formats if f not in STATE_ORDER]
     if bad or "fp32" not in state_formats:
-        raise ValueError(f"plan: state_formats {list(state_formats)}; valid: "
-                         f"{', '.join(STATE_ORDER)}, fp32 among them")
+        raise ValueError(f"plan: state_formats {list(state_formats)}"
+                         + (f" has unknown {bad}" if bad else " lacks 'fp32'")
+                         + f"; each of {', '.join(STATE_ORDER)}, and 'fp32' among them")
     if max_loss is not None and not (isinstance(max_loss, (int, float)) and max_loss >= 0):
         raise ValueError(f"plan: max_loss={max_loss!r}; a share >= 0 (0.01: +1%) or None")
     if not isinstance(min_sqnr, (int, float)) or not math.isfinite(min_sqnr):
@@ -269,11 +270,11 @@ def _hold_loss(model, sv: Survey, cfg: Config, batches, loss_fn, max_loss):
         cfg.layers[worst] = BF16
 
 
-def _row(layer: Layer, cfg: Config, quality) -> PlanRow:
+def _row(layer: Layer, cfg: Config, quality, owner: str) -> PlanRow:
     f = cfg.layers[layer.name]
     o, bf = layer.options[f], layer.options[BF16]
     q = quality.get((layer.name, f))
-    st = cfg.states.get(layer.name, "fp32")
+    st = cfg.states.get(owner, "fp32")
     return PlanRow(layer.name, layer.shape, f, st, bf.seconds / o.seconds,
                    None if f == BF16 or q is None else round(q.sqnr, 2),
                    float(o.saved_bytes), cfg.reasons.get(layer.name, ""))

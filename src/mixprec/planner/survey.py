@@ -48,6 +48,9 @@ class Survey:
     baselines: Baselines
     quality: dict[tuple[str, str], LayerNumerics]
     min_sqnr: float
+    #: each Linear's weight -> the module its states are ruled by: the first owner
+    #: ``named_parameters()`` names (a tied head's weight is its embedding's)
+    owner: dict[str, str]
 
     def predict(self, cfg: Config) -> tuple[float, float]:
         """(seconds per step, peak bytes) predicted for ``cfg``."""
@@ -131,11 +134,17 @@ def survey(model: nn.Module, sample_batch: Any, *, base: Recipe, formats: tuple[
             q = quality.get((n, f))
             opts[f] = Option(f, c.seconds, c.saved_bytes,
                              math.inf if q is None else q.sqnr,
-                             None if f == BF16 else _refusal(fixed.get(n), q, min_sqnr))
+                             None if f == BF16 else _refusal(fixed.get(n), q, min_sqnr),
+                             c.working_bytes)
         layers[n] = Layer(n, shapes[n][:2], opts)
     units = _state_units(model)
+    first = {}
+    for pname, p in model.named_parameters():
+        first.setdefault(id(p), pname.rpartition(".")[0])
+    owner = {n: first.get(id(model.get_submodule(n).weight), n) for n in names}
     base_m = _baselines(model, base, shell, sample_batch, loss_fn, state_formats, device)
-    return Survey(base, shell, names, layers, units, base_m, quality, float(min_sqnr))
+    return Survey(base, shell, names, layers, units, base_m, quality, float(min_sqnr),
+                  owner)
 
 
 def _refusal(fixed: str | None, q: LayerNumerics | None, floor: float) -> str | None:
@@ -155,7 +164,12 @@ def call_loss(model: nn.Module, batch: Any, loss_fn: Callable | None) -> torch.T
     model called on the batch (a tuple as positional arguments, a dict as keywords)
     returning a scalar tensor or an object with ``.loss`` (Hugging Face)."""
     if loss_fn is not None:
-        return loss_fn(model, batch)
+        loss = loss_fn(model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
+            raise ValueError(f"loss_fn(model, batch) returned {shape}, not a scalar "
+                             "tensor: reduce it (e.g. .mean()) to the loss")
+        return loss
     out = (model(**batch) if isinstance(batch, dict) else
            model(*batch) if isinstance(batch, (tuple, list)) else model(batch))
     loss = getattr(out, "loss", out)

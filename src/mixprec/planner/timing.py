@@ -44,11 +44,15 @@ _CACHE: dict[str, LayerCost] = {}
 class LayerCost:
     """One shape in one format: ``seconds`` for forward + backward (median of the
     interleaved rounds), ``saved_bytes`` autograd keeps for backward (casts of the
-    input and weight; not the parameters), and the GEMM route that ran."""
+    input and weight; not the parameters), the GEMM route that ran, and
+    ``working_bytes``: the most its forward + backward holds at once beyond the saved
+    bytes (casts along a second axis, dequantized operands, the output and the
+    gradients), which the step's peak pays for its widest Linear."""
 
     seconds: float
     saved_bytes: int
     route: str
+    working_bytes: int = 0
 
 
 def device_key(device: torch.device | str) -> str:
@@ -181,7 +185,12 @@ def _one_linear(shape: Shape, fmt: str, recipe: Recipe, device):
         del y
         return int(sum(seen.values()))
 
-    return step, saved, route, device
+    def working() -> int:
+        from mixprec.memory.ledger import high_water
+
+        return max(0, high_water(step, device) - saved())
+
+    return step, saved, route, working
 
 
 def _measure(shape: Shape, formats: list[str], recipe: Recipe, device,
@@ -202,8 +211,8 @@ def _measure(shape: Shape, formats: list[str], recipe: Recipe, device,
             sync()
             times[f].append(time.perf_counter() - t)
         rounds += 1
-    return {f: LayerCost(statistics.median(times[f]), runs[f][1](), runs[f][2])
-            for f in formats}
+    return {f: LayerCost(statistics.median(times[f]), runs[f][1](), runs[f][2],
+                         runs[f][3]()) for f in formats}
 
 
 def state_step_costs(formats: Iterable[str], device: torch.device | str = "cpu",
