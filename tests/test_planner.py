@@ -72,6 +72,7 @@ def chip(monkeypatch):
             cost = {"fused": 1e-9, "fp32": 2e-9, "bf16": 2e-9, "int8": 3e-9, "int4": 4e-9}
             return Baselines(t, 1e8, t, 1e8, cost)
         monkeypatch.setattr(survey_mod, "_baselines", baselines)
+        monkeypatch.setattr(survey_mod, "_time_scales", lambda *a: {})
     yield set_chip
     timing.clear_cache()
 

@@ -76,15 +76,19 @@ class StateUnit:
 @dataclass(frozen=True)
 class Baselines:
     """Measured whole-model figures: the 16-bit recipe's step (s) and peak (bytes), and
-    the fp8 recipe's with no Linear converted; optimizer seconds per element by state
-    format (``"fused"``: torch's fused AdamW, which the base recipes use)."""
+    the fp8 recipe's with no Linear converted; the optimizer's seconds per parameter by
+    ``(state format, shape)`` (or per element by state format; ``"fused"``: torch's
+    fused AdamW, which the base recipes use); and ``time_scale``: per fp8 format, the
+    measured step of every Linear in it over what the Linears timed alone predicted
+    (1 where not measured), which carries the timings alone over to the model."""
 
     step_16: float
     peak_16: float
     step_shell: float
     peak_shell: float
-    step_cost: dict[str, float]
+    step_cost: dict
     n_states: int = 2
+    time_scale: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -103,6 +107,13 @@ class Config:
     def any_fp8(self) -> bool:
         """Whether any Linear is in an fp8/fp4 format."""
         return any(f != BF16 for f in self.layers.values())
+
+
+def _step_cost(base: Baselines, fmt: str, shape: tuple[int, ...]) -> float:
+    """Seconds of an optimizer step on one parameter: measured for its shape, else
+    (a cost given per element) that times its size."""
+    got = base.step_cost.get((fmt, tuple(shape)))
+    return got if got is not None else base.step_cost[fmt] * math.prod(shape)
 
 
 def _size(n: float) -> str:
@@ -130,7 +141,7 @@ def predict(cfg: Config, layers: dict[str, Layer], units: dict[str, StateUnit],
         scale = _time_scale(layers, base)
         for name, f in cfg.layers.items():
             opts = layers[name].options
-            t += scale * (opts[f].seconds - opts[BF16].seconds)
+            t += base.time_scale.get(f, scale) * (opts[f].seconds - opts[BF16].seconds)
             peak += opts[f].saved_bytes - opts[BF16].saved_bytes
         # the backward's peak holds the widest Linear's working set on top
         peak += (max(layers[n].options[f].working_bytes for n, f in cfg.layers.items())
@@ -141,9 +152,8 @@ def predict(cfg: Config, layers: dict[str, Layer], units: dict[str, StateUnit],
         # every parameter then steps in mixprec.optim.AdamW rather than torch's fused one
         for name, f in cfg.states.items():
             for shape in units[name].shapes:
-                n = math.prod(shape)
                 stored = _stored(f, shape)
-                t += n * (base.step_cost[stored] - base.step_cost["fused"])
+                t += _step_cost(base, stored, shape) - _step_cost(base, "fused", shape)
                 peak += base.n_states * (_state_bytes(stored, shape)
                                          - _state_bytes("fp32", shape))
     return t, peak

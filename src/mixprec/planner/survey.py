@@ -4,15 +4,17 @@
 and saved bytes per format from ``timing``, SQNR and refusals from ``numerics``), the
 modules that own parameters (for state formats), and the whole model's measured
 baselines: the step time and peak of the 16-bit recipe and of the fp8 recipe with no
-Linear converted (``measure_step``). ``Survey.predict(config)`` prices any
-configuration from them (``choose.predict``), and ``Survey.recipe(config)`` writes it
-as a recipe with per-module rules, so a configuration can be predicted and then
-measured (``benchmarks/plan.py`` does both).
+Linear converted (``measure_step``), and per fp8 format the step with every Linear in
+it, which scales the Linears' timed-alone differences to the model.
+``Survey.predict(config)`` prices any configuration from them (``choose.predict``),
+and ``Survey.recipe(config)`` writes it as a recipe with per-module rules, so a
+configuration can be predicted and then measured (``benchmarks/plan.py`` does both).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import re
 import statistics
@@ -143,6 +145,8 @@ def survey(model: nn.Module, sample_batch: Any, *, base: Recipe, formats: tuple[
         first.setdefault(id(p), pname.rpartition(".")[0])
     owner = {n: first.get(id(model.get_submodule(n).weight), n) for n in names}
     base_m = _baselines(model, base, shell, sample_batch, loss_fn, state_formats, device)
+    base_m = dataclasses.replace(base_m, time_scale=_time_scales(
+        model, shell, sample_batch, loss_fn, layers, fixed, base_m))
     return Survey(base, shell, names, layers, units, base_m, quality, float(min_sqnr),
                   owner)
 
@@ -288,10 +292,34 @@ class _Bound(nn.Module):
 
 
 def _baselines(model, b, shell, batch, loss_fn, state_formats, device) -> Baselines:
+    """The 16-bit recipe's and the fp8 shell's measured step and peak, and the
+    optimizer's measured cost per parameter shape and state format."""
     t16, p16 = measure_step(model, b, batch, loss_fn)
     ts, ps = measure_step(model, shell, batch, loss_fn, fp8_filter=lambda m, n: False)
-    cost = state_step_costs([f for f in state_formats], device)
+    shapes = {tuple(p.shape) for p in model.parameters() if p.requires_grad}
+    cost = state_step_costs(shapes, [f for f in state_formats], device)
     return Baselines(t16, p16, ts, ps, cost)
+
+
+def _time_scales(model, shell: Recipe, batch, loss_fn, layers: dict[str, Layer],
+                 fixed: dict[str, str], base: Baselines) -> dict[str, float]:
+    """Per fp8 format: the measured step with every Linear it can take in it, less the
+    shell's step, over the sum of those Linears' timed-alone differences from bf16. A
+    Linear timed alone is not timed inside the model (other inputs, caches, the
+    engine's hooks), so the whole-model step sets the scale; 1 where the two disagree
+    in sign or by more than 4x either way (noise, not a scale)."""
+    out = {}
+    fmts = {f for lay in layers.values() for f in lay.options if f != BF16}
+    for f in sorted(fmts):
+        den = sum(lay.options[f].seconds - lay.options[BF16].seconds
+                  for n, lay in layers.items() if n not in fixed)
+        if den == 0:
+            continue
+        t, _ = measure_step(model, recipe_for_format(shell, f), batch, loss_fn,
+                            fp8_filter=lambda m, n: True, peak=False)
+        k = (t - base.step_shell) / den
+        out[f] = k if 0.25 <= k <= 4 else 1.0
+    return out
 
 
 

@@ -16,6 +16,7 @@ measures nothing again. ``cache_file`` keeps them across processes (JSON).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 import warnings
@@ -215,42 +216,55 @@ def _measure(shape: Shape, formats: list[str], recipe: Recipe, device,
                          runs[f][3]()) for f in formats}
 
 
-def state_step_costs(formats: Iterable[str], device: torch.device | str = "cpu",
-                     numel: int = 1 << 20) -> dict[str, float]:
-    """Seconds per parameter element of one AdamW step with states in each format
-    (``mixprec.optim.AdamW``), and under ``"fused"`` torch's fused AdamW with fp32
-    states, which the planner's base recipes train with. Measured on a
-    ``(numel / 1024, 1024)`` parameter, interleaved, median of the rounds (cached)."""
+def state_step_costs(shapes: Iterable[tuple[int, ...]], formats: Iterable[str],
+                     device: torch.device | str = "cpu", seconds: float = 0.05
+                     ) -> dict[tuple[str, tuple[int, ...]], float]:
+    """Seconds one AdamW step spends on one parameter of each shape with its states in
+    each format (``mixprec.optim.AdamW``), and under ``"fused"`` in torch's fused AdamW
+    with fp32 states, which the planner's base recipes train with:
+    ``{(format, shape): seconds}``. A parameter's cost has a part per tensor (the
+    per-parameter path's Python and small-kernel overhead, which dominates for biases
+    and norms) and a part per element, so each shape is timed as it is: a step over
+    ``k`` copies of it (more copies for smaller tensors, so the step's own fixed cost is
+    shared out), divided by ``k``, formats interleaved, median of the rounds
+    (cached)."""
     from mixprec.optim import AdamW
 
     dev = torch.device(device)
     names = ["fused", *dict.fromkeys(formats)]
-    key = json.dumps([device_key(dev), "adamw-step", numel])
-    have = {f: _CACHE[f"{key}:{f}"].seconds for f in names if f"{key}:{f}" in _CACHE}
-    todo = [f for f in names if f not in have]
-    if not todo:
-        return have
-    g = torch.Generator().manual_seed(0)
-    init = torch.randn(numel // 1024, 1024, generator=g)
-    grad = torch.randn(numel // 1024, 1024, generator=g)
-    steps = {}
-    for f in todo:
-        p = nn.Parameter(init.clone().to(dev))
-        p.grad = grad.to(dev)
-        opt = (torch.optim.AdamW([p], lr=1e-3, fused=True) if f == "fused"
-               else AdamW([p], lr=1e-3, states=f))
-        opt.step()  # creates the states
-        steps[f] = opt.step
+    out: dict[tuple[str, tuple[int, ...]], float] = {}
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {f: [] for f in todo}
-    for _ in range(5):
+    for shape in dict.fromkeys(tuple(s) for s in shapes):
+        keys = {f: json.dumps([device_key(dev), "adamw-step", list(shape), f]) for f in names}
+        todo = [f for f in names if keys[f] not in _CACHE]
+        for f in names:
+            if keys[f] in _CACHE:
+                out[(f, shape)] = _CACHE[keys[f]].seconds
+        if not todo:
+            continue
+        numel = max(1, math.prod(shape))
+        k = max(1, min(16, (1 << 20) // numel))
+        g = torch.Generator().manual_seed(0)
+        steps = {}
         for f in todo:
-            sync()
-            t = time.perf_counter()
-            steps[f]()
-            sync()
-            times[f].append(time.perf_counter() - t)
-    for f in todo:
-        have[f] = statistics.median(times[f]) / numel
-        _CACHE[f"{key}:{f}"] = LayerCost(have[f], 0, "adamw")
-    return have
+            params = [nn.Parameter(torch.randn(shape, generator=g).to(dev)) for _ in range(k)]
+            for p in params:
+                p.grad = torch.randn(shape, generator=g).to(dev)
+            opt = (torch.optim.AdamW(params, lr=1e-3, fused=True) if f == "fused"
+                   else AdamW(params, lr=1e-3, states=f))
+            opt.step()  # creates the states
+            steps[f] = opt.step
+        times: dict[str, list[float]] = {f: [] for f in todo}
+        t_end, rounds = time.perf_counter() + seconds, 0
+        while rounds < 3 or (time.perf_counter() < t_end and rounds < 20):
+            for f in todo:
+                sync()
+                t = time.perf_counter()
+                steps[f]()
+                sync()
+                times[f].append(time.perf_counter() - t)
+            rounds += 1
+        for f in todo:
+            out[(f, shape)] = statistics.median(times[f]) / k
+            _CACHE[keys[f]] = LayerCost(out[(f, shape)], 0, "adamw")
+    return out
