@@ -306,8 +306,9 @@ def _time_scales(model, shell: Recipe, batch, loss_fn, layers: dict[str, Layer],
     """Per fp8 format: the measured step with every Linear it can take in it, less the
     shell's step, over the sum of those Linears' timed-alone differences from bf16. A
     Linear timed alone is not timed inside the model (other inputs, caches, the
-    engine's hooks), so the whole-model step sets the scale; 1 where the two disagree
-    in sign or by more than 4x either way (noise, not a scale)."""
+    engine's hooks), so the whole-model step sets the scale. Where the two disagree in
+    sign or by more than 4x either way (noise, not a scale) the format gets none, and
+    the prediction falls back to the timings alone, capped to fit the step."""
     out = {}
     fmts = {f for lay in layers.values() for f in lay.options if f != BF16}
     for f in sorted(fmts):
@@ -318,7 +319,8 @@ def _time_scales(model, shell: Recipe, batch, loss_fn, layers: dict[str, Layer],
         t, _ = measure_step(model, recipe_for_format(shell, f), batch, loss_fn,
                             fp8_filter=lambda m, n: True, peak=False)
         k = (t - base.step_shell) / den
-        out[f] = k if 0.25 <= k <= 4 else 1.0
+        if 0.25 <= k <= 4:
+            out[f] = k
     return out
 
 
