@@ -1,21 +1,29 @@
 """The planner's predictions against measurement: step time and peak memory.
 
-    python benchmarks/plan.py [--models gpt,llama] [--batch 8] [--steps 6]
+    python benchmarks/plan.py [--models gpt,llama] [--batch 8] [--steps 8] [--size small]
+                              [--device cpu]
 
 For the workbench GPT (``small``: 4 layers, d=128, 128 tokens a row) and a Hugging Face
 Llama built from a config (4 layers, d=256, MLP 704, 128 tokens a row; no download), the
 planner surveys the model (``mixprec.planner.survey``), then for several configurations
 predicts the step time and peak from that survey and measures them: the plan itself
-(``goal=fastest``), every Linear in fp8-current, every Linear in MXFP8, MLPs in
-fp8-current with attention in bf16, and bf16 Linears with int8 optimizer states. Each
-measurement is a fresh copy of the model under the configuration's recipe (median of
-``--steps`` steps after one warm-up; ``measure(peak=True)`` for the peak). The table
-prints measured / predicted for both. MB = 1e6 bytes. Nothing is asserted here.
+(``goal=fastest``), every Linear in fp8-current, every Linear in MXFP8 (these two marked
+``*``: the survey measured their steps to scale its per-Linear timings, so their
+predicted step is a re-measurement), MLPs in fp8-current with attention in bf16, MLPs in
+MXFP8 with the rest in fp8-current, and bf16 Linears with int8 optimizer states for
+every module or every other one. Step times are compared as ratios to the 16-bit
+recipe's (``bf16-master``): the prediction's to the survey's measured 16-bit step, the
+measurement's to a 16-bit copy stepped in turn with it (median of ``--steps``), so that
+a busy machine slows both alike. The peak is one step of a fresh copy under
+``measure(peak=True)``. The table prints measured / predicted for both. MB = 1e6
+bytes. Nothing is asserted here.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 import warnings
 
 import torch
@@ -28,16 +36,16 @@ from mixprec.workbench.compare import cpu_name
 from mixprec.workbench.model import GPT, SIZES
 
 
-def gpt(batch: int):
+def gpt(batch: int, size: str = "small"):
     torch.manual_seed(0)
-    cfg = SIZES["small"]
+    cfg = SIZES[size]
     model = GPT(cfg)
     idx = torch.randint(0, cfg.vocab, (batch, cfg.seq_len))
     tgt = torch.randint(0, cfg.vocab, (batch, cfg.seq_len))
     return model, (idx, tgt), ("fc", "out")
 
 
-def llama(batch: int):
+def llama(batch: int, size: str = "small"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -55,41 +63,96 @@ def configs(sv, mlp: tuple[str, ...]):
     for n in mixed.layers:
         if n.rsplit(".", 1)[-1] in mlp and sv.layers[n].options["fp8-current"].refused is None:
             mixed.layers[n] = "fp8-current"
+    two = sv.uniform("fp8-current")
+    for n in two.layers:
+        if n.rsplit(".", 1)[-1] in mlp and sv.layers[n].options["mxfp8"].refused is None:
+            two.layers[n] = "mxfp8"
+    half = sv.uniform("bf16", "fp32")
+    for i, u in enumerate(half.states):
+        if i % 2:
+            half.states[u] = "int8"
     return {"plan (fastest)": fastest,
-            "all fp8-current": sv.uniform("fp8-current"),
-            "all mxfp8": sv.uniform("mxfp8"),
-            "MLPs fp8-current": mixed,
-            "bf16, int8 states": sv.uniform("bf16", "int8")}
+            "all fp8-current *": sv.uniform("fp8-current"),
+            "all mxfp8 *": sv.uniform("mxfp8"),
+            "MLPs fp8-current, rest bf16": mixed,
+            "MLPs mxfp8, rest fp8-current": two,
+            "bf16, int8 states": sv.uniform("bf16", "int8"),
+            "bf16, every other module's states int8": half}
+
+
+def interleaved(model, recipes: list, batch, steps: int) -> list[float]:
+    """Median step seconds of each recipe on its own copy of ``model``, the recipes'
+    steps taken in turn so that a busy machine slows each alike."""
+    import copy
+
+    from mixprec import MixedPrecision
+    from mixprec.optim import adamw_for
+    from mixprec.planner import call_loss
+
+    runs = []
+    for r in recipes:
+        m = copy.deepcopy(model)
+        opt = adamw_for(r, list(m.named_parameters()), lr=1e-3)
+        runs.append((m, MixedPrecision(m, opt, r)))
+
+    def one(m, eng):
+        with eng.autocast():
+            loss = call_loss(m, batch, None)
+        eng.backward(loss)
+        eng.step()
+
+    dev = next(model.parameters()).device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    times = [[] for _ in runs]
+    for m, eng in runs:
+        one(m, eng)
+    for _ in range(steps):
+        for i, (m, eng) in enumerate(runs):
+            sync()
+            t = time.perf_counter()
+            one(m, eng)
+            sync()
+            times[i].append(time.perf_counter() - t)
+    return [statistics.median(t) for t in times]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="gpt,llama")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--size", default="small", help="the workbench GPT's size")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
-    print(f"CPU: {cpu_name()} ({torch.backends.cpu.get_cpu_capability()}), "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    where = (torch.cuda.get_device_name() if args.device.startswith("cuda") else
+             f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})")
+    print(f"device: {where}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     for name in args.models.split(","):
-        model, batch, mlp = {"gpt": gpt, "llama": llama}[name](args.batch)
-        sv = survey(model, batch, base=Recipe.parse("bf16-master"),
-                    formats=("bf16", "fp8-current", "mxfp8"),
+        model, batch, mlp = {"gpt": gpt, "llama": llama}[name](args.batch, args.size)
+        model = model.to(args.device)
+        batch = ({k: v.to(args.device) for k, v in batch.items()} if isinstance(batch, dict)
+                 else tuple(t.to(args.device) for t in batch))
+        base = Recipe.parse("bf16-master")
+        sv = survey(model, batch, base=base, formats=("bf16", "fp8-current", "mxfp8"),
                     state_formats=("fp32", "bf16", "int8"), min_sqnr=0.0, loss_fn=None,
                     batches=[batch])
-        print(f"\n{name}: 16-bit step {sv.baselines.step_16 * 1e3:.1f} ms, peak "
-              f"{sv.baselines.peak_16 / 1e6:.1f} MB; fp8 shell step "
-              f"{sv.baselines.step_shell * 1e3:.1f} ms, peak "
-              f"{sv.baselines.peak_shell / 1e6:.1f} MB")
-        print("| configuration | predicted step | measured step | meas/pred | "
-              "predicted peak | measured peak | meas/pred |")
+        b = sv.baselines
+        print(f"\n{name}: 16-bit step {b.step_16 * 1e3:.1f} ms, peak "
+              f"{b.peak_16 / 1e6:.1f} MB; fp8 shell step {b.step_shell * 1e3:.1f} ms, "
+              f"peak {b.peak_shell / 1e6:.1f} MB")
+        print("| configuration | predicted step / 16-bit | measured step / 16-bit | "
+              "meas/pred | predicted peak | measured peak | meas/pred |")
         print("|---|---|---|---|---|---|---|")
         for label, cfg in configs(sv, mlp).items():
             p = plan_from(sv, cfg)
-            t, peak = measure_step(model, p.recipe, batch, None, steps=args.steps)
-            print(f"| {label} | {p.predicted_step_s * 1e3:.1f} ms | {t * 1e3:.1f} ms | "
-                  f"{t / p.predicted_step_s:.3f} | {p.predicted_peak / 1e6:.1f} MB | "
-                  f"{peak / 1e6:.1f} MB | {peak / p.predicted_peak:.3f} |", flush=True)
+            t_cfg, t_16 = interleaved(model, [p.recipe, base], batch, args.steps)
+            _, peak = measure_step(model, p.recipe, batch, None, steps=1)
+            pred = p.predicted_step_s / b.step_16
+            got = t_cfg / t_16
+            print(f"| {label} | {pred:.2f}x | {got:.2f}x | {got / pred:.3f} | "
+                  f"{p.predicted_peak / 1e6:.1f} MB | {peak / 1e6:.1f} MB | "
+                  f"{peak / p.predicted_peak:.3f} |", flush=True)
 
 
 if __name__ == "__main__":
