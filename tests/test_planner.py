@@ -274,3 +274,14 @@ def test_a_budget_the_16_bit_states_exceed_gets_a_plan_that_fits_measured():
     with pytest.raises(NoPlanFits, match="no plan fits"):
         mixprec.plan(model, x, loss_fn=loss, memory=peak16 / 10,
                      formats=("bf16", "fp8-current"), seconds=0.05)
+
+
+def test_a_linear_no_fp8_gemm_takes_stays_bf16_with_the_reason(chip):
+    chip(4.0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    p = mixprec.plan(model, torch.randn(2048, 512), loss_fn=lambda m, b: m(b).float().sum(),
+                     formats=("bf16", "fp8-current"), max_loss=None)
+    rows = {r.layer: r for r in p.rows}
+    assert rows["2"].choice == "bf16" and "divisible by 16" in rows["2"].reason
+    assert rows["0"].choice == "fp8-current"
