@@ -143,14 +143,7 @@ def _step_high_water(model, engine, optimizers, batch, loss_fn) -> float:
     params = list(model.parameters())
     dev = params[0].device if params else torch.device("cpu")
     try:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-            base = torch.cuda.memory_allocated(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            step()
-            torch.cuda.synchronize(dev)
-            return float(torch.cuda.max_memory_allocated(dev) - base)
-        return float(_cpu_high_water(step))
+        return float(high_water(step, dev))
     finally:
         if engine is not None:
             engine.load_state_dict(saved)
