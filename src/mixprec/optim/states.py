@@ -151,12 +151,22 @@ def _scaled(r: torch.Tensor, s: torch.Tensor, w: int, fn) -> torch.Tensor:
     return out[0] if len(out) == 1 else torch.cat(out, 1)
 
 
-def _root4(y: torch.Tensor) -> torch.Tensor:
-    """Two correctly rounded fp32 square roots. Each is taken in float64 and rounded to
-    fp32, which is correctly rounded: torch's fp32 ``sqrt`` is not on every CPU (on an
-    AVX-512 AMD EPYC one in five of a million uniform inputs came out 1 ulp off), and a
-    code at a rounding tie would then depend on the chip."""
-    return y.copy_(y.double().sqrt_().float().double().sqrt_())
+def _root4_times(y: torch.Tensor, k: int) -> torch.Tensor:
+    """``k · y^(1/4)`` in fp32 from two correctly rounded square roots, ready to round
+    to a code. torch's fp32 ``sqrt`` on CPUs is not correctly rounded everywhere (on an
+    AVX-512 AMD EPYC one input in five of a million came out 1 ulp off), which moves a
+    code only where ``k · y^(1/4)`` lies within a few ulps of a rounding tie. There (a
+    few elements in a million) the roots are taken again in float64 and rounded to fp32
+    each, which is correctly rounded; on CUDA ``sqrt`` is IEEE's already. Either way
+    the codes are the same on every device."""
+    v = y.sqrt().sqrt_().mul_(k)
+    if v.device.type == "cpu":
+        flat, eps = v.view(-1), 2.0**-12  # two roots 1 ulp off move v by < 2^-14 here
+        near = flat.add(0.5 + eps).frac_().lt_(2 * eps).nonzero().squeeze(1)  # |frac-.5|<eps
+        if near.numel():
+            ratio = y.reshape(-1)[near].double()
+            flat[near] = ratio.sqrt_().float().double().sqrt_().float().mul_(k)
+    return v
 
 
 def _pow4(y: torch.Tensor) -> torch.Tensor:
@@ -204,10 +214,10 @@ def encode(x: torch.Tensor, fmt: str, signed: bool = True) -> dict[str, torch.Te
                     .to(torch.float8_e4m3fn))
         return {"q": q, "s": s}
     if fmt == "int8" and signed:
-        q = _scaled(r, a, w, lambda b, sb: _root4(_ratio(b, sb)).mul_(127).round_()
+        q = _scaled(r, a, w, lambda b, sb: _root4_times(_ratio(b, sb), 127).round_()
                     .copysign_(b).to(torch.int8))
     elif fmt == "int8":
-        q = _scaled(r, a, w, lambda b, sb: _root4(_ratio(b, sb)).mul_(256).round_()
+        q = _scaled(r, a, w, lambda b, sb: _root4_times(_ratio(b, sb), 256).round_()
                     .sub_(1).clamp_(0, 255).to(torch.uint8))
     elif signed:  # int4: sign bit | index of the nearest magnitude
         def code(b, sb):
@@ -219,7 +229,7 @@ def encode(x: torch.Tensor, fmt: str, signed: bool = True) -> dict[str, torch.Te
 
         q = _pack4(_scaled(r, a, w, code))
     else:
-        q = _pack4(_scaled(r, a, w, lambda b, sb: _root4(_ratio(b, sb)).mul_(16).round_()
+        q = _pack4(_scaled(r, a, w, lambda b, sb: _root4_times(_ratio(b, sb), 16).round_()
                            .sub_(1).clamp_(0, 15).to(torch.uint8)))
     return {"q": q, "s": a}
 
