@@ -1,41 +1,33 @@
-"""Each Linear's compute format, for the planner: which Linears a recipe runs in fp8
+"""Each Linear's compute format, for the memory estimate: which Linears a recipe runs in fp8
 and with which quantizer, its ``layer:`` rules applied (the one rule is
 ``mixprec.fp8.convert.layer_formats``; this module only reads it)."""
 
 from __future__ import annotations
 
-import warnings
-
 from torch import nn
 
 from mixprec.memory.transient import linear_shapes
-from mixprec.recipe import PRESETS, Recipe
+from mixprec.recipe import Recipe
 
 __all__ = ["layer_recipes", "fp8_share"]
 
 
 def layer_recipes(model: nn.Module, r: Recipe) -> dict[str, Recipe | None]:
-    """Each Linear's fp8 recipe under fp8 recipe ``r`` (None: kept in high precision),
-    from ``mixprec.fp8.convert.layer_formats``: its ``layer:`` rule's preset, or
-    ``r``'s own, or a hand-converted Float8Linear's."""
+    """Each Linear's fp8 recipe under recipe ``r`` (None: kept in high precision), as
+    ``mixprec.fp8.convert.layer_formats`` decides and ``Recipe.for_layer`` gives it: its
+    ``layer:`` rule's preset, or ``r``'s own, or a hand-converted Float8Linear's."""
     from mixprec.fp8.convert import layer_formats
     from mixprec.fp8.linear import Float8Linear
 
     out: dict[str, Recipe | None] = {}
     for fqn, fmt in layer_formats(model, r).items():
         m = model.get_submodule(fqn) if fqn else model
-        preset = PRESETS.get(fmt)
         if isinstance(m, Float8Linear):
             out[fqn] = m.fp8_recipe
-        elif preset is None or preset.compute != "fp8":
+        elif r.compute != "fp8" or fmt == "bf16":
             out[fqn] = None
-        elif (preset.fp8_scaling, preset.fp8_format) == (r.fp8_scaling, r.fp8_format):
-            out[fqn] = r.base
         else:
-            with warnings.catch_warnings():  # the recipe's other fp8 fields, harmless
-                warnings.simplefilter("ignore")
-                out[fqn] = r.base.replace(fp8_scaling=preset.fp8_scaling,
-                                          fp8_format=preset.fp8_format)
+            out[fqn] = r.for_layer(fqn)
     return out
 
 

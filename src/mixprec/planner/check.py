@@ -25,7 +25,7 @@ from mixprec.planner import Plan
 from mixprec.planner.numerics import layer_numerics, linear_names
 from mixprec.planner.timing import BF16
 
-__all__ = ["LayerCheck", "as_plan", "is_plan", "check_layers", "plan_sqnr", "audit_plan"]
+__all__ = ["LayerCheck", "as_plan", "check_layers", "plan_sqnr", "audit_plan"]
 
 
 @dataclass(frozen=True)
@@ -44,13 +44,6 @@ class LayerCheck:
     def below(self) -> bool:
         """Whether the measured SQNR falls below the floor."""
         return self.sqnr < self.floor
-
-
-def is_plan(obj: Any) -> bool:
-    """Whether ``obj`` is a ``Plan`` or names a plan file (a path ending in .json)."""
-    if isinstance(obj, Plan):
-        return True
-    return isinstance(obj, (str, os.PathLike)) and os.fspath(obj).endswith(".json")
 
 
 def as_plan(obj: Plan | str | os.PathLike) -> Plan:
