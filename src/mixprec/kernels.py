@@ -45,7 +45,7 @@ from functools import cache
 
 import torch
 
-from mixprec.recipe import MX_COMPUTE, PRESETS, Recipe
+from mixprec.recipe import BLOCK_SCALINGS, MX_COMPUTE, PRESETS, Recipe
 
 __all__ = ["matmul_gflops", "relative_speed", "FAST_ENOUGH", "has_fast_kernels",
            "emulating", "fp8_gemm_gflops", "fp8_gemm_route", "fp8_rest", "choices",
@@ -309,7 +309,7 @@ def choices(recipe: Recipe, device: torch.device | str) -> KernelChoices:
 
 def _fp8_route(recipe: Recipe, scaling: str, dev: torch.device) -> str:
     """The GEMM route of ``recipe``'s ``fp8_gemm`` for Linears with fp8 ``scaling``."""
-    if scaling in ("block", "mx", "nvfp4"):  # Recipe.block_scaled
+    if scaling in BLOCK_SCALINGS:
         return block_gemm_route(dev, recipe.fp8_gemm)
     return fp8_gemm_route(dev, "dequant" if recipe.emulate and
                           recipe.fp8_gemm == "auto" else recipe.fp8_gemm)

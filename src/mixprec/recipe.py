@@ -26,8 +26,8 @@ import torch
 from mixprec.layer_rules import LayerRule, first_match, owner_of, parse_rule
 from mixprec.recipe_rules import MX_COMPUTE, check_numbers, refuse_impossible, warn_useless
 
-__all__ = ["Recipe", "PRESETS", "MX_COMPUTE", "KEEP_FP32_CHOICES", "DEFAULT_KEEP_FP32",
-           "preset_names"]
+__all__ = ["Recipe", "PRESETS", "MX_COMPUTE", "BLOCK_SCALINGS", "KEEP_FP32_CHOICES",
+           "DEFAULT_KEEP_FP32", "preset_names"]
 
 ComputeDtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8",
                        "fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3", "fp4_e2m1"]
@@ -60,6 +60,9 @@ DEFAULT_KEEP_FP32 = (
     "layer_norm", "rms_norm", "group_norm", "batch_norm", "softmax", "log_softmax", "loss",
     "parametrizations",
 )
+
+#: the fp8 scalings with a scale per block, whose GEMMs take the block-scaled routes
+BLOCK_SCALINGS = ("block", "mx", "nvfp4")
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -295,7 +298,7 @@ class Recipe:
         """Whether an fp8 recipe scales per block (``block``, ``mx``, ``nvfp4``): its
         GEMMs run torch's block-scaled kernels on CUDA or the exact dequantizing fp32
         GEMM (``mixprec.fp8.scaled_mm.block_route``), not the per-tensor routes."""
-        return self.compute == "fp8" and self.fp8_scaling in ("block", "mx", "nvfp4")
+        return self.compute == "fp8" and self.fp8_scaling in BLOCK_SCALINGS
 
     @property
     def needs_mixprec_optim(self) -> bool:
