@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 from mixprec.memory import GB, ITEMS, Breakdown, TransformerSpec, estimate
@@ -12,14 +11,10 @@ __all__ = ["add_arguments", "run", "plot_breakdowns", "parse_bytes"]
 
 
 def parse_bytes(text: str) -> float:
-    """``80GB``, ``80G``, ``141e9``, ``24GiB`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(gib|gb|g|mib|mb|m|tb|t)?\s*",
-                     text.lower())
-    if not m:
-        raise ValueError(f"--device-memory {text!r}: expected e.g. 80GB, 24GiB or 141e9")
-    mult = {None: 1, "gb": 1e9, "g": 1e9, "gib": 2**30, "mb": 1e6, "m": 1e6, "mib": 2**20,
-            "tb": 1e12, "t": 1e12}[m.group(2)]
-    return float(m.group(1)) * mult
+    """``80GB``, ``80G``, ``141e9``, ``24GiB`` -> bytes (``mixprec.memory.parse_bytes``)."""
+    from mixprec.memory import parse_bytes as parse
+
+    return parse(text, "--device-memory")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

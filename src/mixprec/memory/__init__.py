@@ -39,9 +39,10 @@ from mixprec.memory.plan import (
     TransformerSpec,
     activation_bytes,
     estimate,
+    parse_bytes,
     parse_count,
 )
 
 __all__ = ["Breakdown", "TransformerSpec", "estimate", "measure", "high_water",
-           "parse_count",
+           "parse_count", "parse_bytes",
            "activation_bytes", "ITEMS", "GB"]

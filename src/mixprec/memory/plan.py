@@ -22,7 +22,8 @@ from mixprec.memory.transient import (
 )
 from mixprec.recipe import Recipe
 
-__all__ = ["Breakdown", "TransformerSpec", "estimate", "parse_count", "activation_bytes",
+__all__ = ["Breakdown", "TransformerSpec", "estimate", "parse_count", "parse_bytes",
+           "activation_bytes",
            "ITEMS", "GB"]
 
 ITEMS = ("params", "grads", "master", "optimizer", "fp8", "buffers", "activations",
@@ -156,6 +157,29 @@ def parse_count(params: int | float | str | nn.Module) -> int:
         raise ValueError(f"parameter count {params!r}: expected a number with an optional "
                          "K/M/B/T suffix, e.g. '70B', '7.5e9', '350M'")
     return parse_count(float(m.group(1)) * _SUFFIX[m.group(2)])
+
+
+def parse_bytes(size: int | float | str, what: str = "size") -> float:
+    """Bytes from ``80GB``, ``80G``, ``512MB``, ``24GiB``, ``141e9`` or a number;
+    ``what`` names the argument in the error (``--device-memory``, ``memory``).
+
+    >>> parse_bytes("24GiB"), parse_bytes("512MB"), parse_bytes(2e9)
+    (25769803776.0, 512000000.0, 2000000000.0)
+    """
+    if isinstance(size, (int, float)) and not isinstance(size, bool):
+        if size > 0 and math.isfinite(size):
+            return float(size)
+        raise ValueError(f"{what}={size!r}: a positive number of bytes, or e.g. 2GB")
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*"
+                     r"(gib|gb|g|mib|mb|m|kib|kb|k|tib|tb|t|b)?\s*", str(size).lower())
+    if not m:
+        raise ValueError(f"{what}={size!r}: expected e.g. 80GB, 512MB, 24GiB or 141e9")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+_UNITS = {None: 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6,
+          "mib": 2**20, "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12,
+          "tib": 2**40}
 
 
 def _state_bytes(r: Recipe, emulated: bool) -> int:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -178,13 +177,13 @@ def plan(model: nn.Module, sample_batch: Any, *, goal: str = "fastest",
         cache_file: a JSON file that keeps the measured speeds across processes.
         seconds: about how long each shape's timing runs.
     """
-    from mixprec.memory.plan import parse_count
+    from mixprec.memory.plan import parse_bytes
 
     b = Recipe.coerce(base)
     formats = tuple(dict.fromkeys(formats))
     state_formats = tuple(state_formats)
     _check_args(b, goal, formats, state_formats, max_loss, min_sqnr)
-    budget = None if memory is None else float(_bytes(memory, parse_count))
+    budget = None if memory is None else parse_bytes(memory, "plan: memory")
     batches = list(calibration) if calibration is not None else [sample_batch]
     sv = survey(model, sample_batch, base=b, formats=formats, state_formats=state_formats,
                 min_sqnr=min_sqnr, loss_fn=loss_fn, batches=batches,
@@ -236,18 +235,6 @@ def _check_args(b: Recipe, goal, formats, state_formats, max_loss, min_sqnr) -> 
         raise ValueError(f"plan: max_loss={max_loss!r}; a share >= 0 (0.01: +1%) or None")
     if not isinstance(min_sqnr, (int, float)) or not math.isfinite(min_sqnr):
         raise ValueError(f"plan: min_sqnr={min_sqnr!r}; a finite number of dB (20)")
-
-
-def _bytes(memory, parse_count) -> float:
-    if isinstance(memory, str):
-        m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)i?b?\s*", memory.lower())
-        if not m:
-            raise ValueError(f"plan: memory={memory!r}; bytes, or a size such as "
-                             "'512MB' or '2GB'")
-        return float(m.group(1)) * 1000 ** " kmgt".index(m.group(2) or " ")
-    if not (isinstance(memory, (int, float)) and memory > 0):
-        raise ValueError(f"plan: memory={memory!r}; a positive number of bytes or '2GB'")
-    return float(memory)
 
 
 def _hold_loss(model, sv: Survey, cfg: Config, batches, loss_fn, max_loss):
