@@ -285,3 +285,36 @@ def test_a_linear_no_fp8_gemm_takes_stays_bf16_with_the_reason(chip):
     rows = {r.layer: r for r in p.rows}
     assert rows["2"].choice == "bf16" and "divisible by 16" in rows["2"].reason
     assert rows["0"].choice == "fp8-current"
+
+
+def test_the_greedy_prices_each_change_as_predict_does_on_a_big_model():
+    import random
+
+    from mixprec.planner.choose import Config, _moves, _Pricer
+
+    layers = {f"l{i}": Layer(f"l{i}", (4096, 4096), {
+        "bf16": Option("bf16", 1.0, 400.0, working_bytes=10 + i % 7),
+        "fp8-current": Option("fp8-current", 1.5, 200.0, 30.0, working_bytes=20 + i % 5),
+        "mxfp8": Option("mxfp8", 1.7, 210.0, 30.0, working_bytes=5)}) for i in range(224)}
+    units = {f"l{i}": StateUnit(f"l{i}", ((4096, 4096), (4096,))) for i in range(224)}
+    units.update({f"n{i}": StateUnit(f"n{i}", ((4096,),)) for i in range(100)})
+    base = Baselines(300.0, 1e12, 290.0, 1.1e12, {"fused": 1e-9, "fp32": 1e-9,
+                                                  "bf16": 1e-9, "int8": 2e-9},
+                     time_scale={"mxfp8": 0.8})
+    pricer = _Pricer(Config({n: "bf16" for n in layers}, {u: "fp32" for u in units}),
+                     layers, units, base)
+    rng = random.Random(0)
+    for _ in range(200):
+        move = rng.choice(list(_moves(pricer.cfg, layers, units, ("fp32", "bf16", "int8"))))
+        new = pricer.cfg.copy()
+        (new.layers if move[0] == "layer" else new.states)[move[1]] = move[2]
+        assert pricer.after(*move) == pytest.approx(predict(new, layers, units, base),
+                                                     rel=1e-9)
+        pricer.apply(*move)
+        assert pricer.now() == pytest.approx(predict(pricer.cfg, layers, units, base),
+                                             rel=1e-9)
+    # a 224-Linear model under a budget that needs hundreds of changes (about half a
+    # second; summing the whole model for every candidate took more than ten minutes)
+    budget = 1e12 - 224 * 4096 * 4096 * 2 * 2
+    cfg = choose(layers, units, base, memory=budget)
+    assert predict(cfg, layers, units, base)[1] <= budget

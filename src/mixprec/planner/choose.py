@@ -198,46 +198,135 @@ def _fastest(layers: dict[str, Layer], units: dict[str, StateUnit],
     return cfg
 
 
+class _Pricer:
+    """``predict`` of a configuration kept current under single changes, so that each
+    candidate change is priced in O(1) rather than by summing the whole model again (a
+    model of hundreds of Linears has as many candidates per greedy step)."""
+
+    def __init__(self, cfg: Config, layers: dict[str, Layer], units: dict[str, StateUnit],
+                 base: Baselines) -> None:
+        self.layers, self.units, self.base = layers, units, base
+        self.scale = _time_scale(layers, base)
+        self.w16 = max((lay.options[BF16].working_bytes for lay in layers.values()),
+                       default=0.0)
+        self._unit: dict[tuple[str, str], tuple[float, float]] = {}
+        self.cfg = cfg.copy()
+        self._totals()
+
+    def _layer(self, name: str, f: str) -> tuple[float, float]:
+        """(seconds, saved bytes) Linear ``name`` adds in ``f`` over bf16."""
+        opts = self.layers[name].options
+        return (self.base.time_scale.get(f, self.scale)
+                * (opts[f].seconds - opts[BF16].seconds),
+                opts[f].saved_bytes - opts[BF16].saved_bytes)
+
+    def _state(self, name: str, f: str) -> tuple[float, float]:
+        """(seconds, bytes) module ``name``'s states in ``f`` add over torch's fused
+        AdamW with fp32 states."""
+        key = (name, f)
+        if key not in self._unit:
+            t = p = 0.0
+            for shape in self.units[name].shapes:
+                stored = _stored(f, shape)
+                t += _step_cost(self.base, stored, shape) - _step_cost(self.base, "fused",
+                                                                        shape)
+                p += self.base.n_states * (_state_bytes(stored, shape)
+                                           - _state_bytes("fp32", shape))
+            self._unit[key] = (t, p)
+        return self._unit[key]
+
+    def _totals(self) -> None:
+        c = self.cfg
+        parts = [self._layer(n, f) for n, f in c.layers.items()]
+        self.lt, self.ls = sum(x for x, _ in parts), sum(y for _, y in parts)
+        self.n8 = sum(f != BF16 for f in c.layers.values())
+        work = sorted(((self.layers[n].options[f].working_bytes, n)
+                       for n, f in c.layers.items()), reverse=True)
+        self.top = work[:2]
+        states = [self._state(n, f) for n, f in c.states.items()]
+        self.st, self.sp = sum(x for x, _ in states), sum(y for _, y in states)
+        self.n_low = sum(f != "fp32" for f in c.states.values())
+
+    def _value(self, lt, ls, n8, wmax, st, sp, n_low) -> tuple[float, float]:
+        b = self.base
+        if n8:
+            t, p = b.step_shell + lt, b.peak_shell + ls + wmax - self.w16
+        else:
+            t, p = b.step_16, b.peak_16
+        if n_low:  # every parameter then steps in mixprec.optim.AdamW
+            t, p = t + st, p + sp
+        return t, p
+
+    def now(self) -> tuple[float, float]:
+        """(seconds, peak bytes) of the current configuration."""
+        wmax = self.top[0][0] if self.top else 0.0
+        return self._value(self.lt, self.ls, self.n8, wmax, self.st, self.sp, self.n_low)
+
+    def after(self, kind: str, name: str, f: str) -> tuple[float, float]:
+        """(seconds, peak bytes) with Linear (``kind="layer"``) or module
+        (``"states"``) ``name`` in format ``f`` instead."""
+        c = self.cfg
+        if kind == "states":
+            (t0, p0), (t1, p1) = self._state(name, c.states[name]), self._state(name, f)
+            n_low = self.n_low + (f != "fp32") - (c.states[name] != "fp32")
+            wmax = self.top[0][0] if self.top else 0.0
+            return self._value(self.lt, self.ls, self.n8, wmax, self.st - t0 + t1,
+                               self.sp - p0 + p1, n_low)
+        old = c.layers[name]
+        (t0, s0), (t1, s1) = self._layer(name, old), self._layer(name, f)
+        n8 = self.n8 + (f != BF16) - (old != BF16)
+        rest = [w for w, n in self.top if n != name][:1]
+        wmax = max([*rest, self.layers[name].options[f].working_bytes])
+        return self._value(self.lt - t0 + t1, self.ls - s0 + s1, n8, wmax, self.st,
+                           self.sp, self.n_low)
+
+    def apply(self, kind: str, name: str, f: str) -> None:
+        """Make the change ``after`` priced."""
+        if kind == "states":
+            self.cfg.states[name] = f
+        else:
+            self.cfg.layers[name] = f
+            self.cfg.reasons[name] = f"{f}: saves activation bytes"
+        self._totals()
+
+
 def _moves(cfg: Config, layers: dict[str, Layer], units: dict[str, StateUnit],
            state_formats: tuple[str, ...]):
-    """Every single change: a Linear to another allowed format, a module's states one
-    step down ``STATE_ORDER`` (within ``state_formats``)."""
+    """Every single change, as ``(kind, name, format)``: a Linear to another allowed
+    format, a module's states one step down ``STATE_ORDER`` (within
+    ``state_formats``)."""
     for name, layer in layers.items():
         for o in layer.allowed():
             if o.fmt != cfg.layers[name]:
-                new = cfg.copy()
-                new.layers[name] = o.fmt
-                new.reasons[name] = f"{o.fmt}: saves activation bytes"
-                yield new
+                yield "layer", name, o.fmt
     order = [f for f in STATE_ORDER if f in state_formats]
     for name in units:
         cur = cfg.states[name]
         lower = order[order.index(cur) + 1:] if cur in order else []
         if lower:
-            new = cfg.copy()
-            new.states[name] = lower[0]
-            yield new
+            yield "states", name, lower[0]
 
 
 def _greedy(cfg: Config, layers, units, base, state_formats, done, allowed) -> Config:
     """Take the move with the most bytes saved per second lost, while ``allowed(t, p)``
     holds for the result, until ``done(t, p)``."""
-    t, p = predict(cfg, layers, units, base)
+    pricer = _Pricer(cfg, layers, units, base)
+    t, p = pricer.now()
     while not done(t, p):
         best, best_key = None, None
-        for new in _moves(cfg, layers, units, state_formats):
-            t2, p2 = predict(new, layers, units, base)
+        for move in _moves(pricer.cfg, layers, units, state_formats):
+            t2, p2 = pricer.after(*move)
             saved, lost = p - p2, t2 - t
             if saved <= 0 or not allowed(t2, p2):
                 continue
-            key = math.inf if lost <= 0 else saved / lost
-            key = (key, saved)
+            key = (math.inf if lost <= 0 else saved / lost, saved)
             if best_key is None or key > best_key:
-                best, best_key = (new, t2, p2), key
+                best, best_key = (move, t2, p2), key
         if best is None:
-            return cfg
-        cfg, t, p = best
-    return cfg
+            break
+        move, t, p = best
+        pricer.apply(*move)
+    return pricer.cfg
 
 
 def choose(layers: dict[str, Layer], units: dict[str, StateUnit], base: Baselines, *,
