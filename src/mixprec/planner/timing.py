@@ -186,12 +186,12 @@ def _one_linear(shape: Shape, fmt: str, recipe: Recipe, device):
         del y
         return int(sum(seen.values()))
 
-    def working() -> int:
+    def high() -> int:
         from mixprec.memory.ledger import high_water
 
-        return max(0, high_water(step, device) - saved())
+        return high_water(step, device)
 
-    return step, saved, route, working
+    return step, saved, route, high
 
 
 def _measure(shape: Shape, formats: list[str], recipe: Recipe, device,
@@ -212,8 +212,11 @@ def _measure(shape: Shape, formats: list[str], recipe: Recipe, device,
             sync()
             times[f].append(time.perf_counter() - t)
         rounds += 1
-    return {f: LayerCost(statistics.median(times[f]), runs[f][1](), runs[f][2],
-                         runs[f][3]()) for f in formats}
+    out = {}
+    for f, (_, saved, route, high) in runs.items():
+        kept = saved()  # the step's high-water mark beyond what backward keeps
+        out[f] = LayerCost(statistics.median(times[f]), kept, route, max(0, high() - kept))
+    return out
 
 
 def state_step_costs(shapes: Iterable[tuple[int, ...]], formats: Iterable[str],
