@@ -199,6 +199,48 @@ def resume(rank, world, tmp, recipe):
     dist.destroy_process_group()
 
 
+def resume_dropout(rank, world, tmp, recipe):
+    """A model with dropout, each rank seeded apart: 3 steps, ``save(full=True)`` on
+    every rank, 3 more; then every stream scrambled, a fresh engine loads the file and
+    must repeat the last 3 steps bit for bit (each rank its own dropout masks)."""
+    _init(rank, world, tmp)
+
+    def fresh(seed):
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.2), nn.Linear(32, 4))
+        return MixedPrecision(m, torch.optim.AdamW(m.parameters(), lr=1e-2), recipe,
+                              parallel="ddp")
+
+    def run(engine, batches):
+        out = []
+        for x, y in batches:
+            with engine.autocast():
+                loss = F.cross_entropy(engine.model(x.chunk(world)[rank]), y.chunk(world)[rank])
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out
+
+    data = make_data(6)
+    a = fresh(0)
+    torch.manual_seed(100 + rank)  # each rank its own stream
+    run(a, data[:3])
+    path = os.path.join(tmp, "dropout.pt")
+    a.save(path, full=True, step=3)
+    tail_a = run(a, data[3:])
+    torch.manual_seed(555)  # the same scrambled stream on every rank
+    b = fresh(7)
+    b.load(path)
+    tail_b = run(b, data[3:])
+    same = all(torch.equal(p, q) for p, q in zip(a.master_params, b.master_params))
+    torch.manual_seed(555)
+    c = fresh(7)
+    c.load(path, rng_state=False)  # the streams left as they are: other masks
+    tail_c = run(c, data[3:])
+    _save(tmp, "dropout", rank, {"a": tail_a, "b": tail_b, "c": tail_c, "same": same})
+    _teardown()
+
+
 def make_frozen_adagrad(seed: int = 0):
     """A model whose first Linear is frozen, with Adagrad (state built in __init__)
     over all its parameters, as torch allows."""

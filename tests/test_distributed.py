@@ -28,7 +28,8 @@ def spawn(fn, *args, world=2):
             "reshardable_save": "reshardable", "reshardable_load": "reshardable",
             "lean_ddp": "lean", "lean_fsdp": "leanfsdp",
             "sharded_optimizer": "shardopt", "fp8_gather": "fp8gather",
-            "gpt_fp8_gather": "gptfp8", "disagreeing_choices": "choices"}[fn.__name__]
+            "gpt_fp8_gather": "gptfp8", "disagreeing_choices": "choices",
+            "resume_dropout": "dropout"}[fn.__name__]
     return [torch.load(os.path.join(tmp, f"{name}_rank{r}.pt"), weights_only=False)
             for r in range(world)]
 
@@ -116,6 +117,15 @@ def test_two_rank_checkpoint_resumes_bit_identically(recipe):
     ranks = spawn(w.resume, recipe)
     for r in ranks:
         assert r["a"] == r["b"] and r["same"]
+
+
+@pytest.mark.paths
+@pytest.mark.parametrize("recipe", ["bf16-master", "fp16-master"])
+def test_two_rank_dropout_resumes_bit_for_bit_with_each_ranks_streams(recipe):
+    ranks = spawn(w.resume_dropout, recipe)
+    for r in ranks:
+        assert r["b"] == r["a"] and r["same"], r
+        assert r["c"] != r["a"]  # without the streams: not vacuous
 
 
 def test_data_parallel_engines_are_freed():

@@ -1,14 +1,17 @@
-"""Atomic checkpoint files: a crash mid-write never leaves a torn checkpoint behind.
+"""Atomic checkpoints of the engine's parts: a crash or a full disk never leaves a torn
+checkpoint, nor a temp file, behind.
 
-``save_atomic`` writes to ``<path>.tmp``, fsyncs it, renames it over ``path`` (atomic on
-POSIX) and fsyncs the folder, so ``path`` is always either the previous complete file or
-the new complete file. ``load_checkpoint`` reads with ``weights_only=True`` and turns a
-truncated or corrupt file into a ``CheckpointError`` that says nothing was changed.
-``MixedPrecision.save`` / ``MixedPrecision.load`` use both. The engine's checkpoint
+``save_atomic`` writes to a temp file beside ``path``, fsyncs it, renames it over ``path``
+(atomic on POSIX) and fsyncs the folder, so ``path`` is always either the previous
+complete file or the new complete file; a write that fails removes the temp file.
+``load_checkpoint`` reads with ``weights_only=True`` and turns a truncated or corrupt
+file into a ``CheckpointError`` that says nothing was changed. The engine's checkpoint
 methods live here: ``engine_state`` (``state_dict``), ``save_engine`` (``save``),
 ``restore_engine`` (``load_state_dict``, after ``check_engine_state`` has checked
-everything it can before anything changes), and ``fp32_weights``
-(``fp32_state_dict``).
+everything it can before anything changes), and ``fp32_weights`` (``fp32_state_dict``).
+A file that ``save`` writes also holds the random streams (``mixprec.rng``) of the rank
+that wrote it, or of every rank where the save is a collective (``full=True`` under DDP
+or FSDP); ``load`` restores this rank's.
 
 Layouts. A checkpoint of a single process or of DDP holds every tensor whole (layout
 ``"full"``): DDP's replicas are identical, so it loads at any world size, with or
@@ -16,15 +19,14 @@ without ``parallel=``. One of FSDP holds this rank's shards (``"sharded"``) and 
 only into FSDP at the same world size; ``state_dict(full=True)`` gathers the shards
 (``gather_full``) into a ``"full"`` checkpoint, and loading a full checkpoint under FSDP
 cuts each tensor to this rank's shard (``shard_full_state``). A third form, for FSDP,
-neither gathers nor stays tied to its world size: ``save(path, reshardable=True)`` writes
-a directory with ``torch.distributed.checkpoint`` (each rank writes its shards, once),
-which FSDP on any number of ranks reads back, each rank reading the pieces it needs
-(``save_resharding`` / ``restore_resharding``).
+neither gathers nor stays tied to its world size: ``save(path, reshardable=True)``
+(``mixprec.checkpoint_resharding``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import importlib
 import os
 import sys
@@ -35,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from mixprec import rng
 from mixprec.comm import gather_full
 
 if TYPE_CHECKING:
@@ -45,8 +48,8 @@ if TYPE_CHECKING:
 # this module sits below the engine and imports nothing of it, not even for types
 
 __all__ = ["CheckpointError", "save_atomic", "load_checkpoint", "check_engine_state",
-           "engine_state", "save_engine", "load_engine", "restore_engine", "save_resharding",
-           "restore_resharding", "fp32_weights", "gather_full", "shard_full_state"]
+           "engine_state", "save_engine", "load_engine", "restore_engine", "fp32_weights",
+           "gather_full", "shard_full_state", "rng_entry"]
 
 
 class CheckpointError(ValueError):
@@ -56,19 +59,41 @@ class CheckpointError(ValueError):
 def save_atomic(obj: Any, path: str | os.PathLike[str]) -> None:
     """``torch.save`` to a temp file, fsync, rename over ``path``, fsync the folder.
     The temp file's name holds the process id, so ranks that write the same path at
-    once each rename a whole file (the last one wins) instead of interleaving bytes."""
+    once each rename a whole file (the last one wins) instead of interleaving bytes.
+    On any failure the temp file is removed and ``path`` is left as it was; an
+    ``OSError`` (a full disk, a file-size limit, no permission) is raised again with the
+    path and the cause in its message."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if isinstance(e, OSError) and e.errno is not None:
+            raise type(e)(e.errno, _write_failure(path, e)) from e
+        raise
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_failure(path: Path, e: OSError) -> str:
+    cause = {errno.ENOSPC: "the disk is full", errno.EFBIG: "the file is larger than this "
+             "process may write (a file-size limit or the file system's)",
+             errno.EDQUOT: "the disk quota is used up", errno.EACCES: "no permission to "
+             "write in its folder", errno.EROFS: "the file system is read-only"}.get(
+                 e.errno, e.strerror or "an error of the file system")
+    return (f"could not write the checkpoint {str(path)!r}: {cause} ({e.strerror}). "
+            "The temp file was removed and the previous checkpoint, if any, is intact")
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict:
@@ -248,15 +273,52 @@ def engine_state(engine: Any, full: bool) -> dict:
 
 
 def save_engine(engine: Any, path: str | os.PathLike[str], full: bool,
-                extra: dict) -> None:
-    """``MixedPrecision.save``: atomically, from this rank; under FSDP with ``full``,
-    gathered, written by rank 0, and the outcome shared so that every rank raises if
-    the write failed (none is left waiting)."""
-    state = {"engine": engine_state(engine, full), "extra": extra}
-    if not (engine.parallelism.sharded and full):
+                extra: dict, rng_state: bool = True) -> None:
+    """``MixedPrecision.save``: atomically, from this rank, with this rank's random
+    streams. Under DDP or FSDP with ``full`` (every rank calls it): every rank's streams
+    (and under FSDP the gathered shards), written by rank 0, the outcome shared so that
+    every rank raises if the write failed (none is left waiting)."""
+    collective = full and engine.parallel is not None
+    streams = rng_entry(engine, gather=collective) if rng_state else None
+    state = {"engine": engine_state(engine, full), "extra": extra, "rng": streams}
+    if not collective:
         save_atomic(state, path)
         return
     _on_rank0(lambda: save_atomic(state, path), path)
+
+
+def rng_entry(engine: Any, gather: bool) -> dict:
+    """``{"world_size": W, "ranks": {rank: mixprec.rng.capture()}}``: this rank's streams,
+    or with ``gather`` every rank's (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    mine = rng.capture()
+    if engine.parallel is None:
+        return {"world_size": 1, "ranks": {0: mine}}
+    if not gather:
+        return {"world_size": engine.world_size, "ranks": {dist.get_rank(): mine}}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {"world_size": engine.world_size, "ranks": dict(enumerate(every))}
+
+
+def _restore_rng(engine: Any, saved: dict, path) -> None:
+    """This rank's streams from a file ``save`` wrote. A file saved with ``rng=False``
+    holds None (nothing to do); one written before streams were saved has no entry
+    (one warning: dropout will draw other masks than the uninterrupted run)."""
+    import torch.distributed as dist
+
+    if "rng" not in saved:
+        warnings.warn(
+            f"checkpoint {str(path)!r} holds no random streams (written by an older "
+            "mixprec): the model and optimizer resume exactly, but dropout and other "
+            "random ops draw from the streams as they are now. Save it again to store "
+            "them", stacklevel=4)
+        return
+    rank = dist.get_rank() if engine.parallel is not None else 0
+    mine = rng.for_rank(saved["rng"], rank)
+    if mine is not None:
+        rng.restore(mine)
 
 
 def _on_rank0(write, path) -> None:
@@ -276,16 +338,17 @@ def _on_rank0(write, path) -> None:
                            f"({error[0]}); the previous one, if any, is intact")
 
 
-def load_engine(engine: Any, path: str | os.PathLike[str]) -> dict:
-    """``MixedPrecision.load``: a file ``save`` wrote, or a ``reshardable`` directory;
-    returns the extras."""
-    if os.path.isdir(path) or os.path.isdir(f"{path}.old"):
-        return restore_resharding(engine, path)
+def load_engine(engine: Any, path: str | os.PathLike[str], rng_state: bool = True) -> dict:
+    """``MixedPrecision.load`` of a file ``save`` wrote (a ``reshardable`` directory:
+    ``mixprec.checkpoint_resharding``); restores this rank's random streams last
+    (unless ``rng_state`` is False) and returns the extras."""
     state = load_checkpoint(path)
     if not isinstance(state, dict) or "engine" not in state:
         raise CheckpointError(f"{str(path)!r} was not written by MixedPrecision.save "
                               "(no 'engine' entry); use load_state_dict for other files")
     restore_engine(engine, state["engine"])
+    if rng_state:
+        _restore_rng(engine, state, path)
     return dict(state.get("extra", {}))
 
 
@@ -362,109 +425,3 @@ def _same_model(have: dict, got: dict) -> None:
         raise ValueError(
             f"checkpoint's model does not match this model ({len(diff)} key(s) missing, "
             f"extra or of another shape, e.g. {diff[:3]}); nothing was loaded")
-
-
-def _require_fsdp(engine, what: str) -> None:
-    if not engine.parallelism.sharded:
-        raise ValueError(
-            f"{what} is for parallel='fsdp' (the optimizer must hold the model's own "
-            f"parameters, as FSDP's fp32 shards are); this engine runs "
-            f"parallel={engine.parallel!r}. Use save(path) / load(path): without FSDP a "
-            "checkpoint is whole and loads at any world size already")
-
-
-def save_resharding(engine: Any, path: str | os.PathLike[str], extra: dict) -> None:
-    """``MixedPrecision.save(path, reshardable=True)``: a directory written with
-    ``torch.distributed.checkpoint`` (every rank its own shards) and ``engine.pt``
-    (recipe, scaler, counters, schedulers, extras), assembled in ``PATH.partial`` and
-    renamed over ``path``; a previous checkpoint is kept at ``PATH.old`` during the swap,
-    and ``restore_resharding`` falls back to it if a crash came between the renames."""
-    import shutil
-
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    _require_fsdp(engine, "save(path, reshardable=True)")
-    _not_mid_accumulation(engine)
-    if any(not o.state for o in engine.optimizers):
-        raise ValueError("save(path, reshardable=True) before the first step: the "
-                         "optimizer has no state yet (torch's get_state_dict would create "
-                         "it with a zero-learning-rate step); save after a step, or use "
-                         "save(path, full=True)")
-    path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    old = path.with_name(path.name + ".old")
-    rank0 = dist.get_rank() == 0
-    if rank0:
-        shutil.rmtree(partial, ignore_errors=True)
-    dist.barrier()
-    model_sd, optim_sd = get_state_dict(engine.module, engine.optimizers)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
-    meta = {"recipe": engine.recipe, "emulating": engine.emulating,
-            "kernels": engine.kernels.as_dict(),
-            "world_size": engine.world_size, "parallel": engine.parallel,
-            "layout": "reshardable", "scaler": engine.scaler.state_dict(),
-            "steps": engine.steps, "schedulers": [s.state_dict() for s in engine.schedulers],
-            # what dcp's optimizer state dict drops (mixprec.optim's stream counter)
-            "optim_extra": [o.extra_state() if hasattr(o, "extra_state") else None
-                            for o in engine.optimizers]}
-
-    def finish():
-        save_atomic({"engine": meta, "extra": extra}, partial / "engine.pt")
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            os.replace(path, old)
-        os.replace(partial, path)
-        shutil.rmtree(old, ignore_errors=True)
-
-    _on_rank0(finish, path)
-
-
-def restore_resharding(engine: Any, path: str | os.PathLike[str]) -> dict:
-    """``MixedPrecision.load`` of a ``reshardable`` directory, under FSDP at any world
-    size. Recipe, emulation, the model's keys and shapes and the optimizer's entries are
-    checked against the directory's metadata before anything is read into the engine.
-    Returns the extras."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    path = Path(path)
-    if not (path / "engine.pt").exists() and (path.with_name(path.name + ".old")
-                                              / "engine.pt").exists():
-        path = path.with_name(path.name + ".old")  # a crash came between the renames
-    saved = load_checkpoint(path / "engine.pt")
-    meta = saved["engine"]
-    _run_settings(meta, engine.recipe, engine.emulating)
-    _require_fsdp(engine, "a reshardable checkpoint")
-    md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    have = {f"model.{k}": tuple(v.shape) for k, v in engine.module.state_dict().items()}
-    got = {k: tuple(m.size) for k, m in md.items()
-           if k.startswith("model.") and hasattr(m, "size")}
-    from mixprec.fp8.linear import legacy_scaling_keys
-
-    stale = legacy_scaling_keys(engine.module, {k[len("model."):]: None for k in got})
-    _same_model(have, {k: v for k, v in got.items() if k[len("model."):] not in stale})
-    trained = [n for n, p in engine.module.named_parameters() if p.requires_grad]
-    missing = [n for n in trained if not any(k.startswith(f"optim.state.{n}.") for k in md)]
-    if missing:
-        raise ValueError(
-            f"checkpoint has no optimizer state for {missing[:3]} ({len(missing)} "
-            "parameter(s)); build the optimizer over the same parameters as the run that "
-            "saved it")
-    for o, e in zip(engine.optimizers, meta.get("optim_extra", [])):
-        if e is not None and hasattr(o, "check_extra_state"):
-            o.check_extra_state(e, reshardable=True)
-    for o in engine.optimizers:  # dcp fills the entries that exist: make them all
-        if hasattr(o, "materialize_states"):
-            o.materialize_states()
-    model_sd, optim_sd = get_state_dict(engine.module, engine.optimizers)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(engine.module, engine.optimizers, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    for o, e in zip(engine.optimizers, meta.get("optim_extra", [])):
-        if e is not None and hasattr(o, "load_extra_state"):
-            o.load_extra_state(e)
-    _restore_counters(engine, meta)
-    return dict(saved.get("extra", {}))

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mixprec import checkpoint
+from mixprec import checkpoint, checkpoint_resharding
 from mixprec.checks import check_backward, warn_low_precision_loss
 from mixprec.context import precision_context, recompute_context, run_backward
 from mixprec.recipe import Recipe
@@ -309,20 +309,30 @@ class MixedPrecision:
         checkpoint.load_fp32_weights(self, weights)
 
     def state_dict(self, full: bool = False) -> dict:
-        """Everything to resume bit-identically; loads with ``weights_only=True``.
+        """Everything to resume bit-identically but the random streams (``save`` adds
+        them; ``mixprec.rng.capture`` for a loop of your own); loads with
+        ``weights_only=True``.
         Whole tensors (any world size), except under FSDP: this rank's shards, or with
         ``full=True`` gathered (a collective). Layouts: ``mixprec.checkpoint``."""
         return checkpoint.engine_state(self, full)
 
     def save(self, path: str | os.PathLike[str], full: bool = False,
-             reshardable: bool = False, **extra: Any) -> None:
+             reshardable: bool = False, rng_state: bool = True, **extra: Any) -> None:
         """Write ``state_dict(full)`` (and ``extra``: a step count, a data position...) to
-        ``path`` atomically: a crash mid-write leaves the previous file whole.
+        ``path`` atomically: a crash or a failed write leaves the previous file whole
+        and no temp file behind.
 
-        Without FSDP any rank may call it. Under FSDP every rank calls it: each writes
-        its shards (one path per rank); ``full=True``: rank 0 writes the gathered state;
-        ``reshardable=True``: a ``torch.distributed.checkpoint`` directory that FSDP
-        resumes at any world size.
+        The file also holds the random streams (torch's CPU and CUDA generators,
+        Python's ``random``, numpy's global generator) that dropout and augmentation draw
+        from, so that ``load`` resumes them exactly; ``rng_state=False`` leaves them out
+        (for loops that save and restore their own).
+
+        Without FSDP any rank may call it, and the file holds that rank's streams;
+        ``full=True`` under DDP or FSDP is a collective (every rank calls it): the file,
+        written by rank 0, holds every rank's streams. Under FSDP each rank otherwise
+        writes its shards (one path per rank); ``full=True`` gathers them;
+        ``reshardable=True`` writes a ``torch.distributed.checkpoint`` directory that
+        FSDP resumes at any world size.
 
         >>> import torch, tempfile, os
         >>> model = torch.nn.Linear(4, 2)
@@ -333,16 +343,19 @@ class MixedPrecision:
         {'step': 100}
         """
         if reshardable:
-            checkpoint.save_resharding(self, path, extra)
+            checkpoint_resharding.save_resharding(self, path, extra, rng_state)
         else:
-            checkpoint.save_engine(self, path, full, extra)
+            checkpoint.save_engine(self, path, full, extra, rng_state)
 
-    def load(self, path: str | os.PathLike[str]) -> dict:
-        """Restore what ``save`` wrote and return its ``extra``. An unreadable file, or
-        one this engine cannot resume (another recipe; FSDP shards of another world
-        size), raises before anything changes. A directory is a ``reshardable`` save,
-        for FSDP at any world size."""
-        return checkpoint.load_engine(self, path)
+    def load(self, path: str | os.PathLike[str], rng_state: bool = True) -> dict:
+        """Restore what ``save`` wrote, this rank's random streams included (unless
+        ``rng_state=False``), and return its ``extra``. An unreadable file, or one this
+        engine cannot resume (another recipe; FSDP shards of another world size), raises
+        before anything changes. A directory is a ``reshardable`` save, for FSDP at any
+        world size."""
+        if checkpoint_resharding.is_resharding(path):
+            return checkpoint_resharding.restore_resharding(self, path, rng_state)
+        return checkpoint.load_engine(self, path, rng_state)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``'s output. Another recipe, emulation setting,

@@ -491,9 +491,12 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         rounding stream's state (the seed and the applied-step counter: the same on
         every rank, at any world size). ``torch.distributed.checkpoint`` drops it from
         ``state_dict()``, so reshardable checkpoints carry it beside."""
+        # a counter is created at its first stochastic write; before it (a checkpoint
+        # loaded and saved again), the restored count is the state
+        counts = ({str(d): c.clone() for d, c in self._sr_steps.items()}
+                  or {"start": torch.tensor(self._sr_start, dtype=torch.int64)})
         extra = {"states": self.states, "write": self.write, "seed": self.seed,
-                 "layout": LAYOUT,
-                 "sr_steps": {str(d): c.clone() for d, c in self._sr_steps.items()}}
+                 "layout": LAYOUT, "sr_steps": counts}
         formats = self.state_formats()
         if any(f != self.states for f in formats):  # set_state_formats': each one's
             extra["formats"] = formats
