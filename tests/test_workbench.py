@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -230,6 +231,29 @@ def test_bench_table_without_fp32_and_with_long_recipe_names(capsys):
     assert [r.split()[0] for r in rows] == ["bf16", "bf16-master,wgrad=fp32"]
     assert all(len(r) == len(head) for r in rows)
     assert all(r.split()[3] == "–" for r in rows)          # no fp32 baseline
+
+
+def test_bench_table_columns_fit_figures_wider_than_usual():
+    """A loaded machine's figures (a step of 12 s, a rate in the millions, a 5-digit
+    overhead) widen their column: every column still ends where its heading ends."""
+    from mixprec.workbench.bench import format_table
+
+    def row(recipe, ms, tok, ov):
+        return {"recipe": recipe, "step_ms": ms, "tokens_per_s": tok, "speedup_vs_fp32": 1.0,
+                "gflops": 123456.0, "peak_gflops": 9.0, "mfu": 13717.0,
+                "overhead_vs_hand": ov, "overhead_iqr": (ov - 1, ov + 1) if ov else None,
+                "model_state_bytes": 2**20, "kernels": "emulate=off"}
+
+    result = {"model": "gpt", "size": "tiny", "batch": 2, "seq": 32, "device": "cpu",
+              "torch": "2", "threads": 2, "steps": 3,
+              "rows": [row("fp32", 12345.6, 12_345_678.0, 123.45),
+                       row("bf16-master,wgrad=fp32", 1.0, 3.0, None)]}
+    lines = format_table(result).splitlines()
+    head, rows = lines[1], lines[2:4]
+    ends = [m.end() for m in re.finditer(r"\S+(?: \S+)*", head)][1:]  # right-aligned
+    for r in rows:
+        assert len(r) == len(head), (r, head)
+        assert all(r[e - 1] != " " and (e == len(r) or r[e] == " ") for e in ends), (r, head)
 
 
 def test_bench_compile_times_each_recipe_compiled_and_torchaos_beside_fp8(capsys,

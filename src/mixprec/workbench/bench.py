@@ -322,38 +322,46 @@ def _hand_loop(model, rec: Recipe, dev, loss_of, emulate: bool = False):
     return step
 
 
+def _aligned(head: list[str], rows: list[list[str]]) -> list[str]:
+    """``head`` and ``rows`` as lines of columns sized to their widest cell: the first
+    left-aligned, the rest right-aligned, two spaces apart (a figure wider than usual
+    widens its column instead of pushing the row out of line)."""
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                      for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+            for r in [head, *rows]]
+
+
 def format_table(result: dict) -> str:
     """The result as a text table ("–" where a figure has no baseline: no fp32 row for
     the speed-up, no hand-written twin for the overhead)."""
-    w = max([14, *(len(x["recipe"]) + 2 for x in result["rows"])])
     lines = [f"# mixprec bench: {result['model']} {result['size']}, batch {result['batch']}x"
              f"{result['seq']}, {result['device']}, torch {result['torch']}, "
-             f"{result['threads']} threads, median of {result['steps']} interleaved steps",
-             f"{'recipe':<{w}}{'step ms':>9}{'tok/s':>9}{'vs fp32':>8}{'GFLOP/s':>9}"
-             f"{'peak':>8}{'of peak':>8}{'overhead':>9}{'(IQR)':>14}{'state MiB':>10}"]
+             f"{result['threads']} threads, median of {result['steps']} interleaved steps"]
+    rows = []
     for x in result["rows"]:
         ov, sp = x["overhead_vs_hand"], x["speedup_vs_fp32"]
         iqr = ("–" if ov is None else
                f"{x['overhead_iqr'][0] * 100:+.1f}..{x['overhead_iqr'][1] * 100:+.1f}%")
-        lines.append(
-            f"{x['recipe']:<{w}}{x['step_ms']:>9.1f}{x['tokens_per_s']:>9,.0f}"
-            f"{(f'{sp:.2f}x' if sp is not None else '–'):>8}"
-            f"{x['gflops']:>9.0f}{x['peak_gflops']:>8.0f}"
-            f"{x['mfu'] * 100:>7.0f}%{(f'{ov * 100:+.1f}%' if ov is not None else '–'):>9}"
-            f"{iqr:>14}{x['model_state_bytes'] / 2**20:>10.1f}")
+        rows.append([x["recipe"], f"{x['step_ms']:.1f}", f"{x['tokens_per_s']:,.0f}",
+                     f"{sp:.2f}x" if sp is not None else "–", f"{x['gflops']:.0f}",
+                     f"{x['peak_gflops']:.0f}", f"{x['mfu'] * 100:.0f}%",
+                     f"{ov * 100:+.1f}%" if ov is not None else "–", iqr,
+                     f"{x['model_state_bytes'] / 2**20:.1f}"])
+    lines += _aligned(["recipe", "step ms", "tok/s", "vs fp32", "GFLOP/s", "peak", "of peak",
+                       "overhead", "(IQR)", "state MiB"], rows)
     lines.append("overhead: median over rounds of (engine step / hand-written step) - 1, "
                  "each round timing the two back to back; IQR: its quartiles")
     if result.get("compile"):
-        lines += ["", f"{'recipe':<{w}}{'eager ms':>9}{'compiled':>9}{'speed-up':>9}"
-                      f"{'torchao':>9}{'vs torchao':>11}{'(IQR)':>13}"]
+        rows = []
         for x in result["rows"]:
             ao, lo_hi, ao_ms = x["vs_torchao"], x["vs_torchao_iqr"], x["torchao_step_ms"]
-            lines.append(
-                f"{x['recipe']:<{w}}{x['step_ms']:>9.1f}{x['compiled_step_ms']:>9.1f}"
-                f"{x['compile_speedup']:>8.2f}x"
-                f"{(f'{ao_ms:.1f}' if ao else '–'):>9}"
-                f"{(f'{ao:.2f}x' if ao else '–'):>11}"
-                f"{(f'{lo_hi[0]:.2f}..{lo_hi[1]:.2f}' if ao else '–'):>13}")
+            rows.append([x["recipe"], f"{x['step_ms']:.1f}", f"{x['compiled_step_ms']:.1f}",
+                         f"{x['compile_speedup']:.2f}x", f"{ao_ms:.1f}" if ao else "–",
+                         f"{ao:.2f}x" if ao else "–",
+                         f"{lo_hi[0]:.2f}..{lo_hi[1]:.2f}" if ao else "–"])
+        lines += ["", *_aligned(["recipe", "eager ms", "compiled", "speed-up", "torchao",
+                                 "vs torchao", "(IQR)"], rows)]
         lines += [f"torchao beside {x['recipe']} failed: {x['torchao_error']}"
                   for x in result["rows"] if x.get("torchao_error")]
         lines.append("compiled: the model under torch.compile (inductor), interleaved with "
