@@ -189,3 +189,15 @@ def test_a_run_saved_under_emulation_resumes_where_auto_resolves_to_real_kernels
     m3, engine3 = build("bf16-master,emulate=false")  # pinned the other way: refused
     with pytest.raises(ValueError, match="pins emulate=false"):
         engine3.load(tmp_path / "ck.pt")
+
+
+def test_a_checkpoint_of_another_model_is_blamed_on_the_model_not_the_optimizer():
+    """Another parameter count also means other param groups: the model is named."""
+    small = mlp(hidden=32)
+    big = nn.Sequential(*mlp(hidden=32), nn.Linear(4, 4))
+    state = MixedPrecision(small, torch.optim.AdamW(small.parameters()), "bf16-master"
+                           ).state_dict()
+    e = MixedPrecision(big, torch.optim.AdamW(big.parameters()), "bf16-master")
+    with pytest.raises(ValueError, match=r"checkpoint's model does not match this model"
+                                         r".*'4\.bias', '4\.weight'"):
+        e.load_state_dict(state)

@@ -340,6 +340,23 @@ def test_a_recipe_that_converts_nothing_raises_unless_allowed():
                        fp8_filter=lambda m, fqn: False)
 
 
+def test_the_refusal_names_arguments_that_exist_and_its_advice_works():
+    import inspect
+    import re
+
+    mlp2 = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    with pytest.raises(ValueError) as info:
+        MixedPrecision(mlp2, torch.optim.SGD(mlp2.parameters(), lr=0.1), "nvfp4")
+    msg = str(info.value)
+    for call, fn in (("MixedPrecision", MixedPrecision.__init__), ("fp8.convert", convert)):
+        named = re.search(rf"{re.escape(call)}\(\.\.\., (\w+)=", msg)
+        assert named and named.group(1) in inspect.signature(fn).parameters, (call, msg)
+    advice = re.search(r"fp8_filter=(lambda module, name: True)", msg).group(1)
+    with pytest.warns(UserWarning, match="no Linear was converted"):
+        MixedPrecision(mlp2, torch.optim.SGD(mlp2.parameters(), lr=0.1), "nvfp4",
+                       fp8_filter=eval(advice))  # the message's own words
+
+
 def test_float8linear_rejects_bad_dims():
     with pytest.raises(ValueError, match="divisible by 16"):
         Float8Linear(10, 32)

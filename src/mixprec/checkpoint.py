@@ -136,6 +136,13 @@ def check_engine_state(state: dict, recipe: Recipe, emulating: bool, world_size:
             f"{here}; resume with parallel='fsdp' and --nproc-per-node {saved_ws}, or save "
             "it whole with engine.save(path, full=True) (every rank calls it; it gathers "
             "the shards), which loads at any world size, with or without FSDP")
+    # the model first: another model also has other param groups, and the model is
+    # what the user should hear about
+    from mixprec.fp8.linear import legacy_scaling_keys
+
+    stale = legacy_scaling_keys(module, state["model"])
+    _same_model({k: tuple(v.shape) for k, v in module.state_dict().items()},
+                {k: tuple(v.shape) for k, v in state["model"].items() if k not in stale})
     if len(state["optimizers"]) != len(optimizers):
         raise ValueError(f"checkpoint has {len(state['optimizers'])} optimizer(s), this "
                          f"engine has {len(optimizers)}")
@@ -147,11 +154,6 @@ def check_engine_state(state: dict, recipe: Recipe, emulating: bool, world_size:
                 f"optimizer {i} of the checkpoint has param groups of {got_groups} "
                 f"parameters, this engine's has {have_groups}; build the optimizer over "
                 "the same parameters, in the same groups, as the run that saved it")
-    from mixprec.fp8.linear import legacy_scaling_keys
-
-    stale = legacy_scaling_keys(module, state["model"])
-    _same_model({k: tuple(v.shape) for k, v in module.state_dict().items()},
-                {k: tuple(v.shape) for k, v in state["model"].items() if k not in stale})
 
 
 def fp32_weights(module: nn.Module, param_state: ParamState) -> dict[str, torch.Tensor]:

@@ -214,8 +214,9 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
                 f"recipe {str(r)!r} converts no Linear of this model, so nothing would "
                 f"run in fp8 ({why}). Use a 16-bit recipe (bf16-master), lower "
                 "bf16_last_layers or bf16_last_fraction, give the Linears dims "
-                "divisible by 16, or pass "
-                "allow_none=True (MixedPrecision: fp8_filter=...) to train it so anyway")
+                "divisible by 16, or train it so anyway: MixedPrecision(..., "
+                "fp8_filter=lambda module, name: True) or fp8.convert(..., "
+                "allow_none=True) make this a warning")
         warnings.warn(f"fp8: no Linear was converted, so nothing runs in fp8 ({why})",
                       stacklevel=2)
     return report
