@@ -287,6 +287,23 @@ def test_an_overflow_under_max_grad_norm_is_skipped_and_nothing_raises(tmp_path)
     assert all(math.isfinite(n) for i, n in enumerate(got.norms) if i != 1)
 
 
+def test_trainers_logs_carry_the_loss_scale_and_the_skipped_steps(tmp_path):
+    """Beside ``loss`` and ``grad_norm`` in Trainer's own log history (what its reporting
+    callbacks receive): the loss scale, halved by the skip as torch's GradScaler backs
+    off, and the running count of skipped updates."""
+    t, _ = _logged_norms(_Poisoned, 3, tmp_path, recipe="fp16-master")
+    logs = [h for h in t.state.log_history if "loss" in h]
+    assert [h["skipped_steps"] for h in logs] == [0, 1, 1]
+    scaler = torch.amp.GradScaler("cpu", init_scale=logs[0]["loss_scale"])
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    found = torch.ones(())
+    torch._amp_update_scale_(scaler._scale, scaler._growth_tracker, found,
+                             scaler._growth_factor, scaler._backoff_factor,
+                             scaler._growth_interval)
+    assert logs[1]["loss_scale"] == logs[2]["loss_scale"] == float(scaler._scale)
+    assert all(isinstance(h["loss_scale"], float) for h in logs)
+
+
 def test_resume_from_checkpoint_true_takes_the_latest_checkpoint(tmp_path):
     """resume_from_checkpoint=True (Trainer finds the latest checkpoint in output_dir):
     the resumed losses equal the uninterrupted run's."""

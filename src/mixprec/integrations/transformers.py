@@ -22,9 +22,13 @@ points:
 - the optimizer Trainer steps is a proxy whose ``step()`` is ``engine.step()``: the
   non-finite check, the clip, the update of the fp32 masters. A skipped step is reported to
   Accelerate as one, so Trainer does not advance the LR scheduler;
+- Trainer's training logs carry ``loss_scale`` and ``skipped_steps`` beside ``loss`` and
+  ``grad_norm`` (``log``), so every reporting integration records them;
 - ``save_steps`` checkpoints hold the fp32 weights as the model's (``save_pretrained``
   loads them into a fresh model) and the engine's state (``mixprec_engine.pt``: masters,
-  loss scale, counters), which ``resume_from_checkpoint`` restores. With
+  loss scale, counters), which ``resume_from_checkpoint`` restores. The random streams
+  are Trainer's to save and restore (its ``rng_state`` files), so the engine's file
+  leaves them out. With
   ``load_best_model_at_end`` the best checkpoint's engine state is restored at the end
   (a ``TrainerCallback``), so ``save_model`` writes the best masters.
 
@@ -126,7 +130,7 @@ class _BestMasters(TrainerCallback):
             return
         path = os.path.join(best, ENGINE_FILE)
         if os.path.exists(path):
-            engine.load(path)
+            engine.load(path, rng_state=False)
 
 
 class MixedPrecisionTrainer(Trainer):
@@ -239,6 +243,15 @@ class MixedPrecisionTrainer(Trainer):
         return self.engine.clip_grad_norm_(None if math.isinf(max_norm) else max_norm,
                                            norm_type)
 
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Trainer's log, with the engine's ``loss_scale`` and ``skipped_steps`` (updates
+        skipped for non-finite gradients since the start) beside the training loss, as
+        ``grad_norm`` is: in ``state.log_history`` and every reporting callback."""
+        if self.engine is not None and "loss" in logs:
+            logs = {**logs, "loss_scale": float(self.engine.scale),
+                    "skipped_steps": int(self.engine.skipped_steps)}
+        super().log(logs, *args, **kwargs)
+
     # --- checkpoints ----------------------------------------------------------------
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
@@ -260,23 +273,23 @@ class MixedPrecisionTrainer(Trainer):
         if self.engine is not None and self.engine.parallel == "fsdp":
             # the engine's gathered state holds the optimizer's (its own file would
             # hold rank 0's shards only); every rank gathers, the main one writes
-            self.engine.save(path, full=True)
+            self.engine.save(path, full=True, rng_state=False)
             if self.args.should_save:
                 torch.save(self.lr_scheduler.state_dict(),
                            os.path.join(output_dir, SCHEDULER_FILE))
             return
         super()._save_optimizer_and_scheduler(output_dir)
         if self.engine is not None and self.args.should_save:  # the main process
-            self.engine.save(path)
+            self.engine.save(path, rng_state=False)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         path = os.path.join(checkpoint, ENGINE_FILE) if checkpoint else None
         if self.engine is not None and self.engine.parallel == "fsdp":
             if path and os.path.exists(path):
-                self.engine.load(path)
+                self.engine.load(path, rng_state=False)
                 self.lr_scheduler.load_state_dict(torch.load(
                     os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
             return
         super()._load_optimizer_and_scheduler(checkpoint)
         if path and os.path.exists(path) and self.engine is not None:
-            self.engine.load(path)
+            self.engine.load(path, rng_state=False)
