@@ -76,6 +76,70 @@ def measured(monkeypatch):
     monkeypatch.delenv(EMULATE_ENV, raising=False)
 
 
+@pytest.fixture
+def gemm_timer(monkeypatch):
+    """``gemm_timer(one_thread, loaded)``: the matmul timer of ``mixprec.kernels`` reads
+    GFLOP/s by torch dtype, ``one_thread[dtype]`` on one thread and ``loaded[dtype]`` on
+    two, as a multi-threaded GEMM does on a host whose other core is busy (it waits at
+    its barriers). For bf16/fp16, ``one_thread`` may give a list of (rate, fp32's rate)
+    rounds instead: each fp32 call reads the round of the dtype timed just before it.
+    No path is pinned; the readings' caches are emptied before and after."""
+    import itertools
+
+    import mixprec.kernels as k
+
+    def clear():
+        for cached in (k.matmul_gflops, k._speed_reading, k._route_reading):
+            cached.cache_clear()
+
+    monkeypatch.delenv(EMULATE_ENV, raising=False)
+    threads = torch.get_num_threads()
+    clear()
+
+    def set_rates(one_thread: dict, loaded: dict) -> None:
+        fp32 = one_thread[torch.float32]
+        rounds = {dt: iter(v) if isinstance(v, list) else itertools.repeat((v, fp32))
+                  for dt, v in one_thread.items() if dt != torch.float32}
+        last = [(fp32, fp32)]
+
+        def timer(dev, dt, n, seconds):
+            if torch.get_num_threads() > 1:
+                return loaded[dt]
+            if dt == torch.float32:
+                return last[0][1]
+            last[0] = next(rounds[dt])
+            return last[0][0]
+
+        monkeypatch.setattr(k, "_gflops", timer)
+        torch.set_num_threads(2)
+
+    yield set_rates
+    torch.set_num_threads(threads)
+    clear()
+
+
+#: GFLOP/s on the AMD EPYC with AVX-512 BF16 and no fp16 units, one thread (quiet), and
+#: multi-threaded while another process held a core: read in back-to-back runs
+EPYC_ONE_THREAD = {torch.float32: 100.0, torch.bfloat16: 200.0, torch.float16: 2.3}
+EPYC_LOADED = {torch.float32: 1.4, torch.bfloat16: 2.8, torch.float16: 2.3}
+
+
+def set_speeds(monkeypatch, rates: dict | None = None, scaled_mm: float = 0.0,
+               bf16: float = 1.0, fp16: float = 1.0) -> None:
+    """Make every reading of ``mixprec.kernels`` (each round alike) see these rates:
+    GFLOP/s by torch dtype (fp32, bf16, fp16; else ``bf16`` and ``fp16`` against fp32's
+    1.0) and ``torch._scaled_mm``'s."""
+    import mixprec.kernels as k
+
+    rates = rates or {torch.float32: 1.0, torch.bfloat16: bf16, torch.float16: fp16}
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    monkeypatch.setattr(k, "speed_reading", lambda dev, dt: k.SpeedReading(
+        name=names[dt], base="fp32", rounds=(rates[dt] / rates[torch.float32],)))
+    monkeypatch.setattr(k, "route_reading", lambda dev, route: k.SpeedReading(
+        name="scaled_mm", base=route, rounds=(scaled_mm / rates[
+            torch.bfloat16 if route == "dequant" else torch.float32],)))
+
+
 def mlp(seed: int = 0, d_in: int = 16, hidden: int = 32, d_out: int = 4) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(d_in, hidden), nn.LayerNorm(hidden), nn.GELU(),

@@ -754,9 +754,11 @@ def disagreeing_choices(rank, world, tmp, recipe, parallel, fast_rank):
 
     os.environ.pop(kernels.EMULATE_ENV, None)  # measured, not pinned
     fast = rank == fast_rank
-    kernels.relative_speed = lambda device, dtype: 1.0 if fast else 0.01
-    kernels._route_speeds = lambda device: {"scaled_mm": 0.0, "dequant_fp32": 10.0,
-                                            "dequant": 100.0 if fast else 1.0}
+    kernels.speed_reading = lambda device, dtype: kernels.SpeedReading(
+        name={torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype], base="fp32",
+        rounds=(1.0 if fast else 0.01,))
+    kernels.route_reading = lambda device, route: kernels.SpeedReading(
+        name="scaled_mm", base=route, rounds=(0.0,))
     _init(rank, world, tmp)
     model = make_mlp(seed=0)
     engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import mixprec.kernels as k
-from conftest import mlp, tiny_gpt
+from conftest import mlp, set_speeds, tiny_gpt
 from mixprec import MixedPrecision, Recipe
 from mixprec.diagnostics import doctor
 from mixprec.fp8.linear import Float8Linear
@@ -31,10 +31,7 @@ NO_UNITS = {torch.float32: 45.0, torch.bfloat16: 0.5, torch.float16: 0.5}
 def chip(monkeypatch):
     """``chip(rates, scaled_mm=...)`` makes mixprec.kernels measure those rates."""
     def set_rates(rates, scaled_mm=0.1):
-        monkeypatch.setattr(k, "matmul_gflops", lambda dev, dt, *a: rates[dt])
-        monkeypatch.setattr(k, "relative_speed",
-                            lambda dev, dt: rates[dt] / rates[torch.float32])
-        monkeypatch.setattr(k, "fp8_gemm_gflops", lambda dev, *a: scaled_mm)
+        set_speeds(monkeypatch, rates, scaled_mm)
     return set_rates
 
 
@@ -49,8 +46,8 @@ def test_emulate_auto_follows_the_measured_speed(chip, rates, emulated, recipe):
     assert engine.emulating is emulated and engine.kernels.emulate is emulated
     said = [str(x.message) for x in w if "no fast kernels" in str(x.message)]
     assert bool(said) is emulated  # the engine says so, with the measured rates
-    if emulated:
-        assert "measured GFLOP/s: fp32 45.0" in said[0]
+    if emulated:  # the reading the choice took, as a ratio
+        assert "measured on one thread, alternating: bf16 0.011x fp32" in said[0]
     with engine.autocast():
         y = model(torch.randn(4, 16))
     assert y.dtype == (torch.float32 if emulated else Recipe.parse(recipe).compute_dtype)
@@ -79,11 +76,11 @@ def test_the_dequant_route_follows_the_same_bf16_decision_as_the_rest(monkeypatc
     """A loaded host can misread a multi-threaded best-of GEMM rate (fp32 read 25x slow):
     the route takes the one-thread bf16 decision that fp8_rest takes, not those rates."""
     monkeypatch.delenv(k.EMULATE_ENV, raising=False)
-    monkeypatch.setattr(k, "relative_speed", lambda dev, dt: 4.7 if fast else 0.02)
-    # raw rates that say the opposite of relative_speed
-    monkeypatch.setattr(k, "_route_speeds", lambda dev: {
-        "scaled_mm": 0.1, "dequant": 1.0 if fast else 100.0,
-        "dequant_fp32": 100.0 if fast else 1.0})
+    set_speeds(monkeypatch, {torch.float32: 1.0, torch.bfloat16: 4.7 if fast else 0.02,
+                             torch.float16: 1.0}, scaled_mm=0.1)
+    # multi-threaded rates that say the opposite of the readings
+    monkeypatch.setattr(k, "matmul_gflops", lambda dev, dt, *a: {
+        torch.bfloat16: 1.0 if fast else 100.0, torch.float32: 100.0 if fast else 1.0}[dt])
     fp8 = Recipe.parse("fp8")
     assert k.fp8_gemm_route("cpu") == ("dequant" if fast else "dequant_fp32")
     assert k.fp8_rest(fp8, "cpu") == ("bf16" if fast else "fp32")

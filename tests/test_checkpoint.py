@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import mlp
+from conftest import mlp, set_speeds
 from mixprec import MixedPrecision
 from mixprec.checkpoint import (
     CheckpointError,
@@ -154,7 +154,6 @@ def test_a_run_saved_under_emulation_resumes_where_auto_resolves_to_real_kernels
     and training goes on."""
     import warnings
 
-    import mixprec.kernels as k
     from mixprec import MixedPrecision
 
     def build(recipe):
@@ -175,7 +174,7 @@ def test_a_run_saved_under_emulation_resumes_where_auto_resolves_to_real_kernels
     steps(m, engine, 2)
     engine.save(tmp_path / "ck.pt")
     saved = {k_: v.clone() for k_, v in m.state_dict().items()}
-    monkeypatch.setattr(k, "relative_speed", lambda dev, dt: 1.0)  # fast bf16 here
+    set_speeds(monkeypatch, bf16=1.0)  # fast bf16 here
     m2, engine2 = build("bf16-master")
     assert not engine2.emulating
     with warnings.catch_warnings(record=True) as caught:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import LlamaRMSNorm
+from conftest import LlamaRMSNorm, set_speeds
 from mixprec import precision_context
 from mixprec.context import fp32_island_modules, wrap_fp32_modules
 
@@ -94,10 +94,9 @@ def test_matmuls_run_in_compute_dtype(recipe):
 
 
 def test_fp16_emulated_where_slow(monkeypatch, measured):
-    import mixprec.kernels as k
     from mixprec import formats
 
-    monkeypatch.setattr(k, "relative_speed", lambda dev, dt: 0.02)
+    set_speeds(monkeypatch, bf16=0.02, fp16=0.02)
     torch.manual_seed(0)
     lin, x = nn.Linear(16, 16), torch.randn(4, 16)
     with precision_context("fp16", "cpu"):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import tiny_gpt
+from conftest import EPYC_LOADED, EPYC_ONE_THREAD, set_speeds, tiny_gpt
 from mixprec.diagnostics import (
     NumericsMonitor,
     audit_dtypes,
@@ -146,10 +146,8 @@ def test_d_layernorm_forced_to_fp16_is_flagged_by_the_reference():
 
 
 def test_e_fp16_on_this_cpu_gets_the_measured_kernel_finding(monkeypatch):
-    from mixprec import kernels
-
     rates = {torch.float32: 300.0, torch.bfloat16: 1800.0, torch.float16: 300.0}
-    monkeypatch.setattr(kernels, "matmul_gflops", lambda dev, dt, *a: rates[dt])
+    set_speeds(monkeypatch, rates)
     report = doctor(mlp_factory(), batches(), "fp16,emulate=false", steps=1,
                     reference_steps=0)
     f = next(f for f in report.findings if f.code == "kernel-better-dtype")
@@ -164,8 +162,42 @@ def test_e_fp16_on_this_cpu_gets_the_measured_kernel_finding(monkeypatch):
 def test_e_real_measurement_runs():
     report = doctor(mlp_factory(), batches(), "fp16,emulate=false", steps=1,
                     reference_steps=0)
-    g = report.facts["matmul_gflops"]
-    assert g["fp32"] > 0 and g["bf16"] > 0 and g["fp16"] > 0
+    speed = report.facts["matmul_speed"]
+    assert speed["bf16"]["ratio"] > 0 and speed["fp16"]["ratio"] > 0
+    assert speed["fp16"]["against"] == "fp32" and 1 <= len(speed["fp16"]["rounds"]) <= 3
+
+
+def test_e_the_doctor_reads_speed_as_the_auto_choice_does(gemm_timer):
+    """Multi-threaded rates on a loaded host (fp32 1.4, fp16 2.3 GFLOP/s) made the doctor
+    call fp16 "1x slower than fp32" while emulating it for being slow, and stay silent
+    about fp16 with emulate=false. It reads what emulate=auto read: 0.023x on one thread."""
+    gemm_timer(EPYC_ONE_THREAD, EPYC_LOADED)
+    report = doctor(mlp_factory(), batches(), "fp16", steps=1, reference_steps=0)
+    f = next(f for f in report.findings if f.code == "kernel-emulated")
+    assert "has no fast kernel on cpu (fp16 0.023x fp32)" in f.title, f.title
+    assert report.facts["matmul_speed"]["fp16"]["ratio"] == pytest.approx(0.023)
+    assert report.facts["matmul_speed"]["bf16"]["ratio"] == pytest.approx(2.0)
+    real = doctor(mlp_factory(), batches(), "fp16,emulate=false", steps=1,
+                  reference_steps=0)
+    f = next(f for f in real.findings if f.code == "kernel-slow")
+    assert "43x slower than fp32" in f.title and "use bf16 if it is fast here (bf16 2x" \
+        in f.advice
+
+
+def test_e_a_machine_too_busy_to_measure_is_said_not_turned_into_a_ratio(gemm_timer):
+    """fp16's rounds read 0.5x, 0.023x and 2.3x fp32: no kernel-slow or -better-dtype
+    ratio from them, a kernel-noisy finding that says so."""
+    gemm_timer({torch.float32: 100.0, torch.bfloat16: 200.0,
+                torch.float16: [(50.0, 100.0), (2.3, 100.0), (2.3, 1.0)]}, EPYC_LOADED)
+    report = doctor(mlp_factory(), batches(), "fp16,emulate=false", steps=1,
+                    reference_steps=0)
+    codes = report.codes()
+    assert "kernel-noisy" in codes and "kernel-slow" not in codes
+    assert "kernel-better-dtype" not in codes
+    assert report.facts["matmul_speed"]["fp16"]["noisy"]
+    f = next(f for f in report.findings if f.code == "kernel-noisy")
+    assert f.severity == "info" and "too busy" in f.title
+    assert "fp16 against fp32: too noisy to measure (rounds 0.023x to 2.3x)" in f.evidence
 
 
 def test_f_constant_loss_scale_over_5000_steps_is_flagged():

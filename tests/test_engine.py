@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec.optim
-from conftest import TiedLM, cnn, mlp, pattern_losses, tiny_gpt
+from conftest import TiedLM, cnn, mlp, pattern_losses, set_speeds, tiny_gpt
 from mixprec import PRESETS, MixedPrecision, Recipe, SkipLimitError
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 compute on the CPU:UserWarning",
@@ -588,9 +588,7 @@ def test_bad_arguments():
 
 
 def test_slow_fp16_is_emulated_by_itself_and_says_so(monkeypatch, measured):
-    import mixprec.kernels as k
-
-    monkeypatch.setattr(k, "relative_speed", lambda dev, dt: 0.02)  # a CPU without fp16
+    set_speeds(monkeypatch, bf16=0.02, fp16=0.02)  # a CPU without fp16
     m = mlp()
     with pytest.warns(UserWarning, match="fp16 has no fast kernels on cpu.*emulates it"):
         e = MixedPrecision(m, torch.optim.AdamW(m.parameters()), "fp16")
@@ -602,9 +600,7 @@ def test_slow_fp16_is_emulated_by_itself_and_says_so(monkeypatch, measured):
 
 
 def test_fast_fp16_runs_real_kernels(monkeypatch, measured):
-    import mixprec.kernels as k
-
-    monkeypatch.setattr(k, "relative_speed", lambda dev, dt: 1.0)  # AVX512-FP16, say
+    set_speeds(monkeypatch, bf16=1.0, fp16=1.0)  # AVX512-FP16, say
     m = mlp()
     assert not MixedPrecision(m, torch.optim.AdamW(m.parameters()), "fp16").emulating
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mixprec.kernels as k
+from conftest import set_speeds
 from mixprec import MixedPrecision, Recipe
 from mixprec.diagnostics import fp8_ranges
 from mixprec.fp8 import Float8Linear, convert, layer_formats
@@ -219,10 +219,8 @@ def test_the_engine_converts_per_rule_and_trains():
 def test_each_scaling_gets_its_own_route_where_scaled_mm_wins(monkeypatch):
     """On a CPU whose _scaled_mm is measured fastest the per-tensor layers take it; the
     block-scaled ones, which have no CPU kernel, the exact dequantizing GEMM."""
-    rates = {torch.float32: 45.0, torch.bfloat16: 0.5, torch.float16: 0.5}
-    monkeypatch.setattr(k, "matmul_gflops", lambda dev, dt, *a: rates[dt])
-    monkeypatch.setattr(k, "relative_speed", lambda dev, dt: rates[dt] / 45.0)
-    monkeypatch.setattr(k, "fp8_gemm_gflops", lambda dev, *a: 66.0)
+    set_speeds(monkeypatch, {torch.float32: 45.0, torch.bfloat16: 0.5, torch.float16: 0.5},
+               scaled_mm=66.0)
     model, engine = _engine()
     assert engine.kernels.fp8_gemm == "scaled_mm"
     assert engine.kernels.fp8_gemm_routes == {

@@ -224,10 +224,12 @@ def test_bench_table_without_fp32_and_with_long_recipe_names(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     head, rows = lines[1], lines[2:-3]
     assert lines[-3].startswith("overhead: median over rounds")
-    # each recipe's kernel choices, with the measured rates behind them
+    # each recipe's kernel choices, with the readings behind them (unless pinned)
     assert [x.split(":")[0] for x in lines[-2:]] == ["kernels bf16",
                                                      "kernels bf16-master,wgrad=fp32"]
-    assert all("emulate=" in x and "measured GFLOP/s: fp32" in x for x in lines[-2:])
+    assert all("emulate=" in x and ("measured on one thread, alternating: bf16 " in x
+                                    or "decided by MIXPREC_EMULATE" in x)
+               for x in lines[-2:])
     assert [r.split()[0] for r in rows] == ["bf16", "bf16-master,wgrad=fp32"]
     assert all(len(r) == len(head) for r in rows)
     assert all(r.split()[3] == "–" for r in rows)          # no fp32 baseline
@@ -340,7 +342,7 @@ def test_compare_flags_a_recipe_whose_step_is_over_twice_fp32s_with_the_cause():
 
     def result(recipe, tps, emulated=False):
         return TrainResult(TrainConfig(recipe=recipe), steps=[{"tokens_per_s": tps}] * 10,
-                           emulated=emulated, kernels="emulate=on (measured GFLOP/s: ...)")
+                           emulated=emulated, kernels="emulate=on (measured on one thread, ...)")
 
     results = {"fp32": result("fp32", 6000.0), "bf16": result("bf16", 5000.0, True),
                "fp8": result("fp8", 326.0)}

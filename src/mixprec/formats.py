@@ -40,6 +40,7 @@ __all__ = [
     "names",
     "quantize",
     "ulp",
+    "survival_bound",
     "bits",
 ]
 
@@ -341,6 +342,48 @@ def ulp(x: torch.Tensor, fmt: str | torch.dtype | Format) -> torch.Tensor:
     f = get(fmt)
     e = _binade(x.abs(), f).clamp_(max=f.emax)
     return _pow2(e, x.dtype) * 2.0 ** -f.mantissa_bits  # exact; may be a subnormal
+
+
+def survival_bound(update: float, fmt: str | torch.dtype | Format) -> float:
+    """Bound on ``|w|`` below which adding ``update`` to a stored ``w`` changes it.
+
+    ``w + update`` rounds to a value other than ``w`` when ``|update|`` is more than half
+    the spacing at ``w``; at exactly half, the tie goes to the even neighbour, so it moves
+    only an odd ``w``. Spacing grows with ``|w|`` and bottoms out at ``min_subnormal``.
+    The returned bound ``b`` is exact: the update changes every stored ``w`` with
+    ``|w| < b``, whatever the signs (``w = 0`` too, except when ``|update|`` is exactly
+    half ``min_subnormal``: that tie rounds back to 0), and leaves ``w = ±b`` as it is
+    when it moves ``w`` away from zero. ``b = 0.0``: it changes no ``w`` (``|update|`` is
+    below half the smallest subnormal). ``b = inf``: it changes every finite ``w`` (at
+    ``max`` an increase overflows to inf or NaN); fp6/fp4 saturate instead, so there
+    ``b = max``. Above ``b`` a step away from zero is lost, except on odd values of a
+    binade whose half spacing equals ``|update|``; a step toward zero from a power of
+    two sees the finer spacing below it.
+
+    >>> survival_bound(1e-4, "fp32"), survival_bound(1e-4, "bf16")
+    (2048.0, 0.03125)
+    >>> survival_bound(1e-4, "e4m3")  # below half of e4m3's smallest subnormal 2^-9
+    0.0
+    """
+    f = get(fmt)
+    u = abs(float(update))
+    if not math.isfinite(u):
+        raise ValueError(f"update must be a finite number, got {update!r}")
+    m = f.mantissa_bits
+    if 2 * u < f.min_subnormal:
+        return 0.0  # even the finest step is too coarse, and 0 + update rounds to 0
+    for e in range(f.emin, f.emax + 1):
+        step = math.ldexp(1.0, e - m)
+        if 2 * u > step:
+            continue  # every value of this binade moves
+        # first value of the binade in units of step: subnormals start at 1 (odd)
+        r = 1 if e == f.emin and f.subnormals else 1 << m
+        if 2 * u == step and r % 2:
+            r += 1  # a tie moves odd values only; the first even one stays
+            if r >= 2 << m:
+                continue  # no even value in this binade (e8m0: m = 0)
+        return math.ldexp(r, e - m)
+    return f.max if f.nan == "none" else math.inf  # fp6/fp4 saturate: max + update = max
 
 
 def bits(x: torch.Tensor | float, fmt: str | torch.dtype | Format) -> list[tuple[int, int, int]]:

@@ -1,8 +1,13 @@
 """What this device is fast at, measured, not assumed: every ``auto`` choice lives here.
 
-``matmul_gflops(device, dtype)`` times a square matmul for about ``seconds`` and caches
-the result per (device, dtype, n). ``relative_speed(device, dtype)`` is that over fp32's.
-From those measurements this module decides, once per process:
+One measurement is behind every choice and every figure shown of it:
+``speed_reading(device, dtype)`` times a matmul in ``dtype`` and one in fp32 alternately
+on one thread, three rounds, and keeps each round's ratio (``SpeedReading``);
+``route_reading`` does the same for ``torch._scaled_mm`` against a dequant route's GEMM.
+Absolute rates are not shown: on a loaded host a multi-threaded GEMM stalls at its
+barriers (fp32 read 1.4 GFLOP/s in one run, 131 in the next, on a busy 2-core machine).
+Rounds that disagree by more than ``NOISE_SPREAD`` are reported as too noisy to measure,
+not as a ratio. From those readings this module decides, once per process:
 
 - ``emulate=auto`` (``has_fast_kernels`` / ``emulating``): a 16-bit format without fast
   kernels is emulated exactly on fp32 kernels. CPUs either have units for a format
@@ -19,11 +24,12 @@ From those measurements this module decides, once per process:
 - what the layers around an fp8 recipe's Linears run in (``fp8_rest``): bf16 autocast
   where bf16 is fast, else fp32 (no autocast), which is faster and more exact there.
 
-``choices(recipe, device)`` reports the decisions with the numbers behind them; the
+``choices(recipe, device)`` reports the decisions with the readings behind them; the
 engine (``engine.kernels``), ``mixprec bench`` and the doctor show it. Under DDP and
 FSDP rank 0's choices are every rank's (``mixprec.parallel``), so all ranks run the
-same numerics. Tests replace ``relative_speed`` / ``fp8_gemm_gflops`` to cover both
-outcomes of every choice on any chip.
+same numerics. Tests replace ``speed_reading`` / ``route_reading`` to cover both
+outcomes of every choice on any chip. No choice reads ``matmul_gflops`` (multi-threaded,
+best-of: the peak ``mixprec bench`` divides by).
 
 **Pinning the path.** ``MIXPREC_EMULATE=on`` makes every ``auto`` choice take the path
 of a chip without 16-bit units (bf16/fp16 emulated on fp32 kernels, fp32 around fp8
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -50,7 +57,8 @@ from mixprec.recipe import BLOCK_SCALINGS, MX_COMPUTE, PRESETS, Recipe
 __all__ = ["matmul_gflops", "relative_speed", "FAST_ENOUGH", "has_fast_kernels",
            "emulating", "fp8_gemm_gflops", "fp8_gemm_route", "fp8_rest", "choices",
            "KernelChoices", "SCALED_MM_MARGIN", "EMULATE_ENV", "pinned_emulation",
-           "ieee_fp32_matmul", "block_gemm_route"]
+           "ieee_fp32_matmul", "block_gemm_route", "SpeedReading", "speed_reading",
+           "route_reading", "NOISE_SPREAD"]
 
 #: below this fraction of fp32's matmul throughput a format counts as having no fast
 #: kernel, and ``emulate=auto`` emulates it on fp32 kernels instead. Chips either have
@@ -61,6 +69,10 @@ FAST_ENOUGH = 0.2
 #: ``fp8_gemm=auto`` on a CPU takes ``_scaled_mm`` over the dequant route only when it is
 #: this much faster: a clear win, not a draw a busy machine decided
 SCALED_MM_MARGIN = 1.25
+
+#: a reading whose rounds' ratios differ by more than this factor (largest over
+#: smallest) was taken on a machine too busy to measure: it says so instead of a ratio
+NOISE_SPREAD = 2.0
 
 #: the environment variable that pins every ``auto`` choice to one path (module doc)
 EMULATE_ENV = "MIXPREC_EMULATE"
@@ -117,29 +129,81 @@ def _gflops(dev: torch.device, dtype: torch.dtype, n: int, seconds: float) -> fl
     return 2 * n**3 / _best_time(lambda: a @ b, _sync(dev), seconds) / 1e9
 
 
-@cache
-def relative_speed(device: torch.device | str, dtype: torch.dtype) -> float:
-    """Matmul throughput in ``dtype`` over fp32's on ``device``: best-of timings of the
-    two on one thread, taken alternately so that load hits both (cached)."""
-    dev = str(torch.device(device))
-    ratios = []
-    # on one thread: a multi-threaded GEMM waits at its barriers for a thread whose core
-    # another process holds, which slowed the short fp32 calls ~25x on a loaded 2-core
-    # host and made the ratio read "bf16 is fast"; one thread measures the kernel alone
+@dataclass(frozen=True, kw_only=True)
+class SpeedReading:
+    """How fast kernel ``name`` ran against kernel ``base`` (a format's matmul against
+    fp32's; ``_scaled_mm`` against a dequant route's GEMM): the ratio of their rates in
+    each round, the two timed back to back on one thread (``speed_reading``)."""
+
+    name: str
+    base: str
+    rounds: tuple[float, ...]
+
+    @property
+    def ratio(self) -> float:
+        """The median round: what the ``auto`` choices decide on."""
+        return statistics.median(self.rounds)
+
+    @property
+    def noisy(self) -> bool:
+        """Whether the rounds disagree by more than ``NOISE_SPREAD``: the machine was too
+        busy for the ratio to mean anything (the choice still takes the median)."""
+        return max(self.rounds) > NOISE_SPREAD * min(self.rounds)
+
+    def __str__(self) -> str:
+        if self.noisy:
+            lo, hi = min(self.rounds), max(self.rounds)
+            return (f"{self.name} against {self.base}: too noisy to measure (rounds "
+                    f"{_times(lo)} to {_times(hi)})")
+        return f"{self.name} {_times(self.ratio)} {self.base}"
+
+    def as_dict(self) -> dict:
+        """The reading as plain data (the doctor's facts)."""
+        return {"against": self.base, "ratio": self.ratio, "rounds": list(self.rounds),
+                "noisy": self.noisy}
+
+
+def _times(v: float) -> str:
+    return f"{v:.0f}x" if v >= 10 else f"{v:.2g}x"
+
+
+def _alternate(name: str, base: str, fast, slow, clear_below: float) -> SpeedReading:
+    """Three rounds of ``fast()`` then ``slow()`` (rates) on one thread, which measures
+    a kernel alone (a multi-threaded GEMM waits for a thread whose core another process
+    holds); alternating puts the same load on both. A first round below ``clear_below``
+    decides alone (0.02 on AVX2, where each slow call takes ~50 ms)."""
+    rounds: list[float] = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for _ in range(3):
-            fast = matmul_gflops.__wrapped__(dev, dtype, 256, 0.01)
-            base = matmul_gflops.__wrapped__(dev, torch.float32, 256, 0.01)
-            ratios.append(fast / base)
-            # a first round 4x below the threshold decides (0.02 on AVX2): the slow
-            # dtype's calls are what the probe's time goes on (~50 ms each there)
-            if ratios[0] < FAST_ENOUGH / 4:
-                return ratios[0]
+        while len(rounds) < 3 and not (rounds and rounds[0] < clear_below):
+            rounds.append(fast() / slow())  # in that order
     finally:
         torch.set_num_threads(threads)
-    return sorted(ratios)[1]
+    return SpeedReading(name=name, base=base, rounds=tuple(rounds))
+
+
+def speed_reading(device: torch.device | str, dtype: torch.dtype) -> SpeedReading:
+    """``dtype``'s matmul throughput against fp32's on ``device``, in alternating rounds
+    on one thread (cached per process): behind ``emulate=auto``, ``fp8_rest``, the fp8
+    dequant route, ``KernelChoices.describe`` and the doctor alike."""
+    return _speed_reading(str(torch.device(device)), dtype)
+
+
+@cache
+def _speed_reading(dev: str, dtype: torch.dtype) -> SpeedReading:
+    from mixprec.formats import get
+
+    return _alternate(get(dtype).name, "fp32",
+                      lambda: matmul_gflops.__wrapped__(dev, dtype, 256, 0.01),
+                      lambda: matmul_gflops.__wrapped__(dev, torch.float32, 256, 0.01),
+                      FAST_ENOUGH / 4)
+
+
+def relative_speed(device: torch.device | str, dtype: torch.dtype) -> float:
+    """Matmul throughput in ``dtype`` over fp32's on ``device``: the median round of
+    ``speed_reading``."""
+    return speed_reading(device, dtype).ratio
 
 
 def has_fast_kernels(device: torch.device | str, compute: str) -> bool:
@@ -154,7 +218,7 @@ def has_fast_kernels(device: torch.device | str, compute: str) -> bool:
         return not pinned
     if compute in ("fp16", "bf16") and torch.device(device).type == "cpu":
         dt = torch.float16 if compute == "fp16" else torch.bfloat16
-        return relative_speed(device, dt) >= FAST_ENOUGH
+        return speed_reading(device, dt).ratio >= FAST_ENOUGH
     return True
 
 
@@ -199,11 +263,18 @@ def fp8_gemm_gflops(device: str, n: int = 128) -> float:
     return 2 * n**3 / t / 1e9
 
 
-def _route_speeds(device: str) -> dict[str, float]:
-    """GFLOP/s of each CPU fp8 GEMM route: the GEMM each one ends in."""
-    return {"scaled_mm": fp8_gemm_gflops(device),
-            "dequant": matmul_gflops(device, torch.bfloat16, 256, 0.01),
-            "dequant_fp32": matmul_gflops(device, torch.float32, 256, 0.01)}
+def route_reading(device: torch.device | str, route: str) -> SpeedReading:
+    """``torch._scaled_mm`` (128×128, e4m3) against the GEMM of dequant ``route`` (bf16
+    for ``dequant``, fp32 for ``dequant_fp32``), read as ``speed_reading`` (cached)."""
+    return _route_reading(str(torch.device(device)), route)
+
+
+@cache
+def _route_reading(dev: str, route: str) -> SpeedReading:
+    dt = torch.bfloat16 if route == "dequant" else torch.float32
+    return _alternate("scaled_mm", route, lambda: fp8_gemm_gflops.__wrapped__(dev),
+                      lambda: matmul_gflops.__wrapped__(dev, dt, 128, 0.01),
+                      SCALED_MM_MARGIN / 4)
 
 
 def fp8_gemm_route(device: torch.device | str, choice: str = "auto") -> str:
@@ -212,18 +283,17 @@ def fp8_gemm_route(device: torch.device | str, choice: str = "auto") -> str:
     fast format: ``dequant`` (bf16 GEMM, bf16-rounded output) where bf16 is fast,
     ``dequant_fp32`` (exact up to fp32 summation order) where it is not (``has_fast_kernels``,
     the decision behind ``fp8_rest`` too, or ``MIXPREC_EMULATE``); ``scaled_mm`` replaces
-    it only where it is ``SCALED_MM_MARGIN`` faster than that route."""
+    it only where ``route_reading`` finds it ``SCALED_MM_MARGIN`` faster than that route."""
     if choice != "auto":
         return choice
     dev = torch.device(device)
     if dev.type == "cuda":
         return "scaled_mm"
-    speeds = _route_speeds(str(dev))
-    # the same one decision as fp8_rest and emulate (single-thread, alternating, median
-    # of 3): a separate multi-threaded best-of read on a loaded host could flip the route
-    # between two runs of one program, and with it the numerics (~6% after 20 steps)
+    # the same one-thread alternating readings as fp8_rest and emulate: a separate
+    # multi-threaded best-of read on a loaded host could flip the route between two runs
+    # of one program, and with it the numerics (~6% after 20 steps)
     dequant = "dequant" if has_fast_kernels(dev, "bf16") else "dequant_fp32"
-    return ("scaled_mm" if speeds["scaled_mm"] > SCALED_MM_MARGIN * speeds[dequant]
+    return ("scaled_mm" if route_reading(dev, dequant).ratio > SCALED_MM_MARGIN
             else dequant)
 
 
@@ -244,7 +314,8 @@ class KernelChoices:
 
     ``emulate``: whether the compute format is emulated; ``fp8_gemm``: the fp8 GEMM route
     (fp8 recipes); ``fp8_rest``: what the layers around fp8 Linears compute in;
-    ``gflops``: the measured matmul rates behind them (GFLOP/s by name); ``source``:
+    ``speeds``: the readings the measured choices took (``SpeedReading`` by kernel name:
+    ``bf16``, ``fp16`` against fp32, ``scaled_mm`` against its dequant route); ``source``:
     who decided (``measured``, ``MIXPREC_EMULATE=on|off``, or ``rank 0`` on the other
     ranks of a data-parallel run); ``fp8_gemm_routes``: under ``layer:`` rules, the
     route of each fp8 scaling the Linears run (``gemm_for``)."""
@@ -252,7 +323,7 @@ class KernelChoices:
     emulate: bool
     fp8_gemm: str | None = None
     fp8_rest: str | None = None
-    gflops: dict[str, float] = field(default_factory=dict)
+    speeds: dict[str, SpeedReading] = field(default_factory=dict)
     source: str = "measured"
     #: recipes with ``layer:`` rules: the fp8 GEMM route of each ``fp8_scaling`` their
     #: Linears run (``fp8_gemm`` is the recipe's own scaling's); empty without rules
@@ -263,7 +334,8 @@ class KernelChoices:
         return self.fp8_gemm_routes.get(scaling, self.fp8_gemm)
 
     def describe(self) -> str:
-        """One line a person reads: what was chosen, by whom, and the measured rates."""
+        """One line a person reads: what was chosen, by whom, and the readings it took
+        (ratios, or that the machine was too noisy to measure)."""
         parts = [f"emulate={'on' if self.emulate else 'off'}"]
         if self.fp8_gemm is not None:
             other = ", ".join(f"{s}: {r}" for s, r in self.fp8_gemm_routes.items()
@@ -272,8 +344,9 @@ class KernelChoices:
                       f"rest of the model in {self.fp8_rest}"]
         if self.source != "measured":
             parts.append(f"decided by {self.source}")
-        rates = ", ".join(f"{k} {v:.1f}" for k, v in self.gflops.items())
-        return "; ".join(parts) + (f" (measured GFLOP/s: {rates})" if rates else "")
+        read = ", ".join(str(v) for v in self.speeds.values())
+        return "; ".join(parts) + (f" (measured on one thread, alternating: {read})"
+                                   if read else "")
 
     def as_dict(self) -> dict:
         """The choices that change numerics, as plain data (checkpoints record it)."""
@@ -284,27 +357,30 @@ class KernelChoices:
 
 
 def choices(recipe: Recipe, device: torch.device | str) -> KernelChoices:
-    """Every ``auto`` choice for ``recipe`` on ``device``, with the measured rates (CPU)."""
+    """Every ``auto`` choice for ``recipe`` on ``device``, with the readings behind the
+    measured ones (CPU; none where ``MIXPREC_EMULATE`` pins the path)."""
     dev = torch.device(device)
     emulate = emulating(recipe, dev)
     pinned = pinned_emulation()
     source = "measured" if pinned is None else f"{EMULATE_ENV}={'on' if pinned else 'off'}"
-    gflops: dict[str, float] = {}
-    if dev.type == "cpu" and (recipe.uses_autocast or recipe.emulate):
-        gflops["fp32"] = matmul_gflops(str(dev), torch.float32, 256, 0.01)
-        for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-            gflops[name] = matmul_gflops(str(dev), dt, 256, 0.01)
+    speeds: dict[str, SpeedReading] = {}
+    if dev.type == "cpu" and pinned is None and (recipe.uses_autocast or recipe.emulate):
+        for dt in (torch.bfloat16, torch.float16):
+            reading = speed_reading(dev, dt)
+            speeds[reading.name] = reading
     if recipe.compute != "fp8":
-        return KernelChoices(emulate, gflops=gflops, source=source)
+        return KernelChoices(emulate, speeds=speeds, source=source)
     route = _fp8_route(recipe, recipe.fp8_scaling, dev)
     # layer: rules may put Linears on other scalings, whose GEMMs take other routes
     scalings = [recipe.fp8_scaling] + [PRESETS[r.value].fp8_scaling
                                        for r in recipe.layer_rules if r.value != "bf16"]
     routes = ({s: _fp8_route(recipe, s, dev) for s in dict.fromkeys(scalings)}
               if recipe.layer_rules else {})
-    if dev.type == "cpu":
-        gflops["scaled_mm"] = fp8_gemm_gflops(str(dev))
-    return KernelChoices(emulate, route, fp8_rest(recipe, dev), gflops, source, routes)
+    if dev.type == "cpu" and recipe.fp8_gemm == "auto" and not recipe.emulate and any(
+            s not in BLOCK_SCALINGS for s in scalings):  # fp8_gemm_route took a reading
+        speeds["scaled_mm"] = route_reading(
+            dev, "dequant" if has_fast_kernels(dev, "bf16") else "dequant_fp32")
+    return KernelChoices(emulate, route, fp8_rest(recipe, dev), speeds, source, routes)
 
 
 def _fp8_route(recipe: Recipe, scaling: str, dev: torch.device) -> str:

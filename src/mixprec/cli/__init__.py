@@ -35,8 +35,11 @@ def cmd_formats(args: argparse.Namespace) -> int:
     con = _console()
     con.print(_formats_table(fmts) if args.value is None else _value_table(args, fmts))
     if args.value is not None and args.update is not None:
-        con.print("An update survives where it is more than half the spacing of the "
-                  "stored value: |update| > ulp(w)/2.")
+        con.print("An update survives on a stored w when w + update rounds to another "
+                  "value: |update| > half the spacing at w (at exactly half, ties go to "
+                  "the even neighbour).\nLast column: it survives on every w below that "
+                  "|w|, subnormals included; above it, a step away from zero vanishes; "
+                  "never: not even on the smallest subnormal or on 0.")
     return 0
 
 
@@ -100,26 +103,23 @@ def _value_table(args, fmts):
             math.inf if math.isfinite(args.value) and not math.isfinite(q) else 0.0)
         row = [f.name, _num(q), f"{rel:.2e}", _num(step), _what_happens(f, args.value, q)]
         if args.update is not None and not math.isfinite(q):
-            row += ["–", "lost: no value", _num(_survival_bound(f, args.update))]
+            row += ["–", "lost: no value", _bound(f, args.update)]
         elif args.update is not None:
             after = formats.quantize(torch.tensor([q + args.update], dtype=torch.float64),
                                      f).item()
-            row += [_num(after), "survives" if after != q else "[red]vanishes[/red]",
-                    _num(_survival_bound(f, args.update))]
+            fate = ("survives" if math.isfinite(after) and after != q else
+                    "[red]vanishes[/red]" if after == q else "[red]overflows[/red]")
+            row += [_num(after), fate, _bound(f, args.update)]
         t.add_row(*row)
     return t
 
 
-def _survival_bound(f, update: float) -> float:
-    """Largest power of two w such that w + update still rounds away from w."""
-    u = abs(update)
-    if u == 0:
-        return 0.0
-    # ulp at binade E is 2^(E-m); survival needs 2^(E-m) < 2u  =>  E < log2(2u) + m.
-    e = math.floor(math.log2(2 * u)) + f.mantissa_bits
-    if math.ldexp(1.0, e - f.mantissa_bits) >= 2 * u:
-        e -= 1
-    return min(math.ldexp(2.0, e) if e < 1024 else math.inf, f.max)
+def _bound(f, update: float) -> str:
+    """``formats.survival_bound`` as the table shows it: "never" when no w keeps it."""
+    from mixprec import formats
+
+    b = formats.survival_bound(update, f)
+    return "[red]never[/red]" if b == 0 else "every w" if b == math.inf else _num(b)
 
 
 def build_parser() -> argparse.ArgumentParser:

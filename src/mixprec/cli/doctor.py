@@ -87,10 +87,14 @@ def run(args: argparse.Namespace) -> int:
             con.print(f"[{style[f.severity]}]{f.severity}[/] {f.title}")
             con.print(f"  evidence: {f.evidence}", highlight=False)
             con.print(f"  advice:   {f.advice}", highlight=False)
-        g = report.facts.get("matmul_gflops")
-        if g:
-            con.print("measured matmul GFLOP/s here: " + ", ".join(f"{k} {v:g}"
-                                                                   for k, v in g.items()))
+        speed = report.facts.get("matmul_speed")
+        if speed:
+            con.print("matmul speed against fp32 here (one thread, alternating rounds): "
+                      + ", ".join(f"{n} too noisy to measure" if v["noisy"] else
+                                  f"{n} {v['ratio']:.2g}x" for n, v in speed.items()),
+                      highlight=False)
+        if report.facts.get("kernels"):
+            con.print(f"kernel choices: {report.facts['kernels']}", highlight=False)
         for pth in report.facts.get("plots", []):
             con.print(f"plot: {pth}")
     return 1 if any(f.severity == "error" for f in report.findings) else 0

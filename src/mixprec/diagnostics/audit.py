@@ -171,19 +171,22 @@ def matmul_coverage(run: Callable[[], Any]) -> dict[str, float]:
 
 def audit_kernel_speed(device: torch.device, recipe: Recipe | str
                        ) -> tuple[list[Finding], dict]:
-    """Measured matmul throughput in fp32/bf16/fp16 here, and what mixprec's ``auto``
-    choices made of it (``mixprec.kernels.choices``): an info finding where a format has
-    no fast kernel and mixprec already routes around it (emulation; fp8's other layers
-    in fp32), a warning where the recipe's own kernels run slow (``emulate=false``) or
-    another 16-bit format is much faster. Never advice to turn on what is already on."""
-    from mixprec.kernels import choices, matmul_gflops
+    """Matmul speed in bf16 and fp16 against fp32 here, read as mixprec's ``auto``
+    choices read it (``mixprec.kernels.speed_reading``: alternating rounds on one
+    thread), and what those choices made of it (``mixprec.kernels.choices``): an info
+    finding where a format has no fast kernel and mixprec already routes around it
+    (emulation; fp8's other layers in fp32), a warning where the recipe's own kernels run
+    slow (``emulate=false``) or the other 16-bit format is much faster, and an info
+    finding instead of a ratio where the rounds disagree (the machine was too busy to
+    measure). Never advice to turn on what is already on."""
+    from mixprec.kernels import choices, speed_reading
 
     r = Recipe.coerce(recipe)
     dev = str(torch.device(device))
-    speed = {n: matmul_gflops(dev, dt, 256, 0.01) for n, dt in
-             (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))}
     k = choices(r, dev)
-    facts = {"matmul_gflops": {n: round(v, 1) for n, v in speed.items()},
+    read = {n: speed_reading(dev, dt) for n, dt in
+            (("bf16", torch.bfloat16), ("fp16", torch.float16))}
+    facts = {"matmul_speed": {n: v.as_dict() for n, v in read.items()},
              "kernels": k.describe()}
     if r.compute == "fp8":
         return ([Finding(
@@ -194,34 +197,42 @@ def audit_kernel_speed(device: torch.device, recipe: Recipe | str
             if k.fp8_rest == "fp32" else []), facts
     if r.compute not in ("bf16", "fp16"):
         return [], facts
-    mine = speed[r.compute]
-    other = "bf16" if r.compute == "fp16" else "fp16"
-    rel = {n: v / speed["fp32"] for n, v in speed.items()}
+    mine = read[r.compute]
+    other = read["bf16" if r.compute == "fp16" else "fp16"]
+    rel = {n: v.ratio for n, v in read.items()}
     if k.emulate:
+        why = (f"is pinned to the emulated path by {k.source}" if k.source != "measured"
+               else "has emulate=true" if r.emulate else
+               f"has no fast kernel on {dev} ({mine})")
         return [Finding(
             "info", "kernel-emulated",
-            f"{r.compute} has no fast kernel on {dev} ({speed['fp32'] / mine:.0f}x slower "
-            f"than fp32): mixprec emulates it exactly on fp32 kernels",
-            f"measured {mine:.1f} GFLOP/s in {r.compute}, {speed['fp32']:.0f} in fp32; "
-            + k.describe(),
+            f"{r.compute} {why}: mixprec emulates it exactly on fp32 kernels",
+            k.describe(),
             "nothing to change: the numerics are the format's; on a device with "
             f"{r.compute} units the real kernels run", {"relative": rel})], facts
-    if mine < 0.5 * speed["fp32"]:
-        return [Finding(
+    found = []
+    noisy = [v for v in (mine, other) if v.noisy]
+    if noisy:
+        found.append(Finding(
+            "info", "kernel-noisy",
+            "matmul speeds could not be measured here: the machine was too busy",
+            "; ".join(str(v) for v in noisy) + f". {k.describe()}",
+            "compare formats on an idle machine; the auto choices took the median round",
+            {"relative": rel}))
+    if not mine.noisy and mine.ratio < 0.5:
+        found.append(Finding(
             "warning", "kernel-slow",
-            f"{r.compute} matmuls are {speed['fp32'] / mine:.0f}x slower than fp32 on {dev}",
-            f"measured {mine:.0f} GFLOP/s in {r.compute}, {speed['fp32']:.0f} in fp32, "
-            f"{speed[other]:.0f} in {other}",
-            (f"use {other} if it is fast here ({rel[other]:.1f}x fp32), or " if
-             rel[other] >= 0.5 else "") + f"emulate {r.compute} exactly on fp32 kernels "
-            "(emulate=true, or leave emulate at auto)", {"relative": rel})], facts
-    if speed[other] > 1.5 * mine:
-        return [Finding(
+            f"{r.compute} matmuls are {1 / mine.ratio:.0f}x slower than fp32 on {dev}",
+            f"{mine}; {other}",
+            (f"use {other.name} if it is fast here ({other}), or " if not other.noisy
+             and other.ratio >= 0.5 else "") + f"emulate {r.compute} exactly on fp32 "
+            "kernels (emulate=true, or leave emulate at auto)", {"relative": rel}))
+    elif not noisy and other.ratio > 1.5 * mine.ratio:
+        found.append(Finding(
             "warning", "kernel-better-dtype",
-            f"{other} matmuls are {speed[other] / mine:.1f}x faster than {r.compute} on {dev}",
-            f"measured {r.compute} {mine:.0f} GFLOP/s ({rel[r.compute]:.1f}x fp32), {other} "
-            f"{speed[other]:.0f} GFLOP/s ({rel[other]:.1f}x fp32)",
-            f"use the {other} recipe here" + (" (no loss scaling needed: fp32's range)"
-                                             if other == "bf16" else ""),
-            {"relative": rel})], facts
-    return [], facts
+            f"{other.name} matmuls are {other.ratio / mine.ratio:.1f}x faster than "
+            f"{r.compute} on {dev}", f"{mine}; {other}",
+            f"use the {other.name} recipe here" + (" (no loss scaling needed: fp32's "
+                                                  "range)" if other.name == "bf16" else ""),
+            {"relative": rel}))
+    return found, facts

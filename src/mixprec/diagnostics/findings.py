@@ -30,6 +30,7 @@ CODES: dict[str, str] = {
     "kernel-emulated": "no fast kernel for the format here: emulated exactly",
     "kernel-slow": "the format's matmuls are slower than fp32's here",
     "kernel-better-dtype": "the other 16-bit format is much faster here",
+    "kernel-noisy": "the machine was too busy to measure matmul speeds",
     "time-share": "matmuls are a small share of the step, bounding any speed-up",
     "step-slow": "a recipe's step takes several times fp32's",
     "engine": "the recipe cannot run on this model",
