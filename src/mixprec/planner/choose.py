@@ -43,8 +43,10 @@ class NoPlanFits(ValueError):
 @dataclass(frozen=True)
 class Option:
     """One format for one Linear: measured ``seconds`` and ``saved_bytes``, SQNR
-    against bf16 (inf for bf16 itself), why it is not allowed (None: it is), and the
-    bytes its forward + backward holds beyond the saved ones (``working_bytes``)."""
+    against bf16 (inf for bf16 itself), why it is not allowed (None: it is), the
+    bytes its forward + backward holds beyond the saved ones (``working_bytes``), its
+    GEMM ``route`` and the most it can run faster than bf16 on it (``max_speedup``;
+    the survey keeps ``seconds`` within it)."""
 
     fmt: str
     seconds: float
@@ -52,6 +54,8 @@ class Option:
     sqnr: float = math.inf
     refused: str | None = None
     working_bytes: float = 0.0
+    route: str = ""
+    max_speedup: float = math.inf
 
 
 @dataclass(frozen=True)
@@ -201,7 +205,7 @@ def _fastest(layers: dict[str, Layer], units: dict[str, StateUnit],
     cfg = Config({}, {u: "fp32" for u in units})
     for name, layer in layers.items():
         allowed = layer.allowed()
-        best = min(allowed, key=lambda o: o.seconds)
+        best = min(allowed, key=lambda o: (o.seconds, o.fmt != BF16))  # a tie: bf16
         cfg.layers[name] = best.fmt
         bf = layer.options[BF16]
         fp8 = [o for o in layer.options.values() if o.fmt != BF16]
@@ -214,9 +218,12 @@ def _fastest(layers: dict[str, Layer], units: dict[str, StateUnit],
             cfg.reasons[name] = "bf16: " + "; ".join(f"{o.fmt} {o.refused}" for o in fp8)
         else:
             quick = min((o for o in fp8 if o.refused is None), key=lambda o: o.seconds)
-            cfg.reasons[name] = (f"bf16: fastest; {quick.fmt} runs at "
-                                 f"{bf.seconds / quick.seconds:.2f}x bf16's speed (its "
-                                 "casts cost more than its GEMM saves)")
+            ratio = bf.seconds / quick.seconds
+            why = (f"its {quick.route} GEMM route allows at most {quick.max_speedup:.2f}x"
+                   if ratio >= quick.max_speedup else
+                   "its casts cost more than its GEMM saves")
+            cfg.reasons[name] = (f"bf16: fastest; {quick.fmt} runs at {ratio:.2f}x "
+                                 f"bf16's speed ({why})")
     if cfg.any_fp8 and predict(cfg, layers, units, base)[0] >= base.step_16:
         for name, f in cfg.layers.items():
             if f != BF16:
