@@ -70,6 +70,36 @@ def test_plan_writes_a_loadable_plan_whose_recipe_is_the_printed_one(tmp_path, c
                                                        else "fp8"), r
 
 
+def test_plan_json_bounds_a_dequantizing_route_and_reports_noisy_timings(tmp_path, capsys,
+                                                                         monkeypatch):
+    import mixprec.planner.survey as survey_mod
+    from mixprec.planner.timing import LayerCost
+
+    fixed_timing(monkeypatch)
+
+    def noisy(shapes, formats, recipe, device, *, seconds=0.25, cache_file=None):
+        # bf16's timings caught stalls: every fp8 format 12x "faster" on the dequant
+        # route, whose GEMM is bf16's own
+        return {(s, f): LayerCost(1e-3 if f == "bf16" else 1e-3 / 12, 1000,
+                                  "native" if f == "bf16" else "dequant")
+                for s in shapes for f in formats}
+    monkeypatch.setattr(survey_mod, "layer_costs", noisy)
+    out = tmp_path / "p.json"
+    assert main(["plan", "--size", "tiny", "--batch", "4", "--formats", ",".join(FORMATS),
+                 "--max-loss", "none", "--min-sqnr", "15", "--calibration", "1",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["predicted_step_s"] > 0
+    assert max(r["speedup"] for r in saved["rows"]) <= 1.0  # not 12x
+    assert saved["recipe"] == "bf16-master"
+    noise = saved["timing_noise"]
+    assert noise and all("timed 12.00x bf16's speed; its dequant GEMM can give at most "
+                         "1.00x (1 measurement)" in n for n in noise)
+    assert Plan.load(out).timing_noise == tuple(noise)
+    assert "timings noisy: " + "; ".join(noise) in printed.splitlines()
+
+
 def test_plan_with_a_bad_format_is_a_clear_error(tmp_path, capsys):
     assert main(["plan", "--size", "tiny", "--formats", "bf16,fp7",
                  "--out", str(tmp_path / "p.json")]) == 2

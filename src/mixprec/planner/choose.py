@@ -10,7 +10,9 @@ converted (the rest of the model as the fp8 recipe runs it) plus each Linear's t
 its format less its time in bf16 there; with none, the measured step of the 16-bit
 recipe itself. Saved activation bytes move the peak the same way, and each state format
 moves it by its exact bytes (``mixprec.optim.states.state_bytes``, two states for
-AdamW).
+AdamW). What a configuration takes out of a measured step (its Linears' bf16 time,
+torch's fused AdamW) is scaled to fit in that step (``fit_scale``), so a prediction is
+never negative however noisy the timings it adds up.
 
 ``goal="fastest"``: every Linear takes its fastest format among those that pass the
 numerics (SQNR floor, no saturating delayed scale); the fp8 recipe is kept only if it
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from mixprec.planner.timing import BF16
 
 __all__ = ["Option", "Layer", "StateUnit", "Baselines", "Config", "predict", "choose",
-           "NoPlanFits", "STATE_ORDER"]
+           "NoPlanFits", "STATE_ORDER", "fit_scale"]
 
 #: state formats from the most bytes to the fewest
 STATE_ORDER = ("fp32", "bf16", "int8", "int4")
@@ -41,8 +43,10 @@ class NoPlanFits(ValueError):
 @dataclass(frozen=True)
 class Option:
     """One format for one Linear: measured ``seconds`` and ``saved_bytes``, SQNR
-    against bf16 (inf for bf16 itself), why it is not allowed (None: it is), and the
-    bytes its forward + backward holds beyond the saved ones (``working_bytes``)."""
+    against bf16 (inf for bf16 itself), why it is not allowed (None: it is), the
+    bytes its forward + backward holds beyond the saved ones (``working_bytes``), its
+    GEMM ``route`` and the most it can run faster than bf16 on it (``max_speedup``;
+    the survey keeps ``seconds`` within it)."""
 
     fmt: str
     seconds: float
@@ -50,6 +54,8 @@ class Option:
     sqnr: float = math.inf
     refused: str | None = None
     working_bytes: float = 0.0
+    route: str = ""
+    max_speedup: float = math.inf
 
 
 @dataclass(frozen=True)
@@ -136,12 +142,12 @@ def _stored(fmt: str, shape) -> str:
 def predict(cfg: Config, layers: dict[str, Layer], units: dict[str, StateUnit],
             base: Baselines) -> tuple[float, float]:
     """(seconds per step, peak bytes) of ``cfg`` (the module docstring's model)."""
+    scales = _Scales(layers, units, base)
     if cfg.any_fp8:
         t, peak = base.step_shell, base.peak_shell
-        scale = _time_scale(layers, base)
         for name, f in cfg.layers.items():
             opts = layers[name].options
-            t += base.time_scale.get(f, scale) * (opts[f].seconds - opts[BF16].seconds)
+            t += scales.layer(f) * (opts[f].seconds - opts[BF16].seconds)
             peak += opts[f].saved_bytes - opts[BF16].saved_bytes
         # the backward's peak holds the widest Linear's working set on top
         peak += (max(layers[n].options[f].working_bytes for n, f in cfg.layers.items())
@@ -150,21 +156,48 @@ def predict(cfg: Config, layers: dict[str, Layer], units: dict[str, StateUnit],
         t, peak = base.step_16, base.peak_16
     if any(f != "fp32" for f in cfg.states.values()):
         # every parameter then steps in mixprec.optim.AdamW rather than torch's fused one
+        k = scales.states(cfg.any_fp8)
         for name, f in cfg.states.items():
             for shape in units[name].shapes:
                 stored = _stored(f, shape)
-                t += _step_cost(base, stored, shape) - _step_cost(base, "fused", shape)
+                t += k * (_step_cost(base, stored, shape) - _step_cost(base, "fused", shape))
                 peak += base.n_states * (_state_bytes(stored, shape)
                                          - _state_bytes("fp32", shape))
     return t, peak
 
 
-def _time_scale(layers: dict[str, Layer], base: Baselines) -> float:
-    """1, or less where the Linears timed alone add up to more than the whole measured
-    step (a busy machine while they were timed): their times are then scaled to fill at
-    most the step, so a prediction stays a positive duration."""
-    alone = sum(lay.options[BF16].seconds for lay in layers.values())
-    return 1.0 if alone <= base.step_shell or alone == 0 else base.step_shell / alone
+def fit_scale(layers: dict[str, Layer], units: dict[str, StateUnit], base: Baselines,
+              fp8: bool) -> float:
+    """The most the timings a configuration takes out of a measured step may be scaled
+    by: that step (the fp8 recipe's with no Linear converted where ``fp8``, else the
+    16-bit recipe's) over all they can take out of it (with ``fp8`` every Linear's bf16
+    time alone; torch's fused AdamW on every parameter); inf where that is nothing.
+    Below 1 the parts were timed slower than the whole (a busy machine): scaled by it,
+    they fill at most the step, so a prediction stays a positive duration."""
+    fused = sum(_step_cost(base, "fused", s) for u in units.values() for s in u.shapes)
+    alone = sum(lay.options[BF16].seconds for lay in layers.values()) if fp8 else 0.0
+    step = base.step_shell if fp8 else base.step_16
+    return math.inf if alone + fused <= 0 else max(0.0, step) / (alone + fused)
+
+
+class _Scales:
+    """What ``predict`` multiplies measured differences by: per fp8 format, its
+    measured ``time_scale`` (1 where none), never above ``fit_scale``; the optimizer's
+    costs at most 1, never above it either."""
+
+    def __init__(self, layers: dict[str, Layer], units: dict[str, StateUnit],
+                 base: Baselines) -> None:
+        self.base = base
+        self.fit8 = fit_scale(layers, units, base, True)
+        self.fit16 = fit_scale(layers, units, base, False)
+
+    def layer(self, f: str) -> float:
+        """The scale of format ``f``'s Linear timings in the model."""
+        return min(max(0.0, self.base.time_scale.get(f, 1.0)), self.fit8)
+
+    def states(self, fp8: bool) -> float:
+        """The scale of the optimizer's timings, with fp8 Linears or without."""
+        return min(1.0, self.fit8 if fp8 else self.fit16)
 
 
 def _fastest(layers: dict[str, Layer], units: dict[str, StateUnit],
@@ -172,7 +205,7 @@ def _fastest(layers: dict[str, Layer], units: dict[str, StateUnit],
     cfg = Config({}, {u: "fp32" for u in units})
     for name, layer in layers.items():
         allowed = layer.allowed()
-        best = min(allowed, key=lambda o: o.seconds)
+        best = min(allowed, key=lambda o: (o.seconds, o.fmt != BF16))  # a tie: bf16
         cfg.layers[name] = best.fmt
         bf = layer.options[BF16]
         fp8 = [o for o in layer.options.values() if o.fmt != BF16]
@@ -185,9 +218,12 @@ def _fastest(layers: dict[str, Layer], units: dict[str, StateUnit],
             cfg.reasons[name] = "bf16: " + "; ".join(f"{o.fmt} {o.refused}" for o in fp8)
         else:
             quick = min((o for o in fp8 if o.refused is None), key=lambda o: o.seconds)
-            cfg.reasons[name] = (f"bf16: fastest; {quick.fmt} runs at "
-                                 f"{bf.seconds / quick.seconds:.2f}x bf16's speed (its "
-                                 "casts cost more than its GEMM saves)")
+            ratio = bf.seconds / quick.seconds
+            why = (f"its {quick.route} GEMM route allows at most {quick.max_speedup:.2f}x"
+                   if ratio >= quick.max_speedup else
+                   "its casts cost more than its GEMM saves")
+            cfg.reasons[name] = (f"bf16: fastest; {quick.fmt} runs at {ratio:.2f}x "
+                                 f"bf16's speed ({why})")
     if cfg.any_fp8 and predict(cfg, layers, units, base)[0] >= base.step_16:
         for name, f in cfg.layers.items():
             if f != BF16:
@@ -206,7 +242,7 @@ class _Pricer:
     def __init__(self, cfg: Config, layers: dict[str, Layer], units: dict[str, StateUnit],
                  base: Baselines) -> None:
         self.layers, self.units, self.base = layers, units, base
-        self.scale = _time_scale(layers, base)
+        self.scales = _Scales(layers, units, base)
         self.w16 = max((lay.options[BF16].working_bytes for lay in layers.values()),
                        default=0.0)
         self._unit: dict[tuple[str, str], tuple[float, float]] = {}
@@ -216,8 +252,7 @@ class _Pricer:
     def _layer(self, name: str, f: str) -> tuple[float, float]:
         """(seconds, saved bytes) Linear ``name`` adds in ``f`` over bf16."""
         opts = self.layers[name].options
-        return (self.base.time_scale.get(f, self.scale)
-                * (opts[f].seconds - opts[BF16].seconds),
+        return (self.scales.layer(f) * (opts[f].seconds - opts[BF16].seconds),
                 opts[f].saved_bytes - opts[BF16].saved_bytes)
 
     def _state(self, name: str, f: str) -> tuple[float, float]:
@@ -254,7 +289,7 @@ class _Pricer:
         else:
             t, p = b.step_16, b.peak_16
         if n_low:  # every parameter then steps in mixprec.optim.AdamW
-            t, p = t + st, p + sp
+            t, p = t + self.scales.states(n8 > 0) * st, p + sp
         return t, p
 
     def now(self) -> tuple[float, float]:

@@ -12,7 +12,10 @@ It measures three things on this device and chooses from them (``choose``):
    format's saved activation bytes and each state format's exact bytes.
 
 The plan is a ``Recipe`` with per-module rules, plus a table: layer, shape, choice,
-predicted speed-up, SQNR, bytes and the reason for each choice. With ``max_loss`` the
+predicted speed-up, SQNR, bytes and the reason for each choice. Predictions are never
+negative, and never faster than a format's GEMM route can run; timings that disagreed
+beyond their noise after being measured again are listed in ``Plan.timing_noise`` and
+under the table. With ``max_loss`` the
 planner also runs the model forward under its plan and under the 16-bit recipe on the
 calibration batches and, while the plan's loss is more than ``max_loss`` (relative)
 above, moves the Linear with the lowest SQNR back to bf16.
@@ -71,7 +74,9 @@ class PlanRow:
 @dataclass(frozen=True)
 class Plan:
     """A per-layer precision plan: ``recipe`` (train with it), the table ``rows``, the
-    predictions and the measured baselines they came from."""
+    predictions and the measured baselines they came from. ``timing_noise``: the
+    timings that still disagreed beyond their noise after being measured again, one
+    line each (empty where they agreed); the predictions then rest on noisy figures."""
 
     recipe: Recipe
     rows: tuple[PlanRow, ...]
@@ -85,6 +90,7 @@ class Plan:
     memory: float | None = None
     loss_delta: float | None = None
     state_reasons: dict[str, str] = field(default_factory=dict)
+    timing_noise: tuple[str, ...] = ()
 
     def table(self) -> str:
         """The plan as a text table, one Linear a line, with the totals under it."""
@@ -106,6 +112,8 @@ class Plan:
                      f"MB) on {self.device}")
         if self.loss_delta is not None:
             lines.append(f"calibration loss vs the 16-bit recipe: {self.loss_delta:+.3%}")
+        if self.timing_noise:
+            lines.append("timings noisy: " + "; ".join(self.timing_noise))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -134,6 +142,7 @@ class Plan:
             d["recipe"] = Recipe.parse(d["recipe"])
             d["rows"] = tuple(PlanRow(**{**r, "shape": tuple(r["shape"])})
                               for r in d["rows"])
+            d["timing_noise"] = tuple(d.get("timing_noise", ()))
             return cls(**d)
         except (OSError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{str(path)!r} is not a mixprec plan file ({e}); write one "
@@ -212,7 +221,8 @@ def plan_from(sv: Survey, cfg: Config, *, goal: str = "fastest",
                 {"16-bit": {"step_s": b.step_16, "peak": b.peak_16},
                  "fp8-shell": {"step_s": b.step_shell, "peak": b.peak_shell}},
                 device_key(device), max_loss, memory, loss_delta,
-                {k: v for k, v in cfg.reasons.items() if k.startswith("states:")})
+                {k: v for k, v in cfg.reasons.items() if k.startswith("states:")},
+                tuple(sv.noise))
 
 
 def _check_args(b: Recipe, goal, formats, state_formats, max_loss, min_sqnr) -> None:

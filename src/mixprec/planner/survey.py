@@ -5,7 +5,10 @@ and saved bytes per format from ``timing``, SQNR and refusals from ``numerics``)
 modules that own parameters (for state formats), and the whole model's measured
 baselines: the step time and peak of the 16-bit recipe and of the fp8 recipe with no
 Linear converted (``measure_step``), and per fp8 format the step with every Linear in
-it, which scales the Linears' timed-alone differences to the model.
+it, which scales the Linears' timed-alone differences to the model. No format is taken
+as faster than its GEMM route can run (``timing.max_speedup``), and timings that
+disagree beyond their noise are measured again, a bounded number of times; those that
+still disagree are listed in ``Survey.noise``, which the plan reports.
 ``Survey.predict(config)`` prices any configuration from them (``choose.predict``),
 and ``Survey.recipe(config)`` writes it as a recipe with per-module rules, so a
 configuration can be predicted and then measured (``benchmarks/plan.py`` does both).
@@ -30,9 +33,25 @@ import torch
 from torch import nn
 
 from mixprec.layer_rules import LayerRule
-from mixprec.planner.choose import Baselines, Config, Layer, Option, StateUnit, predict
+from mixprec.planner.choose import (
+    Baselines,
+    Config,
+    Layer,
+    Option,
+    StateUnit,
+    fit_scale,
+    predict,
+)
 from mixprec.planner.numerics import LayerNumerics, layer_numerics, linear_names
-from mixprec.planner.timing import BF16, layer_costs, recipe_for_format, state_step_costs
+from mixprec.planner.timing import (
+    BF16,
+    MAX_MEASUREMENTS,
+    layer_costs,
+    max_speedup,
+    noise_report,
+    recipe_for_format,
+    state_step_costs,
+)
 from mixprec.recipe import Recipe
 
 __all__ = ["Survey", "survey", "call_loss", "measure_step", "forward_loss"]
@@ -53,6 +72,9 @@ class Survey:
     #: each Linear's weight -> the module its states are ruled by: the first owner
     #: ``named_parameters()`` names (a tied head's weight is its embedding's)
     owner: dict[str, str]
+    #: the timings that still disagreed beyond their noise after being measured again,
+    #: one line each (empty: they agreed)
+    noise: list[str] = dataclasses.field(default_factory=list)
 
     def predict(self, cfg: Config) -> tuple[float, float]:
         """(seconds per step, peak bytes) predicted for ``cfg``."""
@@ -128,16 +150,19 @@ def survey(model: nn.Module, sample_batch: Any, *, base: Recipe, formats: tuple[
                         cache_file=cache_file)
     quality = layer_numerics(model, batches, lambda m, bt: call_loss(m, bt, loss_fn),
                              [f for f in formats if f != BF16], shell)
+    noise = noise_report(costs, shell, device)
     layers = {}
     for n in names:
         opts = {}
+        bf = costs[(shapes[n], BF16)].seconds
         for f in formats:
             c = costs[(shapes[n], f)]
             q = quality.get((n, f))
-            opts[f] = Option(f, c.seconds, c.saved_bytes,
+            most = max_speedup(c.route, shell, device) if f != BF16 else 1.0
+            opts[f] = Option(f, max(c.seconds, bf / most), c.saved_bytes,
                              math.inf if q is None else q.sqnr,
                              None if f == BF16 else _refusal(fixed.get(n), q, min_sqnr),
-                             c.working_bytes)
+                             c.working_bytes, c.route, most)
         layers[n] = Layer(n, shapes[n][:2], opts)
     units = _state_units(model)
     first = {}
@@ -146,9 +171,15 @@ def survey(model: nn.Module, sample_batch: Any, *, base: Recipe, formats: tuple[
     owner = {n: first.get(id(model.get_submodule(n).weight), n) for n in names}
     base_m = _baselines(model, base, shell, sample_batch, loss_fn, state_formats, device)
     base_m = dataclasses.replace(base_m, time_scale=_time_scales(
-        model, shell, sample_batch, loss_fn, layers, fixed, base_m))
+        model, shell, sample_batch, loss_fn, layers, fixed, base_m, noise))
+    for fp8, parts, step in ((True, "the Linears and the optimizer", "the fp8 recipe's"),
+                             (False, "the optimizer", "the 16-bit recipe's")):
+        k = fit_scale(layers, units, base_m, fp8)
+        if k < 1:
+            noise.append(f"{parts} timed alone add up to {1 / k:.2f}x {step} whole "
+                         "step: scaled down to fit in it")
     return Survey(base, shell, names, layers, units, base_m, quality, float(min_sqnr),
-                  owner)
+                  owner, noise)
 
 
 def _refusal(fixed: str | None, q: LayerNumerics | None, floor: float) -> str | None:
@@ -301,14 +332,23 @@ def _baselines(model, b, shell, batch, loss_fn, state_formats, device) -> Baseli
     return Baselines(t16, p16, ts, ps, cost)
 
 
+#: the share of the whole step two step timings are not told apart within, at least
+STEP_TOLERANCE = 0.05
+
+
 def _time_scales(model, shell: Recipe, batch, loss_fn, layers: dict[str, Layer],
-                 fixed: dict[str, str], base: Baselines) -> dict[str, float]:
+                 fixed: dict[str, str], base: Baselines,
+                 noise: list[str] | None = None) -> dict[str, float]:
     """Per fp8 format: the measured step with every Linear it can take in it, less the
     shell's step, over the sum of those Linears' timed-alone differences from bf16. A
     Linear timed alone is not timed inside the model (other inputs, caches, the
-    engine's hooks), so the whole-model step sets the scale. Where the two disagree in
-    sign or by more than 4x either way (noise, not a scale) the format gets none, and
-    the prediction falls back to the timings alone, capped to fit the step."""
+    engine's hooks), so the whole-model step sets the scale. Where the two differ in
+    sign or by more than 4x either way the format gets none, and the prediction falls
+    back to the timings alone, capped to fit the step; where they also differ by more
+    than the steps' noise (``STEP_TOLERANCE`` of the step, or the range of the steps
+    measured so far) both steps are measured again, the new pair replacing the last,
+    at most ``MAX_MEASUREMENTS`` times in all, and a difference that remains goes to
+    ``noise``."""
     out = {}
     fmts = {f for lay in layers.values() for f in lay.options if f != BF16}
     for f in sorted(fmts):
@@ -316,11 +356,31 @@ def _time_scales(model, shell: Recipe, batch, loss_fn, layers: dict[str, Layer],
                   for n, lay in layers.items() if n not in fixed)
         if den == 0:
             continue
-        t, _ = measure_step(model, recipe_for_format(shell, f), batch, loss_fn,
-                            fp8_filter=lambda m, n: True, peak=False)
-        k = (t - base.step_shell) / den
-        if 0.25 <= k <= 4:
-            out[f] = k
+        shells, steps = [base.step_shell], []
+        while True:
+            t, _ = measure_step(model, recipe_for_format(shell, f), batch, loss_fn,
+                                fp8_filter=lambda m, n: True, peak=False)
+            steps.append(t)
+            diff = steps[-1] - shells[-1]  # a pair measured again replaces the last
+            k = diff / den
+            if 0.25 <= k <= 4:
+                out[f] = k
+                break
+            tol = max(STEP_TOLERANCE * shells[-1],
+                      max(steps) - min(steps) + max(shells) - min(shells))
+            if abs(diff - den) <= tol:
+                break  # the two agree within the noise: no scale, nothing to report
+            if len(steps) == MAX_MEASUREMENTS:
+                if noise is not None:
+                    noise.append(
+                        f"{f}: the whole step with every Linear in it measured "
+                        f"{diff * 1e3:+.2f} ms against the fp8 recipe's with none, its "
+                        f"Linears timed alone {den * 1e3:+.2f} ms ({len(steps)} "
+                        "measurements): their timings alone are used")
+                break
+            ts, _ = measure_step(model, shell, batch, loss_fn,
+                                 fp8_filter=lambda m, n: False, peak=False)
+            shells.append(ts)
     return out
 
 

@@ -8,13 +8,22 @@ and weight gradients, casts included) is timed in interleaved rounds, so a busy
 machine slows every format alike, and the median of the rounds is kept. The bytes that
 autograd saves for backward (the casts of the input and the weight) are counted once.
 
+A shape whose timings disagree beyond their noise is measured again, at most
+``MAX_MEASUREMENTS`` times in all, and the most consistent measurement is kept
+(``disagreements``): rounds whose interquartile range is more than ``NOISY_SPREAD`` of
+their median, or a format timed faster than bf16 by more than its GEMM route can be
+(``max_speedup``: a dequantizing route multiplies in the GEMM the 16-bit Linear runs, or
+in fp32, so it cannot beat that GEMM's speed beyond the noise).
+
 Results are cached per process, keyed by the device, its CPU capability (or GPU name)
 and everything the route depends on, so planning a second model of the same shapes
-measures nothing again. ``cache_file`` keeps them across processes (JSON).
+measures nothing again. ``cache_file`` keeps them across processes (JSON), except
+timings still noisy after being measured again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -30,13 +39,23 @@ from torch import nn
 from mixprec.recipe import Recipe
 
 __all__ = ["LayerCost", "Shape", "layer_costs", "state_step_costs", "device_key", "clear_cache",
-           "recipe_for_format", "BF16"]
+           "recipe_for_format", "BF16", "max_speedup", "disagreements", "noise_report",
+           "NOISY_SPREAD", "MAX_MEASUREMENTS"]
 
 #: the format name of a Linear kept in the recipe's high precision
 BF16 = "bf16"
 
 #: (in_features, out_features, tokens, has_bias)
 Shape = tuple[int, int, int, bool]
+
+#: timing rounds whose interquartile range exceeds this share of their median are noisy
+NOISY_SPREAD = 0.25
+#: at most this many measurements of one shape: the first and the measurements again
+MAX_MEASUREMENTS = 3
+#: two timings closer than this share are not told apart, whatever their rounds' spread
+_MIN_TOLERANCE = 0.05
+#: the GEMM each dequantizing fp8 route ends in
+_ROUTE_GEMM = {"dequant": "bf16", "dequant_fp32": "fp32"}
 
 _CACHE: dict[str, LayerCost] = {}
 
@@ -48,12 +67,16 @@ class LayerCost:
     input and weight; not the parameters), the GEMM route that ran, and
     ``working_bytes``: the most its forward + backward holds at once beyond the saved
     bytes (casts along a second axis, dequantized operands, the output and the
-    gradients), which the step's peak pays for its widest Linear."""
+    gradients), which the step's peak pays for its widest Linear. ``spread``: the
+    rounds' interquartile range over their median; ``measurements``: how many times the
+    shape was measured to get timings that agree (``disagreements``)."""
 
     seconds: float
     saved_bytes: int
     route: str
     working_bytes: int = 0
+    spread: float = 0.0
+    measurements: int = 1
 
 
 def device_key(device: torch.device | str) -> str:
@@ -88,6 +111,82 @@ def recipe_for_format(recipe: Recipe, fmt: str) -> Recipe:
                             bf16_last_fraction=0.0)
 
 
+def max_speedup(route: str, recipe: Recipe, device: torch.device | str) -> float:
+    """The most a Linear on GEMM ``route`` can run faster than in bf16 under ``recipe``
+    (the fp8 recipe around it) on ``device``. A dequantizing route (``dequant``: a bf16
+    GEMM; ``dequant_fp32``: an fp32 one) multiplies in an ordinary GEMM after its casts,
+    so it is at most as fast as that GEMM is against the one the bf16 Linear runs (bf16,
+    or fp32 where the layers around fp8 Linears run in fp32 or are emulated): 1 where
+    they are the same GEMM, else their measured throughput ratio
+    (``mixprec.kernels.relative_speed``), and never below 1. Other routes (fp8 tensor
+    cores, ``scaled_mm``) have no such bound: inf."""
+    from mixprec import kernels
+
+    gemm = _ROUTE_GEMM.get(route)
+    if gemm is None:
+        return math.inf
+    dev = torch.device(device)
+    linear = ("fp32" if kernels.emulating(recipe, dev)
+              or kernels.fp8_rest(recipe, dev) == "fp32" else "bf16")
+    if gemm == linear:
+        return 1.0
+    bf16 = kernels.relative_speed(dev, torch.bfloat16)  # bf16's GEMM rate over fp32's
+    return max(1.0, bf16 if gemm == "bf16" else 1.0 / bf16)
+
+
+def _label(shape: Shape) -> str:
+    return f"{shape[0]}x{shape[1]} at {shape[2]} tokens"
+
+
+def disagreements(shape: Shape, costs: dict[str, LayerCost], recipe: Recipe,
+                  device: torch.device | str) -> list[str]:
+    """Why one shape's timings in each format (``costs``) cannot be taken as they are,
+    one line per reason; none when they agree: a format's rounds spread more than
+    ``NOISY_SPREAD`` of their median, or a format timed faster than bf16 beyond what
+    its route can give (``max_speedup``) by more than the two timings' spread."""
+    out = [f"spread {c.spread:.0%} on {f} {_label(shape)}" for f, c in costs.items()
+           if c.spread > NOISY_SPREAD]
+    return out + _beyond_route(shape, costs, recipe, device)
+
+
+def _beyond_route(shape: Shape, costs: dict[str, LayerCost], recipe: Recipe,
+                  device) -> list[str]:
+    """The formats of ``costs`` timed faster than bf16 beyond their route's bound."""
+    out, bf = [], costs.get(BF16)
+    for f, c in costs.items():
+        if bf is None or f == BF16 or c.seconds <= 0:
+            continue
+        bound = max_speedup(c.route, recipe, device)
+        tolerance = max(_MIN_TOLERANCE, c.spread + bf.spread)
+        if bf.seconds / c.seconds > bound * (1 + tolerance):
+            out.append(f"{f} {_label(shape)} timed {bf.seconds / c.seconds:.2f}x bf16's "
+                       f"speed; its {c.route} GEMM can give at most {bound:.2f}x "
+                       f"({_times(c.measurements)})")
+    return out
+
+
+def _times(n: int) -> str:
+    return f"{n} measurement{'s' * (n != 1)}"
+
+
+def noise_report(costs: dict[tuple[Shape, str], LayerCost], recipe: Recipe,
+                 device: torch.device | str) -> list[str]:
+    """What still disagrees in ``costs`` (``layer_costs``' result) after measuring again,
+    for a reader: one line for the timings whose rounds spread more than
+    ``NOISY_SPREAD`` (how many, the worst), one per format timed beyond its route."""
+    wide = sorted(((c.spread, f, shape, c.measurements) for (shape, f), c in costs.items()
+                   if c.spread > NOISY_SPREAD), reverse=True)
+    out = []
+    if wide:
+        spread, f, shape, n = wide[0]
+        out.append(f"spread over {NOISY_SPREAD:.0%} in {len(wide)} of {len(costs)} timings "
+                   f"(worst {spread:.0%} on {f} {_label(shape)}, after {_times(n)})")
+    for shape in dict.fromkeys(s for s, _ in costs):
+        out += _beyond_route(shape, {f: c for (s, f), c in costs.items() if s == shape},
+                             recipe, device)
+    return out
+
+
 def _key(shape: Shape, fmt: str, recipe: Recipe, device) -> str:
     return json.dumps([device_key(device), list(shape), fmt, str(recipe.base)])
 
@@ -98,7 +197,9 @@ def layer_costs(shapes: Iterable[Shape], formats: Iterable[str], recipe: Recipe,
     """``{(shape, format): LayerCost}`` for every shape and format, measured on
     ``device`` (cached). ``recipe`` is the fp8 recipe the Linears sit in (its params,
     master, emulation and GEMM route settings); ``seconds``: about how long each
-    shape's interleaved rounds run."""
+    shape's interleaved rounds run. A shape whose timings disagree is measured again
+    (module docstring); bf16 is measured with any other format of its shape, so that
+    the two are compared within one interleaved run."""
     formats = list(formats)
     disk = _read(cache_file)
     out: dict[tuple[Shape, str], LayerCost] = {}
@@ -111,12 +212,15 @@ def layer_costs(shapes: Iterable[Shape], formats: Iterable[str], recipe: Recipe,
                 out[(shape, f)] = _CACHE.setdefault(k, hit)
             else:
                 todo.append(f)
+        if todo and BF16 in formats and BF16 not in todo:
+            todo.insert(0, BF16)
         if todo:
-            for f, cost in _measure(shape, todo, recipe, device, seconds).items():
+            for f, cost in _agreeing(shape, todo, recipe, device, seconds).items():
                 _CACHE[_key(shape, f, recipe, device)] = cost
                 out[(shape, f)] = cost
-    if cache_file is not None:
-        _write(cache_file, {**disk, **{k: v for k, v in _CACHE.items()}})
+    if cache_file is not None:  # noisy timings stay out: the next run measures them again
+        _write(cache_file, {**disk, **{k: v for k, v in _CACHE.items()
+                                       if v.spread <= NOISY_SPREAD}})
     return out
 
 
@@ -194,6 +298,30 @@ def _one_linear(shape: Shape, fmt: str, recipe: Recipe, device):
     return step, saved, route, high
 
 
+def _agreeing(shape: Shape, formats: list[str], recipe: Recipe, device,
+              seconds: float) -> dict[str, LayerCost]:
+    """``_measure``, again while its timings disagree (``disagreements``), at most
+    ``MAX_MEASUREMENTS`` times: the measurement with the fewest disagreements, then the
+    smallest spread, each cost marked with the number of measurements taken."""
+    best, best_key, n = None, None, 0
+    while n < MAX_MEASUREMENTS:
+        got = _measure(shape, formats, recipe, device, seconds)
+        n += 1
+        bad = disagreements(shape, got, recipe, device)
+        key = (len(bad), max((c.spread for c in got.values()), default=0.0))
+        if best_key is None or key < best_key:
+            best, best_key = got, key
+        if not bad:
+            break
+    return {f: dataclasses.replace(c, measurements=n) for f, c in best.items()}
+
+
+def _spread(times: list[float]) -> float:
+    """The interquartile range of ``times`` over their median."""
+    q1, q2, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return (q3 - q1) / q2 if q2 > 0 else 0.0
+
+
 def _measure(shape: Shape, formats: list[str], recipe: Recipe, device,
              seconds: float) -> dict[str, LayerCost]:
     dev = torch.device(device)
@@ -215,7 +343,8 @@ def _measure(shape: Shape, formats: list[str], recipe: Recipe, device,
     out = {}
     for f, (_, saved, route, high) in runs.items():
         kept = saved()  # the step's high-water mark beyond what backward keeps
-        out[f] = LayerCost(statistics.median(times[f]), kept, route, max(0, high() - kept))
+        out[f] = LayerCost(statistics.median(times[f]), kept, route, max(0, high() - kept),
+                           _spread(times[f]))
     return out
 
 
