@@ -16,6 +16,7 @@ from torch import nn
 import mixprec.kernels as kernels
 import mixprec.planner.survey as survey_mod
 import mixprec.planner.timing as timing
+from conftest import set_speeds
 from mixprec import Recipe
 from mixprec.planner import plan_from
 from mixprec.planner.choose import (
@@ -249,12 +250,12 @@ def test_a_prediction_is_never_negative_however_the_timings_disagree():
         assert predict(cfg, lay, units, base)[0] > 0
 
 
-def test_the_bound_of_each_gemm_route_is_what_it_multiplies_in(monkeypatch):
+def test_the_bound_of_each_gemm_route_is_what_it_multiplies_in(monkeypatch, measured):
     fp8 = timing.recipe_for_format(Recipe.parse("bf16-master"), "fp8-current")
     fp32_rest = timing.recipe_for_format(Recipe.parse("fp32"), "fp8-current")
     for bf16_rate, dequant_fp32 in ((2.0, 1.0), (0.02, 50.0)):
         # bf16 twice fp32's GEMM rate (AVX-512 BF16, AMX), or in software (AVX2)
-        monkeypatch.setattr(kernels, "relative_speed", lambda d, t, r=bf16_rate: r)
+        set_speeds(monkeypatch, bf16=bf16_rate)
         assert timing.max_speedup("scaled_mm", fp8, "cpu") == math.inf
         # the bf16 Linear and the dequant route run the same bf16 GEMM
         assert timing.max_speedup("dequant", fp8, "cpu") == 1.0
