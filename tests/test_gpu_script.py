@@ -6,12 +6,19 @@ time on its device."""
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
+import time
 import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import benchmark
+from mixprec.recipe import BLOCK_SCALINGS, Recipe
 from mixprec.workbench import GPT
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -19,6 +26,109 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 ROOT = Path(__file__).resolve().parents[1]
 FILES = {"summary.txt", "preflight.jsonl", "tests.xml", "tests.log", "bench.jsonl",
          "plan.txt", "nvidia-smi.csv", "rest.tar.gz"}
+
+
+def test_gpu_recipes_parse_and_the_dequantizing_ones_come_last():
+    listed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"),
+                             "--list"], capture_output=True, text=True, timeout=60)
+    rows = [line.split("\t") for line in listed.stdout.splitlines()]
+    recipes = [Recipe.coerce(r) for r, _ in rows]
+    assert len(recipes) == 11 and all(int(box) >= 20 for _, box in rows)
+    block = [r.compute == "fp8" and r.fp8_scaling in BLOCK_SCALINGS for r in recipes]
+    assert block == [False] * 8 + [True] * 3
+
+
+def test_gpu_bench_writes_its_line_when_the_recipe_fails_or_is_interrupted(
+        tmp_path, monkeypatch, capsys):
+    import mixprec.workbench.bench as bench_mod
+
+    mod = benchmark("gpu_bench")
+    out = tmp_path / "bench.jsonl"
+    args = ["--device", "cpu", "--size", "tiny", "--out", str(out)]
+    assert mod.main(["--recipe", "no-such-recipe", *args]) == 1
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt("SIGTERM")
+
+    monkeypatch.setattr(bench_mod, "bench", interrupted)
+    assert mod.main(["--recipe", "bf16", *args]) == 1
+    a, b = (json.loads(x) for x in out.read_text().splitlines())
+    assert a["status"] == "error" and a["error"].startswith("ValueError")
+    assert "no-such-recipe" in a["error"] and "Traceback" in a["traceback"]
+    assert b["status"] == "error" and b["error"].startswith("interrupted (SIGTERM)")
+    assert capsys.readouterr().out.count("\n") == 2  # each line printed too
+
+
+def _dequant_kernel(a, b, out_dtype, kind):
+    return (a.dequant() @ b.dequant()).to(out_dtype)
+
+
+@pytest.mark.parametrize("name", ["block:fwd:fp32:M=30", "mx:dgrad:bf16:M=30",
+                                  "nvfp4:wgrad:fp32:M=200"])
+def test_preflight_block_check_measures_the_kernel_against_float64(monkeypatch, name):
+    """The block checks on this CPU with a stand-in kernel: the exact dequantizing
+    GEMM reads ~0 error, one 1% off reads 1%, one that raises is an error line."""
+    import mixprec.fp8.scaled_mm as sm
+
+    pf = benchmark("gpu_preflight")
+    monkeypatch.setattr(sm, "block_scaled_mm", _dequant_kernel)
+    good = pf.run_check(name, "cpu")
+    tol = 4e-3 if ":bf16:" in name else 1e-6
+    assert good["status"] == "ok" and good["rel_err"] < tol and good["finite"]
+    m = int(name.rsplit("=", 1)[1])
+    tokens = 208 if name.startswith("nvfp4:wgrad") else m  # the 16x16 Hadamard pads them
+    assert good["shape"] == {"fwd": [m, 200, 136], "dgrad": [m, 136, 200],
+                             "wgrad": [136, tokens, 200]}[name.split(":")[1]]
+    monkeypatch.setattr(sm, "block_scaled_mm", lambda *a: _dequant_kernel(*a) * 1.01)
+    assert pf.run_check(name, "cpu")["rel_err"] == pytest.approx(0.01, abs=4e-3)
+
+    def raising(*a):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(sm, "block_scaled_mm", raising)
+    bad = pf.run_check(name, "cpu")
+    assert bad["status"] == "error" and "illegal memory access" in bad["error"]
+
+
+def test_preflight_keeps_its_budget_and_skips_cuda_checks_on_a_cpu(tmp_path, monkeypatch):
+    """A check that hangs is killed when the budget ends and the one behind it is
+    marked not run; on a CPU the CUDA-only checks are skipped without a process."""
+    pf = benchmark("gpu_preflight")
+    real = subprocess.Popen
+    monkeypatch.setattr(pf.subprocess, "Popen",
+                        lambda cmd, **kw: real(["sleep", "30"], **kw))
+    out = tmp_path / "pf.jsonl"
+    t = time.monotonic()
+    assert pf.run_all("cuda", str(out), budget=2, jobs=1, timeout=30,
+                      only=["env", "probe:mx"]) == 1
+    assert time.monotonic() - t < 10
+    a, b = (json.loads(x) for x in out.read_text().splitlines())
+    assert a["check"] == "env" and a["error"].startswith("timed out after")
+    assert b == {"check": "probe:mx", "status": "skipped",
+                 "reason": "not run: the preflight budget of 2 s ended"}
+
+    out2 = tmp_path / "cpu.jsonl"
+    assert pf.run_all("cpu", str(out2), 5, 1, 5, only=["probe:nvfp4", "fp8:rowwise:bf16:M=1"
+                                                       ]) == 0
+    assert [json.loads(x)["reason"] for x in out2.read_text().splitlines()] == [
+        "skipped: no CUDA (device cpu)"] * 2
+    died = pf._child_line("env", -11, "", "Fatal Python error: Segmentation fault")
+    assert died["error"].endswith("exit -11 (SIGSEGV)") and "Fatal" in died["stderr"]
+
+
+def test_time_box_plugin_fails_a_slow_test_and_runs_the_rest(tmp_path):
+    (tmp_path / "test_two.py").write_text(
+        "import time\n\ndef test_slow():\n    time.sleep(30)\n\n"
+        "def test_fast():\n    assert True\n")
+    t = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "pytest_time_box", "--time-box", "1",
+         "-p", "no:cacheprovider", "test_two.py"], cwd=tmp_path, capture_output=True,
+        text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "benchmarks")})
+    assert run.returncode == 1 and time.monotonic() - t < 20, run.stdout[-2000:]
+    assert "ran past its time box of 1 s" in run.stdout
+    assert "1 failed, 1 passed" in run.stdout
 
 
 class _Tracked(GPT):
