@@ -223,6 +223,7 @@ step 1 "$WORK/preflight.log" "$PY" benchmarks/gpu_preflight.py --device "$DEV" \
 
 mapfile -t CUDA_FILES < <(grep -l "mark\.cuda" tests/test_*.py)
 PYTEST=(env PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" "$PY" -m pytest -q -rA -m cuda
+        --continue-on-collection-errors
         -p no:cacheprovider -p pytest_time_box --time-box "$PER_TEST"
         -o faulthandler_timeout="$((PER_TEST - 5))")
 if [ "${#CUDA_FILES[@]}" -gt 0 ]; then
