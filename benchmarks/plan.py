@@ -1,7 +1,7 @@
 """The planner's predictions against measurement: step time and peak memory.
 
     python benchmarks/plan.py [--models gpt,llama] [--batch 8] [--steps 8] [--size small]
-                              [--device cpu]
+                              [--device cpu] [--seconds 0.25]
 
 For the workbench GPT (``small``: 4 layers, d=128, 128 tokens a row) and a Hugging Face
 Llama built from a config (4 layers, d=256, MLP 704, 128 tokens a row; no download), the
@@ -123,6 +123,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--size", default="small", help="the workbench GPT's size")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seconds", type=float, default=0.25,
+                    help="the survey's timing window per Linear shape and format")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     where = (torch.cuda.get_device_name() if args.device.startswith("cuda") else
@@ -136,7 +138,7 @@ def main() -> None:
         base = Recipe.parse("bf16-master")
         sv = survey(model, batch, base=base, formats=("bf16", "fp8-current", "mxfp8"),
                     state_formats=("fp32", "bf16", "int8"), min_sqnr=0.0, loss_fn=None,
-                    batches=[batch])
+                    batches=[batch], seconds=args.seconds)
         b = sv.baselines
         print(f"\n{name}: 16-bit step {b.step_16 * 1e3:.1f} ms, peak "
               f"{b.peak_16 / 1e6:.1f} MB; fp8 shell step {b.step_shell * 1e3:.1f} ms, "

@@ -25,7 +25,7 @@ scales, MX's and ``block_scales=pow2``'s, else one fp32 rounding per element) an
 fp32 GEMM with fp32 accumulation, on the CPU and on CUDA alike. That is exact up to
 summation order, where DeepSeek-V3's CUDA kernels accumulate each 128-long tile's
 partial product in the tensor cores' limited-precision accumulator and promote it to
-fp32 per tile. torch's block-scaled ``_scaled_mm`` is not used yet.
+fp32 per tile. On CUDA torch's block-scaled kernels run instead where the route takes them (below).
 
 NVFP4 (``fp8_scaling=nvfp4``, ``mixprec.fp8.nvfp4``) casts ``x`` and ``g`` in 1×16
 blocks along each GEMM's contracted dim and ``w`` in 16×16 blocks (``nvfp4_2d``; else

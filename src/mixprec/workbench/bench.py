@@ -10,7 +10,11 @@ recipe is timed in its own phase, interleaved step by step with its hand-written
 - the engine's overhead against the equivalent hand-written loop, where torch has one:
   fp32 (plain), bf16 and fp16 (``torch.autocast`` + ``torch.amp.GradScaler`` for fp16),
   as the median of per-round paired ratios with its quartiles (``paired_overhead``);
-- bytes held (``memory.measure``).
+- bytes held (``memory.measure``) and, on CUDA, the allocator's peak over the phase;
+- the GEMM route each fp8 Linear took.
+
+Each recipe's models are built on the device, timed and freed before the next recipe's
+are built, so the memory a run needs is its largest recipe's, not the sum of all.
 
 With ``compile=True`` (``--compile``) each recipe also runs with its model under
 ``torch.compile`` (inductor), interleaved step by step with the eager loop, and the fp8
@@ -24,6 +28,7 @@ peer's. The compile itself happens in the warm-up steps and is not timed.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import statistics
 import time
@@ -111,38 +116,11 @@ def bench(recipes: Iterable[str] = ("fp32", "bf16", "bf16-master", "fp16", "fp8"
                          "which the graphs are compiled")
     dev = torch.device(device)
     build, loss_of, tokens, flops_per_step, seq = _workload(model, size, batch, seq, dev)
-    loops, twins = {}, {}
-    for r in recipes:
-        rec = Recipe.coerce(r)
-        m, e, step = _engine_loop(build, rec, loss_of)
-        loops[r], twins[r] = (step, m, e), {}
-        if rec.compute in ("fp32", "bf16", "fp16") and rec.params == "fp32":
-            twins[r][f"hand:{r}"] = _hand_loop(build(), rec, dev, loss_of, e.emulating)
-        if compile:
-            twins[r][f"compiled:{r}"] = _engine_loop(build, rec, loss_of, compiled=True)[2]
-            peer = _TORCHAO_RECIPE.get(rec.fp8_scaling) if rec.compute == "fp8" else None
-            if peer and _has_torchao():
-                twins[r][f"torchao:{r}"] = _torchao_loop(build(), m, e, dev, loss_of, peer)
-    failed: dict[str, str] = {}
-    times = _time_phases(loops, twins, dev, warmup, steps, failed)
     rows = []
-    from mixprec.memory import measure
-
-    for r, (_, m, e) in loops.items():
-        rec = Recipe.coerce(r)
-        med = statistics.median(times[r])
-        peak = peak_gflops(device, rec.compute, e.kernels)
-        achieved = flops_per_step / med / 1e9
-        over, q25, q75 = (paired_overhead(times[r], times[f"hand:{r}"])
-                          if f"hand:{r}" in times else (None, None, None))
-        rows.append({"recipe": r, "step_ms": med * 1e3, "tokens_per_s": tokens / med,
-                     "gflops": achieved, "peak_gflops": peak, "mfu": achieved / peak,
-                     "overhead_vs_hand": over, "overhead_iqr": (q25, q75),
-                     "model_state_bytes": measure(m, e).total,
-                     "emulated": e.emulating, "kernels": e.kernels.describe()})
-        if compile:
-            rows[-1].update(_compiled_figures(times, r),
-                            torchao_error=failed.get(f"torchao:{r}"))
+    for r in recipes:  # one recipe's models at a time: each is freed before the next
+        rows.append(_recipe_row(r, build, loss_of, dev, tokens, flops_per_step, warmup,
+                                steps, compile))
+        _release(dev, compile)
     base = next((x for x in rows if x["recipe"] == "fp32"), None)
     for x in rows:
         x["speedup_vs_fp32"] = base["step_ms"] / x["step_ms"] if base else None
@@ -150,6 +128,61 @@ def bench(recipes: Iterable[str] = ("fp32", "bf16", "bf16-master", "fp16", "fp8"
             "steps": steps, "compile": compile, "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "flops_per_step": flops_per_step, "rows": rows}
+
+
+def _recipe_row(r: str, build, loss_of, dev: torch.device, tokens: int,
+                flops_per_step: float, warmup: int, steps: int, compile: bool) -> dict:
+    """Build ``r``'s engine loop and its twins, time them in one phase, and return the
+    recipe's row; nothing of it outlives the call. ``max_memory_allocated``: the CUDA
+    allocator's peak over the phase (None on the CPU); ``fp8_routes``: how many fp8
+    Linears took each GEMM route (``Float8Linear.backend``)."""
+    from mixprec.fp8.linear import fp8_modules
+    from mixprec.memory import measure
+
+    rec = Recipe.coerce(r)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    m, e, step = _engine_loop(build, rec, loss_of)
+    twins = {}
+    if rec.compute in ("fp32", "bf16", "fp16") and rec.params == "fp32":
+        twins[f"hand:{r}"] = _hand_loop(build(), rec, dev, loss_of, e.emulating)
+    if compile:
+        twins[f"compiled:{r}"] = _engine_loop(build, rec, loss_of, compiled=True)[2]
+        peer = _TORCHAO_RECIPE.get(rec.fp8_scaling) if rec.compute == "fp8" else None
+        if peer and _has_torchao():
+            twins[f"torchao:{r}"] = _torchao_loop(build(), m, e, dev, loss_of, peer)
+    failed: dict[str, str] = {}
+    times = _time_phases({r: (step, m, e)}, {r: twins}, dev, warmup, steps, failed)
+    held = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    del twins, step
+    med = statistics.median(times[r])
+    peak = peak_gflops(str(dev), rec.compute, e.kernels)
+    achieved = flops_per_step / med / 1e9
+    over, q25, q75 = (paired_overhead(times[r], times[f"hand:{r}"])
+                      if f"hand:{r}" in times else (None, None, None))
+    routes: dict[str, int] = {}
+    for lin in fp8_modules(m).values():
+        routes[lin.backend] = routes.get(lin.backend, 0) + 1
+    row = {"recipe": r, "step_ms": med * 1e3, "tokens_per_s": tokens / med,
+           "gflops": achieved, "peak_gflops": peak, "mfu": achieved / peak,
+           "overhead_vs_hand": over, "overhead_iqr": (q25, q75),
+           "model_state_bytes": measure(m, e).total, "max_memory_allocated": held,
+           "emulated": e.emulating, "kernels": e.kernels.describe(),
+           "kernel_choices": e.kernels.as_dict(), "fp8_routes": routes}
+    if compile:
+        row.update(_compiled_figures(times, r), torchao_error=failed.get(f"torchao:{r}"))
+    return row
+
+
+def _release(dev: torch.device, compiled: bool = False) -> None:
+    """Return the freed recipe's memory: drop dynamo's graphs of its compiled models,
+    collect its reference cycles and hand CUDA's cached blocks back, so the next recipe
+    starts empty."""
+    if compiled:
+        torch._dynamo.reset()
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _engine_loop(build, rec: Recipe, loss_of, compiled: bool = False):
@@ -227,7 +260,8 @@ def _compiled_figures(times: dict[str, list[float]], r: str) -> dict:
 
 def _workload(model: str, size: str, batch: int, seq: int | None, dev: torch.device):
     """``(build, loss_of, tokens per step, FLOPs per step, seq)`` for ``model``: the
-    workbench GPT (``gpt``) or a 4-layer 1024-wide MLP (``mlp``), on seeded inputs."""
+    workbench GPT (``gpt``) or a 4-layer 1024-wide MLP (``mlp``), on seeded inputs;
+    ``build`` creates the model's parameters on ``dev``."""
     cfg = SIZES[size]
     seq = seq or cfg.seq_len
     g = torch.Generator().manual_seed(0)
@@ -237,7 +271,8 @@ def _workload(model: str, size: str, batch: int, seq: int | None, dev: torch.dev
 
         def build():
             torch.manual_seed(0)
-            return GPT(cfg).to(dev)
+            with dev:  # parameters created on the device: no host copy to move
+                return GPT(cfg)
 
         return build, lambda m: m(*inputs), tokens, cfg.flops_per_token() * tokens, seq
     if model == "mlp":
@@ -246,7 +281,8 @@ def _workload(model: str, size: str, batch: int, seq: int | None, dev: torch.dev
 
         def build():
             torch.manual_seed(0)
-            return _mlp().to(dev)
+            with dev:
+                return _mlp()
 
         flops = 6 * sum(p.numel() for p in _mlp().parameters()) * tokens
         return build, lambda m: m(x).float().pow(2).mean(), tokens, flops, seq
