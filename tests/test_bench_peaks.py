@@ -145,3 +145,24 @@ def test_the_route_timers_run_each_route_here():
         assert peaks.fp8_gflops("cpu", quantizer_for(recipe), route, torch.bfloat16) > 0
     assert (torch.get_float32_matmul_precision(),
             torch.backends.mkldnn.matmul.fp32_precision) == before
+
+
+def test_a_route_whose_gemm_fails_shows_in_its_row_and_spares_the_others(sm90_routes,
+                                                                          monkeypatch):
+    """A route reported as taken whose kernel this device lacks (MX's sm100 kernel on
+    sm90): that row's peak reads NaN and says why; the other rows keep theirs."""
+    monkeypatch.setattr(KernelChoices, "gemm_for", lambda self, scaling: "scaled_mm")
+
+    def fp8_rate(device, quantizer, route, out_dtype):
+        if quantizer.name == "mx":
+            raise RuntimeError("no MXFP8 kernel on this device\nmore")
+        return ROUTE_RATE[route]
+
+    monkeypatch.setattr(peaks, "fp8_gflops", fp8_rate)
+    out = bench(["mxfp8", "fp8"], size="tiny", batch=2, seq=16, steps=1, warmup=0)
+    mx, fp8 = out["rows"]
+    assert mx["peak_gflops"] != mx["peak_gflops"]  # NaN
+    assert fp8["peak_gflops"] == pytest.approx(_expected(32, {"*": "scaled_mm"}), rel=1e-12)
+    assert ("peak mxfp8: bf16 1000 GFLOP/s for 26% of the FLOPs, mx scaled_mm failed "
+            "(RuntimeError: no MXFP8 kernel on this device) for 74% of the FLOPs"
+            ) in format_table(out).splitlines()

@@ -107,7 +107,7 @@ def bench(recipes: Iterable[str] = ("fp32", "bf16", "bf16-master", "fp16", "fp8"
                           if f"hand:{r}" in times else (None, None, None))
         rows.append({"recipe": r, "step_ms": med * 1e3, "tokens_per_s": tokens / med,
                      "gflops": achieved, "peak_gflops": peak, "mfu": achieved / peak,
-                     "peak_parts": [{"gemm": p["gemm"], "gflops": p["gflops"],
+                     "peak_parts": [{**{k: v for k, v in p.items() if k != "flops"},
                                      "share": p["flops"] / flops_per_step} for p in parts],
                      "overhead_vs_hand": over, "overhead_iqr": (q25, q75),
                      "model_state_bytes": measure(m, e).total,
@@ -342,8 +342,11 @@ def format_table(result: dict) -> str:
                      "paired per round (< 1: faster)")
     lines += [f"kernels {x['recipe']}: {x['kernels']}" for x in result["rows"]]
     lines += [f"peak {x['recipe']}: " + ", ".join(
-        f"{p['gemm']} {p['gflops']:.0f} GFLOP/s for {p['share'] * 100:.0f}% of the FLOPs"
-        for p in x["peak_parts"]) for x in result["rows"] if len(x.get("peak_parts", ())) > 1]
+        f"{p['gemm']} " + (f"failed ({p['error']})" if "error" in p else
+                           f"{p['gflops']:.0f} GFLOP/s") +
+        f" for {p['share'] * 100:.0f}% of the FLOPs" for p in x["peak_parts"])
+        for x in result["rows"] if len(x.get("peak_parts", ())) > 1 or any(
+            "error" in p for p in x.get("peak_parts", ()))]
     return "\n".join(lines)
 
 

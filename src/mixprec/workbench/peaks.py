@@ -21,6 +21,7 @@ its own peak: ``sum(flops) / sum(flops_i / peak_i)``, each Float8Linear counted
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -105,7 +106,9 @@ def peak_parts(device: str, recipe: Recipe | str, kernels: KernelChoices | None 
     With ``model`` (its Float8Linears), ``tokens`` per step and the step's ``flops``:
     each Float8Linear's route and the dense rest, by FLOPs. Without: an fp8 recipe's
     own scaling on its route alone, or the dense kind. ``memo`` keeps measured rates
-    between rows."""
+    between rows. A route whose GEMM raises when timed (a kernel this device lacks,
+    reported as taken) reads NaN GFLOP/s with its ``"error"``, so the row shows it
+    instead of the benchmark losing every row."""
     from mixprec.fp8.linear import fp8_modules
     from mixprec.fp8.quantizers import quantizer_for
 
@@ -135,8 +138,13 @@ def peak_parts(device: str, recipe: Recipe | str, kernels: KernelChoices | None 
     for (q, route), f in routes.items():
         key = ("fp8", q, route, out_dtype)
         if key not in memo:
-            memo[key] = fp8_gflops(device, q, route, out_dtype)
-        parts.append({"gemm": f"{q.name} {route}", "flops": f, "gflops": memo[key]})
+            try:
+                memo[key] = fp8_gflops(device, q, route, out_dtype), None
+            except RuntimeError as e:
+                memo[key] = math.nan, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        rate, error = memo[key]
+        parts.append({"gemm": f"{q.name} {route}", "flops": f, "gflops": rate,
+                      **({"error": error} if error else {})})
     return parts
 
 
