@@ -30,6 +30,7 @@ value a setting resolves to, not whether it was set), which resolves the same.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,12 +47,18 @@ _MATMUL = ("cuda.matmul", "mkldnn.matmul")
 _CUDNN = ("cuda.conv", "cuda.rnn")
 
 
-def _knob(name: str):
-    """``(setting, parent)``: the per-backend setting ``name`` and the module whose
-    ``fp32_precision`` reads the backend-wide value it follows when ``none``."""
+@functools.cache
+def _knobs() -> dict:
+    """``name -> (setting, parent)``: each per-backend setting mixprec changes and the
+    module whose ``fp32_precision`` reads the backend-wide value it follows when
+    ``none`` (looked up once: these are module-level singletons)."""
     b = torch.backends
     return {"cuda.matmul": (b.cuda.matmul, b.cudnn), "mkldnn.matmul": (b.mkldnn.matmul, b.mkldnn),
-            "cuda.conv": (b.cudnn.conv, b.cudnn), "cuda.rnn": (b.cudnn.rnn, b.cudnn)}[name]
+            "cuda.conv": (b.cudnn.conv, b.cudnn), "cuda.rnn": (b.cudnn.rnn, b.cudnn)}
+
+
+def _knob(name: str):
+    return _knobs()[name]
 
 
 def _own(name: str) -> str:
@@ -66,13 +73,11 @@ def _set(values: dict[str, str]) -> None:
 
 
 def _legacy_matmul(knobs: dict[str, str]) -> str:
-    """``torch.get_float32_matmul_precision()``; where the per-backend settings disagree
-    with it (torch raises), read with them at ``ieee``, which agrees with every value."""
-    try:
+    """``torch.get_float32_matmul_precision()``, read with the per-backend matmul
+    settings at ``ieee``, which agrees with every legacy value (as the user left them,
+    torch raises where they disagree with it, and an exception costs ~50 us)."""
+    if not knobs:
         return torch.get_float32_matmul_precision()
-    except RuntimeError:
-        if not knobs:
-            raise
     _set(dict.fromkeys(_MATMUL, "ieee"))
     try:
         return torch.get_float32_matmul_precision()
