@@ -46,7 +46,7 @@ def dense_kind(recipe: Recipe | str, kernels: KernelChoices | None = None) -> st
     """What a recipe's dense (not fp8) GEMMs run as: ``fp32`` (as set), ``ieee``
     (pinned: emulation), ``tf32``, ``bf16`` or ``fp16``."""
     r = Recipe.coerce(recipe)
-    if kernels is not None and kernels.emulate or r.is_mx:
+    if (kernels is not None and kernels.emulate) or r.is_mx:
         return "ieee"
     if r.compute == "fp8":
         rest = kernels.fp8_rest if kernels is not None else "bf16"
