@@ -173,10 +173,10 @@ def test_compiled_exact_routes_warn_once_when_fp32_matmul_is_not_ieee(monkeypatc
     say, once, that compiled GEMMs follow it; under "highest" nothing is said."""
     import warnings
 
-    from mixprec import kernels
+    from mixprec import fp32_precision
     from mixprec.fp8.linear import Float8Linear
 
-    monkeypatch.setattr(kernels, "_WARNED_COMPILE", [])
+    monkeypatch.setattr(fp32_precision, "_WARNED_COMPILE", [])
     lin = Float8Linear.from_linear(torch.nn.Linear(32, 32), "fp8-block")
     x = torch.randn(16, 32, requires_grad=True)
 

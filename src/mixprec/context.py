@@ -15,8 +15,9 @@
   and your own code that calls ``F.layer_norm``. Modules from other libraries that
   compute a norm by hand (a ``LlamaRMSNorm``, say) are matched by class name and run
   whole in fp32;
-- for ``tf32``: ``torch.backends.cuda.matmul.allow_tf32``, ``cudnn.allow_tf32`` and
-  ``torch.set_float32_matmul_precision("high")``, restored on exit;
+- for ``tf32``: TF32 matmuls and cuDNN convolutions (``mixprec.fp32_precision.tf32``:
+  torch's legacy and per-backend settings in step), the user's settings, set through
+  either API, restored exactly on exit;
 - under emulation (``emulating(recipe, device)``): an ``EmulationMode`` that turns the
   low-precision arithmetic into exact rounding on fp32 kernels (``mixprec.emulate``).
 
@@ -38,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from mixprec import attention
 from mixprec.emulate import leave_low_precision
+from mixprec.fp32_precision import tf32
 from mixprec.kernels import emulating, fp8_rest, has_fast_kernels
 from mixprec.recipe import Recipe
 from mixprec.wgrad import (
@@ -295,20 +297,6 @@ def wrap_fp32_modules(modules: list[nn.Module], device_type: str) -> Callable[[]
     return undo
 
 
-@contextlib.contextmanager
-def _tf32() -> Iterator[None]:
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.get_float32_matmul_precision())
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    torch.set_float32_matmul_precision("high")
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
-        torch.set_float32_matmul_precision(saved[2])
-
-
 def autocast_dtype(recipe: Recipe, device: torch.device | str,
                    rest: str | None = None) -> torch.dtype | None:
     """The dtype the forward's autocast runs in, or None for no autocast: fp32/tf32
@@ -370,7 +358,7 @@ def precision_context(recipe: Recipe | str, device: torch.device | str,
     emulate = emulating(r, dev) if emulate is None else emulate  # measured outside autocast
     with contextlib.ExitStack() as stack:
         if r.compute == "tf32":
-            stack.enter_context(_tf32())
+            stack.enter_context(tf32())
         dtype = autocast_dtype(r, dev, rest)
         if dtype is not None:
             stack.enter_context(torch.autocast(dev.type, dtype=dtype))

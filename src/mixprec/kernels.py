@@ -42,16 +42,15 @@ or ``emulate=false`` is never overridden.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cache
 
 import torch
 
+from mixprec.fp32_precision import ieee_fp32_matmul  # the exact routes import it from here
 from mixprec.recipe import BLOCK_SCALINGS, MX_COMPUTE, PRESETS, Recipe
 
 __all__ = ["matmul_gflops", "relative_speed", "FAST_ENOUGH", "has_fast_kernels",
@@ -389,80 +388,3 @@ def _fp8_route(recipe: Recipe, scaling: str, dev: torch.device) -> str:
         return block_gemm_route(dev, recipe.fp8_gemm)
     return fp8_gemm_route(dev, "dequant" if recipe.emulate and
                           recipe.fp8_gemm == "auto" else recipe.fp8_gemm)
-
-
-def _fp32_matmul_knobs() -> list:
-    """The backends' fp32 matmul precision settings (oneDNN on CPUs, cuBLAS on CUDA)."""
-    knobs = []
-    for name in ("mkldnn", "cuda"):
-        backend = getattr(torch.backends, name, None)
-        mm = getattr(backend, "matmul", None)
-        if mm is not None and hasattr(mm, "fp32_precision"):
-            knobs.append(mm)
-    return knobs
-
-
-def _fp32_matmul_is_ieee() -> bool:
-    """Whether every backend's fp32 matmul runs in IEEE fp32 (read once per compile:
-    dynamo treats the answer as a constant instead of breaking the graph on it)."""
-    inherited = torch.get_float32_matmul_precision() == "highest"  # what "none" follows
-    return all(knob.fp32_precision == "ieee" or (knob.fp32_precision == "none" and inherited)
-               for knob in _fp32_matmul_knobs())
-
-
-def _warn_inexact_under_compile() -> bool:
-    """Warn, once per process, that compiled exact routes follow the user's setting."""
-    if not _WARNED_COMPILE:
-        _WARNED_COMPILE.append(True)
-        import warnings
-
-        warnings.warn(
-            "torch.compile: the fp32 matmul precision is not 'highest', so the exact "
-            "fp32 GEMMs of the dequantizing fp8/block/MX/NVFP4 routes run in reduced "
-            "precision inside compiled graphs (eager pins IEEE fp32 around them); call "
-            "torch.set_float32_matmul_precision('highest') to make them exact",
-            stacklevel=2)
-    return True
-
-
-_WARNED_COMPILE: list[bool] = []
-
-# What ``torch.compiler.assume_constant_result`` marks (dynamo calls the function once
-# while tracing and keeps the answer as a constant), set here directly: the decorator
-# imports dynamo, which importing mixprec must not. tests/test_compile.py counts 0
-# graph breaks through these under inductor.
-_fp32_matmul_is_ieee._dynamo_marked_constant = True
-_warn_inexact_under_compile._dynamo_marked_constant = True
-
-
-@contextlib.contextmanager
-def ieee_fp32_matmul() -> Iterator[None]:
-    """fp32 matmuls inside run in full IEEE fp32, whatever the user set, and the user's
-    setting is restored on exit.
-
-    ``torch.set_float32_matmul_precision("medium")`` (or ``"high"``, or
-    ``allow_tf32``) lets fp32 GEMMs run in bf16 on AMX / AVX-512 BF16 CPUs (oneDNN) and
-    in TF32 on NVIDIA GPUs: about 3 significant digits. mixprec's exact routes (the
-    dequantizing fp8, block, MX and NVFP4 GEMMs, and emulation) compute products of
-    low-precision values that fp32 holds exactly, so they pin ``"ieee"`` around their
-    GEMMs; everything else keeps the user's choice.
-
-    Under ``torch.compile`` the setting cannot change inside a graph: the GEMMs run in
-    whatever precision is set when the graph runs, and a setting other than IEEE warns
-    once (``torch.set_float32_matmul_precision("highest")`` makes them exact)."""
-    if torch.compiler.is_compiling():
-        if not _fp32_matmul_is_ieee():
-            _warn_inexact_under_compile()
-        yield
-        return
-    saved = []
-    try:
-        for knob in _fp32_matmul_knobs():
-            value = knob.fp32_precision
-            if value != "ieee":
-                knob.fp32_precision = "ieee"
-                saved.append((knob, value))
-        yield
-    finally:
-        for knob, value in reversed(saved):
-            knob.fp32_precision = value

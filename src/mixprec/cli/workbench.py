@@ -28,28 +28,36 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--parallel", choices=["ddp", "fsdp"],
                    help="data parallel under torchrun (gloo on CPU, nccl on GPU)")
+    p.add_argument("--device", choices=["cpu", "cuda"],
+                   help="where to train (default: under --parallel each rank's GPU, "
+                        "cuda:LOCAL_RANK, where CUDA is available; else cpu)")
 
 
 def run_train(args: argparse.Namespace) -> int:
     """``mixprec train``: one recipe on the workbench GPT, with checkpoints and resume."""
-    from mixprec.workbench.train import TrainConfig, train
+    from mixprec.workbench.train import TrainConfig, train, train_device
 
     cfg = TrainConfig(recipe=args.recipe, steps=args.steps, size=args.size, batch=args.batch,
                       seq=args.seq, lr=args.lr, seed=args.seed, ckpt_every=args.ckpt_every,
                       eval_every=args.eval_every)
     dist_started = False
+    if args.parallel and "RANK" not in os.environ:
+        raise ValueError("--parallel needs torchrun: torchrun --nproc-per-node 2 -m "
+                         f"mixprec train --parallel {args.parallel} ...")
+    # the rank's GPU is made current before the process group: NCCL binds it
+    device = train_device(args.parallel, args.device)
     if args.parallel:
         import torch.distributed as dist
 
-        if "RANK" not in os.environ:
-            raise ValueError("--parallel needs torchrun: torchrun --nproc-per-node 2 -m "
-                             f"mixprec train --parallel {args.parallel} ...")
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if _cuda() else "gloo")
+            if device.type == "cuda":
+                dist.init_process_group("nccl", device_id=device)
+            else:
+                dist.init_process_group("gloo")
             dist_started = True
     try:
         res = train(cfg, args.out, resume=args.resume, progress=not args.no_progress and None,
-                    parallel=args.parallel)
+                    parallel=args.parallel, device=device)
     finally:
         if dist_started:
             import torch.distributed as dist
@@ -60,12 +68,6 @@ def run_train(args: argparse.Namespace) -> int:
               f"{res.tokens_per_s:,.0f} tokens/s, {res.skipped} skipped steps; "
               f"metrics in {args.out}/metrics.jsonl")
     return 0
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def add_compare_arguments(p: argparse.ArgumentParser) -> None:

@@ -5,8 +5,10 @@ recipe is timed in its own phase, interleaved step by step with its hand-written
 
 - step time (median) and tokens/s;
 - achieved FLOP/s (``GPTConfig.flops_per_token`` × tokens / step time) and its share of
-  this device's peak matmul rate for the compute dtype, measured by the command itself on
-  a large GEMM;
+  this device's peak rate for the GEMMs the recipe really runs, measured by the command
+  itself under the recipe's own precision settings (``mixprec.workbench.peaks``: TF32
+  for tf32, IEEE fp32 where emulated, each Float8Linear on the route the engine reports,
+  FLOP-weighted with the rest of the step);
 - the engine's overhead against the equivalent hand-written loop, where torch has one:
   fp32 (plain), bf16 and fp16 (``torch.autocast`` + ``torch.amp.GradScaler`` for fp16),
   as the median of per-round paired ratios with its quartiles (``paired_overhead``);
@@ -34,25 +36,18 @@ import statistics
 import time
 import warnings
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from mixprec.context import make_emulation_mode
 from mixprec.engine import MixedPrecision
-from mixprec.kernels import fp8_gemm_gflops, matmul_gflops
 from mixprec.optim import adamw_for
 from mixprec.recipe import Recipe
 from mixprec.workbench.model import GPT, SIZES
-
-if TYPE_CHECKING:
-    from mixprec.kernels import KernelChoices
+from mixprec.workbench.peaks import combined_peak, peak_gflops, peak_parts
 
 __all__ = ["bench", "peak_gflops", "paired_overhead"]
-
-_PEAK_DTYPE = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
-               "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 def paired_overhead(times: list[float], base: list[float]) -> tuple[float, float, float]:
@@ -74,32 +69,6 @@ def paired_overhead(times: list[float], base: list[float]) -> tuple[float, float
     return statistics.median(ratios), q[0], q[2]
 
 
-def peak_gflops(device: str, compute: str, kernels: KernelChoices | None = None) -> float:
-    """Measured GEMM rate of the kernels a recipe really multiplies with: its compute
-    dtype's; fp32's where ``kernels`` (``engine.kernels``) says it is emulated; for fp8,
-    torch._scaled_mm on CUDA and on the CPU the GEMM of the route ``kernels`` chose."""
-    dev = torch.device(device)
-    if kernels is not None and dev.type == "cpu":
-        if compute == "fp8" and kernels.fp8_gemm == "scaled_mm":
-            return fp8_gemm_gflops(str(dev), 256)
-        if kernels.emulate or (compute == "fp8" and kernels.fp8_gemm == "dequant_fp32"):
-            compute = "fp32"
-    if compute == "fp8" and dev.type == "cuda":
-        n = 8192
-        a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
-        b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()
-        one = torch.ones((), device=dev)
-        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(20):
-            torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-        torch.cuda.synchronize()
-        return 20 * 2 * n**3 / (time.perf_counter() - t) / 1e9
-    n = 8192 if dev.type == "cuda" else 2048
-    return matmul_gflops(str(dev), _PEAK_DTYPE.get(compute, torch.float32), n, 0.5)
-
-
 def _mlp(d: int = 1024) -> nn.Module:
     return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.GELU(),
                          nn.Linear(d, d))
@@ -117,9 +86,10 @@ def bench(recipes: Iterable[str] = ("fp32", "bf16", "bf16-master", "fp16", "fp8"
     dev = torch.device(device)
     build, loss_of, tokens, flops_per_step, seq = _workload(model, size, batch, seq, dev)
     rows = []
+    memo: dict = {}  # each GEMM's peak measured once
     for r in recipes:  # one recipe's models at a time: each is freed before the next
         rows.append(_recipe_row(r, build, loss_of, dev, tokens, flops_per_step, warmup,
-                                steps, compile))
+                                steps, compile, memo))
         _release(dev, compile)
     base = next((x for x in rows if x["recipe"] == "fp32"), None)
     for x in rows:
@@ -131,11 +101,13 @@ def bench(recipes: Iterable[str] = ("fp32", "bf16", "bf16-master", "fp16", "fp8"
 
 
 def _recipe_row(r: str, build, loss_of, dev: torch.device, tokens: int,
-                flops_per_step: float, warmup: int, steps: int, compile: bool) -> dict:
+                flops_per_step: float, warmup: int, steps: int, compile: bool,
+                memo: dict | None = None) -> dict:
     """Build ``r``'s engine loop and its twins, time them in one phase, and return the
     recipe's row; nothing of it outlives the call. ``max_memory_allocated``: the CUDA
     allocator's peak over the phase (None on the CPU); ``fp8_routes``: how many fp8
-    Linears took each GEMM route (``Float8Linear.backend``)."""
+    Linears took each GEMM route (``Float8Linear.backend``); ``peak_parts``: the GEMMs
+    the peak is measured on (``workbench.peaks``), each measured once per ``memo``."""
     from mixprec.fp8.linear import fp8_modules
     from mixprec.memory import measure
 
@@ -156,7 +128,9 @@ def _recipe_row(r: str, build, loss_of, dev: torch.device, tokens: int,
     held = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
     del twins, step
     med = statistics.median(times[r])
-    peak = peak_gflops(str(dev), rec.compute, e.kernels)
+    parts = peak_parts(str(dev), r, e.kernels, m, tokens, flops_per_step,
+                       {} if memo is None else memo)
+    peak = combined_peak(parts)
     achieved = flops_per_step / med / 1e9
     over, q25, q75 = (paired_overhead(times[r], times[f"hand:{r}"])
                       if f"hand:{r}" in times else (None, None, None))
@@ -165,6 +139,8 @@ def _recipe_row(r: str, build, loss_of, dev: torch.device, tokens: int,
         routes[lin.backend] = routes.get(lin.backend, 0) + 1
     row = {"recipe": r, "step_ms": med * 1e3, "tokens_per_s": tokens / med,
            "gflops": achieved, "peak_gflops": peak, "mfu": achieved / peak,
+           "peak_parts": [{**{k: v for k, v in p.items() if k != "flops"},
+                           "share": p["flops"] / flops_per_step} for p in parts],
            "overhead_vs_hand": over, "overhead_iqr": (q25, q75),
            "model_state_bytes": measure(m, e).total, "max_memory_allocated": held,
            "emulated": e.emulating, "kernels": e.kernels.describe(),
@@ -405,6 +381,12 @@ def format_table(result: dict) -> str:
                      "torchao float8 compiled (tensorwise, or rowwise beside fp8-rowwise), "
                      "paired per round (< 1: faster)")
     lines += [f"kernels {x['recipe']}: {x['kernels']}" for x in result["rows"]]
+    lines += [f"peak {x['recipe']}: " + ", ".join(
+        f"{p['gemm']} " + (f"failed ({p['error']})" if "error" in p else
+                           f"{p['gflops']:.0f} GFLOP/s") +
+        f" for {p['share'] * 100:.0f}% of the FLOPs" for p in x["peak_parts"])
+        for x in result["rows"] if len(x.get("peak_parts", ())) > 1 or any(
+            "error" in p for p in x.get("peak_parts", ()))]
     return "\n".join(lines)
 
 

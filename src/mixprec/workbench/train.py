@@ -11,6 +11,11 @@ Writes to ``out/``:
 ``resume=True`` continues from ``ckpt.pt``: model, masters, optimizer, scaler, fp8
 histories, the data sampler's RNG and the step counter. The loss trajectory is then
 bit-identical to an uninterrupted run on the CPU.
+
+The run trains on ``train_device``'s choice: the CPU, or under ``parallel`` where CUDA
+is available this process's GPU (``cuda:LOCAL_RANK``, made the current device, as NCCL
+needs); ``device`` picks one. The model is built on the CPU from the seed and moved, and
+batches are sampled on the CPU and moved, so a run draws the same data on any device.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from mixprec.recipe import Recipe
 from mixprec.workbench.data import load_corpus, sample_batch, val_batches
 from mixprec.workbench.model import GPT, SIZES
 
-__all__ = ["TrainConfig", "TrainResult", "train", "CheckpointError", "save_atomic"]
+__all__ = ["TrainConfig", "TrainResult", "train", "train_device", "CheckpointError",
+           "save_atomic"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +88,7 @@ class TrainResult:
     steps: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
     emulated: bool = False
+    device: str = "cpu"  # where it trained (``train_device``)
     kernels: str = ""  # engine.kernels.describe(): the auto choices and measured rates
     memory: dict = field(default_factory=dict)
     fp8_report: str | None = None
@@ -147,24 +154,67 @@ def _lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
+def train_device(parallel: str | None = None,
+                 device: str | torch.device | None = None) -> torch.device:
+    """The device a workbench run trains on, made the current CUDA device when a GPU.
+
+    ``device`` None: under ``parallel`` (``ddp`` / ``fsdp``) where CUDA is available, this
+    process's GPU, ``cuda:LOCAL_RANK`` (torchrun's numbering on each machine: NCCL needs
+    each rank on its own device, current before its first collective); else the CPU.
+    ``device`` ``cuda`` without an index means that GPU too (the current one outside
+    ``parallel``); ``cpu`` keeps a parallel run on the CPU (gloo)."""
+    dev = torch.device(device if device is not None else
+                       "cuda" if parallel is not None and torch.cuda.is_available() else "cpu")
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"device {str(dev)!r}; valid: cpu, cuda, cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {str(dev)!r}: no CUDA device here; use device cpu")
+    n = torch.cuda.device_count()
+    index = (dev.index if dev.index is not None else _local_rank(n) if parallel is not None
+             else torch.cuda.current_device())
+    if not 0 <= index < n:
+        raise ValueError(
+            f"cuda:{index} for this process, but this machine has {n} CUDA device(s) "
+            f"(cuda:0..cuda:{n - 1}): start at most {n} processes per machine "
+            f"(torchrun --nproc-per-node {n}), or pick the device explicitly")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _local_rank(n_devices: int) -> int:
+    """This process's rank on its machine: torchrun's ``LOCAL_RANK``; without it, the
+    global rank modulo the machine's GPU count."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return rank % n_devices
+
+
 def train(cfg: TrainConfig, out: str | Path | None = None, *, resume: bool = False,
           progress: bool | None = None, parallel: str | None = None,
-          measure_memory: bool = False, stop_after: int | None = None) -> TrainResult:
+          measure_memory: bool = False, stop_after: int | None = None,
+          device: str | torch.device | None = None) -> TrainResult:
     """Train the workbench GPT under ``cfg``; see the module docstring.
 
     ``stop_after=n`` returns after step n (the schedule still spans ``cfg.steps``), as a
-    run that is interrupted and later resumed would.
+    run that is interrupted and later resumed would. ``device``: see ``train_device``.
     """
     out = Path(out) if out is not None else None
     if out is not None:
         _check_out(out)
+    dev = train_device(parallel, device)
     rank, ckpt, writes_ckpt = _checkpoint_path(out, parallel, resume)
     state = _load_checkpoint(ckpt, cfg) if resume else None
     corpus = load_corpus(max_bytes=cfg.corpus_bytes, seed=cfg.seed)
-    model, opt, engine = _build(cfg, parallel)
+    model, opt, engine = _build(cfg, parallel, dev)
     g = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     start = 0
-    result = TrainResult(cfg, emulated=engine.emulating, kernels=engine.kernels.describe(),
+    result = TrainResult(cfg, emulated=engine.emulating, device=str(dev),
+                         kernels=engine.kernels.describe(),
                          fp8_report=str(engine.fp8_report) if engine.fp8_report else None)
     if state is not None:
         engine.load_state_dict(state["engine"])
@@ -177,9 +227,9 @@ def train(cfg: TrainConfig, out: str | Path | None = None, *, resume: bool = Fal
     try:
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         for step in range(start, end):
-            lines = [_train_step(cfg, engine, opt, corpus, g, step)]
+            lines = [_train_step(cfg, engine, opt, corpus, g, step, dev)]
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                lines.append({"step": step, "val_loss": _evaluate(model, vals)})
+                lines.append({"step": step, "val_loss": _evaluate(model, vals, dev)})
                 result.evals.append(lines[1])
             result.steps.append(lines[0])
             _log(mf, tb, lines, step)
@@ -200,7 +250,7 @@ def train(cfg: TrainConfig, out: str | Path | None = None, *, resume: bool = Fal
 
         x, y = sample_batch(corpus.train, cfg.batch, cfg.seq_len,
                             torch.Generator().manual_seed(12345))
-        result.memory = measure(model, engine, (x, y)).items
+        result.memory = measure(model, engine, (x.to(dev), y.to(dev))).items
     return result
 
 
@@ -220,11 +270,12 @@ def _checkpoint_path(out: Path | None, parallel: str | None, resume: bool):
     return rank, ckpt, parallel == "fsdp" or rank == 0
 
 
-def _build(cfg: TrainConfig, parallel: str | None):
-    """The seeded GPT, its fused AdamW and the engine under ``cfg.recipe``."""
+def _build(cfg: TrainConfig, parallel: str | None, device: torch.device):
+    """The seeded GPT on ``device`` (built on the CPU: the same weights anywhere), its
+    fused AdamW and the engine under ``cfg.recipe``."""
     mcfg = dataclasses.replace(SIZES[cfg.size], seq_len=cfg.seq_len)
     torch.manual_seed(cfg.seed)
-    model = GPT(mcfg)
+    model = GPT(mcfg).to(device)
     # a recipe's states: rules pick each parameter's state format by its name
     named = Recipe.coerce(cfg.recipe).state_rules
     opt = adamw_for(cfg.recipe, model.named_parameters() if named else model.parameters(),
@@ -251,19 +302,24 @@ def _open_logs(out: Path | None, cfg: TrainConfig, resume: bool, start: int,
     return open(metrics_path, "a"), _tensorboard(out)
 
 
-def _train_step(cfg: TrainConfig, engine, opt, corpus, g, step: int) -> dict:
-    """One optimizer step on a sampled batch; its metrics record."""
+def _train_step(cfg: TrainConfig, engine, opt, corpus, g, step: int,
+                device: torch.device) -> dict:
+    """One optimizer step on a batch sampled on the CPU and moved to ``device``; its
+    metrics record (the time waits for a GPU's queued work)."""
     for group in opt.param_groups:  # a tensor lr (torchao, capturable) is set in place
         if isinstance(group["lr"], torch.Tensor):
             group["lr"].fill_(_lr_at(cfg, step))
         else:
             group["lr"] = _lr_at(cfg, step)
     x, y = sample_batch(corpus.train, cfg.batch, cfg.seq_len, g)
+    x, y = x.to(device), y.to(device)
     t0 = time.perf_counter()
     with engine.autocast():
         loss = engine.model(x, y)
     engine.backward(loss * cfg.loss_multiplier)
     res = engine.step()
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
     dt = time.perf_counter() - t0
     return {"step": step, "loss": loss.item(), "scale": float(res.scale),
             "skipped": bool(res.skipped), "grad_norm": float(res.grad_norm),
@@ -283,14 +339,15 @@ def _log(mf, tb, lines: list[dict], step: int) -> None:
 
 
 @torch.no_grad()
-def _evaluate(model, batches) -> float:
+def _evaluate(model, batches, device: torch.device) -> float:
     """Validation loss in fp32 (the model's own dtype for -master recipes is upcast)."""
     was = model.training
     model.eval()
     try:
         losses = []
         for x, y in batches:
-            with torch.autocast("cpu", enabled=False):
+            x, y = x.to(device), y.to(device)
+            with torch.autocast(x.device.type, enabled=False):
                 logits = model(x)
             losses.append(torch.nn.functional.cross_entropy(
                 logits.float().flatten(0, 1), y.flatten()).item())
