@@ -203,17 +203,17 @@ def test_block_routes_by_device_and_choice():
     """CPU keeps the exact dequantizing GEMM under auto and refuses an explicit
     scaled_mm, naming why and the fix; meta tensors take the kernel when asked."""
     from mixprec.fp8.quantizers import quantizer_for
-    from mixprec.fp8.scaled_mm import block_route
+    from mixprec.fp8.route import gemm_route
 
     for recipe in ("fp8-block", "mxfp8", "nvfp4"):
         q = quantizer_for(recipe)
-        assert block_route("cpu", q, "auto") == "dequant_fp32"
-        assert block_route("cpu", q, "dequant") == "dequant_fp32"
-        assert block_route("meta", q, "scaled_mm") == "scaled_mm"
+        assert gemm_route("cpu", q, "auto") == "dequant_fp32"
+        assert gemm_route("cpu", q, "dequant") == "dequant_fp32"
+        assert gemm_route("meta", q, "scaled_mm") == "scaled_mm"
         with pytest.raises(ValueError, match="CUDA only.*fp8_gemm=auto"):
-            block_route("cpu", q, "scaled_mm")
+            gemm_route("cpu", q, "scaled_mm")
         with pytest.raises(ValueError, match="valid: auto, scaled_mm"):
-            block_route("cpu", q, "fast")
+            gemm_route("cpu", q, "fast")
 
 
 @pytest.mark.cuda

@@ -42,15 +42,16 @@ says which forward casts serve the backward GEMMs, and multiplies two casts on i
 route. Backward saves only the casts it will use: no weight copy for a layer whose input
 needs no gradient, no input copy for one whose weight is frozen.
 
-The per-tensor and rowwise GEMM routes (``gemm_backend(device, recipe.fp8_gemm)``:
-``scaled_mm``, ``dequant``, ``dequant_fp32``) are ``mixprec.fp8.gemm``'s. ``dequant``'s
-bf16 GEMM rounds once before the scale is applied, so it is within 1 bf16 ulp of
-``_scaled_mm``; on a CPU without fast bf16 (AVX2) ``dequant_fp32`` runs ~7x faster
-(``benchmarks/cpu_kernels.py``). ``auto`` picks ``scaled_mm`` on CUDA, and on a CPU the
-fastest route as measured (``mixprec.kernels.fp8_gemm_route``). The block, MX and
-NVFP4 casts run torch's block-scaled kernels on CUDA once a probe has matched them to
-the exact dequantizing GEMM there, which they use everywhere else
-(``mixprec.fp8.scaled_mm``).
+The route a Linear's GEMMs take (``backend``: ``scaled_mm``, ``dequant``,
+``dequant_fp32``) is ``mixprec.fp8.route``'s one decision for the recipe's ``fp8_gemm``.
+The per-tensor and rowwise routes are ``mixprec.fp8.gemm``'s: ``dequant``'s bf16 GEMM
+rounds once before the scale is applied, so it is within 1 bf16 ulp of ``_scaled_mm``;
+on a CPU without fast bf16 (AVX2) ``dequant_fp32`` runs ~7x faster
+(``benchmarks/cpu_kernels.py``). ``auto`` takes ``_scaled_mm`` on GPUs that have it
+(sm89+), and on a CPU the fastest route as measured. The block, MX and NVFP4 casts run
+torch's block-scaled kernels (``mixprec.fp8.scaled_mm``) on the GPUs that have them once
+a probe has matched them to the exact dequantizing GEMM there, which they use
+everywhere else.
 """
 
 from __future__ import annotations
@@ -281,7 +282,7 @@ class Float8Linear(nn.Linear):
 
     @property
     def backend(self) -> str:
-        """The GEMM route that runs (the quantizer's ``route`` for ``fp8_gemm``):
+        """The GEMM route that runs (``mixprec.fp8.route.gemm_route`` for ``fp8_gemm``):
         ``"scaled_mm"`` (torch's scaled matmul: ``torch._scaled_mm`` per tensor and
         rowwise, the block-scaled kernels for block, MX and NVFP4), ``"dequant"`` (fp8
         values in bf16, whose products are exact, fp32 accumulation) or

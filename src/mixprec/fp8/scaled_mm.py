@@ -4,10 +4,10 @@ torch has hardware kernels for each of mixprec's block scalings, on CUDA only (a
 build takes tensorwise and rowwise scales):
 
 - ``block`` (Hopper, sm90): 1×128 tiles against 128×128 weight blocks (forward and
-  dgrad) or against 1×128 tiles (wgrad), fp32 scales. The tiles' scales are laid out
-  outer-dim-major (stride ``(1, rows)``); a 128×128 block's scales are ``(L4, N/128)``
-  with ``L4`` the K blocks rounded up to 4, also column-major. K and N are padded with
-  zero codes to multiples of 128.
+  dgrad) or against 1×128 tiles (wgrad), fp32 scales, e4m3 operands. The tiles' scales
+  are laid out outer-dim-major (stride ``(1, rows)``); a 128×128 block's scales are
+  ``(L4, N/128)`` with ``L4`` the K blocks rounded up to 4, also column-major. K and N
+  are padded with zero codes to multiples of 128.
 - ``mx`` (Blackwell, sm100): 1×32 tiles on both operands, e8m0 scales in cuBLAS's
   ``SWIZZLE_32_4_4`` layout (``swizzle_32_4_4``); K padded to 32.
 - ``nvfp4`` (sm100): e2m1 codes packed two per byte (``pack_e2m1``, the first element
@@ -19,11 +19,12 @@ The padding is zero codes under unit scales, so it changes no sum; the output ke
 first N columns. A block holding an inf or NaN has a NaN scale, so its products are NaN
 and the step is skipped, as on the dequantizing route.
 
-No call here has run on a GPU yet. ``block_route`` (``fp8_gemm=auto``) therefore takes
-the kernel on a device only after one probe per scaling agrees with the exact
+No call here has run on a GPU yet. ``fp8_gemm=auto`` therefore takes the kernel on a
+device only after one probe per scaling (``_kernel_ok``) agrees with the exact
 dequantizing route there (and is faster); otherwise it keeps the dequantizing route and
-says why once. Every call's shapes, dtypes, strides and scale layouts are checked on any
-machine against torch's meta kernels (``device="meta"``).
+says why once. Which devices have which kernel, and the decision itself, are
+``mixprec.fp8.route``'s. Every call's shapes, dtypes, strides and scale layouts are
+checked on any machine against torch's meta kernels (``device="meta"``).
 """
 
 from __future__ import annotations
@@ -37,16 +38,15 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.fp8.quantized import Quantized, expand_blocks
-from mixprec.kernels import block_gemm_route
 
-__all__ = ["BLOCK_KINDS", "block_scaled_mm", "block_route",
-           "swizzle_32_4_4", "pack_e2m1"]
+__all__ = ["BLOCK_KINDS", "block_scaled_mm", "swizzle_32_4_4", "pack_e2m1"]
 
 class _BlockQuantizer(Protocol):
-    """What the route needs of a quantizer (``mixprec.fp8.quantizers``): its scaling's
-    name and its cast."""
+    """What the probe needs of a quantizer (``mixprec.fp8.quantizers``): its scaling's
+    name, its kernel (a ``BLOCK_KINDS`` key) and its cast."""
 
     name: str
+    kernel: str
 
     def cast(self, t: torch.Tensor, role: str, dim: int, state: dict) -> Quantized:
         """``t`` cast for ``role`` along ``dim``."""
@@ -166,30 +166,6 @@ def block_scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, kind: st
     return (y[:, :n] * outer).to(out_dtype)
 
 
-def block_route(device: torch.device | str, quantizer: _BlockQuantizer,
-                choice: str = "auto") -> str:
-    """The GEMM route of a block-scaled ``quantizer`` on ``device``: ``scaled_mm``
-    (``block_scaled_mm``) or ``dequant_fp32`` (the exact dequantizing GEMM).
-
-    ``choice`` ``scaled_mm`` forces the kernel (on CUDA, or meta tensors); ``dequant``
-    and ``dequant_fp32`` are the dequantizing GEMM; ``auto`` takes the kernel on CUDA
-    where ``_probe`` found it matching the dequantizing route and faster."""
-    dev = torch.device(device)
-    if choice not in ("auto", "scaled_mm", "dequant", "dequant_fp32"):
-        raise ValueError(f"fp8_gemm={choice!r}; valid: auto, scaled_mm, dequant, "
-                         "dequant_fp32")
-    if choice == "scaled_mm" and dev.type not in ("cuda", "meta"):
-        raise ValueError(
-            f"fp8_gemm=scaled_mm with fp8_scaling={quantizer.name}: torch's "
-            f"block-scaled kernels run on CUDA only (1x128/128x128 on sm90, MX and "
-            f"NVFP4 on sm100), not on {dev.type}. Use fp8_gemm=auto (the exact "
-            "dequantizing GEMM here).")
-    route = block_gemm_route(dev, choice)  # the one rule, which engine.kernels reports
-    if route == "scaled_mm" and choice == "auto" and not _kernel_ok(str(dev), quantizer):
-        return "dequant_fp32"
-    return route
-
-
 def _kernel_ok(device: str, quantizer: _BlockQuantizer) -> bool:
     """``_probe``'s answer. Under ``torch.compile`` dynamo calls this once while tracing
     and keeps the answer as a constant (the mark ``torch.compiler.assume_constant_result``
@@ -206,7 +182,7 @@ def _probe(device: str, quantizer: _BlockQuantizer) -> bool:
     """Whether ``block_scaled_mm`` on ``device`` agrees with the dequantizing GEMM for
     ``quantizer`` on the three GEMMs of a Linear (200 tokens: K not a multiple of the
     tiles, bf16 and fp32 outputs) and is faster on a 4096² GEMM. Says why not, once."""
-    kind = quantizer.name
+    kind = quantizer.kernel
     try:
         g = torch.Generator(device).manual_seed(0)
         x = torch.randn(200, 384, device=device, generator=g)
@@ -230,9 +206,9 @@ def _probe(device: str, quantizer: _BlockQuantizer) -> bool:
                       lambda: (qa.dequant() @ qb.dequant()).to(torch.bfloat16))
         t_fast, t_slow = _seconds(fast), _seconds(slow)
     except Exception as e:  # a kernel this device or build lacks, or a wrong layout
-        warnings.warn(f"fp8_gemm=auto, fp8_scaling={kind}: torch's block-scaled kernel "
-                      f"is not used on {device} ({type(e).__name__}: {e}); the exact "
-                      "dequantizing GEMM runs instead", stacklevel=3)
+        warnings.warn(f"fp8_gemm=auto, fp8_scaling={quantizer.name}: torch's "
+                      f"block-scaled kernel is not used on {device} ({type(e).__name__}: "
+                      f"{e}); the exact dequantizing GEMM runs instead", stacklevel=3)
         return False
     return t_fast < t_slow
 
