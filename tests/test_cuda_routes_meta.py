@@ -286,22 +286,31 @@ def test_block_routes_by_device_and_choice():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("recipe", ["fp8-block", "mxfp8", "nvfp4,nvfp4_sr=false"])
 def test_block_scaled_kernels_match_the_dequantizing_gemm_on_cuda(recipe):
-    """On a GPU with the kernel (sm90 for block, sm100 for MX / NVFP4): the route's
-    three GEMMs against the exact dequantizing GEMM on the device."""
+    """On a GPU with the kernel (sm90 for block, sm100 for MX / NVFP4): the forward
+    GEMM, at 200 and 30 tokens, against the exact dequantizing GEMM on the device (with
+    IEEE fp32 pinned). The bound is norm-wise and loose on purpose: the fp8 tensor
+    cores keep about 14 bits of the running sum between promotions (a few 2^-13 over
+    K = 384) and the output is bf16 (2^-9); a wrong scale or layout is off by O(1)."""
     from mixprec.fp8.quantizers import quantizer_for
+    from mixprec.fp8.route import kernel_missing
     from mixprec.fp8.scaled_mm import block_scaled_mm
+    from mixprec.kernels import ieee_fp32_matmul
 
     q = quantizer_for(recipe)
-    need = (9, 0) if q.name == "block" else (10, 0)
-    if torch.cuda.get_device_capability() < need:
-        pytest.skip(f"{q.name} kernels need sm{need[0]}{need[1]}")
+    why = kernel_missing("cuda", q)
+    if why is not None:
+        pytest.skip(why)
     g = torch.Generator("cuda").manual_seed(0)
-    x = torch.randn(200, 384, device="cuda", generator=g)
     w = torch.randn(256, 384, device="cuda", generator=g)
-    a, b = q.cast(x, "input", 1, {}), q.cast(w, "weight", 1, {}).t()
-    want = a.dequant() @ b.dequant()
-    got = block_scaled_mm(a, b, torch.bfloat16, q.name).float()
-    assert ((got - want).norm() / want.norm()) < 1e-2
+    b = q.cast(w, "weight", 1, {}).t()
+    for tokens in (200, 30):
+        x = torch.randn(tokens, 384, device="cuda", generator=g)
+        a = q.cast(x, "input", 1, {})
+        with ieee_fp32_matmul():
+            want = a.dequant() @ b.dequant()
+        got = block_scaled_mm(a, b, torch.bfloat16, q.kernel).float()
+        assert got.shape == (tokens, 256)
+        assert ((got - want).norm() / want.norm()) < 1e-2
 
 
 def test_the_probe_runs_outside_compiled_graphs(monkeypatch):
