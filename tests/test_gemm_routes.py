@@ -43,6 +43,7 @@ def gpu(monkeypatch):
         monkeypatch.setattr(torch.version, "hip", None)
         monkeypatch.setattr(scaled_mm, "_probe", fake_probe)
         monkeypatch.setattr(route, "_SAID", set())
+        monkeypatch.setattr(route, "_CAPABILITY", {})
         monkeypatch.delenv(kernels.EMULATE_ENV, raising=False)
         return asked
 

@@ -93,12 +93,24 @@ def kernel_missing(device: torch.device | str, quantizer: _Quantizer) -> str | N
         return f"torch's block-scaled kernels run on CUDA only, not on {dev.type}"
     if torch.version.hip is not None and kind != "tensor":
         return "mixprec wires torch's block-scaled kernels for NVIDIA GPUs only"
-    cap = tuple(torch.cuda.get_device_capability(dev))
+    cap = _capability(dev)
     low, top = KERNEL_CAPABILITY[kind]
     if cap < low or top is not None and cap[0] > top:
         need = f"{_sm(low)} only" if top == low[0] else f"{_sm(low)} or newer"
         return f"{_KERNEL_NAME[kind]} needs {need}, this GPU is {_sm(cap)}"
     return None
+
+
+_CAPABILITY: dict[str, tuple[int, int]] = {}
+
+
+def _capability(dev: torch.device) -> tuple[int, int]:
+    """The GPU's compute capability, read once per device (each Linear asks at every
+    GEMM)."""
+    key = str(dev)
+    if key not in _CAPABILITY:
+        _CAPABILITY[key] = tuple(torch.cuda.get_device_capability(dev))
+    return _CAPABILITY[key]
 
 
 def gemm_route(device: torch.device | str, quantizer: _Quantizer, choice: str = "auto"
