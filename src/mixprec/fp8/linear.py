@@ -19,13 +19,13 @@ Block scaling (``fp8_scaling=block``, DeepSeek-V3) and MXFP8 (``fp8_scaling=mx``
 the same axes with a scale per tile of the contracted dim (``mixprec.fp8.blocks``):
 ``x`` and ``g`` in 1×128 (MX: 1×32) tiles along each GEMM's contracted dim, ``w`` in
 128×128 blocks that serve both of its GEMMs (MX: 1×32 tiles along ``in`` for the
-forward and along ``out`` for dgrad). Scales no longer factor out of the sum, so these
-GEMMs dequantize each operand to fp32 (code × inverse scale: exact for power-of-two
-scales, MX's and ``block_scales=pow2``'s, else one fp32 rounding per element) and run one
-fp32 GEMM with fp32 accumulation, on the CPU and on CUDA alike. That is exact up to
-summation order, where DeepSeek-V3's CUDA kernels accumulate each 128-long tile's
-partial product in the tensor cores' limited-precision accumulator and promote it to
-fp32 per tile. torch's block-scaled ``_scaled_mm`` is not used yet.
+forward and along ``out`` for dgrad). Scales no longer factor out of the sum. On a GPU
+with torch's block-scaled kernel for the scaling (``mixprec.fp8.route``), and once a
+probe there agreed, the GEMMs run on it (``mixprec.fp8.scaled_mm``), which accumulates
+in the tensor cores' limited-precision accumulator and promotes to fp32 as DeepSeek-V3's
+kernels do. Everywhere else they dequantize each operand to fp32 (code × inverse scale:
+exact for power-of-two scales, MX's and ``block_scales=pow2``'s, else one fp32 rounding
+per element) and run one fp32 GEMM with fp32 accumulation: exact up to summation order.
 
 NVFP4 (``fp8_scaling=nvfp4``, ``mixprec.fp8.nvfp4``) casts ``x`` and ``g`` in 1×16
 blocks along each GEMM's contracted dim and ``w`` in 16×16 blocks (``nvfp4_2d``; else
@@ -33,7 +33,7 @@ blocks along each GEMM's contracted dim and ``w`` in 16×16 blocks (``nvfp4_2d``
 The wgrad GEMM first applies a random 16×16 Hadamard transform along the tokens to both
 of its operands (``nvfp4_rht``), and the gradient's elements are rounded stochastically
 (``nvfp4_sr``) from a generator whose seed and call count are the ``nvfp4_rng`` buffer,
-so a resumed run draws the same numbers. The GEMMs multiply dequantized fp32 operands.
+so a resumed run draws the same numbers. The GEMMs take the block scalings' routes.
 The saved e2m1 codes are kept as e4m3 bytes (every e2m1 value is one).
 
 Every scaling is a quantizer (``mixprec.fp8.quantizers``) and all of them run through
