@@ -13,14 +13,16 @@ not as a ratio. From those readings this module decides, once per process:
   kernels is emulated exactly on fp32 kernels. CPUs either have units for a format
   (AVX-512 BF16, AMX, AVX512-FP16: ~1x fp32 or better) or run it in software (AVX2:
   ~0.01-0.02x), so the threshold ``FAST_ENOUGH`` sits far from both;
-- ``fp8_gemm=auto`` (``fp8_gemm_route``): ``scaled_mm`` (``torch._scaled_mm``: fp8
-  products, fp32 accumulation, one rounding to the output dtype), ``dequant`` (the codes
-  widened to bf16, which holds every e4m3/e5m2 value exactly, a bf16 GEMM with fp32
-  accumulation whose output is rounded to bf16 and rounded again after the scales are
-  applied), or ``dequant_fp32`` (the codes widened to fp32, an fp32 GEMM, the scales
-  applied in fp32: exact up to fp32 summation order). CUDA takes ``scaled_mm``. On a
-  CPU ``dequant`` stands for bf16's GEMM where bf16 is fast, ``dequant_fp32`` elsewhere,
-  and ``scaled_mm`` wins only where it is clearly faster than that;
+- ``fp8_gemm=auto``: the GEMM route of each fp8 scaling, ``mixprec.fp8.route``'s one
+  decision: ``scaled_mm`` (torch's scaled matmul: fp8 products, fp32 accumulation, one
+  rounding to the output dtype), ``dequant`` (the codes widened to bf16, which holds
+  every e4m3/e5m2 value exactly, a bf16 GEMM with fp32 accumulation whose output is
+  rounded to bf16 and rounded again after the scales are applied), or ``dequant_fp32``
+  (the codes widened to fp32, an fp32 GEMM, the scales applied in fp32: exact up to
+  fp32 summation order). CUDA takes the kernel where the GPU has it (block-scaled ones
+  after a probe on the device). On a CPU ``dequant`` stands for bf16's GEMM where bf16
+  is fast, ``dequant_fp32`` elsewhere, and ``scaled_mm`` wins only where
+  ``route_reading`` finds it clearly faster than that;
 - what the layers around an fp8 recipe's Linears run in (``fp8_rest``): bf16 autocast
   where bf16 is fast, else fp32 (no autocast), which is faster and more exact there.
 
@@ -56,7 +58,7 @@ from mixprec.recipe import BLOCK_SCALINGS, MX_COMPUTE, PRESETS, Recipe
 __all__ = ["matmul_gflops", "relative_speed", "FAST_ENOUGH", "has_fast_kernels",
            "emulating", "fp8_gemm_gflops", "fp8_gemm_route", "fp8_rest", "choices",
            "KernelChoices", "SCALED_MM_MARGIN", "EMULATE_ENV", "pinned_emulation",
-           "ieee_fp32_matmul", "block_gemm_route", "SpeedReading", "speed_reading",
+           "ieee_fp32_matmul", "SpeedReading", "speed_reading",
            "route_reading", "NOISE_SPREAD"]
 
 #: below this fraction of fp32's matmul throughput a format counts as having no fast
@@ -277,34 +279,13 @@ def _route_reading(dev: str, route: str) -> SpeedReading:
 
 
 def fp8_gemm_route(device: torch.device | str, choice: str = "auto") -> str:
-    """The fp8 GEMM route for ``device``: ``choice`` itself unless ``auto``; then
-    ``scaled_mm`` on CUDA. On a CPU the dequant route is the one that multiplies in the
-    fast format: ``dequant`` (bf16 GEMM, bf16-rounded output) where bf16 is fast,
-    ``dequant_fp32`` (exact up to fp32 summation order) where it is not (``has_fast_kernels``,
-    the decision behind ``fp8_rest`` too, or ``MIXPREC_EMULATE``); ``scaled_mm`` replaces
-    it only where ``route_reading`` finds it ``SCALED_MM_MARGIN`` faster than that route."""
-    if choice != "auto":
-        return choice
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return "scaled_mm"
-    # the same one-thread alternating readings as fp8_rest and emulate: a separate
-    # multi-threaded best-of read on a loaded host could flip the route between two runs
-    # of one program, and with it the numerics (~6% after 20 steps)
-    dequant = "dequant" if has_fast_kernels(dev, "bf16") else "dequant_fp32"
-    return ("scaled_mm" if route_reading(dev, dequant).ratio > SCALED_MM_MARGIN
-            else dequant)
+    """The route of the per-tensor and rowwise fp8 GEMMs on ``device`` for ``fp8_gemm``
+    ``choice``: ``mixprec.fp8.route.gemm_route``'s answer for those scalings, for
+    callers without a quantizer (the memory planner, ``benchmarks/cpu_kernels.py``)."""
+    from mixprec.fp8.quantizers import CurrentScaling
+    from mixprec.fp8.route import gemm_route
 
-
-def block_gemm_route(device: torch.device | str, choice: str = "auto") -> str:
-    """The GEMM route of the block-scaled recipes (block, MX, NVFP4) for ``fp8_gemm``
-    ``choice``: ``scaled_mm`` (torch's block-scaled kernels) where chosen, or under
-    ``auto`` on CUDA, where ``mixprec.fp8.scaled_mm.block_route`` still confirms it
-    with a probe on the device; else ``dequant_fp32``, the exact dequantizing GEMM
-    (``dequant`` names it too: these scalings have no bf16 route)."""
-    if choice == "scaled_mm" or choice == "auto" and torch.device(device).type == "cuda":
-        return "scaled_mm"
-    return "dequant_fp32"
+    return gemm_route(device, CurrentScaling(), choice)
 
 
 @dataclass(frozen=True)
@@ -369,22 +350,42 @@ def choices(recipe: Recipe, device: torch.device | str) -> KernelChoices:
             speeds[reading.name] = reading
     if recipe.compute != "fp8":
         return KernelChoices(emulate, speeds=speeds, source=source)
-    route = _fp8_route(recipe, recipe.fp8_scaling, dev)
     # layer: rules may put Linears on other scalings, whose GEMMs take other routes
-    scalings = [recipe.fp8_scaling] + [PRESETS[r.value].fp8_scaling
-                                       for r in recipe.layer_rules if r.value != "bf16"]
-    routes = ({s: _fp8_route(recipe, s, dev) for s in dict.fromkeys(scalings)}
-              if recipe.layer_rules else {})
+    own = _scaling_recipes(recipe)
+    routes = {s: _fp8_route(r, dev) for s, r in own.items()}
     if dev.type == "cpu" and recipe.fp8_gemm == "auto" and not recipe.emulate and any(
-            s not in BLOCK_SCALINGS for s in scalings):  # fp8_gemm_route took a reading
+            s not in BLOCK_SCALINGS for s in own):  # the route took a reading
         speeds["scaled_mm"] = route_reading(
             dev, "dequant" if has_fast_kernels(dev, "bf16") else "dequant_fp32")
-    return KernelChoices(emulate, route, fp8_rest(recipe, dev), speeds, source, routes)
+    return KernelChoices(emulate, routes[recipe.fp8_scaling], fp8_rest(recipe, dev),
+                         speeds, source, routes if recipe.layer_rules else {})
 
 
-def _fp8_route(recipe: Recipe, scaling: str, dev: torch.device) -> str:
-    """The GEMM route of ``recipe``'s ``fp8_gemm`` for Linears with fp8 ``scaling``."""
-    if scaling in BLOCK_SCALINGS:
-        return block_gemm_route(dev, recipe.fp8_gemm)
-    return fp8_gemm_route(dev, "dequant" if recipe.emulate and
-                          recipe.fp8_gemm == "auto" else recipe.fp8_gemm)
+def _scaling_recipes(recipe: Recipe) -> dict[str, Recipe]:
+    """The recipe the Linears of each fp8 scaling run with: ``recipe``'s own scaling
+    first, then each ``layer:`` rule's preset (``Recipe.for_layer``)."""
+    import warnings
+
+    out = {recipe.fp8_scaling: recipe.base}
+    for rule in recipe.layer_rules:
+        p = PRESETS.get(rule.value)
+        scaling = p.fp8_scaling if p is not None and p.compute == "fp8" else None
+        if scaling is None or scaling in out:
+            continue
+        with warnings.catch_warnings():  # the recipe's other fp8 fields warned already
+            warnings.simplefilter("ignore")
+            out[scaling] = recipe.base.replace(fp8_scaling=scaling, fp8_format=p.fp8_format)
+    return out
+
+
+def _fp8_route(recipe: Recipe, dev: torch.device) -> str:
+    """The GEMM route of ``recipe``'s Linears (``mixprec.fp8.route``: one decision).
+    Emulation's ``auto`` takes the bf16 dequant route of the per-tensor scalings."""
+    from mixprec.fp8.quantizers import quantizer_for
+    from mixprec.fp8.route import gemm_route
+
+    q = quantizer_for(recipe)
+    choice = recipe.fp8_gemm
+    if recipe.emulate and choice == "auto" and q.kernel == "tensor":
+        choice = "dequant"
+    return gemm_route(dev, q, choice)

@@ -129,9 +129,11 @@ class Recipe:
       ``fp8_format``
       (``hybrid``: e4m3 forward, e5m2 gradients; or ``e4m3`` everywhere),
       ``amax_history_len``, ``amax_compute_algo``, ``margin`` (scale = max / amax / 2^m),
-      ``fp8_gemm`` (``scaled_mm``: torch._scaled_mm; ``dequant``: exact upcast + bf16/fp32
-      GEMM; ``dequant_fp32``: exact upcast + fp32 GEMM; ``auto``: scaled_mm on CUDA, the
-      fastest measured on the CPU, ``mixprec.kernels``).
+      ``fp8_gemm`` (``scaled_mm``: torch's scaled matmul, refused where the device
+      lacks it; ``dequant``: exact upcast + bf16/fp32 GEMM; ``dequant_fp32``: exact
+      upcast + fp32 GEMM; ``auto``: the kernel where the GPU has it, block-scaled ones
+      after a probe, else the dequantizing GEMM with a warning; the fastest measured on
+      the CPU: ``mixprec.fp8.route``).
     - ``layers``: per-module rules, ``layer:PATTERN=FORMAT`` (a Linear's fp8 format, or
       bf16) and ``states:PATTERN=FORMAT`` (its parameters' optimizer states), matched
       against module names, first match wins (``mixprec.layer_rules``).
@@ -297,7 +299,7 @@ class Recipe:
     def block_scaled(self) -> bool:
         """Whether an fp8 recipe scales per block (``block``, ``mx``, ``nvfp4``): its
         GEMMs run torch's block-scaled kernels on CUDA or the exact dequantizing fp32
-        GEMM (``mixprec.fp8.scaled_mm.block_route``), not the per-tensor routes."""
+        GEMM (``mixprec.fp8.route``), not the per-tensor routes."""
         return self.compute == "fp8" and self.fp8_scaling in BLOCK_SCALINGS
 
     @property

@@ -2,7 +2,7 @@
 
 - ``scaled_mm``: ``torch._scaled_mm``, the hardware fp8 GEMM (CUDA sm89+). A CPU build
   has it too, as a reference kernel (~0.1 GFLOP/s on one chip, as fast as fp32 on
-  another), so ``auto`` measures it there (``mixprec.kernels.fp8_gemm_route``). The
+  another), so ``auto`` measures it there (``mixprec.fp8.route`` decides). The
   contraction dim and the output's columns are padded with zero codes to multiples of
   16, as the kernel requires: the weight gradient contracts over tokens, any number.
 - ``dequant``: the fp8 operands upcast exactly to bf16 (e4m3/e5m2 values are bf16
@@ -19,15 +19,9 @@ from __future__ import annotations
 import torch
 
 from mixprec.fp8.quantized import pad_to
-from mixprec.kernels import fp8_gemm_route, ieee_fp32_matmul
+from mixprec.kernels import ieee_fp32_matmul
 
-__all__ = ["fp8_gemm", "gemm_backend", "SCALED_MM_MULTIPLE"]
-
-
-def gemm_backend(device: torch.device, choice: str = "auto") -> str:
-    """The GEMM backend for ``device``: ``scaled_mm``, ``dequant`` or ``dequant_fp32``
-    (``auto``: measured, ``mixprec.kernels.fp8_gemm_route``)."""
-    return fp8_gemm_route(device, choice)
+__all__ = ["fp8_gemm", "SCALED_MM_MULTIPLE"]
 
 
 #: torch._scaled_mm needs the contraction dim and the output's columns divisible by 16

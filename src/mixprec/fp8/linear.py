@@ -19,13 +19,13 @@ Block scaling (``fp8_scaling=block``, DeepSeek-V3) and MXFP8 (``fp8_scaling=mx``
 the same axes with a scale per tile of the contracted dim (``mixprec.fp8.blocks``):
 ``x`` and ``g`` in 1×128 (MX: 1×32) tiles along each GEMM's contracted dim, ``w`` in
 128×128 blocks that serve both of its GEMMs (MX: 1×32 tiles along ``in`` for the
-forward and along ``out`` for dgrad). Scales no longer factor out of the sum, so these
-GEMMs dequantize each operand to fp32 (code × inverse scale: exact for power-of-two
-scales, MX's and ``block_scales=pow2``'s, else one fp32 rounding per element) and run one
-fp32 GEMM with fp32 accumulation, on the CPU and on CUDA alike. That is exact up to
-summation order, where DeepSeek-V3's CUDA kernels accumulate each 128-long tile's
-partial product in the tensor cores' limited-precision accumulator and promote it to
-fp32 per tile. On CUDA torch's block-scaled kernels run instead where the route takes them (below).
+forward and along ``out`` for dgrad). Scales no longer factor out of the sum. On a GPU
+with torch's block-scaled kernel for the scaling (``mixprec.fp8.route``), and once a
+probe there agreed, the GEMMs run on it (``mixprec.fp8.scaled_mm``), which accumulates
+in the tensor cores' limited-precision accumulator and promotes to fp32 as DeepSeek-V3's
+kernels do. Everywhere else they dequantize each operand to fp32 (code × inverse scale:
+exact for power-of-two scales, MX's and ``block_scales=pow2``'s, else one fp32 rounding
+per element) and run one fp32 GEMM with fp32 accumulation: exact up to summation order.
 
 NVFP4 (``fp8_scaling=nvfp4``, ``mixprec.fp8.nvfp4``) casts ``x`` and ``g`` in 1×16
 blocks along each GEMM's contracted dim and ``w`` in 16×16 blocks (``nvfp4_2d``; else
@@ -33,7 +33,7 @@ blocks along each GEMM's contracted dim and ``w`` in 16×16 blocks (``nvfp4_2d``
 The wgrad GEMM first applies a random 16×16 Hadamard transform along the tokens to both
 of its operands (``nvfp4_rht``), and the gradient's elements are rounded stochastically
 (``nvfp4_sr``) from a generator whose seed and call count are the ``nvfp4_rng`` buffer,
-so a resumed run draws the same numbers. The GEMMs multiply dequantized fp32 operands.
+so a resumed run draws the same numbers. The GEMMs take the block scalings' routes.
 The saved e2m1 codes are kept as e4m3 bytes (every e2m1 value is one).
 
 Every scaling is a quantizer (``mixprec.fp8.quantizers``) and all of them run through
@@ -42,15 +42,16 @@ says which forward casts serve the backward GEMMs, and multiplies two casts on i
 route. Backward saves only the casts it will use: no weight copy for a layer whose input
 needs no gradient, no input copy for one whose weight is frozen.
 
-The per-tensor and rowwise GEMM routes (``gemm_backend(device, recipe.fp8_gemm)``:
-``scaled_mm``, ``dequant``, ``dequant_fp32``) are ``mixprec.fp8.gemm``'s. ``dequant``'s
-bf16 GEMM rounds once before the scale is applied, so it is within 1 bf16 ulp of
-``_scaled_mm``; on a CPU without fast bf16 (AVX2) ``dequant_fp32`` runs ~7x faster
-(``benchmarks/cpu_kernels.py``). ``auto`` picks ``scaled_mm`` on CUDA, and on a CPU the
-fastest route as measured (``mixprec.kernels.fp8_gemm_route``). The block, MX and
-NVFP4 casts run torch's block-scaled kernels on CUDA once a probe has matched them to
-the exact dequantizing GEMM there, which they use everywhere else
-(``mixprec.fp8.scaled_mm``).
+The route a Linear's GEMMs take (``backend``: ``scaled_mm``, ``dequant``,
+``dequant_fp32``) is ``mixprec.fp8.route``'s one decision for the recipe's ``fp8_gemm``.
+The per-tensor and rowwise routes are ``mixprec.fp8.gemm``'s: ``dequant``'s bf16 GEMM
+rounds once before the scale is applied, so it is within 1 bf16 ulp of ``_scaled_mm``;
+on a CPU without fast bf16 (AVX2) ``dequant_fp32`` runs ~7x faster
+(``benchmarks/cpu_kernels.py``). ``auto`` takes ``_scaled_mm`` on GPUs that have it
+(sm89+), and on a CPU the fastest route as measured. The block, MX and NVFP4 casts run
+torch's block-scaled kernels (``mixprec.fp8.scaled_mm``) on the GPUs that have them once
+a probe has matched them to the exact dequantizing GEMM there, which they use
+everywhere else.
 """
 
 from __future__ import annotations
@@ -281,7 +282,7 @@ class Float8Linear(nn.Linear):
 
     @property
     def backend(self) -> str:
-        """The GEMM route that runs (the quantizer's ``route`` for ``fp8_gemm``):
+        """The GEMM route that runs (``mixprec.fp8.route.gemm_route`` for ``fp8_gemm``):
         ``"scaled_mm"`` (torch's scaled matmul: ``torch._scaled_mm`` per tensor and
         rowwise, the block-scaled kernels for block, MX and NVFP4), ``"dequant"`` (fp8
         values in bf16, whose products are exact, fp32 accumulation) or

@@ -24,7 +24,9 @@ history declares none, so it carries, saves and all-reduces nothing.
 else in mixprec branches on that name. The rest asks the quantizer: ``reuses(role)``
 (the forward's cast serves the backward GEMM), ``per_tensor`` (FSDP2 can gather the
 weight as fp8), ``exact_fp32`` (its GEMMs run on dequantized fp32 operands),
-``memory_route`` and ``tile`` (for the memory planner and the diagnostics).
+``kernel`` (which of torch's scaled-matmul kernels multiplies its casts: the GEMM route,
+``route``, is ``mixprec.fp8.route``'s), ``memory_route`` and ``tile`` (for the memory
+planner and the diagnostics).
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ import torch
 
 from mixprec.fp8.blocks import MX_TILE, TILE, cast_blocks, cast_mx, cast_tiles
 from mixprec.fp8.gather import Fp8Weight
-from mixprec.fp8.gemm import fp8_gemm, gemm_backend
+from mixprec.fp8.gemm import fp8_gemm
 from mixprec.fp8.nvfp4 import apply_hadamard, cast_nvfp4, hadamard_16
 from mixprec.fp8.quantized import Quantized
-from mixprec.fp8.scaled_mm import block_route, block_scaled_mm
+from mixprec.fp8.route import gemm_route
+from mixprec.fp8.scaled_mm import block_scaled_mm
 from mixprec.fp8.scaling import (
     FP8_MAX,
     ROLES,
@@ -82,6 +85,9 @@ class Quantizer:
     tile: ClassVar[int] = TILE
     #: how the memory planner counts this scaling's backward (``mixprec.memory``)
     memory_route: ClassVar[str] = "fp8"
+    #: which of torch's scaled-matmul kernels multiplies its casts (``mixprec.fp8.route``):
+    #: ``tensor`` (``_scaled_mm``, per tensor and rowwise), ``block``, ``mx``, ``nvfp4``
+    kernel: ClassVar[str] = "tensor"
     #: which of the diagnostics' flush shares applies ("" for none: fp4 flushes by design)
     flush_view: ClassVar[str] = "per-tensor"
 
@@ -127,9 +133,8 @@ class Quantizer:
 
     def route(self, device: torch.device | str, choice: str = "auto") -> str:
         """The GEMM route ``mm`` takes on ``device`` for the recipe's ``fp8_gemm``
-        ``choice``: for the block scalings ``mixprec.fp8.scaled_mm.block_route``
-        (torch's block-scaled kernel, or the exact dequantizing GEMM)."""
-        return block_route(device, self, choice)
+        ``choice``: ``mixprec.fp8.route.gemm_route``, the one decision."""
+        return gemm_route(device, self, choice)
 
     def mm(self, a: Quantized, b: Quantized, out_dtype: torch.dtype, backend: str
            ) -> torch.Tensor:
@@ -137,7 +142,7 @@ class Quantizer:
         fp32 accumulation: torch's block-scaled kernel where ``backend`` is
         ``scaled_mm``, else the exact dequantizing GEMM."""
         if backend == "scaled_mm":
-            return block_scaled_mm(a, b, out_dtype, self.name)
+            return block_scaled_mm(a, b, out_dtype, self.kernel)
         return (a.dequant() @ b.dequant()).to(out_dtype)
 
     def update(self, state: dict, found_inf: torch.Tensor | None = None) -> None:
@@ -151,11 +156,6 @@ class _PerTensor(Quantizer):
 
     reused_roles: ClassVar[tuple[str, ...]] = ROLES
     per_tensor: ClassVar[bool] = True
-
-    def route(self, device: torch.device | str, choice: str = "auto") -> str:
-        """``mixprec.fp8.gemm.gemm_backend``: ``scaled_mm``, ``dequant`` or
-        ``dequant_fp32``, measured where ``choice`` is ``auto``."""
-        return gemm_backend(torch.device(device), choice)
 
     def mm(self, a: Quantized, b: Quantized, out_dtype: torch.dtype, backend: str
            ) -> torch.Tensor:
@@ -257,7 +257,6 @@ class RowwiseScaling(Quantizer):
         return Quantized(codes, inv)
 
     mm = _PerTensor.mm
-    route = _PerTensor.route
 
 
 @dataclass(frozen=True)
@@ -267,6 +266,7 @@ class BlockScaling(Quantizer):
 
     pow2: bool = False
     name: ClassVar[str] = "block"
+    kernel: ClassVar[str] = "block"
     reused_roles: ClassVar[tuple[str, ...]] = ("weight",)
     exact_fp32: ClassVar[bool] = True
     memory_route: ClassVar[str] = "block"
@@ -292,6 +292,7 @@ class MXScaling(Quantizer):
 
     rounding: str = "rceil"
     name: ClassVar[str] = "mx"
+    kernel: ClassVar[str] = "mx"
     exact_fp32: ClassVar[bool] = True
     tile: ClassVar[int] = MX_TILE
     memory_route: ClassVar[str] = "block"
@@ -318,6 +319,7 @@ class NVFP4Scaling(Quantizer):
     rht: bool = True
     sr: bool = True
     name: ClassVar[str] = "nvfp4"
+    kernel: ClassVar[str] = "nvfp4"
     exact_fp32: ClassVar[bool] = True
     memory_route: ClassVar[str] = "nvfp4"
     flush_view: ClassVar[str] = ""

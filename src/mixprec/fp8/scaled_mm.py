@@ -4,10 +4,12 @@ torch has hardware kernels for each of mixprec's block scalings, on CUDA only (a
 build takes tensorwise and rowwise scales):
 
 - ``block`` (Hopper, sm90): 1×128 tiles against 128×128 weight blocks (forward and
-  dgrad) or against 1×128 tiles (wgrad), fp32 scales. The tiles' scales are laid out
-  outer-dim-major (stride ``(1, rows)``); a 128×128 block's scales are ``(L4, N/128)``
-  with ``L4`` the K blocks rounded up to 4, also column-major. K and N are padded with
-  zero codes to multiples of 128.
+  dgrad) or against 1×128 tiles (wgrad), fp32 scales, e4m3 operands. The tiles' scales
+  are laid out outer-dim-major (stride ``(1, rows)``); a 128×128 block's scales are
+  ``(L4, N/128)`` with ``L4`` the K blocks rounded up to 4, also column-major. K and N
+  are padded with zero codes to multiples of 128, and M (the tokens of the forward and
+  dgrad) to a multiple of 4, so that the tile scales' leading dimension is 16-byte
+  aligned as cuBLASLt requires of every matrix (torch's meta kernel does not check it).
 - ``mx`` (Blackwell, sm100): 1×32 tiles on both operands, e8m0 scales in cuBLAS's
   ``SWIZZLE_32_4_4`` layout (``swizzle_32_4_4``); K padded to 32.
 - ``nvfp4`` (sm100): e2m1 codes packed two per byte (``pack_e2m1``, the first element
@@ -19,11 +21,12 @@ The padding is zero codes under unit scales, so it changes no sum; the output ke
 first N columns. A block holding an inf or NaN has a NaN scale, so its products are NaN
 and the step is skipped, as on the dequantizing route.
 
-No call here has run on a GPU yet. ``block_route`` (``fp8_gemm=auto``) therefore takes
-the kernel on a device only after one probe per scaling agrees with the exact
+No call here has run on a GPU yet. ``fp8_gemm=auto`` therefore takes the kernel on a
+device only after one probe per scaling (``_kernel_ok``) agrees with the exact
 dequantizing route there (and is faster); otherwise it keeps the dequantizing route and
-says why once. Every call's shapes, dtypes, strides and scale layouts are checked on any
-machine against torch's meta kernels (``device="meta"``).
+says why once. Which devices have which kernel, and the decision itself, are
+``mixprec.fp8.route``'s. Every call's shapes, dtypes, strides and scale layouts are
+checked on any machine against torch's meta kernels (``device="meta"``).
 """
 
 from __future__ import annotations
@@ -37,16 +40,16 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.fp8.quantized import Quantized, expand_blocks
-from mixprec.kernels import block_gemm_route
 
-__all__ = ["BLOCK_KINDS", "block_scaled_mm", "block_route",
-           "swizzle_32_4_4", "pack_e2m1"]
+__all__ = ["BLOCK_KINDS", "block_scaled_mm", "swizzle_32_4_4", "pack_e2m1",
+           "PROBE_TOKENS"]
 
 class _BlockQuantizer(Protocol):
-    """What the route needs of a quantizer (``mixprec.fp8.quantizers``): its scaling's
-    name and its cast."""
+    """What the probe needs of a quantizer (``mixprec.fp8.quantizers``): its scaling's
+    name, its kernel (a ``BLOCK_KINDS`` key) and its cast."""
 
     name: str
+    kernel: str
 
     def cast(self, t: torch.Tensor, role: str, dim: int, state: dict) -> Quantized:
         """``t`` cast for ``role`` along ``dim``."""
@@ -111,10 +114,10 @@ def _k_scales(q: Quantized, side: str, tile: int) -> torch.Tensor:
     return s
 
 
-def _operands(a: Quantized, b: Quantized, kmult: int, nmult: int):
-    """Codes of ``a`` (M, Kp) row-major and of ``b`` as (Np, Kp) rows (the kernel's
+def _operands(a: Quantized, b: Quantized, kmult: int, nmult: int, mmult: int = 1):
+    """Codes of ``a`` (Mp, Kp) row-major and of ``b`` as (Np, Kp) rows (the kernel's
     column-major (Kp, Np)), zero-padded."""
-    ac = _pad(a.codes.contiguous().view(torch.uint8), 1, kmult).view(a.data.dtype)
+    ac = _pad(a.codes.contiguous().view(torch.uint8), mmult, kmult).view(a.data.dtype)
     bt = b.codes.t().contiguous().view(torch.uint8)
     bt = _pad(bt, nmult, kmult).view(b.data.dtype)
     return ac, bt
@@ -127,12 +130,12 @@ def block_scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, kind: st
     quantizer along K, fp32 accumulation, in ``out_dtype``."""
     if kind not in BLOCK_KINDS:
         raise ValueError(f"kind={kind!r}; valid: {', '.join(BLOCK_KINDS)}")
-    n = b.codes.shape[1]
+    m, n = a.codes.shape[0], b.codes.shape[1]
     st = F.ScalingType
     if kind == "block":
-        ac, bt = _operands(a, b, 128, 128)
+        ac, bt = _operands(a, b, 128, 128, 4)  # M to 4: the tile scales' 16-byte rows
         kb = ac.shape[1] // 128
-        sa = _pad(_k_scales(a, "a", 128), 1, kb, 1.0)
+        sa = _pad(_k_scales(a, "a", 128), 4, kb, 1.0)
         if _block_shape(b) == (128, 128):  # a weight: (L4, N/128), column-major
             sb = _pad(b.inv.float(), 4, 1, 1.0)
             sb = _pad(sb, 1, bt.shape[0] // 128, 1.0)
@@ -142,7 +145,7 @@ def block_scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, kind: st
             rb = st.BlockWise1x128
         y = F.scaled_mm(ac, bt.t(), _col_major(sa), st.BlockWise1x128, _col_major(sb),
                         rb, output_dtype=out_dtype)
-        return y[:, :n]
+        return y[:m, :n]
     tile = 32 if kind == "mx" else 16
     ac, bt = _operands(a, b, 32, 16)
     kb = ac.shape[1] // tile
@@ -166,30 +169,6 @@ def block_scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, kind: st
     return (y[:, :n] * outer).to(out_dtype)
 
 
-def block_route(device: torch.device | str, quantizer: _BlockQuantizer,
-                choice: str = "auto") -> str:
-    """The GEMM route of a block-scaled ``quantizer`` on ``device``: ``scaled_mm``
-    (``block_scaled_mm``) or ``dequant_fp32`` (the exact dequantizing GEMM).
-
-    ``choice`` ``scaled_mm`` forces the kernel (on CUDA, or meta tensors); ``dequant``
-    and ``dequant_fp32`` are the dequantizing GEMM; ``auto`` takes the kernel on CUDA
-    where ``_probe`` found it matching the dequantizing route and faster."""
-    dev = torch.device(device)
-    if choice not in ("auto", "scaled_mm", "dequant", "dequant_fp32"):
-        raise ValueError(f"fp8_gemm={choice!r}; valid: auto, scaled_mm, dequant, "
-                         "dequant_fp32")
-    if choice == "scaled_mm" and dev.type not in ("cuda", "meta"):
-        raise ValueError(
-            f"fp8_gemm=scaled_mm with fp8_scaling={quantizer.name}: torch's "
-            f"block-scaled kernels run on CUDA only (1x128/128x128 on sm90, MX and "
-            f"NVFP4 on sm100), not on {dev.type}. Use fp8_gemm=auto (the exact "
-            "dequantizing GEMM here).")
-    route = block_gemm_route(dev, choice)  # the one rule, which engine.kernels reports
-    if route == "scaled_mm" and choice == "auto" and not _kernel_ok(str(dev), quantizer):
-        return "dequant_fp32"
-    return route
-
-
 def _kernel_ok(device: str, quantizer: _BlockQuantizer) -> bool:
     """``_probe``'s answer. Under ``torch.compile`` dynamo calls this once while tracing
     and keeps the answer as a constant (the mark ``torch.compiler.assume_constant_result``
@@ -201,38 +180,49 @@ def _kernel_ok(device: str, quantizer: _BlockQuantizer) -> bool:
 _kernel_ok._dynamo_marked_constant = True
 
 
+#: the token counts the probe runs a Linear's three GEMMs at: K not a multiple of the
+#: tiles, and (30) an M that is not a multiple of 4, which the 1×128 route pads
+PROBE_TOKENS = (200, 30)
+
+#: the side of the square GEMM the probe times against the dequantizing GEMM
+PROBE_TIMED = 4096
+
+
 @cache
 def _probe(device: str, quantizer: _BlockQuantizer) -> bool:
     """Whether ``block_scaled_mm`` on ``device`` agrees with the dequantizing GEMM for
-    ``quantizer`` on the three GEMMs of a Linear (200 tokens: K not a multiple of the
-    tiles, bf16 and fp32 outputs) and is faster on a 4096² GEMM. Says why not, once."""
-    kind = quantizer.name
+    ``quantizer`` on the three GEMMs of a Linear (``PROBE_TOKENS``, bf16 and fp32
+    outputs) and is faster on a ``PROBE_TIMED``² GEMM. Says why not, once."""
+    kind = quantizer.kernel
     try:
         g = torch.Generator(device).manual_seed(0)
-        x = torch.randn(200, 384, device=device, generator=g)
         w = torch.randn(256, 384, device=device, generator=g)
-        gy = torch.randn(200, 256, device=device, generator=g)
         cast = quantizer.cast
-        xq, wq = cast(x, "input", 1, {}), cast(w, "weight", 1, {})
-        gq, wd = cast(gy, "grad_output", 1, {}), cast(w, "weight", 0, {})
-        gt, xt = cast(gy, "grad_output", 0, {}), cast(x, "input", 0, {})
-        for pa, pb in ((xq, wq.t()), (gq, wd), (gt.t(), xt)):
-            want = pa.dequant() @ pb.dequant()
-            for dt in (torch.bfloat16, torch.float32):
-                got = block_scaled_mm(pa, pb, dt, kind).float()
-                err = ((got - want).norm() / want.norm()).item()
-                if not err < 1e-2:
-                    raise RuntimeError(f"{dt} output off the dequantizing GEMM by "
-                                       f"{err:.3g} (relative)")
-        big = torch.randn(4096, 4096, device=device, generator=g)
+        wq, wd = cast(w, "weight", 1, {}), cast(w, "weight", 0, {})
+        for tokens in PROBE_TOKENS:
+            x = torch.randn(tokens, 384, device=device, generator=g)
+            gy = torch.randn(tokens, 256, device=device, generator=g)
+            xq, gq = cast(x, "input", 1, {}), cast(gy, "grad_output", 1, {})
+            gt, xt = cast(gy, "grad_output", 0, {}), cast(x, "input", 0, {})
+            for pa, pb in ((xq, wq.t()), (gq, wd), (gt.t(), xt)):
+                want = pa.dequant() @ pb.dequant()
+                for dt in (torch.bfloat16, torch.float32):
+                    got = block_scaled_mm(pa, pb, dt, kind).float()
+                    err = ((got - want).norm() / want.norm()).item()
+                    if not err < 1e-2:
+                        raise RuntimeError(
+                            f"{dt} output off the dequantizing GEMM by {err:.3g} "
+                            f"(relative; {tokens} tokens)")
+        n = PROBE_TIMED
+        big = torch.randn(n, n, device=device, generator=g)
         qa, qb = cast(big, "input", 1, {}), cast(big, "weight", 1, {}).t()
         fast, slow = (lambda: block_scaled_mm(qa, qb, torch.bfloat16, kind),
                       lambda: (qa.dequant() @ qb.dequant()).to(torch.bfloat16))
         t_fast, t_slow = _seconds(fast), _seconds(slow)
     except Exception as e:  # a kernel this device or build lacks, or a wrong layout
-        warnings.warn(f"fp8_gemm=auto, fp8_scaling={kind}: torch's block-scaled kernel "
-                      f"is not used on {device} ({type(e).__name__}: {e}); the exact "
-                      "dequantizing GEMM runs instead", stacklevel=3)
+        warnings.warn(f"fp8_gemm=auto, fp8_scaling={quantizer.name}: torch's "
+                      f"block-scaled kernel is not used on {device} ({type(e).__name__}: "
+                      f"{e}); the exact dequantizing GEMM runs instead", stacklevel=3)
         return False
     return t_fast < t_slow
 
