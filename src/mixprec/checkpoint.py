@@ -255,6 +255,7 @@ def engine_state(engine: Any, full: bool) -> dict:
     """``MixedPrecision.state_dict(full)``: recipe, layout, model, masters, optimizers,
     scaler, counters and schedulers."""
     _not_mid_accumulation(engine)
+    engine.settle()  # the schedulers count the last step
     fsdp = engine.parallelism.sharded
     state = {
         "recipe": engine.recipe,

@@ -22,7 +22,8 @@ from mixprec.recipe import Recipe
 __all__ = ["warn_low_precision_loss", "check_model", "check_device", "check_optimizers",
            "check_parallel_kwargs",
            "check_fsdp_units", "check_fp8_filter", "check_fp8_all_gather", "param_counts",
-           "takes_found_inf",
+           "takes_found_inf", "fuses_by_default", "fuse_default_optimizers",
+           "param_device_types",
            "fused_updates", "check_backward", "check_optimizer_precision"]
 
 
@@ -119,6 +120,46 @@ def takes_found_inf(opt: torch.optim.Optimizer) -> bool:
         return True
     return bool(getattr(opt, "_step_supports_amp_scaling", False)) and all(
         g.get("fused") for g in opt.param_groups)
+
+
+def param_device_types(opt: torch.optim.Optimizer) -> set[str]:
+    """The device types of the parameters ``opt`` updates."""
+    return {p.device.type for g in opt.param_groups for p in g["params"]}
+
+
+def fuses_by_default(opt: torch.optim.Optimizer) -> bool:
+    """Whether the engine makes ``opt`` fused: torch's own Adam, AdamW or SGD left at
+    its default implementation (every group ``fused=None, foreach=None``, not
+    ``differentiable``), updating CUDA parameters. torch would run its foreach kernels,
+    which cannot take ``found_inf``: the engine would read it on the host every step.
+    The fused kernels skip on the device. An optimizer configured explicitly
+    (``foreach=True``, ``fused=False``) or of another type is left alone and keeps its
+    one host sync per step, as under torch's GradScaler."""
+    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
+        return False
+    if param_device_types(opt) != {"cuda"}:
+        return False
+    return all(g.get("fused", False) is None and g.get("foreach", False) is None
+               and not g.get("differentiable", False) for g in opt.param_groups)
+
+
+def fuse_default_optimizers(optimizers: list) -> list[int]:
+    """Switch the optimizers ``fuses_by_default`` picks to ``fused=True`` (their state's
+    ``step`` counts moved to float32 on the parameter's device, where torch's fused
+    path keeps them); returns their indices."""
+    switched = []
+    for i, o in enumerate(optimizers):
+        if not fuses_by_default(o):
+            continue
+        for g in o.param_groups:
+            g["fused"] = True
+        o.defaults["fused"] = True
+        o._step_supports_amp_scaling = True
+        for p, st in o.state.items():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
+        switched.append(i)
+    return switched
 
 
 def check_optimizer_precision(optimizers: list, r: Recipe, parallel: str | None) -> None:

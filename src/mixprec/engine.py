@@ -19,7 +19,9 @@ Example::
 optimizer step on the fp32 parameters -> refresh the working copy -> update the loss
 scale -> zero the buffers. A skipped step leaves parameters, masters and optimizer
 state bit-identical. No host sync when every optimizer takes ``found_inf`` (torch's
-fused Adam, AdamW, SGD); others, and LR schedulers, cost one per step.
+fused Adam, AdamW, SGD, which torch's default Adam, AdamW and SGD become on CUDA);
+others cost one per step. LR schedulers cost none on CUDA: they advance for a step at
+the next one (``engine.schedulers`` and checkpoints see them up to date).
 """
 
 from __future__ import annotations
@@ -78,8 +80,11 @@ class MixedPrecision:
         grad_accum_steps: micro-batches per optimizer step; ``backward`` divides the
             loss by it.
         max_grad_norm: clip the global L2 norm of the unscaled gradients to this.
-        scheduler: LR scheduler(s) to advance after each *applied* step (costs one host
-            sync per step to know whether it was skipped).
+        scheduler: LR scheduler(s) to advance after each *applied* step. On CUDA,
+            without a host sync: a step's advance happens at the start of the next
+            ``step()`` (before its update), so read them through ``engine.schedulers``
+            (or call ``engine.settle()``), not through your own references, to see the
+            last step counted.
         parallel: ``"ddp"`` or ``"fsdp"`` inside an initialised process group (see
             ``mixprec.distributed``); call ``engine.model`` (the wrapped module) then.
         parallel_kwargs: passed on to ``DistributedDataParallel`` (e.g.
@@ -123,8 +128,8 @@ class MixedPrecision:
         check_loop_args(model, grad_accum_steps, max_grad_norm, loss_scaler)
         self.optimizers = as_optimizers(optimizer)
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
-        self.schedulers = ([] if scheduler is None else list(scheduler)
-                           if isinstance(scheduler, (list, tuple)) else [scheduler])
+        schedulers = ([] if scheduler is None else list(scheduler)
+                      if isinstance(scheduler, (list, tuple)) else [scheduler])
         parts = build(model, self.optimizers, r, parallel=parallel,
                       parallel_kwargs=parallel_kwargs, fsdp_units=fsdp_units,
                       fp8_filter=fp8_filter, loss_scaler=loss_scaler)
@@ -142,7 +147,7 @@ class MixedPrecision:
         self.fp8_report, self.fp8_modules = parts.fp8_report, parts.fp8_modules
         self._frozen, self._param_counts = parts.frozen, parts.param_counts
         self._step = Step(self.optimizers, self.param_state, self.scaler, self.parallelism,
-                          self.fp8_modules, self.schedulers, max_grad_norm, self.device, r)
+                          self.fp8_modules, schedulers, max_grad_norm, self.device, r)
         #: ``micro`` / ``seen`` / ``steps`` (``mixprec.step.Counters``)
         self.counters = self._step.counters
         # the patched forwards belong to this engine: undone by close() or when the
@@ -257,6 +262,18 @@ class MixedPrecision:
     def scale(self) -> torch.Tensor:
         """The current loss scale (a device tensor; 1.0 for recipes without scaling)."""
         return self.scaler.scale
+
+    @property
+    def schedulers(self) -> list:
+        """The LR schedulers, advanced for every applied step so far (``settle``)."""
+        self._step.settle()
+        return self._step.schedulers
+
+    def settle(self) -> None:
+        """Advance the schedulers for the last step, if it was applied and they have
+        not yet: on CUDA ``step()`` leaves that to the next step, to avoid a host sync.
+        Waits for the last step's work (not for work queued after it)."""
+        self._step.settle()
 
     @property
     def steps(self) -> int:

@@ -3,7 +3,8 @@
 In order: the checks (everything that can refuse the arguments runs before the model
 is touched, so a refused engine leaves it exactly as it was), the fp8 swap, parallel
 sharding, the parameter state (casting the working copy, building masters and
-buffers), the optimizers re-pointed at the masters, DDP's wrap, the loss scaler and
+buffers), the optimizers re-pointed at the masters (and on CUDA torch's default Adam,
+AdamW and SGD made fused, ``checks.fuse_default_optimizers``), DDP's wrap, the loss scaler and
 the FP32 islands' module patches.
 """
 
@@ -22,6 +23,7 @@ from mixprec.checks import (
     check_fp8_filter,
     check_model,
     check_optimizers,
+    fuse_default_optimizers,
     param_counts,
 )
 from mixprec.comm import shard_like
@@ -225,6 +227,8 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
         emu_mode.tag(state.working)  # bf16 values in fp32 tensors
     _repoint(optimizers, state)
     _hand_over(optimizers, state, fp32_init)
+    if not par.sharded:  # torch's default Adam/AdamW/SGD on CUDA: fused, no host sync
+        fuse_default_optimizers(optimizers)
     module, model = model, par.wrap(model, state)
     scaler = LossScaler.from_recipe(r, device) if loss_scaler is None else loss_scaler
     undo = (wrap_fp32_modules(fp32_island_modules(module, r.keep_fp32), device.type)

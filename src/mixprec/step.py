@@ -15,8 +15,17 @@ count advanced where the fused path skipped.
 **No host sync** when every optimizer takes ``found_inf`` on the device (torch's fused
 Adam, AdamW, SGD): the kernel divides each gradient by ``scale / clip_coef`` as it
 updates, so no pass writes the gradients here. Any other optimizer costs one sync (to
-decide the skip) and an explicit unscale-and-clip pass; attached schedulers cost one
-(they advance only on applied steps).
+decide the skip) and an explicit unscale-and-clip pass, as under torch's GradScaler,
+whose ``_maybe_opt_step`` reads ``found_inf.item()`` for it; on CUDA the engine makes
+torch's Adam, AdamW and SGD left at their default implementation fused
+(``checks.fuse_default_optimizers``), so only an optimizer configured otherwise pays it.
+
+**Schedulers without a sync.** They advance only on applied steps. On CUDA the step's
+``found_inf`` goes to the host asynchronously (``HostMirror``) and the schedulers
+advance for it at the start of the next step, before any optimizer runs, or when
+their state is read (``settle``: ``engine.schedulers``, ``state_dict``, ``save``).
+Waiting then costs only the rest of that step's work, not the queued forward and
+backward after it. On the CPU they advance at once.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import torch
 
 from mixprec.checks import param_counts, takes_found_inf
 from mixprec.gradnorm import clip_coef, global_norm, torch_norm
-from mixprec.watch import SkipWatch
+from mixprec.watch import HostMirror, SkipWatch
 
 __all__ = ["Counters", "Step", "StepResult", "check_setup_unchanged"]
 
@@ -82,6 +91,9 @@ class Step:
         # direct fp32 .grad): its method is decided once
         self._cpu_fp32 = device.type == "cpu" and param_state.recipe.grads == "fp32"
         self.skips = SkipWatch(device)
+        #: the last step's found_inf on its way to the host, for the schedulers; on
+        #: CUDA (``cuda``) read at the next step or ``settle``, on the CPU at once
+        self._found_host = HostMirror(1, device)
         self.counters = Counters()
         #: ``(found_inf, true norm)`` of the window's gradients, once a framework's clip
         #: call asked for them (``clip``), so the step does not compute them again
@@ -133,6 +145,7 @@ class Step:
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the step; returns ``(found_inf, grad_norm)`` as device tensors."""
+        self.settle()  # the last step's scheduler advance, before this update's LR
         grads = self.parallel.local(self.param_state.gradients())
         checked, self._checked = self._checked, None
         max_norm = self._clip_once if self._clip_once is not None else self.max_grad_norm
@@ -172,10 +185,20 @@ class Step:
         c.micro = c.seen = 0
         c.closed = False
         c.steps += 1
-        if self.schedulers and not found_inf.item():
+        if self.schedulers:
+            self._found_host.push(found_inf)
+            if not self._found_host.cuda:
+                self.settle()
+        self.skips.check(self.scaler, self.recipe)
+
+    def settle(self) -> None:
+        """Advance the schedulers for the last step if it was applied, once its
+        ``found_inf`` is on the host (on CUDA this waits for that step's work only);
+        nothing if it was settled already."""
+        seen = self._found_host.wait()
+        if seen is not None and not seen[0]:
             for s in self.schedulers:
                 s.step()
-        self.skips.check(self.scaler, self.recipe)
 
 
 def check_setup_unchanged(optimizers: list, counts: list[int], param_state,

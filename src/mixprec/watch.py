@@ -51,6 +51,13 @@ class HostMirror:
         self.pending = False
         return self.buf.numpy().tolist()
 
+    def wait(self) -> list[float] | None:
+        """The last pushed values, waiting for their copy to land (on CUDA: for the work
+        queued before the push, nothing later); None if nothing is pending."""
+        if self.pending and self.event is not None:
+            self.event.synchronize()
+        return self.read()
+
 
 class SkipWatch:
     """Warn or raise once a skip streak reaches the recipe's ``skip_limit``."""
