@@ -660,8 +660,13 @@ def sharded_steps(full_params, states, steps=5, world=None, write="nearest"):
     return out
 
 
-def sharded_optimizer(rank, world, tmp, states, write="nearest"):
-    """``sharded_steps`` on ``world`` ranks."""
+def sharded_optimizer(rank, world, tmp, states, write="nearest", chunk=None):
+    """``sharded_steps`` on ``world`` ranks (``chunk``: the step's piece size,
+    ``mixprec.optim.base.CHUNK``)."""
+    if chunk is not None:
+        import mixprec.optim.base as base
+
+        base.CHUNK = chunk
     _init(rank, world, tmp)
     torch.manual_seed(0)
     full = [torch.randn(s) for s in SHARDED_SHAPES]

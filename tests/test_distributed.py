@@ -467,8 +467,9 @@ def test_sharded_states_equal_the_whole_tensors_bit_for_bit(states, write):
     bit, because blocks lie along rows and the format is chosen on the whole shape.
     With a write rule the weights are bf16: stochastic writes draw, on each shard, the
     counter-based bits of its rows of the whole tensor; Kahan's and remainder's buffers
-    shard with the rows."""
-    ranks = spawn(w.sharded_optimizer, states, write)
+    shard with the rows. The shards step in pieces of at most 64 elements, the first
+    step included, the whole tensors in one."""
+    ranks = spawn(w.sharded_optimizer, states, write, 64)
     torch.manual_seed(0)
     full = [torch.randn(s) for s in w.SHARDED_SHAPES]
     one = w.sharded_steps(full, states, write=write)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.master import ParamState, updated_dtype, updated_format
+from mixprec.master import PIECE, ParamState, updated_dtype, updated_format
+from mixprec.memory import high_water
 from mixprec.recipe import Recipe
 
 
@@ -128,6 +129,20 @@ def test_emulated_working_copy_holds_format_values_in_fp32():
     assert w.dtype == torch.float32 and state.round_to == "bf16"
     assert torch.equal(w, raw.to(torch.bfloat16).float())
     assert state.wants_fp32_grad(w) is False  # direct fp32 .grad: no buffer to route to
+
+
+def test_refresh_rounds_the_emulated_working_copy_in_pieces():
+    """Under emulation without masters the refresh rounds the fp32 tensors to bf16 in
+    place, a piece at a time: the values a whole-tensor rounding gives, holding at most
+    one piece's bf16 copy (2 MiB) rather than the tensor's (5 MiB here)."""
+    params = _params((PIECE * 5 // 8, 4), (3, 5))
+    state = ParamState(params, Recipe.coerce("bf16-lean,emulate=true"), emulate=True)
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.rand(p.shape) * 1e-3)  # an update, off the bf16 grid
+    want = [p.detach().to(torch.bfloat16).float() for p in params]
+    assert high_water(state.refresh_working) <= 2 * PIECE + 4096
+    assert all(torch.equal(p, w) for p, w in zip(params, want))
 
 
 def test_bad_inputs_are_refused_with_the_fix():

@@ -421,7 +421,8 @@ def test_a_skipped_device_step_in_pieces_equals_the_whole_tensors(monkeypatch, s
 def _pieces_equal_whole(monkeypatch, states, write, dtype, sync_free):
     """Quantized states and 16-bit writes, in pieces or whole: the same weights, codes,
     scales and buffers, bit for bit (also through a skipped device step), so the bounded
-    step changes no checkpoint."""
+    step changes no checkpoint. The first step, which creates the states, runs in pieces
+    too, and creates them in the same order (ranks gather states in that order)."""
     import mixprec.optim.base as base
 
     def run(chunk):
@@ -442,6 +443,7 @@ def _pieces_equal_whole(monkeypatch, states, write, dtype, sync_free):
     (pa, sa), (pb, sb) = run(1 << 40), run(2048)
     assert all(torch.equal(x, y) for x, y in zip(pa, pb))
     for i, st in sa["state"].items():
+        assert list(st) == list(sb["state"][i])  # created in the same order
         for k, v in st.items():
             assert not isinstance(v, torch.Tensor) or torch.equal(v, sb["state"][i][k]), k
 

@@ -36,7 +36,7 @@ from torch import nn
 from mixprec.emulate import round_
 from mixprec.recipe import Recipe
 
-__all__ = ["ParamState", "updated_format", "updated_dtype", "grads_in_place"]
+__all__ = ["ParamState", "updated_format", "updated_dtype", "grads_in_place", "pieces"]
 
 
 def updated_format(recipe: Recipe, sharded: bool = False) -> str:
@@ -55,6 +55,19 @@ def updated_dtype(recipe: Recipe, emulate: bool = False,
     emulation, where a low-precision format is stored in fp32 tensors."""
     fmt = updated_format(recipe, sharded)
     return torch.float32 if emulate or fmt == "fp32" else recipe.param_dtype
+
+
+#: elements of a tensor rounded at a time by ``refresh_working`` under emulation
+PIECE = 1 << 20
+
+
+def pieces(t: torch.Tensor, n: int = PIECE) -> list[torch.Tensor]:
+    """Views of ``t`` of at most ``n`` elements each that cover it, for in-place ops
+    whose scratch should stay that small (``t`` itself where it is small, not
+    contiguous, or not a plain tensor: an FSDP shard's DTensor)."""
+    if t.numel() <= n or type(t.data) is not torch.Tensor or not t.is_contiguous():
+        return [t]
+    return list(t.detach().view(-1).split(n))
 
 
 def grads_in_place(recipe: Recipe, emulate: bool = False) -> bool:
@@ -267,8 +280,8 @@ class ParamState:
         its update (to nearest), so updates below half an ulp vanish as they do there."""
         if self.has_master:
             torch._foreach_copy_(self.working, self.masters)
-        if self.round_to is not None:
-            round_(self.working, self.round_to)
+        if self.round_to is not None:  # in pieces: no whole-tensor 16-bit copy
+            round_([q for p in self.working for q in pieces(p)], self.round_to)
         if self.has_master:
             self.mark_working()
 

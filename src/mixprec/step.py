@@ -12,9 +12,17 @@ its decision from the elements alone: a norm that overflowed then clipped by
 ``max_norm / inf = 0`` and the step was applied, so Adam's moments decayed and its step
 count advanced where the fused path skipped.
 
+**A clip is torch's.** A step that clips sums the norm as
+``torch.nn.utils.clip_grad_norm_`` does (per-tensor norms, then the norm of those; in
+one process) and multiplies the gradients by ``clip_coef`` as it does, before the
+optimizer: under ``fp32`` the weights are plain torch's (clip, then the same optimizer)
+bit for bit, fused, foreach and for-loop alike. A step that does not clip takes
+``gradnorm.global_norm``, faster on the CPU and closer to float64.
+
 **No host sync** when every optimizer takes ``found_inf`` on the device (torch's fused
-Adam, AdamW, SGD): the kernel divides each gradient by ``scale / clip_coef`` as it
-updates, so no pass writes the gradients here. Any other optimizer costs one sync (to
+Adam, AdamW, SGD). The kernel divides each gradient by ``scale / clip_coef`` as it
+updates, so no pass writes the gradients here, except to clip unscaled fp32 gradients:
+the multiply above (one pass, no sync). Any other optimizer costs one sync (to
 decide the skip) and an explicit unscale-and-clip pass, as under torch's GradScaler,
 whose ``_maybe_opt_step`` reads ``found_inf.item()`` for it; on CUDA the engine makes
 torch's Adam, AdamW and SGD left at their default implementation fused
@@ -89,7 +97,8 @@ class Step:
         self.in_kernel = all(self.fused) and one_device
         # the norm reads fp32 CPU tensors for the engine's whole life (fp32 buffers, or
         # direct fp32 .grad): its method is decided once
-        self._cpu_fp32 = device.type == "cpu" and param_state.recipe.grads == "fp32"
+        self._fp32_grads = param_state.recipe.grads == "fp32"
+        self._cpu_fp32 = device.type == "cpu" and self._fp32_grads
         self.skips = SkipWatch(device)
         #: the last step's found_inf on its way to the host, for the schedulers; on
         #: CUDA (``cuda``) read at the next step or ``settle``, on the CPU at once
@@ -120,11 +129,11 @@ class Step:
               as_torch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(found_inf, true norm)``: the one skip decision, agreed across ranks.
 
-        The step's own norm (``max_grad_norm``) is ``mixprec.gradnorm``'s, exact to fp32
-        on large tensors. ``as_torch`` (a framework's clip call): in one process the
+        ``as_torch`` (a framework's clip call, or a step that clips): in one process the
         norm is summed as ``torch.nn.utils.clip_grad_norm_`` sums it (per-tensor norms,
-        then the norm of those), so in fp32 training the framework reads torch's value
-        to the bit, as it would without mixprec."""
+        then the norm of those), so in fp32 training the caller reads torch's value and
+        clips by torch's coefficient, to the bit. Otherwise it is ``mixprec.gradnorm``'s
+        ``global_norm``, exact to fp32 on large tensors."""
         if as_torch and self.parallel.norm_reduce is None and grads:
             norm_scaled = torch_norm(grads)
         else:
@@ -134,14 +143,20 @@ class Step:
         return found_inf, (norm_scaled / self.scaler.scale if self.scaler.scaled
                            else norm_scaled)
 
-    def grad_scale(self, norm: torch.Tensor, max_norm: float | None) -> torch.Tensor | None:
+    def grad_scale(self, grads: list[torch.Tensor], norm: torch.Tensor,
+                   max_norm: float | None) -> torch.Tensor | None:
         """What fused optimizers divide each gradient by: the loss scale over the clip
-        coefficient (None: nothing to divide)."""
+        coefficient (None: nothing to divide). Without a loss scale, fp32 ``grads`` are
+        clipped here instead, multiplied as torch's ``clip_grad_norm_`` multiplies them
+        (``g * c`` and ``g / (1 / c)`` round differently); 16-bit ones are left to the
+        kernel, which divides in fp32 (a multiply in place would round them again)."""
         scaled = self.scaler.scaled
-        grad_scale = self.scaler.scale if scaled else None
-        if max_norm is not None:
-            grad_scale = (grad_scale if scaled else 1.0) / clip_coef(norm, max_norm)
-        return grad_scale
+        if max_norm is None:
+            return self.scaler.scale if scaled else None
+        if not scaled and self._fp32_grads:
+            torch._foreach_mul_(grads, clip_coef(norm, max_norm))
+            return None
+        return (self.scaler.scale if scaled else 1.0) / clip_coef(norm, max_norm)
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the step; returns ``(found_inf, grad_norm)`` as device tensors."""
@@ -150,9 +165,10 @@ class Step:
         checked, self._checked = self._checked, None
         max_norm = self._clip_once if self._clip_once is not None else self.max_grad_norm
         self._clip_once = None
-        found_inf, norm = checked if checked is not None else self.check(grads)
+        found_inf, norm = (checked if checked is not None
+                           else self.check(grads, as_torch=max_norm is not None))
         if self.in_kernel:
-            grad_scale = self.grad_scale(norm, max_norm)
+            grad_scale = self.grad_scale(grads, norm, max_norm)
         else:
             self.scaler.unscale_(grads)  # its own inf check is implied by the norm's
             if max_norm is not None:

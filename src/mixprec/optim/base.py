@@ -277,7 +277,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         not by the tensor. Every op is elementwise or per row (blocks lie along rows,
         the random bits are keyed by the element's index in the whole tensor), so the
         result equals the whole tensor's update bit for bit (torch's own, with fp32
-        states and weights: tests/test_optim.py checks both on odd shapes)."""
+        states and weights: tests/test_optim.py checks both on odd shapes). The step
+        that creates the states runs in pieces too: each piece sees none (the first
+        update's rule) and its new states fill their rows of whole-size ones."""
         fmt = self._weight_format(p)
         key = id(p) if key is None else key
         sfmt = stored_format(self._fmt.get(key, self.states), shape)
@@ -288,28 +290,46 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             new_step = step + 1 if skip is None else step + (~skip).float()
         else:
             new_step = None
-        complete = all(self._has(state, n) for n in self._creates(group))
         rows = p.shape[0] if p.ndim else 1
         per = chunk_rows(tuple(p.shape))
-        if not complete or per >= rows:  # the step that creates the states: one piece
+        if per >= rows:
             self._update_piece(p, g, group, state, skip, new_step, fmt, sfmt, offset, key)
         else:
-            cols = math.prod(p.shape[1:])
-            # 0-d states (flags) are read by every piece as they were before the step
-            flags = {k: v for k, v in state.items()
-                     if isinstance(v, torch.Tensor) and v.ndim == 0 and k != "step"}
-            piece: dict = {}
-            for r0 in range(0, rows, per):
-                r1 = min(rows, r0 + per)
-                piece = {k: (v[r0:r1] if isinstance(v, torch.Tensor) and v.ndim
-                             and v.shape[0] == rows else v) for k, v in state.items()}
-                piece.update({k: v.clone() for k, v in flags.items()})
-                self._update_piece(p.data[r0:r1], g[r0:r1], group, piece, skip, new_step,
-                                   fmt, sfmt, offset + r0 * cols, key)
-            for k, v in flags.items():
-                v.copy_(piece[k])
+            self._update_rows(p, g, group, state, skip, new_step, fmt, sfmt, offset, key,
+                              rows, per)
         if new_step is not None:
             state["step"].copy_(new_step)
+
+    def _update_rows(self, p, g, group, state, skip, new_step, fmt, sfmt, offset, key,
+                     rows: int, per: int) -> None:
+        """``_update_piece`` over pieces of ``per`` rows. A state that a piece creates
+        (the first step's) is allocated whole once and takes each piece's rows; later
+        pieces still see it as absent."""
+        cols = math.prod(p.shape[1:])
+        before = set(state)
+        # 0-d states (flags) are read by every piece as they were before the step
+        flags = {k: v for k, v in state.items()
+                 if isinstance(v, torch.Tensor) and v.ndim == 0 and k != "step"}
+        piece: dict = {}
+        for r0 in range(0, rows, per):
+            r1 = min(rows, r0 + per)
+            piece = {k: (v[r0:r1] if isinstance(v, torch.Tensor) and v.ndim
+                         and v.shape[0] == rows else v)
+                     for k, v in state.items() if k in before}
+            piece.update({k: v.clone() for k, v in flags.items()})
+            self._update_piece(p.data[r0:r1], g[r0:r1], group, piece, skip, new_step,
+                               fmt, sfmt, offset + r0 * cols, key)
+            for k, v in piece.items():  # in creation order, as one piece would add them
+                if k in before:
+                    continue
+                if not (isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == r1 - r0):
+                    state[k] = v  # not one per row: the last piece's
+                    continue
+                if k not in state:
+                    state[k] = v.new_empty((rows, *v.shape[1:]))
+                state[k][r0:r1].copy_(v)
+        for k, v in flags.items():
+            v.copy_(piece[k])
 
     def _creates(self, group: dict) -> tuple[str, ...]:
         """The states this optimizer keeps for a parameter of ``group`` once it has
