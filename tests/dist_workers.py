@@ -164,6 +164,18 @@ def fp16_comm(rank, world, tmp):
     dist.destroy_process_group()
 
 
+def _run_shards(engine, batches, rank: int, world: int) -> list[float]:
+    """One step per batch, this rank on its slice; the losses."""
+    out = []
+    for x, y in batches:
+        with engine.autocast():
+            loss = F.cross_entropy(engine.model(x.chunk(world)[rank]), y.chunk(world)[rank])
+        engine.backward(loss)
+        engine.step()
+        out.append(loss.item())
+    return out
+
+
 def resume(rank, world, tmp, recipe):
     """Train 3 steps, checkpoint, train 3; a fresh engine from the checkpoint must
     repeat the last 3 steps bit for bit."""
@@ -175,14 +187,7 @@ def resume(rank, world, tmp, recipe):
                               recipe, parallel="ddp")
 
     def run(engine, batches):
-        out = []
-        for x, y in batches:
-            with engine.autocast():
-                loss = F.cross_entropy(engine.model(x.chunk(world)[rank]), y.chunk(world)[rank])
-            engine.backward(loss)
-            engine.step()
-            out.append(loss.item())
-        return out
+        return _run_shards(engine, batches, rank, world)
 
     data = make_data(6)
     a = fresh(0)
@@ -212,14 +217,7 @@ def resume_dropout(rank, world, tmp, recipe):
                               parallel="ddp")
 
     def run(engine, batches):
-        out = []
-        for x, y in batches:
-            with engine.autocast():
-                loss = F.cross_entropy(engine.model(x.chunk(world)[rank]), y.chunk(world)[rank])
-            engine.backward(loss)
-            engine.step()
-            out.append(loss.item())
-        return out
+        return _run_shards(engine, batches, rank, world)
 
     data = make_data(6)
     a = fresh(0)

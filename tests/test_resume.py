@@ -136,17 +136,8 @@ def test_load_then_save_resumes_like_the_original(recipe, tmp_path):
         over = ",growth_interval=2" if "fp16" in recipe else ""
         return m, MixedPrecision(m, opt, recipe + over)
 
-    def run(m, e, batches):
-        out = []
-        for x, y in batches:
-            with e.autocast():
-                loss = F.cross_entropy(m(x), y)
-            e.backward(loss)
-            e.step()
-            out.append(loss.item())
-        return out
-
     m, a = build(0)
+    run = _run
     run(m, a, data[:3])
     a.save(tmp_path / "one.pt", step=3)
     want = run(m, a, data[3:])

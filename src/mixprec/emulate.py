@@ -50,7 +50,7 @@ from mixprec import emulate_attention, formats
 from mixprec.formats import Format
 from mixprec.fp8.blocks import MX_TILE, cast_mx, mx_exponents
 from mixprec.fp8.quantized import block_amax
-from mixprec.kernels import ieee_fp32_matmul
+from mixprec.fp32_precision import ieee_fp32_matmul
 
 __all__ = ["EmulationMode", "mx_quantize", "mx_scales", "MX_BLOCK", "round_", "active_mode",
            "leave_low_precision", "unrounded"]

@@ -52,6 +52,7 @@ from functools import cache
 
 import torch
 
+from mixprec.fp8 import route as _route
 from mixprec.fp32_precision import ieee_fp32_matmul  # the exact routes import it from here
 from mixprec.recipe import BLOCK_SCALINGS, MX_COMPUTE, PRESETS, Recipe
 
@@ -389,3 +390,13 @@ def _fp8_route(recipe: Recipe, dev: torch.device) -> str:
     if recipe.emulate and choice == "auto" and q.kernel == "tensor":
         choice = "dequant"
     return gemm_route(dev, q, choice)
+
+
+def _measured_tensor_route(dev: torch.device) -> str:
+    """``mixprec.fp8.route``'s ``auto`` for the per-tensor routes off CUDA (its
+    ``measured_route``): from this module's readings, which it cannot import."""
+    dequant = "dequant" if has_fast_kernels(dev, "bf16") else "dequant_fp32"
+    return "scaled_mm" if route_reading(dev, dequant).ratio > SCALED_MM_MARGIN else dequant
+
+
+_route.measured_route = _measured_tensor_route

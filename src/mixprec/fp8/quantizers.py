@@ -54,7 +54,7 @@ from mixprec.fp8.scaling import (
     nan_if_not_finite,
     update_delayed_scales,
 )
-from mixprec.kernels import ieee_fp32_matmul
+from mixprec.fp32_precision import ieee_fp32_matmul
 from mixprec.recipe import Recipe
 
 __all__ = ["Quantizer", "DelayedScaling", "CurrentScaling", "RowwiseScaling",
@@ -128,7 +128,7 @@ class Quantizer:
 
     def gemm_context(self) -> contextlib.AbstractContextManager:
         """Around a Linear's casts and GEMMs: full-precision fp32 matmul for the
-        dequantizing quantizers (``mixprec.kernels.ieee_fp32_matmul``)."""
+        dequantizing quantizers (``mixprec.fp32_precision.ieee_fp32_matmul``)."""
         return ieee_fp32_matmul() if self.exact_fp32 else contextlib.nullcontext()
 
     def route(self, device: torch.device | str, choice: str = "auto") -> str:

@@ -39,6 +39,7 @@ tensor and rowwise: the kernel's closest twin, on fast bf16 units) or ``dequant_
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -156,18 +157,21 @@ def _route(device: str, quantizer: _Quantizer, choice: str) -> str:
 _route._dynamo_marked_constant = True
 
 
-def _measured(dev: torch.device) -> str:
-    """``auto`` for the per-tensor routes off CUDA: the dequant route in the format this
-    device multiplies fast (``dequant`` where bf16 is fast, else ``dequant_fp32``: the
-    one bf16 decision ``fp8_rest`` and emulation follow too, or ``MIXPREC_EMULATE``);
-    ``scaled_mm`` only where ``route_reading`` finds it ``SCALED_MM_MARGIN`` faster. The
-    same one-thread alternating readings as every ``auto`` choice: a separate best-of
-    read on a loaded host could flip the route, and the numerics, between two runs."""
-    from mixprec import kernels
+#: ``auto`` for the per-tensor routes off CUDA, ``device -> route``: the measured choice,
+#: which ``mixprec.kernels`` (where the readings live, above this module) sets when it is
+#: imported: the dequant route in the format this device multiplies fast (``dequant``
+#: where bf16 is fast, else ``dequant_fp32``: the one bf16 decision ``fp8_rest`` and
+#: emulation follow too, or ``MIXPREC_EMULATE``); ``scaled_mm`` only where
+#: ``route_reading`` finds it ``SCALED_MM_MARGIN`` faster. The same one-thread
+#: alternating readings as every ``auto`` choice: a separate best-of read on a loaded host
+#: could flip the route, and the numerics, between two runs.
+measured_route: Callable[[torch.device], str] | None = None
 
-    dequant = "dequant" if kernels.has_fast_kernels(dev, "bf16") else "dequant_fp32"
-    reading = kernels.route_reading(dev, dequant)
-    return "scaled_mm" if reading.ratio > kernels.SCALED_MM_MARGIN else dequant
+
+def _measured(dev: torch.device) -> str:
+    if measured_route is None:  # importing mixprec imports mixprec.kernels, which sets it
+        raise RuntimeError("mixprec.fp8.route.measured_route is unset: import mixprec")
+    return measured_route(dev)
 
 
 _SAID: set[tuple[str, str, str]] = set()
