@@ -140,6 +140,18 @@ def set_speeds(monkeypatch, rates: dict | None = None, scaled_mm: float = 0.0,
             torch.bfloat16 if route == "dequant" else torch.float32],)))
 
 
+def ml_dtypes_formats() -> dict:
+    """mixprec's format names and ml_dtypes' (or numpy's) types for them: the independent
+    reference the format tests round against."""
+    import ml_dtypes
+    import numpy as np
+
+    return {"bf16": ml_dtypes.bfloat16, "fp16": np.float16,
+            "fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2,
+            "fp6_e3m2": ml_dtypes.float6_e3m2fn, "fp6_e2m3": ml_dtypes.float6_e2m3fn,
+            "fp4_e2m1": ml_dtypes.float4_e2m1fn, "e8m0": ml_dtypes.float8_e8m0fnu}
+
+
 def mlp(seed: int = 0, d_in: int = 16, hidden: int = 32, d_out: int = 4) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(d_in, hidden), nn.LayerNorm(hidden), nn.GELU(),

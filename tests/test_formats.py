@@ -11,20 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import ml_dtypes_formats
 from mixprec import formats
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in cast:RuntimeWarning")
 
-ML = {
-    "bf16": ml_dtypes.bfloat16,
-    "fp16": np.float16,
-    "fp8_e4m3": ml_dtypes.float8_e4m3fn,
-    "fp8_e5m2": ml_dtypes.float8_e5m2,
-    "fp6_e3m2": ml_dtypes.float6_e3m2fn,
-    "fp6_e2m3": ml_dtypes.float6_e2m3fn,
-    "fp4_e2m1": ml_dtypes.float4_e2m1fn,
-    "e8m0": ml_dtypes.float8_e8m0fnu,
-}
+ML = ml_dtypes_formats()
 NO_NAN = {"fp6_e3m2", "fp6_e2m3", "fp4_e2m1"}  # ml_dtypes maps NaN to ±0 there
 
 

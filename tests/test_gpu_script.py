@@ -211,8 +211,10 @@ def test_preflight_keeps_its_budget_and_skips_cuda_checks_on_a_cpu(tmp_path, mon
 
 def test_time_box_plugin_fails_a_slow_test_and_runs_the_rest(tmp_path):
     (tmp_path / "test_two.py").write_text(
-        "import time\n\ndef test_slow():\n    time.sleep(30)\n\n"
-        "def test_fast():\n    assert True\n")
+        "import signal, time\n\ndef test_slow():\n    time.sleep(30)\n\n"
+        "def test_fast():  # its own box is armed, the slow test's is gone\n"
+        "    assert 0.0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 1.0\n"
+        "    assert signal.getsignal(signal.SIGALRM) is not signal.SIG_DFL\n")
     t = time.monotonic()
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "pytest_time_box", "--time-box", "1",

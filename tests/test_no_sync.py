@@ -27,23 +27,29 @@ RECIPES = ["bf16", "bf16-master", "bf16-master,wgrad=fp32", "fp16", "fp16-master
            "fp8", "fp8-current", "fp8-rowwise"]
 
 
+_READS = ["item", "__bool__", "__float__", "__int__", "tolist"]
+
+
 @contextlib.contextmanager
-def no_host_reads():
-    names = ["item", "__bool__", "__float__", "__int__", "tolist"]
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-
-    def trap(name):
-        def f(self, *a, **k):
-            raise AssertionError(f"host sync: Tensor.{name} called inside the hot path")
-        return f
-
-    for n in names:
-        setattr(torch.Tensor, n, trap(n))
+def _host_reads_replaced(wrap):
+    """Each of torch.Tensor's value reads replaced by ``wrap(name, original)``."""
+    saved = {n: getattr(torch.Tensor, n) for n in _READS}
+    for n in _READS:
+        setattr(torch.Tensor, n, wrap(n, saved[n]))
     try:
         yield
     finally:
         for n, f in saved.items():
             setattr(torch.Tensor, n, f)
+
+
+def no_host_reads():
+    def trap(name, original):
+        def f(self, *a, **k):
+            raise AssertionError(f"host sync: Tensor.{name} called inside the hot path")
+        return f
+
+    return _host_reads_replaced(trap)
 
 
 def _run(recipe, device, guard):
@@ -108,27 +114,17 @@ class DeferredMirror(HostMirror):
         return HostMirror.read(self)
 
 
-@contextlib.contextmanager
 def counted_host_reads(counts):
     """Count mixprec's own reads of tensor values (torch's unfused Adam reads its step
     counts, which live on the CPU also on CUDA: no sync)."""
-    names = ["item", "__bool__", "__float__", "__int__", "tolist"]
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-
-    def counter(name):
+    def counter(name, original):
         def f(self, *a, **k):
             if f"{os.sep}mixprec{os.sep}" in sys._getframe(1).f_code.co_filename:
                 counts.append(name)
-            return saved[name](self, *a, **k)
+            return original(self, *a, **k)
         return f
 
-    for n in names:
-        setattr(torch.Tensor, n, counter(n))
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
+    return _host_reads_replaced(counter)
 
 
 BAD = 2  # the skipped step of five

@@ -5,23 +5,15 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
+from conftest import ml_dtypes_formats
 from mixprec import formats
 from mixprec.cli import main
 
-ML = {
-    "bf16": ml_dtypes.bfloat16,
-    "fp16": np.float16,
-    "fp8_e4m3": ml_dtypes.float8_e4m3fn,
-    "fp8_e5m2": ml_dtypes.float8_e5m2,
-    "fp6_e3m2": ml_dtypes.float6_e3m2fn,
-    "fp6_e2m3": ml_dtypes.float6_e2m3fn,
-    "fp4_e2m1": ml_dtypes.float4_e2m1fn,
-}
+ML = {k: v for k, v in ml_dtypes_formats().items() if k != "e8m0"}  # floats only
 
 
 def stored_values(name: str) -> np.ndarray:

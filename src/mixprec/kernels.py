@@ -47,6 +47,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -60,7 +61,7 @@ __all__ = ["matmul_gflops", "relative_speed", "FAST_ENOUGH", "has_fast_kernels",
            "emulating", "fp8_gemm_gflops", "fp8_gemm_route", "fp8_rest", "choices",
            "KernelChoices", "SCALED_MM_MARGIN", "EMULATE_ENV", "pinned_emulation",
            "ieee_fp32_matmul", "SpeedReading", "speed_reading",
-           "route_reading", "NOISE_SPREAD"]
+           "route_reading", "NOISE_SPREAD", "best_time"]
 
 #: below this fraction of fp32's matmul throughput a format counts as having no fast
 #: kernel, and ``emulate=auto`` emulates it on fp32 kernels instead. Chips either have
@@ -107,8 +108,12 @@ def matmul_gflops(device: str, dtype: torch.dtype, n: int = 512, seconds: float 
         return _gflops(dev, dtype, n, seconds)
 
 
-def _best_time(fn, sync, seconds: float) -> float:
-    fn()  # warm-up
+def best_time(fn: Callable[[], object], device: torch.device | str,
+              seconds: float) -> float:
+    """The fastest call of ``fn`` (after one warm-up) over about ``seconds``, at least 3
+    calls, each waited for on ``device`` (CUDA's stream; nothing on the CPU)."""
+    sync = _sync(torch.device(device))
+    fn()
     sync()
     best, k, t_end = float("inf"), 0, time.perf_counter() + seconds
     while k < 3 or time.perf_counter() < t_end:
@@ -128,7 +133,7 @@ def _gflops(dev: torch.device, dtype: torch.dtype, n: int, seconds: float) -> fl
     g = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(n, n, generator=g).to(dev, dtype)
     b = torch.randn(n, n, generator=g).to(dev, dtype)
-    return 2 * n**3 / _best_time(lambda: a @ b, _sync(dev), seconds) / 1e9
+    return 2 * n**3 / best_time(lambda: a @ b, dev, seconds) / 1e9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -257,9 +262,8 @@ def fp8_gemm_gflops(device: str, n: int = 128) -> float:
         b = torch.randn(n, n, generator=g).to(dev, torch.float8_e4m3fn).t()
         one = torch.ones((), device=dev)
         with torch.autocast(dev.type, enabled=False), torch.no_grad():
-            t = _best_time(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one,
-                                                    out_dtype=torch.bfloat16),
-                           _sync(dev), 0.01)
+            t = best_time(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one,
+                                                   out_dtype=torch.bfloat16), dev, 0.01)
     except (RuntimeError, NotImplementedError, TypeError):
         return 0.0
     return 2 * n**3 / t / 1e9

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from mixprec.fp32_precision import ieee_fp32_matmul, tf32
-from mixprec.kernels import matmul_gflops
+from mixprec.kernels import best_time, matmul_gflops
 from mixprec.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -81,21 +80,7 @@ def fp8_gflops(device: str, quantizer: Quantizer, route: str, out_dtype: torch.d
     with torch.no_grad(), torch.autocast(dev.type, enabled=False), quantizer.gemm_context():
         xq = quantizer.cast(x, "input", 1, state)
         wq = quantizer.cast(w, "weight", 1, state).t()
-        return 2 * n**3 / _best(lambda: quantizer.mm(xq, wq, out_dtype, route), dev) / 1e9
-
-
-def _best(fn, dev: torch.device, seconds: float = 0.5) -> float:
-    """The fastest of the calls of ``fn`` within about ``seconds`` (at least 3)."""
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    best, k, end = float("inf"), 0, time.perf_counter() + seconds
-    while k < 3 or time.perf_counter() < end:
-        t = time.perf_counter()
-        fn()
-        sync()
-        best, k = min(best, time.perf_counter() - t), k + 1
-    return best
+        return 2 * n**3 / best_time(lambda: quantizer.mm(xq, wq, out_dtype, route), dev, 0.5) / 1e9
 
 
 def peak_parts(device: str, recipe: Recipe | str, kernels: KernelChoices | None = None,
