@@ -9,6 +9,7 @@ scenario and rank 0 writes their records to OUT_DIR/records.pt:
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import warnings
@@ -92,6 +93,11 @@ def main(out: str) -> None:
                                poison=(2, 1))
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(records, os.path.join(out, "records.pt"))
+    # free what still holds the process group (engines, FSDP modules, reference cycles)
+    # before destroying it, so it is torn down here, in order, and not during interpreter
+    # exit, where a rank can abort ("terminate called without an active exception")
+    records.clear()
+    gc.collect()
     torch.distributed.destroy_process_group()
 
 
