@@ -7,8 +7,9 @@ a 16-bit all-reduce it divides by the world size: if every rank's value is withi
 format's range (|g| <= max), then so is the mean, so the reduction cannot overflow where
 the inputs did not. Summing first can overflow with as few as two ranks. For recipes
 whose gradients live in fp32 buffers (``-master``, ``grad_accum=kahan``), the hook adds
-the rank's accumulated buffer to the last micro-batch's gradient, reduces, and writes the
-result straight into the fp32 buffers. Nothing goes back through a bf16 ``.grad``.
+the last micro-batch's gradient to the rank's buffers, reduces their sums, and puts the
+result back into them, both through the parameter state's one door (``receive``).
+Nothing goes back through a bf16 ``.grad``.
 Micro-batches before the last one run under ``no_sync()``, so one reduction serves the
 whole accumulation. The hook counts the bytes each rank sends (``CommStats``).
 
@@ -114,17 +115,16 @@ class _HookState:
 
 def ddp_comm_hook(state: _HookState, bucket):
     """All-reduce a DDP bucket in the comm dtype (see the module docstring)."""
-    grads = bucket.gradients()
-    params = bucket.parameters()
     gs = state.param_state
     if gs.direct:
         flat = bucket.buffer()
         send = flat.to(state.comm_dtype)
-    else:  # fold the fp32 accumulation buffers in; the result goes back into them
-        index = gs.index
-        bufs = [gs.buffers[index[id(p)]] for p in params]
-        parts = [(b.float() + g.float()).flatten() for b, g in zip(bufs, grads)]
-        send = torch.cat(parts).to(state.comm_dtype)
+    else:  # the last micro-batch joins the rank's buffers; their sums are reduced
+        params = bucket.parameters()
+        gs.receive(params, bucket.gradients())
+        index, grads = gs.index, gs.grads
+        bufs = [grads[index[id(p)]] for p in params]
+        send = torch.cat([b.flatten() for b in bufs]).to(state.comm_dtype)
     send.div_(state.world)  # pre-divide: the mean cannot overflow where the inputs did not
     state.stats.record(send)
     fut = dist.all_reduce(send, async_op=True).get_future()
@@ -133,12 +133,9 @@ def ddp_comm_hook(state: _HookState, bucket):
         reduced = f.value()[0]
         if gs.direct:
             return reduced.to(bucket.buffer().dtype)
-        off = 0
-        for b in bufs:
-            n = b.numel()
-            b.copy_(reduced[off:off + n].view_as(b))
-            off += n
-        return torch.zeros_like(bucket.buffer())  # .grad gets 0: accumulate() adds nothing
+        parts = reduced.split([b.numel() for b in bufs])
+        gs.receive(params, [r.view_as(b) for r, b in zip(parts, bufs)], replace=True)
+        return bucket.buffer()  # left as it is: accumulate() drops these .grad unread
 
     return fut.then(done)
 

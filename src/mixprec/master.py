@@ -17,12 +17,24 @@ Plain fp32 accumulation of n equal terms has a relative error that grows like nÂ
 7e-6 for 4096 terms. Compensated, it stays at one rounding, ~1e-8. It costs one more
 buffer per parameter, and is worth it only for very long accumulations.
 
-With ``wgrad=fp32`` (``mixprec.wgrad``) the fp32 weight gradients of low-precision
-working parameters skip ``.grad``: backward adds them to the buffers directly
-(``add_fp32_grad``), so no bf16 rounding happens between the GEMM and the buffer.
+**One door in.** Every writer adds to the buffers through ``receive``, which knows
+the buffer's dtype and the Kahan compensation: the harvest of autograd's ``.grad`` after
+each backward (``accumulate``, FSDP's sharded gradients included), the ``wgrad=fp32``
+sink during backward (``add_fp32_grad``: the fp32 weight gradients of low-precision
+working parameters skip ``.grad``, so no bf16 rounding happens between the GEMM and the
+buffer), and DDP's comm hook, which replaces a bucket's sums with their all-reduced
+mean (``replace=True``; ``accumulate`` then leaves those parameters' ``.grad`` out).
+
+**One view out.** ``grads``: the accumulated gradient of each optimizer parameter,
+aligned with ``opt_params``. The step checks, unscales and clips it in place (it is the
+true gradient from then on), torch's optimizers read it as ``.grad``
+(``hand_to_optimizer``: the buffer itself where the dtypes agree), ``mixprec.optim``
+reads it as a mapping (``lend_grads``), and the frameworks' clip calls reach it through
+the engine's ``clip_grad_norm_``.
 
 When autograd can accumulate in place (fp32 params, fp32 grads, plain accumulation),
-there are no buffers. ``.grad`` is the fp32 accumulator.
+there are no buffers. ``.grad`` is the fp32 accumulator, written by autograd, DDP's
+reducer or FSDP's reduce-scatter, and ``grads`` reads it.
 
 ``updated_format`` / ``updated_dtype`` are the one rule for what the optimizer updates;
 the checks, the memory planner and the diagnostics ask them.
@@ -89,11 +101,14 @@ class ParamState:
     Except under a write rule (``stochastic``, ``kahan``, ``remainder``), which has no
     master: the shards are the 16-bit weights (bf16 tensors, which FSDP was given,
     or bf16 values in fp32 tensors under emulation), updated by the rule, with fp32
-    gradient buffers."""
+    gradient buffers.
+
+    ``announce_grads``: a reducer must see each parameter's gradient arrive (DDP's), so
+    ``add_fp32_grad`` hands autograd a zero where it kept the gradient itself."""
 
     def __init__(self, params: list[nn.Parameter], recipe: Recipe,
                  emulate: bool = False, names: list[str] | None = None,
-                 sharded: bool = False) -> None:
+                 sharded: bool = False, announce_grads: bool = False) -> None:
         if names is not None and len(names) != len(params):
             raise ValueError(f"{len(names)} names for {len(params)} parameters")
         if sharded and recipe.write == "nearest":
@@ -127,10 +142,13 @@ class ParamState:
         self.opt_params = self.masters if self.has_master else self.working
         self.index = {id(p): i for i, p in enumerate(params)}
         self.kahan = recipe.grad_accum == "kahan"
-        self.announce_grads = False  # set by DDP: see add_fp32_grad
-        #: set when the optimizers read ``buffers`` themselves (``mixprec.optim``'s
-        #: ``grad_buffers``): 16-bit weights then get no 16-bit copy of their gradient
-        self.optimizer_reads_buffers = False
+        self.announce_grads = announce_grads
+        #: the optimizers read ``grads`` themselves (``lend_grads``): 16-bit weights then
+        #: get no 16-bit copy of their gradient in ``.grad``
+        self._lent = False
+        #: parameters whose buffer holds this backward's reduced sum already (DDP's
+        #: hook): ``accumulate`` drops their ``.grad`` instead of adding it
+        self._settled: set[int] = set()
         # every trained parameter was cast to ``pdt`` above
         self.direct = grads_in_place(recipe, emulate)
         self.buffers: list[torch.Tensor] = []
@@ -165,15 +183,19 @@ class ParamState:
     # --- after each backward ------------------------------------------------------
 
     def accumulate(self) -> None:
-        """Move the working params' fresh grads into the buffers (no-op when direct)."""
+        """After each backward: the working params' fresh ``.grad`` through the door
+        into the buffers (no-op when direct). Parameters the DDP hook settled give
+        theirs up unread: their buffers hold the reduced sum already."""
         if self.direct:
             return
-        idx = [i for i, p in enumerate(self.working) if p.grad is not None]
-        if not idx:
-            return
-        self._add(idx, [self.working[i].grad for i in idx])
-        for i in idx:
-            self.working[i].grad = None
+        settled, self._settled = self._settled, set()
+        idx = [i for i, p in enumerate(self.working)
+               if p.grad is not None and i not in settled]
+        if idx:
+            self.receive(idx, [self.working[i].grad for i in idx])
+        for p in self.working:
+            if p.grad is not None:
+                p.grad = None
 
     def mark_accumulated(self) -> None:
         """After a micro-batch: remember one accumulator (the first ``.grad`` in
@@ -206,19 +228,35 @@ class ParamState:
             if p.grad is not None:
                 p.grad = None
 
-    def _add(self, idx: list[int], new: list[torch.Tensor]) -> None:
+    # --- the one door in ----------------------------------------------------------
+
+    def receive(self, where: list[int] | list[torch.Tensor], grads: list[torch.Tensor],
+                *, replace: bool = False) -> None:
+        """The way in for every gradient writer (outside ``direct`` mode, where the
+        ``.grad`` autograd writes is the accumulator): add ``grads`` into the buffers
+        of ``where`` (indices, or the working parameters themselves), in the buffer's
+        dtype, Kahan-compensated under ``grad_accum=kahan``. ``replace``: the buffers
+        become ``grads`` (a reduction's result, which already holds them), and their
+        compensation is reset; ``accumulate`` then leaves those parameters' ``.grad``
+        out of this backward."""
+        idx = [i if isinstance(i, int) else self.index[id(i)] for i in where]
         bufs = [self.buffers[i] for i in idx]
-        if self.kahan:
+        if replace:
+            torch._foreach_copy_(bufs, grads)
+            if self.kahan:
+                torch._foreach_zero_([self.compensations[i] for i in idx])
+            self._settled.update(idx)
+        elif self.kahan:
             # Kahan: y = g - c; t = s + y; c = (t - s) - y; s = t   (all in buffer dtype)
             comps = [self.compensations[i] for i in idx]
-            y = torch._foreach_sub([g.to(b.dtype) for g, b in zip(new, bufs)], comps)
+            y = torch._foreach_sub([g.to(b.dtype) for g, b in zip(grads, bufs)], comps)
             t = torch._foreach_add(bufs, y)
             diff = torch._foreach_sub(t, bufs)
             torch._foreach_sub_(diff, y)
             torch._foreach_copy_(comps, diff)
             torch._foreach_copy_(bufs, t)
         else:
-            torch._foreach_add_(bufs, new)
+            torch._foreach_add_(bufs, grads)
 
     # --- the sink for wgrad=fp32 (mixprec.wgrad), during backward -------------------
 
@@ -235,25 +273,37 @@ class ParamState:
         Returns what autograd should accumulate into ``p.grad``: nothing, or under DDP
         (``announce_grads``) a zero, so its reducer sees the parameter become ready; its
         comm hook then reduces the buffer, which already holds this gradient."""
-        self._add([self.index[id(p)]], [grad])
+        self.receive([p], [grad])
         if self.announce_grads:
             return torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
         return None
 
     # --- at the optimizer step ----------------------------------------------------
 
-    def gradients(self) -> list[torch.Tensor]:
-        """The accumulated gradients, to unscale, check and clip in place."""
+    @property
+    def grads(self) -> tuple[torch.Tensor | None, ...]:
+        """The one view out: the accumulated gradient of each optimizer parameter,
+        index by index with ``opt_params``, ``working`` and ``names`` (None for one that
+        got no gradient). Scaled by the loss scale until the step's unscale pass, the
+        true gradient after it. Read it; write only through ``receive``."""
         if self.direct:
-            return [q.grad for q in self.opt_params if q.grad is not None]
-        return self.buffers
+            return tuple(q.grad for q in self.opt_params)
+        return tuple(self.buffers)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """``grads`` without the Nones: what the step checks, unscales and clips."""
+        return [g for g in self.grads if g is not None]
 
     def aligned_gradients(self) -> list[torch.Tensor | None]:
-        """The accumulated gradient of each parameter, index by index with ``working``
-        and ``names`` (None for one that got no gradient; scaled by the loss scale)."""
-        if self.direct:
-            return [q.grad for q in self.opt_params]
-        return list(self.buffers)
+        """``grads`` as a list."""
+        return list(self.grads)
+
+    def lend_grads(self) -> dict[int, torch.Tensor]:
+        """``grads`` as a mapping ``id(optimizer parameter) -> gradient``, for
+        optimizers that read it in place of ``.grad`` (``mixprec.optim``): from then on
+        ``hand_to_optimizer`` puts no 16-bit copy of an fp32 buffer in ``.grad``."""
+        self._lent = True
+        return {id(q): g for q, g in zip(self.opt_params, self.grads) if g is not None}
 
     def hand_to_optimizer(self) -> None:
         """Give the optimizer its grads: the buffers, or copies where their dtype differs.
@@ -265,7 +315,7 @@ class ParamState:
             return
         for q, b, same in zip(self.opt_params, self.buffers, self._same):
             if not same:
-                if not self.optimizer_reads_buffers:
+                if not self._lent:
                     q.grad = b.to(q.dtype)
             elif q.grad is not b:
                 q.grad = b
@@ -300,6 +350,7 @@ class ParamState:
 
     def zero(self) -> None:
         """Clear the accumulated gradients after an optimizer step."""
+        self._settled = set()
         if self.direct:
             for q in self.opt_params:
                 q.grad = None

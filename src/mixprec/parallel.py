@@ -57,6 +57,9 @@ class Parallel:
     name: str | None = None
     #: parameters are shards (FSDP): the masters are the shards, checkpoints are per rank
     sharded = False
+    #: a reducer must see every parameter's gradient arrive (DDP's): the parameter
+    #: state's wgrad sink then hands autograd a zero (``ParamState(announce_grads=)``)
+    announces_grads = False
 
     def __init__(self, recipe: Recipe, kwargs: dict | None = None, units=None) -> None:
         self.recipe = recipe
@@ -138,10 +141,10 @@ class DDP(_Replicated):
     """DistributedDataParallel with mixprec's comm hook (``mixprec.comm``)."""
 
     name = "ddp"
+    announces_grads = True
 
     def wrap(self, model: nn.Module, param_state) -> nn.Module:
         """DDP with the comm hook over ``param_state``'s buffers."""
-        param_state.announce_grads = True  # wgrad=fp32: DDP must see grads arrive
         ddp, self.comm_stats = wrap_ddp(param_state, model, self.recipe, **self.kwargs)
         return ddp
 

@@ -159,10 +159,9 @@ def _hand_over(optimizers: list, state: ParamState, fp32_init: list | None) -> N
         _set_state_formats(ours, state)
     index = {id(p): i for i, p in enumerate(state.working)}
     if not state.has_master and not state.direct and len(ours) == len(optimizers):
-        buffers = {id(w): b for w, b in zip(state.working, state.buffers)}
+        grads = state.lend_grads()  # no master: keyed by the working parameters
         for o in ours:
-            o.grad_buffers = buffers
-        state.optimizer_reads_buffers = True
+            o.grad_buffers = grads
     for o in ours:
         if state.round_to is not None and not state.has_master:
             o.emulated_format = state.round_to
@@ -222,7 +221,8 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
         fp32_init = [shard_like(v, p) for v, p in
                      zip(fp32_init, [p for p in model.parameters() if p.requires_grad])]
     state = ParamState([p for p in model.parameters() if p.requires_grad], r,
-                       emulate=kernels.emulate, names=names, sharded=par.sharded)
+                       emulate=kernels.emulate, names=names, sharded=par.sharded,
+                       announce_grads=par.announces_grads)
     if emu_mode is not None and state.round_to is not None:
         emu_mode.tag(state.working)  # bf16 values in fp32 tensors
     _repoint(optimizers, state)

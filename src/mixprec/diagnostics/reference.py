@@ -53,7 +53,7 @@ def compare_to_fp32(model_factory: Callable[[], nn.Module],
             scale = float(engine.scale) if engine.scaler.scaled else 1.0
             g = {}
             for p, buf in zip(engine.param_state.working,
-                              engine.param_state.aligned_gradients()):
+                              engine.param_state.grads):
                 if buf is not None:
                     g[names[id(p)]] = buf.detach().double() / scale
             grads_per_step.append(g)

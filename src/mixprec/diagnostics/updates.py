@@ -78,7 +78,7 @@ def vanished_updates(engine: MixedPrecision, step: Callable[[Callable[[], None]]
     nonzero: list[torch.Tensor | None] = []
 
     def capture() -> None:  # which elements the optimizer gets a non-zero gradient for
-        grads = state.aligned_gradients()
+        grads = state.grads
         nonzero.extend(None if g is None else (g != 0) for g in grads)
 
     if step(capture):
