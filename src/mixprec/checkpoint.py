@@ -245,7 +245,7 @@ def _restore_counters(engine, state: dict) -> None:
     engine.scaler.load_state_dict(state["scaler"])
     for sch, s in zip(engine.schedulers, state.get("schedulers", [])):
         sch.load_state_dict(s)
-    engine.counters.steps = int(state["steps"])
+    engine.counters.restore(state["steps"])
     engine.param_state.mark_working()
     engine.zero_grad()
     engine.parallelism.after_restore(engine.fp8_modules)

@@ -200,8 +200,7 @@ class MixedPrecision:
         state.accumulate()
         if self.grad_accum_steps > 1:
             state.mark_accumulated()
-        c.micro += 1
-        c.closed = last and c.micro < self.grad_accum_steps
+        c.backward(last, self.grad_accum_steps)
 
     def step(self) -> StepResult:
         """Finish a micro-batch; update the weights once ``grad_accum_steps`` are in."""
@@ -211,7 +210,7 @@ class MixedPrecision:
                 "step() called without backward() since the last step() (or twice for the "
                 "same gradients): each step() consumes the engine.backward(loss) calls "
                 "before it (loss.backward() bypasses the engine: no scaling, no buffers)")
-        c.seen = c.micro
+        c.consume()
         if c.micro < self.grad_accum_steps and not c.closed:
             return StepResult(True, False, self.scaler.scale, None)
         check_setup_unchanged(self.optimizers, self._param_counts, self.param_state,
@@ -253,8 +252,7 @@ class MixedPrecision:
             p.grad = None
         self._step.forget()
         self.param_state.zero()
-        self.counters.micro = self.counters.seen = 0
-        self.counters.closed = False
+        self.counters.clear()
 
     # --- introspection ----------------------------------------------------------------
 

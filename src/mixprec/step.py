@@ -23,8 +23,10 @@ bit for bit, fused, foreach and for-loop alike. A step that does not clip takes
 Adam, AdamW, SGD). The kernel divides each gradient by ``scale / clip_coef`` as it
 updates, so no pass writes the gradients here, except to clip unscaled fp32 gradients:
 the multiply above (one pass, no sync). Any other optimizer costs one sync (to
-decide the skip) and an explicit unscale-and-clip pass, as under torch's GradScaler,
-whose ``_maybe_opt_step`` reads ``found_inf.item()`` for it; on CUDA the engine makes
+decide the skip), as under torch's GradScaler, whose ``_maybe_opt_step`` reads
+``found_inf.item()`` for it, and one pass that unscales and clips together: a multiply
+by ``clip_coef / scale`` (``unscale_factor``), so the step reads the gradients twice,
+the norm and that multiply; on CUDA the engine makes
 torch's Adam, AdamW and SGD left at their default implementation fused
 (``checks.fuse_default_optimizers``), so only an optimizer configured otherwise pays it.
 
@@ -74,12 +76,41 @@ class Counters:
     """Where the loop is: ``micro`` backward calls since the last update, ``seen`` the
     value of ``micro`` at the last ``step()`` call, ``steps`` optimizer steps taken
     (applied or skipped), ``closed`` whether a ``backward(last=True)`` ended the window
-    early. Checkpoints save ``steps``; the rest is zero between steps."""
+    early. Checkpoints save ``steps``; the rest is zero between steps.
+
+    The one writer of these counts: the engine and the checkpoints call the methods
+    below. (Skipped steps and the current run of them are device tensors that the loss
+    scaler keeps and moves in ``update``, its one writer: ``skipped_total``,
+    ``skip_streak``.)"""
 
     micro: int = 0
     seen: int = 0
     steps: int = 0
     closed: bool = False
+
+    def backward(self, last: bool, accum_steps: int) -> None:
+        """One micro-batch went through backward; ``last``: it ended the window."""
+        self.micro += 1
+        self.closed = last and self.micro < accum_steps
+
+    def consume(self) -> None:
+        """``step()`` took the micro-batches so far."""
+        self.seen = self.micro
+
+    def clear(self) -> None:
+        """The window's gradients were dropped (``zero_grad``): a fresh window."""
+        self.micro = self.seen = 0
+        self.closed = False
+
+    def stepped(self) -> None:
+        """An optimizer step ran (applied or skipped): count it, open a fresh window."""
+        self.clear()
+        self.steps += 1
+
+    def restore(self, steps: int) -> None:
+        """A checkpoint's step count, in a fresh window."""
+        self.clear()
+        self.steps = int(steps)
 
 
 class Step:
@@ -158,6 +189,21 @@ class Step:
             return None
         return (self.scaler.scale if scaled else 1.0) / clip_coef(norm, max_norm)
 
+    def unscale_factor(self, norm: torch.Tensor,
+                       max_norm: float | None) -> torch.Tensor | None:
+        """What the unfused step multiplies the gradients by, in its one pass after the
+        norm: ``clip_coef / scale`` (None: nothing to do). ``clip_coef * (1 / scale)``
+        is exact for a power-of-2 scale (every dynamic scale from a power-of-2 start),
+        so ``g * (clip_coef / scale)`` has the bits of unscaling first and clipping
+        after (torch's GradScaler, then torch's clip), with one rounding fewer for any
+        other scale and for 16-bit gradients. Unscaled fp32 gradients are multiplied
+        by torch's ``clip_coef`` itself, as its ``clip_grad_norm_`` does."""
+        coef = None if max_norm is None else clip_coef(norm, max_norm)
+        if not self.scaler.scaled:
+            return coef
+        inv = torch.reciprocal(self.scaler.scale)
+        return inv if coef is None else coef * inv.to(coef.device)
+
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the step; returns ``(found_inf, grad_norm)`` as device tensors."""
         self.settle()  # the last step's scheduler advance, before this update's LR
@@ -169,11 +215,11 @@ class Step:
                            else self.check(grads, as_torch=max_norm is not None))
         if self.in_kernel:
             grad_scale = self.grad_scale(grads, norm, max_norm)
-        else:
-            self.scaler.unscale_(grads)  # its own inf check is implied by the norm's
-            if max_norm is not None:
-                torch._foreach_mul_(grads, clip_coef(norm, max_norm))
+        else:  # the norm decided the skip: one pass unscales and clips
             grad_scale = None
+            factor = self.unscale_factor(norm, max_norm)
+            if factor is not None:
+                _mul_(grads, factor)
         self.param_state.hand_to_optimizer()
         for opt, fused in zip(self.optimizers, self.fused):
             if fused:
@@ -197,10 +243,7 @@ class Step:
             m.update_scales(found_inf)  # a skipped step drops its amaxes
         self.scaler.update(found_inf)
         self.param_state.zero()
-        c = self.counters
-        c.micro = c.seen = 0
-        c.closed = False
-        c.steps += 1
+        self.counters.stepped()
         if self.schedulers:
             self._found_host.push(found_inf)
             if not self._found_host.cuda:
@@ -215,6 +258,15 @@ class Step:
         if seen is not None and not seen[0]:
             for s in self.schedulers:
                 s.step()
+
+
+def _mul_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """``g *= factor`` for every gradient, one foreach kernel per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for dev, gs in by_device.items():
+        torch._foreach_mul_(gs, factor.to(dev))
 
 
 def check_setup_unchanged(optimizers: list, counts: list[int], param_state,
