@@ -92,6 +92,11 @@ def grads_in_place(recipe: Recipe, emulate: bool = False) -> bool:
             and stored == recipe.grad_dtype)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view that writes through), or ``t`` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class ParamState:
     """Master copies, accumulation buffers and the moves between them.
 
@@ -240,15 +245,17 @@ class ParamState:
         compensation is reset; ``accumulate`` then leaves those parameters' ``.grad``
         out of this backward."""
         idx = [i if isinstance(i, int) else self.index[id(i)] for i in where]
-        bufs = [self.buffers[i] for i in idx]
+        # FSDP's shards: their local tensors (DTensor has no rule for _foreach_copy_)
+        bufs = [_local(self.buffers[i]) for i in idx]
+        grads = [_local(g) for g in grads]
         if replace:
             torch._foreach_copy_(bufs, grads)
             if self.kahan:
-                torch._foreach_zero_([self.compensations[i] for i in idx])
+                torch._foreach_zero_([_local(self.compensations[i]) for i in idx])
             self._settled.update(idx)
         elif self.kahan:
             # Kahan: y = g - c; t = s + y; c = (t - s) - y; s = t   (all in buffer dtype)
-            comps = [self.compensations[i] for i in idx]
+            comps = [_local(self.compensations[i]) for i in idx]
             y = torch._foreach_sub([g.to(b.dtype) for g, b in zip(grads, bufs)], comps)
             t = torch._foreach_add(bufs, y)
             diff = torch._foreach_sub(t, bufs)
