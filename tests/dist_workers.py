@@ -784,3 +784,79 @@ def disagreeing_choices(rank, world, tmp, recipe, parallel, fast_rank):
         "checkpoint": engine.state_dict()["kernels"],
         "params": [p.clone() for p in params]})
     _teardown()
+
+
+def _versions(state, idx) -> int:
+    """Sum of the version counters (bumped by every in-place write) of the buffers and
+    Kahan compensations of parameters ``idx`` (a DTensor's: of its local tensor)."""
+    ts = [state.buffers[i] for i in idx] + [state.compensations[i] for i in idx
+                                            if state.compensations]
+    return sum(getattr(t, "_local_tensor", t)._version for t in ts)
+
+
+class DoorSpy:
+    """Wraps ``ParamState.receive``: counts its calls by the function that made them,
+    and the writes to the buffers made inside them (version counters of the buffers
+    each call names), to compare with all writes to the buffers (``writes``)."""
+
+    def __init__(self) -> None:
+        from collections import Counter
+
+        self.calls: Counter = Counter()
+        self.inside = 0
+
+    def __enter__(self):
+        import sys
+
+        from mixprec.master import ParamState
+
+        self._cls, self._orig = ParamState, ParamState.receive
+        spy = self
+
+        def receive(state, where, grads, *, replace=False):
+            caller = sys._getframe(1).f_code.co_name
+            idx = [i if isinstance(i, int) else state.index[id(i)] for i in where]
+            before = _versions(state, idx)
+            spy._orig(state, where, grads, replace=replace)
+            spy.inside += _versions(state, idx) - before
+            spy.calls[caller] += 1
+
+        ParamState.receive = receive
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._cls.receive = self._orig
+
+    @staticmethod
+    def writes(state) -> int:
+        """All writes so far to ``state``'s buffers (compare before and after)."""
+        return _versions(state, range(len(state.buffers)))
+
+
+def door_writers(rank, world, tmp):
+    """One accumulation window per case, under DDP and FSDP: who called the parameter
+    state's door, the buffer writes made in it, and all buffer writes of the window."""
+    _init(rank, world, tmp)
+    out = {}
+    cases = [("ddp", "bf16-master", 2), ("ddp", "bf16-master,wgrad=fp32", 1),
+             ("fsdp", "fp32,grad_accum=kahan", 2)]
+    for parallel, recipe, accum in cases:
+        model = make_mlp(seed=0)
+        engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe,
+                                parallel=parallel, grad_accum_steps=accum)
+        state = engine.param_state
+        start = DoorSpy.writes(state)
+        with DoorSpy() as spy:
+            x, y = make_data(1)[0]
+            xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+            for xm, ym in zip(xs.chunk(accum), ys.chunk(accum)):
+                with engine.autocast():
+                    loss = F.cross_entropy(engine.model(xm), ym)
+                engine.backward(loss)
+        out[(parallel, recipe)] = {"calls": dict(spy.calls), "inside": spy.inside,
+                                   "writes": DoorSpy.writes(state) - start,
+                                   "direct": state.direct}
+        engine.step()
+        del engine, model, state
+    _save(tmp, "door", rank, out)
+    _teardown()

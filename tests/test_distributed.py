@@ -29,7 +29,7 @@ def spawn(fn, *args, world=2):
             "lean_ddp": "lean", "lean_fsdp": "leanfsdp",
             "sharded_optimizer": "shardopt", "fp8_gather": "fp8gather",
             "gpt_fp8_gather": "gptfp8", "disagreeing_choices": "choices",
-            "resume_dropout": "dropout"}[fn.__name__]
+            "resume_dropout": "dropout", "door_writers": "door"}[fn.__name__]
     return [torch.load(os.path.join(tmp, f"{name}_rank{r}.pt"), weights_only=False)
             for r in range(world)]
 
