@@ -1,0 +1,47 @@
+"""The one place the experts' GEMMs call into the quantizer interface.
+
+A grouped GEMM casts each expert's operands and multiplies them as a converted Linear
+does (``mixprec.fp8.linear``): ``cast`` a 2-D tensor for a role along the contracted
+dim, ``mm`` two casts on the format's route, ``reuses`` (a forward cast serves the
+backward), ``pack``/``unpack`` (casts through ``save_for_backward``). Keeping these
+calls here means a reshaped quantizer interface changes this module only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.fp8.linear import _no_autocast, _pack, _unpack
+from mixprec.fp8.quantized import Quantized
+
+__all__ = ["cast", "mm", "reuses", "pack", "unpack", "no_autocast"]
+
+#: autocast off around the GEMMs, which pick their own dtypes (as in a Float8Linear)
+no_autocast = _no_autocast
+
+
+def cast(fmt, t: torch.Tensor, role: str, dim: int, record: bool = False,
+         generator=None) -> Quantized:
+    """``t`` (2-D) cast for ``role`` along ``dim`` by ``fmt`` (an ``ExpertsFormat``):
+    its quantizer with its scaling state."""
+    return fmt.quantizer.cast(t, role, dim, fmt.scaling_state(), record, generator)
+
+
+def mm(fmt, a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` on ``fmt``'s GEMM route, fp32 accumulation, in ``out_dtype``."""
+    return fmt.quantizer.mm(a, b, out_dtype, fmt.backend(a.data.device))
+
+
+def reuses(fmt, role: str) -> bool:
+    """Whether the forward's cast of ``role`` serves its backward GEMM too."""
+    return fmt.quantizer.reuses(role)
+
+
+def pack(casts) -> tuple[list, list]:
+    """Casts (or None) as tensors to save and the metadata that rebuilds them."""
+    return _pack(casts)
+
+
+def unpack(tensors, meta) -> list[Quantized | None]:
+    """The casts ``pack`` saved."""
+    return _unpack(tensors, meta)

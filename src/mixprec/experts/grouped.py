@@ -1,0 +1,233 @@
+"""The quantized grouped GEMM: ``y[rows of e] = x[rows of e] @ W[e]ᵀ`` for every expert e.
+
+``x`` (T × K) holds the tokens sorted by expert, ``W`` (E × N × K) the experts' weights
+(out × in), ``offsets`` (E,) the cumulative token counts (``torch._grouped_mm``'s
+``offs``); rows past ``offsets[-1]`` (tokens routed elsewhere, as expert parallelism
+leaves them) get zeros. Forward, dgrad and wgrad run in any linear format of the
+quantizer registry, exactly as a converted Linear runs them (``mixprec.fp8.linear``),
+per expert: each expert's slice of ``x``, ``W`` and the gradient is cast on its own
+(per-tensor formats: one scale per slice, or the projection's delayed scale; row and
+block formats: the rows and blocks of that expert only), with fp32 accumulation. An
+expert with no token costs nothing and gets a zero weight gradient.
+
+Routes (``route=``):
+
+- ``loop``: one quantized GEMM per expert on the format's own route: the exact
+  reference, bit for bit what a ``Float8Linear`` holding ``W[e]`` computes on its rows;
+- ``grouped``: the casts dequantized to fp32 and multiplied by ``torch._grouped_mm``
+  (a CPU kernel since torch 2.9): the same products, one fp32 rounding per element
+  where the scale is not a power of two; it needs K and N multiples of 4 (16-byte
+  strides) and falls back to ``loop`` per call where they are not;
+- ``scaled_grouped``: the forward on ``torch._scaled_grouped_mm`` (CUDA sm90+, e4m3
+  codes with per-tensor or rowwise scales, bf16 output), the backward on ``grouped``;
+- ``auto``: ``scaled_grouped`` where it applies, else ``grouped`` where torch has it,
+  else ``loop``.
+
+The token counts are read to the host once per call (as transformers' own fallback
+reads them): each expert's casts are sized by them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.experts import adapter
+from mixprec.experts.format import ExpertsFormat
+from mixprec.experts.scaled_grouped import scaled_grouped_applies, scaled_grouped_forward
+
+__all__ = ["grouped_mm", "ROUTES", "group_bounds"]
+
+ROUTES = ("auto", "loop", "grouped", "scaled_grouped")
+
+
+def group_bounds(offsets: torch.Tensor | list[int], rows: int) -> list[tuple[int, int]]:
+    """(start, end) of each expert's rows from cumulative ``offsets`` (one host read)."""
+    ends = offsets.tolist() if isinstance(offsets, torch.Tensor) else list(offsets)
+    out, start = [], 0
+    for end in ends:
+        end = int(end)
+        if end < start or end > rows:
+            raise ValueError(f"offsets must be non-decreasing and at most the {rows} rows "
+                             f"of the input, got {ends}; pass cumulative token counts "
+                             "(torch.cumsum of the per-expert counts)")
+        out.append((start, end))
+        start = end
+    return out
+
+
+def _route(route: str, fmt: ExpertsFormat, x: torch.Tensor, n: int) -> str:
+    if route not in ROUTES:
+        raise ValueError(f"route={route!r}; valid: {', '.join(ROUTES)}")
+    if route in ("auto", "scaled_grouped") and scaled_grouped_applies(fmt, x.device,
+                                                                      x.shape[1], n):
+        return "scaled_grouped"
+    has_grouped = hasattr(torch, "_grouped_mm") and x.device.type != "meta"
+    aligned = x.shape[1] % 4 == 0 and n % 4 == 0
+    if route in ("auto", "grouped", "scaled_grouped") and has_grouped and aligned:
+        return "grouped"
+    return "loop"
+
+
+def _dequant_rows(casts, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 values of per-expert row casts (None: no rows) stacked into one
+    (rows, cols) tensor, and the cumulative row counts. A cast may hold more rows than
+    its expert's tokens (NVFP4's Hadamard transform pads the tokens to whole 16-blocks);
+    the rows are rounded up to a multiple of 4 for 16-byte strides."""
+    vals = [c.dequant() if c is not None else None for c in casts]
+    counts = [v.shape[0] if v is not None else 0 for v in vals]
+    rows = sum(counts)
+    out = torch.zeros(rows + (-rows) % 4, cols, device=device)
+    start = 0
+    for v, c in zip(vals, counts):
+        if v is not None:
+            out[start:start + c] = v
+        start += c
+    offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    return out, offs
+
+
+def _device(casts) -> torch.device:
+    return next(c.data.device for c in casts if c is not None)
+
+
+def _stack(casts, shape, transpose: bool) -> torch.Tensor:
+    """Per-expert weight casts dequantized into one (E, *shape) fp32 tensor."""
+    out = torch.zeros(len(casts), *shape, device=_device(casts))
+    for e, c in enumerate(casts):
+        if c is not None:
+            out[e] = c.dequant().t() if transpose else c.dequant()
+    return out
+
+
+class _GroupedQuantizedMM(torch.autograd.Function):
+    """The grouped GEMM and its two backward GEMMs on ``fmt``'s casts, per expert."""
+
+    @staticmethod
+    def forward(ctx, x, w, offsets, fmt, out_dtype, record, route):
+        t, n = x.shape[0], w.shape[1]
+        bounds = group_bounds(offsets, t)
+        route = _route(route, fmt, x, n)
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        xq, wq, xw, wd = [], [], [], []
+        with adapter.no_autocast(x), fmt.quantizer.gemm_context():
+            for e, (s, end) in enumerate(bounds):
+                if s == end:
+                    xq.append(None), wq.append(None), xw.append(None), wd.append(None)
+                    continue
+                a = adapter.cast(fmt, x[s:end], "input", 1, record)
+                b = adapter.cast(fmt, w[e], "weight", 1, record)
+                xq.append(a), wq.append(b)
+                wd.append(None if not need_dx else b if adapter.reuses(fmt, "weight")
+                          else adapter.cast(fmt, w[e], "weight", 0))
+                xw.append(None if not need_dw else a if adapter.reuses(fmt, "input")
+                          else adapter.cast(fmt, x[s:end], "input", 0))
+            y = _forward(route, fmt, xq, wq, bounds, x, n, out_dtype)
+        tensors, ctx.casts = adapter.pack(xw + wd)
+        ctx.save_for_backward(*tensors)
+        ctx.fmt, ctx.bounds, ctx.route = fmt, bounds, route
+        ctx.x_dtype, ctx.w_dtype, ctx.shape = x.dtype, w.dtype, (t, n, x.shape[1])
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        casts = adapter.unpack(ctx.saved_tensors, ctx.casts)
+        fmt, bounds = ctx.fmt, ctx.bounds
+        xw, wd = casts[:len(bounds)], casts[len(bounds):]
+        t, n, k = ctx.shape
+        grouped = ctx.route != "loop"
+        gen = fmt._sr_generator(gy.device)
+        dx = dw = None
+        with adapter.no_autocast(gy), fmt.quantizer.gemm_context():
+            g1 = [None] * len(bounds)
+            if ctx.needs_input_grad[0]:
+                dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
+                g1 = [None if s == e else adapter.cast(fmt, gy[s:e], "grad_output", 1,
+                                                       True, gen) for s, e in bounds]
+                if grouped:
+                    a, offs = _dequant_rows(g1, n, gy.device)
+                    dx = torch._grouped_mm(a, _stack(wd, (n, k), False), offs=offs)[:t]
+                else:
+                    dx = gy.new_zeros(t, k, dtype=dx_dtype)
+                    for c, w_e, (s, e) in zip(g1, wd, bounds):
+                        if c is not None:
+                            dx[s:e] = adapter.mm(fmt, c, w_e, dx_dtype)
+                dx = _zero_tail(dx, bounds).to(ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                reuse = adapter.reuses(fmt, "grad_output")
+                g0 = [None if s == e else c if c is not None and reuse
+                      else adapter.cast(fmt, gy[s:e], "grad_output", 0, c is None, gen)
+                      for c, (s, e) in zip(g1, bounds)]
+                if grouped:
+                    a, offs = _dequant_rows(g0, n, gy.device)
+                    b, _ = _dequant_rows(xw, k, gy.device)
+                    dw = torch._grouped_mm(a.t().contiguous(), b, offs=offs)
+                    dw = _zero_empty(dw, bounds)
+                else:
+                    dw = gy.new_zeros(len(bounds), n, k, dtype=torch.float32)
+                    for e, (c, x_e) in enumerate(zip(g0, xw)):
+                        if c is not None:
+                            dw[e] = adapter.mm(fmt, c.t(), x_e, torch.float32)
+                dw = dw.to(ctx.w_dtype)
+        return dx, dw, None, None, None, None, None
+
+
+def _forward(route, fmt, xq, wq, bounds, x, n, out_dtype) -> torch.Tensor:
+    t, k = x.shape
+    if route == "scaled_grouped":
+        return _zero_tail(scaled_grouped_forward(xq, wq, bounds, t, n), bounds).to(out_dtype)
+    if route == "grouped":
+        a, offs = _dequant_rows(xq, k, x.device)
+        y = torch._grouped_mm(a, _stack(wq, (k, n), True), offs=offs)[:t]
+        return _zero_tail(y, bounds).to(out_dtype)
+    y = x.new_zeros(t, n, dtype=out_dtype)
+    for a, b, (s, e) in zip(xq, wq, bounds):
+        if a is not None:
+            y[s:e] = adapter.mm(fmt, a, b.t(), out_dtype)
+    return y
+
+
+def _zero_tail(y: torch.Tensor, bounds) -> torch.Tensor:
+    """Rows past the last expert's (the kernels leave them unwritten) set to zero."""
+    end = bounds[-1][1] if bounds else 0
+    if end < y.shape[0]:
+        y[end:] = 0
+    return y
+
+
+def _zero_empty(dw: torch.Tensor, bounds) -> torch.Tensor:
+    """An expert with no token has a zero weight gradient (the kernel may not write it)."""
+    for e, (s, end) in enumerate(bounds):
+        if s == end:
+            dw[e] = 0
+    return dw
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+               fmt: ExpertsFormat, *, route: str = "auto",
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x`` (T × K, tokens sorted by expert) times each expert's ``weight[e]ᵀ``
+    (``weight``: E × N × K, out × in; pass ``w.transpose(1, 2)`` for an in × out
+    layout) over the rows ``offsets`` (E,), the cumulative token counts, delimit; T × N
+    in ``out_dtype`` (default: the autocast dtype, else ``x``'s). Differentiable in
+    ``x`` and ``weight``; ``fmt``'s delayed scaling records its amaxes when grad is on.
+
+    >>> import torch
+    >>> from mixprec.experts import ExpertsFormat, grouped_mm
+    >>> x, w = torch.randn(6, 32), torch.randn(3, 16, 32)
+    >>> y = grouped_mm(x, w, torch.tensor([2, 2, 6]), ExpertsFormat("fp8-current"))
+    >>> y.shape, bool(y[2:].abs().sum() > 0)
+    (torch.Size([6, 16]), True)
+    """
+    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
+        raise ValueError(f"grouped_mm takes x (T, K) and weight (E, N, K), got x "
+                         f"{tuple(x.shape)} and weight {tuple(weight.shape)}; transpose "
+                         "an (E, K, N) weight with weight.transpose(1, 2)")
+    if offsets.numel() != weight.shape[0]:
+        raise ValueError(f"offsets has {offsets.numel()} entries for {weight.shape[0]} "
+                         "experts; give one cumulative count per expert")
+    dev = x.device.type
+    if out_dtype is None:
+        out_dtype = (torch.get_autocast_dtype(dev) if dev != "meta"
+                     and torch.is_autocast_enabled(dev) else x.dtype)
+    return _GroupedQuantizedMM.apply(x, weight, offsets, fmt, out_dtype,
+                                     torch.is_grad_enabled(), route)

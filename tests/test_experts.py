@@ -1,0 +1,152 @@
+"""The quantized grouped GEMM of mixture-of-experts (``mixprec.experts.grouped_mm``):
+the exact route is, expert by expert, bit for bit what a Float8Linear holding that
+expert's weight computes (forward, dgrad, wgrad), jagged groups and an expert without
+tokens included; the grouped route matches it to fp32 rounding; each format's error
+against a float64 product is that format's; torch's fp8 grouped kernel takes the
+operands as its meta kernel requires."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mixprec.experts import ExpertsFormat, grouped_mm
+from mixprec.experts import scaled_grouped as sg
+from mixprec.fp8.linear import Float8Linear
+
+#: the linear formats, NVFP4 rounded to nearest (bitwise comparisons draw no random bits)
+FORMATS = ["fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8",
+           "nvfp4,nvfp4_sr=false"]
+COUNTS = [5, 0, 9, 3]  # expert 1 receives no token; one row (17) is routed elsewhere
+T, K, N = 18, 64, 32
+
+
+def _operands(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=g)
+    w = torch.randn(len(COUNTS), N, K, generator=g) / 8
+    gy = torch.randn(T, N, generator=g)
+    offs = torch.tensor(COUNTS).cumsum(0)
+    return x, w, gy, offs
+
+
+def _bounds():
+    ends = torch.tensor(COUNTS).cumsum(0).tolist()
+    return list(zip([0, *ends[:-1]], ends))
+
+
+def _grouped(recipe, route, x, w, gy, offs):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = grouped_mm(x, w, offs, ExpertsFormat(recipe), route=route)
+    y.backward(gy)
+    return y.detach(), x.grad, w.grad
+
+
+def sqnr_db(ref: torch.Tensor, y: torch.Tensor) -> float:
+    return (10 * torch.log10(ref.pow(2).sum() / (ref - y).pow(2).sum())).item()
+
+
+@pytest.mark.parametrize("recipe", FORMATS)
+def test_loop_route_is_float8linear_per_expert_bit_for_bit(recipe):
+    x, w, gy, offs = _operands()
+    y, dx, dw = _grouped(recipe, "loop", x, w, gy, offs)
+    for e, (s, end) in enumerate(_bounds()):
+        if s == end:
+            assert torch.equal(dw[e], torch.zeros_like(dw[e]))  # no token: no gradient
+            continue
+        lin = Float8Linear(K, N, bias=False, recipe=recipe)
+        with torch.no_grad():
+            lin.weight.copy_(w[e])
+        xe = x[s:end].clone().requires_grad_()
+        ye = lin(xe)
+        ye.backward(gy[s:end])
+        assert torch.equal(y[s:end], ye.detach()), e
+        assert torch.equal(dx[s:end], xe.grad), e
+        assert torch.equal(dw[e], lin.weight.grad), e
+    assert torch.equal(y[17:], torch.zeros(1, N)) and torch.equal(dx[17:], torch.zeros(1, K))
+
+
+@pytest.mark.parametrize("recipe", FORMATS)
+def test_grouped_route_matches_the_loop(recipe):
+    x, w, gy, offs = _operands(1)
+    loop = _grouped(recipe, "loop", x, w, gy, offs)
+    grouped = _grouped(recipe, "grouped", x, w, gy, offs)
+    for a, b in zip(loop, grouped):  # the same products; one fp32 rounding apart
+        torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-5 * a.abs().max().item())
+    assert torch.equal(grouped[2][1], torch.zeros(N, K))
+
+
+@pytest.mark.parametrize("recipe,lo,hi", [
+    ("fp8", 24, 38), ("fp8-current", 24, 38), ("fp8-rowwise", 24, 38),
+    ("fp8-block", 24, 38), ("mxfp8", 24, 38), ("nvfp4", 12, 30)])
+def test_each_format_has_its_own_error(recipe, lo, hi):
+    """Against a float64 product: e4m3's ~3 significant bits give ~28 dB, e2m1's ~17
+    dB (more on a few rows); bf16 (~50 dB here) would fail the upper bound."""
+    x, w, gy, offs = _operands(2)
+    y, dx, dw = _grouped(recipe, "auto", x, w, gy, offs)
+    xd, wd, gd = x.double(), w.double(), gy.double()
+    for e, (s, end) in enumerate(_bounds()):
+        if s == end:
+            continue
+        assert lo <= sqnr_db(xd[s:end] @ wd[e].T, y[s:end].double()) <= hi, e
+        assert lo - 3 <= sqnr_db(gd[s:end] @ wd[e], dx[s:end].double()) <= hi, e
+        assert lo - 3 <= sqnr_db(gd[s:end].T @ xd[s:end], dw[e].double()) <= hi, e
+
+
+def test_per_tensor_scales_are_per_expert():
+    """fp8-current scales each expert's slice on its own: an expert whose tokens are
+    1000x smaller keeps its precision (one scale for all would flush it)."""
+    x, w, gy, offs = _operands(3)
+    x[14:17] *= 1e-3  # expert 3's rows
+    y, _, _ = _grouped("fp8-current", "loop", x, w, gy, offs)
+    ref = x[14:17].double() @ w[3].double().T
+    assert sqnr_db(ref, y[14:17].double()) > 24
+
+
+def test_delayed_scaling_records_one_history_per_projection():
+    x, w, gy, offs = _operands(4)
+    fmt = ExpertsFormat("fp8")
+    xg = x.clone().requires_grad_()
+    grouped_mm(xg, w, offs, fmt).backward(gy)
+    hist = fmt.fp8_amax_history[:, 0]
+    rows = [slice(s, e) for s, e in _bounds() if s != e]
+    want_x = max(x[r].abs().max() for r in rows)  # max over the experts' own rows
+    want_w = max(w[e].abs().max() for e, (s, end) in enumerate(_bounds()) if s != end)
+    want_g = max(gy[r].abs().max() for r in rows)
+    assert torch.equal(hist, torch.stack([want_x, want_w, want_g]))
+    with torch.no_grad():  # an evaluation records nothing
+        grouped_mm(x * 10, w, offs, fmt)
+    assert torch.equal(fmt.fp8_amax_history[:, 0], hist)
+
+
+def test_bad_operands_are_named():
+    x, w, _, offs = _operands()
+    with pytest.raises(ValueError, match="weight.transpose"):
+        grouped_mm(x, w.transpose(1, 2)[:, :, :N], offs, ExpertsFormat("fp8"))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        grouped_mm(x, w, torch.tensor([5, 3, 9, 12]), ExpertsFormat("fp8"))
+    with pytest.raises(ValueError, match="route='fast'"):
+        grouped_mm(x, w, offs, ExpertsFormat("fp8"), route="fast")
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8-current", "fp8-rowwise"])
+def test_scaled_grouped_route_against_torch_meta_kernel(recipe):
+    """The CUDA route's call (codes, per-row and per-column scales, column-major
+    weights, int32 offsets) checked by torch's own meta kernel for _scaled_grouped_mm."""
+    fmt = ExpertsFormat(recipe, device="meta")
+    x = torch.empty(T, K, device="meta")
+    w = torch.empty(len(COUNTS), N, K, device="meta")
+    y = grouped_mm(x, w, torch.tensor(COUNTS).cumsum(0), fmt, route="scaled_grouped",
+                   out_dtype=torch.bfloat16)
+    assert y.shape == (T, N) and y.dtype == torch.bfloat16 and y.device.type == "meta"
+
+
+def test_scaled_grouped_applies_only_where_torch_has_the_kernel(monkeypatch):
+    monkeypatch.setattr(sg, "_capability", lambda d: (9, 0))
+    monkeypatch.setattr(ExpertsFormat, "backend", lambda self, d: "scaled_mm")
+    assert sg.scaled_grouped_applies(ExpertsFormat("fp8-rowwise"), "cuda", 64, 32)
+    assert not sg.scaled_grouped_applies(ExpertsFormat("fp8-rowwise"), "cuda", 64, 24)
+    assert not sg.scaled_grouped_applies(ExpertsFormat("mxfp8"), "cuda", 64, 32)
+    assert not sg.scaled_grouped_applies(ExpertsFormat("fp8"), "cpu", 64, 32)
+    monkeypatch.setattr(sg, "_capability", lambda d: (8, 9))
+    assert not sg.scaled_grouped_applies(ExpertsFormat("fp8"), "cuda", 64, 32)
