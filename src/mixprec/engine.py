@@ -39,6 +39,7 @@ from torch import nn
 from mixprec import checkpoint, checkpoint_resharding
 from mixprec.checks import check_backward, warn_low_precision_loss
 from mixprec.context import precision_context, recompute_context, run_backward
+from mixprec.coverage import Coverage, warn_low_coverage
 from mixprec.recipe import Recipe
 from mixprec.scaler import LossScaler
 from mixprec.setup import as_optimizers, build, check_loop_args, warn_kernel_choices
@@ -145,6 +146,8 @@ class MixedPrecision:
         self.comm_stats = parts.parallel.comm_stats
         self.param_state, self.scaler = parts.param_state, parts.scaler
         self.fp8_report, self.fp8_modules = parts.fp8_report, parts.fp8_modules
+        self._coverage = parts.coverage
+        warn_low_coverage(self._coverage, r)
         self._frozen, self._param_counts = parts.frozen, parts.param_counts
         self._step = Step(self.optimizers, self.param_state, self.scaler, self.parallelism,
                           self.fp8_modules, schedulers, max_grad_norm, self.device, r)
@@ -255,6 +258,13 @@ class MixedPrecision:
         self.counters.clear()
 
     # --- introspection ----------------------------------------------------------------
+
+    @property
+    def coverage(self) -> Coverage:
+        """The share of the model's matmul weights in each format, per module kind
+        (Linears, experts, attention, head, routers), and what stayed in 16 bits and
+        why (``mixprec.coverage``): ``print(engine.coverage)``."""
+        return self._coverage
 
     @property
     def scale(self) -> torch.Tensor:

@@ -28,6 +28,9 @@ from mixprec.checks import (
 )
 from mixprec.comm import shard_like
 from mixprec.context import fp32_island_modules, make_emulation_mode, wrap_fp32_modules
+from mixprec.coverage import coverage, low_precision
+from mixprec.experts import experts_formats
+from mixprec.experts.hook import convert_experts
 from mixprec.fp8.convert import convert as fp8_convert
 from mixprec.fp8.linear import fp8_modules
 from mixprec.kernels import KernelChoices, choices, has_fast_kernels
@@ -62,6 +65,8 @@ class Parts:
     param_counts: list
     #: undoes the FP32 islands' patches on third-party norm modules
     undo_islands: Callable[[], None]
+    #: the share of matmul weights in each format (``mixprec.coverage``)
+    coverage: object = None
 
 
 def as_optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -212,6 +217,10 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
     emu_mode = make_emulation_mode(r) if kernels.emulate else None
     # before FSDP: fully_shard must manage the Float8Linears, or they see sharded weights
     fp8_report = _swap_fp8(model, r, kernels, fp8_filter)
+    if low_precision(r):  # transformers' experts modules: their projections too
+        convert_experts(model, r.replace(fp8_gemm=kernels.fp8_gemm),
+                        routes=kernels.fp8_gemm_routes or None)
+    cov = coverage(model, r, dict(fp8_report.skipped) if fp8_report else None)
     # write=remainder starts from the exact fp32 weights, before a cast drops bits (FSDP
     # may store 16-bit shards): taken whole here, placed like the parameters below
     fp32_init = ([p.detach().clone() for p in model.parameters() if p.requires_grad]
@@ -235,8 +244,9 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
             if r.has_fp32_islands else (lambda: None))
     state.mark_working()  # after the broadcast of rank 0's weights
     return Parts(r, module, model, device, kernels, par, state, scaler, emu_mode,
-                 fp8_report, list(fp8_modules(module).values()),
-                 frozen, param_counts(optimizers), undo)
+                 fp8_report, [*fp8_modules(module).values(),
+                              *experts_formats(module).values()],
+                 frozen, param_counts(optimizers), undo, cov)
 
 
 def warn_kernel_choices(r: Recipe, kernels: KernelChoices, device: torch.device) -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from mixprec.experts.hook import is_experts
 from mixprec.fp8.linear import Float8Linear, is_conv1d
 from mixprec.layer_rules import LayerRule, first_match
 from mixprec.recipe import Recipe
@@ -238,7 +239,7 @@ def _warn_unused_rules(model: nn.Module, r: Recipe) -> None:
     if not r.layer_rules:
         return
     names = [fqn for fqn, m in model.named_modules()
-             if isinstance(m, nn.Linear) or is_conv1d(m)]
+             if isinstance(m, nn.Linear) or is_conv1d(m) or is_experts(m)]
     used = {first_match(r.layer_rules, "layer", n) for n in names}
     unused = [rule for rule in r.layer_rules if rule not in used]
     if not unused:

@@ -1,0 +1,176 @@
+"""Coverage: which share of the weights that feed the model's matmuls runs in which format.
+
+At build the engine reads the model as it will train: every converted Linear in its
+fp8/fp4 preset, every transformers experts module in its projections' format, and
+everything else that multiplies a weight (Linears left in high precision and why, the
+mixture-of-experts routers, experts modules kept) in the recipe's 16-bit compute. The
+report counts parameters (a weight's FLOPs per token are proportional to its size for a
+dense layer; an expert's are that times the share of tokens routed to it), by module
+kind: ``attention``, ``linear`` (the MLPs and the rest), ``head``, ``experts``,
+``router``. A low-precision recipe that leaves more than half of them in 16 bits warns
+once, naming the largest modules left out and why.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch import nn
+
+from mixprec.experts.format import ExpertsFormat
+from mixprec.experts.hook import experts_modules
+from mixprec.fp8.linear import Float8Linear, is_conv1d
+from mixprec.recipe import Recipe
+
+__all__ = ["Coverage", "CoverageRow", "coverage", "warn_low_coverage", "low_precision"]
+
+#: the share of matmul weights below which a low-precision recipe warns
+WARN_BELOW = 0.5
+
+
+def low_precision(r: Recipe) -> bool:
+    """Whether ``r`` runs Linears in a low-precision (fp8/fp4) format: the one check."""
+    return r.compute == "fp8"
+
+
+@dataclass(frozen=True)
+class CoverageRow:
+    """One module whose weight feeds a matmul: its name, kind, parameter count, format
+    (an fp8/fp4 preset name or a 16-bit dtype) and, for one left in 16 bits under a
+    low-precision recipe, why."""
+
+    name: str
+    kind: str
+    params: int
+    format: str
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """The rows, and the share of parameters in each format (overall and per kind).
+
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 16))
+    >>> cov = coverage(net, "fp8-current", {"2": "output head: the last Linear"})
+    >>> round(cov.low_precision_share, 3), cov.by_kind()["head"]
+    (0.8, {'bf16': 1.0})
+    """
+
+    rows: tuple[CoverageRow, ...]
+    high: str = "bf16"
+
+    @property
+    def total(self) -> int:
+        """Parameters that feed matmuls."""
+        return sum(r.params for r in self.rows)
+
+    def shares(self, kind: str | None = None) -> dict[str, float]:
+        """Format -> share of the parameters (of ``kind``, or of all)."""
+        rows = [r for r in self.rows if kind is None or r.kind == kind]
+        total = sum(r.params for r in rows) or 1
+        counts: dict[str, int] = {}
+        for r in rows:
+            counts[r.format] = counts.get(r.format, 0) + r.params
+        return {f: c / total for f, c in counts.items()}
+
+    def by_kind(self) -> dict[str, dict[str, float]]:
+        """Kind -> (format -> share of that kind's parameters)."""
+        return {k: self.shares(k) for k in dict.fromkeys(r.kind for r in self.rows)}
+
+    @property
+    def low_precision_share(self) -> float:
+        """The share of the parameters in an fp8/fp4 format."""
+        return sum(r.params for r in self.rows if r.reason is None
+                   and r.format != self.high) / (self.total or 1)
+
+    def left_out(self, n: int = 3) -> list[CoverageRow]:
+        """The ``n`` largest modules left in 16 bits."""
+        rows = [r for r in self.rows if r.format == self.high]
+        return sorted(rows, key=lambda r: -r.params)[:n]
+
+    def __str__(self) -> str:
+        lines = [f"coverage: {self.low_precision_share:.0%} of {self.total:,} matmul "
+                 "weight parameters in low precision"]
+        for kind, shares in self.by_kind().items():
+            said = ", ".join(f"{f} {s:.0%}" for f, s in sorted(shares.items()))
+            lines.append(f"  {kind:<10} {said}")
+        for r in self.left_out():
+            lines.append(f"  kept {r.name} ({r.params:,}): {r.reason or r.format}")
+        return "\n".join(lines)
+
+
+def _kind(name: str, m: nn.Module, head: set[str]) -> str:
+    if name in head:
+        return "head"
+    leaf = name.rsplit(".", 1)[-1]
+    if "attn" in name or "attention" in name or leaf in ("q_proj", "k_proj", "v_proj",
+                                                          "o_proj", "qkv"):
+        return "attention"
+    return "linear"
+
+
+def _is_router(m: nn.Module) -> bool:
+    w = getattr(m, "weight", None)
+    return ("router" in type(m).__name__.lower() and isinstance(w, nn.Parameter)
+            and w.dim() == 2)
+
+
+def coverage(model: nn.Module, recipe: Recipe | str,
+             skipped: Mapping[str, str] | None = None) -> Coverage:
+    """The coverage of ``model`` as it stands under ``recipe``; ``skipped``: the reason
+    each Linear the fp8 swap left alone has (``ConvertReport.skipped``)."""
+    r = Recipe.coerce(recipe)
+    high = "bf16" if low_precision(r) else r.compute
+    skipped = dict(skipped or {})
+    lp = low_precision(r)
+    linears = [n for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) or is_conv1d(m)]
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    head = {n for n, m in model.named_modules() if (isinstance(m, nn.Linear)
+            or is_conv1d(m)) and (id(m.weight) in tied or "head" in skipped.get(n, ""))}
+    if linears and not head and linears[-1] not in {n for n, m in model.named_modules()
+                                                   if isinstance(m, Float8Linear)}:
+        head.add(linears[-1])
+    rows = []
+    for name, m in model.named_modules():
+        if isinstance(m, Float8Linear):
+            rows.append(CoverageRow(name, _kind(name, m, head), m.weight.numel(),
+                                    m.fp8_recipe.fp8_name or "fp8"))
+        elif isinstance(m, nn.Linear) or is_conv1d(m):
+            why = skipped.get(name, "not converted") if lp else None
+            rows.append(CoverageRow(name, _kind(name, m, head), m.weight.numel(), high, why))
+        elif _is_router(m):
+            why = "router: kept in high precision (it picks the experts)" if lp else None
+            rows.append(CoverageRow(name, "router", m.weight.numel(), high, why))
+    for name, m in experts_modules(model).items():
+        for proj in ("gate_up_proj", "up_proj", "down_proj"):
+            w = getattr(m, proj, None)
+            if w is None or w.dim() != 3:
+                continue
+            fmt = getattr(m, f"{proj}_fp8", None)
+            if isinstance(fmt, ExpertsFormat):
+                rows.append(CoverageRow(f"{name}.{proj}", "experts", w.numel(),
+                                        fmt.format_name))
+            else:
+                why = None if not lp else (
+                    "its layer: rule keeps it" if r.layer_format(name) == "bf16"
+                    else "not converted")
+                rows.append(CoverageRow(f"{name}.{proj}", "experts", w.numel(), high, why))
+    return Coverage(tuple(rows), high)
+
+
+def warn_low_coverage(cov: Coverage, r: Recipe, stacklevel: int = 3) -> None:
+    """One warning when a low-precision recipe leaves more than half of the matmul
+    weights in 16 bits, naming the largest modules left out and why."""
+    if not low_precision(r) or not cov.total or cov.low_precision_share >= WARN_BELOW:
+        return
+    named = "; ".join(f"{x.name} ({x.params:,} parameters): {x.reason}"
+                      for x in cov.left_out())
+    warnings.warn(
+        f"recipe {str(r)!r} runs only {cov.low_precision_share:.0%} of this model's "
+        f"matmul weights in low precision; the largest left in {cov.high}: {named}. "
+        "engine.coverage lists every module; layer: rules, bf16_last_layers or the "
+        "fp8_filter decide what converts.", stacklevel=stacklevel)
