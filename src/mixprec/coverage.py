@@ -53,8 +53,10 @@ class Coverage:
     """The rows, and the share of parameters in each format (overall and per kind).
 
     >>> from torch import nn
+    >>> from mixprec.fp8 import convert
     >>> net = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 16))
-    >>> cov = coverage(net, "fp8-current", {"2": "output head: the last Linear"})
+    >>> report = convert(net, "fp8-current")
+    >>> cov = coverage(net, "fp8-current", dict(report.skipped))
     >>> round(cov.low_precision_share, 3), cov.by_kind()["head"]
     (0.8, {'bf16': 1.0})
     """
