@@ -141,6 +141,20 @@ def test_scaled_grouped_route_against_torch_meta_kernel(recipe):
     assert y.shape == (T, N) and y.dtype == torch.bfloat16 and y.device.type == "meta"
 
 
+def test_auto_route_per_device(monkeypatch):
+    from mixprec.experts.grouped import _route
+
+    fmt = ExpertsFormat("mxfp8")
+    assert _route("auto", fmt, torch.device("cpu"), 64, 32) == "loop"
+    assert _route("grouped", fmt, torch.device("cpu"), 64, 32) == "grouped"
+    assert _route("grouped", fmt, torch.device("cpu"), 64, 30) == "loop"  # strides
+    assert _route("auto", fmt, torch.device("cuda"), 64, 32) == "grouped"
+    monkeypatch.setattr(sg, "_capability", lambda d: (9, 0))
+    monkeypatch.setattr(ExpertsFormat, "backend", lambda self, d: "scaled_mm")
+    assert _route("auto", ExpertsFormat("fp8"), torch.device("cuda"), 64, 32) == \
+        "scaled_grouped"
+
+
 def test_scaled_grouped_applies_only_where_torch_has_the_kernel(monkeypatch):
     monkeypatch.setattr(sg, "_capability", lambda d: (9, 0))
     monkeypatch.setattr(ExpertsFormat, "backend", lambda self, d: "scaled_mm")
@@ -150,3 +164,30 @@ def test_scaled_grouped_applies_only_where_torch_has_the_kernel(monkeypatch):
     assert not sg.scaled_grouped_applies(ExpertsFormat("fp8"), "cpu", 64, 32)
     monkeypatch.setattr(sg, "_capability", lambda d: (8, 9))
     assert not sg.scaled_grouped_applies(ExpertsFormat("fp8"), "cuda", 64, 32)
+
+
+def test_the_guides_own_moe_example_runs_and_trains_under_the_engine():
+    """docs/guides/moe.md's module, as a user copies it, under an engine whose step
+    updates its delayed scaling like a Float8Linear's."""
+    import re
+    from pathlib import Path
+
+    from mixprec import MixedPrecision
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "moe.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "class MoE" in b)
+    ns: dict = {}
+    exec(code, ns)
+    moe = ns["moe"]
+    assert moe.up.grad is not None and moe.up.grad.abs().sum() > 0
+    model = ns["MoE"](recipe="fp8")
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8")
+    assert model.up_fmt in engine.fp8_modules and model.down_fmt in engine.fp8_modules
+    assert engine.coverage.shares("experts") == {"fp8": 1.0}
+    assert engine.coverage.low_precision_share > 0.9
+    x = torch.randn(32, 64)
+    with engine.autocast():
+        loss = model(x).float().square().mean()
+    engine.backward(loss)
+    engine.step()
+    assert model.up_fmt.fp8_scale[0] != 1  # the step turned the recorded amax into a scale

@@ -161,7 +161,23 @@ def coverage(model: nn.Module, recipe: Recipe | str,
                     "its layer: rule keeps it" if r.layer_format(name) == "bf16"
                     else "not converted")
                 rows.append(CoverageRow(f"{name}.{proj}", "experts", w.numel(), high, why))
+    rows += _own_experts(model, set(experts_modules(model)))
     return Coverage(tuple(rows), high)
+
+
+def _own_experts(model: nn.Module, done: set[str]) -> list[CoverageRow]:
+    """The 3-D parameters of a module of the user's own that holds ExpertsFormats
+    (``mixprec.experts.grouped_mm`` called directly), in their format."""
+    rows = []
+    for name, m in model.named_modules():
+        fmts = {c.format_name for c in m.children() if isinstance(c, ExpertsFormat)}
+        if not fmts or name in done:
+            continue
+        for pname, p in m.named_parameters(recurse=False):
+            if p.dim() == 3:
+                full = f"{name}.{pname}" if name else pname
+                rows.append(CoverageRow(full, "experts", p.numel(), "/".join(sorted(fmts))))
+    return rows
 
 
 def warn_low_coverage(cov: Coverage, r: Recipe, stacklevel: int = 3) -> None:

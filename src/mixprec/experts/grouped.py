@@ -20,8 +20,9 @@ Routes (``route=``):
   strides) and falls back to ``loop`` per call where they are not;
 - ``scaled_grouped``: the forward on ``torch._scaled_grouped_mm`` (CUDA sm90+, e4m3
   codes with per-tensor or rowwise scales, bf16 output), the backward on ``grouped``;
-- ``auto``: ``scaled_grouped`` where it applies, else ``grouped`` where torch has it,
-  else ``loop``.
+- ``auto``: ``scaled_grouped`` where it applies, else ``grouped`` on a GPU, ``loop`` on
+  a CPU (where the casts dominate and ``grouped``'s extra dequantize pass measured
+  slower: ``benchmarks/grouped_gemm.py``).
 
 The token counts are read to the host once per call (as transformers' own fallback
 reads them): each expert's casts are sized by them.
@@ -55,17 +56,20 @@ def group_bounds(offsets: torch.Tensor | list[int], rows: int) -> list[tuple[int
     return out
 
 
-def _route(route: str, fmt: ExpertsFormat, x: torch.Tensor, n: int) -> str:
+def _route(route: str, fmt: ExpertsFormat, device: torch.device, k: int, n: int) -> str:
+    """The route a call takes (see the module doc)."""
     if route not in ROUTES:
         raise ValueError(f"route={route!r}; valid: {', '.join(ROUTES)}")
-    if route in ("auto", "scaled_grouped") and scaled_grouped_applies(fmt, x.device,
-                                                                      x.shape[1], n):
+    device = torch.device(device)
+    if route in ("auto", "scaled_grouped") and scaled_grouped_applies(fmt, device, k, n):
         return "scaled_grouped"
-    has_grouped = hasattr(torch, "_grouped_mm") and x.device.type != "meta"
-    aligned = x.shape[1] % 4 == 0 and n % 4 == 0
-    if route in ("auto", "grouped", "scaled_grouped") and has_grouped and aligned:
-        return "grouped"
-    return "loop"
+    has_grouped = hasattr(torch, "_grouped_mm") and device.type != "meta"
+    if not (has_grouped and k % 4 == 0 and n % 4 == 0) or route == "loop":
+        return "loop"
+    # auto on a CPU: the per-expert casts dominate, and the grouped route's extra
+    # dequantize-and-stack pass made it slower than the loop on every format measured
+    # (benchmarks/grouped_gemm.py); on a GPU one launch replaces one per expert
+    return "grouped" if route != "auto" or device.type == "cuda" else "loop"
 
 
 def _dequant_rows(casts, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +110,7 @@ class _GroupedQuantizedMM(torch.autograd.Function):
     def forward(ctx, x, w, offsets, fmt, out_dtype, record, route):
         t, n = x.shape[0], w.shape[1]
         bounds = group_bounds(offsets, t)
-        route = _route(route, fmt, x, n)
+        route = _route(route, fmt, x.device, x.shape[1], n)
         need_dx, need_dw = ctx.needs_input_grad[:2]
         xq, wq, xw, wd = [], [], [], []
         with adapter.no_autocast(x), fmt.quantizer.gemm_context():
