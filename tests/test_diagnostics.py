@@ -223,6 +223,7 @@ def test_g_clean_bf16_run_has_no_false_alarms():
     report = doctor(model_factory, fn, "bf16", steps=10, reference_steps=3)
     assert report.ok, str(report)
     assert report.facts["matmul_flops_by_dtype"].get("bfloat16", 0) > 0.9
+    assert report.facts["matmul_weights_by_format"]["attention"] == {"bf16": 1.0}
     json.loads(report.to_json())
 
 

@@ -191,3 +191,18 @@ def test_the_guides_own_moe_example_runs_and_trains_under_the_engine():
     engine.backward(loss)
     engine.step()
     assert model.up_fmt.fp8_scale[0] != 1  # the step turned the recorded amax into a scale
+
+
+def test_fp32_weights_leave_the_experts_scaling_state_out():
+    from mixprec import MixedPrecision
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 32, 64))
+            self.w_fmt = ExpertsFormat("fp8")
+
+    model = Holder()
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8")
+    assert set(engine.fp32_state_dict()) == {"w"}
+    assert "w_fmt.fp8_amax_history" in model.state_dict()

@@ -160,12 +160,14 @@ def fp32_weights(module: nn.Module, param_state: ParamState) -> dict[str, torch.
     """``module``'s state in fp32 with each working parameter replaced by its fp32
     master (``param_state``: the engine's ``ParamState``), other floating tensors
     upcast exactly, and the fp8 scaling buffers left out."""
+    from mixprec.experts import experts_formats
     from mixprec.fp8.linear import fp8_modules, scaling_buffers
 
     master_of = ({id(w): m for w, m in zip(param_state.working, param_state.masters)}
                  if param_state.has_master else {})
+    scaled = {**fp8_modules(module), **experts_formats(module)}
     fp8_keys = {f"{name}.{b}" if name else b
-                for name, m in fp8_modules(module).items() for b in scaling_buffers(m)}
+                for name, m in scaled.items() for b in scaling_buffers(m)}
     out = {}
     for k, v in module.state_dict(keep_vars=True).items():
         if k in fp8_keys:

@@ -260,6 +260,8 @@ def _coverage(engine, model, batch_fn, facts: dict) -> list[Finding]:
     low = sum(v for k, v in cov.items() if k in ("bfloat16", "float16",
                                                  "float8_e4m3fn", "float8_e5m2"))
     facts["matmul_flops_by_dtype"] = cov
+    # the engine's static view: the matmul weights' formats per module kind (experts too)
+    facts["matmul_weights_by_format"] = engine.coverage.by_kind()
     if low >= 0.5:
         return []
     return [Finding(
