@@ -19,8 +19,10 @@ its overrides::
   Linears: ``bf16`` (kept in the recipe's high precision, as the output head is) or an
   fp8 preset (``fp8``, ``fp8-current``, ``fp8-rowwise``, ``fp8-block``, ``mxfp8``,
   ``nvfp4``), whose scaling and element format replace the recipe's for that Linear;
-  every other fp8 setting (margin, GEMM route, ...) is the recipe's. Layer rules need an
-  fp8 recipe (``compute=fp8``): it is what runs the rest of the model under bf16.
+  every other fp8 setting (margin, GEMM route, ...) is the recipe's. A rule matching a
+  transformers experts module (``layer:*.experts=mxfp8``) sets its experts' format
+  (``mixprec.experts.hook``). Layer rules need an fp8 recipe (``compute=fp8``): it is
+  what runs the rest of the model under bf16.
   A rule overrides the default policy (the head and ``bf16_last_layers``), never the
   hardware's limits (dims divisible by 16).
 - ``states:PATTERN=FORMAT`` matches the name of the module that owns a parameter and
