@@ -122,14 +122,24 @@ def _train(kind, recipe, steps, model=None, engine=None):
     return losses, model, engine
 
 
-@pytest.mark.parametrize("kind,recipe", [("mixtral", "fp8"), ("gpt_oss", "mxfp8")])
-def test_training_ends_within_2_percent_of_bf16_master(kind, recipe):
-    """Both weight layouts: Mixtral's concatenated (out, in) experts, GPT-OSS's
-    interleaved gate-up in (in, out) with biases."""
-    ref, _, _ = _train(kind, "bf16-master", 8)
+@functools.cache
+def _bf16_master(kind: str) -> tuple[float, ...]:
+    return tuple(_train(kind, "bf16-master", 8)[0])
+
+
+@pytest.mark.parametrize("kind,recipe,within", [
+    ("mixtral", "fp8", 0.02), ("qwen3_moe", "fp8-current", 0.02),
+    ("deepseek_v3", "fp8-block", 0.02), ("gpt_oss", "fp8-rowwise", 0.02),
+    ("gpt_oss", "mxfp8", 0.02),
+    # e2m1 in every converted Linear too: ~2% above bf16-master after 8 steps here
+    ("mixtral", "nvfp4", 0.03)])
+def test_training_ends_near_bf16_master(kind, recipe, within):
+    """Both weight layouts: concatenated (out, in) experts (Mixtral, Qwen3-MoE,
+    DeepSeek-V3), GPT-OSS's interleaved gate-up in (in, out) with biases."""
+    ref = _bf16_master(kind)
     got, model, engine = _train(kind, recipe, 8)
     assert got[-1] < 0.85 * got[0]  # it trains
-    assert abs(got[-1] - ref[-1]) <= 0.02 * ref[-1]
+    assert abs(got[-1] - ref[-1]) <= within * ref[-1]
     assert len(experts_formats(model)) == 4  # 2 layers x 2 projections
     assert engine.coverage.shares("experts") == {recipe: 1.0}
 
