@@ -18,6 +18,7 @@ transformers is imported only for a model whose experts module comes from it.
 
 from __future__ import annotations
 
+import warnings
 import zlib
 
 import torch
@@ -86,7 +87,9 @@ def convert_experts(model: nn.Module, recipe, *, routes=None) -> dict[str, str]:
         own = r.for_layer(name)
         route = (routes or {}).get(own.fp8_scaling)
         if route and route != own.fp8_gemm:
-            own = own.replace(fp8_gemm=route)
+            with warnings.catch_warnings():  # the recipe's fp8 fields warned once already
+                warnings.simplefilter("ignore")
+                own = own.replace(fp8_gemm=route)
         for proj in _projections(m):
             w = getattr(m, proj)
             m.add_module(f"{proj}_fp8", ExpertsFormat(
