@@ -23,6 +23,9 @@ not as a ratio. From those readings this module decides, once per process:
   after a probe on the device). On a CPU ``dequant`` stands for bf16's GEMM where bf16
   is fast, ``dequant_fp32`` elsewhere, and ``scaled_mm`` wins only where
   ``route_reading`` finds it clearly faster than that;
+- the int8 format's GEMM route (``mixprec.fp8.int8_rowwise``): on a CPU, per GEMM shape
+  class, ``torch._int_mm`` where ``int8_reading`` finds it ``INT8_MARGIN`` faster than
+  the exact route's fp32 GEMM (the two are bit-identical: speed only);
 - what the layers around an fp8 recipe's Linears run in (``fp8_rest``): bf16 autocast
   where bf16 is fast, else fp32 (no autocast), which is faster and more exact there.
 
@@ -53,15 +56,16 @@ from functools import cache
 
 import torch
 
+from mixprec.fp8 import int8_rowwise as _int8
 from mixprec.fp8 import route as _route
 from mixprec.fp32_precision import ieee_fp32_matmul  # the exact routes import it from here
-from mixprec.recipe import BLOCK_SCALINGS, MX_COMPUTE, PRESETS, Recipe
+from mixprec.recipe import MX_COMPUTE, PRESETS, Recipe
 
 __all__ = ["matmul_gflops", "relative_speed", "FAST_ENOUGH", "has_fast_kernels",
            "emulating", "fp8_gemm_gflops", "fp8_gemm_route", "fp8_rest", "choices",
            "KernelChoices", "SCALED_MM_MARGIN", "EMULATE_ENV", "pinned_emulation",
            "ieee_fp32_matmul", "SpeedReading", "speed_reading",
-           "route_reading", "NOISE_SPREAD", "best_time"]
+           "route_reading", "NOISE_SPREAD", "best_time", "int8_reading", "INT8_MARGIN"]
 
 #: below this fraction of fp32's matmul throughput a format counts as having no fast
 #: kernel, and ``emulate=auto`` emulates it on fp32 kernels instead. Chips either have
@@ -283,6 +287,43 @@ def _route_reading(dev: str, route: str) -> SpeedReading:
                       SCALED_MM_MARGIN / 4)
 
 
+#: ``fp8_gemm=auto`` of the int8 format on a CPU takes ``torch._int_mm`` for a GEMM shape
+#: class where it reads this much faster than the exact route's fp32 GEMM (the routes
+#: are bit-identical: a near draw either way costs little)
+INT8_MARGIN = 1.1
+#: ``int8_reading`` measures a shape class with each dim cut to this (a 4096-wide class
+#: would take seconds on one thread); the aspect of the shape is what it reads
+INT8_READ_CAP = 2048
+
+
+def int8_reading(device: torch.device | str, shape: tuple[int, int, int]) -> SpeedReading:
+    """``torch._int_mm`` on an int8 ``shape`` (M, K, N) GEMM against the fp32 GEMM of the
+    int8 format's exact route on the same shape (dims cut to ``INT8_READ_CAP``), read as
+    ``speed_reading`` (cached per device and shape)."""
+    return _int8_reading(str(torch.device(device)), tuple(shape))
+
+
+@cache
+def _int8_reading(dev: str, shape: tuple[int, int, int]) -> SpeedReading:
+    m, k, n = (min(d, INT8_READ_CAP) for d in shape)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8).to(dev)
+    b = torch.randint(-127, 128, (k, n), generator=g, dtype=torch.int8).to(dev)
+    af, bf = a.float(), b.float()
+
+    def rate(fn):
+        return 1.0 / best_time(fn, dev, 0.0)
+
+    with torch.autocast(torch.device(dev).type, enabled=False), torch.no_grad():
+        return _alternate("int_mm", "fp32", lambda: rate(lambda: torch._int_mm(a, b)),
+                          lambda: rate(lambda: af @ bf), INT8_MARGIN / 4)
+
+
+def _measured_int8(dev: torch.device, shape: tuple[int, int, int]) -> bool:
+    """``mixprec.fp8.int8_rowwise``'s ``auto`` per GEMM shape class off CUDA."""
+    return int8_reading(dev, shape).ratio > INT8_MARGIN
+
+
 def fp8_gemm_route(device: torch.device | str, choice: str = "auto") -> str:
     """The route of the per-tensor and rowwise fp8 GEMMs on ``device`` for ``fp8_gemm``
     ``choice``: ``mixprec.fp8.route.gemm_route``'s answer for those scalings, for
@@ -358,8 +399,10 @@ def choices(recipe: Recipe, device: torch.device | str) -> KernelChoices:
     # layer: rules may put Linears on other scalings, whose GEMMs take other routes
     own = _scaling_recipes(recipe)
     routes = {s: _fp8_route(r, dev) for s, r in own.items()}
+    from mixprec.fp8.quantizers import quantizer_for
+
     if dev.type == "cpu" and recipe.fp8_gemm == "auto" and not recipe.emulate and any(
-            s not in BLOCK_SCALINGS for s in own):  # the route took a reading
+            quantizer_for(r).kernel == "tensor" for r in own.values()):  # read a route
         speeds["scaled_mm"] = route_reading(
             dev, "dequant" if has_fast_kernels(dev, "bf16") else "dequant_fp32")
     return KernelChoices(emulate, routes[recipe.fp8_scaling], fp8_rest(recipe, dev),
@@ -387,13 +430,12 @@ def _fp8_route(recipe: Recipe, dev: torch.device) -> str:
     """The GEMM route of ``recipe``'s Linears (``mixprec.fp8.route``: one decision).
     Emulation's ``auto`` takes the bf16 dequant route of the per-tensor scalings."""
     from mixprec.fp8.quantizers import quantizer_for
-    from mixprec.fp8.route import gemm_route
 
     q = quantizer_for(recipe)
     choice = recipe.fp8_gemm
     if recipe.emulate and choice == "auto" and q.kernel == "tensor":
         choice = "dequant"
-    return gemm_route(dev, q, choice)
+    return q.route(dev, choice)
 
 
 def _measured_tensor_route(dev: torch.device) -> str:
@@ -404,3 +446,4 @@ def _measured_tensor_route(dev: torch.device) -> str:
 
 
 _route.measured_route = _measured_tensor_route
+_int8.measured_int8 = _measured_int8

@@ -34,7 +34,7 @@ ComputeDtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8",
 StoreDtype = Literal["fp32", "bf16", "fp16"]
 MasterDtype = Literal["fp32", "none"]
 LossScaleKind = Literal["none", "static", "dynamic"]
-Fp8Scaling = Literal["delayed", "current", "rowwise", "block", "mx", "nvfp4"]
+Fp8Scaling = Literal["delayed", "current", "rowwise", "block", "mx", "nvfp4", "int8"]
 BlockScales = Literal["fp32", "pow2"]
 MxRounding = Literal["rceil", "floor", "ceil", "even"]
 Fp8Format = Literal["hybrid", "e4m3"]
@@ -490,6 +490,8 @@ PRESETS: dict[str, Recipe] = {
     "mxfp8": Recipe(compute="fp8", fp8_scaling="mx", fp8_format="e4m3"),
     # NVIDIA's NVFP4 pretraining recipe; the last two Linears stay in bf16
     "nvfp4": Recipe(compute="fp8", fp8_scaling="nvfp4", bf16_last_layers=2),
+    # int8 forward and dgrad GEMMs, rowwise scales, wgrad in bf16 (mixprec.fp8.int8_rowwise)
+    "int8-rowwise": Recipe(compute="fp8", fp8_scaling="int8"),
     # bf16 weights without an fp32 master, kept accurate by the write rule
     "bf16-sr": Recipe(compute="bf16", params="bf16", write="stochastic"),
     "bf16-kahan": Recipe(compute="bf16", params="bf16", write="kahan"),
@@ -501,7 +503,7 @@ PRESETS: dict[str, Recipe] = {
 
 #: fp8_scaling -> the fp8 preset named for it (each preset's element format)
 _FP8_NAMES = {"delayed": "fp8", "current": "fp8-current", "rowwise": "fp8-rowwise",
-              "block": "fp8-block", "mx": "mxfp8", "nvfp4": "nvfp4"}
+              "block": "fp8-block", "mx": "mxfp8", "nvfp4": "nvfp4", "int8": "int8-rowwise"}
 
 
 def preset_names() -> list[str]:

@@ -122,17 +122,19 @@ class _QuantizedMatmul(torch.autograd.Function):
             wd = (None if not need_dx else wq if q.reuses("weight")
                   else mod.quantize(weight, "weight", 0))
             del wq
-            xw = (None if not need_dw else xq if q.reuses("input")
+            hp_wgrad = "wgrad" not in q.quantized_gemms  # wgrad on the input as it came
+            xw = (None if not need_dw or hp_wgrad else xq if q.reuses("input")
                   else mod.quantize(x2d, "input", 0))
             del xq
         tensors, ctx.casts = _pack((xw, wd))
-        ctx.save_for_backward(*tensors)
+        ctx.save_for_backward(*tensors, x2d if need_dw and hp_wgrad else None)
         ctx.mod, ctx.x_dtype, ctx.w_dtype = mod, x2d.dtype, weight.dtype
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        xw, wd = _unpack(ctx.saved_tensors, ctx.casts)
+        *saved, x_hp = ctx.saved_tensors
+        xw, wd = _unpack(saved, ctx.casts)
         mod, dx, dw = ctx.mod, None, None
         q = mod.quantizer
         gen = mod._sr_generator(gy.device)
@@ -142,7 +144,9 @@ class _QuantizedMatmul(torch.autograd.Function):
                 g = mod.quantize(gy, "grad_output", 1, True, gen)  # along out
                 dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
                 dx = q.mm(g, wd, dx_dtype, mod.backend).to(ctx.x_dtype)
-            if ctx.needs_input_grad[1]:
+            if ctx.needs_input_grad[1] and x_hp is not None:  # wgrad in gy's 16 bits
+                dw = torch.mm(gy.t(), x_hp.to(gy.dtype)).to(ctx.w_dtype)
+            elif ctx.needs_input_grad[1]:
                 if g is None or not q.reuses("grad_output"):  # along the tokens
                     g = mod.quantize(gy, "grad_output", 0, g is None, gen)
                 dw = q.mm(g.t(), xw, torch.float32, mod.backend).to(ctx.w_dtype)

@@ -90,6 +90,9 @@ class Quantizer:
     kernel: ClassVar[str] = "tensor"
     #: which of the diagnostics' flush shares applies ("" for none: fp4 flushes by design)
     flush_view: ClassVar[str] = "per-tensor"
+    #: the GEMMs this format quantizes (``forward``, ``dgrad``, ``wgrad``); one left out
+    #: runs in the gradient's 16-bit dtype on the saved high-precision input
+    quantized_gemms: ClassVar[tuple[str, ...]] = ("forward", "dgrad", "wgrad")
 
     @classmethod
     def from_recipe(cls, r: Recipe) -> Quantizer:
@@ -357,6 +360,10 @@ class NVFP4Scaling(Quantizer):
 #: every scaling by its recipe name (``fp8_scaling``)
 QUANTIZERS: dict[str, type[Quantizer]] = {q.name: q for q in (
     DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXScaling, NVFP4Scaling)}
+
+
+# the formats in their own files register themselves
+from mixprec.fp8 import int8_rowwise  # noqa: E402, F401
 
 
 def quantizer_for(recipe: Recipe | str) -> Quantizer:
