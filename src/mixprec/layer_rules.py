@@ -47,7 +47,7 @@ __all__ = ["LayerRule", "LAYER_FORMATS", "STATE_RULE_FORMATS", "RULE_KINDS",
 
 #: what a ``layer:`` rule may set: high precision, or one of the fp8/fp4 presets
 LAYER_FORMATS = ("bf16", "fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8",
-                 "nvfp4")
+                 "nvfp4", "int8-rowwise")
 #: what a ``states:`` rule may set (``mixprec.optim.STATE_FORMATS``)
 STATE_RULE_FORMATS = ("fp32", "bf16", "fp8", "int8", "int4")
 RULE_KINDS = ("layer", "states")

@@ -387,7 +387,11 @@ def _activation_item(spec: TransformerSpec, r: Recipe, act_fp32: bool,
         spec = dataclasses.replace(spec, fp32_softmax=islands and "softmax" in r.keep_fp32)
     notes.append(f"activations: Korthikanti et al. 2022, attention={spec.attention}, "
                  f"recompute={spec.recompute}, {per}-byte values")
-    total = activation_bytes(spec, per, 1 if r.compute == "fp8" else None)
+    from mixprec.fp8.quantizers import quantizer_for
+
+    # a format that leaves wgrad in 16 bits saves the Linears' inputs unquantized
+    codes = r.compute == "fp8" and "wgrad" in quantizer_for(r).quantized_gemms
+    total = activation_bytes(spec, per, 1 if codes else None)
     if r.compute == "fp8" and fp8_share < 1.0:
         # layer: rules keep some Linears in bf16: their inputs are saved unquantized
         total = fp8_share * total + (1 - fp8_share) * activation_bytes(spec, per)

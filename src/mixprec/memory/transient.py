@@ -17,7 +17,11 @@ bytes (4 in fp32 or under emulation, else 2), the backward holds at once:
 - NVFP4: the gradient's cast keeps about seven fp32 copies of it alive at once (its
   fp32 view, the expanded scales, the scaled values, their magnitudes, the grid steps,
   the random draws, the rounded values: ``28·T·O``), plus the dgrad cast's codes
-  (``T·O``) and the Hadamard-transformed wgrad operands (``4·(T·O + T·I)``).
+  (``T·O``) and the Hadamard-transformed wgrad operands (``4·(T·O + T·I)``);
+- INT8 rowwise: the gradient's cast holds three fp32 copies of it and its codes
+  (``13·T·O``), the dgrad GEMM its int32 sum and that sum scaled in fp32 (``8·T·I``) and,
+  on the exact route, the fp32 codes of one 1024-wide chunk of each operand
+  (``4·c·(T + I)``, ``c = min(O, 1024)``); wgrad runs in 16 bits on the saved input.
 
 The peak is taken at the widest Linear (the largest sum). The saved weight copies are
 what autocast's cast cache keeps (2 bytes per weight element for fp32 weights under a
@@ -60,7 +64,7 @@ def saved_weight_bytes(shapes: Iterable[tuple[int, int, str]]) -> float:
     """Bytes of the weight copies saved for backward: ``(in, out, route)`` per Linear,
     the route as ``backward_transient`` names them."""
     per = {"fp32": 0, "weights16": 0, "autocast16": 2, "autocast_emulated": 4,
-           "fp8": 1, "rowwise": 1, "block": 1, "nvfp4": 1}
+           "fp8": 1, "rowwise": 1, "block": 1, "nvfp4": 1, "int8": 1}
     return float(sum(i * o * per[route] for i, o, route in shapes))
 
 
@@ -70,7 +74,7 @@ def backward_transient(tokens: int, shapes: Iterable[tuple[int, int, str]],
 
     ``shapes``: ``(in, out, route)`` per Linear, ``route`` one of ``fp32``,
     ``weights16`` (16-bit weights, no cast), ``autocast16``, ``autocast_emulated``,
-    ``fp8``, ``rowwise``, ``block``, ``nvfp4``; ``fp8_gemm``: the per-tensor and
+    ``fp8``, ``rowwise``, ``block``, ``nvfp4``, ``int8``; ``fp8_gemm``: the per-tensor and
     rowwise GEMM route."""
     t = tokens
     best = 0.0
@@ -84,6 +88,8 @@ def backward_transient(tokens: int, shapes: Iterable[tuple[int, int, str]],
             need += 5 * to + 4 * max(to + io, to + ti) + to
         elif route == "nvfp4":
             need += 29 * to + 4 * (to + ti)
+        elif route == "int8":  # the exact route's chunks counted: the larger of the two
+            need += 13 * to + 8 * ti + 4 * min(o, 1024) * (t + i)
         best = max(best, need)
     return best
 
