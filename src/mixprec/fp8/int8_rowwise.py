@@ -69,9 +69,9 @@ def cast_int8_rowwise(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Te
     scale = amax / INT8_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     scale = nan_if_not_finite(scale, amax)
-    q = torch.round(t.detach().float() / scale).clamp_(-INT8_MAX, INT8_MAX)
-    codes = torch.where(torch.isfinite(amax), q, torch.zeros_like(q)).to(torch.int8)
-    return codes, scale
+    q = (t.detach().float() / scale).round_().clamp_(-INT8_MAX, INT8_MAX)
+    # a NaN scale made its slice NaN: codes 0 there (int8 has no NaN; the scale keeps it)
+    return q.nan_to_num_(0.0).to(torch.int8), scale
 
 
 def int_mm_refusal(a: torch.Tensor, b: torch.Tensor) -> str | None:
