@@ -120,7 +120,9 @@ class Recipe:
       elements with an e4m3 scale per 16 and an fp32 scale per tensor, whose parts
       switch with ``nvfp4_2d`` (16×16 weight blocks), ``nvfp4_rht`` (random Hadamard
       transform of the wgrad operands) and ``nvfp4_sr`` (stochastic rounding of the
-      gradients): ``mixprec.fp8.nvfp4``), ``bf16_last_layers`` (the model's last N
+      gradients): ``mixprec.fp8.nvfp4``; ``int8``: int8 forward and dgrad GEMMs with
+      a scale per row, wgrad in bf16: ``mixprec.fp8.int8_rowwise``),
+      ``bf16_last_layers`` (the model's last N
       Linears stay in bf16, the output head among them), ``bf16_last_fraction`` (that
       share of the model's Linears, rounded up, stays in bf16 too: whichever of the
       two keeps more), ``fp8_all_gather`` (under
