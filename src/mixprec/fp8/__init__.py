@@ -1,7 +1,8 @@
 """FP8 and FP4 training: quantizers, Float8Linear and the module swap.
 
 ``quantizers`` (one object per scaling: delayed, current, rowwise, block, MX, NVFP4,
-and the registry ``quantizer_for`` reads a recipe with), ``quantized`` (what a cast
+and the registry ``quantizer_for`` reads a recipe with; ``int8_rowwise``, INT8 rowwise
+training, adds itself there), ``quantized`` (what a cast
 returns: codes, scales, dequantize, transpose), ``scaling`` / ``blocks`` / ``nvfp4``
 (the casts), ``gemm`` (the per-tensor and rowwise GEMM routes), ``scaled_mm`` (the
 block-scaled ones), ``route`` (which route a Linear takes: one decision), ``linear``
@@ -12,6 +13,7 @@ eligible nn.Linear modules, as the recipe's ``layer:`` rules say; ``layer_format
 
 from mixprec.fp8.convert import ConvertReport, convert, layer_formats
 from mixprec.fp8.gemm import fp8_gemm
+from mixprec.fp8.int8_rowwise import Int8Rowwise  # in its own file: registers itself
 from mixprec.fp8.linear import Float8Linear
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.quantizers import QUANTIZERS, Quantizer, quantizer_for
@@ -25,5 +27,5 @@ from mixprec.fp8.scaling import (
 
 __all__ = ["Float8Linear", "convert", "ConvertReport", "layer_formats", "fp8_gemm",
            "gemm_route",
-           "Quantizer", "Quantized", "QUANTIZERS", "quantizer_for",
+           "Quantizer", "Quantized", "QUANTIZERS", "quantizer_for", "Int8Rowwise",
            "amax_to_scale", "cast_to_fp8", "cast_rowwise", "update_delayed_scales"]

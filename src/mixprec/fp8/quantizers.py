@@ -362,10 +362,6 @@ QUANTIZERS: dict[str, type[Quantizer]] = {q.name: q for q in (
     DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXScaling, NVFP4Scaling)}
 
 
-# the formats in their own files register themselves
-from mixprec.fp8 import int8_rowwise  # noqa: E402, F401
-
-
 def quantizer_for(recipe: Recipe | str) -> Quantizer:
     """The quantizer of ``recipe``'s ``fp8_scaling``, with its settings."""
     r = Recipe.coerce(recipe)
