@@ -6,7 +6,8 @@
 1. per GEMM shape ``M×K×N``: ``torch._int_mm`` with the two rowwise int8 casts
    (``mixprec.fp8.int8_rowwise.cast_int8_rowwise``) and the scales applied, against a
    bf16 ``torch.mm`` of the same shape; also the exact dequantizing route's speed (the
-   fp32 GEMMs over 1024-wide chunks) and ``torch._int_mm`` alone;
+   fp32 GEMMs over 1024-wide chunks), ``torch._int_mm`` alone and an fp32 ``mm``, each
+   as a ratio to bf16's time;
 2. per Linear ``tokens × in → out``: forward + backward of ``Float8Linear`` under
    ``int8-rowwise`` on each route (``fp8_gemm=scaled_mm``: ``_int_mm``; ``dequant_fp32``:
    the exact route) against ``nn.Linear``, both in what an fp8 recipe runs the rest of
@@ -16,7 +17,7 @@
 ``--max-gflop`` skips shapes above that many GFLOP (a CPU without bf16 units runs a
 bf16 GEMM at ~1 GFLOP/s).
 
-Each row's kernels run interleaved, round by round (best of 2 calls each), and the
+Each row's kernels run interleaved, round by round (one call each), and the
 table gives the median over rounds of each kernel's time and of the ratio ``bf16 time /
 its time`` within the round (above 1: faster than bf16). Nothing is asserted: the
 figures fill docs/benchmarks.md.
@@ -46,24 +47,17 @@ LINEARS = [(256, 1024, 1024), (2048, 1024, 1024), (2048, 1024, 4096), (2048, 409
            (1000, 768, 2304)]
 
 
-def _best(fn, n: int = 2) -> float:
-    best = float("inf")
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def _interleave(fns: dict, rounds: int) -> dict[str, tuple[float, float]]:
     """Median time of each of ``fns`` and median ratio ``bf16 / it`` over ``rounds``
-    rounds that run every function once (best of 2) in turn."""
+    rounds that run every function once in turn."""
     for fn in fns.values():
         fn()  # warm-up
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
-            times[k].append(_best(fn))
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
     base = times["bf16"]
     return {k: (statistics.median(v), statistics.median(b / t for b, t in zip(base, v)))
             for k, v in times.items()}
@@ -82,19 +76,21 @@ def _gemm_row(m: int, k: int, n: int, rounds: int) -> str:
         qb, qsb = cast_int8_rowwise(b, 1)
         return int8_gemm(qa, qb.t(), qsa, qsb.t(), torch.bfloat16, use)
 
-    got = _interleave({"bf16": lambda: a @ bt, "int8": lambda: int8(True),
+    af, bft = a.float(), bt.float()
+    got = _interleave({"bf16": lambda: a @ bt, "fp32": lambda: af @ bft,
+                       "int8": lambda: int8(True),
                        "int_mm": lambda: torch._int_mm(ac, bc.t()),
                        "exact": lambda: int8(False)}, rounds)
     return (f"| {m}×{k}×{n} | {got['bf16'][0] * 1e3:.2f} | {got['int8'][0] * 1e3:.2f} "
             f"| **{got['int8'][1]:.2f}x** | {got['int_mm'][1]:.2f}x "
-            f"| {got['exact'][1]:.2f}x |")
+            f"| {got['exact'][1]:.2f}x | {got['fp32'][1]:.2f}x |")
 
 
 def gemms(rounds: int, max_gflop: float) -> None:
     print("\n## GEMMs: int8 (casts + torch._int_mm + scales) against bf16 torch.mm\n")
     print("| M×K×N | bf16 mm (ms) | int8 incl. casts (ms) | vs bf16 | _int_mm alone "
-          "| exact route incl. casts |")
-    print("|---|---|---|---|---|---|")
+          "| exact route incl. casts | fp32 mm |")
+    print("|---|---|---|---|---|---|---|")
     for m, k, n in GEMMS:
         if 2 * m * k * n / 1e9 > max_gflop:
             continue
