@@ -144,7 +144,9 @@ class Int8Rowwise(Quantizer):
     name: ClassVar[str] = "int8"
     quantized_gemms: ClassVar[tuple[str, ...]] = ("forward", "dgrad")
     memory_route: ClassVar[str] = "int8"
-    flush_view: ClassVar[str] = "rowwise"
+    #: not judged by the doctor's fp8 flush shares: 127 uniform levels flush whatever is
+    #: below amax / 254 of its row by design (the planner's SQNR judges int8)
+    flush_view: ClassVar[str] = ""
     kernel: ClassVar[str] = "int8"
 
     def dtype(self, role: str) -> torch.dtype:
