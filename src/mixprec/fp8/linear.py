@@ -127,7 +127,8 @@ class _QuantizedMatmul(torch.autograd.Function):
                   else mod.quantize(x2d, "input", 0))
             del xq
         tensors, ctx.casts = _pack((xw, wd))
-        ctx.save_for_backward(*tensors, x2d if need_dw and hp_wgrad else None)
+        # wgrad's operand in the output's dtype (bf16 under autocast), as F.linear saves it
+        ctx.save_for_backward(*tensors, x2d.to(out_dtype) if need_dw and hp_wgrad else None)
         ctx.mod, ctx.x_dtype, ctx.w_dtype = mod, x2d.dtype, weight.dtype
         return y
 

@@ -18,10 +18,11 @@ bytes (4 in fp32 or under emulation, else 2), the backward holds at once:
   fp32 view, the expanded scales, the scaled values, their magnitudes, the grid steps,
   the random draws, the rounded values: ``28·T·O``), plus the dgrad cast's codes
   (``T·O``) and the Hadamard-transformed wgrad operands (``4·(T·O + T·I)``);
-- INT8 rowwise: the gradient's cast holds three fp32 copies of it and its codes
-  (``13·T·O``), the dgrad GEMM its int32 sum and that sum scaled in fp32 (``8·T·I``) and,
-  on the exact route, the fp32 codes of one 1024-wide chunk of each operand
-  (``4·c·(T + I)``, ``c = min(O, 1024)``); wgrad runs in 16 bits on the saved input.
+- INT8 rowwise: the larger of the gradient's cast (an fp32 copy and the fp32 quotient:
+  ``8·T·O``) and the dgrad GEMM (the codes, the int32 sum and its fp32 copy, the scaled
+  output counted above: ``T·O + 8·T·I``, plus on the exact route
+  ``dequant_fp32`` the fp32 codes of one 1024-wide chunk of each operand,
+  ``4·c·(T + I)``, ``c = min(O, 1024)``); wgrad runs in 16 bits on the saved input.
 
 The peak is taken at the widest Linear (the largest sum). The saved weight copies are
 what autocast's cast cache keeps (2 bytes per weight element for fp32 weights under a
@@ -88,8 +89,9 @@ def backward_transient(tokens: int, shapes: Iterable[tuple[int, int, str]],
             need += 5 * to + 4 * max(to + io, to + ti) + to
         elif route == "nvfp4":
             need += 29 * to + 4 * (to + ti)
-        elif route == "int8":  # the exact route's chunks counted: the larger of the two
-            need += 13 * to + 8 * ti + 4 * min(o, 1024) * (t + i)
+        elif route == "int8":
+            chunks = 4 * min(o, 1024) * (t + i) if fp8_gemm == "dequant_fp32" else 0
+            need += max(8 * to, to + 8 * ti + chunks)
         best = max(best, need)
     return best
 
