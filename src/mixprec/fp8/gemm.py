@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from mixprec.fp8.padding import MULTIPLES, run_or_fall_back
 from mixprec.fp8.quantized import pad_to
 from mixprec.fp32_precision import ieee_fp32_matmul
 
@@ -25,7 +26,7 @@ __all__ = ["fp8_gemm", "SCALED_MM_MULTIPLE"]
 
 
 #: torch._scaled_mm needs the contraction dim and the output's columns divisible by 16
-SCALED_MM_MULTIPLE = 16
+SCALED_MM_MULTIPLE = MULTIPLES["tensor"][1]
 
 
 def _scaled_mm_operands(a: torch.Tensor, b: torch.Tensor):
@@ -49,15 +50,10 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch
     bf16 only, so for other outputs ``scaled_mm`` runs at unit scales into fp32 and
     applies them after: the same sum, one more pass over the output."""
     if backend == "scaled_mm":
-        a, b, n = _scaled_mm_operands(a, b)
-        if inv_b.numel() > 1 and inv_b.shape[-1] != b.shape[1]:  # rowwise: pad N's scales
-            inv_b = torch.cat([inv_b, inv_b.new_ones(1, b.shape[1] - inv_b.shape[-1])], 1)
-        if inv_a.numel() == 1 and inv_b.numel() == 1 or out_dtype == torch.bfloat16:
-            y = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
-            return y if y.shape[1] == n else y[:, :n]
-        one = torch.ones((), device=a.device)
-        y = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
-        return (y * (inv_a * inv_b)).to(out_dtype)[:, :n]
+        return run_or_fall_back(
+            lambda: _scaled(a, b, inv_a, inv_b, out_dtype),
+            lambda: fp8_gemm(a, b, inv_a, inv_b, out_dtype, "dequant"),
+            "torch._scaled_mm", (a.shape[0], a.shape[1], b.shape[1]), a.device)
     if backend not in ("dequant", "dequant_fp32"):
         raise ValueError(f"fp8 GEMM backend {backend!r}; valid: scaled_mm, dequant, "
                          "dequant_fp32, auto")
@@ -68,3 +64,17 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch
         with ieee_fp32_matmul():
             y = torch.mm(a.float(), b.float())
     return (y.float() * (inv_a * inv_b)).to(out_dtype)
+
+
+def _scaled(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
+            out_dtype: torch.dtype) -> torch.Tensor:
+    """``fp8_gemm`` on ``torch._scaled_mm``, K and N padded, the output sliced back."""
+    a, b, n = _scaled_mm_operands(a, b)
+    if inv_b.numel() > 1 and inv_b.shape[-1] != b.shape[1]:  # rowwise: pad N's scales
+        inv_b = torch.cat([inv_b, inv_b.new_ones(1, b.shape[1] - inv_b.shape[-1])], 1)
+    if inv_a.numel() == 1 and inv_b.numel() == 1 or out_dtype == torch.bfloat16:
+        y = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
+        return y if y.shape[1] == n else y[:, :n]
+    one = torch.ones((), device=a.device)
+    y = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    return (y * (inv_a * inv_b)).to(out_dtype)[:, :n]

@@ -41,6 +41,7 @@ from mixprec.fp8.blocks import MX_TILE, TILE, cast_blocks, cast_mx, cast_tiles
 from mixprec.fp8.gather import Fp8Weight
 from mixprec.fp8.gemm import fp8_gemm
 from mixprec.fp8.nvfp4 import apply_hadamard, cast_nvfp4, hadamard_16
+from mixprec.fp8.padding import run_or_fall_back
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.route import gemm_route
 from mixprec.fp8.scaled_mm import block_scaled_mm
@@ -144,9 +145,13 @@ class Quantizer:
         """``a @ b`` (``a`` (M, K), ``b`` (K, N), each scaled along K) in ``out_dtype``,
         fp32 accumulation: torch's block-scaled kernel where ``backend`` is
         ``scaled_mm``, else the exact dequantizing GEMM."""
-        if backend == "scaled_mm":
-            return block_scaled_mm(a, b, out_dtype, self.kernel)
-        return (a.dequant() @ b.dequant()).to(out_dtype)
+        exact = lambda: (a.dequant() @ b.dequant()).to(out_dtype)  # noqa: E731
+        if backend == "scaled_mm":  # a shape the kernel refuses: this GEMM runs exact
+            return run_or_fall_back(lambda: block_scaled_mm(a, b, out_dtype, self.kernel),
+                                    exact, f"the {self.kernel} kernel",
+                                    (a.codes.shape[0], a.codes.shape[1], b.codes.shape[1]),
+                                    a.data.device)
+        return exact()
 
     def update(self, state: dict, found_inf: torch.Tensor | None = None) -> None:
         """Once per optimizer step (delayed scaling's history); nothing by default."""

@@ -39,6 +39,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from mixprec.fp8.padding import MULTIPLES
 from mixprec.fp8.quantized import Quantized, expand_blocks
 
 __all__ = ["BLOCK_KINDS", "block_scaled_mm", "swizzle_32_4_4", "pack_e2m1",
@@ -133,7 +134,8 @@ def block_scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, kind: st
     m, n = a.codes.shape[0], b.codes.shape[1]
     st = F.ScalingType
     if kind == "block":
-        ac, bt = _operands(a, b, 128, 128, 4)  # M to 4: the tile scales' 16-byte rows
+        mm, mk, mn = MULTIPLES[kind]  # M to 4: the tile scales' 16-byte rows
+        ac, bt = _operands(a, b, mk, mn, mm)
         kb = ac.shape[1] // 128
         sa = _pad(_k_scales(a, "a", 128), 4, kb, 1.0)
         if _block_shape(b) == (128, 128):  # a weight: (L4, N/128), column-major
@@ -147,7 +149,8 @@ def block_scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, kind: st
                         rb, output_dtype=out_dtype)
         return y[:m, :n]
     tile = 32 if kind == "mx" else 16
-    ac, bt = _operands(a, b, 32, 16)
+    _, mk, mn = MULTIPLES[kind]
+    ac, bt = _operands(a, b, mk, mn)
     kb = ac.shape[1] // tile
     sa = _pad(_k_scales(a, "a", tile), 1, kb, 1.0)
     sb = _pad(_k_scales(b, "b", tile), bt.shape[0], kb, 1.0)

@@ -10,7 +10,9 @@ bytes (4 in fp32 or under emulation, else 2), the backward holds at once:
 - per-tensor and rowwise fp8: the gradient's codes (``T·O``) and, where it arrives in
   16 bits, its fp32 upcast (``4·T·O``); the GEMM's operand copies, bf16 on the
   ``dequant`` route (``2·(T·O + I·O)``), fp32 on ``dequant_fp32`` (``4·(T·O + I·O)``),
-  none on ``scaled_mm``;
+  none on ``scaled_mm``, except the padding of a dim ``torch._scaled_mm`` needs a
+  multiple of 16 (``mixprec.fp8.padding.backward_padding_bytes``: the padded operand
+  copies and output columns of the dgrad or wgrad GEMM, the larger);
 - block and MX fp8: the gradient's block cast (``T·O·5``), its fp32 dequantized copy and
   the other operand's (``4·(T·O + I·O)`` for dgrad, ``4·(T·O + T·I)`` for wgrad, while
   the dgrad's cast of the gradient, its codes, is still alive: ``T·O`` more);
@@ -37,6 +39,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from torch import nn
+
+from mixprec.fp8.padding import backward_padding_bytes
 
 __all__ = ["linear_shapes", "saved_weight_bytes", "backward_transient",
            "STEP_SCRATCH_PER_ELEMENT", "step_scratch"]
@@ -85,6 +89,8 @@ def backward_transient(tokens: int, shapes: Iterable[tuple[int, int, str]],
         if route in ("fp8", "rowwise"):
             copies = {"dequant": 2, "dequant_fp32": 4}.get(fp8_gemm, 0)
             need += (5 if act_bytes < 4 else 1) * to + copies * (to + io)
+            if fp8_gemm == "scaled_mm":
+                need += backward_padding_bytes(t, i, o, 2 if act_bytes < 4 else 4)
         elif route == "block":
             need += 5 * to + 4 * max(to + io, to + ti) + to
         elif route == "nvfp4":
