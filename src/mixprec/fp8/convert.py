@@ -6,17 +6,18 @@ Example::
     print(report)            # converted layers, and each one left alone with its reason
 
 Default policy: convert every plain ``nn.Linear`` (and GPT-2-style ``Conv1D``, as used by
-transformers' GPT-2 family) whose dims are multiples of 16, except
-the output head. The head is the last Linear, or one whose weight is tied to an
-embedding: its logits feed the loss directly and fp8 costs the most accuracy there.
-``filter(module, fqn) -> bool`` replaces the policy (dims still apply). The swap reuses the
-same Parameter objects, so an optimizer already built over the model keeps working.
+transformers' GPT-2 family), whatever its dims (the GEMM routes pad where a kernel needs
+it: ``mixprec.fp8.padding``), except the output head. The head is the last Linear, or
+one whose weight is tied to an embedding: its logits feed the loss directly and fp8
+costs the most accuracy there. ``filter(module, fqn) -> bool`` replaces the policy. The
+swap reuses the same Parameter objects, so an optimizer already built over the model
+keeps working.
 
 A recipe's ``layer:`` rules (``mixprec.layer_rules``) decide before the policy and the
 filter: a Linear matched by ``layer:PATTERN=bf16`` is kept, one matched by an fp8 preset
 (``layer:blocks.*.fc=mxfp8``) is converted with that preset's scaling
-(``Recipe.for_layer``), head or not. The hardware's limits (dims divisible by 16, Linear
-subclasses) still keep a Linear a rule asked fp8 for, with a reason naming the rule.
+(``Recipe.for_layer``), head or not. A Linear subclass, whose owner may use its weight
+directly, is kept even where a rule asked fp8 for it, with a reason naming the rule.
 ``layer_formats`` says what each Linear will run in without converting anything.
 """
 
@@ -81,7 +82,6 @@ def plan(model: nn.Module, filter: Callable[[nn.Module, str], bool] | None = Non
             out.append((fqn, m, _by_rule(m, rule)))
             continue
         why = None
-        d_in, d_out = m.weight.shape[::-1] if not is_conv1d(m) else m.weight.shape
         if type(m) is not nn.Linear and not is_conv1d(m):
             why = _subclass_reason(m)
         elif filter is not None:
@@ -91,8 +91,6 @@ def plan(model: nn.Module, filter: Callable[[nn.Module, str], bool] | None = Non
             why = "output head: weight tied to an embedding"
         elif fqn == last:
             why = "output head: the last Linear"
-        if why is None and (d_in % 16 or d_out % 16):
-            why = _dims_reason(d_in, d_out)
         out.append((fqn, m, why))
     by_share = math.ceil(keep_fraction * len(out) - 1e-9)
     keep, rule = ((by_share, f"bf16_last_fraction={keep_fraction:g}")
@@ -109,23 +107,14 @@ def _subclass_reason(m: nn.Module) -> str:
             "directly (e.g. nn.MultiheadAttention.out_proj)")
 
 
-def _dims_reason(d_in: int, d_out: int) -> str:
-    return (f"in_features={d_in}, out_features={d_out}: fp8 GEMMs "
-            "need both divisible by 16")
-
-
 def _by_rule(m: nn.Module, rule: LayerRule) -> str | None:
     """Why a Linear matched by ``rule`` stays in high precision (None: it converts)."""
     if rule.value == "bf16":
         return f"rule {rule}"
-    d_in, d_out = m.weight.shape[::-1] if not is_conv1d(m) else m.weight.shape
-    if type(m) is not nn.Linear and not is_conv1d(m):
-        limit = _subclass_reason(m)
-    elif d_in % 16 or d_out % 16:
-        limit = _dims_reason(d_in, d_out)
-    else:
+    if type(m) is nn.Linear or is_conv1d(m):
         return None
-    return f"{limit}; rule {rule} asked for {rule.value}, which cannot apply here"
+    return (f"{_subclass_reason(m)}; rule {rule} asked for {rule.value}, which cannot "
+            "apply here")
 
 
 def _decide(model: nn.Module, r: Recipe, filter) -> list[tuple[str, nn.Module, str,
@@ -144,8 +133,8 @@ def layer_formats(model: nn.Module, recipe: Recipe | str,
     run in under ``recipe``: for an fp8 recipe, the fp8 preset of each Linear
     ``convert(model, recipe, filter=filter)`` would convert (``"fp8-current"``,
     ``"mxfp8"``, ... as its ``layer:`` rule or the recipe's scaling says) and
-    ``"bf16"`` for each it would keep (the head, a rule's ``bf16``, dims not divisible
-    by 16, ...). A model that holds Float8Linears already (converted by hand, or by an
+    ``"bf16"`` for each it would keep (the head, a rule's ``bf16``, a Linear
+    subclass, ...). A model that holds Float8Linears already (converted by hand, or by an
     engine) is read as it is, as the engine leaves it: each Float8Linear runs its own
     preset, every other Linear bf16. For a recipe without fp8 every Linear runs in its
     ``compute`` (``"bf16"``, ``"fp32"``, ...). Nothing is converted.
@@ -178,8 +167,8 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
     A Linear matched by one of the recipe's ``layer:`` rules runs the rule's format
     (``Recipe.for_layer``), or stays in bf16; a rule that decides for no Linear of the
     model warns (its pattern is likely wrong). A recipe that would convert nothing
-    (every Linear too small, the head, or one of the last ``bf16_last_layers``) trains
-    nothing in fp8: that raises ``ValueError`` naming each Linear and why, unless
+    (every Linear the head, a Linear subclass, or one of the last ``bf16_last_layers``)
+    trains nothing in fp8: that raises ``ValueError`` naming each Linear and why, unless
     ``allow_none`` or a ``filter`` says the choice was the user's (then it warns).
     ``routes``: the fp8 GEMM route (``fp8_gemm``) for each ``fp8_scaling`` (the engine
     passes the ones it measured, ``KernelChoices.fp8_gemm_routes``); a scaling it does
@@ -214,9 +203,9 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
             raise ValueError(
                 f"recipe {str(r)!r} converts no Linear of this model, so nothing would "
                 f"run in fp8 ({why}). Use a 16-bit recipe (bf16-master), lower "
-                "bf16_last_layers or bf16_last_fraction, give the Linears dims "
-                "divisible by 16, or train it so anyway: MixedPrecision(..., "
-                "fp8_filter=lambda module, name: True) or fp8.convert(..., "
+                "bf16_last_layers or bf16_last_fraction, or train it so anyway: "
+                "MixedPrecision(..., fp8_filter=lambda module, name: True) or "
+                "fp8.convert(..., "
                 "allow_none=True) make this a warning")
         warnings.warn(f"fp8: no Linear was converted, so nothing runs in fp8 ({why})",
                       stacklevel=2)

@@ -161,7 +161,8 @@ class Float8Linear(nn.Linear):
     Buffers are the quantizer's state only (in ``state_dict``, so a resumed run continues
     bit-identically): delayed scaling's ``fp8_amax_history`` (3 roles ×
     ``amax_history_len``: input, weight, grad_output) and ``fp8_scale`` (3,); NVFP4's
-    ``nvfp4_rng``. Both dims must be multiples of 16 (the fp8 GEMM's rule).
+    ``nvfp4_rng``. Any dims: the GEMM routes pad where a kernel needs it
+    (``mixprec.fp8.padding``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -171,10 +172,6 @@ class Float8Linear(nn.Linear):
         self._configure(Recipe.coerce(recipe))
 
     def _configure(self, r: Recipe, seed: int = 0) -> None:
-        if self.in_features % 16 or self.out_features % 16:
-            raise ValueError(
-                f"Float8Linear needs in_features and out_features divisible by 16, got "
-                f"{self.in_features} x {self.out_features}; keep this layer in bf16")
         self.fp8_recipe = r
         self.quantizer = quantizer_for(r)
         self.gemm_choice = r.fp8_gemm

@@ -122,8 +122,8 @@ def _flushed(t: torch.Tensor, q: torch.Tensor) -> tuple[int, int]:
 def layer_numerics(model: nn.Module, batches: Sequence, loss_fn: Callable,
                    formats: Sequence[str], recipe: Recipe
                    ) -> dict[tuple[str, str], LayerNumerics]:
-    """``{(linear name, format): LayerNumerics}`` for every Linear an fp8 format can
-    take (dims divisible by 16) and every fp8/fp4 format (the module docstring says
+    """``{(linear name, format): LayerNumerics}`` for every Linear (any dims: the
+    routes pad) and every fp8/fp4 format (the module docstring says
     what is measured). ``loss_fn(model, batch)`` returns the
     loss; ``recipe``: the fp8 recipe whose other settings (margin, history) the casts
     use. The model is left as it was."""
@@ -141,8 +141,6 @@ def layer_numerics(model: nn.Module, batches: Sequence, loss_fn: Callable,
             continue
         lin = ref_model.get_submodule(name)
         w = _weight(lin)
-        if w.shape[0] % 16 or w.shape[1] % 16:
-            continue  # no fp8 GEMM takes it: the planner keeps it in bf16
         refs = [_bf16(x, w, g) for x, g in pairs]
         for f in fmts:
             out[(name, f)] = _score(lin, w, pairs, refs, recipe_for_format(recipe, f))
