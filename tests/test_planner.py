@@ -276,14 +276,17 @@ def test_a_budget_the_16_bit_states_exceed_gets_a_plan_that_fits_measured():
                      formats=("bf16", "fp8-current"), seconds=0.05)
 
 
-def test_a_linear_no_fp8_gemm_takes_stays_bf16_with_the_reason(chip):
+def test_a_linear_of_odd_dims_is_priced_in_fp8_not_refused(chip):
+    """1024 → 10: the routes pad it, so the planner times its padded fp8 Linear
+    against bf16 and says why it chose (its dims are no longer a reason)."""
     chip(4.0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 10))
     p = mixprec.plan(model, torch.randn(2048, 512), loss_fn=lambda m, b: m(b).float().sum(),
                      formats=("bf16", "fp8-current"), max_loss=None)
     rows = {r.layer: r for r in p.rows}
-    assert rows["2"].choice == "bf16" and "divisible by 16" in rows["2"].reason
+    two = rows["2"]  # fp8 chosen, or bf16 for a measured speed
+    assert two.choice == "fp8-current" or "fp8-current runs at" in two.reason, two
     assert rows["0"].choice == "fp8-current"
 
 
