@@ -163,6 +163,7 @@ def test_odd_linears_pass_the_meta_kernels_padded(recipe, shape, tokens, monkeyp
     import mixprec.fp8.gemm as gemm
     import mixprec.fp8.scaled_mm as route
     from mixprec.fp8.padding import MULTIPLES
+    from test_cuda_routes_meta import meta_linear_step
 
     seen = []
     real_mm, real_block = torch._scaled_mm, route.F.scaled_mm
@@ -177,16 +178,7 @@ def test_odd_linears_pass_the_meta_kernels_padded(recipe, shape, tokens, monkeyp
 
     monkeypatch.setattr(gemm.torch, "_scaled_mm", spy_mm)
     monkeypatch.setattr(route.F, "scaled_mm", spy_block)
-    d_in, d_out = shape
-    f8 = Float8Linear.from_linear(nn.Linear(d_in, d_out), recipe + ",fp8_gemm=scaled_mm"
-                                  ).to("meta")
-    assert f8.backend == "scaled_mm"
-    x = torch.empty(tokens, d_in, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    y = f8(x)
-    y.sum().backward()
-    assert (y.shape, y.dtype) == ((tokens, d_out), torch.bfloat16)
-    assert (x.grad.shape, x.grad.dtype) == ((tokens, d_in), torch.bfloat16)
-    assert (f8.weight.grad.shape, f8.weight.grad.dtype) == ((d_out, d_in), torch.float32)
+    f8 = meta_linear_step(recipe + ",fp8_gemm=scaled_mm", shape, tokens)
     assert len(seen) == 3  # forward, dgrad, wgrad: each on the kernel
     _, mk, mn = MULTIPLES[f8.quantizer.kernel]
     fp4 = f8.quantizer.kernel == "nvfp4"  # two codes a byte: K counted in bytes
