@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["MULTIPLES", "padded", "padded_flops", "padding_bytes",
+__all__ = ["MULTIPLES", "padded", "padding_bytes",
            "backward_padding_bytes", "run_or_fall_back"]
 
 #: the multiples each kernel's GEMM needs of (M, K, N)
@@ -55,12 +55,6 @@ def padded(m: int, k: int, n: int, kernel: str = "tensor") -> tuple[int, int, in
         raise ValueError(f"kernel={kernel!r}; valid: {', '.join(MULTIPLES)}")
     mm, mk, mn = MULTIPLES[kernel]
     return _up(m, mm), _up(k, mk), _up(n, mn)
-
-
-def padded_flops(m: int, k: int, n: int, kernel: str = "tensor") -> int:
-    """The FLOPs ``kernel`` spends on an ``(M, K) @ (K, N)`` GEMM, padding included."""
-    pm, pk, pn = padded(m, k, n, kernel)
-    return 2 * pm * pk * pn
 
 
 def padding_bytes(m: int, k: int, n: int, *, a_copied: bool, b_copied: bool,
