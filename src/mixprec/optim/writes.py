@@ -24,21 +24,27 @@ and 1000 updates of ``+1e-4``:
   bits there is no room to record which way a tie went under ties-to-even (a bf16
   value has 65,537 fp32 values that round to it when it is even), so at the 1-in-2^17
   fp32 values that are ties towards an even bf16 the weight is the other neighbour.
+
+Each rule is a ``WriteRule`` object in the registry ``RULES`` (``write_rule(name)``): it
+owns the state it keeps per parameter (its checkpoint form: optimizer state entries
+under ``buffers``' names), how it reads the weight into fp32 and lands an update in
+it, and its bytes per parameter (``write_bytes``, which the memory planner asks).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 
-__all__ = ["WriteRule", "WRITE_RULES", "stochastic_round", "counter_bits", "stream_key",
-           "split_remainder", "join_remainder", "write_bytes"]
+__all__ = ["WriteName", "WriteRule", "Stream", "RULES", "WRITE_RULES", "write_rule",
+           "stochastic_round", "counter_bits", "stream_key", "split_remainder",
+           "join_remainder", "write_bytes"]
 
-WriteRule = Literal["nearest", "stochastic", "kahan", "remainder"]
-WRITE_RULES = ("nearest", "stochastic", "kahan", "remainder")
+WriteName = Literal["nearest", "stochastic", "kahan", "remainder"]
 
 _LOW = 0xFFFF
 
@@ -150,9 +156,146 @@ def _int_to(u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(u >= (1 << (width - 1)), u - (1 << width), u).to(dtype)
 
 
+@dataclass(frozen=True)
+class Stream:
+    """Where a stochastic write's bits come from: the optimizer's ``seed``, the
+    parameter's ``index`` in it, the applied-step counter ``step`` (0-d int64, on the
+    device) and ``offset``, the index in the whole tensor of the first element written
+    (a piece of rows, or an FSDP shard)."""
+
+    seed: int
+    index: int
+    step: torch.Tensor
+    offset: int = 0
+
+
+class WriteRule:
+    """How an fp32 update lands in a bf16/fp16 weight that has no fp32 master (the
+    module docstring compares the rules). ``read`` gives the fp32 value the update
+    starts from; ``land`` rounds the updated value to the weight's dtype and returns
+    the new contents of the rule's buffers."""
+
+    name: ClassVar[str] = ""
+    #: the state entries the rule keeps per parameter (2 bytes per element each); they
+    #: are saved and loaded as optimizer state under these names
+    buffers: ClassVar[tuple[str, ...]] = ()
+    #: whether ``land`` draws random bits (the optimizer then passes a ``Stream``)
+    draws_bits: ClassVar[bool] = False
+
+    def bytes_per_param(self) -> int:
+        """Bytes the rule keeps beside each element of a 16-bit weight."""
+        return 2 * len(self.buffers)
+
+    def check_weight(self, fmt: str) -> None:
+        """Raise unless the rule can write weights of format ``fmt`` (bf16, fp16)."""
+
+    def init_state(self, p: torch.Tensor, state: dict) -> None:
+        """Create the rule's buffers for the 16-bit (or emulated) weight ``p``."""
+        for name in self.buffers:
+            state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def read(self, p: torch.Tensor, state: dict) -> torch.Tensor:
+        """The fp32 value of weight ``p`` that the update starts from (a new tensor
+        where ``p`` is not fp32)."""
+        w = p.data.float()
+        return w if w is not p.data else w.clone()
+
+    def land(self, w: torch.Tensor, dtype: torch.dtype, state: dict,
+             stream: Stream | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(weight, buffers)``: the updated fp32 value ``w`` in ``dtype``, and the new
+        contents of the rule's buffers by name."""
+        return w.to(dtype), {}
+
+    def stored_value(self, p: torch.Tensor, state: dict) -> torch.Tensor:
+        """The fp32 value the weight ``p`` and the rule's buffers hold (a copy)."""
+        return p.detach().float().clone()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class Nearest(WriteRule):
+    """Round to nearest even; no state."""
+
+    name = "nearest"
+
+
+class Stochastic(WriteRule):
+    """Unbiased stochastic rounding on counter-based bits (16 for bf16, 24 for fp16)."""
+
+    name = "stochastic"
+    draws_bits = True
+
+    def land(self, w, dtype, state, stream=None):
+        if stream is None:
+            raise ValueError("write='stochastic' draws its bits from a Stream (seed, "
+                             "parameter index, step counter); pass one")
+        key = stream_key(stream.seed, stream.index, stream.step)
+        bits = counter_bits(w.shape, key, stream.offset,
+                            16 if dtype == torch.bfloat16 else 24)
+        return stochastic_round(w, dtype, bits=bits), {}
+
+
+class Kahan(WriteRule):
+    """A compensation buffer in the weight's dtype holds what the last rounding
+    dropped; the next update starts from the weight less it."""
+
+    name = "kahan"
+    buffers = ("kahan_comp",)
+
+    def read(self, p, state):
+        return p.data.float() - state["kahan_comp"].float()
+
+    def land(self, w, dtype, state, stream=None):
+        new = w.to(dtype)
+        return new, {"kahan_comp": (new.float() - w).to(dtype)}
+
+    def stored_value(self, p, state):
+        return p.detach().float() - state["kahan_comp"].float()
+
+
+class Remainder(WriteRule):
+    """bf16 weight + int16 remainder = the fp32 value, exactly."""
+
+    name = "remainder"
+    buffers = ("remainder",)
+
+    def check_weight(self, fmt):
+        if fmt != "bf16":
+            raise ValueError("write='remainder' keeps bf16 weights' low 16 bits; this "
+                             f"parameter is {fmt}. Use write='kahan' or 'stochastic' for "
+                             "fp16 weights.")
+
+    def init_state(self, p, state):
+        state["remainder"] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+
+    def read(self, p, state):
+        return join_remainder(p.data.to(torch.bfloat16), state["remainder"])
+
+    def land(self, w, dtype, state, stream=None):
+        new, rem = split_remainder(w)
+        return new, {"remainder": rem}
+
+    def stored_value(self, p, state):
+        return join_remainder(p.detach().to(torch.bfloat16), state["remainder"])
+
+
+#: the write rules by name
+RULES: dict[str, WriteRule] = {r.name: r for r in (Nearest(), Stochastic(), Kahan(),
+                                                   Remainder())}
+WRITE_RULES = tuple(RULES)
+
+
+def write_rule(name: str) -> WriteRule:
+    """The write rule called ``name``; an unknown name raises, naming the valid ones."""
+    rule = RULES.get(name) if isinstance(name, str) else None
+    if rule is None:
+        raise ValueError(f"write rule {name!r}; valid: {', '.join(WRITE_RULES)} (pass one "
+                         "of them as write=)")
+    return rule
+
+
 def write_bytes(rule: str, numel: int) -> int:
-    """Bytes the rule keeps beside a 16-bit weight (kahan's compensation, remainder's
-    int16)."""
-    if rule not in WRITE_RULES:
-        raise ValueError(f"write rule {rule!r}; valid: {', '.join(WRITE_RULES)}")
-    return 2 * numel if rule in ("kahan", "remainder") else 0
+    """Bytes the rule keeps beside a 16-bit weight of ``numel`` elements (kahan's
+    compensation, remainder's int16)."""
+    return write_rule(rule).bytes_per_param() * numel
