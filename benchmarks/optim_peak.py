@@ -127,7 +127,7 @@ def run_engine(shape: tuple[int, ...], recipes: list[str]) -> list[tuple[float, 
 def run_cases(shape: tuple[int, ...], cases: list[tuple], chunk: int | None = None
               ) -> list[float]:
     """``step_peak`` of each case, one after another in a fresh process (see the module
-    docstring); ``chunk``: the optimizer's piece size (``mixprec.optim.base.CHUNK``)."""
+    docstring); ``chunk``: the optimizer's piece size (``mixprec.optim.pieces.CHUNK``)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "2"}
     arg = json.dumps({"shape": shape, "cases": [c[1:] for c in cases], "chunk": chunk})
     out = subprocess.run([sys.executable, __file__, "--child", arg], env=env,
@@ -148,9 +148,9 @@ def main() -> None:
             print(json.dumps(engine_step_peak(tuple(spec["shape"]), spec["engine"])))
             return
         if spec.get("chunk"):
-            import mixprec.optim.base as base
+            import mixprec.optim.pieces as chunking
 
-            base.CHUNK = int(spec["chunk"])
+            chunking.CHUNK = int(spec["chunk"])
         print(json.dumps([step_peak(tuple(spec["shape"]), *c) for c in spec["cases"]]))
         return
     import platform

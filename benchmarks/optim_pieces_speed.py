@@ -3,7 +3,7 @@
     python benchmarks/optim_pieces_speed.py [--shape 4096x4096] [--rounds 10]
 
 For each state format and write rule: two optimizers over two copies of one parameter,
-one stepping in pieces of ``mixprec.optim.base.CHUNK`` elements, one with a piece the
+one stepping in pieces of ``mixprec.optim.pieces.CHUNK`` elements, one with a piece the
 size of the tensor, stepped alternately; the table gives each one's median step and the
 median of the per-round ratio (pieces / whole) with its quartiles. No figure is
 asserted."""
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-import mixprec.optim.base as base
+import mixprec.optim.pieces as chunking
 from mixprec.optim import AdamW
 from mixprec.workbench.compare import cpu_name
 
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     args = ap.parse_args()
     shape = tuple(int(x) for x in args.shape.split("x"))
-    pieces = base.CHUNK
+    pieces = chunking.CHUNK
     print(f"# {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"shape {args.shape}, CHUNK {pieces}")
     print("| states, write, weights | pieces (ms) | whole (ms) | pieces / whole (IQR) |")
@@ -47,12 +47,12 @@ def main() -> None:
         times: list[list[float]] = [[], []]
         for r in range(args.rounds + 1):
             for i in ((0, 1) if r % 2 else (1, 0)):
-                base.CHUNK = pieces if i == 0 else 1 << 62
+                chunking.CHUNK = pieces if i == 0 else 1 << 62
                 t = time.perf_counter()
                 opts[i].step()
                 if r:  # the first round creates the states
                     times[i].append(time.perf_counter() - t)
-        base.CHUNK = pieces
+        chunking.CHUNK = pieces
         ratios = sorted(a / b for a, b in zip(*times))
         q = statistics.quantiles(ratios, n=4)
         print(f"| {states}, {write}, {str(dtype).split('.')[-1]} | "

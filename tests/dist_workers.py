@@ -660,11 +660,11 @@ def sharded_steps(full_params, states, steps=5, world=None, write="nearest"):
 
 def sharded_optimizer(rank, world, tmp, states, write="nearest", chunk=None):
     """``sharded_steps`` on ``world`` ranks (``chunk``: the step's piece size,
-    ``mixprec.optim.base.CHUNK``)."""
+    ``mixprec.optim.pieces.CHUNK``)."""
     if chunk is not None:
-        import mixprec.optim.base as base
+        import mixprec.optim.pieces as pieces
 
-        base.CHUNK = chunk
+        pieces.CHUNK = chunk
     _init(rank, world, tmp)
     torch.manual_seed(0)
     full = [torch.randn(s) for s in SHARDED_SHAPES]

@@ -390,10 +390,10 @@ def test_a_step_in_pieces_still_equals_torch_bit_for_bit(monkeypatch, name, kw):
     """With pieces of at most 2048 elements every tensor here is stepped in several
     (rows of 257, 3×3 convolutions, a 1-D tensor, rows wider than a piece): the fp32
     result is still torch's own, bit for bit."""
-    import mixprec.optim.base as base
+    import mixprec.optim.pieces as pieces
 
-    monkeypatch.setattr(base, "CHUNK", 2048)
-    assert all(base.chunk_rows(s) < s[0] for s in ODD)
+    monkeypatch.setattr(pieces, "CHUNK", 2048)
+    assert all(pieces.chunk_rows(s) < s[0] for s in ODD)
     a, b, _, _ = _pair(lambda p: getattr(torch.optim, name)(p, **kw),
                        lambda p: getattr(mo, name)(p, **kw), steps=5, shapes=ODD)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
@@ -423,10 +423,10 @@ def _pieces_equal_whole(monkeypatch, states, write, dtype, sync_free):
     scales and buffers, bit for bit (also through a skipped device step), so the bounded
     step changes no checkpoint. The first step, which creates the states, runs in pieces
     too, and creates them in the same order (ranks gather states in that order)."""
-    import mixprec.optim.base as base
+    import mixprec.optim.pieces as pieces
 
     def run(chunk):
-        monkeypatch.setattr(base, "CHUNK", chunk)
+        monkeypatch.setattr(pieces, "CHUNK", chunk)
         torch.manual_seed(0)
         ps = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in ODD]
         opt = mo.AdamW(ps, lr=1e-2, states=states, write=write)
@@ -451,9 +451,10 @@ def _pieces_equal_whole(monkeypatch, states, write, dtype, sync_free):
 def test_sgd_without_momentum_also_steps_in_pieces(monkeypatch):
     """SGD with momentum 0 keeps no state, so its pieces start at the first step."""
     import mixprec.optim.base as base
+    import mixprec.optim.pieces as pieces
 
     calls = []
-    monkeypatch.setattr(base, "CHUNK", 1024)
+    monkeypatch.setattr(pieces, "CHUNK", 1024)
     inner = base.LowPrecisionOptimizer._update_piece
     monkeypatch.setattr(base.LowPrecisionOptimizer, "_update_piece",
                         lambda self, p, *a: calls.append(p.numel()) or inner(self, p, *a))
@@ -492,10 +493,10 @@ def test_stochastic_writes_draw_fresh_bits_every_step():
 def test_the_fresh_bits_check_fails_on_a_stream_that_repeats(monkeypatch):
     """The same check on a stream whose key ignores the step (bits repeat): unbiased on
     average, so a mean test passes, but the variance is 16x the binomial's."""
-    import mixprec.optim.base as base
+    import mixprec.optim.writes as writes
 
-    real = base.stream_key
-    monkeypatch.setattr(base, "stream_key", lambda seed, index, step: real(
+    real = writes.stream_key
+    monkeypatch.setattr(writes, "stream_key", lambda seed, index, step: real(
         seed, index, torch.zeros_like(step)))
     ups = _round_ups_over_steps(lambda ps: mo.SGD(ps, lr=1.0, write="stochastic", seed=3))
     assert abs(ups.mean().item() - 4.0) < 0.5

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import mixprec.optim as mo
-from mixprec.optim.states import LAYOUT, decode, decode_layout1
+from mixprec.optim.compat import decode_layout1
+from mixprec.optim.states import LAYOUT, decode
 
 DATA = Path(__file__).parent / "data"
 

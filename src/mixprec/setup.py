@@ -36,7 +36,7 @@ from mixprec.fp8.linear import fp8_modules
 from mixprec.kernels import KernelChoices, choices, has_fast_kernels
 from mixprec.layer_rules import owner_of
 from mixprec.master import ParamState
-from mixprec.optim.base import LowPrecisionOptimizer
+from mixprec.optim.base import EngineBinding, LowPrecisionOptimizer
 from mixprec.parallel import Parallel, check_parallel_recipe, make_parallel
 from mixprec.recipe import Recipe
 from mixprec.scaler import LossScaler
@@ -169,13 +169,13 @@ def _hand_over(optimizers: list, state: ParamState, fp32_init: list | None) -> N
     if rules:
         _set_state_formats(ours, state)
     index = {id(p): i for i, p in enumerate(state.working)}
+    buffers = None
     if not state.has_master and not state.direct and len(ours) == len(optimizers):
-        grads = state.lend_grads()  # no master: keyed by the working parameters
-        for o in ours:
-            o.grad_buffers = grads
+        buffers = state.lend_grads()  # no master: keyed by the working parameters
+    binding = EngineBinding(grads=buffers, emulated_format=None if state.has_master
+                            else state.round_to)
     for o in ours:
-        if state.round_to is not None and not state.has_master:
-            o.emulated_format = state.round_to
+        o.bind(binding)
         if fp32_init is not None:
             mine = [p for g in o.param_groups for p in g["params"] if id(p) in index]
             o.init_remainders(mine, [fp32_init[index[id(p)]] for p in mine])

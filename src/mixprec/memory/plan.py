@@ -279,7 +279,7 @@ def estimate(
                     + backward_transient(tokens, shapes, act_bytes, route))
         largest = (max((p.numel() for p in params.parameters()), default=0) if on_model
                    else activations.ffn_mult * activations.hidden ** 2)  # an MLP weight
-        from mixprec.optim.base import CHUNK
+        from mixprec.optim.pieces import CHUNK
 
         after = steady + (step_scratch(largest, CHUNK) if r.needs_mixprec_optim else 0.0)
         peak = max(backward, after)

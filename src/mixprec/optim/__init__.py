@@ -12,7 +12,9 @@
   counter, checkpointed; the same bits on every rank and at every world size).
 
 Each takes ``found_inf`` / ``grad_scale`` as torch's fused optimizers do, so
-``MixedPrecision``'s step stays free of host syncs. Example::
+``MixedPrecision``'s step stays free of host syncs, and what else an engine hands it
+(fp32 gradients of 16-bit weights, the format emulated weights hold) through
+``bind(EngineBinding(...))``; used alone, it steps on ``p.grad``. Example::
 
     opt = mixprec.optim.AdamW(model.parameters(), lr=3e-4, states="int8",
                               write="stochastic")
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec.optim.adam import Adam, AdamW
-from mixprec.optim.base import LowPrecisionOptimizer
+from mixprec.optim.base import EngineBinding, LowPrecisionOptimizer
 from mixprec.optim.sgd import SGD
 from mixprec.optim.states import STATE_FORMATS
 from mixprec.optim.writes import WRITE_RULES
@@ -36,8 +38,8 @@ if TYPE_CHECKING:
 
     from mixprec.recipe import Recipe
 
-__all__ = ["Adam", "AdamW", "SGD", "LowPrecisionOptimizer", "STATE_FORMATS", "WRITE_RULES",
-           "adamw_for"]
+__all__ = ["Adam", "AdamW", "SGD", "LowPrecisionOptimizer", "EngineBinding", "STATE_FORMATS",
+           "WRITE_RULES", "adamw_for"]
 
 
 def adamw_for(recipe: Recipe | str, params: ParamsT, **kwargs: Any) -> torch.optim.Optimizer:

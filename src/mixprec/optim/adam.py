@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mixprec.optim.base import LowPrecisionOptimizer, _is_dtensor
+from mixprec.optim.base import LowPrecisionOptimizer
+from mixprec.optim.sharding import is_dtensor
 from mixprec.optim.states import stored_format
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ class Adam(LowPrecisionOptimizer):
         ps = [p for p in group["params"]  # each parameter's own state format decides
               if p.dtype == torch.float32 and self.emulated_format is None
               and stored_format(self._own_format(p), p.shape) == "fp32"
-              and not _is_dtensor(p)
+              and not is_dtensor(p)
               and (g := self._grad(p)) is not None and g.dtype == torch.float32]
         if not ps:
             return set()

@@ -61,9 +61,7 @@ tensors stay fp32 (biases, norm weights: little memory, and the most sensitive; 
 shard would also cut blocks). ``bf16`` has no blocks and applies to every tensor. The
 test is on the whole parameter's shape (a DTensor's global shape), never on a shard's.
 
-``LAYOUT`` numbers this storage. mixprec 0.2 (layout 1) padded each row to blocks of
-256, coded int8 linearly and fp8's second moment as its square root;
-``decode_layout1`` reads those codes, so such checkpoints load (re-encoded once).
+``LAYOUT`` numbers this storage; ``mixprec.optim.compat`` reads the one before it.
 """
 
 from __future__ import annotations
@@ -78,7 +76,7 @@ from mixprec import formats
 
 __all__ = ["StateFormat", "STATE_FORMATS", "BLOCK", "BLOCK4", "MIN_NUMEL", "LAYOUT",
            "stored_format", "block_width", "num_blocks", "encode", "decode",
-           "decode_layout1", "state_bytes"]
+           "state_bytes"]
 
 StateFormat = Literal["fp32", "bf16", "fp8", "int8", "int4"]
 STATE_FORMATS = ("fp32", "bf16", "fp8", "int8", "int4")
@@ -88,7 +86,7 @@ BLOCK = 256
 BLOCK4 = 128
 #: parameters with fewer elements keep fp32 states
 MIN_NUMEL = 4096
-#: the storage layout this version writes (0.2 wrote layout 1)
+#: the storage layout this version writes
 LAYOUT = 2
 _E4M3_MAX = formats.get("fp8_e4m3").max
 _E4M3_TINY = formats.get("fp8_e4m3").min_subnormal  # 2^-9
@@ -270,22 +268,6 @@ def decode(stored: dict[str, torch.Tensor], fmt: str, like: torch.Tensor,
         out = _scaled(_unpack4(q, cols), s, w,
                       lambda b, sb: _pow4(b.float().add_(1).div_(16)).mul_(sb))
     return out.reshape(like.shape)
-
-
-def decode_layout1(stored: dict[str, torch.Tensor], fmt: str, like: torch.Tensor,
-                   signed: bool = True) -> torch.Tensor:
-    """The fp32 state mixprec 0.2 (layout 1) stored: codes ``(rows, blocks, w)`` of
-    each row zero-padded to 256-element blocks, scales ``(rows, blocks, 1)``; int8
-    signed states linear (``q * s``), non-negative ones as square roots
-    (``((k + 1) * s)^2``), fp8 ones ``q * s`` (non-negative: squared)."""
-    q, s = stored["q"], stored["s"]
-    if q.ndim != 3 or s.shape != (*q.shape[:2], 1):
-        raise ValueError(f"not a layout-1 {fmt} state: codes {tuple(q.shape)}, scales "
-                         f"{tuple(s.shape)}")
-    b = q.float() * s if (fmt == "fp8" or signed) else (q.float() + 1) * s
-    cols = math.prod(like.shape[1:])
-    x = b.reshape(b.shape[0], -1)[:, :cols].reshape(like.shape)
-    return x if signed else x.square()
 
 
 def state_bytes(fmt: str, shape: int | Sequence[int]) -> int:
