@@ -11,7 +11,8 @@ methods live here: ``engine_state`` (``state_dict``), ``save_engine`` (``save``)
 everything it can before anything changes), and ``fp32_weights`` (``fp32_state_dict``).
 A file that ``save`` writes also holds the random streams (``mixprec.rng``) of the rank
 that wrote it, or of every rank where the save is a collective (``full=True`` under DDP
-or FSDP); ``load`` restores this rank's.
+or FSDP); ``load`` restores this rank's. What older versions' checkpoints lack is read by
+``mixprec.checkpoint_compat``.
 
 Layouts. A checkpoint of a single process or of DDP holds every tensor whole (layout
 ``"full"``): DDP's replicas are identical, so it loads at any world size, with or
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 from mixprec import rng
+from mixprec.checkpoint_compat import saved_layout, stale_model_keys, warn_no_random_streams
 from mixprec.comm import gather_full
 
 if TYPE_CHECKING:
@@ -127,9 +129,7 @@ def check_engine_state(state: dict, recipe: Recipe, emulating: bool, world_size:
     means a refused checkpoint changes nothing."""
     _run_settings(state, recipe, emulating)
     saved_ws = state.get("world_size", 1)
-    # before layouts were recorded, a checkpoint of several ranks may hold FSDP shards
-    layout = state.get("layout", "full" if saved_ws == 1 else "sharded")
-    if layout == "sharded" and (saved_ws != world_size or parallel != "fsdp"):
+    if saved_layout(state) == "sharded" and (saved_ws != world_size or parallel != "fsdp"):
         here = f"parallel={parallel!r}" + (f" on {world_size} rank(s)" if parallel else "")
         raise ValueError(
             f"checkpoint holds the FSDP shards of {saved_ws} rank(s) but this engine runs "
@@ -138,9 +138,7 @@ def check_engine_state(state: dict, recipe: Recipe, emulating: bool, world_size:
             "the shards), which loads at any world size, with or without FSDP")
     # the model first: another model also has other param groups, and the model is
     # what the user should hear about
-    from mixprec.fp8.linear import legacy_scaling_keys
-
-    stale = legacy_scaling_keys(module, state["model"])
+    stale = stale_model_keys(module, state["model"])
     _same_model({k: tuple(v.shape) for k, v in module.state_dict().items()},
                 {k: tuple(v.shape) for k, v in state["model"].items() if k not in stale})
     if len(state["optimizers"]) != len(optimizers):
@@ -314,11 +312,7 @@ def _restore_rng(engine: Any, saved: dict, path) -> None:
     import torch.distributed as dist
 
     if "rng" not in saved:
-        warnings.warn(
-            f"checkpoint {str(path)!r} holds no random streams (written by an older "
-            "mixprec): the model and optimizer resume exactly, but dropout and other "
-            "random ops draw from the streams as they are now. Save it again to store "
-            "them", stacklevel=4)
+        warn_no_random_streams(path)
         return
     rank = dist.get_rank() if engine.parallel is not None else 0
     mine = rng.for_rank(saved["rng"], rank)
@@ -368,7 +362,7 @@ def restore_engine(engine: Any, state: dict) -> None:
     if ps.has_master and masters is None:
         # saved under FSDP, whose fp32 parameters were the masters
         masters = [state["model"][n] for n in ps.names]
-    if engine.parallelism.sharded and state.get("layout", "sharded") == "full":
+    if engine.parallelism.sharded and saved_layout(state) == "full":
         state = shard_full_state({**state, "masters": masters}, engine.module,
                                  ps.working, engine.optimizers)
         masters = state["masters"]

@@ -118,9 +118,9 @@ def restore_resharding(engine: Any, path: str | os.PathLike[str],
     have = {f"model.{k}": tuple(v.shape) for k, v in engine.module.state_dict().items()}
     got = {k: tuple(m.size) for k, m in md.items()
            if k.startswith("model.") and hasattr(m, "size")}
-    from mixprec.fp8.linear import legacy_scaling_keys
+    from mixprec.checkpoint_compat import stale_model_keys
 
-    stale = legacy_scaling_keys(engine.module, {k[len("model."):]: None for k in got})
+    stale = stale_model_keys(engine.module, (k[len("model."):] for k in got))
     _same_model(have, {k: v for k, v in got.items() if k[len("model."):] not in stale})
     trained = [n for n, p in engine.module.named_parameters() if p.requires_grad]
     missing = [n for n in trained if not any(k.startswith(f"optim.state.{n}.") for k in md)]
