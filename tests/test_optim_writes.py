@@ -119,20 +119,26 @@ def test_an_unknown_write_rule_is_refused_naming_the_valid_ones():
     assert WRITE_RULES == tuple(RULES) == ("nearest", "stochastic", "kahan", "remainder")
 
 
+@pytest.mark.parametrize("emulated", [False, True])
 @pytest.mark.parametrize("name", WRITE_RULES)
-def test_a_rules_bytes_and_checkpoint_entries_are_what_it_keeps(name):
+def test_a_rules_bytes_and_checkpoint_entries_are_what_it_keeps(name, emulated):
     """``write_bytes`` (the memory planner's price) equals the bytes of the buffers the
-    rule keeps after a step, whose names are ``buffers``, saved and loaded with the
-    optimizer state so the weight's value survives."""
-    w = nn.Parameter(_start().bfloat16())
+    rule keeps after a step, for a bf16 weight and for an emulated one (an fp32 tensor:
+    kahan's compensation is then fp32 too), whose names are ``buffers``, saved and
+    loaded with the optimizer state so the weight's value survives."""
+    w = nn.Parameter(_start().bfloat16().float() if emulated else _start().bfloat16())
     opt = mo.AdamW([w], lr=1e-2, write=name)
-    w.grad = _grads(1)[0].bfloat16()
+    if emulated:
+        opt.bind(mo.EngineBinding(emulated_format="bf16"))
+    w.grad = _grads(1)[0].to(w.dtype)
     opt.step()
     rule = write_rule(name)
     kept = set(opt.state[w]) - {"step", "exp_avg", "exp_avg_sq"}
     assert kept == set(rule.buffers)
-    assert sum(opt.state[w][k].nbytes for k in kept) == write_bytes(name, w.numel())
+    assert sum(opt.state[w][k].nbytes for k in kept) == write_bytes(
+        name, w.numel(), w.element_size())
     again = mo.AdamW([nn.Parameter(w.detach().clone())], lr=1e-2, write=name)
+    again.bind(opt.binding)
     again.load_state_dict(opt.state_dict())
     q = again.param_groups[0]["params"][0]
     assert torch.equal(again.stored_value(q), opt.stored_value(w))

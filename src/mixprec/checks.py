@@ -167,32 +167,34 @@ def check_optimizer_precision(optimizers: list, r: Recipe, parallel: str | None)
     ``states:`` rule's for some parameters) or writes 16-bit weights by a rule needs
     ``mixprec.optim`` optimizers built with the same settings (the engine applies the
     rules to them)."""
+    from mixprec.optim import recipe_settings
     from mixprec.optim.base import LowPrecisionOptimizer
 
     lean = r.needs_mixprec_optim
+    want = recipe_settings(r)
     for i, o in enumerate(optimizers):
         ours = isinstance(o, LowPrecisionOptimizer)
-        if ours and (o.states, o.write) != (r.states, r.write):
+        if ours and (o.states, o.write) != (want["states"], want["write"]):
             raise ValueError(
                 f"optimizer {i} ({type(o).__name__}) has states={o.states!r}, "
-                f"write={o.write!r}, but recipe {str(r)!r} says states={r.states!r}, "
-                f"write={r.write!r}; build it with the recipe's (or change the recipe)")
+                f"write={o.write!r}, but recipe {str(r)!r} says states={want['states']!r}, "
+                f"write={want['write']!r}; build it with the recipe's (or change the recipe)")
         if lean and not ours:
             name = type(o).__name__
             alt = f"mixprec.optim.{name}" if name in ("Adam", "AdamW", "SGD") else \
                 "mixprec.optim.AdamW (or Adam, SGD)"
             rules = [str(x) for x in r.state_rules if x.value != "fp32"]
-            if r.states == "fp32" and r.write == "nearest" and rules:
+            if want == {"states": "fp32", "write": "nearest"} and rules:
                 raise ValueError(
                     f"recipe {str(r)!r}: its rule{'s' * (len(rules) > 1)} "
                     f"{', '.join(rules)} store{'s' * (len(rules) == 1)} the matched "
                     f"parameters' optimizer states below fp32, which torch's {name} "
-                    f"cannot do. Use {alt}(params, ..., states={r.states!r}, "
-                    f"write={r.write!r}): MixedPrecision applies the rules to it.")
+                    f"cannot do. Use {alt}(params, ..., states={want['states']!r}, "
+                    f"write={want['write']!r}): MixedPrecision applies the rules to it.")
             raise ValueError(
-                f"recipe {str(r)!r} stores optimizer states in {r.states} and writes "
-                f"weights by {r.write!r}, which torch's {name} cannot do. Use "
-                f"{alt}(params, ..., states={r.states!r}, write={r.write!r}).")
+                f"recipe {str(r)!r} stores optimizer states in {want['states']} and writes "
+                f"weights by {want['write']!r}, which torch's {name} cannot do. Use "
+                f"{alt}(params, ..., states={want['states']!r}, write={want['write']!r}).")
 
 
 @functools.cache

@@ -36,6 +36,7 @@ from mixprec.fp8.linear import fp8_modules
 from mixprec.kernels import KernelChoices, choices, has_fast_kernels
 from mixprec.layer_rules import owner_of
 from mixprec.master import ParamState
+from mixprec.optim import recipe_settings
 from mixprec.optim.base import EngineBinding, LowPrecisionOptimizer
 from mixprec.parallel import Parallel, check_parallel_recipe, make_parallel
 from mixprec.recipe import Recipe
@@ -230,7 +231,7 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
     # write=remainder starts from the exact fp32 weights, before a cast drops bits (FSDP
     # may store 16-bit shards): taken whole here, placed like the parameters below
     fp32_init = ([p.detach().clone() for p in model.parameters() if p.requires_grad]
-                 if r.write == "remainder" else None)
+                 if recipe_settings(r)["write"] == "remainder" else None)
     model = par.shard(model, optimizers, kernels.emulate)
     if fp32_init is not None:
         fp32_init = [shard_like(v, p) for v, p in

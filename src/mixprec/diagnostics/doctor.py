@@ -194,7 +194,7 @@ def _optimizer(model: nn.Module, r: Recipe, optimizer: str, lr: float):
     import mixprec.optim as mo
 
     cls = mo.AdamW if optimizer == "adamw" else mo.SGD
-    opt = cls(model.parameters(), lr=lr, states=r.states, write=r.write)
+    opt = cls(model.parameters(), lr=lr, **mo.recipe_settings(r))
     if r.state_rules:
         opt.set_state_formats({p: r.state_format(n) for n, p in model.named_parameters()
                                if p.requires_grad})

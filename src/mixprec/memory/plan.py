@@ -333,6 +333,7 @@ def _optimizer_bytes(r: Recipe, opt: str, n: int, sizes: list | None,
     if opt not in ("adamw", "adam", "sgd_momentum", "sgd"):
         raise ValueError(f"recipe {str(r)!r} needs a mixprec.optim optimizer (adamw, adam, "
                          f"sgd_momentum or sgd), not {opt!r}")
+    from mixprec.optim import recipe_settings
     from mixprec.optim.states import state_bytes
     from mixprec.optim.writes import write_bytes
 
@@ -346,13 +347,14 @@ def _optimizer_bytes(r: Recipe, opt: str, n: int, sizes: list | None,
     if formats is None:
         formats = [r.states] * len(sizes)
     weights16 = r.params != "fp32" and r.master == "none"
-    # under emulation kahan's compensation lives in fp32 tensors, as the weights do
-    wide = 2 if emulated and r.write == "kahan" else 1
+    write = recipe_settings(r)["write"]
+    weight_bytes = 4 if emulated else 2  # emulated 16-bit weights live in fp32 tensors
     total = 0
     for k, fmt in zip(sizes, formats):  # a shape, or a bare count
         total += per * state_bytes(fmt, k)
         if weights16:
-            total += wide * write_bytes(r.write, k if isinstance(k, int) else math.prod(k))
+            total += write_bytes(write, k if isinstance(k, int) else math.prod(k),
+                                 weight_bytes)
     return total
 
 

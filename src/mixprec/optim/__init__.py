@@ -39,7 +39,18 @@ if TYPE_CHECKING:
     from mixprec.recipe import Recipe
 
 __all__ = ["Adam", "AdamW", "SGD", "LowPrecisionOptimizer", "EngineBinding", "STATE_FORMATS",
-           "WRITE_RULES", "adamw_for"]
+           "WRITE_RULES", "adamw_for", "recipe_settings"]
+
+
+def recipe_settings(recipe: Recipe) -> dict[str, str]:
+    """The optimizer settings a recipe asks for, ``{"states": ..., "write": ...}``: the
+    one place that reads them off a recipe.
+
+    >>> from mixprec.recipe import Recipe
+    >>> recipe_settings(Recipe.parse("bf16-lean"))
+    {'states': 'int8', 'write': 'stochastic'}
+    """
+    return {"states": recipe.states, "write": recipe.write}
 
 
 def adamw_for(recipe: Recipe | str, params: ParamsT, **kwargs: Any) -> torch.optim.Optimizer:
@@ -68,15 +79,16 @@ def adamw_for(recipe: Recipe | str, params: ParamsT, **kwargs: Any) -> torch.opt
     params, names = _split_names(params)
     if not r.needs_mixprec_optim:
         return torch.optim.AdamW(params, fused=True, **kwargs)
-    opt = AdamW(params, states=r.states, write=r.write, **kwargs)
-    rules = [str(x) for x in r.state_rules if x.value != r.states]
+    settings = recipe_settings(r)
+    opt = AdamW(params, **settings, **kwargs)
+    rules = [str(x) for x in r.state_rules if x.value != settings["states"]]
     if rules and names is None:
         raise ValueError(
             f"recipe {str(r)!r} has states: rules ({', '.join(rules)}) that match "
             "parameters by name, and adamw_for was given parameters without names: pass "
             "model.named_parameters() (or param groups of (name, parameter) pairs), or "
-            f"build mixprec.optim.AdamW(model.parameters(), states={r.states!r}, "
-            f"write={r.write!r}) and let MixedPrecision apply the rules")
+            f"build mixprec.optim.AdamW(model.parameters(), states={settings['states']!r}, "
+            f"write={settings['write']!r}) and let MixedPrecision apply the rules")
     if names is not None and r.state_rules:
         opt.set_state_formats({p: r.state_format(n) for n, p in names})
     return opt

@@ -176,14 +176,15 @@ class WriteRule:
     the new contents of the rule's buffers."""
 
     name: ClassVar[str] = ""
-    #: the state entries the rule keeps per parameter (2 bytes per element each); they
-    #: are saved and loaded as optimizer state under these names
+    #: the state entries the rule keeps per parameter; they are saved and loaded as
+    #: optimizer state under these names
     buffers: ClassVar[tuple[str, ...]] = ()
     #: whether ``land`` draws random bits (the optimizer then passes a ``Stream``)
     draws_bits: ClassVar[bool] = False
 
-    def bytes_per_param(self) -> int:
-        """Bytes the rule keeps beside each element of a 16-bit weight."""
+    def bytes_per_param(self, weight_bytes: int = 2) -> int:
+        """Bytes the rule keeps per element of a weight stored in ``weight_bytes`` bytes
+        (2 for bf16/fp16; 4 for the fp32 tensors that hold emulated ones)."""
         return 2 * len(self.buffers)
 
     def check_weight(self, fmt: str) -> None:
@@ -243,6 +244,9 @@ class Kahan(WriteRule):
     name = "kahan"
     buffers = ("kahan_comp",)
 
+    def bytes_per_param(self, weight_bytes: int = 2) -> int:
+        return weight_bytes  # the compensation takes the weight's dtype
+
     def read(self, p, state):
         return p.data.float() - state["kahan_comp"].float()
 
@@ -295,7 +299,7 @@ def write_rule(name: str) -> WriteRule:
     return rule
 
 
-def write_bytes(rule: str, numel: int) -> int:
-    """Bytes the rule keeps beside a 16-bit weight of ``numel`` elements (kahan's
-    compensation, remainder's int16)."""
-    return write_rule(rule).bytes_per_param() * numel
+def write_bytes(rule: str, numel: int, weight_bytes: int = 2) -> int:
+    """Bytes the rule keeps beside a weight of ``numel`` elements stored in
+    ``weight_bytes`` bytes each (kahan's compensation, remainder's int16)."""
+    return write_rule(rule).bytes_per_param(weight_bytes) * numel
