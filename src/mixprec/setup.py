@@ -150,11 +150,12 @@ def _repoint(optimizers: list, state: ParamState) -> None:
 
 
 def _hand_over(optimizers: list, state: ParamState, fp32_init: list | None) -> None:
-    """What ``mixprec.optim`` optimizers take from the parameter state: the fp32
-    gradient buffers of 16-bit weights (so no 16-bit copy is made), the format that
-    emulated weights hold, for ``write="remainder"`` the exact initial values, and
-    each parameter's state format by the recipe's ``states:`` rules (keyed on what
-    the optimizer updates: the masters where there are some)."""
+    """What ``mixprec.optim`` optimizers take from the parameter state: through
+    ``bind``, the fp32 gradient buffers of 16-bit weights (so no 16-bit copy is made)
+    and the format that emulated weights hold; for ``write="remainder"`` the exact
+    initial values (``init_remainders``); and each parameter's state format by the
+    recipe's ``states:`` rules (``set_state_formats``, keyed on what the optimizer
+    updates: the masters where there are some)."""
     rules = state.recipe.state_rules
     owners = list(dict.fromkeys(owner_of(n) for n in state.names))
     for rule in rules:  # a pattern that names nothing is most likely misspelt
