@@ -325,7 +325,7 @@ def _optimizer_bytes(r: Recipe, opt: str, n: int, sizes: list | None,
                      formats: list[str] | None = None) -> float:
     """Parameter-sized optimizer state: torch's optimizers keep it in the dtype they
     update; ``mixprec.optim`` (recipes with ``states``, ``states:`` rules or ``write``)
-    in each tensor's own format (``formats``, the rules' by name; else ``r.states``;
+    in each tensor's own format (``formats``, the rules' by name; else the recipe's ``states``;
     small tensors fp32), plus the write rule's 2 bytes per 16-bit weight."""
     per = _STATES[opt][0]
     if not r.needs_mixprec_optim:
@@ -337,17 +337,18 @@ def _optimizer_bytes(r: Recipe, opt: str, n: int, sizes: list | None,
     from mixprec.optim.states import state_bytes
     from mixprec.optim.writes import write_bytes
 
+    settings = recipe_settings(r)
+    states, write = settings["states"], settings["write"]
     if sizes is None:
         sizes = [n]  # state_bytes' model of a bare count: rows of whole blocks
-        notes.append(f"states={r.states}: every tensor counted as quantized (a module "
+        notes.append(f"states={states}: every tensor counted as quantized (a module "
                      "counts the small ones in fp32)")
         if r.state_rules:
             notes.append("states: rules match parameter names: pass the module to "
-                         f"apply them (a bare count is priced at states={r.states})")
+                         f"apply them (a bare count is priced at states={states})")
     if formats is None:
-        formats = [r.states] * len(sizes)
+        formats = [states] * len(sizes)
     weights16 = r.params != "fp32" and r.master == "none"
-    write = recipe_settings(r)["write"]
     weight_bytes = 4 if emulated else 2  # emulated 16-bit weights live in fp32 tensors
     total = 0
     for k, fmt in zip(sizes, formats):  # a shape, or a bare count
