@@ -125,8 +125,11 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     x = hidden_states[perm // num_top_k]
     weights_g = top_k_weights.reshape(-1)[perm]
     # ids past the last expert (expert parallelism's sentinels) fall outside the counts
-    counts = torch.bincount(expert_ids_g.clamp(max=self.num_experts),
-                            minlength=self.num_experts + 1)[:self.num_experts]
+    # (a scatter, not bincount: its output size is known without reading the ids, so
+    # torch.compile keeps one graph)
+    counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=x.device)
+    counts = counts.scatter_add(0, expert_ids_g.clamp(max=self.num_experts),
+                                torch.ones_like(expert_ids_g))[:self.num_experts]
     offsets = counts.cumsum(0).to(torch.int32)
     ids = expert_ids_g.clamp(max=self.num_experts - 1)
     up, down = _projections(self)
