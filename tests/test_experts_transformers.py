@@ -193,6 +193,25 @@ def test_a_bf16_rule_keeps_the_experts_on_their_own_implementation():
     assert kept["model.layers.0.mlp.experts.down_proj"].format == "fp8-current"
 
 
+def test_close_gives_the_config_back_its_experts_implementation():
+    """The engine points the shared config at mixprec's implementation; close() restores
+    the value it had, and the experts then run their own implementation again."""
+    model = _model("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    x, index, weights = _routing()
+    before_impl = model.config._experts_implementation_internal
+    before = experts(x, index, weights)
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8-current")
+    assert model.config._experts_implementation_internal == IMPLEMENTATION
+    assert not torch.equal(experts(x, index, weights), before)  # fp8 now
+    engine.close()
+    assert model.config._experts_implementation_internal == before_impl
+    assert experts.config is model.config
+    assert torch.equal(experts(x, index, weights), before)
+    engine.close()  # twice is harmless
+    assert model.config._experts_implementation_internal == before_impl
+
+
 def test_the_core_imports_transformers_only_for_its_models():
     code = ("import sys, torch, mixprec\nfrom torch import nn\n"
             "m = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))\n"

@@ -390,5 +390,7 @@ class MixedPrecision:
 
     def close(self) -> None:
         """Undo the fp32 wrapping of third-party norm modules (a ``LlamaRMSNorm``'s
-        ``forward``). Dropping the engine does it too; calling it twice is harmless."""
+        ``forward``) and give transformers' experts configs back the experts
+        implementation they had. Dropping the engine does it too; calling it twice is
+        harmless."""
         self._undo_islands()

@@ -30,7 +30,7 @@ from mixprec.comm import shard_like
 from mixprec.context import fp32_island_modules, make_emulation_mode, wrap_fp32_modules
 from mixprec.coverage import coverage, low_precision
 from mixprec.experts import experts_formats
-from mixprec.experts.hook import convert_experts, experts_modules
+from mixprec.experts.hook import convert_experts, experts_modules, restore_experts
 from mixprec.fp8.convert import convert as fp8_convert
 from mixprec.fp8.linear import fp8_modules
 from mixprec.kernels import KernelChoices, choices, has_fast_kernels
@@ -64,7 +64,8 @@ class Parts:
     fp8_modules: list
     frozen: list
     param_counts: list
-    #: undoes the FP32 islands' patches on third-party norm modules
+    #: undoes the FP32 islands' patches on third-party norm modules and points the
+    #: experts configs back at their own implementation
     undo_islands: Callable[[], None]
     #: the share of matmul weights in each format (``mixprec.coverage``)
     coverage: object = None
@@ -248,8 +249,12 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
         fuse_default_optimizers(optimizers)
     module, model = model, par.wrap(model, state)
     scaler = LossScaler.from_recipe(r, device) if loss_scaler is None else loss_scaler
-    undo = (wrap_fp32_modules(fp32_island_modules(module, r.keep_fp32), device.type)
-            if r.has_fp32_islands else (lambda: None))
+    undo_norms = (wrap_fp32_modules(fp32_island_modules(module, r.keep_fp32), device.type)
+                  if r.has_fp32_islands else (lambda: None))
+
+    def undo() -> None:  # the norms' patches and the experts' implementation
+        undo_norms()
+        restore_experts(module)
     state.mark_working()  # after the broadcast of rank 0's weights
     return Parts(r, module, model, device, kernels, par, state, scaler, emu_mode,
                  fp8_report, [*fp8_modules(module).values(),

@@ -13,8 +13,10 @@ import torch
 
 from mixprec.fp8.linear import _no_autocast, _pack, _unpack
 from mixprec.fp8.quantized import Quantized
+from mixprec.fp8.scaling import cast_to_fp8, nan_if_not_finite
 
-__all__ = ["cast", "mm", "reuses", "pack", "unpack", "no_autocast"]
+__all__ = ["cast", "mm", "reuses", "pack", "unpack", "no_autocast", "segment_scales",
+           "cast_scaled"]
 
 #: autocast off around the GEMMs, which pick their own dtypes (as in a Float8Linear)
 no_autocast = _no_autocast
@@ -45,3 +47,21 @@ def pack(casts) -> tuple[list, list]:
 def unpack(tensors, meta) -> list[Quantized | None]:
     """The casts ``pack`` saved."""
     return _unpack(tensors, meta)
+
+
+def segment_scales(fmt, amax: torch.Tensor, role: str, record: bool = False,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-tensor scales of ``fmt``'s quantizer for a vector of per-expert amaxes
+    (NaN where an amax is not finite, as a cast makes it); with ``record``, delayed
+    scaling records the max of the amaxes (of those ``mask`` keeps)."""
+    q, state = fmt.quantizer, fmt.scaling_state()
+    if record and q.has_history:
+        kept = amax if mask is None else torch.where(mask, amax, 0)
+        q._record(state, role, kept.amax())
+    scale = q._scale(amax, role, state, False).expand_as(amax)
+    return nan_if_not_finite(scale, amax)
+
+
+def cast_scaled(fmt, t: torch.Tensor, scale: torch.Tensor, role: str) -> torch.Tensor:
+    """``t``'s fp8 codes for ``role`` under ``scale`` (broadcast over ``t``)."""
+    return cast_to_fp8(t, scale, fmt.quantizer.dtype(role))

@@ -17,15 +17,19 @@ Routes (``route=``):
 - ``grouped``: the casts dequantized to fp32 and multiplied by ``torch._grouped_mm``
   (a CPU kernel since torch 2.9): the same products, one fp32 rounding per element
   where the scale is not a power of two; it needs K and N multiples of 4 (16-byte
-  strides) and falls back to ``loop`` per call where they are not;
+  strides) and falls back to ``loop`` per call where they are not. For the per-tensor
+  formats (``fp8``, ``fp8-current``) it reads nothing on the host
+  (``mixprec.experts.segments``: per-expert scales by segment reductions), so
+  ``torch.compile`` traces it without a graph break; it does not check the offsets;
 - ``scaled_grouped``: the forward on ``torch._scaled_grouped_mm`` (CUDA sm90+, e4m3
   codes with per-tensor or rowwise scales, bf16 output), the backward on ``grouped``;
 - ``auto``: ``scaled_grouped`` where it applies, else ``grouped`` on a GPU, ``loop`` on
   a CPU (where the casts dominate and ``grouped``'s extra dequantize pass measured
-  slower: ``benchmarks/grouped_gemm.py``).
+  slower: ``benchmarks/grouped_gemm.py``); under ``torch.compile``, ``grouped`` for the
+  per-tensor formats on a CPU too (the loop reads the counts on the host).
 
-The token counts are read to the host once per call (as transformers' own fallback
-reads them): each expert's casts are sized by them.
+The other routes and formats read the token counts to the host once per call (as
+transformers' own fallback reads them): each expert's casts are sized by them.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 from mixprec.experts import adapter
 from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.scaled_grouped import scaled_grouped_applies, scaled_grouped_forward
+from mixprec.experts.segments import segmented_mm
 
 __all__ = ["grouped_mm", "ROUTES", "group_bounds"]
 
@@ -56,8 +61,10 @@ def group_bounds(offsets: torch.Tensor | list[int], rows: int) -> list[tuple[int
     return out
 
 
-def _route(route: str, fmt: ExpertsFormat, device: torch.device, k: int, n: int) -> str:
-    """The route a call takes (see the module doc)."""
+def _route(route: str, fmt: ExpertsFormat, device: torch.device, k: int, n: int,
+           compiling: bool = False) -> str:
+    """The route a call takes (see the module doc); ``compiling``: under
+    ``torch.compile``, where ``auto`` prefers a route without a host read."""
     if route not in ROUTES:
         raise ValueError(f"route={route!r}; valid: {', '.join(ROUTES)}")
     device = torch.device(device)
@@ -69,7 +76,8 @@ def _route(route: str, fmt: ExpertsFormat, device: torch.device, k: int, n: int)
     # auto on a CPU: the per-expert casts dominate, and the grouped route's extra
     # dequantize-and-stack pass made it slower than the loop on every format measured
     # (benchmarks/grouped_gemm.py); on a GPU one launch replaces one per expert
-    return "grouped" if route != "auto" or device.type == "cuda" else "loop"
+    sync_free = compiling and fmt.quantizer.per_tensor
+    return "grouped" if route != "auto" or device.type == "cuda" or sync_free else "loop"
 
 
 def _dequant_rows(casts, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,5 +241,9 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     if out_dtype is None:
         out_dtype = (torch.get_autocast_dtype(dev) if dev != "meta"
                      and torch.is_autocast_enabled(dev) else x.dtype)
+    route = _route(route, fmt, x.device, x.shape[1], weight.shape[1],
+                   torch.compiler.is_compiling())
+    if route == "grouped" and fmt.quantizer.per_tensor:
+        return segmented_mm(x, weight, offsets, fmt, out_dtype, torch.is_grad_enabled())
     return _GroupedQuantizedMM.apply(x, weight, offsets, fmt, out_dtype,
                                      torch.is_grad_enabled(), route)

@@ -28,7 +28,7 @@ from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.grouped import grouped_mm
 
 __all__ = ["IMPLEMENTATION", "is_experts", "experts_modules", "convert_experts",
-           "experts_forward"]
+           "restore_experts", "experts_forward"]
 
 #: the name mixprec's forward is registered under in transformers' ExpertsInterface
 IMPLEMENTATION = "mixprec"
@@ -81,6 +81,7 @@ def convert_experts(model: nn.Module, recipe, *, routes=None) -> dict[str, str]:
         prev = m.config._experts_implementation
         if prev != IMPLEMENTATION:
             m._mixprec_previous = prev  # what a module kept in bf16 runs
+            m._mixprec_config = (m.config, m.config._experts_implementation_internal)
             m.config._experts_implementation_internal = IMPLEMENTATION
         if fmt == "bf16" or hasattr(m, "down_proj_fp8"):
             continue
@@ -95,6 +96,16 @@ def convert_experts(model: nn.Module, recipe, *, routes=None) -> dict[str, str]:
             m.add_module(f"{proj}_fp8", ExpertsFormat(
                 own, seed=zlib.crc32(f"{name}.{proj}".encode()), device=w.device))
     return out
+
+
+def restore_experts(model: nn.Module) -> None:
+    """The experts configs ``convert_experts`` pointed at ``"mixprec"`` get back the
+    implementation they had (the experts then run it, in high precision); twice is
+    harmless."""
+    for m in experts_modules(model).values():
+        config, internal = m.__dict__.pop("_mixprec_config", (None, None))
+        if config is not None:
+            config._experts_implementation_internal = internal
 
 
 def _linear(m: nn.Module, proj: str, x: torch.Tensor, offsets: torch.Tensor,
@@ -125,8 +136,11 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     x = hidden_states[perm // num_top_k]
     weights_g = top_k_weights.reshape(-1)[perm]
     # ids past the last expert (expert parallelism's sentinels) fall outside the counts
-    counts = torch.bincount(expert_ids_g.clamp(max=self.num_experts),
-                            minlength=self.num_experts + 1)[:self.num_experts]
+    # (a scatter, not bincount: its output size is known without reading the ids, so
+    # torch.compile keeps one graph)
+    counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=x.device)
+    counts = counts.scatter_add(0, expert_ids_g.clamp(max=self.num_experts),
+                                torch.ones_like(expert_ids_g))[:self.num_experts]
     offsets = counts.cumsum(0).to(torch.int32)
     ids = expert_ids_g.clamp(max=self.num_experts - 1)
     up, down = _projections(self)
