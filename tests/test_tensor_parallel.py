@@ -1,0 +1,43 @@
+"""Tensor parallelism with torch's own plans (``parallelize_module`` on a ``DeviceMesh``)
+under mixprec's engine: gloo ranks spawned by the tests themselves."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import tp_workers as w
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def spawn(fn, *args, world=2, name="tp"):
+    tmp = tempfile.mkdtemp(prefix="mixprec-tp-")
+    mp.start_processes(fn, args=(world, tmp, *args), nprocs=world, join=True,
+                       start_method="forkserver")  # preloaded: see conftest.py
+    return [torch.load(os.path.join(tmp, f"{name}_rank{r}.pt"), weights_only=False)
+            for r in range(world)]
+
+
+def _max_rel(a, b):
+    return max(((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
+               for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "block"])
+@pytest.mark.parametrize("recipe,tol", [("fp32", 1e-5), ("bf16-master", 1e-2)])
+def test_two_tp_ranks_train_like_one_process(kind, recipe, tol):
+    """TP=2 with torch's colwise/rowwise plans trains as one process does, to the
+    distributed tolerances (fp32 1e-5, bf16-master 1e-2); the clip norm is the whole
+    model's on every rank, equal to one process's."""
+    ranks = spawn(w.tp_train, kind, recipe, 6, 0.5, -1)
+    ref, ref_norms = w.reference(kind, recipe, 6, 0.5)
+    for r in ranks:
+        assert _max_rel(r["params"], ref) <= tol, (_max_rel(r["params"], ref), tol)
+        assert r["norms"] == pytest.approx(ref_norms, rel=tol)
+        assert not any(r["skipped"])
+    assert ranks[0]["norms"] == ranks[1]["norms"]  # the same norm on every rank

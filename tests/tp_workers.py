@@ -1,0 +1,144 @@
+"""Rank functions for tests/test_tensor_parallel.py (spawned with torch.multiprocessing).
+
+Each rank joins a gloo group through a file store in ``tmp``, builds its model with
+torch's ``parallelize_module`` plans on a ``DeviceMesh``, and writes what it saw to
+``tmp/<name>_rank<r>.pt``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from mixprec import MixedPrecision
+
+warnings.simplefilter("ignore")
+
+
+def _init(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                            world_size=world)
+
+
+def _save(tmp: str, name: str, rank: int, obj) -> None:
+    torch.save(obj, os.path.join(tmp, f"{name}_rank{rank}.pt"))
+
+
+class MLP(nn.Module):
+    """A colwise-then-rowwise pair between two replicated layers (a norm, a head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+class Block(nn.Module):
+    """A GPT-style block: attention (q, k, v colwise, o rowwise) and an MLP."""
+
+    def __init__(self, dim: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        self.o = nn.Linear(dim, dim)
+        self.fc, self.proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.head = nn.Linear(dim, 4)
+
+    def forward(self, x):  # x: (batch, seq, dim)
+        h = self.ln1(x)
+        b, t, _ = h.shape
+        # heads from the local width: under TP each rank holds heads / tp of them
+        q, k, v = (m(h).view(b, t, -1, 4).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
+        x = x + self.proj(F.gelu(self.fc(self.ln2(x))))
+        return self.head(x.mean(1))
+
+
+PLANS = {
+    "mlp": {"up": ColwiseParallel(), "down": RowwiseParallel()},
+    "block": {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+              "o": RowwiseParallel(), "fc": ColwiseParallel(), "proj": RowwiseParallel()},
+}
+
+
+def make_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    return MLP() if kind == "mlp" else Block()
+
+
+def make_data(kind: str, steps: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    shape = (8, 16) if kind == "mlp" else (4, 6, 16)
+    return [(torch.randn(*shape, generator=g), torch.randint(0, 4, (shape[0],), generator=g))
+            for _ in range(steps)]
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def tp_train(rank, world, tmp, kind, recipe, steps, max_norm, inf_step):
+    """TP over every rank: the same batch on each, the model's Linears split by the
+    plan. ``inf_step``: at that step rank 1's gradient of the first parameter gets an inf
+    (after backward, before the step: a rank-local fault)."""
+    _init(rank, world, tmp)
+    mesh = init_device_mesh("cpu", (world,))
+    model = parallelize_module(make_model(kind), mesh, PLANS[kind])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = MixedPrecision(model, opt, recipe, max_grad_norm=max_norm)
+    out = {"skipped": [], "norms": []}
+    for i, (x, y) in enumerate(make_data(kind, steps)):
+        with engine.autocast():
+            loss = F.cross_entropy(engine.model(x), y)
+        engine.backward(loss)
+        if i == inf_step and rank == 1:
+            g = engine.param_state.gradients()[0]
+            (g.to_local() if isinstance(g, DTensor) else g).view(-1)[0] = math.inf
+        r = engine.step()
+        out["skipped"].append(bool(r.skipped))
+        out["norms"].append(float(r.grad_norm))
+    out["params"] = [full(p) for p in engine.master_params]
+    out["names"] = list(engine.param_state.names)
+    out["bytes"] = engine.comm_stats.bytes_sent if engine.comm_stats else None
+    _save(tmp, "tp", rank, out)
+    dist.destroy_process_group()
+
+
+def reference(kind, recipe, steps, max_norm):
+    """One process, the same model, data and optimizer."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = make_model(kind)
+        engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                recipe, max_grad_norm=max_norm)
+        norms = []
+        for x, y in make_data(kind, steps):
+            with engine.autocast():
+                loss = F.cross_entropy(engine.model(x), y)
+            engine.backward(loss)
+            norms.append(float(engine.step().grad_norm))
+    finally:
+        torch.set_num_threads(threads)
+    return [p.detach().clone() for p in engine.master_params], norms
