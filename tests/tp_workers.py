@@ -59,7 +59,10 @@ class Block(nn.Module):
         super().__init__()
         self.heads = heads
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        # k without a bias: its gradient is zero (softmax ignores a shift per query),
+        # rounding noise that Adam would turn into full-size steps
+        self.q, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim, bias=False)
         self.o = nn.Linear(dim, dim)
         self.fc, self.proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
         self.head = nn.Linear(dim, 4)

@@ -45,7 +45,8 @@ from torch import nn
 
 __all__ = ["CommStats", "require_process_group", "ddp_comm_hook", "fsdp_policy",
            "all_reduce_max_", "broadcast_module_", "wrap_ddp", "shard_fsdp", "agree_amax_",
-           "gather_full", "broadcast_object", "sixteen_bit_shards", "shard_like"]
+           "gather_full", "broadcast_object", "sixteen_bit_shards", "shard_like",
+           "spread_of", "sum_over_shards_"]
 
 
 @dataclass
@@ -68,9 +69,9 @@ class CommStats:
 
 
 def require_process_group(parallel: str) -> None:
-    """Raise with the fix unless ``parallel`` is ddp/fsdp and a process group is up."""
-    if parallel not in ("ddp", "fsdp"):
-        raise ValueError(f"parallel={parallel!r}; valid: 'ddp', 'fsdp' or None")
+    """Raise with the fix unless ``parallel`` is ddp/fsdp/tp and a process group is up."""
+    if parallel not in ("ddp", "fsdp", "tp"):
+        raise ValueError(f"parallel={parallel!r}; valid: 'ddp', 'fsdp', 'tp' or None")
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             f"parallel={parallel!r} needs an initialised process group: launch with "
@@ -79,10 +80,14 @@ def require_process_group(parallel: str) -> None:
 
 
 def broadcast_module_(model: nn.Module, src: int = 0) -> None:
-    """Make every rank start from rank ``src``'s parameters and buffers."""
+    """Make every rank start from rank ``src``'s parameters and buffers. DTensors (a
+    tensor-parallel plan's shards) are left as ``distribute_tensor`` placed them."""
+    from torch.distributed.tensor import DTensor
+
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(t.data, src)
+            if not isinstance(t, DTensor):
+                dist.broadcast(t.data, src)
 
 
 def broadcast_object(obj, src: int = 0):
@@ -226,6 +231,42 @@ def shard_like(full: torch.Tensor, param) -> torch.Tensor:
     if not isinstance(param, DTensor):
         return full
     return distribute_tensor(full, param.device_mesh, param.placements)
+
+
+def spread_of(t: torch.Tensor):
+    """How ``t`` lies across ranks: ``(mesh, dims)`` with the mesh dims a DTensor is
+    sharded (or partial) on, or None for a plain tensor or one replicated everywhere
+    (every rank holds all of it)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return None
+    dims = tuple(i for i, p in enumerate(t.placements) if not p.is_replicate())
+    return (t.device_mesh, dims) if dims else None
+
+
+def sum_over_shards_(squares: list[torch.Tensor], spreads: list,
+                     stats: CommStats | None = None) -> torch.Tensor:
+    """The whole model's Σ g², equal on every rank, from per-tensor local sums of squares
+    and each tensor's ``spread_of``: the sums of tensors spread alike are added, then
+    all-reduced (SUM) over each mesh dim they are sharded on; replicated tensors are
+    counted once. Every rank issues the same collectives in the same order (``stats``
+    records each)."""
+    groups: dict = {}
+    for sq, spread in zip(squares, spreads):
+        key = None if spread is None else (id(spread[0]), spread[1])
+        groups.setdefault(key, (spread, []))[1].append(sq)
+    total = None
+    for spread, sqs in groups.values():
+        part = torch.stack(sqs).sum()
+        if spread is not None:
+            mesh, dims = spread
+            for d in dims:
+                if stats is not None:
+                    stats.record(part)
+                dist.all_reduce(part, group=mesh.get_group(d))
+        total = part if total is None else total + part
+    return total
 
 
 def agree_amax_(fp8_modules) -> None:

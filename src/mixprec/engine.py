@@ -142,7 +142,7 @@ class MixedPrecision:
         self.emulation_mode = parts.emulation_mode
         #: the parallel mode (``mixprec.parallel``), and its name as given
         self.parallelism = parts.parallel
-        self.parallel, self.world_size = parallel, parts.parallel.world_size
+        self.parallel, self.world_size = parts.parallel.name, parts.parallel.world_size
         self.comm_stats = parts.parallel.comm_stats
         self.param_state, self.scaler = parts.param_state, parts.scaler
         self.fp8_report, self.fp8_modules = parts.fp8_report, parts.fp8_modules

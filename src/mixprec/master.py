@@ -97,6 +97,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _cast_(p: nn.Parameter, dtype: torch.dtype) -> None:
+    """Store ``p`` in ``dtype``, the same object. A DTensor (a tensor-parallel shard)
+    swaps its contents: assigning its ``.data`` relabels the dtype but leaves the local
+    tensor as it was."""
+    if hasattr(p, "to_local"):
+        torch.utils.swap_tensors(p, nn.Parameter(p.detach().to(dtype),
+                                                 requires_grad=p.requires_grad))
+    else:
+        p.data = p.data.to(dtype)
+
+
 class ParamState:
     """Master copies, accumulation buffers and the moves between them.
 
@@ -141,7 +152,7 @@ class ParamState:
         with torch.no_grad():
             for p in params:
                 if p.dtype != pdt:
-                    p.data = p.data.to(pdt)
+                    _cast_(p, pdt)
         if self.round_to is not None:
             round_(params, self.round_to)
         self.opt_params = self.masters if self.has_master else self.working
@@ -335,8 +346,9 @@ class ParamState:
         Under emulation without masters (``params=bf16``), the optimizer updated the fp32
         tensors themselves: they are rounded to the format, as a real bf16 weight stores
         its update (to nearest), so updates below half an ulp vanish as they do there."""
-        if self.has_master:
-            torch._foreach_copy_(self.working, self.masters)
+        if self.has_master:  # DTensor shards (TP, FSDP): through their local tensors
+            torch._foreach_copy_([_local(p) for p in self.working],
+                                 [_local(m) for m in self.masters])
         if self.round_to is not None:  # in pieces: no whole-tensor 16-bit copy
             round_([q for p in self.working for q in pieces(p)], self.round_to)
         if self.has_master:
@@ -362,9 +374,9 @@ class ParamState:
             for q in self.opt_params:
                 q.grad = None
             return
-        torch._foreach_zero_(self.buffers)
+        torch._foreach_zero_([_local(b) for b in self.buffers])
         if self.compensations:
-            torch._foreach_zero_(self.compensations)
+            torch._foreach_zero_([_local(c) for c in self.compensations])
         for q, same in zip(self.opt_params, self._same):
             if not same:
                 q.grad = None

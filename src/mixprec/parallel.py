@@ -18,6 +18,14 @@ moment              single          DDP                          FSDP2
 ``after_restore``   nothing         nothing                      fp8 gather scales
 ==================  ==============  ===========================  ==========================
 
+Tensor parallelism (``"tp"``) takes the model as torch's ``parallelize_module`` left it
+(DTensor shards on a ``DeviceMesh``): it starts from rank 0's plain parameters, shards
+nothing, wraps nothing, reduces no gradient (DTensor's own collectives did, in the
+forward and backward), checks each DTensor's local shard, and sums the norm's squares
+over the mesh dims each gradient is sharded on (``norm_of``; replicated ones counted
+once). FSDP over a tensor-parallel model (``parallel="fsdp"`` with
+``parallel_kwargs={"mesh": mesh["dp"]}``) sums its norm the same way.
+
 ``sharded`` is True for FSDP: its fp32 shards are the masters (``ParamState(sharded=)``)
 and a checkpoint holds this rank's shards unless gathered.
 """
@@ -37,17 +45,22 @@ from mixprec.comm import (
     agree_amax_,
     all_reduce_max_,
     broadcast_module_,
+    CommStats,
     broadcast_object,
     gather_full,
     require_process_group,
     shard_fsdp,
+    spread_of,
+    sum_over_shards_,
     wrap_ddp,
 )
+from mixprec.gradnorm import fp32_norms
 from mixprec.fp8.gather import agree_amaxes_, install_fp8_all_gather, refresh_gather_scales_
 from mixprec.kernels import KernelChoices
 from mixprec.recipe import Recipe
 
-__all__ = ["Parallel", "SingleProcess", "DDP", "FSDP", "make_parallel", "check_parallel_recipe"]
+__all__ = ["Parallel", "SingleProcess", "DDP", "FSDP", "TP", "make_parallel",
+           "check_parallel_recipe", "resolve_parallel", "has_dtensor_params"]
 
 
 class Parallel:
@@ -94,6 +107,9 @@ class Parallel:
 
     #: how the squares of the gradient norm are summed across ranks (None: not needed)
     norm_reduce = None
+    #: the norm of the gradients ``local`` returned last, from placements (None: the
+    #: step computes it, with ``norm_reduce``)
+    norm_of = None
 
     def agree_max_(self, t: torch.Tensor) -> torch.Tensor:
         """In place: the max over ranks (the skip decision), so every rank agrees."""
@@ -189,19 +205,110 @@ class FSDP(_Replicated):
         return stack
 
     def local(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each DTensor gradient's local shard."""
+        """Each DTensor gradient's local shard (over a tensor-parallel model, their
+        spreads are kept for ``norm_of``)."""
+        if self.two_d:
+            self._spreads = [spread_of(g) for g in grads]
         return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
 
     def gather(self, obj):
         """Every DTensor in ``obj`` gathered whole (every rank calls it)."""
         return gather_full(obj)
 
+    def __init__(self, recipe: Recipe, kwargs: dict | None = None, units=None,
+                 two_d: bool = False) -> None:
+        super().__init__(recipe, kwargs, units)
+        #: FSDP over a tensor-parallel model: the norm sums over each gradient's mesh dims
+        self.two_d = two_d
+        if two_d:
+            self.comm_stats = CommStats()
+            self.norm_of = self._norm_of
+            self.norm_reduce = None
 
-_MODES = {None: SingleProcess, "ddp": DDP, "fsdp": FSDP}
+    def _norm_of(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        return _shard_norm(grads, self._spreads, device, self.comm_stats)
 
 
-def check_parallel_recipe(parallel: str | None, recipe: Recipe) -> None:
-    """What a mode cannot do with a recipe, before anything is built."""
+def _shard_norm(local: list[torch.Tensor], spreads: list, device: torch.device,
+                stats: CommStats) -> torch.Tensor:
+    """The whole model's gradient norm from local shards and their spreads."""
+    if len(spreads) != len(local):
+        raise RuntimeError(f"{len(local)} gradients for {len(spreads)} spreads: the norm "
+                           "must read the gradients ``local`` returned")
+    if not local:
+        return torch.zeros((), device=device)
+    squares = list(torch.stack(fp32_norms(local)).square().unbind())
+    return sum_over_shards_(squares, spreads, stats).sqrt()
+
+
+class TP(_Replicated):
+    """Tensor parallelism by torch's ``parallelize_module`` plans: the parameters are
+    DTensors on the user's ``DeviceMesh`` (see the module docstring). ``comm_stats``
+    counts the engine's own collectives on the mesh (the norm's sums); DTensor's
+    forward and backward collectives are torch's."""
+
+    name = "tp"
+
+    def __init__(self, recipe: Recipe, kwargs: dict | None = None, units=None) -> None:
+        super().__init__(recipe, kwargs, units)
+        self.comm_stats = CommStats()
+        self._spreads: list = []
+
+    def local(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each DTensor gradient's local shard; their spreads kept for ``norm_of``."""
+        self._spreads = [spread_of(g) for g in grads]
+        return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+
+    def norm_of(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The whole model's norm, the same on every rank: local squares summed over
+        the mesh dims each gradient is sharded on, replicated ones counted once."""
+        return _shard_norm(grads, self._spreads, device, self.comm_stats)
+
+    def gather(self, obj):
+        """Every DTensor in ``obj`` gathered whole (every rank calls it)."""
+        return gather_full(obj)
+
+
+_MODES = {None: SingleProcess, "ddp": DDP, "fsdp": FSDP, "tp": TP}
+
+#: compute formats tensor parallelism runs today
+_TP_COMPUTE = ("fp32", "tf32", "bf16", "fp16")
+
+
+def has_dtensor_params(model: nn.Module) -> bool:
+    """Whether a tensor-parallel plan made any of ``model``'s parameters a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def resolve_parallel(parallel: str | None, model: nn.Module) -> str | None:
+    """The mode for ``MixedPrecision(parallel=...)``: a model whose parameters are
+    DTensors (``parallelize_module``) runs as ``"tp"`` when no mode is given; DDP over
+    such a model is refused."""
+    if not has_dtensor_params(model):
+        return parallel
+    if parallel is None:
+        return "tp"
+    if parallel == "ddp":
+        raise ValueError(
+            "parallel='ddp' over a tensor-parallel model (its parameters are DTensors "
+            "from parallelize_module): DDP does not take DTensors. Use parallel='tp', or "
+            "parallel='fsdp' with parallel_kwargs={'mesh': mesh['dp']} for a 2-D mesh.")
+    return parallel
+
+
+def check_parallel_recipe(parallel: str | None, recipe: Recipe,
+                          tensor_parallel: bool = False) -> None:
+    """What a mode cannot do with a recipe, before anything is built
+    (``tensor_parallel``: the model's parameters are DTensors)."""
+    if (parallel == "tp" or tensor_parallel) and recipe.compute not in _TP_COMPUTE:
+        raise NotImplementedError(
+            f"recipe {str(recipe)!r} with tensor parallelism: its {recipe.compute} "
+            "Linears do not take DTensor weights yet. Tensor parallelism runs the 16-bit "
+            "recipes today (fp32, tf32, bf16, fp16 and their -master and write-rule "
+            "variants): pick one of those, or train the fp8 recipe without a "
+            "tensor-parallel plan.")
     if recipe.wgrad == "fp32" and parallel == "fsdp":
         raise NotImplementedError(
             f"recipe {str(recipe)!r}: wgrad=fp32 with parallel='fsdp' is not "
@@ -217,4 +324,6 @@ def make_parallel(parallel: str | None, recipe: Recipe, model: nn.Module,
     units = check_fsdp_units(parallel, units, model)
     if parallel is not None:
         require_process_group(parallel)
+    if parallel == "fsdp" and has_dtensor_params(model):
+        return FSDP(recipe, kwargs, units, two_d=True)
     return _MODES[parallel](recipe, kwargs, units)

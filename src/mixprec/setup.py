@@ -38,7 +38,13 @@ from mixprec.layer_rules import owner_of
 from mixprec.master import ParamState
 from mixprec.optim import recipe_settings
 from mixprec.optim.base import EngineBinding, LowPrecisionOptimizer
-from mixprec.parallel import Parallel, check_parallel_recipe, make_parallel
+from mixprec.parallel import (
+    Parallel,
+    check_parallel_recipe,
+    has_dtensor_params,
+    make_parallel,
+    resolve_parallel,
+)
 from mixprec.recipe import Recipe
 from mixprec.scaler import LossScaler
 
@@ -210,7 +216,8 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
           parallel_kwargs=None, fsdp_units=None, fp8_filter=None,
           loss_scaler: LossScaler | None = None) -> Parts:
     """Check everything, then build the parts, in the order the module docstring gives."""
-    check_parallel_recipe(parallel, r)
+    parallel = resolve_parallel(parallel, model)
+    check_parallel_recipe(parallel, r, has_dtensor_params(model))
     check_fp8_filter(fp8_filter, r, model)
     check_fp8_all_gather(r, model, fp8_filter)
     par = make_parallel(parallel, r, model, parallel_kwargs, fsdp_units)

@@ -165,7 +165,9 @@ class Step:
         then the norm of those), so in fp32 training the caller reads torch's value and
         clips by torch's coefficient, to the bit. Otherwise it is ``mixprec.gradnorm``'s
         ``global_norm``, exact to fp32 on large tensors."""
-        if as_torch and self.parallel.norm_reduce is None and grads:
+        if self.parallel.norm_of is not None:  # DTensor shards: summed by placement
+            norm_scaled = self.parallel.norm_of(grads, self.device)
+        elif as_torch and self.parallel.norm_reduce is None and grads:
             norm_scaled = torch_norm(grads)
         else:
             norm_scaled = global_norm(grads, self.device, self._cpu_fp32,
