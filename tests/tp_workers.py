@@ -97,6 +97,18 @@ def make_data(kind: str, steps: int, seed: int = 1):
             for _ in range(steps)]
 
 
+def make_opt(model: nn.Module, recipe: str):
+    """torch's AdamW, or under a write rule mixprec.optim's, with the recipe's states."""
+    from mixprec.recipe import Recipe
+
+    r = Recipe.coerce(recipe)
+    if r.write == "nearest":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2)
+    import mixprec.optim as mo
+
+    return mo.AdamW(model.parameters(), lr=1e-2, states=r.states, write=r.write)
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
@@ -108,8 +120,7 @@ def tp_train(rank, world, tmp, kind, recipe, steps, max_norm, inf_step):
     _init(rank, world, tmp)
     mesh = init_device_mesh("cpu", (world,))
     model = parallelize_module(make_model(kind), mesh, PLANS[kind])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = MixedPrecision(model, opt, recipe, max_grad_norm=max_norm)
+    engine = MixedPrecision(model, make_opt(model, recipe), recipe, max_grad_norm=max_norm)
     out = {"skipped": [], "norms": []}
     for i, (x, y) in enumerate(make_data(kind, steps)):
         with engine.autocast():
@@ -128,19 +139,21 @@ def tp_train(rank, world, tmp, kind, recipe, steps, max_norm, inf_step):
     dist.destroy_process_group()
 
 
-def reference(kind, recipe, steps, max_norm):
+def reference(kind, recipe, steps, max_norm, inf_step=-1):
     """One process, the same model, data and optimizer."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = make_model(kind)
-        engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                recipe, max_grad_norm=max_norm)
+        engine = MixedPrecision(model, make_opt(model, recipe), recipe,
+                                max_grad_norm=max_norm)
         norms = []
-        for x, y in make_data(kind, steps):
+        for i, (x, y) in enumerate(make_data(kind, steps)):
             with engine.autocast():
                 loss = F.cross_entropy(engine.model(x), y)
             engine.backward(loss)
+            if i == inf_step:
+                engine.param_state.gradients()[0].view(-1)[0] = math.inf
             norms.append(float(engine.step().grad_norm))
     finally:
         torch.set_num_threads(threads)

@@ -173,6 +173,10 @@ class Step:
             norm_scaled = global_norm(grads, self.device, self._cpu_fp32,
                                       self.parallel.norm_reduce)
         found_inf = self.parallel.agree_max_((~torch.isfinite(norm_scaled)).float())
+        if self.parallel.norm_of is not None:
+            # replicated gradients are counted on each rank alone: a fault in one rank's
+            # copy makes the norm non-finite on every rank, as the skip is
+            norm_scaled = torch.where(found_inf > 0, torch.inf, norm_scaled)
         return found_inf, (norm_scaled / self.scaler.scale if self.scaler.scaled
                            else norm_scaled)
 
