@@ -59,3 +59,24 @@ def test_an_inf_on_one_tp_rank_skips_the_step_on_every_rank(recipe):
         tol = 1e-5 if recipe == "fp32" else 1e-2
         assert _max_rel(r["params"], ref) <= tol
         assert r["bytes"] == 4 * 4  # the norm's one fp32 sum over the TP group, per step
+
+
+@pytest.mark.slow
+def test_fsdp_over_tp_on_a_2x2_mesh_trains_like_one_process_and_reshards(tmp_path):
+    """FSDP (dp=2) over torch's TP plan (tp=2) on 4 ranks, bf16-master: equal to one
+    process on the whole batch (1e-2, the FSDP bound), the clip norm the whole model's
+    on every rank; a reshardable checkpoint saved at 2x2 resumes at dp=1 x tp=2 and at
+    dp=2 x tp=1 (FSDP alone) to the same bound."""
+    ckpt = str(tmp_path / "ck")
+    ranks = spawn(w.fsdp_tp_train, "mlp", "bf16-master", 6, ckpt, "save", world=4,
+                  name="fsdptp")
+    ref, ref_norms = w.reference("mlp", "bf16-master", 6, 0.5, sgd=True)
+    for r in ranks:
+        assert _max_rel(r["params"], ref) <= 1e-2, _max_rel(r["params"], ref)
+        assert r["norms"] == pytest.approx(ref_norms, rel=1e-2)
+        assert r["norms"] == ranks[0]["norms"]
+    for mode, world in [("load", 2), ("load1", 2)]:
+        for r in spawn(w.fsdp_tp_train, "mlp", "bf16-master", 6, ckpt, mode, world=world,
+                       name="fsdptp"):
+            assert _max_rel(r["params"], ref) <= 1e-2, (mode, _max_rel(r["params"], ref))
+            assert r["norms"] == pytest.approx(ref_norms[3:], rel=1e-2)

@@ -7,6 +7,7 @@ torch's ``parallelize_module`` plans on a ``DeviceMesh``, and writes what it saw
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import warnings
@@ -97,11 +98,15 @@ def make_data(kind: str, steps: int, seed: int = 1):
             for _ in range(steps)]
 
 
-def make_opt(model: nn.Module, recipe: str):
-    """torch's AdamW, or under a write rule mixprec.optim's, with the recipe's states."""
+def make_opt(model: nn.Module, recipe: str, sgd: bool = False):
+    """torch's AdamW, or under a write rule mixprec.optim's, with the recipe's states.
+    ``sgd``: torch's SGD with momentum (the data-parallel equivalence tests' optimizer:
+    Adam turns the bf16 reduction's rounding of near-zero gradients into whole steps)."""
     from mixprec.recipe import Recipe
 
     r = Recipe.coerce(recipe)
+    if sgd:
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if r.write == "nearest":
         return torch.optim.AdamW(model.parameters(), lr=1e-2)
     import mixprec.optim as mo
@@ -139,13 +144,13 @@ def tp_train(rank, world, tmp, kind, recipe, steps, max_norm, inf_step):
     dist.destroy_process_group()
 
 
-def reference(kind, recipe, steps, max_norm, inf_step=-1):
+def reference(kind, recipe, steps, max_norm, inf_step=-1, sgd=False):
     """One process, the same model, data and optimizer."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = make_model(kind)
-        engine = MixedPrecision(model, make_opt(model, recipe), recipe,
+        engine = MixedPrecision(model, make_opt(model, recipe, sgd), recipe,
                                 max_grad_norm=max_norm)
         norms = []
         for i, (x, y) in enumerate(make_data(kind, steps)):
@@ -158,3 +163,40 @@ def reference(kind, recipe, steps, max_norm, inf_step=-1):
     finally:
         torch.set_num_threads(threads)
     return [p.detach().clone() for p in engine.master_params], norms
+
+
+def fsdp_tp_train(rank, world, tmp, kind, recipe, steps, ckpt, mode):
+    """FSDP on the mesh's ``dp`` dim over torch's TP plan on its ``tp`` dim, world/2 x 2
+    (``mode="save"``: a reshardable checkpoint after ``steps`` // 2 steps). With
+    ``mode="load"`` on any mesh: load ``ckpt`` and run the last half. Each dp rank trains
+    on its half of the batch; every tp rank of it sees the same half."""
+    _init(rank, world, tmp)
+    tp = 2 if world >= 2 and mode != "load1" else 1
+    dp = world // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = make_model(kind)
+    if tp > 1:
+        model = parallelize_module(model, mesh["tp"], PLANS[kind])
+    engine = MixedPrecision(model, make_opt(model, recipe, sgd=True), recipe, parallel="fsdp",
+                            parallel_kwargs={"mesh": mesh["dp"]}, max_grad_norm=0.5)
+    data = make_data(kind, steps)
+    half = steps // 2
+    if mode.startswith("load"):
+        engine.load(ckpt)
+        data = data[half:]
+    norms = []
+    dp_rank = mesh["dp"].get_local_rank()
+    for i, (x, y) in enumerate(data):
+        xs, ys = x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]
+        with engine.autocast():
+            loss = F.cross_entropy(engine.model(xs), ys)
+        engine.backward(loss)
+        norms.append(float(engine.step().grad_norm))
+        if mode == "save" and i == half - 1:
+            engine.save(ckpt, reshardable=True)
+    out = {"params": [full(p) for p in engine.master_params], "norms": norms,
+           "bytes": engine.comm_stats.per_call if engine.comm_stats else None}
+    _save(tmp, "fsdptp", rank, out)
+    del engine, model
+    gc.collect()
+    dist.destroy_process_group()
