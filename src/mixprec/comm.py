@@ -22,6 +22,11 @@ loss scaler checks the local shards, and the global gradient norm is reduced acr
 rank skips together. The clipping norm is global. fp8 amaxes are all-reduced (MAX)
 before the scales move, so every rank uses the same scales.
 
+**Tensor parallelism** (torch's ``parallelize_module``): DTensor does the forward's
+and backward's collectives. The engine's own are the gradient norm's: each gradient's
+local sum of squares is all-reduced over the mesh dims it is sharded on, replicated
+ones counted once (``sum_over_shards_``), each call counted in ``CommStats``.
+
 **Teardown.** The engine, once dropped, frees its model and the DDP reducer (the hook's
 state holds the engine's ParamState, not the engine: a reference from the reducer back to
 the engine was a cycle Python's collector cannot see). ``destroy_process_group()``
@@ -51,8 +56,9 @@ __all__ = ["CommStats", "require_process_group", "ddp_comm_hook", "fsdp_policy",
 
 @dataclass
 class CommStats:
-    """Bytes this rank sent in gradient reductions (numel × element size of the
-    reduced tensor, once per all-reduce call)."""
+    """Bytes this rank sent in the engine's reductions (numel × element size of the
+    reduced tensor, once per all-reduce call): DDP's gradient buckets, or under tensor
+    parallelism the gradient norm's sums over the mesh."""
 
     bytes_sent: int = 0
     calls: int = 0

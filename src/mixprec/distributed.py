@@ -1,4 +1,5 @@
-"""Data-parallel mixed precision on torch.distributed: DDP and FSDP2, the user's entry.
+"""Data-parallel mixed precision on torch.distributed: DDP and FSDP2, the user's entry
+(tensor parallelism: ``parallelize_module`` first, then ``parallel="tp"`` or ``"fsdp"``).
 
 ``MixedPrecision(model, opt, recipe, parallel="ddp" | "fsdp")`` inside an initialised
 process group (``torchrun`` + ``init_process_group("gloo" | "nccl")``). Then call the

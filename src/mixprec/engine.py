@@ -86,8 +86,11 @@ class MixedPrecision:
             ``step()`` (before its update), so read them through ``engine.schedulers``
             (or call ``engine.settle()``), not through your own references, to see the
             last step counted.
-        parallel: ``"ddp"`` or ``"fsdp"`` inside an initialised process group (see
-            ``mixprec.distributed``); call ``engine.model`` (the wrapped module) then.
+        parallel: ``"ddp"``, ``"fsdp"`` or ``"tp"`` inside an initialised process group
+            (see ``mixprec.distributed``); call ``engine.model`` (the wrapped module)
+            then. A model split by torch's ``parallelize_module`` (DTensor parameters)
+            runs as ``"tp"`` when none is given; ``"fsdp"`` with
+            ``parallel_kwargs={"mesh": mesh["dp"]}`` shards it on a 2-D mesh.
         parallel_kwargs: passed on to ``DistributedDataParallel`` (e.g.
             ``find_unused_parameters=True`` for a model that leaves some parameters
             unused) or to ``fully_shard`` (e.g. ``reshard_after_forward=False``); what the

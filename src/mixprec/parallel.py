@@ -42,10 +42,10 @@ from torch import nn
 
 from mixprec.checks import check_fsdp_units, check_parallel_kwargs
 from mixprec.comm import (
+    CommStats,
     agree_amax_,
     all_reduce_max_,
     broadcast_module_,
-    CommStats,
     broadcast_object,
     gather_full,
     require_process_group,
@@ -54,8 +54,8 @@ from mixprec.comm import (
     sum_over_shards_,
     wrap_ddp,
 )
-from mixprec.gradnorm import fp32_norms
 from mixprec.fp8.gather import agree_amaxes_, install_fp8_all_gather, refresh_gather_scales_
+from mixprec.gradnorm import fp32_norms
 from mixprec.kernels import KernelChoices
 from mixprec.recipe import Recipe
 
