@@ -200,3 +200,21 @@ def fsdp_tp_train(rank, world, tmp, kind, recipe, steps, ckpt, mode):
     del engine, model
     gc.collect()
     dist.destroy_process_group()
+
+
+def refusals(rank, world, tmp, recipes):
+    """What each recipe (and DDP) says over a TP-split model: the error, or "built"."""
+    _init(rank, world, tmp)
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for recipe, parallel in recipes:
+        model = parallelize_module(make_model("mlp"), mesh, PLANS["mlp"])
+        try:
+            MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe,
+                           parallel=parallel)
+            out[recipe, parallel] = "built"
+        except (NotImplementedError, ValueError) as e:
+            out[recipe, parallel] = f"{type(e).__name__}: {e}"
+    _save(tmp, "refusals", rank, out)
+    gc.collect()
+    dist.destroy_process_group()
