@@ -97,3 +97,15 @@ def test_fp8_recipes_and_ddp_over_a_tp_model_are_refused_with_the_fix():
     assert out["bf16", "ddp"].startswith("ValueError") and "parallel='tp'" in out[
         "bf16", "ddp"], out["bf16", "ddp"]
     assert out["bf16-master", None] == "built"
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16-master"])
+def test_the_memory_planner_counts_each_tp_ranks_shards(recipe):
+    """``estimate`` of a TP-split model gives each rank's bytes: the working weights,
+    masters, gradient buffers and AdamW states the engine holds on that rank after a
+    step (local shards; the replicated norm, head and rowwise bias whole), which are
+    less than the whole model's."""
+    for r in spawn(w.tp_memory, recipe, name="tpmem"):
+        for item, got in r["measured"].items():
+            assert r["predicted"][item] == got, (item, r["predicted"][item], got)
+        assert r["predicted"]["params"] < r["whole"]["params"]

@@ -218,3 +218,38 @@ def refusals(rank, world, tmp, recipes):
     _save(tmp, "refusals", rank, out)
     gc.collect()
     dist.destroy_process_group()
+
+
+def tp_memory(rank, world, tmp, recipe):
+    """The planner's per-rank items for a TP-split model, against the bytes the engine's
+    tensors hold on this rank after a step (each DTensor's local shard)."""
+    from mixprec.memory import estimate
+
+    _init(rank, world, tmp)
+    mesh = init_device_mesh("cpu", (world,))
+    model = parallelize_module(make_model("mlp"), mesh, PLANS["mlp"])
+    predicted = estimate(model, recipe, optimizer="adamw").items
+    whole = estimate(make_model("mlp"), recipe, optimizer="adamw").items
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = MixedPrecision(model, opt, recipe)
+    (x, y), = make_data("mlp", 1)
+    with engine.autocast():
+        loss = F.cross_entropy(engine.model(x), y)
+    engine.backward(loss)
+
+    def nbytes(ts):
+        return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size()
+                   for t in ts)
+
+    ps = engine.param_state
+    grads = nbytes(ps.gradients())  # before the step frees fp32 training's .grad
+    engine.step()
+    measured = {"params": nbytes(ps.working), "master": nbytes(ps.masters or []),
+                "grads": grads,
+                "optimizer": nbytes([v for st in opt.state.values() for v in st.values()
+                                     if isinstance(v, torch.Tensor)])}
+    _save(tmp, "tpmem", rank, {"predicted": predicted, "whole": whole,
+                               "measured": measured})
+    del engine, opt, model
+    gc.collect()
+    dist.destroy_process_group()

@@ -20,7 +20,10 @@ optimizer's per-tensor ``step`` counters are included.
 ZeRO stages (Rajbhandari et al. 2020) divide by ``world_size``: stage 1 shards the
 optimizer states **and the fp32 masters** (they are optimizer state in ZeRO's
 accounting, K = 12 bytes for mixed-precision Adam), stage 2 also the gradients, and stage
-3 also the working parameters. FSDP2's ``fully_shard`` is stage 3.
+3 also the working parameters. FSDP2's ``fully_shard`` is stage 3. A tensor-parallel
+model (DTensor parameters from ``parallelize_module``) is counted per rank: each
+shard's local elements, replicated parameters whole; ``zero_stage`` and ``world_size``
+then describe its data-parallel dimension.
 
 ``measure(model, engine_or_optimizer, sample_batch)`` counts the bytes that actually
 exist, by storage (a storage shared by two tensors counts once). It also counts the

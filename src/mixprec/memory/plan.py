@@ -146,7 +146,7 @@ _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 def parse_count(params: int | float | str | nn.Module) -> int:
     """A parameter count from ``70B``, ``7.5e9``, ``350M``, an int, or a module."""
     if isinstance(params, nn.Module):
-        return sum(p.numel() for p in params.parameters())
+        return sum(_local(p).numel() for p in params.parameters())
     if isinstance(params, (int, float)) and not isinstance(params, bool):
         if params <= 0 or not math.isfinite(params):
             raise ValueError(f"parameter count must be > 0, got {params!r}")
@@ -238,7 +238,7 @@ def estimate(
         frozen_n, n_tensors, frozen_bytes, fp8_bytes, buffers = _module_counts(params, r)
         n -= frozen_n
         named = [(k, p) for k, p in params.named_parameters() if p.requires_grad]
-        sizes = [tuple(p.shape) for _, p in named]
+        sizes = [tuple(_local(p).shape) for _, p in named]
         # each parameter's state format: the recipe's states: rule for its module
         formats = [r.state_format(k) for k, _ in named]
     else:
@@ -277,7 +277,8 @@ def estimate(
         fresh = items["grads"] if grads_in_place(r, emulated) else 0.0
         backward = (sum(items.values()) - fresh
                     + backward_transient(tokens, shapes, act_bytes, route))
-        largest = (max((p.numel() for p in params.parameters()), default=0) if on_model
+        largest = (max((_local(p).numel() for p in params.parameters()), default=0)
+                   if on_model
                    else activations.ffn_mult * activations.hidden ** 2)  # an MLP weight
         from mixprec.optim.pieces import CHUNK
 
@@ -368,8 +369,14 @@ def _module_counts(model: nn.Module, r: Recipe):
     fp8_bytes, fp8_bufs = _fp8_state_bytes(model, r)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers()
                   if id(b) not in fp8_bufs)
-    return (sum(p.numel() for p in frozen), len(uniq) - len(frozen),
-            sum(p.numel() * p.element_size() for p in frozen), fp8_bytes, buffers)
+    return (sum(_local(p).numel() for p in frozen), len(uniq) - len(frozen),
+            sum(_local(p).numel() * p.element_size() for p in frozen), fp8_bytes, buffers)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """What this rank stores of ``p``: a DTensor's local shard (a tensor-parallel plan's
+    or FSDP's), else ``p``; so a module's counts are per rank, replicated tensors whole."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _activation_item(spec: TransformerSpec, r: Recipe, act_fp32: bool,
