@@ -90,9 +90,10 @@ def test_fsdp_over_tp_on_a_2x2_mesh_trains_like_one_process_and_reshards(tmp_pat
 def test_fp8_recipes_and_ddp_over_a_tp_model_are_refused_with_the_fix():
     """fp8 and fp4 recipes over DTensor weights raise NotImplementedError naming the
     recipe and the 16-bit recipes that run; DDP over DTensors names 'tp' and 'fsdp';
-    a 16-bit recipe builds."""
+    a 16-bit recipe builds; parallel_kwargs with "tp" (nothing would read them) are
+    refused."""
     cases = [("fp8", None), ("mxfp8", "tp"), ("nvfp4", None), ("bf16", "ddp"),
-             ("bf16-master", None)]
+             ("bf16-master", None), ("fp32", "tp-kwargs")]
     out = spawn(w.refusals, cases, world=1, name="refusals")[0]
     for recipe in ("fp8", "mxfp8", "nvfp4"):
         msg = next(v for (r, _), v in out.items() if r == recipe)
@@ -102,6 +103,7 @@ def test_fp8_recipes_and_ddp_over_a_tp_model_are_refused_with_the_fix():
     assert out["bf16", "ddp"].startswith("ValueError") and "parallel='tp'" in out[
         "bf16", "ddp"], out["bf16", "ddp"]
     assert out["bf16-master", None] == "built"
+    assert "given with parallel='tp'" in out["fp32", "tp-kwargs"], out["fp32", "tp-kwargs"]
 
 
 @pytest.mark.parametrize("recipe", ["fp32", "bf16-master"])

@@ -210,8 +210,10 @@ def refusals(rank, world, tmp, recipes):
     for recipe, parallel in recipes:
         model = parallelize_module(make_model("mlp"), mesh, PLANS["mlp"])
         try:
+            kwargs = ({"parallel": "tp", "parallel_kwargs": {"mesh": mesh}}
+                      if parallel == "tp-kwargs" else {"parallel": parallel})
             MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe,
-                           parallel=parallel)
+                           **kwargs)
             out[recipe, parallel] = "built"
         except (NotImplementedError, ValueError) as e:
             out[recipe, parallel] = f"{type(e).__name__}: {e}"

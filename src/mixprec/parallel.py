@@ -324,6 +324,11 @@ def make_parallel(parallel: str | None, recipe: Recipe, model: nn.Module,
     units = check_fsdp_units(parallel, units, model)
     if parallel is not None:
         require_process_group(parallel)
+    if parallel == "tp" and kwargs:
+        raise ValueError(f"parallel_kwargs {sorted(kwargs)} given with parallel='tp', "
+                         "which builds nothing from them (the plan is torch's "
+                         "parallelize_module); drop them, or use parallel='fsdp' with "
+                         "parallel_kwargs={'mesh': mesh['dp']} for a 2-D mesh")
     if parallel == "fsdp" and has_dtensor_params(model):
         return FSDP(recipe, kwargs, units, two_d=True)
     return _MODES[parallel](recipe, kwargs, units)
