@@ -28,13 +28,14 @@ def _max_rel(a, b):
                for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("kind", ["mlp", "block"])
+@pytest.mark.parametrize("kind", ["mlp", "block", "sp"])
 @pytest.mark.parametrize("recipe,tol", [
     ("fp32", 1e-5), ("bf16-master", 1e-2),
     # no master: each rank's bf16 rounding lands in the weights (FSDP's bound)
     ("bf16-kahan", 5e-2), ("bf16-remainder", 5e-2)])
 def test_two_tp_ranks_train_like_one_process(kind, recipe, tol):
-    """TP=2 with torch's colwise/rowwise plans trains as one process does, to the
+    """TP=2 with torch's colwise/rowwise plans (and a sequence-parallel norm, whose
+    replicated weights get partial-sum gradients) trains as one process does, to the
     distributed tolerances (fp32 1e-5, bf16-master 1e-2); the clip norm is the whole
     model's on every rank, equal to one process's."""
     ranks = spawn(w.tp_train, kind, recipe, 6, 0.5, -1)

@@ -17,10 +17,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -81,6 +82,10 @@ class Block(nn.Module):
 
 PLANS = {
     "mlp": {"up": ColwiseParallel(), "down": RowwiseParallel()},
+    # sequence parallel: the norm runs on the batch's shards (dim 0 of a 2-D input)
+    # (each rank feeds its rows; ``up`` gathers them)
+    "sp": {"norm": SequenceParallel(sequence_dim=0),
+           "up": ColwiseParallel(input_layouts=Shard(0)), "down": RowwiseParallel()},
     "block": {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
               "o": RowwiseParallel(), "fc": ColwiseParallel(), "proj": RowwiseParallel()},
 }
@@ -88,12 +93,12 @@ PLANS = {
 
 def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
-    return MLP() if kind == "mlp" else Block()
+    return MLP() if kind in ("mlp", "sp") else Block()
 
 
 def make_data(kind: str, steps: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    shape = (8, 16) if kind == "mlp" else (4, 6, 16)
+    shape = (8, 16) if kind in ("mlp", "sp") else (4, 6, 16)
     return [(torch.randn(*shape, generator=g), torch.randint(0, 4, (shape[0],), generator=g))
             for _ in range(steps)]
 
@@ -128,6 +133,8 @@ def tp_train(rank, world, tmp, kind, recipe, steps, max_norm, inf_step):
     engine = MixedPrecision(model, make_opt(model, recipe), recipe, max_grad_norm=max_norm)
     out = {"skipped": [], "norms": []}
     for i, (x, y) in enumerate(make_data(kind, steps)):
+        if kind == "sp":  # the sequence-parallel norm takes this rank's rows
+            x = x.chunk(world)[rank]
         with engine.autocast():
             loss = F.cross_entropy(engine.model(x), y)
         engine.backward(loss)

@@ -97,6 +97,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _placed_like(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``grad`` placed as ``like`` (its parameter or buffer): a partial-sum DTensor
+    gradient, which a replicated parameter gets where it met sharded activations
+    (sequence parallelism's norms), is summed across its mesh (an all-reduce by
+    DTensor). Any other gradient is returned as it is."""
+    placements = getattr(grad, "placements", ())
+    if not any(pl.is_partial() for pl in placements):
+        return grad
+    return grad.redistribute(grad.device_mesh, like.placements)
+
+
 def _cast_(p: nn.Parameter, dtype: torch.dtype) -> None:
     """Store ``p`` in ``dtype``, the same object. A DTensor (a tensor-parallel shard)
     swaps its contents: assigning its ``.data`` relabels the dtype but leaves the local
@@ -203,6 +214,9 @@ class ParamState:
         into the buffers (no-op when direct). Parameters the DDP hook settled give
         theirs up unread: their buffers hold the reduced sum already."""
         if self.direct:
+            for p in self.working:
+                if p.grad is not None:
+                    p.grad = _placed_like(p.grad, p)
             return
         settled, self._settled = self._settled, set()
         idx = [i for i, p in enumerate(self.working)
@@ -258,7 +272,7 @@ class ParamState:
         idx = [i if isinstance(i, int) else self.index[id(i)] for i in where]
         # FSDP's shards: their local tensors (DTensor has no rule for _foreach_copy_)
         bufs = [_local(self.buffers[i]) for i in idx]
-        grads = [_local(g) for g in grads]
+        grads = [_local(_placed_like(g, self.buffers[i])) for g, i in zip(grads, idx)]
         if replace:
             torch._foreach_copy_(bufs, grads)
             if self.kahan:
