@@ -168,6 +168,8 @@ class ParamState:
             round_(params, self.round_to)
         self.opt_params = self.masters if self.has_master else self.working
         self.index = {id(p): i for i, p in enumerate(params)}
+        #: the working parameters that are DTensors (tensor parallelism, FSDP)
+        self._dtensors = [p for p in params if hasattr(p, "to_local")]
         self.kahan = recipe.grad_accum == "kahan"
         self.announce_grads = announce_grads
         #: the optimizers read ``grads`` themselves (``lend_grads``): 16-bit weights then
@@ -214,7 +216,7 @@ class ParamState:
         into the buffers (no-op when direct). Parameters the DDP hook settled give
         theirs up unread: their buffers hold the reduced sum already."""
         if self.direct:
-            for p in self.working:
+            for p in self._dtensors:  # sequence parallelism's partial sums, summed
                 if p.grad is not None:
                     p.grad = _placed_like(p.grad, p)
             return
