@@ -39,13 +39,10 @@ def _interrupted(signum, frame):
 def _probe_route(recipe: str, device: str) -> str | None:
     """The GEMM route an fp8 recipe's Linears take on ``device`` (this runs the
     block-scaled probe under ``fp8_gemm=auto``, so its warnings are caught here)."""
-    from mixprec.fp8 import quantizer_for
     from mixprec.recipe import Recipe
 
-    rec = Recipe.coerce(recipe)
-    if rec.compute != "fp8":
-        return None
-    return quantizer_for(rec).route(device, rec.fp8_gemm)
+    fmt = Recipe.coerce(recipe).linear
+    return None if fmt is None else fmt.route(device)
 
 
 def run_one(args: argparse.Namespace) -> dict:

@@ -27,43 +27,67 @@ def _type(hint) -> str:
 
 
 def recipes_page() -> str:
-    """The recipe fields (name, values, default, meaning) and the presets."""
-    from mixprec.recipe import PRESETS, Recipe
+    """The recipe's configs and Linear formats (each field's string key, values, default,
+    meaning) and the presets."""
+    from mixprec.fp8.formats import FORMATS
+    from mixprec.recipe import PRESETS, LossScale, OptimStates, Precision, Recipe
 
-    hints = typing.get_type_hints(Recipe)
-    doc = _field_docs(Recipe)
     lines = [HEADER, "# Recipe fields and presets\n",
              "A recipe is `Recipe.parse(\"preset,field=value,...\")`: a preset name, then "
-             "fields that override it. Every field, its values and its default:\n",
-             "| field | values | default | meaning |", "|---|---|---|---|"]
-    for f in dataclasses.fields(Recipe):
-        default = f.default if f.default is not dataclasses.MISSING else "–"
-        lines.append(f"| `{f.name}` | {_type(hints[f.name])} | `{default}` | "
-                     f"{doc.get(f.name, '')} |")
-    base = Recipe()
+             "fields that override it. In Python it is composed of small configs "
+             "(`r.precision`, `r.loss`, `r.optim`) and a Linear format object "
+             "(`r.linear`, or None); `str(r)` writes it back as the short string.\n"]
+    for title, cls, key in (("Precision (`r.precision`)", Precision, {}),
+                            ("Loss scale (`r.loss`)", LossScale, {"kind": "loss_scale"}),
+                            ("Optimizer states (`r.optim`)", OptimStates, {})):
+        lines += _field_table(f"## {title}", cls, key)
+    lines += ["## Linear formats (`r.linear`, with `compute=fp8`)\n",
+              "`fp8_scaling=NAME` picks the format; each takes only its own fields "
+              "(another format's is refused):\n"]
+    for name, cls in FORMATS.items():
+        lines += _field_table(f"### `{name}`: `{cls.__module__}.{cls.__name__}`", cls, {})
+    base = Recipe().flat()
     lines += ["", "## Presets\n", "Each preset, as the fields it sets away from the defaults:\n",
               "| preset | fields |", "|---|---|"]
     for name, r in PRESETS.items():
-        diff = [f"`{f.name}={getattr(r, f.name)}`" for f in dataclasses.fields(Recipe)
-                if getattr(r, f.name) != getattr(base, f.name)]
+        diff = [f"`{k}={v}`" for k, v in r.flat().items() if v != base[k]]
         lines.append(f"| `{name}` | {', '.join(diff) or '(all defaults)'} |")
     return "\n".join(lines) + "\n"
 
 
+def _field_table(title: str, cls, keys: dict[str, str]) -> list[str]:
+    hints = typing.get_type_hints(cls)
+    doc = _field_docs(cls)
+    out = [title + "\n", "| field | values | default | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        out.append(f"| `{keys.get(f.name, f.name)}` | {_type(hints[f.name])} | "
+                   f"`{default}` | {doc.get(f.name, '')} |")
+    return out + [""]
+
+
 def _field_docs(cls) -> dict[str, str]:
-    """Each field's meaning from the class docstring's "Fields" bullets: the bullet that
-    names it first (as ``name``); later fields of the same bullet point to the first."""
+    """Each field's meaning: the ``#:`` comment above it, in the class or a base."""
+    import inspect
     import re
 
-    text = (cls.__doc__ or "").split("Fields", 1)[-1]
-    bullets = [" ".join(b.split()) for b in re.split(r"\n\s*- ", text)[1:]]
-    names = {f.name for f in dataclasses.fields(cls)}
     out: dict[str, str] = {}
-    for b in bullets:
-        named = [n for n in re.findall(r"``([a-z0-9_]+)``", b) if n in names and n not in out]
-        for i, n in enumerate(dict.fromkeys(named)):
-            md = re.sub(r"``([^`]+)``", r"`\1`", b).replace("|", "\\|")
-            out[n] = md if i == 0 else f"see `{named[0]}`"
+    for klass in reversed(cls.__mro__):
+        try:
+            src = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        comment: list[str] = []
+        for line in src.splitlines():
+            stripped = line.strip()
+            if stripped.startswith("#:"):
+                comment.append(stripped[2:].strip())
+                continue
+            m = re.match(r"([a-z0-9_]+)\s*:", stripped)
+            if m and comment:
+                text = re.sub(r"``([^`]+)``", r"`\1`", " ".join(comment))
+                out[m.group(1)] = text.replace("|", "\\|")
+            comment = []
     return out
 
 

@@ -606,7 +606,7 @@ def test_engine_fp8_filter_and_a_model_converted_by_hand():
 def test_fp8_all_gather_is_for_per_tensor_scaling_only():
     from mixprec import Recipe
 
-    assert Recipe.parse("fp8,fp8_all_gather=true").fp8_all_gather is True
+    assert Recipe.parse("fp8,fp8_all_gather=true").linear.fp8_all_gather is True
     for scaling in ("rowwise", "block", "mx", "nvfp4"):
         with pytest.raises(NotImplementedError, match="per-tensor scales"):
             Recipe.parse(f"fp8,fp8_scaling={scaling},fp8_all_gather=true")

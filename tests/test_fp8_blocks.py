@@ -183,7 +183,8 @@ def test_block_recipe_variants_convert_and_step(recipe):
     r = Recipe.parse(recipe)
     mods = engine.fp8_modules
     assert {(m.scaling, m.block_pow2, m.mx_rounding) for m in mods} == {
-        (r.fp8_scaling, r.block_scales == "pow2", r.mx_rounding)}
+        (r.linear.name, getattr(r.linear, "block_scales", None) == "pow2",
+         getattr(r.linear, "mx_rounding", None))}
     losses = pattern_losses(engine, model, 5, check_applied=True)
     assert all(math.isfinite(v) for v in losses)
 
@@ -209,9 +210,10 @@ def test_block_recipe_errors_and_warnings_name_the_fix():
         "fp8-block,fp8_gemm=scaled_mm"))  # torch's block-scaled kernels: CUDA only
     with pytest.raises(ValueError, match="block-scaled kernels run on CUDA only.*auto"):
         lin(torch.randn(4, 128))
-    with pytest.warns(UserWarning, match="mx_rounding with fp8_scaling='block'"):
+    # a field the format does not have does not exist: refused, no longer a warning
+    with pytest.raises(ValueError, match="mx_rounding with fp8_scaling='block'"):
         Recipe.parse("fp8-block,mx_rounding=ceil")
-    with pytest.warns(UserWarning, match="margin with fp8_scaling='mx'"):
+    with pytest.raises(ValueError, match="margin with fp8_scaling='mx'"):
         Recipe.parse("mxfp8,margin=1")
     with pytest.raises(ValueError, match="mx_rounding.*valid: rceil, floor, ceil, even"):
         Recipe.parse("mxfp8,mx_rounding=up")
@@ -380,7 +382,8 @@ def test_nvfp4_keeps_the_last_layers_in_bf16_and_each_part_switches():
     report = convert(deep, "nvfp4,bf16_last_layers=4")
     assert report.converted == ("0",) and len(report.skipped) == 4
     r = Recipe.parse("nvfp4,nvfp4_2d=false,nvfp4_rht=off,nvfp4_sr=0,bf16_last_layers=0")
-    assert (r.nvfp4_2d, r.nvfp4_rht, r.nvfp4_sr, r.bf16_last_layers) == (False,) * 3 + (0,)
+    q = r.linear
+    assert (q.nvfp4_2d, q.nvfp4_rht, q.nvfp4_sr, q.bf16_last_layers) == (False,) * 3 + (0,)
     assert Recipe.parse(str(r)) == r
     with pytest.raises(ValueError, match="nvfp4_sr.*use true or false"):
         Recipe.parse("nvfp4,nvfp4_sr=maybe")

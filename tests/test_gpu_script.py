@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import benchmark
-from mixprec.recipe import BLOCK_SCALINGS, Recipe
+from mixprec.recipe import Recipe
 from mixprec.workbench import GPT
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -127,7 +127,7 @@ def test_gpu_recipes_parse_and_the_dequantizing_ones_come_last():
     rows = [line.split("\t") for line in listed.stdout.splitlines()]
     recipes = [Recipe.coerce(r) for r, _ in rows]
     assert len(recipes) == 11 and all(int(box) >= 20 for _, box in rows)
-    block = [r.compute == "fp8" and r.fp8_scaling in BLOCK_SCALINGS for r in recipes]
+    block = [r.block_scaled for r in recipes]
     assert block == [False] * 8 + [True] * 3
 
 

@@ -177,14 +177,15 @@ def test_the_linear_quantizes_forward_and_dgrad_and_keeps_wgrad_in_16_bits():
 
 def test_recipe_bytes_and_saved_tensors():
     r = Recipe.parse("int8-rowwise")
-    assert (r.compute, r.fp8_scaling, r.fp8_name, str(r)) == ("fp8", "int8", "int8-rowwise",
+    assert (r.compute, r.linear.name, r.fp8_name, str(r)) == ("fp8", "int8", "int8-rowwise",
                                                               "int8-rowwise")
-    assert transient.saved_weight_bytes([(64, 32, "int8")]) == 64 * 32
+    fmt = r.linear  # the memory estimate asks the format for its bytes
+    assert transient.saved_weight_bytes([(64, 32, fmt)]) == 64 * 32
     t, i, o = 100, 64, 2048
     base = t * o * 2 + t * i * 2 + i * o * 4
-    got = transient.backward_transient(t, [(i, o, "int8")], 2.0)
+    got = transient.backward_transient(t, [(i, o, fmt)], 2.0)
     assert got == base + max(8 * t * o, t * o + 8 * t * i)
-    got = transient.backward_transient(t, [(o, i, "int8")], 2.0, "dequant_fp32")
+    got = transient.backward_transient(t, [(o, i, fmt)], 2.0, "dequant_fp32")
     assert got == base + max(8 * t * i, t * i + 8 * t * o + 4 * 64 * (t + o))
     # backward keeps the int8 weight codes and the 16-bit input (no input codes)
     lin = Float8Linear.from_linear(nn.Linear(64, 32), r)

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from mixprec import PRESETS, Recipe
+from mixprec.fp8.formats import DelayedScaling
 from mixprec.layer_rules import LAYER_FORMATS, LayerRule, parse_rule
+from mixprec.recipe import Precision
 
 TEXT = ("fp8-current,margin=1,layer:blocks.*.fc=mxfp8,layer:head=bf16,"
         "layer:blocks.1?.qkv=fp8-rowwise,states:*.emb=int8,states:blocks.*=bf16")
@@ -61,9 +63,12 @@ def test_state_rules_match_the_module_that_owns_the_parameter():
 def test_for_layer_takes_the_presets_scaling_and_format_and_keeps_the_rest(fmt):
     r = Recipe.parse(f"fp8,margin=2,fp8_gemm=dequant_fp32,layer:x={fmt}")
     got = r.for_layer("x")
-    assert (got.fp8_scaling, got.fp8_format) == (PRESETS[fmt].fp8_scaling,
-                                                 PRESETS[fmt].fp8_format)
-    assert (got.margin, got.fp8_gemm, got.layers) == (2, "dequant_fp32", ())
+    flat, want = got.flat(), PRESETS[fmt].flat()
+    assert (flat["fp8_scaling"], flat["fp8_format"]) == (want["fp8_scaling"],
+                                                         want["fp8_format"])
+    # a format without a margin (MX, NVFP4) has none to keep
+    assert (getattr(got.linear, "margin", 2), got.linear.fp8_gemm, got.layers) == (
+        2, "dequant_fp32", ())
     assert r.for_layer("unmatched") == r.base
 
 
@@ -91,7 +96,8 @@ def test_a_fragment_without_a_kind_is_refused_with_the_syntax():
     with pytest.raises(ValueError, match="KIND:PATTERN=FORMAT"):
         parse_rule("blocks.*.fc")
     with pytest.raises(ValueError, match="not a tuple of"):
-        Recipe(compute="fp8", layers=("layer:x=bf16",))
+        Recipe(precision=Precision(compute="fp8"), linear=DelayedScaling(),
+               layers=("layer:x=bf16",))
 
 
 def test_states_rules_work_on_any_recipe():

@@ -248,6 +248,9 @@ def test_the_memory_planner_counts_the_padding_of_a_200_dim_linear():
     output's 8 padded bf16 columns. A 208 × 208 Linear pads nothing; the dequant
     routes hold no padding."""
     from mixprec.memory.transient import backward_transient
+    from mixprec.recipe import PRESETS
+
+    fp8 = PRESETS["fp8"].linear  # the memory estimate asks the format for its bytes
 
     t = 64
 
@@ -255,9 +258,9 @@ def test_the_memory_planner_counts_the_padding_of_a_200_dim_linear():
         return t * d * 2 * 2 + d * d * 4 + 5 * t * d
 
     padding = t * 208 + (208 * 208 - 200 * 200) + t * 8 * 2
-    assert backward_transient(t, [(208, 208, "fp8")], 2, "scaled_mm") == base(208)
-    assert backward_transient(t, [(200, 200, "fp8")], 2, "scaled_mm") == base(200) + padding
-    assert backward_transient(t, [(200, 200, "fp8")], 2, "dequant") == \
+    assert backward_transient(t, [(208, 208, fp8)], 2, "scaled_mm") == base(208)
+    assert backward_transient(t, [(200, 200, fp8)], 2, "scaled_mm") == base(200) + padding
+    assert backward_transient(t, [(200, 200, fp8)], 2, "dequant") == \
         base(200) + 2 * (t * 200 + 200 * 200)
 
 

@@ -26,7 +26,6 @@ neither gathers nor stays tied to its world size: ``save(path, reshardable=True)
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import importlib
 import os
@@ -394,7 +393,7 @@ def _run_settings(state: dict, recipe, emulating: bool) -> None:
     saved = state.get("recipe")
     if saved is not None and not isinstance(saved, Recipe):
         saved = Recipe.coerce(saved)
-    if saved is None or dataclasses.replace(saved, emulate=recipe.emulate) != recipe:
+    if saved is None or saved.replace(emulate=recipe.emulate) != recipe:
         raise ValueError(
             f"checkpoint was saved with recipe {str(saved)!r} but this engine runs "
             f"{str(recipe)!r}; build the engine with the checkpoint's recipe")

@@ -17,7 +17,7 @@ from torch import nn
 
 from mixprec.context import check_wgrad, device_supports
 from mixprec.master import ParamState, updated_dtype
-from mixprec.recipe import Recipe
+from mixprec.recipe import PRESETS, Recipe
 
 __all__ = ["warn_low_precision_loss", "check_model", "check_device", "check_optimizers",
            "check_parallel_kwargs",
@@ -56,7 +56,7 @@ def check_device(device: torch.device, r: Recipe, emulating: bool) -> None:
     """The device can run the recipe's dtypes (compute only where not emulated), and
     the recipe's options suit how it runs (no wgrad=fp32 with MX compute)."""
     check_wgrad(r, emulating)
-    if r.compute == "fp8" and not device_supports(device, torch.float8_e4m3fn):
+    if r.linear is not None and not device_supports(device, torch.float8_e4m3fn):
         raise ValueError(
             f"recipe {str(r)!r}: device {device} has no fp8 GEMM (CUDA needs "
             "compute capability 8.9+, e.g. L4/H100); use 'bf16', or run fp8 on the "
@@ -242,7 +242,7 @@ def check_fp8_filter(fp8_filter, recipe, model: nn.Module) -> None:
     by hand already (whose conversion it could no longer change)."""
     if fp8_filter is None:
         return
-    if recipe.compute != "fp8":
+    if recipe.linear is None:
         raise ValueError(f"fp8_filter given with recipe {str(recipe)!r}, which has no fp8 "
                          "Linears: use an fp8 recipe ('fp8', 'fp8-current', "
                          "'fp8-rowwise'), or drop fp8_filter")
@@ -262,16 +262,17 @@ def check_fp8_all_gather(recipe, model: nn.Module, fp8_filter=None) -> None:
     """``fp8_all_gather`` gathers per-tensor fp8 weights only: an error where the
     recipe's ``layer:`` rules would convert a Linear of ``model`` to another scaling
     (rowwise, block, MX, NVFP4), whose scales no rank knows before the gather."""
-    if recipe.compute != "fp8" or not recipe.fp8_all_gather or not recipe.layer_rules:
+    if recipe.linear is None or not recipe.linear.fp8_all_gather or not recipe.layer_rules:
         return
     from mixprec.fp8.convert import layer_formats
     from mixprec.fp8.linear import fp8_modules
 
     if fp8_modules(model):
         return  # converted by hand: the engine converts nothing
-    # the presets of per-tensor scaling (delayed, current): what the gather can carry
-    bad = [f"{name} ({fmt})" for name, fmt in layer_formats(model, recipe, fp8_filter).items()
-           if fmt not in ("bf16", "fp8", "fp8-current")]
+    # what the gather can carry: bf16, or a format with one scale per tensor
+    formats = layer_formats(model, recipe, fp8_filter)
+    bad = [f"{name} ({fmt})" for name, fmt in formats.items()
+           if fmt != "bf16" and not PRESETS[fmt].linear.per_tensor]
     if bad:
         raise NotImplementedError(
             f"recipe {str(recipe)!r}: fp8_all_gather, but its layer: rules convert "

@@ -304,7 +304,7 @@ def autocast_dtype(recipe: Recipe, device: torch.device | str,
     agreed choice, or this device's ``mixprec.kernels.fp8_rest``)."""
     if not recipe.uses_autocast:
         return None
-    if recipe.compute == "fp8" and (rest or fp8_rest(recipe, device)) == "fp32":
+    if recipe.linear is not None and (rest or fp8_rest(recipe, device)) == "fp32":
         return None
     return recipe.compute_dtype
 

@@ -32,7 +32,7 @@ WARN_BELOW = 0.5
 
 def low_precision(r: Recipe) -> bool:
     """Whether ``r`` runs Linears in a low-precision (fp8/fp4) format: the one check."""
-    return r.compute == "fp8"
+    return r.linear is not None
 
 
 @dataclass(frozen=True)

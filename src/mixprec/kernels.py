@@ -59,7 +59,7 @@ import torch
 from mixprec.fp8 import int8_rowwise as _int8
 from mixprec.fp8 import route as _route
 from mixprec.fp32_precision import ieee_fp32_matmul  # the exact routes import it from here
-from mixprec.recipe import MX_COMPUTE, PRESETS, Recipe
+from mixprec.recipe import MX_COMPUTE, Recipe
 
 __all__ = ["matmul_gflops", "relative_speed", "FAST_ENOUGH", "has_fast_kernels",
            "emulating", "fp8_gemm_gflops", "fp8_gemm_route", "fp8_rest", "choices",
@@ -239,8 +239,8 @@ def emulating(recipe: Recipe, device: torch.device | str) -> bool:
     ``fp8_rest``."""
     if recipe.emulate is not None:
         return recipe.emulate
-    return recipe.compute not in ("fp32", "tf32", "fp8") and not has_fast_kernels(
-        device, recipe.compute)
+    return (recipe.linear is None and recipe.compute not in ("fp32", "tf32")
+            and not has_fast_kernels(device, recipe.compute))
 
 
 def fp8_rest(recipe: Recipe, device: torch.device | str) -> str:
@@ -328,10 +328,11 @@ def fp8_gemm_route(device: torch.device | str, choice: str = "auto") -> str:
     """The route of the per-tensor and rowwise fp8 GEMMs on ``device`` for ``fp8_gemm``
     ``choice``: ``mixprec.fp8.route.gemm_route``'s answer for those scalings, for
     callers without a quantizer (the memory planner, ``benchmarks/cpu_kernels.py``)."""
-    from mixprec.fp8.quantizers import CurrentScaling
+    from mixprec.fp8.formats import FORMATS
     from mixprec.fp8.route import gemm_route
 
-    return gemm_route(device, CurrentScaling(), choice)
+    per_tensor = next(f for f in FORMATS.values() if f.per_tensor)
+    return gemm_route(device, per_tensor(), choice)
 
 
 @dataclass(frozen=True)
@@ -394,46 +395,36 @@ def choices(recipe: Recipe, device: torch.device | str) -> KernelChoices:
         for dt in (torch.bfloat16, torch.float16):
             reading = speed_reading(dev, dt)
             speeds[reading.name] = reading
-    if recipe.compute != "fp8":
+    if recipe.linear is None:
         return KernelChoices(emulate, speeds=speeds, source=source)
     # layer: rules may put Linears on other scalings, whose GEMMs take other routes
     own = _scaling_recipes(recipe)
     routes = {s: _fp8_route(r, dev) for s, r in own.items()}
-    from mixprec.fp8.quantizers import quantizer_for
-
-    if dev.type == "cpu" and recipe.fp8_gemm == "auto" and not recipe.emulate and any(
-            quantizer_for(r).kernel == "tensor" for r in own.values()):  # read a route
+    if dev.type == "cpu" and recipe.linear.fp8_gemm == "auto" and not recipe.emulate and any(
+            r.linear.takes_tensor_route for r in own.values()):  # the route took a reading
         speeds["scaled_mm"] = route_reading(
             dev, "dequant" if has_fast_kernels(dev, "bf16") else "dequant_fp32")
-    return KernelChoices(emulate, routes[recipe.fp8_scaling], fp8_rest(recipe, dev),
+    return KernelChoices(emulate, routes[recipe.linear.name], fp8_rest(recipe, dev),
                          speeds, source, routes if recipe.layer_rules else {})
 
 
 def _scaling_recipes(recipe: Recipe) -> dict[str, Recipe]:
     """The recipe the Linears of each fp8 scaling run with: ``recipe``'s own scaling
     first, then each ``layer:`` rule's preset (``Recipe.for_layer``)."""
-    import warnings
-
-    out = {recipe.fp8_scaling: recipe.base}
+    out = {recipe.linear.name: recipe.base}
     for rule in recipe.layer_rules:
-        p = PRESETS.get(rule.value)
-        scaling = p.fp8_scaling if p is not None and p.compute == "fp8" else None
-        if scaling is None or scaling in out:
-            continue
-        with warnings.catch_warnings():  # the recipe's other fp8 fields warned already
-            warnings.simplefilter("ignore")
-            out[scaling] = recipe.base.replace(fp8_scaling=scaling, fp8_format=p.fp8_format)
+        if rule.value != "bf16":
+            r = recipe.with_format(rule.value)
+            out.setdefault(r.linear.name, r)
     return out
 
 
 def _fp8_route(recipe: Recipe, dev: torch.device) -> str:
     """The GEMM route of ``recipe``'s Linears (``mixprec.fp8.route``: one decision).
     Emulation's ``auto`` takes the bf16 dequant route of the per-tensor scalings."""
-    from mixprec.fp8.quantizers import quantizer_for
-
-    q = quantizer_for(recipe)
-    choice = recipe.fp8_gemm
-    if recipe.emulate and choice == "auto" and q.kernel == "tensor":
+    q = recipe.linear
+    choice = q.fp8_gemm
+    if recipe.emulate and choice == "auto" and q.takes_tensor_route:
         choice = "dequant"
     return q.route(dev, choice)
 

@@ -19,10 +19,10 @@ its overrides::
   Linears: ``bf16`` (kept in the recipe's high precision, as the output head is) or an
   fp8 preset (``fp8``, ``fp8-current``, ``fp8-rowwise``, ``fp8-block``, ``mxfp8``,
   ``nvfp4``), whose scaling and element format replace the recipe's for that Linear;
-  every other fp8 setting (margin, GEMM route, ...) is the recipe's. A rule matching a
-  transformers experts module (``layer:*.experts=mxfp8``) sets its experts' format
-  (``mixprec.experts.hook``). Layer rules need an fp8 recipe (``compute=fp8``): it is
-  what runs the rest of the model under bf16.
+  every other fp8 setting (margin, GEMM route, ...) is the recipe's, where the format
+  has it. A rule matching a transformers experts module (``layer:*.experts=mxfp8``)
+  sets its experts' format (``mixprec.experts.hook``). Layer rules need an fp8 recipe
+  (``compute=fp8``): it is what runs the rest of the model under bf16.
   A rule overrides the default policy (the head and ``bf16_last_layers``), never a
   Linear subclass whose owner may read its weight directly; a Linear's dims never
   keep it (the GEMM routes pad: ``mixprec.fp8.padding``).
@@ -43,12 +43,9 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["LayerRule", "LAYER_FORMATS", "STATE_RULE_FORMATS", "RULE_KINDS",
-           "parse_rule", "first_match", "owner_of"]
+__all__ = ["LayerRule", "STATE_RULE_FORMATS", "RULE_KINDS",
+           "parse_rule", "first_match", "owner_of", "layer_formats"]
 
-#: what a ``layer:`` rule may set: high precision, or one of the fp8/fp4 presets
-LAYER_FORMATS = ("bf16", "fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8",
-                 "nvfp4", "int8-rowwise")
 #: what a ``states:`` rule may set (``mixprec.optim.STATE_FORMATS``)
 STATE_RULE_FORMATS = ("fp32", "bf16", "fp8", "int8", "int4")
 RULE_KINDS = ("layer", "states")
@@ -78,7 +75,7 @@ class LayerRule:
                 f"recipe rule {self}: pattern {self.pattern!r} is not a module name "
                 "pattern; use the names model.named_modules() gives, with fnmatch's * ? "
                 "[...] (no spaces, commas, semicolons, colons or '=')")
-        valid = LAYER_FORMATS if self.kind == "layer" else STATE_RULE_FORMATS
+        valid = layer_formats() if self.kind == "layer" else STATE_RULE_FORMATS
         if self.value not in valid:
             raise ValueError(f"recipe rule {self}: unknown format {self.value!r} for "
                              f"{self.kind}:; valid: {', '.join(valid)}")
@@ -89,6 +86,19 @@ class LayerRule:
     def matches(self, name: str) -> bool:
         """Whether the module name ``name`` matches this rule's pattern."""
         return fnmatch.fnmatchcase(name, self.pattern)
+
+
+def layer_formats() -> tuple[str, ...]:
+    """What a ``layer:`` rule may set: ``bf16``, or a preset with a Linear format."""
+    from mixprec.recipe.presets import LINEAR_PRESETS  # the recipe package imports this
+
+    return ("bf16", *LINEAR_PRESETS)
+
+
+def __getattr__(name: str):
+    if name == "LAYER_FORMATS":  # read from the presets when asked (``layer_formats``)
+        return layer_formats()
+    raise AttributeError(f"module 'mixprec.layer_rules' has no attribute {name!r}")
 
 
 def parse_rule(fragment: str) -> LayerRule:

@@ -181,7 +181,7 @@ class FSDP(_Replicated):
         With ``fp8_all_gather``, the Float8Linear weights get the fp8 gather hooks."""
         model = shard_fsdp(model, self.recipe, optimizers, self.units, emulate=emulate,
                            **self.kwargs)
-        if self.recipe.compute == "fp8" and self.recipe.fp8_all_gather:
+        if self.recipe.linear is not None and self.recipe.linear.fp8_all_gather:
             from mixprec.fp8.linear import fp8_modules
 
             mods = install_fp8_all_gather(list(fp8_modules(model).values()))

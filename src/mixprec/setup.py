@@ -104,7 +104,7 @@ def _swap_fp8(model: nn.Module, r: Recipe, kernels: KernelChoices, fp8_filter):
     """fp8 recipes: Linears -> Float8Linears, reusing the Parameters (the optimizer stays
     valid), each as the recipe's ``layer:`` rules say, on the GEMM route ``kernels``
     chose for its scaling. A model converted by hand is kept."""
-    if r.compute != "fp8":
+    if r.linear is None:
         return None
     mods = fp8_modules(model)
     if not mods:
@@ -122,7 +122,7 @@ def _swap_fp8(model: nn.Module, r: Recipe, kernels: KernelChoices, fp8_filter):
         warnings.warn(
             f"the model's Float8Linears (converted by hand) use fp8_scaling="
             f"{'/'.join(sorted({m.scaling for m in mods.values()}))}, the recipe says "
-            f"{r.fp8_scaling}: each module keeps its own. Convert with the engine's "
+            f"{r.linear.name}: each module keeps its own. Convert with the engine's "
             "recipe to match.",
             stacklevel=4)
     elif off:
@@ -138,7 +138,7 @@ def _swap_fp8(model: nn.Module, r: Recipe, kernels: KernelChoices, fp8_filter):
 
 def _scaling_of(r: Recipe, name: str) -> str:
     """The fp8 scaling the recipe's rules give the Linear ``name`` (``bf16``: none)."""
-    return "bf16" if r.layer_format(name) == "bf16" else r.for_layer(name).fp8_scaling
+    return "bf16" if r.layer_format(name) == "bf16" else r.for_layer(name).linear.name
 
 
 def _repoint(optimizers: list, state: ParamState) -> None:
@@ -281,7 +281,7 @@ def warn_kernel_choices(r: Recipe, kernels: KernelChoices, device: torch.device)
             f"{r.compute} has no fast kernels on {device.type}: mixprec emulates "
             f"it exactly on fp32 kernels ({kernels.describe()}). Set emulate=false to run "
             "the real kernels.", stacklevel=3)
-    elif kernels.fp8_rest == "fp32" and r.compute == "fp8":
+    elif kernels.fp8_rest == "fp32" and r.linear is not None:
         warnings.warn(
             f"bf16 has no fast kernels on {device.type}: the layers around the fp8 "
             f"Linears compute in fp32 instead of bf16, faster and more exact here "

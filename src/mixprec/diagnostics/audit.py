@@ -188,7 +188,7 @@ def audit_kernel_speed(device: torch.device, recipe: Recipe | str
             (("bf16", torch.bfloat16), ("fp16", torch.float16))}
     facts = {"matmul_speed": {n: v.as_dict() for n, v in read.items()},
              "kernels": k.describe()}
-    if r.compute == "fp8":
+    if r.linear is not None:
         return ([Finding(
             "info", "kernel-emulated",
             f"bf16 has no fast kernel on {dev}: the layers around the fp8 Linears run in "

@@ -119,7 +119,7 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
     if skipped_at:
         findings.append(_trace_first_skip(engine, model, batch_fn, r, skipped_at, steps))
     findings += _underflow(model_factory, batch_fn, r)
-    if r.compute == "fp8":
+    if r.linear is not None:
         f8, ranges = audit_fp8_ranges(model_factory(), lambda m: batch_fn(m, 0), r)
         findings += f8
         facts["fp8_ranges"] = [asdict(x) for x in ranges]

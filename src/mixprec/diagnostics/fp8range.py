@@ -83,7 +83,6 @@ def fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor],
     model's gradients are left as they were."""
     from mixprec.fp8.convert import plan
     from mixprec.fp8.linear import fp8_modules
-    from mixprec.fp8.quantizers import quantizer_for
 
     r = Recipe.coerce(recipe)
     seen: list[Fp8Range] = []
@@ -91,15 +90,15 @@ def fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor],
 
     def record(name: str, kind: str, fmt: str, t: torch.Tensor, lr: Recipe) -> None:
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
-            pt, rw, spread, bw = _flushed(t, fmt, quantizer_for(lr).tile)
-            seen.append(Fp8Range(name, kind, fmt, pt, rw, spread, bw, lr.fp8_scaling))
+            pt, rw, spread, bw = _flushed(t, fmt, lr.linear.tile)
+            seen.append(Fp8Range(name, kind, fmt, pt, rw, spread, bw, lr.linear.name))
 
     # each Linear with the recipe it runs (its layer: rule's scaling, or its own)
     mods = [(n, m, r.for_layer(n)) for n, m, why in plan(model, rules=r.layer_rules)
             if why is None]
     mods += [(n, m, m.fp8_recipe) for n, m in fp8_modules(model).items()]
     for name, mod, lr in mods:
-        grad_fmt = "fp8_e5m2" if lr.fp8_format == "hybrid" else "fp8_e4m3"
+        grad_fmt = "fp8_e5m2" if lr.linear.grad_dtype == torch.float8_e5m2 else "fp8_e4m3"
         handles.append(mod.register_forward_pre_hook(
             lambda m, args, name=name, lr=lr: record(name, "input", "fp8_e4m3", args[0],
                                                      lr)))
@@ -124,16 +123,16 @@ def audit_fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tens
     scaling where that keeps them, else keeping the layer out of fp8."""
     r = Recipe.coerce(recipe)
     ranges = fp8_ranges(model, loss_fn, r)
-    from mixprec.fp8.quantizers import QUANTIZERS, quantizer_for
+    from mixprec.fp8.formats import FORMATS
 
-    default = quantizer_for(r).flush_view
+    def fmt(x: Fp8Range):  # each layer is judged by its own format
+        return FORMATS.get(x.scaling, type(r.linear))
 
-    def mode(x: Fp8Range) -> str:  # each layer is judged by its own scaling
-        cls = QUANTIZERS.get(x.scaling)
-        return cls.flush_view if cls is not None else default
+    def mode(x: Fp8Range) -> str:
+        return fmt(x).flush_view
 
     def lost(x: Fp8Range) -> float:
-        return {"rowwise": x.rowwise, "per block": x.blockwise}.get(mode(x), x.per_tensor)
+        return fmt(x).flushed(x.per_tensor, x.rowwise, x.blockwise)
 
     # fp4 flushes small elements by design (module doc): its layers are not judged
     bad = sorted((x for x in ranges if mode(x) and lost(x) > FLUSH_FLAG), key=lost,
@@ -143,10 +142,10 @@ def audit_fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tens
     worst = bad[0]
     evidence = "; ".join(
         f"{x.layer} {x.tensor} ({x.fmt}): {lost(x):.1%} flushed {mode(x)}"
-        + ("" if mode(x) != "per-tensor" else
+        + ("" if not fmt(x).per_tensor else
            f", {x.rowwise:.1%} rowwise, {x.blockwise:.1%} per 128-block")
         + f", amax / smallest = 2^{x.spread:.1f}" for x in bad[:5])
-    helps = all(mode(x) == "per-tensor" and x.rowwise <= FLUSH_FLAG for x in bad)
+    helps = all(fmt(x).per_tensor and x.rowwise <= FLUSH_FLAG for x in bad)
     layers = sorted({x.layer for x in bad})
     if helps:
         advice = ("use rowwise scaling (recipe 'fp8-rowwise'), or block scaling "
@@ -156,7 +155,8 @@ def audit_fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tens
         advice = (f"keep {', '.join(layers[:3])} out of fp8 (a recipe rule "
                   f"'layer:{layers[0]}=bf16', mixprec.fp8.convert(model, recipe, "
                   "filter=...), or MixedPrecision(..., fp8_filter=...)), or use bf16"
-                  + ("" if r.fp8_format == "hybrid" or worst.tensor != "grad_output"
+                  + ("" if r.linear.grad_dtype == torch.float8_e5m2
+                     or worst.tensor != "grad_output"
                      else "; e5m2 gradients (fp8_format=hybrid) have 2^14 more range"))
     return [Finding("warning", "fp8-range",
                     f"fp8 casts flush {lost(worst):.0%} of {worst.layer}'s {worst.tensor} "

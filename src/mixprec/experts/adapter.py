@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mixprec.fp8.linear import _no_autocast, _pack, _unpack
+from mixprec.fp8.mm import _no_autocast, _pack, _unpack
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.scaling import cast_to_fp8, nan_if_not_finite
 

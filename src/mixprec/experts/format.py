@@ -35,13 +35,13 @@ class ExpertsFormat(nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         r = Recipe.coerce(recipe)
-        if r.compute != "fp8":
+        if r.linear is None:
             raise ValueError(f"ExpertsFormat needs an fp8/fp4 recipe (compute=fp8), got "
                              f"{str(r)!r}; use fp8, fp8-current, fp8-rowwise, fp8-block, "
                              "mxfp8 or nvfp4")
         self.fp8_recipe = r
         self.quantizer = quantizer_for(r)
-        self.gemm_choice = r.fp8_gemm
+        self.gemm_choice = self.quantizer.fp8_gemm
         state = self.quantizer.buffers(device or "cpu", seed)
         for name, (t, persistent) in state.items():
             self.register_buffer(name, t, persistent=persistent)

@@ -71,7 +71,7 @@ def convert_experts(model: nn.Module, recipe, *, routes=None) -> dict[str, str]:
 
     r = Recipe.coerce(recipe)
     found = experts_modules(model)
-    if not found or r.compute != "fp8":
+    if not found or r.linear is None:
         return {}
     _register()
     out = {}
@@ -86,8 +86,8 @@ def convert_experts(model: nn.Module, recipe, *, routes=None) -> dict[str, str]:
         if fmt == "bf16" or hasattr(m, "down_proj_fp8"):
             continue
         own = r.for_layer(name)
-        route = (routes or {}).get(own.fp8_scaling)
-        if route and route != own.fp8_gemm:
+        route = (routes or {}).get(own.linear.name)
+        if route and route != own.linear.fp8_gemm:
             with warnings.catch_warnings():  # the recipe's fp8 fields warned once already
                 warnings.simplefilter("ignore")
                 own = own.replace(fp8_gemm=route)

@@ -28,7 +28,7 @@ def scaled_grouped_applies(fmt, device: torch.device, k: int = 16, n: int = 16) 
     a per-tensor or rowwise format whose route is ``scaled_mm`` on an sm90+ GPU, with
     K and N multiples of 16 (``device="meta"`` passes the device check, for shapes)."""
     device = torch.device(device)
-    if fmt.quantizer.kernel != "tensor" or not hasattr(torch, "_scaled_grouped_mm"):
+    if not fmt.quantizer.takes_tensor_route or not hasattr(torch, "_scaled_grouped_mm"):
         return False
     if k % 16 or n % 16:
         return False

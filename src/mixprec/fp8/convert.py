@@ -28,13 +28,23 @@ import warnings
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from mixprec.experts.hook import is_experts
 from mixprec.fp8.linear import Float8Linear, is_conv1d
 from mixprec.layer_rules import LayerRule, first_match
-from mixprec.recipe import Recipe
+
+if TYPE_CHECKING:
+    from mixprec.recipe import Recipe
+
+
+def _coerce(recipe: Recipe | str) -> Recipe:
+    """``Recipe.coerce`` (imported here: the recipe imports the formats of this package)."""
+    from mixprec.recipe import Recipe
+
+    return Recipe.coerce(recipe)
 
 __all__ = ["convert", "plan", "layer_formats", "ConvertReport"]
 
@@ -120,7 +130,7 @@ def _by_rule(m: nn.Module, rule: LayerRule) -> str | None:
 def _decide(model: nn.Module, r: Recipe, filter) -> list[tuple[str, nn.Module, str,
                                                                 str | None]]:
     """``plan`` under recipe ``r``, with each Linear's format (``layer_formats``)."""
-    rows = plan(model, filter, r.bf16_last_layers, r.bf16_last_fraction,
+    rows = plan(model, filter, r.linear.bf16_last_layers, r.linear.bf16_last_fraction,
                 rules=r.layer_rules)
     return [(fqn, m, "bf16" if why is not None else r.layer_format(fqn), why)
             for fqn, m, why in rows]
@@ -144,15 +154,15 @@ def layer_formats(model: nn.Module, recipe: Recipe | str,
     >>> layer_formats(net, "fp8-current,layer:1=mxfp8")
     {'0': 'fp8-current', '1': 'mxfp8', '2': 'bf16'}
     """
-    r = Recipe.coerce(recipe)
+    r = _coerce(recipe)
     done = any(isinstance(m, Float8Linear) for m in model.modules())
     decided = ({fqn: fmt for fqn, _, fmt, _ in _decide(model, r, filter)}
-               if r.compute == "fp8" and not done else {})
-    rest = "bf16" if r.compute == "fp8" else r.compute
+               if r.linear is not None and not done else {})
+    rest = "bf16" if r.linear is not None else r.compute
     out = {}
     for fqn, m in model.named_modules():
         if isinstance(m, Float8Linear):
-            out[fqn] = m.fp8_recipe.fp8_name or "fp8"
+            out[fqn] = m.fp8_recipe.fp8_name
         elif isinstance(m, nn.Linear) or is_conv1d(m):
             out[fqn] = decided.get(fqn, rest)
     return out
@@ -180,7 +190,7 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
     >>> [net[i].scaling for i in range(3)], report.formats["1"]
     (['current', 'mx', 'current'], 'mxfp8')
     """
-    r = Recipe.coerce(recipe or "fp8")
+    r = _coerce(recipe or "fp8")
     rows = _decide(model, r, filter)
     _warn_unused_rules(model, r)
     converted, skipped = [], []
@@ -215,12 +225,10 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
 def _layer_recipe(r: Recipe, fqn: str, routes: Mapping[str, str] | None) -> Recipe:
     """The recipe the Linear ``fqn`` runs with: its rule's scaling, on its route."""
     own = r.for_layer(fqn)
-    route = (routes or {}).get(own.fp8_scaling, own.fp8_gemm)
-    if route == own.fp8_gemm:
+    route = (routes or {}).get(own.linear.name, own.linear.fp8_gemm)
+    if route == own.linear.fp8_gemm:
         return own
-    with warnings.catch_warnings():  # the recipe's other fp8 fields warned once already
-        warnings.simplefilter("ignore")
-        return own.replace(fp8_gemm=route)
+    return own.replace(fp8_gemm=route)
 
 
 def _warn_unused_rules(model: nn.Module, r: Recipe) -> None:

@@ -1,40 +1,13 @@
-"""fp8 all-gather under FSDP2: Float8Linear weights cross the wire as e4m3 bytes.
+"""fp8 all-gather under FSDP2: the weights of per-tensor Linear formats cross the wire
+as e4m3 bytes (``fp8_all_gather=true``: 0.25x of fp32's bytes, the same codes).
 
-Without it, FSDP2 all-gathers each weight in its parameter dtype (fp32, or bf16 under a
-bf16 ``MixedPrecisionPolicy``) and the Float8Linear casts the gathered weight to e4m3.
-With ``fp8_all_gather=true`` each rank casts its own shard to e4m3 *before* the gather,
-so a weight costs 1 byte per element on the wire: 0.25x of fp32, 0.5x of bf16. The
-codes are the same: the cast is elementwise, and its per-tensor scale is one that every
-rank already holds before the gather:
-
-- ``fp8_scaling=delayed``: the weight's scale from the amax history, which the ranks
-  already agree on (one all-reduce MAX per step, ``agree_amaxes_``). The gathered weight
-  carries its rank's shard amax, which a training forward records (FSDP gathers under
-  ``no_grad``, so the forward, not the gather, knows it trains); the all-reduce makes
-  the step's entry the whole weight's amax.
-- ``fp8_scaling=current``: the scale of the weight's current amax, which changes only
-  when the optimizer writes the weights. It is computed once after each optimizer step
-  (and at build and after a checkpoint load) from the shards' amaxes, in the same
-  all-reduce as the histories' (``agree_amaxes_``): one all-reduce per step, not one per
-  weight per forward.
-
-So training with the fp8 all-gather equals training without it bit for bit wherever the
-gathered weight is fp32 (the CPU, emulation). Under a bf16 policy it is at least as
-exact: without it the weight is rounded twice (fp32 to bf16 for the gather, then to
-e4m3), with it once, from the fp32 shard.
-
-How: FSDP2 calls ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on a sharded
-parameter's local tensor where it has them, and re-reads them at its lazy init (the
-first forward), so mixprec sets them on the local tensors of the Float8Linear weights
-after ``fully_shard``. The pre hook returns the shard's codes as uint8 (gloo has no fp8
-dtype; FSDP packs mixed dtypes as uint8 anyway), padded to FSDP's even shard size. The
-post hook views the gathered bytes as e4m3 and returns a ``Fp8Weight``: a tensor of the
-weight's shape and dtype that carries the codes and their scale, which Float8Linear
-uses as its cast. Any other use of it sees the dequantized weight. The forward keeps
-its own copy of the codes for the backward, as it does without the fp8 gather (FSDP
-frees the gathered bytes after the forward). If something replaces a weight's local
-tensor (``load_state_dict(assign=True)``, ``module.to()``), the hooks go with it and
-that weight is gathered in its own dtype again: the same numerics, more bytes.
+Each rank casts its shard with a scale every rank holds before the gather: delayed
+scaling's from the amax history the ranks agree on each step, current scaling's from the
+weights' amax, agreed once after each optimizer step (``agree_amaxes_``: one all-reduce
+MAX per step). FSDP2's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` hooks, set on
+the local shards after ``fully_shard``, send the codes as uint8 and hand the Linear an
+``Fp8Weight`` (the codes and their scale; any other use sees the dequantized weight).
+Training so equals training without it bit for bit where the weight is fp32.
 """
 
 from __future__ import annotations

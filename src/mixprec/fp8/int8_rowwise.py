@@ -42,8 +42,8 @@ from typing import ClassVar
 
 import torch
 
+from mixprec.fp8.formats.base import LinearFormat
 from mixprec.fp8.quantized import Quantized
-from mixprec.fp8.quantizers import QUANTIZERS, Quantizer
 from mixprec.fp8.route import GEMM_CHOICES
 from mixprec.fp8.scaling import nan_if_not_finite
 from mixprec.fp32_precision import ieee_fp32_matmul
@@ -135,15 +135,15 @@ def _faster(dev: torch.device, m: int, k: int, n: int) -> bool:
 _SAID: set[tuple[str, str]] = set()
 
 
-@dataclass(frozen=True)
-class Int8Rowwise(Quantizer):
+@dataclass(frozen=True, kw_only=True)
+class Int8Rowwise(LinearFormat):
     """INT8 rowwise (the module doc): int8 forward and dgrad GEMMs, wgrad in the
     gradient's 16-bit dtype. ``grad_dtype`` and ``margin`` do not apply (int8 has one
     element format, and its scale maps amax exactly onto 127)."""
 
     name: ClassVar[str] = "int8"
     quantized_gemms: ClassVar[tuple[str, ...]] = ("forward", "dgrad")
-    memory_route: ClassVar[str] = "int8"
+    takes_tensor_route: ClassVar[bool] = False
     #: not judged by the doctor's fp8 flush shares: 127 uniform levels flush whatever is
     #: below amax / 254 of its row by design (the planner's SQNR judges int8)
     flush_view: ClassVar[str] = ""
@@ -159,10 +159,11 @@ class Int8Rowwise(Quantizer):
         codes, scale = cast_int8_rowwise(t, dim)
         return Quantized(codes, scale)
 
-    def route(self, device: torch.device | str, choice: str = "auto") -> str:
+    def route(self, device: torch.device | str, choice: str | None = None) -> str:
         """``scaled_mm`` (``torch._int_mm``, refused where the device has none),
         ``dequant_fp32`` (the exact route; also for ``dequant``) or, for ``auto`` on a
         CPU, ``auto`` (per GEMM shape class, measured)."""
+        choice = self.fp8_gemm if choice is None else choice
         if choice not in GEMM_CHOICES:
             raise ValueError(f"fp8_gemm={choice!r}; valid: {', '.join(GEMM_CHOICES)}")
         dev = torch.device(device)
@@ -199,6 +200,16 @@ class Int8Rowwise(Quantizer):
             return f"int8 tensor cores need sm75 or newer, this GPU is sm{cap[0]}{cap[1]}"
         return None
 
+    def backward_bytes(self, t: int, i: int, o: int, act_bytes: float, route: str
+                       ) -> float:
+        """The larger of the gradient's cast (an fp32 copy and the fp32 quotient:
+        ``8·T·O``) and the dgrad GEMM (the codes, the int32 sum and its fp32 copy:
+        ``T·O + 8·T·I``, plus on ``dequant_fp32`` the fp32 codes of one 1024-wide chunk
+        of each operand, ``4·c·(T + I)``, ``c = min(O, 1024)``); wgrad runs in 16 bits
+        on the saved input."""
+        chunks = 4 * min(o, 1024) * (t + i) if route == "dequant_fp32" else 0
+        return max(8 * t * o, t * o + 8 * t * i + chunks)
+
     def mm(self, a: Quantized, b: Quantized, out_dtype: torch.dtype, backend: str
            ) -> torch.Tensor:
         """``a @ b`` (``a`` (M, K) with row scales, ``b`` (K, N) with column scales) on
@@ -211,5 +222,3 @@ class Int8Rowwise(Quantizer):
             ca.device, ca.shape[0], ca.shape[1], cb.shape[1])
         return int8_gemm(ca, cb, a.inv, b.inv, out_dtype, use)
 
-
-QUANTIZERS[Int8Rowwise.name] = Int8Rowwise

@@ -1,79 +1,35 @@
-"""Float8Linear: a drop-in nn.Linear whose three GEMMs run on fp8 operands.
+"""QuantizedLinear (also importable as Float8Linear): a drop-in nn.Linear whose three
+GEMMs run on the casts of a Linear format (fp8 or fp4; ``mixprec.fp8.formats``).
 
-Forward ``y = x_e4m3 @ w_e4m3ᵀ``; backward ``dgrad = g @ w_e4m3`` and
-``wgrad = gᵀ @ x_e4m3`` with ``g`` in e5m2 (``fp8_format="hybrid"``) or e4m3. Every
-operand is cast with its own per-tensor scale (``scaling.py``). Accumulation is fp32,
-and the bias is added in fp32. The output dtype follows the surrounding autocast (bf16
-under the fp8 recipes), else the input's dtype. Backward saves the fp8 copies of ``x``
-and ``w``, one byte per element, where it needs them.
-
-Rowwise scaling (``fp8_scaling="rowwise"``) gives each operand one scale per row along
-the GEMM's contraction dim, so the scales factor out of the sum:
-``y[i, j] = Σ_k x8[i, k] w8[j, k] / (sx[i] sw[j])``. Each GEMM contracts a different
-dim, so each tensor is cast along two axes: ``x`` per token (forward) and per input
-feature (wgrad, over tokens); ``w`` per output channel (forward) and per input channel
-(dgrad, over output channels); ``g`` per token (dgrad) and per output channel (wgrad).
-Backward saves the second casts of ``x`` and ``w``, still one byte per element.
-
-Block scaling (``fp8_scaling=block``, DeepSeek-V3) and MXFP8 (``fp8_scaling=mx``) follow
-the same axes with a scale per tile of the contracted dim (``mixprec.fp8.blocks``):
-``x`` and ``g`` in 1×128 (MX: 1×32) tiles along each GEMM's contracted dim, ``w`` in
-128×128 blocks that serve both of its GEMMs (MX: 1×32 tiles along ``in`` for the
-forward and along ``out`` for dgrad). Scales no longer factor out of the sum. On a GPU
-with torch's block-scaled kernel for the scaling (``mixprec.fp8.route``), and once a
-probe there agreed, the GEMMs run on it (``mixprec.fp8.scaled_mm``), which accumulates
-in the tensor cores' limited-precision accumulator and promotes to fp32 as DeepSeek-V3's
-kernels do. Everywhere else they dequantize each operand to fp32 (code × inverse scale:
-exact for power-of-two scales, MX's and ``block_scales=pow2``'s, else one fp32 rounding
-per element) and run one fp32 GEMM with fp32 accumulation: exact up to summation order.
-
-NVFP4 (``fp8_scaling=nvfp4``, ``mixprec.fp8.nvfp4``) casts ``x`` and ``g`` in 1×16
-blocks along each GEMM's contracted dim and ``w`` in 16×16 blocks (``nvfp4_2d``; else
-1×16 along ``in`` and along ``out``), with e4m3 block scales and an fp32 scale per tensor.
-The wgrad GEMM first applies a random 16×16 Hadamard transform along the tokens to both
-of its operands (``nvfp4_rht``), and the gradient's elements are rounded stochastically
-(``nvfp4_sr``) from a generator whose seed and call count are the ``nvfp4_rng`` buffer,
-so a resumed run draws the same numbers. The GEMMs take the block scalings' routes.
-The saved e2m1 codes are kept as e4m3 bytes (every e2m1 value is one).
-
-Every scaling is a quantizer (``mixprec.fp8.quantizers``) and all of them run through
-one autograd Function here: the quantizer casts each operand for its role and axis,
-says which forward casts serve the backward GEMMs, and multiplies two casts on its
-route. Backward saves only the casts it will use: no weight copy for a layer whose input
-needs no gradient, no input copy for one whose weight is frozen.
-
-The route a Linear's GEMMs take (``backend``: ``scaled_mm``, ``dequant``,
-``dequant_fp32``) is ``mixprec.fp8.route``'s one decision for the recipe's ``fp8_gemm``.
-The per-tensor and rowwise routes are ``mixprec.fp8.gemm``'s: ``dequant``'s bf16 GEMM
-rounds once before the scale is applied, so it is within 1 bf16 ulp of ``_scaled_mm``;
-on a CPU without fast bf16 (AVX2) ``dequant_fp32`` runs ~7x faster
-(``benchmarks/cpu_kernels.py``). ``auto`` takes ``_scaled_mm`` on GPUs that have it
-(sm89+), and on a CPU the fastest route as measured. The block, MX and NVFP4 casts run
-torch's block-scaled kernels (``mixprec.fp8.scaled_mm``) on the GPUs that have them once
-a probe has matched them to the exact dequantizing GEMM there, which they use
-everywhere else.
+The module holds the format, the format's state as buffers (checkpointed, so a resumed
+run continues bit-identically) and the GEMM route its format chose on this device; the
+GEMMs are ``mixprec.fp8.mm``'s. The bias is added in fp32; the output follows the
+surrounding autocast dtype, else the input's.
 """
 
 from __future__ import annotations
 
-import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from mixprec.fp8.mm import _QuantizedMatmul
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.quantizers import quantizer_for
-from mixprec.recipe import Recipe
 
-__all__ = ["Float8Linear", "fp8_modules", "scaling_buffers", "legacy_scaling_keys"]
+if TYPE_CHECKING:
+    from mixprec.recipe import Recipe
 
 
-def _no_autocast(t: torch.Tensor):
-    """Autocast off around the GEMMs, which pick their own dtypes (meta tensors, used to
-    check the CUDA calls against torch's meta kernels, have no autocast)."""
-    if t.device.type == "meta":
-        return contextlib.nullcontext()
-    return torch.autocast(t.device.type, enabled=False)
+def _coerce(recipe: Recipe | str) -> Recipe:
+    """``Recipe.coerce`` (imported here: the recipe imports the formats of this package)."""
+    from mixprec.recipe import Recipe
+
+    return Recipe.coerce(recipe)
+
+__all__ = ["QuantizedLinear", "Float8Linear", "fp8_modules", "scaling_buffers",
+           "legacy_scaling_keys"]
 
 
 def is_conv1d(m: nn.Module) -> bool:
@@ -83,75 +39,6 @@ def is_conv1d(m: nn.Module) -> bool:
     w = getattr(m, "weight", None)
     return (type(m).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2
             and getattr(m, "nf", None) == w.shape[1])
-
-
-def _pack(casts) -> tuple[list, list]:
-    """Casts (or None) as tensors to save and the metadata that rebuilds them. The
-    metadata holds no tensor: every byte backward keeps goes through
-    ``save_for_backward`` (and so through any saved-tensor hooks, e.g. offloading)."""
-    tensors, meta = [], []
-    for c in casts:
-        tensors += list(c.tensors()) if c is not None else [None] * 3
-        meta.append(c.like((None, None, None)) if c is not None else None)
-    return tensors, meta
-
-
-def _unpack(tensors, meta) -> list[Quantized | None]:
-    return [c.like(tensors[3 * i:3 * i + 3]) if c is not None else None
-            for i, c in enumerate(meta)]
-
-
-class _QuantizedMatmul(torch.autograd.Function):
-    """``y = x @ wᵀ`` and its two backward GEMMs on the module's quantizer's casts.
-
-    Forward casts ``x`` and ``w`` along ``in``; backward needs ``w`` along ``out``
-    (dgrad) and ``x`` along the tokens (wgrad). Where the quantizer says a forward cast
-    serves the backward too (a per-tensor scale, a 128×128 weight block) it is saved as
-    it is; otherwise the second cast is made here and only it is saved. The gradient is
-    cast along ``out`` for dgrad and along the tokens for wgrad (once, if it has no
-    axis)."""
-
-    @staticmethod
-    def forward(ctx, x2d, weight, mod, out_dtype, record):
-        q = mod.quantizer
-        with _no_autocast(x2d), q.gemm_context():
-            xq = mod.quantize(x2d, "input", 1, record)
-            wq = mod.quantize(weight, "weight", 1, record)
-            y = q.mm(xq, wq.t(), out_dtype, mod.backend)
-            need_dx, need_dw = ctx.needs_input_grad[:2]
-            wd = (None if not need_dx else wq if q.reuses("weight")
-                  else mod.quantize(weight, "weight", 0))
-            del wq
-            hp_wgrad = "wgrad" not in q.quantized_gemms  # wgrad on the input as it came
-            xw = (None if not need_dw or hp_wgrad else xq if q.reuses("input")
-                  else mod.quantize(x2d, "input", 0))
-            del xq
-        tensors, ctx.casts = _pack((xw, wd))
-        # wgrad's operand in the output's dtype (bf16 under autocast), as F.linear saves it
-        ctx.save_for_backward(*tensors, x2d.to(out_dtype) if need_dw and hp_wgrad else None)
-        ctx.mod, ctx.x_dtype, ctx.w_dtype = mod, x2d.dtype, weight.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, gy):
-        *saved, x_hp = ctx.saved_tensors
-        xw, wd = _unpack(saved, ctx.casts)
-        mod, dx, dw = ctx.mod, None, None
-        q = mod.quantizer
-        gen = mod._sr_generator(gy.device)
-        with _no_autocast(gy), q.gemm_context():
-            g = None
-            if ctx.needs_input_grad[0]:
-                g = mod.quantize(gy, "grad_output", 1, True, gen)  # along out
-                dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
-                dx = q.mm(g, wd, dx_dtype, mod.backend).to(ctx.x_dtype)
-            if ctx.needs_input_grad[1] and x_hp is not None:  # wgrad in gy's 16 bits
-                dw = torch.mm(gy.t(), x_hp.to(gy.dtype)).to(ctx.w_dtype)
-            elif ctx.needs_input_grad[1]:
-                if g is None or not q.reuses("grad_output"):  # along the tokens
-                    g = mod.quantize(gy, "grad_output", 0, g is None, gen)
-                dw = q.mm(g.t(), xw, torch.float32, mod.backend).to(ctx.w_dtype)
-        return dx, dw, None, None, None
 
 
 class Float8Linear(nn.Linear):
@@ -169,12 +56,12 @@ class Float8Linear(nn.Linear):
                  recipe: Recipe | str = "fp8", device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self._configure(Recipe.coerce(recipe))
+        self._configure(_coerce(recipe))
 
     def _configure(self, r: Recipe, seed: int = 0) -> None:
         self.fp8_recipe = r
         self.quantizer = quantizer_for(r)
-        self.gemm_choice = r.fp8_gemm
+        self.gemm_choice = self.quantizer.fp8_gemm
         state = self.quantizer.buffers(self.weight.device, seed)
         for name, (t, persistent) in state.items():
             self.register_buffer(name, t, persistent=persistent)
@@ -196,17 +83,17 @@ class Float8Linear(nn.Linear):
     @property
     def margin(self) -> int:
         """Scales are ``max / amax / 2^margin``."""
-        return self.quantizer.margin
+        return getattr(self.quantizer, "margin", 0)
 
     @property
     def block_pow2(self) -> bool:
-        """The recipe's ``block_scales=pow2`` (block scaling only)."""
-        return self.fp8_recipe.block_scales == "pow2"
+        """Block scales rounded to powers of two (``block_scales=pow2``)."""
+        return getattr(self.quantizer, "block_scales", None) == "pow2"
 
     @property
-    def mx_rounding(self) -> str:
-        """The recipe's ``mx_rounding`` (MX scaling only)."""
-        return self.fp8_recipe.mx_rounding
+    def mx_rounding(self) -> str | None:
+        """The format's ``mx_rounding`` (None for a format without one)."""
+        return getattr(self.quantizer, "mx_rounding", None)
 
     def scaling_state(self) -> dict[str, torch.Tensor]:
         """The quantizer's buffers by name (empty for a scaling without history)."""
@@ -279,7 +166,7 @@ class Float8Linear(nn.Linear):
             new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight
         new.bias = linear.bias
-        new._configure(Recipe.coerce(recipe), seed)
+        new._configure(_coerce(recipe), seed)
         return new
 
     @property
@@ -316,6 +203,10 @@ class Float8Linear(nn.Linear):
         return (f"{super().extra_repr()}, scaling={self.scaling}, {layout}"
                 f"grad={'e5m2' if self.grad_dtype == torch.float8_e5m2 else 'e4m3'}, "
                 f"gemm={self.gemm_choice}")
+
+
+#: the name of what it is: it runs fp4 formats too
+QuantizedLinear = Float8Linear
 
 
 def fp8_modules(model: nn.Module) -> dict[str, Float8Linear]:

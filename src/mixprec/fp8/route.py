@@ -1,39 +1,13 @@
-"""The GEMM route of an fp8 / fp4 Linear: one decision, which every part of mixprec asks.
+"""The GEMM route of an fp8 / fp4 Linear: one decision, which a format's ``route`` asks.
 
-``gemm_route(device, quantizer, choice)`` answers for the recipe's ``fp8_gemm``
-``choice`` (``auto``, ``scaled_mm``, ``dequant``, ``dequant_fp32``) and a scaling's
-quantizer (``mixprec.fp8.quantizers``). The engine asks once per scaling
-(``mixprec.kernels.choices``): ``engine.kernels`` reports that route, checkpoints record
-it, the bench and the doctor read it there, and the Linears are converted onto it. Each
-``Float8Linear`` asks again for the route its GEMMs take (``backend``), and the memory
-planner for what its backward holds (``mixprec.kernels.fp8_gemm_route``).
-
-The routes: ``scaled_mm`` (torch's scaled matmul: ``torch._scaled_mm`` per tensor and
-rowwise, ``mixprec.fp8.scaled_mm.block_scaled_mm`` for the block scalings), ``dequant``
-(per tensor and rowwise: the codes in bf16, a bf16 GEMM with fp32 accumulation) and
-``dequant_fp32`` (the codes dequantized, an IEEE fp32 GEMM: exact up to summation order;
-the only dequantizing route of the block scalings, which ``dequant`` names too).
-
-Where torch has the kernel (``kernel_missing``; NVIDIA compute capability):
-
-====================  ========================================================
-per tensor, rowwise   ``_scaled_mm``: sm89 and newer; a CPU build has a reference
-                      kernel
-``block``             1×128 / 128×128 (DeepSeek): sm90 only (torch checks major 9),
-                      e4m3 operands only: ``fp8_format=hybrid``'s e5m2 gradients
-                      have none
-``mx``, ``nvfp4``     block-scaled, ``32_4_4`` scales: sm100 and newer
-====================  ========================================================
-
-The decision: ``dequant`` / ``dequant_fp32`` are taken as asked. ``scaled_mm`` is the
-kernel, and raises where it is missing, naming why and the fix (on ``meta`` tensors it is
-always taken: the calls are checked against torch's meta kernels). ``auto`` takes the
-kernel where this device has it: per tensor at once on CUDA, block-scaled only after
-``mixprec.fp8.scaled_mm``'s probe on the device matched it to the exact route and found
-it faster. Where the kernel is missing, ``auto`` warns once and takes ``dequant`` (per
-tensor and rowwise: the kernel's closest twin, on fast bf16 units) or ``dequant_fp32``
-(block scalings). On a CPU ``auto`` measures the per-tensor routes
-(``mixprec.kernels.route_reading``) and keeps the block scalings exact.
+Routes: ``scaled_mm`` (torch's scaled kernel for the format), ``dequant`` (per tensor
+and rowwise: the codes in bf16, fp32 accumulation) and ``dequant_fp32`` (an IEEE fp32
+GEMM on the dequantized operands: exact up to summation order; the block formats' only
+dequantizing route). ``dequant*`` are taken as asked; ``scaled_mm`` raises where the
+format's kernel is missing on the device (its ``kernel_capability``, ``kernel_refusal``),
+naming why and the fix; ``auto`` takes the kernel where the device has it (block-scaled
+ones after ``mixprec.fp8.scaled_mm``'s probe agreed), else warns once and takes the
+dequantizing route; on a CPU it measures the per-tensor routes (``mixprec.kernels``).
 """
 
 from __future__ import annotations
@@ -46,30 +20,23 @@ import torch
 
 from mixprec.fp8 import scaled_mm
 
-__all__ = ["gemm_route", "kernel_missing", "GEMM_CHOICES", "KERNEL_CAPABILITY"]
+__all__ = ["gemm_route", "kernel_missing", "GEMM_CHOICES"]
 
 #: the values of a recipe's ``fp8_gemm``
 GEMM_CHOICES = ("auto", "scaled_mm", "dequant", "dequant_fp32")
 
-#: the NVIDIA compute capabilities torch's kernel runs on, by kind of scaling:
-#: (lowest, highest major or None)
-KERNEL_CAPABILITY = {"tensor": ((8, 9), None), "block": ((9, 0), 9),
-                     "mx": ((10, 0), None), "nvfp4": ((10, 0), None)}
-
-_KERNEL_NAME = {"tensor": "torch._scaled_mm", "block": "the 1x128/128x128 block kernel",
-                "mx": "the MXFP8 block-scaled kernel",
-                "nvfp4": "the NVFP4 block-scaled kernel"}
-
-
 class _Quantizer(Protocol):
-    """What the route needs of a quantizer (``mixprec.fp8.quantizers``): its scaling's
-    name, the kernel that multiplies its casts, and each role's element dtype."""
+    """What the route needs of a format (``mixprec.fp8.formats``): its name, whether it
+    scales per block, where its kernel runs and what operands the kernel refuses."""
 
     name: str
-    kernel: str
+    block_scaled: bool
+    kernel_name: str
+    #: (lowest compute capability, highest major or None)
+    kernel_capability: tuple[tuple[int, int], int | None]
 
-    def dtype(self, role: str) -> torch.dtype:
-        """The fp8 dtype of ``role``'s codes."""
+    def kernel_refusal(self) -> str | None:
+        """Why the kernel cannot take this format's operands, or None."""
         ...
 
 
@@ -82,23 +49,21 @@ def kernel_missing(device: torch.device | str, quantizer: _Quantizer) -> str | N
     ``device`` (a sentence), or None where it can (or may: a non-NVIDIA device's
     per-tensor kernel is left to torch). ``meta`` tensors have every kernel."""
     dev = torch.device(device)
-    kind = quantizer.kernel
-    if kind == "block" and any(quantizer.dtype(role) != torch.float8_e4m3fn
-                               for role in ("input", "weight", "grad_output")):
-        return ("torch's 1x128/128x128 block kernels take e4m3 operands only, and "
-                "fp8_format=hybrid casts the gradients to e5m2 (fp8_format=e4m3, the "
-                "fp8-block preset's, has the kernel)")
-    if dev.type == "meta" or kind == "tensor" and dev.type != "cuda":
+    refusal = quantizer.kernel_refusal()
+    if refusal is not None:
+        return refusal
+    block = quantizer.block_scaled
+    if dev.type == "meta" or not block and dev.type != "cuda":
         return None
     if dev.type != "cuda":
         return f"torch's block-scaled kernels run on CUDA only, not on {dev.type}"
-    if torch.version.hip is not None and kind != "tensor":
+    if torch.version.hip is not None and block:
         return "mixprec wires torch's block-scaled kernels for NVIDIA GPUs only"
     cap = _capability(dev)
-    low, top = KERNEL_CAPABILITY[kind]
+    low, top = quantizer.kernel_capability
     if cap < low or top is not None and cap[0] > top:
         need = f"{_sm(low)} only" if top == low[0] else f"{_sm(low)} or newer"
-        return f"{_KERNEL_NAME[kind]} needs {need}, this GPU is {_sm(cap)}"
+        return f"{quantizer.kernel_name} needs {need}, this GPU is {_sm(cap)}"
     return None
 
 
@@ -130,10 +95,10 @@ def _route(device: str, quantizer: _Quantizer, choice: str) -> str:
     ``torch.compiler.assume_constant_result`` sets, set directly below: the decorator
     imports dynamo), so neither the probe nor a warning runs in a graph."""
     dev = torch.device(device)
-    kind = quantizer.kernel
-    exact = "dequant" if kind == "tensor" else "dequant_fp32"
+    block = quantizer.block_scaled
+    exact = "dequant_fp32" if block else "dequant"
     if choice in ("dequant", "dequant_fp32"):
-        return choice if kind == "tensor" else "dequant_fp32"
+        return "dequant_fp32" if block else choice
     missing = kernel_missing(dev, quantizer)
     if choice == "scaled_mm":
         if missing is not None:
@@ -145,11 +110,11 @@ def _route(device: str, quantizer: _Quantizer, choice: str) -> str:
     if dev.type == "meta":  # shapes only: nothing to measure or probe
         return exact
     if dev.type != "cuda":
-        return _measured(dev) if kind == "tensor" else "dequant_fp32"
+        return "dequant_fp32" if block else _measured(dev)
     if missing is not None:
         _say_once(device, quantizer.name, missing, exact)
         return exact
-    if kind == "tensor":
+    if not block:
         return "scaled_mm"
     return "scaled_mm" if scaled_mm._kernel_ok(device, quantizer) else "dequant_fp32"
 

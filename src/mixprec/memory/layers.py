@@ -24,7 +24,7 @@ def layer_recipes(model: nn.Module, r: Recipe) -> dict[str, Recipe | None]:
         m = model.get_submodule(fqn) if fqn else model
         if isinstance(m, Float8Linear):
             out[fqn] = m.fp8_recipe
-        elif r.compute != "fp8" or fmt == "bf16":
+        elif r.linear is None or fmt == "bf16":
             out[fqn] = None
         else:
             out[fqn] = r.for_layer(fqn)

@@ -230,7 +230,7 @@ def estimate(
     emulated = emulating(r, dev) if on_model else bool(r.emulate)
     # what the model's low-precision activations are stored in: fp32 tensors under
     # emulation, and around fp8 Linears where this device runs those layers in fp32
-    act_fp32 = emulated or (r.compute == "fp8" and on_model and fp8_rest(r, dev) == "fp32")
+    act_fp32 = emulated or (r.linear is not None and on_model and fp8_rest(r, dev) == "fp32")
     param_bytes = 4 if emulated else _BYTES[r.params]
     if emulated and r.params != "fp32":
         notes.append(f"emulated {r.params}: the working copy is stored in fp32 tensors")
@@ -244,7 +244,7 @@ def estimate(
     else:
         n_tensors, frozen_bytes, fp8_bytes, buffers = 0, 0.0, 0.0, 0.0
         sizes = formats = None
-        if r.compute == "fp8":
+        if r.linear is not None:
             notes.append("fp8 scaling state needs the module to count its Linears (~0)")
     shard = {k: (world_size if zero_stage >= lvl else 1)
              for k, lvl in (("optimizer", 1), ("grads", 2), ("params", 3))}
@@ -261,14 +261,15 @@ def estimate(
     peak = None
     if isinstance(activations, TransformerSpec):
         share = (fp8_share(params, r) if on_model and r.layer_rules
-                 and r.compute == "fp8" else 1.0)
+                 and r.linear is not None else 1.0)
         items["activations"] = _activation_item(activations, r, act_fp32, notes, emulated,
                                                 share)
         act_bytes = 4.0 if act_fp32 or r.compute in ("fp32", "tf32") else 2.0
         shapes = _linear_routes(params, activations, r, emulated, act_fp32)
         items["weight_casts"] = saved_weight_bytes(shapes)
-        route = fp8_gemm_route(dev, r.fp8_gemm) if on_model else (
-            "scaled_mm" if r.fp8_gemm == "auto" else r.fp8_gemm)
+        choice = r.linear.fp8_gemm if r.linear is not None else "auto"
+        route = fp8_gemm_route(dev, choice) if on_model else (
+            "scaled_mm" if choice == "auto" else choice)
         tokens = activations.seq_len * activations.micro_batch
         steady = sum(v for k, v in items.items() if k not in ("activations",
                                                                 "weight_casts"))
@@ -295,9 +296,7 @@ def _linear_routes(params, spec: TransformerSpec, r: Recipe, emulated: bool,
                    act_fp32: bool) -> list[tuple[int, int, str]]:
     """``(in, out, route)`` of each Linear: the module's, or a transformer's from
     ``spec`` (QKV, projection, the two MLP Linears per layer, and the head)."""
-    from mixprec.fp8.quantizers import quantizer_for
-
-    if r.compute in ("fp32", "tf32") or (r.compute == "fp8" and act_fp32):
+    if r.compute in ("fp32", "tf32") or (r.linear is not None and act_fp32):
         rest = "fp32"  # also the layers around fp8 Linears where this device runs fp32
     elif emulated:
         rest = "autocast_emulated"  # each weight's rounded copy, in an fp32 tensor
@@ -305,17 +304,17 @@ def _linear_routes(params, spec: TransformerSpec, r: Recipe, emulated: bool,
         rest = "weights16"
     else:
         rest = "autocast16"
-    fp8 = quantizer_for(r).memory_route if r.compute == "fp8" else "fp8"
+    fp8 = r.linear
     if isinstance(params, nn.Module):
         # each Linear at its own format: its layer: rule's fp8 preset, or kept in bf16
-        recipes = layer_recipes(params, r) if r.compute == "fp8" else {}
+        recipes = layer_recipes(params, r) if r.linear is not None else {}
         out = []
         for fqn, i, o in linear_shapes(params):
             own = recipes.get(fqn)
-            out.append((i, o, rest if own is None else quantizer_for(own).memory_route))
+            out.append((i, o, rest if own is None else own.linear))
         return out
     h, f = spec.hidden, spec.ffn_mult
-    inner = fp8 if r.compute == "fp8" else rest
+    inner = fp8 if r.linear is not None else rest
     per_layer = [(h, 3 * h, inner), (h, h, inner), (h, f * h, inner), (f * h, h, inner)]
     head = [(h, spec.vocab, rest)] if spec.vocab else []
     return per_layer * spec.layers + head
@@ -397,12 +396,10 @@ def _activation_item(spec: TransformerSpec, r: Recipe, act_fp32: bool,
         spec = dataclasses.replace(spec, fp32_softmax=islands and "softmax" in r.keep_fp32)
     notes.append(f"activations: Korthikanti et al. 2022, attention={spec.attention}, "
                  f"recompute={spec.recompute}, {per}-byte values")
-    from mixprec.fp8.quantizers import quantizer_for
-
     # a format that leaves wgrad in 16 bits saves the Linears' inputs unquantized
-    codes = r.compute == "fp8" and "wgrad" in quantizer_for(r).quantized_gemms
+    codes = r.linear is not None and "wgrad" in r.linear.quantized_gemms
     total = activation_bytes(spec, per, 1 if codes else None)
-    if r.compute == "fp8" and fp8_share < 1.0:
+    if r.linear is not None and fp8_share < 1.0:
         # layer: rules keep some Linears in bf16: their inputs are saved unquantized
         total = fp8_share * total + (1 - fp8_share) * activation_bytes(spec, per)
         notes.append(f"activations: {fp8_share:.0%} of the Linears' inputs (by "
@@ -421,7 +418,7 @@ def _fp8_state_bytes(model: nn.Module, r: Recipe) -> tuple[float, set[int]]:
     ids = {id(b) for b in bufs}
     if existing:
         return float(sum(b.numel() * b.element_size() for b in bufs)), ids
-    if r.compute != "fp8":
+    if r.linear is None:
         return 0.0, ids
     # what each Linear's quantizer keeps: delayed scaling's history, scales and maxima,
     # NVFP4's stochastic-rounding counter; nothing for the others

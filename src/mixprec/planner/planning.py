@@ -43,13 +43,12 @@ from torch import nn
 from mixprec.planner.choose import STATE_ORDER, Config, Layer, choose
 from mixprec.planner.survey import Survey, forward_loss, survey
 from mixprec.planner.timing import BF16, device_key
-from mixprec.recipe import Recipe
+from mixprec.recipe import LINEAR_PRESETS, Recipe
 
 __all__ = ["plan", "plan_from", "Plan", "PlanRow", "CANDIDATES", "DEFAULT_MIN_SQNR"]
 
 #: the formats the planner measures by default
-CANDIDATES = ("bf16", "fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4",
-              "int8-rowwise")
+CANDIDATES = ("bf16", *LINEAR_PRESETS)
 #: the default SQNR floor (dB) every GEMM of an fp8/fp4 Linear must reach against bf16.
 #: Measured on Gaussian activations: e4m3 outputs ~28-29 dB, e5m2 gradients (dgrad)
 #: ~25 dB, MXFP8's e4m3 gradients ~29 dB, NVFP4 ~15-17 dB (so NVFP4 needs a lower floor)

@@ -53,6 +53,7 @@ from mixprec.planner.timing import (
     state_step_costs,
 )
 from mixprec.recipe import Recipe
+from mixprec.recipe.presets import SHELL_PRESET
 
 __all__ = ["Survey", "survey", "call_loss", "measure_step", "forward_loss"]
 
@@ -135,7 +136,7 @@ def survey(model: nn.Module, sample_batch: Any, *, base: Recipe, formats: tuple[
            seconds: float = 0.25) -> Survey:
     """Measure ``model`` for the planner (module docstring; ``mixprec.plan``'s
     arguments)."""
-    shell = recipe_for_format(base, "fp8-current")
+    shell = recipe_for_format(base, SHELL_PRESET)
     device = next(model.parameters()).device
     names = linear_names(model)
     if not names:
@@ -271,7 +272,7 @@ def _engine(model, recipe: Recipe, fp8_filter=None, lr: float = 1e-3):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return MixedPrecision(model, opt, recipe,
-                              fp8_filter=fp8_filter if recipe.compute == "fp8" else None)
+                              fp8_filter=fp8_filter if recipe.linear is not None else None)
 
 
 

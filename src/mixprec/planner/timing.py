@@ -98,17 +98,10 @@ def recipe_for_format(recipe: Recipe, fmt: str) -> Recipe:
     ``recipe``: fp8 formats take the fp8 preset's scaling and element format into
     ``recipe``'s other fields (params, master, ...); ``bf16`` keeps the fp8 recipe
     around it (the Linear is simply not converted)."""
-    from mixprec.recipe import PRESETS
-
     base = recipe.base
     if fmt == BF16:
         return base
-    preset = PRESETS[fmt]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return base.replace(compute="fp8", fp8_scaling=preset.fp8_scaling,
-                            fp8_format=preset.fp8_format, bf16_last_layers=0,
-                            bf16_last_fraction=0.0)
+    return base.with_format(fmt).replace(bf16_last_layers=0, bf16_last_fraction=0.0)
 
 
 def max_speedup(route: str, recipe: Recipe, device: torch.device | str) -> float:
@@ -260,7 +253,7 @@ def _one_linear(shape: Shape, fmt: str, recipe: Recipe, device):
         warnings.simplefilter("ignore")  # "no Linear converted" for bf16, kernel notes
         engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0), r,
                                 fp8_filter=(lambda m, n: fmt != BF16)
-                                if r.compute == "fp8" else None)
+                                if r.linear is not None else None)
     x = torch.randn(tokens, d_in, generator=g).to(device).requires_grad_(True)
     dy = torch.randn(tokens, d_out, generator=g).to(device)
     mods = list(fp8_modules(model).values())

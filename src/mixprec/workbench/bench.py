@@ -120,7 +120,7 @@ def _recipe_row(r: str, build, loss_of, dev: torch.device, tokens: int,
         twins[f"hand:{r}"] = _hand_loop(build(), rec, dev, loss_of, e.emulating)
     if compile:
         twins[f"compiled:{r}"] = _engine_loop(build, rec, loss_of, compiled=True)[2]
-        peer = _TORCHAO_RECIPE.get(rec.fp8_scaling) if rec.compute == "fp8" else None
+        peer = rec.linear.torchao_recipe if rec.linear is not None else None
         if peer and _has_torchao():
             twins[f"torchao:{r}"] = _torchao_loop(build(), m, e, dev, loss_of, peer)
     failed: dict[str, str] = {}
@@ -176,10 +176,6 @@ def _engine_loop(build, rec: Recipe, loss_of, compiled: bool = False):
         e.backward(loss)
         e.step()
     return m, e, step
-
-
-#: torchao's float8 training recipe for each scaling it has a counterpart of
-_TORCHAO_RECIPE = {"delayed": "tensorwise", "current": "tensorwise", "rowwise": "rowwise"}
 
 
 def _has_torchao() -> bool:

@@ -47,7 +47,7 @@ def dense_kind(recipe: Recipe | str, kernels: KernelChoices | None = None) -> st
     r = Recipe.coerce(recipe)
     if (kernels is not None and kernels.emulate) or r.is_mx:
         return "ieee"
-    if r.compute == "fp8":
+    if r.linear is not None:
         rest = kernels.fp8_rest if kernels is not None else "bf16"
         return "bf16" if rest == "bf16" else "fp32"
     return r.compute if r.compute in ("fp32", "tf32", "bf16", "fp16") else "ieee"
@@ -109,7 +109,7 @@ def peak_parts(device: str, recipe: Recipe | str, kernels: KernelChoices | None 
         for m in fp8_modules(model).values():
             key = (m.quantizer, _route(kernels, m.quantizer, device))
             routes[key] = routes.get(key, 0.0) + 6 * m.in_features * m.out_features * tokens
-    elif r.compute == "fp8":
+    elif r.linear is not None:
         q = quantizer_for(r)
         routes[(q, _route(kernels, q, device))] = 1.0
     parts = []

@@ -1,0 +1,257 @@
+"""LinearFormat: the interface every fp8 / fp4 Linear format implements, and the fields
+all of them share.
+
+A format is frozen, keyword-only configuration validated at construction. It casts a
+2-D tensor for a *role* (``input``, ``weight``, ``grad_output``) along the GEMM's
+contracted dim and multiplies two of its casts on a GEMM route; what it keeps between
+steps it declares as ``buffers``, which the owning module registers and checkpoints.
+Everything else in mixprec asks a format object (route, bytes, gather, flush view)
+instead of branching on its name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from mixprec.fp8.blocks import TILE
+from mixprec.fp8.padding import backward_padding_bytes, run_or_fall_back
+from mixprec.fp8.quantized import Quantized
+from mixprec.fp8.route import GEMM_CHOICES, gemm_route
+from mixprec.fp8.scaled_mm import block_scaled_mm
+from mixprec.fp32_precision import ieee_fp32_matmul
+
+__all__ = ["LinearFormat", "Fp8Elements", "Margined", "check_fields", "TileScaled"]
+
+E4M3 = torch.float8_e4m3fn
+
+#: the valid values of each choice field, for validation and error messages
+CHOICES: dict[str, tuple] = {
+    "fp8_gemm": GEMM_CHOICES,
+    "fp8_format": ("hybrid", "e4m3"),
+    "amax_compute_algo": ("max", "most_recent"),
+    "block_scales": ("fp32", "pow2"),
+    "mx_rounding": ("rceil", "floor", "ceil", "even"),
+}
+_INTS = {"bf16_last_layers": 0, "margin": 0, "amax_history_len": 1}
+
+
+def check_fields(obj: Any) -> None:
+    """Each field of a format in range, raising ``ValueError`` naming field, value and
+    the valid values (the messages a recipe string's users see)."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if f.name in CHOICES and v not in CHOICES[f.name]:
+            raise ValueError(f"recipe field {f.name!r}: unknown value {v!r}; "
+                             f"valid: {', '.join(CHOICES[f.name])}")
+        if f.name in _INTS and not (isinstance(v, int) and not isinstance(v, bool)
+                                    and v >= _INTS[f.name]):
+            raise ValueError(f"recipe field {f.name!r}: {v!r} is invalid; it must be an "
+                             f"integer >= {_INTS[f.name]}")
+        if f.type in (bool, "bool") and not isinstance(v, bool):
+            raise ValueError(f"recipe field {f.name!r}: {v!r} is invalid; it must be "
+                             "true or false")
+    share = obj.bf16_last_fraction
+    if not (isinstance(share, (int, float)) and not isinstance(share, bool)
+            and math.isfinite(share) and 0 <= share < 1):
+        raise ValueError(f"recipe field 'bf16_last_fraction': {share!r} is invalid; it "
+                         "must be a share in [0, 1) (0.15: the last 15% of the Linears)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearFormat:
+    """A Linear's fp8 / fp4 format: the fields every format has."""
+
+    #: the GEMM route: ``auto`` (torch's scaled kernel where this device has it, else
+    #: the dequantizing GEMM with a warning; measured on a CPU), ``scaled_mm`` (the
+    #: kernel, refused where missing), ``dequant`` (exact upcast, bf16 GEMM) or
+    #: ``dequant_fp32`` (exact upcast, fp32 GEMM): ``mixprec.fp8.route``
+    fp8_gemm: Literal["auto", "scaled_mm", "dequant", "dequant_fp32"] = "auto"
+    #: the model's last N Linears stay in bf16 (the output head among them)
+    bf16_last_layers: int = 0
+    #: this share of the model's Linears, rounded up, stays in bf16 too (whichever of
+    #: this and ``bf16_last_layers`` keeps more)
+    bf16_last_fraction: float = 0.0
+    #: under ``parallel="fsdp"``, FSDP2 gathers the weights as e4m3 bytes (per-tensor
+    #: formats only: every rank knows the scale before the gather)
+    fp8_all_gather: bool = False
+
+    #: the name a recipe string gives it (``fp8_scaling=NAME``)
+    name: ClassVar[str]
+    #: the forward's casts serve the backward GEMMs (a per-tensor scale has no axis)
+    reused_roles: ClassVar[tuple[str, ...]] = ()
+    #: one scale per tensor: FSDP2 may gather the weight as fp8 codes
+    per_tensor: ClassVar[bool] = False
+    #: a scale per block: the GEMMs take the block-scaled routes
+    block_scaled: ClassVar[bool] = False
+    #: ``auto`` takes the per-tensor GEMM routes (``_scaled_mm`` or a measured dequant)
+    takes_tensor_route: ClassVar[bool] = True
+    #: the GEMMs this format quantizes (``forward``, ``dgrad``, ``wgrad``); one left out
+    #: runs in the gradient's 16-bit dtype on the saved high-precision input
+    quantized_gemms: ClassVar[tuple[str, ...]] = ("forward", "dgrad", "wgrad")
+    #: an amax history in ``fp8_amax_history`` that the ranks agree on every step
+    has_history: ClassVar[bool] = False
+    #: the GEMMs multiply dequantized fp32 operands (full fp32 precision pinned)
+    exact_fp32: ClassVar[bool] = False
+    #: elements per scale along the contracted dim, as the diagnostics judge underflow
+    tile: ClassVar[int] = TILE
+    #: which of torch's scaled-matmul kernels multiplies its casts
+    #: (``mixprec.fp8.scaled_mm.block_scaled_mm``'s ``kind``)
+    kernel: ClassVar[str] = "tensor"
+    #: the kernel, as an error message names it
+    kernel_name: ClassVar[str] = "torch._scaled_mm"
+    #: the NVIDIA compute capabilities the kernel runs on: (lowest, highest major or None)
+    kernel_capability: ClassVar[tuple[tuple[int, int], int | None]] = ((8, 9), None)
+    #: which of the diagnostics' flush shares applies ("" for none: fp4 flushes by design)
+    flush_view: ClassVar[str] = "per-tensor"
+    #: torchao's float8 training recipe of the same scaling, if it has one (the bench
+    #: runs it as a peer)
+    torchao_recipe: ClassVar[str | None] = None
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.fp8_all_gather and not self.per_tensor:
+            raise NotImplementedError(
+                f"recipe: fp8_all_gather with fp8_scaling={self.name}: the fp8 "
+                "all-gather is built for per-tensor scales (delayed, current), which "
+                "every rank knows before the gather. Use fp8_scaling=delayed or current, "
+                "or drop fp8_all_gather.")
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The output gradient's fp8 dtype."""
+        return torch.float8_e5m2
+
+    @property
+    def stochastic_grads(self) -> bool:
+        """The backward rounds gradients stochastically (from the module's generator)."""
+        return False
+
+    def replace(self, **changes: Any) -> LinearFormat:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def dtype(self, role: str) -> torch.dtype:
+        """The fp8 dtype of ``role``'s codes."""
+        return self.grad_dtype if role == "grad_output" else E4M3
+
+    def buffers(self, device: torch.device | str, seed: int = 0
+                ) -> dict[str, tuple[torch.Tensor, bool]]:
+        """What this format keeps between steps: name -> (initial tensor, persistent)."""
+        return {}
+
+    def reuses(self, role: str) -> bool:
+        """Whether the forward's cast of ``role`` serves its backward GEMM too."""
+        return role in self.reused_roles
+
+    def cast(self, t: torch.Tensor, role: str, dim: int, state: dict, record: bool = False,
+             generator: torch.Generator | None = None) -> Quantized:
+        """``t`` (2-D) cast for ``role`` with scales along ``dim``, the GEMM's contracted
+        dim. ``state``: the module's buffers of ``buffers``; ``record``: this cast is
+        part of a training step (delayed scaling records its amax)."""
+        raise NotImplementedError(type(self).__name__)
+
+    def gemm_context(self) -> contextlib.AbstractContextManager:
+        """Around a Linear's casts and GEMMs: full-precision fp32 matmul for the
+        dequantizing formats (``mixprec.fp32_precision.ieee_fp32_matmul``)."""
+        return ieee_fp32_matmul() if self.exact_fp32 else contextlib.nullcontext()
+
+    def kernel_refusal(self) -> str | None:
+        """Why torch's kernel cannot take this format's operands (None: it can)."""
+        return None
+
+    def route(self, device: torch.device | str, choice: str | None = None) -> str:
+        """The GEMM route ``mm`` takes on ``device`` for ``choice`` (default: this
+        format's ``fp8_gemm``): ``mixprec.fp8.route.gemm_route``, the one decision."""
+        return gemm_route(device, self, self.fp8_gemm if choice is None else choice)
+
+    def mm(self, a: Quantized, b: Quantized, out_dtype: torch.dtype, backend: str
+           ) -> torch.Tensor:
+        """``a @ b`` (``a`` (M, K), ``b`` (K, N), each scaled along K) in ``out_dtype``,
+        fp32 accumulation: torch's block-scaled kernel where ``backend`` is
+        ``scaled_mm``, else the exact dequantizing GEMM."""
+        exact = lambda: (a.dequant() @ b.dequant()).to(out_dtype)  # noqa: E731
+        if backend == "scaled_mm":  # a shape the kernel refuses: this GEMM runs exact
+            return run_or_fall_back(lambda: block_scaled_mm(a, b, out_dtype, self.kernel),
+                                    exact, f"the {self.kernel} kernel",
+                                    (a.codes.shape[0], a.codes.shape[1], b.codes.shape[1]),
+                                    a.data.device)
+        return exact()
+
+    def update(self, state: dict, found_inf: torch.Tensor | None = None) -> None:
+        """Once per optimizer step (delayed scaling's history); nothing by default."""
+
+    def saved_weight_bytes(self, i: int, o: int) -> float:
+        """Bytes of the weight cast a Linear of ``i`` inputs and ``o`` outputs saves
+        for backward: one byte per element (fp4 codes are kept as e4m3 bytes)."""
+        return float(i * o)
+
+    def backward_bytes(self, t: int, i: int, o: int, act_bytes: float, route: str
+                       ) -> float:
+        """What the backward of a Linear of ``t`` tokens holds beyond its gradients
+        (``mixprec.memory.transient``), on GEMM ``route``: per tensor and rowwise, the
+        gradient's codes and, where it arrives in 16 bits, its fp32 upcast; the
+        operands' bf16 copies on ``dequant``, fp32 on ``dequant_fp32``, none on
+        ``scaled_mm`` but the padding of a dim ``torch._scaled_mm`` needs a multiple of
+        16 (``mixprec.fp8.padding.backward_padding_bytes``)."""
+        copies = {"dequant": 2, "dequant_fp32": 4}.get(route, 0)
+        need = (5 if act_bytes < 4 else 1) * t * o + copies * (t * o + i * o)
+        if route == "scaled_mm":
+            need += backward_padding_bytes(t, i, o, 2 if act_bytes < 4 else 4)
+        return need
+
+    @classmethod
+    def flushed(cls, per_tensor: float, rowwise: float, blockwise: float) -> float:
+        """The share of a tensor's non-zero elements this format's casts flush to zero,
+        of the three shares the diagnostics measure (``mixprec.diagnostics.fp8range``):
+        one scale per tensor, per row, per ``tile`` of a row."""
+        return per_tensor
+
+
+class TileScaled:
+    """Mixin of the fp8 formats with a scale per tile of the contracted dim (block, MX):
+    exact dequantizing GEMMs, block-scaled kernels, their backward's bytes."""
+
+    block_scaled: ClassVar[bool] = True
+    takes_tensor_route: ClassVar[bool] = False
+    exact_fp32: ClassVar[bool] = True
+    flush_view: ClassVar[str] = "per block"
+
+    def backward_bytes(self, t: int, i: int, o: int, act_bytes: float, route: str
+                       ) -> float:
+        """The gradient's block cast (``5·T·O``), its fp32 dequantized copy and the
+        other operand's (``4·(T·O + I·O)`` for dgrad, ``4·(T·O + T·I)`` for wgrad), and
+        the dgrad cast's codes, still alive (``T·O``)."""
+        to = t * o
+        return 5 * to + 4 * max(to + i * o, to + t * i) + to
+
+    @classmethod
+    def flushed(cls, per_tensor: float, rowwise: float, blockwise: float) -> float:
+        """A scale per tile: the blockwise share."""
+        return blockwise
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp8Elements(LinearFormat):
+    """A format whose elements are fp8: e4m3 forward, and gradients by ``fp8_format``."""
+
+    #: ``hybrid``: e5m2 gradients (more range); ``e4m3``: e4m3 everywhere
+    fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The output gradient's fp8 dtype (e5m2 under ``fp8_format=hybrid``)."""
+        return torch.float8_e5m2 if self.fp8_format == "hybrid" else E4M3
+
+
+@dataclass(frozen=True, kw_only=True)
+class Margined(Fp8Elements):
+    """An fp8 format whose scales are ``fp8 max / amax / 2^margin``."""
+
+    #: headroom in powers of two below the fp8 maximum (scale = max / amax / 2^margin)
+    margin: int = 0

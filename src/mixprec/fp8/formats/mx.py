@@ -1,0 +1,41 @@
+"""MXFP8 (OCP; Transformer Engine's ``MXFP8BlockScaling``): 1×32 tiles along every
+GEMM's contracted dim with e8m0 scales (``mixprec.fp8.blocks``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+from mixprec.fp8.blocks import MX_TILE, cast_mx
+from mixprec.fp8.formats.base import Fp8Elements, TileScaled
+from mixprec.fp8.quantized import Quantized
+
+__all__ = ["MXScaling"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MXScaling(TileScaled, Fp8Elements):
+    """Scales are powers of two chosen by ``mx_rounding`` (no margin)."""
+
+    fp8_format: Literal["hybrid", "e4m3"] = "e4m3"
+    #: the e8m0 exponent rule: ``rceil`` (NVIDIA's), ``floor`` (the OCP spec's, which
+    #: saturates a block's largest elements), ``ceil`` or ``even``
+    mx_rounding: Literal["rceil", "floor", "ceil", "even"] = "rceil"
+
+    name: ClassVar[str] = "mx"
+    kernel: ClassVar[str] = "mx"
+    kernel_name: ClassVar[str] = "the MXFP8 block-scaled kernel"
+    kernel_capability: ClassVar[tuple[tuple[int, int], int | None]] = ((10, 0), None)
+    tile: ClassVar[int] = MX_TILE
+
+    @property
+    def rounding(self) -> str:
+        """The e8m0 exponent rule (``mx_rounding``)."""
+        return self.mx_rounding
+
+    def cast(self, t: torch.Tensor, role: str, dim: int, state: dict, record: bool = False,
+             generator: torch.Generator | None = None) -> Quantized:
+        """1×32 MX tiles along ``dim`` (``cast_mx``)."""
+        return cast_mx(t, dim, self.dtype(role), self.mx_rounding)
