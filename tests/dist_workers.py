@@ -867,7 +867,7 @@ def accum_windows(rank, world, tmp, recipe, parallel, ends, old=False):
     """2 ranks x 8 samples per window in 4 micro-batches of 2; window ``i`` ends after
     ``ends[i]`` of them (``backward(last=True)`` when early). The gradient collectives
     seen after each micro-batch (DDP: the comm stats; FSDP: reduce-scatters and
-    all-reduces counted at torch.distributed's entry points during backward) and the
+    all-reduces counted at torch.distributed's entry points during the backwards) and the
     final weights. ``old``: every forward outside ``no_sync()``, as the engine once
     ran them (each micro-batch reduced)."""
     _init(rank, world, tmp)
@@ -878,7 +878,8 @@ def accum_windows(rank, world, tmp, recipe, parallel, ends, old=False):
         engine.parallelism.forward = lambda m, last: contextlib.nullcontext()
         engine.parallelism.reduce = lambda state: None
     seen = {"n": 0}
-    real = {n: getattr(dist, n) for n in ("reduce_scatter_tensor", "all_reduce")}
+    real = {n: getattr(dist, n)  # FSDP2 reduce-scatters through reduce_scatter_single
+            for n in ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")}
 
     def counted(name):
         def call(*a, **k):
