@@ -6,6 +6,7 @@ Each worker joins a gloo group through a file store in ``tmp`` and writes what i
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import io
 import math
@@ -859,4 +860,56 @@ def door_writers(rank, world, tmp):
         engine.step()
         del engine, model, state
     _save(tmp, "door", rank, out)
+    _teardown()
+
+
+def accum_windows(rank, world, tmp, recipe, parallel, ends, old=False):
+    """2 ranks x 8 samples per window in 4 micro-batches of 2; window ``i`` ends after
+    ``ends[i]`` of them (``backward(last=True)`` when early). The gradient collectives
+    seen after each micro-batch (DDP: the comm stats; FSDP: reduce-scatters and
+    all-reduces counted at torch.distributed's entry points during the backwards) and the
+    final weights. ``old``: every forward outside ``no_sync()``, as the engine once
+    ran them (each micro-batch reduced)."""
+    _init(rank, world, tmp)
+    model = make_mlp(seed=0)
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), recipe,
+                            parallel=parallel, grad_accum_steps=4)
+    if old:
+        engine.parallelism.forward = lambda m, last: contextlib.nullcontext()
+        engine.parallelism.reduce = lambda state: None
+    seen = {"n": 0}
+    real = {n: getattr(dist, n)  # FSDP2 reduce-scatters through reduce_scatter_single
+            for n in ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")}
+
+    def counted(name):
+        def call(*a, **k):
+            seen["n"] += 1
+            return real[name](*a, **k)
+        return call
+
+    calls = []
+    for (x, y), end in zip(make_data(len(ends)), ends):
+        xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+        for i, (xm, ym) in enumerate(zip(xs.chunk(4)[:end], ys.chunk(4)[:end])):
+            with engine.autocast():
+                loss = F.cross_entropy(engine.model(xm), ym)
+            if parallel == "fsdp":
+                for n in real:
+                    setattr(dist, n, counted(n))
+            try:
+                engine.backward(loss, last=True if i == end - 1 < 3 else None)
+            finally:
+                for n, f in real.items():
+                    setattr(dist, n, f)
+            calls.append(engine.comm_stats.calls if parallel == "ddp" else seen["n"])
+            engine.step()
+    params = [p.detach() for p in engine.master_params]
+    if parallel == "fsdp":
+        params = [p.full_tensor() for p in params]
+    stats = engine.comm_stats
+    _save(tmp, "windows", rank, {"params": [p.clone() for p in params], "calls": calls,
+                                 "bytes": stats.bytes_sent if stats else None,
+                                 "dtype": stats.dtype if stats else None,
+                                 "numel": sum(p.numel() for p in params)})
+    del engine, model
     _teardown()

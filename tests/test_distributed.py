@@ -29,7 +29,8 @@ def spawn(fn, *args, world=2):
             "lean_ddp": "lean", "lean_fsdp": "leanfsdp",
             "sharded_optimizer": "shardopt", "fp8_gather": "fp8gather",
             "gpt_fp8_gather": "gptfp8", "disagreeing_choices": "choices",
-            "resume_dropout": "dropout", "door_writers": "door"}[fn.__name__]
+            "resume_dropout": "dropout", "door_writers": "door",
+            "accum_windows": "windows"}[fn.__name__]
     return [torch.load(os.path.join(tmp, f"{name}_rank{r}.pt"), weights_only=False)
             for r in range(world)]
 
@@ -551,3 +552,52 @@ def test_every_rank_takes_rank_0s_kernel_choices(parallel, recipe, fast_rank):
     assert ranks[0]["checkpoint"] == ranks[1]["checkpoint"] == k0.as_dict()
     for p, q in zip(ranks[0]["params"], ranks[1]["params"]):
         assert torch.equal(p, q)
+
+
+def _one_process_windows(recipe, ends, world=2):
+    """One process on the same micro-batches as ``accum_windows``' ranks: each window's
+    rank-0 then rank-1 micro-batches, losses times ``world``, learning rate over
+    ``world``, ``grad_accum_steps`` 4 x ``world`` (see ``train_reference``)."""
+    torch.set_num_threads(1)
+    model = w.make_mlp(seed=0)
+    engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1 / world),
+                            recipe, grad_accum_steps=4 * world)
+    for (x, y), end in zip(w.make_data(len(ends)), ends):
+        micro = [(xm, ym) for xs, ys in zip(x.chunk(world), y.chunk(world))
+                 for xm, ym in list(zip(xs.chunk(4), ys.chunk(4)))[:end]]
+        for i, (xm, ym) in enumerate(micro):
+            with engine.autocast():
+                loss = F.cross_entropy(model(xm), ym) * world
+            engine.backward(loss, last=True if i == len(micro) - 1 < 7 else None)
+            engine.step()
+    return [p.detach().clone() for p in engine.master_params]
+
+
+# fp32 keeps its gradients in .grad (no buffers): there the reducer, run on every
+# micro-batch, rewrote the .grad in place, which the engine read as gradients cleared
+# between micro-batches and refused; the buffered recipe compares with that behaviour.
+# FSDP2 decides in its backward hooks: one reduce-scatter per window already
+@pytest.mark.parametrize("parallel,recipe,tol,compare_old", [
+    ("ddp", "fp32", 1e-5, False),
+    ("ddp", "bf16-master", 1e-2, True),
+    ("fsdp", "fp32", 1e-5, False),
+])
+def test_data_parallel_reduces_once_per_accumulation_window_and_at_an_early_end(
+        parallel, recipe, tol, compare_old):
+    # grad_accum_steps=4; the third window ends after 2 micro-batches (last=True)
+    ends = [4, 4, 2, 4]
+    new = spawn(w.accum_windows, recipe, parallel, ends)
+    ref = _one_process_windows(recipe, ends)
+    for r in new:
+        # reductions after each micro-batch: one at each window's end
+        assert r["calls"] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3, 4]
+        if parallel == "ddp":
+            assert r["bytes"] == 4 * r["numel"] * r["dtype"].itemsize
+        assert _max_rel(r["params"], ref) <= tol, _max_rel(r["params"], ref)
+    if compare_old:  # every forward outside no_sync(): every micro-batch reduced
+        old = spawn(w.accum_windows, recipe, parallel, ends, True)
+        assert old[0]["calls"] == list(range(1, 15))
+        assert _max_rel(new[0]["params"], old[0]["params"]) <= 1e-3, \
+            _max_rel(new[0]["params"], old[0]["params"])
+    for p, q in zip(new[0]["params"], new[1]["params"]):
+        assert torch.equal(p, q)  # the early end reduced: replicas identical

@@ -10,8 +10,11 @@ whose gradients live in fp32 buffers (``-master``, ``grad_accum=kahan``), the ho
 the last micro-batch's gradient to the rank's buffers, reduces their sums, and puts the
 result back into them, both through the parameter state's one door (``receive``).
 Nothing goes back through a bf16 ``.grad``.
-Micro-batches before the last one run under ``no_sync()``, so one reduction serves the
-whole accumulation. The hook counts the bytes each rank sends (``CommStats``).
+Micro-batches before the last one run under ``no_sync()``, their forwards included (DDP
+decides in the forward whether the backward reduces), so one reduction serves the whole
+accumulation. A window that ends early, after a forward under ``no_sync()``, is reduced
+by ``reduce_grads_``, in the same dtype and with the same pre-division. Both count the
+bytes each rank sends (``CommStats``).
 
 **FSDP2** (``fully_shard``): a ``MixedPrecisionPolicy`` from the recipe
 (``param_dtype`` = the recipe's working dtype, ``reduce_dtype`` = ``comm``). FSDP's fp32
@@ -51,7 +54,7 @@ from torch import nn
 __all__ = ["CommStats", "require_process_group", "ddp_comm_hook", "fsdp_policy",
            "all_reduce_max_", "broadcast_module_", "wrap_ddp", "shard_fsdp", "agree_amax_",
            "gather_full", "broadcast_object", "sixteen_bit_shards", "shard_like",
-           "spread_of", "sum_over_shards_"]
+           "spread_of", "sum_over_shards_", "reduce_grads_"]
 
 
 @dataclass
@@ -153,6 +156,31 @@ def ddp_comm_hook(state: _HookState, bucket):
 
 # DDP checks the hook's return annotation as an object (postponed annotations are strings)
 ddp_comm_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
+
+def reduce_grads_(param_state, comm_dtype: torch.dtype, stats: CommStats) -> None:
+    """All-reduce this rank's accumulated gradients outside DDP's reducer, as the hook
+    does (comm dtype, pre-divided), and put the mean back through ``receive``: for a
+    window that ended earlier than its forward expected. In ``direct`` mode the
+    ``.grad`` are reduced in place, a parameter without one as zeros (as DDP does)."""
+    gs, world = param_state, dist.get_world_size()
+    if gs.direct:
+        for p in gs.working:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        bufs = [p.grad for p in gs.working]
+    else:
+        bufs = list(gs.grads)
+    send = torch.cat([b.flatten() for b in bufs]).to(comm_dtype)
+    send.div_(world)
+    stats.record(send)
+    dist.all_reduce(send)
+    parts = [r.view_as(b) for r, b in zip(send.split([b.numel() for b in bufs]), bufs)]
+    if gs.direct:
+        torch._foreach_copy_(bufs, parts)
+    else:
+        gs.receive(list(range(len(bufs))), parts, replace=True)
+        gs.accumulate()  # the .grad are empty: this only closes the reduction's account
 
 
 def wrap_ddp(param_state, model: nn.Module, recipe, **ddp_kwargs):

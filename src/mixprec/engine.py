@@ -160,16 +160,24 @@ class MixedPrecision:
         # engine is collected (the finalizer holds the undo function, not the engine)
         self._undo_islands = weakref.finalize(self, parts.undo_islands)
         self._warned_loss = False
+        self._unsynced = False  # the last forward ran under no_sync() (DDP)
         warn_kernel_choices(r, self.kernels, self.device)
 
     # --- the loop ---------------------------------------------------------------------
 
     @contextmanager
     def autocast(self) -> Iterator[None]:
-        """The recipe's precision for the forward pass and the loss."""
-        with precision_context(self.recipe, self.device, emulate=self.emulating,
-                               mode=self.emulation_mode, sink=self.param_state,
-                               rest=self.kernels.fp8_rest):
+        """The recipe's precision for the forward pass and the loss. Under DDP, a
+        forward whose backward will not end the window runs under ``no_sync()`` (DDP
+        decides in the forward), so one reduction serves the window."""
+        c = self.counters
+        last = c.closed or c.micro >= self.grad_accum_steps - 1
+        if torch.is_grad_enabled():
+            self._unsynced = not last
+        with self.parallelism.forward(self.model, last), \
+                precision_context(self.recipe, self.device, emulate=self.emulating,
+                                  mode=self.emulation_mode, sink=self.param_state,
+                                  rest=self.kernels.fp8_rest):
             yield
 
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False,
@@ -204,6 +212,9 @@ class MixedPrecision:
             stack.enter_context(recompute_context(self.recipe, self.device, state))
             run_backward(scaled, retain_graph)
         state.accumulate()
+        if last and self._unsynced:  # an early end after a forward under no_sync()
+            self.parallelism.reduce(state)
+        self._unsynced = False
         if self.grad_accum_steps > 1:
             state.mark_accumulated()
         c.backward(last, self.grad_accum_steps)

@@ -11,6 +11,8 @@ moment              single          DDP                          FSDP2
 ``shard``           nothing         nothing                      ``fully_shard`` the units
 ``wrap``            nothing         DDP + mixprec's comm hook    nothing (already sharded)
 ``no_reduce``       nothing         ``no_sync()``                no gradient sync
+``forward``         nothing         ``no_sync()`` (DDP decides)  nothing (decided in bwd)
+``reduce``          nothing         all-reduce the buffers       nothing (backward does)
 ``local``           the grads       the grads                    each DTensor's local shard
 ``norm_reduce``     None            None (grads are identical)   all-reduce the squares
 ``agree_max_``      nothing         all-reduce MAX               all-reduce MAX
@@ -48,6 +50,7 @@ from mixprec.comm import (
     broadcast_module_,
     broadcast_object,
     gather_full,
+    reduce_grads_,
     require_process_group,
     shard_fsdp,
     spread_of,
@@ -100,6 +103,13 @@ class Parallel:
     def no_reduce(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Around a backward that is not the accumulation's last: no reduction yet."""
         return contextlib.nullcontext()
+
+    def forward(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        """Around a forward; ``last``: its backward is expected to end the window."""
+        return contextlib.nullcontext()
+
+    def reduce(self, param_state) -> None:
+        """A window ended early, after a ``forward(last=False)``: reduce it now."""
 
     def local(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors this rank checks, unscales and clips (FSDP: local shards)."""
@@ -167,6 +177,15 @@ class DDP(_Replicated):
     def no_reduce(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """``no_sync()``: one reduction serves the whole accumulation."""
         return model.no_sync()
+
+    def forward(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        """``no_sync()`` unless ``last``: DDP's forward decides whether its backward
+        reduces, so a backward under ``no_sync()`` alone still would."""
+        return contextlib.nullcontext() if last else model.no_sync()
+
+    def reduce(self, param_state) -> None:
+        """The buffers all-reduced as the comm hook would (``comm.reduce_grads_``)."""
+        reduce_grads_(param_state, self.recipe.comm_dtype, self.comm_stats)
 
 
 class FSDP(_Replicated):
