@@ -56,7 +56,7 @@ def decode_layout1(stored: dict[str, torch.Tensor], fmt: str, like: torch.Tensor
     return x if signed else x.square()
 
 
-def convert_layout1(opt, extra: dict) -> None:
+def convert_layout1(opt: torch.optim.Optimizer, extra: dict) -> None:
     """Re-encode the block states ``opt`` (a ``LowPrecisionOptimizer``) just loaded
     from a checkpoint whose ``extra_state`` is ``extra``, if it is of layout 1, in this
     version's maps and blocks, once, with a warning (the decoded values move by at

@@ -41,7 +41,7 @@ def chunk_rows(shape: tuple[int, ...]) -> int:
     return max(1, CHUNK // cols)
 
 
-def commit(dst: torch.Tensor, new: torch.Tensor, skip) -> None:
+def commit(dst: torch.Tensor, new: torch.Tensor, skip: torch.Tensor | None) -> None:
     """``dst <- new``, or under a device skip flag, ``dst`` unchanged where it is set."""
     dst.copy_(new if skip is None else torch.where(skip, dst, new))
 

@@ -42,14 +42,14 @@ class ShardedUpdate:
                 state[k] = v if v.ndim == 0 else shard_like(v, p)
 
 
-def is_dtensor(t) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor (without importing DTensor's module: if it was never
     imported, there is none)."""
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(t, mod.DTensor)
 
 
-def shard_offset(p) -> int:
+def shard_offset(p: torch.Tensor) -> int:
     """Element index, in the whole tensor, of the first element of this rank's shard of
     DTensor ``p`` (dim-0 shards, torch.chunk's split as FSDP2 and DTensor cut them)."""
     (pl,) = p.placements if len(p.placements) == 1 else (None,)
@@ -69,7 +69,7 @@ def shard_offset(p) -> int:
     return first * math.prod(p.shape[1:])
 
 
-def shard_like(local: torch.Tensor, p) -> torch.Tensor:
+def shard_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """``local``, this rank's rows of a state of ``p``, as a DTensor placed like ``p``
     whose global dim 0 is ``p``'s (FSDP2's shards may be uneven)."""
     from torch.distributed.tensor import DTensor

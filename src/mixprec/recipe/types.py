@@ -259,19 +259,24 @@ class Recipe:
 _FIELDS = {f.name for f in fields(Recipe)}
 
 
-def _convenience(config: str, name: str, attr: str | None = None) -> property:
+def _convenience(config: str, cls: type, name: str, attr: str | None = None) -> property:
     attr = attr or name
-    return property(lambda self: getattr(getattr(self, config), attr),
-                    doc=f"``{config}.{attr}`` (read-only).")
+    ftype = {f.name: f.type for f in fields(cls)}[attr]
+
+    def get(self: Recipe) -> Any:
+        return getattr(getattr(self, config), attr)
+
+    get.__annotations__["return"] = ftype
+    return property(get, doc=f"``{config}.{attr}`` (read-only).")
 
 
 for _n in _PRECISION:
-    setattr(Recipe, _n, _convenience("precision", _n))
+    setattr(Recipe, _n, _convenience("precision", Precision, _n))
 for _n in _LOSS:
-    setattr(Recipe, _n, _convenience("loss", _n))
+    setattr(Recipe, _n, _convenience("loss", LossScale, _n))
 for _n in _OPTIM:
-    setattr(Recipe, _n, _convenience("optim", _n))
-Recipe.loss_scale = _convenience("loss", "loss_scale", "kind")
+    setattr(Recipe, _n, _convenience("optim", OptimStates, _n))
+Recipe.loss_scale = _convenience("loss", LossScale, "loss_scale", "kind")
 
 
 def _from_flat(flat: dict[str, Any], given: set[str], layers) -> Recipe:
