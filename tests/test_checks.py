@@ -102,7 +102,7 @@ def test_parallel_modes_are_made_from_their_names():
     flag = torch.ones(())
     assert single.agree_max_(flag) is flag and single.gather({"a": 1}) == {"a": 1}
     assert not single.sharded and single.comm_stats is None
-    with pytest.raises(ValueError, match="'ddp', 'fsdp' or None"):
+    with pytest.raises(ValueError, match="'ddp', 'fsdp', 'tp' or None"):
         make_parallel("zero3", Recipe(), mlp())
     with pytest.raises(ValueError, match="torchrun --nproc-per-node"):
         make_parallel("ddp", Recipe(), mlp())
