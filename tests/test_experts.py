@@ -15,7 +15,7 @@ from mixprec.experts import scaled_grouped as sg
 from mixprec.fp8.linear import Float8Linear
 
 #: the linear formats, NVFP4 rounded to nearest (bitwise comparisons draw no random bits)
-FORMATS = ["fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8",
+FORMATS = ["fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8", "int8-rowwise",
            "nvfp4,nvfp4_sr=false"]
 COUNTS = [5, 0, 9, 3]  # expert 1 receives no token; one row (17) is routed elsewhere
 T, K, N = 18, 64, 32

@@ -4,8 +4,9 @@
 (out × in), ``offsets`` (E,) the cumulative token counts (``torch._grouped_mm``'s
 ``offs``); rows past ``offsets[-1]`` (tokens routed elsewhere, as expert parallelism
 leaves them) get zeros. Forward, dgrad and wgrad run in any linear format of the
-quantizer registry, exactly as a converted Linear runs them (``mixprec.fp8.linear``),
-per expert: each expert's slice of ``x``, ``W`` and the gradient is cast on its own
+quantizer registry, exactly as a converted Linear runs them (``mixprec.fp8.linear``;
+a GEMM the format leaves out of its ``quantized_gemms``, ``int8-rowwise``'s wgrad,
+runs in the gradient's 16-bit dtype on the input as it came), per expert: each expert's slice of ``x``, ``W`` and the gradient is cast on its own
 (per-tensor formats: one scale per slice, or the projection's delayed scale; row and
 block formats: the rows and blocks of that expert only), with fp32 accumulation. An
 expert with no token costs nothing and gets a zero weight gradient.
@@ -120,6 +121,7 @@ class _GroupedQuantizedMM(torch.autograd.Function):
         bounds = group_bounds(offsets, t)
         route = _route(route, fmt, x.device, x.shape[1], n)
         need_dx, need_dw = ctx.needs_input_grad[:2]
+        hp_wgrad = "wgrad" not in fmt.quantizer.quantized_gemms  # wgrad on x as it came
         xq, wq, xw, wd = [], [], [], []
         with adapter.no_autocast(x), fmt.quantizer.gemm_context():
             for e, (s, end) in enumerate(bounds):
@@ -131,18 +133,21 @@ class _GroupedQuantizedMM(torch.autograd.Function):
                 xq.append(a), wq.append(b)
                 wd.append(None if not need_dx else b if adapter.reuses(fmt, "weight")
                           else adapter.cast(fmt, w[e], "weight", 0))
-                xw.append(None if not need_dw else a if adapter.reuses(fmt, "input")
+                xw.append(None if not need_dw or hp_wgrad else a
+                          if adapter.reuses(fmt, "input")
                           else adapter.cast(fmt, x[s:end], "input", 0))
             y = _forward(route, fmt, xq, wq, bounds, x, n, out_dtype)
         tensors, ctx.casts = adapter.pack(xw + wd)
-        ctx.save_for_backward(*tensors)
+        # wgrad's operand in the output's dtype (bf16 under autocast), as a Linear saves it
+        ctx.save_for_backward(*tensors, x.to(out_dtype) if need_dw and hp_wgrad else None)
         ctx.fmt, ctx.bounds, ctx.route = fmt, bounds, route
         ctx.x_dtype, ctx.w_dtype, ctx.shape = x.dtype, w.dtype, (t, n, x.shape[1])
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        casts = adapter.unpack(ctx.saved_tensors, ctx.casts)
+        *saved, x_hp = ctx.saved_tensors
+        casts = adapter.unpack(saved, ctx.casts)
         fmt, bounds = ctx.fmt, ctx.bounds
         xw, wd = casts[:len(bounds)], casts[len(bounds):]
         t, n, k = ctx.shape
@@ -164,7 +169,12 @@ class _GroupedQuantizedMM(torch.autograd.Function):
                         if c is not None:
                             dx[s:e] = adapter.mm(fmt, c, w_e, dx_dtype)
                 dx = _zero_tail(dx, bounds).to(ctx.x_dtype)
-            if ctx.needs_input_grad[1]:
+            if ctx.needs_input_grad[1] and x_hp is not None:  # wgrad in gy's 16 bits
+                dw = gy.new_zeros(len(bounds), n, k, dtype=ctx.w_dtype)
+                for e, (s, end) in enumerate(bounds):
+                    if s != end:
+                        dw[e] = torch.mm(gy[s:end].t(), x_hp[s:end].to(gy.dtype))
+            elif ctx.needs_input_grad[1]:
                 reuse = adapter.reuses(fmt, "grad_output")
                 g0 = [None if s == e else c if c is not None and reuse
                       else adapter.cast(fmt, gy[s:e], "grad_output", 0, c is None, gen)
