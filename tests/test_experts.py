@@ -141,6 +141,47 @@ def test_scaled_grouped_route_against_torch_meta_kernel(recipe):
     assert y.shape == (T, N) and y.dtype == torch.bfloat16 and y.device.type == "meta"
 
 
+@pytest.mark.parametrize("recipe", ["fp8", "fp8-current", "fp8-rowwise"])
+def test_grouped_route_on_cuda_passes_bf16_codes_as_torch_meta_kernel_requires(
+        recipe, monkeypatch):
+    """Forward, dgrad and wgrad of the grouped route on a device whose grouped kernel
+    takes bf16 only (torch's meta kernel mirrors the CUDA one and refuses fp32)."""
+    calls = []
+    real = torch._grouped_mm
+
+    def spy(a, b, **kw):
+        calls.append((a.dtype, b.dtype))
+        return real(a, b, **kw)
+
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    fmt = ExpertsFormat(recipe, device="meta")
+    x = torch.empty(T, K, device="meta", requires_grad=True)
+    w = torch.empty(len(COUNTS), N, K, device="meta", requires_grad=True)
+    y = grouped_mm(x, w, torch.tensor(COUNTS).cumsum(0), fmt, route="grouped",
+                   out_dtype=torch.bfloat16)
+    y.backward(torch.empty(T, N, device="meta", dtype=torch.bfloat16))
+    assert calls == [(torch.bfloat16, torch.bfloat16)] * 3
+    assert x.grad.shape == (T, K) and w.grad.shape == (len(COUNTS), N, K)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8-current", "fp8-rowwise"])
+def test_grouped_route_on_bf16_codes_is_the_dequant_loop(recipe, monkeypatch):
+    """The bf16-codes grouped GEMM, run on the CPU, against the loop on the ``dequant``
+    route (bf16 GEMM of the codes, scales after): forward and dgrad bit for bit; wgrad,
+    which the loop accumulates into fp32, within one bf16 rounding."""
+    from mixprec.experts import grouped as gr
+
+    x, w, gy, offs = (t.bfloat16() if t.is_floating_point() else t for t in _operands(2))
+    r = f"{recipe},fp8_gemm=dequant"
+    loop = _grouped(r, "loop", x, w, gy, offs)
+    monkeypatch.setattr(gr, "bf16_only", lambda d: True)
+    grouped = _grouped(r, "grouped", x, w, gy, offs)
+    assert torch.equal(grouped[0], loop[0]) and torch.equal(grouped[1], loop[1])
+    torch.testing.assert_close(grouped[2].float(), loop[2].float(), rtol=2 ** -7,
+                               atol=2 ** -8 * loop[2].abs().max().item())
+    assert torch.equal(grouped[2][1], torch.zeros(N, K, dtype=torch.bfloat16))
+
+
 def test_auto_route_per_device(monkeypatch):
     from mixprec.experts.grouped import _route
 
@@ -148,7 +189,14 @@ def test_auto_route_per_device(monkeypatch):
     assert _route("auto", fmt, torch.device("cpu"), 64, 32) == "loop"
     assert _route("grouped", fmt, torch.device("cpu"), 64, 32) == "grouped"
     assert _route("grouped", fmt, torch.device("cpu"), 64, 30) == "loop"  # strides
-    assert _route("auto", fmt, torch.device("cuda"), 64, 32) == "grouped"
+    # on CUDA the grouped kernel takes bf16 only: block formats loop, and K, N need 8
+    with pytest.warns(UserWarning, match="bf16 operands only"):
+        assert _route("grouped", fmt, torch.device("cuda"), 64, 32) == "loop"
+    assert _route("auto", fmt, torch.device("cuda"), 64, 32) == "loop"
+    monkeypatch.setattr(sg, "_capability", lambda d: (8, 0))
+    rowwise = ExpertsFormat("fp8-rowwise")
+    assert _route("auto", rowwise, torch.device("cuda"), 64, 32) == "grouped"
+    assert _route("auto", rowwise, torch.device("cuda"), 64, 36) == "loop"
     monkeypatch.setattr(sg, "_capability", lambda d: (9, 0))
     monkeypatch.setattr(ExpertsFormat, "backend", lambda self, d: "scaled_mm")
     assert _route("auto", ExpertsFormat("fp8"), torch.device("cuda"), 64, 32) == \

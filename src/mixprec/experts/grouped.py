@@ -6,8 +6,9 @@
 leaves them) get zeros. Forward, dgrad and wgrad run in any linear format of the
 quantizer registry, exactly as a converted Linear runs them (``mixprec.fp8.linear``;
 a GEMM the format leaves out of its ``quantized_gemms``, ``int8-rowwise``'s wgrad,
-runs in the gradient's 16-bit dtype on the input as it came), per expert: each expert's slice of ``x``, ``W`` and the gradient is cast on its own
-(per-tensor formats: one scale per slice, or the projection's delayed scale; row and
+runs in the gradient's 16-bit dtype on the input as it came), per expert: each
+expert's slice of ``x``, ``W`` and the gradient is cast on its own (per-tensor
+formats: one scale per slice, or the projection's delayed scale; row and
 block formats: the rows and blocks of that expert only), with fp32 accumulation. An
 expert with no token costs nothing and gets a zero weight gradient.
 
@@ -15,16 +16,21 @@ Routes (``route=``):
 
 - ``loop``: one quantized GEMM per expert on the format's own route: the exact
   reference, bit for bit what a ``Float8Linear`` holding ``W[e]`` computes on its rows;
-- ``grouped``: the casts dequantized to fp32 and multiplied by ``torch._grouped_mm``
-  (a CPU kernel since torch 2.9): the same products, one fp32 rounding per element
-  where the scale is not a power of two; it needs K and N multiples of 4 (16-byte
-  strides) and falls back to ``loop`` per call where they are not. For the per-tensor
-  formats (``fp8``, ``fp8-current``) it reads nothing on the host
-  (``mixprec.experts.segments``: per-expert scales by segment reductions), so
-  ``torch.compile`` traces it without a graph break; it does not check the offsets;
+- ``grouped``: on a CPU the casts dequantized to fp32 and multiplied by
+  ``torch._grouped_mm`` (a CPU kernel since torch 2.9): the same products, one fp32
+  rounding per element where the scale is not a power of two; it needs K and N
+  multiples of 4 (16-byte strides) and falls back to ``loop`` per call where they are
+  not. For the per-tensor formats (``fp8``, ``fp8-current``) it reads nothing on the
+  host there (``mixprec.experts.segments``: per-expert scales by segment reductions),
+  so ``torch.compile`` traces it without a graph break; it does not check the offsets.
+  On a GPU, whose grouped kernel takes bf16 only, the per-tensor and rowwise formats
+  pass their codes widened to bf16 and apply the scales after the GEMM
+  (``mixprec.experts.codes_grouped``: the ``dequant`` route's rounding; K and N
+  multiples of 8); the block formats take ``loop`` there (said once);
 - ``scaled_grouped``: the forward on ``torch._scaled_grouped_mm`` (CUDA sm90+, e4m3
   codes with per-tensor or rowwise scales, bf16 output), the backward on ``grouped``;
-- ``auto``: ``scaled_grouped`` where it applies, else ``grouped`` on a GPU, ``loop`` on
+- ``auto``: ``scaled_grouped`` where it applies, else ``grouped`` on a GPU (``loop``
+  for the block formats), ``loop`` on
   a CPU (where the casts dominate and ``grouped``'s extra dequantize pass measured
   slower: ``benchmarks/grouped_gemm.py``); under ``torch.compile``, ``grouped`` for the
   per-tensor formats on a CPU too (the loop reads the counts on the host).
@@ -35,9 +41,12 @@ transformers' own fallback reads them): each expert's casts are sized by them.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from mixprec.experts import adapter
+from mixprec.experts.codes_grouped import bf16_only, codes_apply, rows_mm, wgrad_mm
 from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.scaled_grouped import scaled_grouped_applies, scaled_grouped_forward
 from mixprec.experts.segments import segmented_mm
@@ -71,14 +80,34 @@ def _route(route: str, fmt: ExpertsFormat, device: torch.device, k: int, n: int,
     device = torch.device(device)
     if route in ("auto", "scaled_grouped") and scaled_grouped_applies(fmt, device, k, n):
         return "scaled_grouped"
-    has_grouped = hasattr(torch, "_grouped_mm") and device.type != "meta"
-    if not (has_grouped and k % 4 == 0 and n % 4 == 0) or route == "loop":
+    has_grouped = hasattr(torch, "_grouped_mm") and (device.type != "meta"
+                                                     or route == "grouped")
+    stride = 8 if bf16_only(device) else 4  # 16-byte strides: bf16 or fp32 operands
+    if not (has_grouped and k % stride == 0 and n % stride == 0) or route == "loop":
+        return "loop"
+    if bf16_only(device) and not codes_apply(fmt):
+        if route == "grouped":
+            _say_once(fmt, device)
         return "loop"
     # auto on a CPU: the per-expert casts dominate, and the grouped route's extra
     # dequantize-and-stack pass made it slower than the loop on every format measured
     # (benchmarks/grouped_gemm.py); on a GPU one launch replaces one per expert
     sync_free = compiling and fmt.quantizer.per_tensor
     return "grouped" if route != "auto" or device.type == "cuda" or sync_free else "loop"
+
+
+_SAID: set[tuple[str, str]] = set()
+
+
+def _say_once(fmt, device) -> None:
+    key = (fmt.format_name, torch.device(device).type)
+    if key not in _SAID:
+        _SAID.add(key)
+        warnings.warn(f"route='grouped' with {fmt.format_name} on {key[1]}: torch's "
+                      "grouped GEMM there takes bf16 operands only and this format's "
+                      "block-scaled values are not bf16 values; the exact loop route "
+                      "runs instead (route='loop' says so without this warning)",
+                      stacklevel=4)
 
 
 def _dequant_rows(casts, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +189,9 @@ class _GroupedQuantizedMM(torch.autograd.Function):
                 dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
                 g1 = [None if s == e else adapter.cast(fmt, gy[s:e], "grad_output", 1,
                                                        True, gen) for s, e in bounds]
-                if grouped:
+                if grouped and bf16_only(gy.device):
+                    dx = rows_mm(g1, wd, bounds, t, n, k, gy.device)
+                elif grouped:
                     a, offs = _dequant_rows(g1, n, gy.device)
                     dx = torch._grouped_mm(a, _stack(wd, (n, k), False), offs=offs)[:t]
                 else:
@@ -179,7 +210,9 @@ class _GroupedQuantizedMM(torch.autograd.Function):
                 g0 = [None if s == e else c if c is not None and reuse
                       else adapter.cast(fmt, gy[s:e], "grad_output", 0, c is None, gen)
                       for c, (s, e) in zip(g1, bounds)]
-                if grouped:
+                if grouped and bf16_only(gy.device):
+                    dw = _zero_empty(wgrad_mm(g0, xw, bounds, t, k, n, gy.device), bounds)
+                elif grouped:
                     a, offs = _dequant_rows(g0, n, gy.device)
                     b, _ = _dequant_rows(xw, k, gy.device)
                     dw = torch._grouped_mm(a.t().contiguous(), b, offs=offs)
@@ -197,6 +230,10 @@ def _forward(route, fmt, xq, wq, bounds, x, n, out_dtype) -> torch.Tensor:
     t, k = x.shape
     if route == "scaled_grouped":
         return _zero_tail(scaled_grouped_forward(xq, wq, bounds, t, n), bounds).to(out_dtype)
+    if route == "grouped" and bf16_only(x.device):
+        y = rows_mm(xq, [c.t() if c is not None else None for c in wq], bounds, t, k, n,
+                    x.device)
+        return _zero_tail(y, bounds).to(out_dtype)
     if route == "grouped":
         a, offs = _dequant_rows(xq, k, x.device)
         y = torch._grouped_mm(a, _stack(wq, (k, n), True), offs=offs)[:t]
@@ -253,7 +290,7 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                      and torch.is_autocast_enabled(dev) else x.dtype)
     route = _route(route, fmt, x.device, x.shape[1], weight.shape[1],
                    torch.compiler.is_compiling())
-    if route == "grouped" and fmt.quantizer.per_tensor:
+    if route == "grouped" and fmt.quantizer.per_tensor and not bf16_only(x.device):
         return segmented_mm(x, weight, offsets, fmt, out_dtype, torch.is_grad_enabled())
     return _GroupedQuantizedMM.apply(x, weight, offsets, fmt, out_dtype,
                                      torch.is_grad_enabled(), route)
