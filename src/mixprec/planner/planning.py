@@ -53,6 +53,10 @@ CANDIDATES = ("bf16", *LINEAR_PRESETS)
 #: Measured on Gaussian activations: e4m3 outputs ~28-29 dB, e5m2 gradients (dgrad)
 #: ~25 dB, MXFP8's e4m3 gradients ~29 dB, NVFP4 ~15-17 dB (so NVFP4 needs a lower floor)
 DEFAULT_MIN_SQNR = 20.0
+#: why an experts module has no row: its grouped GEMMs are neither timed nor scored
+NOT_PLANNED = ("experts module: kept in bf16 (a layer:...=bf16 rule); the planner times "
+               "and scores Linears only, not grouped expert GEMMs; give it a format with "
+               "a layer:<name>=<format> rule")
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,9 @@ class Plan:
     """A per-layer precision plan: ``recipe`` (train with it), the table ``rows``, the
     predictions and the measured baselines they came from. ``timing_noise``: the
     timings that still disagreed beyond their noise after being measured again, one
-    line each (empty where they agreed); the predictions then rest on noisy figures."""
+    line each (empty where they agreed); the predictions then rest on noisy figures.
+    ``not_planned``: the modules the planner does not choose a format for (transformers
+    experts modules, kept in bf16 by the recipe's rules) and why."""
 
     recipe: Recipe
     rows: tuple[PlanRow, ...]
@@ -91,6 +97,7 @@ class Plan:
     loss_delta: float | None = None
     state_reasons: dict[str, str] = field(default_factory=dict)
     timing_noise: tuple[str, ...] = ()
+    not_planned: dict[str, str] = field(default_factory=dict)
 
     def table(self) -> str:
         """The plan as a text table, one Linear a line, with the totals under it."""
@@ -104,6 +111,8 @@ class Plan:
                          f"{r.saved_bytes / 1e6:>10.2f}  {r.reason}")
         for name, why in self.state_reasons.items():
             lines.append(f"  {name}: {why}")
+        for name, why in self.not_planned.items():
+            lines.append(f"  not planned: {name}: {why}")
         b16 = self.baseline["16-bit"]
         lines.append(f"recipe: {self.recipe}")
         lines.append(f"predicted step {self.predicted_step_s * 1e3:.1f} ms (16-bit recipe "
@@ -222,7 +231,7 @@ def plan_from(sv: Survey, cfg: Config, *, goal: str = "fastest",
                  "fp8-shell": {"step_s": b.step_shell, "peak": b.peak_shell}},
                 device_key(device), max_loss, memory, loss_delta,
                 {k: v for k, v in cfg.reasons.items() if k.startswith("states:")},
-                tuple(sv.noise))
+                tuple(sv.noise), {n: NOT_PLANNED for n in sv.experts})
 
 
 def _check_args(b: Recipe, goal, formats, state_formats, max_loss, min_sqnr) -> None:

@@ -76,6 +76,8 @@ class Survey:
     #: the timings that still disagreed beyond their noise after being measured again,
     #: one line each (empty: they agreed)
     noise: list[str] = dataclasses.field(default_factory=list)
+    #: the model's transformers experts modules: not planned, kept in bf16 (``recipe``)
+    experts: list[str] = dataclasses.field(default_factory=list)
 
     def predict(self, cfg: Config) -> tuple[float, float]:
         """(seconds per step, peak bytes) predicted for ``cfg``."""
@@ -90,8 +92,9 @@ class Survey:
 
     def recipe(self, cfg: Config) -> Recipe:
         """``cfg`` as a recipe: the fp8 recipe of its most common fp8 format with one
-        ``layer:`` rule per Linear (where any Linear is fp8, else the 16-bit recipe),
-        and ``states:`` rules for modules whose states are not the recipe's."""
+        ``layer:`` rule per Linear and one ``=bf16`` rule per experts module (where any
+        Linear is fp8, else the 16-bit recipe), and ``states:`` rules for modules whose
+        states are not the recipe's."""
         r = self.layer_recipe(cfg) if cfg.any_fp8 else self.base
         states = tuple(LayerRule("states", p, v) for p, v in
                        compress(cfg.states, list(self.units), r.states))
@@ -104,7 +107,8 @@ class Survey:
         r = recipe_for_format(self.shell, main)
         rules = tuple(LayerRule("layer", p, v)
                       for p, v in compress(cfg.layers, self.names, None))
-        return r.replace(layers=rules)
+        kept = compress(dict.fromkeys(self.experts, BF16), self.experts, None)
+        return r.replace(layers=rules + tuple(LayerRule("layer", p, v) for p, v in kept))
 
 
 def compress(choice: dict[str, str], universe: list[str], default: str | None
@@ -179,8 +183,10 @@ def survey(model: nn.Module, sample_batch: Any, *, base: Recipe, formats: tuple[
         if k < 1:
             noise.append(f"{parts} timed alone add up to {1 / k:.2f}x {step} whole "
                          "step: scaled down to fit in it")
+    from mixprec.experts.hook import experts_modules
+
     return Survey(base, shell, names, layers, units, base_m, quality, float(min_sqnr),
-                  owner, noise)
+                  owner, noise, list(experts_modules(model)))
 
 
 def _refusal(fixed: str | None, q: LayerNumerics | None, floor: float) -> str | None:
