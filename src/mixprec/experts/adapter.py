@@ -9,11 +9,16 @@ calls here means a reshaped quantizer interface changes this module only.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from mixprec.fp8.mm import _no_autocast, _pack, _unpack
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.scaling import cast_to_fp8, nan_if_not_finite
+
+if TYPE_CHECKING:
+    from mixprec.experts.format import ExpertsFormat
 
 __all__ = ["cast", "mm", "reuses", "pack", "unpack", "no_autocast", "segment_scales",
            "cast_scaled"]
@@ -22,34 +27,35 @@ __all__ = ["cast", "mm", "reuses", "pack", "unpack", "no_autocast", "segment_sca
 no_autocast = _no_autocast
 
 
-def cast(fmt, t: torch.Tensor, role: str, dim: int, record: bool = False,
-         generator=None) -> Quantized:
+def cast(fmt: ExpertsFormat, t: torch.Tensor, role: str, dim: int, record: bool = False,
+         generator: torch.Generator | None = None) -> Quantized:
     """``t`` (2-D) cast for ``role`` along ``dim`` by ``fmt`` (an ``ExpertsFormat``):
     its quantizer with its scaling state."""
     return fmt.quantizer.cast(t, role, dim, fmt.scaling_state(), record, generator)
 
 
-def mm(fmt, a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+def mm(fmt: ExpertsFormat, a: Quantized, b: Quantized, out_dtype: torch.dtype
+       ) -> torch.Tensor:
     """``a @ b`` on ``fmt``'s GEMM route, fp32 accumulation, in ``out_dtype``."""
     return fmt.quantizer.mm(a, b, out_dtype, fmt.backend(a.data.device))
 
 
-def reuses(fmt, role: str) -> bool:
+def reuses(fmt: ExpertsFormat, role: str) -> bool:
     """Whether the forward's cast of ``role`` serves its backward GEMM too."""
     return fmt.quantizer.reuses(role)
 
 
-def pack(casts) -> tuple[list, list]:
+def pack(casts: list[Quantized | None]) -> tuple[list, list]:
     """Casts (or None) as tensors to save and the metadata that rebuilds them."""
     return _pack(casts)
 
 
-def unpack(tensors, meta) -> list[Quantized | None]:
+def unpack(tensors: list[torch.Tensor], meta: list) -> list[Quantized | None]:
     """The casts ``pack`` saved."""
     return _unpack(tensors, meta)
 
 
-def segment_scales(fmt, amax: torch.Tensor, role: str, record: bool = False,
+def segment_scales(fmt: ExpertsFormat, amax: torch.Tensor, role: str, record: bool = False,
                    mask: torch.Tensor | None = None) -> torch.Tensor:
     """The per-tensor scales of ``fmt``'s quantizer for a vector of per-expert amaxes
     (NaN where an amax is not finite, as a cast makes it); with ``record``, delayed
@@ -62,6 +68,7 @@ def segment_scales(fmt, amax: torch.Tensor, role: str, record: bool = False,
     return nan_if_not_finite(scale, amax)
 
 
-def cast_scaled(fmt, t: torch.Tensor, scale: torch.Tensor, role: str) -> torch.Tensor:
+def cast_scaled(fmt: ExpertsFormat, t: torch.Tensor, scale: torch.Tensor, role: str
+                ) -> torch.Tensor:
     """``t``'s fp8 codes for ``role`` under ``scale`` (broadcast over ``t``)."""
     return cast_to_fp8(t, scale, fmt.quantizer.dtype(role))

@@ -17,7 +17,13 @@ scales are a scalar or one per row or column of its codes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from mixprec.experts.format import ExpertsFormat
+    from mixprec.fp8.quantized import Quantized
 
 __all__ = ["bf16_only", "codes_apply", "rows_mm", "wgrad_mm"]
 
@@ -30,7 +36,7 @@ def bf16_only(device: torch.device) -> bool:
     return torch.device(device).type != "cpu"
 
 
-def codes_apply(fmt) -> bool:
+def codes_apply(fmt: ExpertsFormat) -> bool:
     """Whether ``fmt``'s scales factor out of each GEMM (per-tensor and rowwise fp8)."""
     return fmt.quantizer.kernel == "tensor"
 
@@ -41,7 +47,8 @@ def _vec(inv: torch.Tensor, count: int) -> torch.Tensor:
     return inv.expand(count) if inv.numel() == 1 else inv
 
 
-def rows_mm(a_casts, b_casts, bounds, t: int, k: int, n: int, device) -> torch.Tensor:
+def rows_mm(a_casts: list[Quantized], b_casts: list[Quantized], bounds: list[tuple[int, int]], t: int,
+            k: int, n: int, device: torch.device) -> torch.Tensor:
     """``a[e] @ b[e]`` into expert e's rows of a (t, n) fp32 output: ``a[e]`` (rows, k)
     with one scale per row (or per tensor), ``b[e]`` (k, n) with one per column (or per
     tensor). Rows past the last expert's are left for the caller to zero."""
@@ -63,7 +70,8 @@ def rows_mm(a_casts, b_casts, bounds, t: int, k: int, n: int, device) -> torch.T
     return y.float() * (row.unsqueeze(1) * col)
 
 
-def wgrad_mm(g_casts, x_casts, bounds, t: int, k: int, n: int, device) -> torch.Tensor:
+def wgrad_mm(g_casts: list[Quantized], x_casts: list[Quantized], bounds: list[tuple[int, int]], t: int,
+             k: int, n: int, device: torch.device) -> torch.Tensor:
     """``g[e]ᵀ @ x[e]`` for every expert, (E, n, k) fp32: ``g[e]`` (rows, n) and
     ``x[e]`` (rows, k) cast along the tokens (one scale per column, or per tensor).
     The token dim is padded to a multiple of 8 (16-byte strides of ``gᵀ``)."""

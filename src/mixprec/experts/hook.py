@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import warnings
 import zlib
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.grouped import grouped_mm
+
+if TYPE_CHECKING:
+    from mixprec.recipe import Recipe
 
 __all__ = ["IMPLEMENTATION", "is_experts", "experts_modules", "convert_experts",
            "restore_experts", "experts_forward"]
@@ -62,7 +66,8 @@ def _register() -> None:
     ExpertsInterface.register(IMPLEMENTATION, experts_forward)
 
 
-def convert_experts(model: nn.Module, recipe, *, routes=None) -> dict[str, str]:
+def convert_experts(model: nn.Module, recipe: Recipe, *,
+                    routes: dict[str, str] | None = None) -> dict[str, str]:
     """Every transformers experts module of ``model`` runs in ``recipe``'s format (its
     ``layer:`` rule's, matched on the experts module's name: ``layer:*.experts=mxfp8``,
     ``layer:*.experts=bf16``); returns each one's format by name (``bf16``: kept).

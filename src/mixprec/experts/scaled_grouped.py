@@ -11,7 +11,12 @@ and scale layouts here are checked against torch's meta kernel on any machine
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from mixprec.experts.format import ExpertsFormat
 
 __all__ = ["scaled_grouped_applies", "scaled_grouped_forward"]
 
@@ -23,7 +28,8 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def scaled_grouped_applies(fmt, device: torch.device, k: int = 16, n: int = 16) -> bool:
+def scaled_grouped_applies(fmt: ExpertsFormat, device: torch.device, k: int = 16,
+                           n: int = 16) -> bool:
     """Whether ``fmt``'s forward can run on ``torch._scaled_grouped_mm`` on ``device``:
     a per-tensor or rowwise format whose route is ``scaled_mm`` on an sm90+ GPU, with
     K and N multiples of 16 (``device="meta"`` passes the device check, for shapes)."""

@@ -16,9 +16,14 @@ per-expert casts record one by one); an evaluation records nothing.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from mixprec.experts import adapter
+
+if TYPE_CHECKING:
+    from mixprec.experts.format import ExpertsFormat
 
 __all__ = ["segmented_mm", "segment_ids", "grouped_mm_fp32"]
 
@@ -112,7 +117,8 @@ class _SegmentedMM(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
-def segmented_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, fmt,
+def segmented_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
+                 fmt: ExpertsFormat,
                  out_dtype: torch.dtype, record: bool) -> torch.Tensor:
     """``grouped_mm``'s ``grouped`` route for a per-tensor ``fmt`` (see the module doc)."""
     return _SegmentedMM.apply(x, w, offsets, fmt, out_dtype, record)
