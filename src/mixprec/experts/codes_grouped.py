@@ -47,8 +47,8 @@ def _vec(inv: torch.Tensor, count: int) -> torch.Tensor:
     return inv.expand(count) if inv.numel() == 1 else inv
 
 
-def rows_mm(a_casts: list[Quantized], b_casts: list[Quantized], bounds: list[tuple[int, int]], t: int,
-            k: int, n: int, device: torch.device) -> torch.Tensor:
+def rows_mm(a_casts: list[Quantized], b_casts: list[Quantized], bounds: list[tuple[int, int]],
+            t: int, k: int, n: int, device: torch.device) -> torch.Tensor:
     """``a[e] @ b[e]`` into expert e's rows of a (t, n) fp32 output: ``a[e]`` (rows, k)
     with one scale per row (or per tensor), ``b[e]`` (k, n) with one per column (or per
     tensor). Rows past the last expert's are left for the caller to zero."""
@@ -70,8 +70,8 @@ def rows_mm(a_casts: list[Quantized], b_casts: list[Quantized], bounds: list[tup
     return y.float() * (row.unsqueeze(1) * col)
 
 
-def wgrad_mm(g_casts: list[Quantized], x_casts: list[Quantized], bounds: list[tuple[int, int]], t: int,
-             k: int, n: int, device: torch.device) -> torch.Tensor:
+def wgrad_mm(g_casts: list[Quantized], x_casts: list[Quantized], bounds: list[tuple[int, int]],
+             t: int, k: int, n: int, device: torch.device) -> torch.Tensor:
     """``g[e]ᵀ @ x[e]`` for every expert, (E, n, k) fp32: ``g[e]`` (rows, n) and
     ``x[e]`` (rows, k) cast along the tokens (one scale per column, or per tensor).
     The token dim is padded to a multiple of 8 (16-byte strides of ``gᵀ``)."""
