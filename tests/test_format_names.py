@@ -9,11 +9,9 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mixprec"
 
-#: where names may appear: each format's file and the registry, and the preset list;
-#: ``scaled_mm`` and ``padding`` wire torch's kernels by their kind (the formats'
-#: ``kernel``), which tests and the GPU preflight call them with
+#: where names may appear: each format's file and the registry, and the preset list
 ALLOWED = {*(p.relative_to(SRC).as_posix() for p in (SRC / "fp8" / "formats").glob("*.py")),
-           "recipe/presets.py", "fp8/scaled_mm.py", "fp8/padding.py"}
+           "recipe/presets.py"}
 #: the scalings' names, the Linear presets' names and the flush views'
 NAMES = {"delayed", "current", "rowwise", "block", "mx", "nvfp4", "mxfp8", "fp8-current",
          "fp8-rowwise", "fp8-block", "per block", "per-tensor"}

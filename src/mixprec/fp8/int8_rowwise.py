@@ -147,7 +147,8 @@ class Int8Rowwise(LinearFormat):
     #: not judged by the doctor's fp8 flush shares: 127 uniform levels flush whatever is
     #: below amax / 254 of its row by design (the planner's SQNR judges int8)
     flush_view: ClassVar[str] = ""
-    kernel: ClassVar[str] = "int8"
+    #: its own GEMM (``int8_gemm``: ``torch._int_mm``), not a scaled-matmul kernel
+    kernel: ClassVar[None] = None
 
     def dtype(self, role: str) -> torch.dtype:
         """int8, every role."""
