@@ -127,7 +127,7 @@ measured_int8: Callable[[torch.device, tuple[int, int, int]], bool] | None = Non
 
 def _faster(dev: torch.device, m: int, k: int, n: int) -> bool:
     if measured_int8 is None:  # importing mixprec imports mixprec.kernels, which sets it
-        raise RuntimeError("mixprec.fp8.int8_rowwise.measured_int8 is unset: "
+        raise RuntimeError("mixprec.fp8.formats.int8.measured_int8 is unset: "
                            "import mixprec")
     return measured_int8(dev, shape_class(m, k, n))
 
