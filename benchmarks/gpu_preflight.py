@@ -170,7 +170,7 @@ def _block_pair(kind: str, gemm: str, out: str, m: int, device: str) -> dict:
         a, b = q.cast(gy, "grad_output", 0, {}).t(), q.cast(x, "input", 0, {})
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[out]
     want = a.dequant().double() @ b.dequant().double()
-    y = block_scaled_mm(a, b, dt, kind)
+    y = block_scaled_mm(a, b, dt, q.kernel)
     if device == "cuda":
         torch.cuda.synchronize()
     return {"shape": [a.codes.shape[0], a.codes.shape[1], b.codes.shape[1]],

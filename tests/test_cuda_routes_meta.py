@@ -265,7 +265,7 @@ def test_block_scaled_route_computes_the_dequantizing_gemm(recipe, tokens, monke
     for name, (a, b) in pairs.items():
         want = a.dequant() @ b.dequant()
         for dt in (torch.float32, torch.bfloat16):
-            got = route.block_scaled_mm(a, b, dt, q.name)
+            got = route.block_scaled_mm(a, b, dt, q.kernel)
             assert got.shape == want.shape and got.dtype == dt, name
             tol = dict(rtol=1e-5, atol=1e-4) if dt == torch.float32 else \
                 dict(rtol=1e-2, atol=1e-2)

@@ -16,8 +16,9 @@ import mixprec
 import mixprec.planner.survey as survey_mod
 import mixprec.planner.timing as timing
 from mixprec import Recipe, kernels
-from mixprec.fp8 import Float8Linear, int8_rowwise
-from mixprec.fp8.int8_rowwise import (
+from mixprec.fp8 import Float8Linear
+from mixprec.fp8.formats import int8 as int8_rowwise
+from mixprec.fp8.formats.int8 import (
     Int8Rowwise,
     cast_int8_rowwise,
     int8_gemm,

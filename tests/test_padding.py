@@ -162,7 +162,6 @@ def test_odd_linears_pass_the_meta_kernels_padded(recipe, shape, tokens, monkeyp
     to its multiples and the outputs are sliced back to the Linear's shapes."""
     import mixprec.fp8.gemm as gemm
     import mixprec.fp8.scaled_mm as route
-    from mixprec.fp8.padding import MULTIPLES
     from test_cuda_routes_meta import meta_linear_step
 
     seen = []
@@ -180,8 +179,8 @@ def test_odd_linears_pass_the_meta_kernels_padded(recipe, shape, tokens, monkeyp
     monkeypatch.setattr(route.F, "scaled_mm", spy_block)
     f8 = meta_linear_step(recipe + ",fp8_gemm=scaled_mm", shape, tokens)
     assert len(seen) == 3  # forward, dgrad, wgrad: each on the kernel
-    _, mk, mn = MULTIPLES[f8.quantizer.kernel]
-    fp4 = f8.quantizer.kernel == "nvfp4"  # two codes a byte: K counted in bytes
+    _, mk, mn = f8.quantizer.kernel.multiples
+    fp4 = f8.quantizer.kernel.fp4  # two codes a byte: K counted in bytes
     for _, a, b in seen:
         assert a[1] * (2 if fp4 else 1) % mk == 0 and b[1] % mn == 0, (a, b)
 

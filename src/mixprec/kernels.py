@@ -23,7 +23,7 @@ not as a ratio. From those readings this module decides, once per process:
   after a probe on the device). On a CPU ``dequant`` stands for bf16's GEMM where bf16
   is fast, ``dequant_fp32`` elsewhere, and ``scaled_mm`` wins only where
   ``route_reading`` finds it clearly faster than that;
-- the int8 format's GEMM route (``mixprec.fp8.int8_rowwise``): on a CPU, per GEMM shape
+- the int8 format's GEMM route (``mixprec.fp8.formats.int8``): on a CPU, per GEMM shape
   class, ``torch._int_mm`` where ``int8_reading`` finds it ``INT8_MARGIN`` faster than
   the exact route's fp32 GEMM (the two are bit-identical: speed only);
 - what the layers around an fp8 recipe's Linears run in (``fp8_rest``): bf16 autocast
@@ -56,8 +56,8 @@ from functools import cache
 
 import torch
 
-from mixprec.fp8 import int8_rowwise as _int8
 from mixprec.fp8 import route as _route
+from mixprec.fp8.formats import int8 as _int8
 from mixprec.fp32_precision import ieee_fp32_matmul  # the exact routes import it from here
 from mixprec.recipe import MX_COMPUTE, Recipe
 
@@ -320,7 +320,7 @@ def _int8_reading(dev: str, shape: tuple[int, int, int]) -> SpeedReading:
 
 
 def _measured_int8(dev: torch.device, shape: tuple[int, int, int]) -> bool:
-    """``mixprec.fp8.int8_rowwise``'s ``auto`` per GEMM shape class off CUDA."""
+    """``mixprec.fp8.formats.int8``'s ``auto`` per GEMM shape class off CUDA."""
     return int8_reading(dev, shape).ratio > INT8_MARGIN
 
 

@@ -38,7 +38,8 @@ def bf16_only(device: torch.device) -> bool:
 
 def codes_apply(fmt: ExpertsFormat) -> bool:
     """Whether ``fmt``'s scales factor out of each GEMM (per-tensor and rowwise fp8)."""
-    return fmt.quantizer.kernel == "tensor"
+    kernel = fmt.quantizer.kernel  # a KernelSpec (mixprec.fp8.padding); int8: None
+    return kernel is not None and kernel.scales == "tensor"
 
 
 def _vec(inv: torch.Tensor, count: int) -> torch.Tensor:

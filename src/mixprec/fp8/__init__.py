@@ -6,9 +6,8 @@ registry), the casts (``scaling``, ``blocks``, ``nvfp4``), the GEMM routes (``ro
 """
 
 from mixprec.fp8.convert import ConvertReport, convert, layer_formats
-from mixprec.fp8.formats import FORMATS, LinearFormat
+from mixprec.fp8.formats import FORMATS, Int8Rowwise, LinearFormat
 from mixprec.fp8.gemm import fp8_gemm
-from mixprec.fp8.int8_rowwise import Int8Rowwise
 from mixprec.fp8.linear import Float8Linear, QuantizedLinear
 from mixprec.fp8.mm import quantized_mm
 from mixprec.fp8.quantized import Quantized

@@ -1,47 +1,12 @@
-"""Block-scaled fp8 casts: DeepSeek-V3's tiles and blocks, and OCP MX (MXFP8).
-
-A block-scaled tensor keeps one scale per few consecutive elements instead of one per
-tensor or per row, so an outlier costs precision in its own block only.
-
-- **block** (``fp8_scaling=block``, DeepSeek-V3): activations and output gradients in
-  1×128 *tiles* along the GEMM's contracted dim (``cast_tiles``), weights in 128×128
-  *blocks* (``cast_blocks``), which serve both of the weight's GEMMs since a transpose
-  keeps them. Scale = fp8 max / tile amax / 2^margin in fp32 (``amax_to_scale``: as
-  torch computes a scalar over a tensor, fp8 max × fp32(1 / amax)), or, with
-  ``block_scales=pow2``, that rounded down to a power of two (Transformer Engine's
-  ``Float8BlockScaling`` option: the dequantization is then exact).
-- **mx** (``fp8_scaling=mx``, OCP Microscaling v1.0): 1×32 tiles along every GEMM's
-  contracted dim, e8m0 (power-of-two) scales ``X``, elements ``x / X`` saturated and
-  rounded to nearest-even (``cast_mx``). The exponent of ``X`` is chosen by
-  ``mx_rounding``, as torchao names the rules:
-
-  =========  ==============================================================
-  ``floor``  ``floor(log2(amax)) - emax_elem`` (the OCP spec)
-  ``ceil``   ``ceil(log2(amax)) - emax_elem``: never saturates, coarser
-  ``even``   ``floor(log2(amax rounded to the element's mantissa))
-             - emax_elem``: floor, but a block whose amax would round up to the
-             next power of two takes the next scale
-  ``rceil``  ``ceil(log2(amax / max_elem))``, ``amax / max_elem`` in fp32
-             (NVIDIA cuBLAS's rule; the largest element lands at or below max)
-  =========  ==============================================================
-
-  (``emax_elem`` = 8 for e4m3, 15 for e5m2.) Exponents are clamped to e8m0's
-  [-127, 127]; an all-zero block takes 2^-127. ``floor`` puts a block's amax in
-  [256, 512) × X for e4m3, so its largest elements saturate at 448: a Gaussian
-  Linear's output reads 24.8 dB against 29.0 for ``rceil`` (``tests/test_fp8_blocks.py``),
-  which is why mixprec's recipes default to ``rceil``.
-
-Both axes of a tile: ``dim=1`` tiles run along rows (a row of ``M × K`` cut every
-``tile`` columns: scales ``(M, ⌈K/tile⌉)``), ``dim=0`` along columns. A last partial
-tile is scaled by its own amax. A tile holding an inf or NaN gets a NaN scale, so the
-cast is NaN and the step is skipped (``mixprec.fp8.scaling``): a saturating cast must
-not turn an inf into a finite max.
-
-Every cast returns a ``Quantized`` (``mixprec.fp8.quantized``): the codes and the
-inverse scales per block. ``cast_mx`` also takes the narrower MX element formats of
-``mixprec.formats`` (fp6, fp4), whose codes it keeps as their values in fp32; its
-limits (``emax``, mantissa bits, largest value) come from ``formats`` for every
-element format, so the MX emulation of ``mixprec.emulate`` is this same cast.
+"""Block-scaled fp8 casts: one scale per few consecutive elements along the GEMM's
+contracted dim, so an outlier costs precision in its own block only. DeepSeek-V3's 1×128
+tiles and 128×128 weight blocks (``cast_tiles``, ``cast_blocks``; a block serves the
+weight and its transpose), and OCP MX's 1×32 tiles with e8m0 scales (``cast_mx``, which
+also casts to the narrower MX element formats of ``mixprec.formats``: the MX emulation
+of ``mixprec.emulate`` is this cast). ``dim=1`` cuts each row every ``tile`` columns
+(scales ``(M, ⌈K/tile⌉)``), ``dim=0`` each column. A last partial tile is scaled by its
+own amax; a tile holding an inf or NaN gets a NaN scale, so the step is skipped. Every
+cast returns a ``Quantized`` (codes and inverse scales per block).
 """
 
 from __future__ import annotations
@@ -60,6 +25,10 @@ __all__ = ["TILE", "MX_TILE", "MX_ROUNDINGS", "cast_tiles", "cast_blocks", "cast
 TILE = 128
 #: OCP MX's block size
 MX_TILE = 32
+#: the e8m0 exponent rules, as torchao names them (``mx_exponents``). ``floor`` (the
+#: OCP spec's) puts a block's amax in [256, 512) × X for e4m3, so its largest elements
+#: saturate at 448: a Gaussian Linear's output reads 24.8 dB against 29.0 for ``rceil``
+#: (``tests/test_fp8_blocks.py``), hence ``rceil``, NVIDIA's rule, is the default
 MX_ROUNDINGS = ("rceil", "floor", "ceil", "even")
 
 
@@ -73,6 +42,9 @@ def _cast(t: torch.Tensor, scale: torch.Tensor, rows: int, cols: int,
 
 def _scales(amax: torch.Tensor, dtype: torch.dtype, margin: int, pow2: bool
             ) -> torch.Tensor:
+    # fp8 max / amax / 2^margin in fp32, as torch computes a float over a tensor:
+    # fp8 max × fp32(1 / amax); pow2 (Transformer Engine's option) rounds it down to a
+    # power of two, so the dequantization is exact
     scale = amax_to_scale(amax, FP8_MAX[dtype], margin, torch.ones_like(amax))
     if pow2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
@@ -111,9 +83,18 @@ def _log2_floor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def mx_exponents(amax: torch.Tensor, fmt: torch.dtype | str | Format,
                  rounding: str = "rceil") -> torch.Tensor:
     """The e8m0 exponent of each block's scale for element format ``fmt`` under
-    ``rounding`` (see the module doc), as float32 integers clamped to [-127, 127]; -127
-    for an all-zero block, NaN for a block that holds an inf or NaN. float64 ``amax`` is
-    read in float64, anything else in float32."""
+    ``rounding``, as float32 integers clamped to [-127, 127]; -127 for an all-zero
+    block, NaN for a block that holds an inf or NaN. float64 ``amax`` is read in
+    float64, anything else in float32. With ``emax`` the element format's (8 for e4m3,
+    15 for e5m2):
+
+    - ``floor``: ``floor(log2(amax)) - emax`` (the OCP spec);
+    - ``ceil``: ``ceil(log2(amax)) - emax``: never saturates, coarser;
+    - ``even``: ``floor``, but a block whose amax would round up to the next power of
+      two at the element's mantissa takes the next scale;
+    - ``rceil``: ``ceil(log2(amax / max_elem))``, the quotient in fp32 (NVIDIA cuBLAS's
+      rule: the largest element lands at or below the max).
+    """
     if rounding not in MX_ROUNDINGS:
         raise ValueError(f"mx_rounding={rounding!r}; valid: {', '.join(MX_ROUNDINGS)}")
     f = formats.get(fmt)

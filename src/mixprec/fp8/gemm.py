@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mixprec.fp8.padding import MULTIPLES, run_or_fall_back
+from mixprec.fp8.padding import TENSOR_KERNEL, run_or_fall_back
 from mixprec.fp8.quantized import pad_to
 from mixprec.fp32_precision import ieee_fp32_matmul
 
@@ -26,7 +26,7 @@ __all__ = ["fp8_gemm", "SCALED_MM_MULTIPLE"]
 
 
 #: torch._scaled_mm needs the contraction dim and the output's columns divisible by 16
-SCALED_MM_MULTIPLE = MULTIPLES["tensor"][1]
+SCALED_MM_MULTIPLE = TENSOR_KERNEL.multiples[1]
 
 
 def _scaled_mm_operands(a: torch.Tensor, b: torch.Tensor):

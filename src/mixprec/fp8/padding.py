@@ -9,19 +9,11 @@ pads with zeros, which never raise an amax). The OCP MX v1.0 spec defines a bloc
 blocks before taking the shared exponent, which gives the same scale. NVFP4 and the
 1×128 / 128×128 tiles are cast the same way.
 
-The kernels do need alignment, and the route pads (``MULTIPLES``: the GEMM's ``M``,
-``K``, ``N``), with zero codes under unit scales, so no sum changes, and keeps the
-output's first ``M × N``:
-
-===========  =======================================================================
-``tensor``   ``torch._scaled_mm`` (per tensor, rowwise): K and N to 16
-``block``    the 1×128 / 128×128 kernel: K and N to 128, M to 4 (the tile scales'
-             16-byte leading dimension)
-``mx``       MXFP8: K to 32, N to 16; the 1×32 scales padded with unit scales to
-             the swizzled layout's 128 × 4 tiles
-``nvfp4``    NVFP4: K to 32 (two e2m1 codes per byte), N to 16; the 1×16 scales
-             padded as MX's
-===========  =======================================================================
+The kernels do need alignment: each format's ``kernel`` (a ``KernelSpec``) declares
+the multiples of the GEMM's ``M``, ``K``, ``N`` its kernel takes, and the route pads to
+them with zero codes under unit scales, so no sum changes, and keeps the output's first
+``M × N``. ``torch._scaled_mm`` (per tensor, rowwise; ``TENSOR_KERNEL``) takes K and N
+in multiples of 16; the block formats' specs sit in their own files.
 
 A shape a kernel still refuses (a build or device with a narrower kernel) falls back
 for that GEMM only (``run_or_fall_back``): the exact dequantizing route runs it, with one
@@ -34,31 +26,62 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-__all__ = ["MULTIPLES", "padded", "padding_bytes",
+__all__ = ["KernelSpec", "TENSOR_KERNEL", "padded", "padding_bytes",
            "backward_padding_bytes", "run_or_fall_back"]
 
-#: the multiples each kernel's GEMM needs of (M, K, N)
-MULTIPLES = {"tensor": (1, 16, 16), "block": (4, 128, 128), "mx": (1, 32, 16),
-             "nvfp4": (1, 32, 16)}
+
+@dataclass(frozen=True, kw_only=True)
+class KernelSpec:
+    """What one of torch's scaled-matmul kernels needs of a format's casts: the GEMM's
+    alignment and how its scales are laid out (``mixprec.fp8.scaled_mm``)."""
+
+    #: the multiples of the GEMM's (M, K, N) the kernel takes (the route pads to them)
+    multiples: tuple[int, int, int]
+    #: elements per scale along K (0: a scale per tensor or per row)
+    tile: int = 0
+    #: how the scales reach the kernel: ``tensor`` (a scale per tensor or row, as
+    #: ``torch._scaled_mm`` takes them), ``outer_major`` (fp32, strides ``(1, rows)``,
+    #: a 128×128 weight block's as ``(K blocks rounded up to 4, N / 128)``) or
+    #: ``swizzled`` (cuBLAS's ``SWIZZLE_32_4_4``, in ``scale_dtype``)
+    scales: Literal["tensor", "outer_major", "swizzled"] = "tensor"
+    #: the scales' dtype as the kernel reads them
+    scale_dtype: torch.dtype = torch.float32
+    #: e2m1 codes packed two per byte, and a per-tensor descale applied to the fp32 output
+    fp4: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.multiples) != 3 or not all(isinstance(m, int) and m >= 1
+                                               for m in self.multiples):
+            raise ValueError(f"KernelSpec multiples={self.multiples!r}: give three "
+                             "positive integers, the multiples of (M, K, N)")
+        if self.scales not in ("tensor", "outer_major", "swizzled"):
+            raise ValueError(f"KernelSpec scales={self.scales!r}; valid: tensor, "
+                             "outer_major, swizzled")
+
+
+#: ``torch._scaled_mm`` with a scale per tensor or per row: K and N to 16
+TENSOR_KERNEL = KernelSpec(multiples=(1, 16, 16))
 
 
 def _up(x: int, mult: int) -> int:
     return -(-x // mult) * mult
 
 
-def padded(m: int, k: int, n: int, kernel: str = "tensor") -> tuple[int, int, int]:
+def padded(m: int, k: int, n: int, kernel: KernelSpec = TENSOR_KERNEL
+           ) -> tuple[int, int, int]:
     """``(M, K, N)`` of an ``(M, K) @ (K, N)`` GEMM as ``kernel`` runs it, padded."""
-    if kernel not in MULTIPLES:
-        raise ValueError(f"kernel={kernel!r}; valid: {', '.join(MULTIPLES)}")
-    mm, mk, mn = MULTIPLES[kernel]
+    mm, mk, mn = kernel.multiples
     return _up(m, mm), _up(k, mk), _up(n, mn)
 
 
 def padding_bytes(m: int, k: int, n: int, *, a_copied: bool, b_copied: bool,
-                  out_bytes: int, code_bytes: float = 1.0, kernel: str = "tensor"
+                  out_bytes: int, code_bytes: float = 1.0,
+                  kernel: KernelSpec = TENSOR_KERNEL
                   ) -> float:
     """Bytes one GEMM holds because of its padding, beyond the unpadded call: an
     operand the route would pass as it is (``a_copied`` / ``b_copied`` False) is copied
@@ -75,7 +98,7 @@ def padding_bytes(m: int, k: int, n: int, *, a_copied: bool, b_copied: bool,
 
 
 def backward_padding_bytes(tokens: int, d_in: int, d_out: int, dx_bytes: int,
-                           kernel: str = "tensor") -> float:
+                           kernel: KernelSpec = TENSOR_KERNEL) -> float:
     """The padding's bytes at a Linear's backward on the ``scaled_mm`` route: the larger
     of the dgrad GEMM's ``(T, O) @ (O, I)`` (the gradient's codes passed as they are,
     the weight's transposed) and the wgrad GEMM's ``(O, T) @ (T, I)`` (both operands

@@ -1,20 +1,20 @@
 """The block-scaled casts on torch's scaled matmul (``torch.nn.functional.scaled_mm``).
 
 torch has hardware kernels for each of mixprec's block scalings, on CUDA only (a CPU
-build takes tensorwise and rowwise scales):
+build takes tensorwise and rowwise scales). Each block format declares its kernel's
+needs as a ``KernelSpec`` (``mixprec.fp8.padding``: the (M, K, N) multiples, the tile
+along K, the scale layout and dtype), and ``block_scaled_mm`` lays the operands out by
+that spec alone:
 
-- ``block`` (Hopper, sm90): 1×128 tiles against 128×128 weight blocks (forward and
-  dgrad) or against 1×128 tiles (wgrad), fp32 scales, e4m3 operands. The tiles' scales
-  are laid out outer-dim-major (stride ``(1, rows)``); a 128×128 block's scales are
-  ``(L4, N/128)`` with ``L4`` the K blocks rounded up to 4, also column-major. K and N
-  are padded with zero codes to multiples of 128, and M (the tokens of the forward and
-  dgrad) to a multiple of 4, so that the tile scales' leading dimension is 16-byte
-  aligned as cuBLASLt requires of every matrix (torch's meta kernel does not check it).
-- ``mx`` (Blackwell, sm100): 1×32 tiles on both operands, e8m0 scales in cuBLAS's
-  ``SWIZZLE_32_4_4`` layout (``swizzle_32_4_4``); K padded to 32.
-- ``nvfp4`` (sm100): e2m1 codes packed two per byte (``pack_e2m1``, the first element
-  in the low nibble), 1×16 e4m3 scales swizzled the same way, K padded to 32. A 16×16
-  weight block's scale serves each of its 16 rows. The per-tensor descales multiply the
+- ``outer_major`` scales (the 1×128 / 128×128 kernel, Hopper): fp32 tile scales in
+  strides ``(1, rows)``; a 128×128 block's scales are ``(L4, N/128)`` with ``L4`` the
+  K blocks rounded up to 4, also column-major. M is padded to a multiple of 4 so that
+  the tile scales' leading dimension is 16-byte aligned, as cuBLASLt requires of every
+  matrix (torch's meta kernel does not check it).
+- ``swizzled`` scales (MXFP8, NVFP4, Blackwell): cuBLAS's ``SWIZZLE_32_4_4`` layout
+  (``swizzle_32_4_4``) in the spec's scale dtype (e8m0, e4m3). fp4 codes are packed
+  two per byte (``pack_e2m1``, the first element in the low nibble); a 16×16 weight
+  block's scale serves each of its 16 rows, and the per-tensor descales multiply the
   fp32 output afterwards.
 
 The padding is zero codes under unit scales, so it changes no sum; the output keeps its
@@ -39,26 +39,22 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from mixprec.fp8.padding import MULTIPLES
+from mixprec.fp8.padding import KernelSpec
 from mixprec.fp8.quantized import Quantized, expand_blocks
 
-__all__ = ["BLOCK_KINDS", "block_scaled_mm", "swizzle_32_4_4", "pack_e2m1",
-           "PROBE_TOKENS"]
+__all__ = ["block_scaled_mm", "swizzle_32_4_4", "pack_e2m1", "PROBE_TOKENS"]
+
 
 class _BlockQuantizer(Protocol):
     """What the probe needs of a quantizer (``mixprec.fp8.quantizers``): its scaling's
-    name, its kernel (a ``BLOCK_KINDS`` key) and its cast."""
+    name, its kernel's ``KernelSpec`` and its cast."""
 
     name: str
-    kernel: str
+    kernel: KernelSpec
 
     def cast(self, t: torch.Tensor, role: str, dim: int, state: dict) -> Quantized:
         """``t`` cast for ``role`` along ``dim``."""
         ...
-
-
-#: the scalings with a block-scaled kernel, and the multiple K is padded to
-BLOCK_KINDS = {"block": 128, "mx": 32, "nvfp4": 32}
 
 
 def _pad(t: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Tensor:
@@ -124,52 +120,49 @@ def _operands(a: Quantized, b: Quantized, kmult: int, nmult: int, mmult: int = 1
     return ac, bt
 
 
-def block_scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, kind: str
-                    ) -> torch.Tensor:
-    """``a @ b`` on torch's block-scaled kernel for ``kind`` (``block``, ``mx`` or
-    ``nvfp4``; see the module doc): ``a`` (M, K) and ``b`` (K, N) cast by that
-    quantizer along K, fp32 accumulation, in ``out_dtype``."""
-    if kind not in BLOCK_KINDS:
-        raise ValueError(f"kind={kind!r}; valid: {', '.join(BLOCK_KINDS)}")
+def block_scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype,
+                    kernel: KernelSpec) -> torch.Tensor:
+    """``a @ b`` on torch's block-scaled kernel that ``kernel`` describes (a block
+    format's ``kernel``; see the module doc): ``a`` (M, K) and ``b`` (K, N) cast by that
+    format along K, fp32 accumulation, in ``out_dtype``."""
+    if not isinstance(kernel, KernelSpec) or kernel.scales == "tensor":
+        raise ValueError(f"kernel={kernel!r}: block_scaled_mm takes a block format's "
+                         "KernelSpec (its scales outer_major or swizzled); per-tensor "
+                         "and rowwise casts go through mixprec.fp8.gemm.fp8_gemm")
     m, n = a.codes.shape[0], b.codes.shape[1]
     st = F.ScalingType
-    if kind == "block":
-        mm, mk, mn = MULTIPLES[kind]  # M to 4: the tile scales' 16-byte rows
-        ac, bt = _operands(a, b, mk, mn, mm)
-        kb = ac.shape[1] // 128
-        sa = _pad(_k_scales(a, "a", 128), 4, kb, 1.0)
-        if _block_shape(b) == (128, 128):  # a weight: (L4, N/128), column-major
-            sb = _pad(b.inv.float(), 4, 1, 1.0)
-            sb = _pad(sb, 1, bt.shape[0] // 128, 1.0)
-            rb = st.BlockWise128x128
-        else:
-            sb = _pad(_k_scales(b, "b", 128), bt.shape[0], kb, 1.0)
-            rb = st.BlockWise1x128
-        y = F.scaled_mm(ac, bt.t(), _col_major(sa), st.BlockWise1x128, _col_major(sb),
-                        rb, output_dtype=out_dtype)
-        return y[:m, :n]
-    tile = 32 if kind == "mx" else 16
-    _, mk, mn = MULTIPLES[kind]
-    ac, bt = _operands(a, b, mk, mn)
+    tile = kernel.tile
+    mm, mk, mn = kernel.multiples
+    ac, bt = _operands(a, b, mk, mn, mm)
     kb = ac.shape[1] // tile
+    rows = getattr(st, f"BlockWise1x{tile}")
+    if kernel.scales == "outer_major":  # M to 4: the tile scales' 16-byte rows
+        sa = _pad(_k_scales(a, "a", tile), 4, kb, 1.0)
+        if _block_shape(b) == (tile, tile):  # a weight: (L4, N/tile), column-major
+            sb = _pad(b.inv.float(), 4, 1, 1.0)
+            sb = _pad(sb, 1, bt.shape[0] // tile, 1.0)
+            rb = getattr(st, f"BlockWise{tile}x{tile}")
+        else:
+            sb = _pad(_k_scales(b, "b", tile), bt.shape[0], kb, 1.0)
+            rb = rows
+        y = F.scaled_mm(ac, bt.t(), _col_major(sa.to(kernel.scale_dtype)), rows,
+                        _col_major(sb.to(kernel.scale_dtype)), rb, output_dtype=out_dtype)
+        return y[:m, :n]
     sa = _pad(_k_scales(a, "a", tile), 1, kb, 1.0)
     sb = _pad(_k_scales(b, "b", tile), bt.shape[0], kb, 1.0)
     sw = F.SwizzleType.SWIZZLE_32_4_4
-    if kind == "mx":
-        e8 = torch.float8_e8m0fnu
-        y = F.scaled_mm(ac, bt.t(), swizzle_32_4_4(sa).to(e8), st.BlockWise1x32,
-                        swizzle_32_4_4(sb).to(e8), st.BlockWise1x32, swizzle_a=sw,
-                        swizzle_b=sw, output_dtype=out_dtype)
-        return y[:, :n]
-    e4 = torch.float8_e4m3fn
-    y = F.scaled_mm(pack_e2m1(ac), pack_e2m1(bt).t(), swizzle_32_4_4(sa).to(e4),
-                    st.BlockWise1x16, swizzle_32_4_4(sb).to(e4), st.BlockWise1x16,
+    sa, sb = (swizzle_32_4_4(s).to(kernel.scale_dtype) for s in (sa, sb))
+    if not kernel.fp4:
+        y = F.scaled_mm(ac, bt.t(), sa, rows, sb, rows, swizzle_a=sw, swizzle_b=sw,
+                        output_dtype=out_dtype)
+        return y[:m, :n]
+    y = F.scaled_mm(pack_e2m1(ac), pack_e2m1(bt).t(), sa, rows, sb, rows,
                     swizzle_a=sw, swizzle_b=sw, output_dtype=torch.float32)
     outer = torch.ones((), device=y.device)
     for q in (a, b):
         if q.outer is not None:
             outer = outer * q.outer
-    return (y[:, :n] * outer).to(out_dtype)
+    return (y[:m, :n] * outer).to(out_dtype)
 
 
 def _kernel_ok(device: str, quantizer: _BlockQuantizer) -> bool:

@@ -1,29 +1,8 @@
-"""Per-tensor fp8 scaling: amax histories, delayed and current scales.
-
-Each fp8 tensor ``t`` is stored as ``cast(t * scale)`` with ``scale = fp8_max / amax /
-2^margin``, so its largest magnitude lands just under the format's max (448 for e4m3,
-57344 for e5m2), and the GEMM multiplies the result back by ``1 / scale``.
-
-- **current** scaling takes ``amax`` from the tensor itself at cast time;
-- **rowwise** scaling is current scaling with one scale per row of a GEMM operand
-  (``cast_rowwise``): per token for activations and gradients, per output or input
-  channel for weights. One outlier token then costs precision in its own row only.
-- **delayed** scaling (Transformer Engine's recipe) uses a scale computed
-  from a history of the amaxes of previous steps, so the cast needs no reduction before
-  it. ``history[:, 0]`` collects this step's amax (the max over micro-batches); at the
-  optimizer step the new scale comes from ``max`` over the history (or the most recent
-  entry), then the history rolls by one. A margin ``m`` keeps casts from saturating
-  while amax grows by less than 2^m per step.
-
-A scale is kept, not replaced, when the amax is 0 or not finite. A skipped optimizer
-step discards this step's amaxes, so one overflow does not poison the history. All of it
-is tensor ops on the device.
-
-Casts saturate (``clamp`` to ±max), which would also turn an inf into ±max and hide it
-from the engine's non-finite check: an inf in an input batch would train as a large
-finite value. So the cast of a tensor whose amax is not finite uses a NaN scale
-(``nan_if_not_finite``): the cast is all NaN, so is the GEMM's output, and the step is
-skipped like any other overflow.
+"""Per-tensor and rowwise fp8 scaling: ``scale = fp8_max / amax / 2^margin`` (the
+largest magnitude lands at the format's max), saturating casts, and delayed scaling's
+per-step update of its amax history (Transformer Engine's recipe). A scale is kept where
+amax is 0 or not finite; a cast whose amax is not finite takes a NaN scale
+(``nan_if_not_finite``) so that the step is skipped.
 """
 
 from __future__ import annotations
@@ -50,7 +29,9 @@ def fp8_max_tensor(dtype: torch.dtype, device: torch.device | str) -> torch.Tens
 
 def amax_to_scale(amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int,
                   old: torch.Tensor) -> torch.Tensor:
-    """fp8_max / amax / 2^margin where that is finite and amax > 0; else ``old``."""
+    """fp8_max / amax / 2^margin where that is finite and amax > 0; else ``old``. A
+    margin ``m`` keeps delayed casts from saturating while amax grows by less than
+    2^m per step."""
     scale = fp8_max / amax / (2.0**margin)
     ok = (amax > 0) & torch.isfinite(amax) & torch.isfinite(scale)
     return torch.where(ok, scale, old)
@@ -58,7 +39,9 @@ def amax_to_scale(amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int
 
 def nan_if_not_finite(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """``scale`` where ``amax`` is finite, NaN where it is not (elementwise, so a row's
-    scale for rowwise casts): a saturating cast must not turn an inf into a finite max."""
+    scale for rowwise casts): a saturating cast must not turn an inf into a finite max,
+    which would train an inf input as a large finite value; a NaN cast makes the GEMM's
+    output NaN, and the step is skipped like any overflow."""
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
 
 
@@ -73,7 +56,7 @@ def cast_rowwise(t: torch.Tensor, dim: int, dtype: torch.dtype, margin: int = 0
     """``t`` (2-D) in fp8 with one scale per slice along ``dim``, the GEMM's contraction
     dim, and the inverse scales, shaped to broadcast (``dim=1``: (rows, 1); ``dim=0``:
     (1, cols)). A slice of zeros keeps the scale 1; a slice holding an inf or NaN gets a
-    NaN scale (see the module doc)."""
+    NaN scale (``nan_if_not_finite``)."""
     amax = t.detach().abs().amax(dim=dim, keepdim=True).float()
     scale = amax_to_scale(amax, FP8_MAX[dtype], margin, torch.ones_like(amax))
     scale = nan_if_not_finite(scale, amax)

@@ -8,10 +8,10 @@ from mixprec.fp8.formats.base import LinearFormat
 from mixprec.fp8.formats.block import BlockScaling
 from mixprec.fp8.formats.current import CurrentScaling
 from mixprec.fp8.formats.delayed import DelayedScaling
+from mixprec.fp8.formats.int8 import Int8Rowwise
 from mixprec.fp8.formats.mx import MXScaling
 from mixprec.fp8.formats.nvfp4 import NVFP4Scaling
 from mixprec.fp8.formats.rowwise import RowwiseScaling
-from mixprec.fp8.int8_rowwise import Int8Rowwise
 
 __all__ = ["LinearFormat", "FORMATS", "DEFAULT_FORMAT", "format_class", "DelayedScaling",
            "CurrentScaling", "RowwiseScaling", "BlockScaling", "MXScaling", "NVFP4Scaling",

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from mixprec.fp8.blocks import TILE
-from mixprec.fp8.padding import backward_padding_bytes, run_or_fall_back
+from mixprec.fp8.padding import TENSOR_KERNEL, KernelSpec, backward_padding_bytes, run_or_fall_back
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.route import GEMM_CHOICES, gemm_route
 from mixprec.fp8.scaled_mm import block_scaled_mm
@@ -100,9 +100,10 @@ class LinearFormat:
     exact_fp32: ClassVar[bool] = False
     #: elements per scale along the contracted dim, as the diagnostics judge underflow
     tile: ClassVar[int] = TILE
-    #: which of torch's scaled-matmul kernels multiplies its casts
-    #: (``mixprec.fp8.scaled_mm.block_scaled_mm``'s ``kind``)
-    kernel: ClassVar[str] = "tensor"
+    #: what torch's scaled-matmul kernel that multiplies its casts needs of them: the
+    #: GEMM's (M, K, N) multiples and the scales' layout (``mixprec.fp8.padding``;
+    #: ``mixprec.fp8.scaled_mm.block_scaled_mm`` takes it); None: no such kernel
+    kernel: ClassVar[KernelSpec | None] = TENSOR_KERNEL
     #: the kernel, as an error message names it
     kernel_name: ClassVar[str] = "torch._scaled_mm"
     #: the NVIDIA compute capabilities the kernel runs on: (lowest, highest major or None)
@@ -178,7 +179,7 @@ class LinearFormat:
         exact = lambda: (a.dequant() @ b.dequant()).to(out_dtype)  # noqa: E731
         if backend == "scaled_mm":  # a shape the kernel refuses: this GEMM runs exact
             return run_or_fall_back(lambda: block_scaled_mm(a, b, out_dtype, self.kernel),
-                                    exact, f"the {self.kernel} kernel",
+                                    exact, self.kernel_name,
                                     (a.codes.shape[0], a.codes.shape[1], b.codes.shape[1]),
                                     a.data.device)
         return exact()

@@ -10,6 +10,7 @@ import torch
 
 from mixprec.fp8.blocks import cast_blocks, cast_tiles
 from mixprec.fp8.formats.base import E4M3, Margined, TileScaled
+from mixprec.fp8.padding import KernelSpec
 from mixprec.fp8.quantized import Quantized
 
 __all__ = ["BlockScaling"]
@@ -24,7 +25,9 @@ class BlockScaling(TileScaled, Margined):
     block_scales: Literal["fp32", "pow2"] = "fp32"
 
     name: ClassVar[str] = "block"
-    kernel: ClassVar[str] = "block"
+    #: K and N to 128; M to 4, so the tile scales' leading dimension is 16 bytes
+    kernel: ClassVar[KernelSpec] = KernelSpec(multiples=(4, 128, 128), tile=128,
+                                              scales="outer_major")
     kernel_name: ClassVar[str] = "the 1x128/128x128 block kernel"
     kernel_capability: ClassVar[tuple[tuple[int, int], int | None]] = ((9, 0), 9)
     reused_roles: ClassVar[tuple[str, ...]] = ("weight",)

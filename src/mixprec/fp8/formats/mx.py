@@ -10,6 +10,7 @@ import torch
 
 from mixprec.fp8.blocks import MX_TILE, cast_mx
 from mixprec.fp8.formats.base import Fp8Elements, TileScaled
+from mixprec.fp8.padding import KernelSpec
 from mixprec.fp8.quantized import Quantized
 
 __all__ = ["MXScaling"]
@@ -25,7 +26,10 @@ class MXScaling(TileScaled, Fp8Elements):
     mx_rounding: Literal["rceil", "floor", "ceil", "even"] = "rceil"
 
     name: ClassVar[str] = "mx"
-    kernel: ClassVar[str] = "mx"
+    #: K to 32, N to 16; e8m0 scales swizzled (padded with unit scales to 128 × 4 tiles)
+    kernel: ClassVar[KernelSpec] = KernelSpec(
+        multiples=(1, MX_TILE, 16), tile=MX_TILE, scales="swizzled",
+        scale_dtype=torch.float8_e8m0fnu)
     kernel_name: ClassVar[str] = "the MXFP8 block-scaled kernel"
     kernel_capability: ClassVar[tuple[tuple[int, int], int | None]] = ((10, 0), None)
     tile: ClassVar[int] = MX_TILE

@@ -11,6 +11,7 @@ import torch
 
 from mixprec.fp8.formats.base import LinearFormat
 from mixprec.fp8.nvfp4 import apply_hadamard, cast_nvfp4, hadamard_16
+from mixprec.fp8.padding import KernelSpec
 from mixprec.fp8.quantized import Quantized
 
 __all__ = ["NVFP4Scaling"]
@@ -29,7 +30,10 @@ class NVFP4Scaling(LinearFormat):
     nvfp4_sr: bool = True
 
     name: ClassVar[str] = "nvfp4"
-    kernel: ClassVar[str] = "nvfp4"
+    #: K to 32 (two e2m1 codes per byte), N to 16; 1×16 e4m3 scales swizzled as MX's
+    kernel: ClassVar[KernelSpec] = KernelSpec(
+        multiples=(1, 32, 16), tile=16, scales="swizzled", scale_dtype=torch.float8_e4m3fn,
+        fp4=True)
     kernel_name: ClassVar[str] = "the NVFP4 block-scaled kernel"
     kernel_capability: ClassVar[tuple[tuple[int, int], int | None]] = ((10, 0), None)
     exact_fp32: ClassVar[bool] = True

@@ -127,7 +127,7 @@ measured_int8: Callable[[torch.device, tuple[int, int, int]], bool] | None = Non
 
 def _faster(dev: torch.device, m: int, k: int, n: int) -> bool:
     if measured_int8 is None:  # importing mixprec imports mixprec.kernels, which sets it
-        raise RuntimeError("mixprec.fp8.int8_rowwise.measured_int8 is unset: "
+        raise RuntimeError("mixprec.fp8.formats.int8.measured_int8 is unset: "
                            "import mixprec")
     return measured_int8(dev, shape_class(m, k, n))
 
@@ -147,7 +147,8 @@ class Int8Rowwise(LinearFormat):
     #: not judged by the doctor's fp8 flush shares: 127 uniform levels flush whatever is
     #: below amax / 254 of its row by design (the planner's SQNR judges int8)
     flush_view: ClassVar[str] = ""
-    kernel: ClassVar[str] = "int8"
+    #: its own GEMM (``int8_gemm``: ``torch._int_mm``), not a scaled-matmul kernel
+    kernel: ClassVar[None] = None
 
     def dtype(self, role: str) -> torch.dtype:
         """int8, every role."""
