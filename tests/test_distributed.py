@@ -557,8 +557,17 @@ def test_every_rank_takes_rank_0s_kernel_choices(parallel, recipe, fast_rank):
 def _one_process_windows(recipe, ends, world=2):
     """One process on the same micro-batches as ``accum_windows``' ranks: each window's
     rank-0 then rank-1 micro-batches, losses times ``world``, learning rate over
-    ``world``, ``grad_accum_steps`` 4 x ``world`` (see ``train_reference``)."""
+    ``world``, ``grad_accum_steps`` 4 x ``world`` (see ``train_reference``), on one
+    thread as the ranks run."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _windows_on_one_thread(recipe, ends, world)
+    finally:
+        torch.set_num_threads(threads)  # the tests after this one run as they would alone
+
+
+def _windows_on_one_thread(recipe, ends, world):
     model = w.make_mlp(seed=0)
     engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1 / world),
                             recipe, grad_accum_steps=4 * world)

@@ -267,7 +267,8 @@ def _convenience(config: str, cls: type, name: str, attr: str | None = None) -> 
         return getattr(getattr(self, config), attr)
 
     get.__annotations__["return"] = ftype
-    return property(get, doc=f"``{config}.{attr}`` (read-only).")
+    get.__doc__ = f"``{config}.{attr}`` (read-only)."
+    return property(get)
 
 
 for _n in _PRECISION:
