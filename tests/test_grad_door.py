@@ -49,10 +49,11 @@ def test_every_buffer_write_of_a_window_goes_through_the_door(recipe, accum, cal
 def test_ddp_hook_and_fsdp_shards_write_through_the_door():
     for r in spawn(w.door_writers):
         ddp = r[("ddp", "bf16-master")]
-        # the hook adds each micro-batch it reduces and puts the reduced sums back
+        # the hook folds the last micro-batch into the buffers' sums in fp32 on its way
+        # to the reduction (no write) and puts the reduced sums back through the door
         # (``done``); what it settled is not harvested again
-        assert ddp["calls"]["ddp_comm_hook"] == ddp["calls"]["done"] >= 1, ddp
-        assert set(ddp["calls"]) <= {"accumulate", "ddp_comm_hook", "done"}, ddp
+        assert ddp["calls"]["done"] >= 1 and "ddp_comm_hook" not in ddp["calls"], ddp
+        assert set(ddp["calls"]) <= {"accumulate", "done"}, ddp
         wgrad = r[("ddp", "bf16-master,wgrad=fp32")]
         assert wgrad["calls"]["add_fp32_grad"] >= 3, wgrad   # 3 Linears' weights
         assert "accumulate" not in wgrad["calls"] and wgrad["calls"]["done"] >= 1, wgrad

@@ -6,9 +6,10 @@ and sharding, and the agreements every rank must reach. Built on torch.distribut
 a 16-bit all-reduce it divides by the world size: if every rank's value is within the
 format's range (|g| <= max), then so is the mean, so the reduction cannot overflow where
 the inputs did not. Summing first can overflow with as few as two ranks. For recipes
-whose gradients live in fp32 buffers (``-master``, ``grad_accum=kahan``), the hook adds
-the last micro-batch's gradient to the rank's buffers, reduces their sums, and puts the
-result back into them, both through the parameter state's one door (``receive``).
+whose gradients live in buffers (``-master``, ``grad_accum=kahan``), the hook adds the
+last micro-batch's gradient to the rank's buffers in fp32 on its way to the reduction
+(no rounding to the buffers' dtype first) and puts the reduced sums back into them
+through the parameter state's one door (``receive``).
 Nothing goes back through a bf16 ``.grad``.
 Micro-batches before the last one run under ``no_sync()``, their forwards included (DDP
 decides in the forward whether the backward reduces), so one reduction serves the whole
@@ -133,12 +134,13 @@ def ddp_comm_hook(state: _HookState, bucket):
     if gs.direct:
         flat = bucket.buffer()
         send = flat.to(state.comm_dtype)
-    else:  # the last micro-batch joins the rank's buffers; their sums are reduced
+    else:  # the last micro-batch joins the rank's buffers in fp32 (no rounding to the
+        # buffers' dtype before the reduction); the mean goes back through the door
         params = bucket.parameters()
-        gs.receive(params, bucket.gradients())
         index, grads = gs.index, gs.grads
         bufs = [grads[index[id(p)]] for p in params]
-        send = torch.cat([b.flatten() for b in bufs]).to(state.comm_dtype)
+        send = torch.cat([(b.float() + g.float()).flatten()
+                          for b, g in zip(bufs, bucket.gradients())]).to(state.comm_dtype)
     send.div_(state.world)  # pre-divide: the mean cannot overflow where the inputs did not
     state.stats.record(send)
     fut = dist.all_reduce(send, async_op=True).get_future()
