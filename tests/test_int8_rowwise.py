@@ -94,7 +94,16 @@ def test_both_routes_equal_the_int64_product_bit_for_bit(m, k, n):
     assert torch.equal(slow.view(torch.int16), want.view(torch.int16))
 
 
-def test_cuda_shapes_int_mm_refuses_fall_back_per_gemm(monkeypatch):
+@pytest.fixture
+def exact_cpu_int_mm(monkeypatch):
+    """This CPU's ``torch._int_mm`` taken as exact (a VNNI/AMX chip), for the tests of
+    the route logic; a chip without is checked by the saturating-CPU test below."""
+    from mixprec.fp8.formats import int8 as fmt_int8
+
+    monkeypatch.setattr(fmt_int8, "_CPU_EXACT", [True])
+
+
+def test_cuda_shapes_int_mm_refuses_fall_back_per_gemm(monkeypatch, exact_cpu_int_mm):
     def operands(m, k, n):
         dev = torch.device("cuda")
         return (types.SimpleNamespace(device=dev, shape=(m, k)),
@@ -116,7 +125,7 @@ def test_cuda_shapes_int_mm_refuses_fall_back_per_gemm(monkeypatch):
 
 @pytest.mark.parametrize("ratio,takes", [(2.0, True), (0.8, False)])
 def test_auto_on_a_cpu_takes_int_mm_per_shape_class_only_where_measured_faster(
-        monkeypatch, ratio, takes):
+        monkeypatch, ratio, takes, exact_cpu_int_mm):
     read = []
 
     def reading(device, shape):
@@ -133,7 +142,7 @@ def test_auto_on_a_cpu_takes_int_mm_per_shape_class_only_where_measured_faster(
     assert len(calls) == (2 if takes else 0)
 
 
-def test_routes_by_device_and_choice(monkeypatch):
+def test_routes_by_device_and_choice(monkeypatch, exact_cpu_int_mm):
     q = quantizer_for("int8-rowwise")
     assert isinstance(q, Int8Rowwise) and q.quantized_gemms == ("forward", "dgrad")
     assert [q.route("cpu", c) for c in ("auto", "scaled_mm", "dequant", "dequant_fp32")
@@ -259,3 +268,33 @@ def test_the_planner_chooses_int8_where_measured_faster_within_the_sqnr_floor(
         assert p.recipe.layer_format("up") == "int8-rowwise"
     if want == "bf16":
         assert "SQNR" in rows["up"].reason
+
+
+def test_a_cpu_whose_int_mm_saturates_takes_the_exact_route(monkeypatch):
+    """Without VNNI/AMX, oneDNN sums int8 product pairs in saturating int16: there
+    ``auto`` and a per-GEMM ``_int_mm`` take the exact route (probed, said once)."""
+    from mixprec.fp8.formats import int8 as fmt_int8
+
+    monkeypatch.setattr(fmt_int8, "_CPU_EXACT", [False])
+    monkeypatch.setattr(fmt_int8, "_SAID", set())
+    calls = []
+    monkeypatch.setattr(torch, "_int_mm", lambda *a: calls.append(a))
+    q = Recipe.parse("int8-rowwise").linear
+    with pytest.warns(UserWarning, match="saturates"):
+        assert q.route("cpu") == "dequant_fp32"
+    with pytest.raises(ValueError, match="saturates"):
+        q.route("cpu", "scaled_mm")
+    a = torch.full((3, 64), 127, dtype=torch.int8)
+    b = torch.full((64, 2), -127, dtype=torch.int8)
+    one = torch.ones(3, 1), torch.ones(1, 2)
+    got = int8_gemm(a, b, *one, torch.float32, use_int_mm=True)
+    assert calls == [] and torch.equal(got, torch.full((3, 2), -127.0 * 127 * 64))
+
+
+def test_the_probe_reads_this_cpus_kernel():
+    from mixprec.fp8.formats.int8 import cpu_int_mm_exact
+
+    a = torch.full((17, 64), 127, dtype=torch.int8)
+    b = torch.full((64, 8), -127, dtype=torch.int8)
+    exact = torch.equal(torch._int_mm(a, b), (a.long() @ b.long()).int())
+    assert cpu_int_mm_exact() == exact or not exact  # an inexact kernel is never trusted

@@ -74,13 +74,42 @@ def cast_int8_rowwise(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Te
     return q.nan_to_num_(0.0).to(torch.int8), scale
 
 
+_CPU_EXACT: list[bool] = []
+
+
+def cpu_int_mm_exact() -> bool:
+    """Whether this CPU's ``torch._int_mm`` sums int8 products exactly (measured once).
+    Without VNNI or AMX, oneDNN's int8 GEMM adds pairs of products in int16 with
+    saturation (``vpmaddubsw`` on codes shifted to unsigned), so 127·127 pairs come out
+    wrong; the exact route runs there instead."""
+    if not _CPU_EXACT:
+        k = 64
+        a = torch.full((17, k), 127, dtype=torch.int8)
+        a[1::2] = -127
+        b = torch.full((k, 8), 127, dtype=torch.int8)
+        b[:, 1::2] = -127
+        g = torch.Generator().manual_seed(0)
+        r = torch.randint(-127, 128, (17, k), generator=g, dtype=torch.int8)
+        ok = all(torch.equal(torch._int_mm(x, b), (x.long() @ b.long()).int())
+                 for x in (a, r))
+        _CPU_EXACT.append(ok)
+    return _CPU_EXACT[0]
+
+
+_CPU_INEXACT = ("this CPU's torch._int_mm saturates int8 product sums (no VNNI/AMX: "
+                "oneDNN adds pairs in int16)")
+
+
 def int_mm_refusal(a: torch.Tensor, b: torch.Tensor) -> str | None:
     """Why ``torch._int_mm`` does not take ``a`` (M, K) @ ``b`` (K, N) on their device
-    (a sentence), or None where it does: a CPU takes any shape, CUDA needs ``M > 16``
-    and ``K``, ``N`` multiples of 8; other devices have no kernel wired here."""
+    (a sentence), or None where it does: a CPU whose kernel sums exactly takes any
+    shape, CUDA needs ``M > 16`` and ``K``, ``N`` multiples of 8; other devices have no
+    kernel wired here."""
     dev = a.device.type
-    if dev in ("cpu", "meta"):
+    if dev == "meta":
         return None
+    if dev == "cpu":
+        return None if cpu_int_mm_exact() else _CPU_INEXACT
     if dev != "cuda":
         return f"torch._int_mm is wired for CPU and CUDA only, not {dev}"
     (m, k), n = a.shape, b.shape[1]
@@ -177,7 +206,7 @@ class Int8Rowwise(LinearFormat):
                                  f"{missing}. Use fp8_gemm=auto or fp8_gemm=dequant_fp32 "
                                  "(the exact dequantizing GEMM, bit-identical).")
             return "scaled_mm"
-        if dev.type == "cpu":
+        if dev.type == "cpu" and missing is None:
             return "auto"
         if missing is not None:
             key = (str(dev), missing)
@@ -192,8 +221,10 @@ class Int8Rowwise(LinearFormat):
     @staticmethod
     def _missing(dev: torch.device) -> str | None:
         """Why ``dev`` has no ``torch._int_mm`` (None where it has)."""
-        if dev.type in ("cpu", "meta"):
+        if dev.type == "meta":
             return None
+        if dev.type == "cpu":
+            return None if cpu_int_mm_exact() else _CPU_INEXACT
         if dev.type != "cuda" or torch.version.hip is not None:
             return f"torch._int_mm is wired for CPU and NVIDIA GPUs only, not {dev}"
         cap = tuple(torch.cuda.get_device_capability(dev))
