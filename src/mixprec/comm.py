@@ -46,36 +46,17 @@ reference goes last and the group is destroyed with the GIL released.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from mixprec.comm_stats import CommStats
+
 __all__ = ["CommStats", "require_process_group", "ddp_comm_hook", "fsdp_policy",
            "all_reduce_max_", "broadcast_module_", "wrap_ddp", "shard_fsdp", "agree_amax_",
            "gather_full", "broadcast_object", "sixteen_bit_shards", "shard_like",
            "spread_of", "sum_over_shards_", "reduce_grads_"]
-
-
-@dataclass
-class CommStats:
-    """Bytes this rank sent in the engine's reductions (numel × element size of the
-    reduced tensor, once per all-reduce call): DDP's gradient buckets, or under tensor
-    parallelism the gradient norm's sums over the mesh."""
-
-    bytes_sent: int = 0
-    calls: int = 0
-    dtype: torch.dtype | None = None
-    per_call: list[int] = field(default_factory=list)
-
-    def record(self, t: torch.Tensor) -> None:
-        """Count one collective's payload: ``t.numel() * t.element_size()`` bytes."""
-        n = t.numel() * t.element_size()
-        self.bytes_sent += n
-        self.calls += 1
-        self.dtype = t.dtype
-        self.per_call.append(n)
 
 
 def require_process_group(parallel: str) -> None:

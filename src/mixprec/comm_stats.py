@@ -1,0 +1,89 @@
+"""What crossed the wire: each collective the engine and its formats run, with its
+operation, purpose, dtype and bytes, and every place where a format that asked for
+8-bit (or 4-bit) communication sent 16 bits instead (said once per cause, kept for the
+doctor)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["CommStats", "CommRecord", "CommFallback"]
+
+#: the fallbacks already warned about in this process: (what, asked, why)
+_WARNED: set[tuple[str, str, str]] = set()
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective this rank took part in."""
+
+    #: the collective: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``, ...
+    op: str
+    #: what it carried: ``"grads"``, ``"norm"``, ``"amax"``, ``"weights"``, ...
+    what: str
+    #: the payload's dtype as it crossed the wire
+    dtype: torch.dtype
+    #: this rank's payload in bytes (numel × element size)
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CommFallback:
+    """A collective sent in 16 bits where the format asked for fewer."""
+
+    #: what was sent (a module's weight, an activation, ...)
+    what: str
+    #: the format that asked for low-precision communication
+    asked: str
+    #: the dtype that was sent instead
+    sent: torch.dtype
+    #: why the low-precision route could not be taken, and the fix where there is one
+    why: str
+
+
+@dataclass
+class CommStats:
+    """Bytes this rank sent in the collectives counted here (numel × element size of
+    the payload, once per call): DDP's gradient buckets, the gradient norm's sums over a
+    tensor-parallel mesh, and whatever else records itself; each call is also kept as a
+    ``CommRecord`` (``records``, summed by ``totals()``), and each 16-bit fallback as a
+    ``CommFallback`` (``fallbacks``)."""
+
+    bytes_sent: int = 0
+    calls: int = 0
+    dtype: torch.dtype | None = None
+    per_call: list[int] = field(default_factory=list)
+    records: list[CommRecord] = field(default_factory=list)
+    fallbacks: list[CommFallback] = field(default_factory=list)
+
+    def record(self, t: torch.Tensor, op: str = "all_reduce", what: str = "grads") -> None:
+        """Count one collective's payload: ``t.numel() * t.element_size()`` bytes."""
+        n = t.numel() * t.element_size()
+        self.bytes_sent += n
+        self.calls += 1
+        self.dtype = t.dtype
+        self.per_call.append(n)
+        self.records.append(CommRecord(op, what, t.dtype, n))
+
+    def totals(self) -> dict[tuple[str, str, torch.dtype], int]:
+        """``(op, what, dtype) -> bytes`` over every record."""
+        out: dict[tuple[str, str, torch.dtype], int] = {}
+        for r in self.records:
+            key = (r.op, r.what, r.dtype)
+            out[key] = out.get(key, 0) + r.nbytes
+        return out
+
+    def fallback(self, what: str, asked: str, sent: torch.dtype, why: str) -> None:
+        """Note that ``what`` crossed the wire as ``sent`` although format ``asked``
+        wanted fewer bits; warns once per ``(what's kind, asked, why)`` in a process."""
+        fb = CommFallback(what, asked, sent, why)
+        if fb not in self.fallbacks:
+            self.fallbacks.append(fb)
+        key = (what.split(":")[0], asked, why)
+        if key not in _WARNED:
+            _WARNED.add(key)
+            warnings.warn(f"{what} is communicated in {sent} although {asked!r} asked for "
+                          f"low-precision communication: {why}", stacklevel=3)

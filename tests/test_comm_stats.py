@@ -1,0 +1,40 @@
+"""CommStats: each collective kept with its op, purpose, dtype and bytes; a 16-bit
+fallback of a low-precision format warned once per cause and kept."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from mixprec import comm_stats
+from mixprec.comm_stats import CommFallback, CommRecord, CommStats
+
+
+def test_records_sum_by_op_purpose_and_dtype():
+    s = CommStats()
+    s.record(torch.zeros(10, dtype=torch.bfloat16))
+    s.record(torch.zeros(3, 4, dtype=torch.uint8), op="all_gather", what="weights")
+    s.record(torch.zeros(6, dtype=torch.uint8), op="all_gather", what="weights")
+    assert s.bytes_sent == 20 + 12 + 6 and s.calls == 3 and s.per_call == [20, 12, 6]
+    assert s.records[1] == CommRecord("all_gather", "weights", torch.uint8, 12)
+    assert s.totals() == {("all_reduce", "grads", torch.bfloat16): 20,
+                          ("all_gather", "weights", torch.uint8): 18}
+
+
+def test_a_fallback_warns_once_per_cause_and_is_kept_each_time(monkeypatch):
+    monkeypatch.setattr(comm_stats, "_WARNED", set())
+    s = CommStats()
+    with pytest.warns(UserWarning, match=r"weight:fc1 is communicated in torch.bfloat16 "
+                                         r"although 'mxfp8' asked"):
+        s.fallback("weight:fc1", "mxfp8", torch.bfloat16, "shard cut not on a block")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s.fallback("weight:fc2", "mxfp8", torch.bfloat16, "shard cut not on a block")
+        s.fallback("weight:fc2", "mxfp8", torch.bfloat16, "shard cut not on a block")
+    assert s.fallbacks == [
+        CommFallback("weight:fc1", "mxfp8", torch.bfloat16, "shard cut not on a block"),
+        CommFallback("weight:fc2", "mxfp8", torch.bfloat16, "shard cut not on a block")]
+    with pytest.warns(UserWarning, match="nvfp4"):
+        s.fallback("weight:fc1", "nvfp4", torch.bfloat16, "shard cut not on a block")
