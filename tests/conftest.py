@@ -29,6 +29,10 @@ def pytest_addoption(parser):
         help="the 16-bit path every emulate=auto choice takes in this run and in the "
              "processes it starts: 'real' bf16/fp16 kernels, 'emulated' on fp32 kernels, "
              "or 'auto' (measured on this CPU). Sets MIXPREC_EMULATE.")
+    parser.addoption(
+        "--long", action="store_true", default=False,
+        help="also run the tests marked `long` (many-step trainings and multi-rank "
+             "cases; CI runs them in a pass of their own: `./dev test --long -m long`)")
 
 
 def pytest_configure(config):
@@ -50,12 +54,13 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
+    long = pytest.mark.skip(reason="a long test: run with --long (CI's own pass)")
+    cuda = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if "long" in item.keywords and not config.getoption("--long"):
+            item.add_marker(long)
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(cuda)
 
 
 def require_cpu_scaled_mm() -> None:

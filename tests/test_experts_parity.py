@@ -15,7 +15,7 @@ from mixprec import MixedPrecision
 from mixprec.experts import experts_formats
 
 transformers = pytest.importorskip("transformers")
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
+pytestmark = [pytest.mark.long, pytest.mark.filterwarnings("ignore")]
 
 VOCAB, BATCH, SEQ, STEPS, LR = 128, 8, 16, 50, 3e-3
 
