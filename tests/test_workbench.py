@@ -355,3 +355,44 @@ def test_compare_flags_a_recipe_whose_step_is_over_twice_fp32s_with_the_cause():
     assert "aten::mm 40.0 ms" in f.evidence and "kernels: emulate=on" in f.evidence
     slow = {**results, "bf16": result("bf16", 1000.0, True)}
     assert "it is emulated" in slow_step_findings("bf16", slow, {})[0].advice
+
+
+def test_compare_and_doctor_report_the_engines_coverage(tmp_path):
+    """The compare report's low-precision share of the matmul weights is the engine's
+    coverage of the same model under the same recipe, and the doctor states the same."""
+    import warnings
+
+    from mixprec import MixedPrecision
+    from mixprec.diagnostics import doctor
+    from mixprec.workbench.model import GPT, SIZES
+
+    rep = compare(["bf16", "fp8-current"], steps=2, size="tiny", batch=4, out=tmp_path,
+                  progress=False, doctor_steps=0)
+    rows = {r["recipe"]: r for r in rep["summary"]}
+    torch.manual_seed(0)
+    model = GPT(SIZES["tiny"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = MixedPrecision(model, torch.optim.AdamW(model.parameters()), "fp8-current")
+    cov = engine.coverage
+    # the tiny GPT: the head (tied to the embedding) stays bf16, the blocks' Linears fp8
+    assert 0.5 < cov.low_precision_share < 1.0
+    assert rows["fp8-current"]["matmul_weights_low_precision"] == cov.low_precision_share
+    assert rows["fp8-current"]["matmul_weights_by_format"] == cov.by_kind()
+    assert rows["bf16"]["matmul_weights_low_precision"] == 0.0
+    html = (tmp_path / "report.html").read_text()
+    assert f"<td>{cov.low_precision_share:.0%}</td>" in html
+
+    def batch_fn(m, i):
+        x = torch.randint(0, SIZES["tiny"].vocab, (2, 16), generator=torch.Generator()
+                          .manual_seed(i))
+        return m(x, x)
+
+    def factory():
+        torch.manual_seed(0)
+        return GPT(SIZES["tiny"])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = doctor(factory, batch_fn, "fp8-current", steps=1, reference_steps=0)
+    assert found.facts["matmul_weights_low_precision"] == cov.low_precision_share

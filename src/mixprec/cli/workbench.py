@@ -94,13 +94,18 @@ def run_compare(args: argparse.Namespace) -> int:
                      seq=args.seq, lr=args.lr, seed=args.seed, out=args.out,
                      scenario=args.scenario, progress=False if args.no_progress else None)
     print(f"{'recipe':<22}{'val loss':>10}{'vs fp32':>9}{'tokens/s':>11}{'speed-up':>9}"
-          f"{'skipped':>8}")
+          f"{'skipped':>8}{'low-prec':>9}")
     for r in report["summary"]:
         vs = r["val_loss_vs_fp32"]
         sp = r["speedup_vs_fp32"]
         print(f"{r['recipe']:<22}{r['final_val_loss']:>10.4f}"
               f"{(f'{vs * 100:+.2f}%' if vs is not None else '–'):>9}"
               f"{r['tokens_per_s']:>11,.0f}{(f'{sp:.2f}x' if sp else '–'):>9}"
-              f"{r['skipped_steps']:>8}")
+              f"{r['skipped_steps']:>8}{_share(r['matmul_weights_low_precision']):>9}")
+    print("low-prec: the share of the matmul weights in an fp8/fp4 format")
     print(f"report: {os.path.join(args.out, 'report.html')}")
     return 0
+
+
+def _share(v) -> str:
+    return "–" if v is None else f"{v:.0%}"

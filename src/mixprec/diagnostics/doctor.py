@@ -262,6 +262,7 @@ def _coverage(engine, model, batch_fn, facts: dict) -> list[Finding]:
     facts["matmul_flops_by_dtype"] = cov
     # the engine's static view: the matmul weights' formats per module kind (experts too)
     facts["matmul_weights_by_format"] = engine.coverage.by_kind()
+    facts["matmul_weights_low_precision"] = engine.coverage.low_precision_share
     if low >= 0.5:
         return []
     return [Finding(

@@ -204,6 +204,8 @@ def _report_dict(results, walls, findings, scenario, story) -> dict:
             "nan_loss": any(not math.isfinite(x) for x in losses),
             "wall_s": walls[r],
             "fp8": res.fp8_report,
+            "matmul_weights_low_precision": res.coverage.get("low_precision"),
+            "matmul_weights_by_format": res.coverage.get("by_kind"),
             "findings": findings.get(r, []),
         })
     cfg = next(iter(results.values())).config
@@ -320,6 +322,10 @@ def _scale_chart(plt, curves: dict) -> str:
     return _svg(fig)
 
 
+def _share(v) -> str:
+    return "–" if v is None else f"{v:.0%}"
+
+
 def _fmt(v, pct=False, digits=4):
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "–"
@@ -356,6 +362,7 @@ def write_report(report: dict, out: str | Path) -> Path:
             f"{r['tokens_per_s']:,.0f}",
             _fmt(r["speedup_vs_fp32"], digits=3) + ("x" if r["speedup_vs_fp32"] else ""),
             f"{sum(r['memory_bytes'].values()) / 2**20:,.1f} MiB",
+            _share(r.get("matmul_weights_low_precision")),
             r["skipped_steps"], "yes" if r["emulated"] else "no",
             f"{r['loss_first5']:.3f} → {r['loss_last5']:.3f}" +
             (" (NaN seen)" if r["nan_loss"] else ""))) + "</tr>"
@@ -390,7 +397,8 @@ solid #e0a800}} li.error{{color:#b00}} li.warning{{color:#a60}} small{{color:#55
 and data for every recipe. Machine: {html.escape(report["machine"])}.<br>
 <small>config: {cfg}</small></p>
 <table id="summary"><tr><th>recipe</th><th>final val loss</th><th>vs fp32</th>
-<th>tokens/s</th><th>speed-up</th><th>memory</th><th>skipped</th><th>emulated</th>
+<th>tokens/s</th><th>speed-up</th><th>memory</th><th>low-precision matmul weights</th>
+<th>skipped</th><th>emulated</th>
 <th>train loss (first 5 → last 5)</th></tr>{rows}</table>
 <div class="grid">{figs}</div>
 {plans}

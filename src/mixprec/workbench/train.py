@@ -92,6 +92,9 @@ class TrainResult:
     kernels: str = ""  # engine.kernels.describe(): the auto choices and measured rates
     memory: dict = field(default_factory=dict)
     fp8_report: str | None = None
+    #: the engine's coverage: ``{"low_precision": share, "by_kind": {kind: {fmt: share}}}``
+    #: of the parameters that feed matmuls (``engine.coverage``, as the doctor reports it)
+    coverage: dict = field(default_factory=dict)
 
     @property
     def final_val_loss(self) -> float:
@@ -215,7 +218,9 @@ def train(cfg: TrainConfig, out: str | Path | None = None, *, resume: bool = Fal
     start = 0
     result = TrainResult(cfg, emulated=engine.emulating, device=str(dev),
                          kernels=engine.kernels.describe(),
-                         fp8_report=str(engine.fp8_report) if engine.fp8_report else None)
+                         fp8_report=str(engine.fp8_report) if engine.fp8_report else None,
+                         coverage={"low_precision": engine.coverage.low_precision_share,
+                                   "by_kind": engine.coverage.by_kind()})
     if state is not None:
         engine.load_state_dict(state["engine"])
         g.set_state(state["data_rng"])
