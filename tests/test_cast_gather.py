@@ -96,3 +96,66 @@ def test_the_doctor_names_what_was_sent_in_16_bits(ranks):
     assert "weight:6 (nvfp4, sent as" in f.evidence and "not a multiple of the 16" in \
         f.evidence
     assert f.data["fallbacks"][0]["what"] == "weight:6"
+
+
+def _gather_in_process(fmt, weight, world):
+    """What FSDP2's all-gather of ``weight`` over ``world`` ranks hands the Linear, made
+    in one process: each rank's rows cast with the agreed amax, the inputs of the ranks
+    concatenated."""
+    from mixprec.fp8.gather_casts import CastWeight, _send
+
+    rows = -(-weight.shape[0] // world)
+    shards = [weight[r * rows:(r + 1) * rows] for r in range(world)]
+    amaxes = [fmt.gather_amax(s) for s in shards]
+    amax = None if amaxes[0] is None else torch.stack(amaxes).amax(0)
+    sent = []
+    for s in shards:
+        inputs, wires = [], []
+        for d in fmt.weight_cast_dims():
+            parts, wire = _send(fmt, s, d, amax, rows)
+            inputs += parts
+            wires.append(wire)
+        sent.append(inputs)
+    gathered = [torch.cat(col) for col in zip(*sent)]
+    return CastWeight(gathered, wires, weight.shape, weight.dtype, weight.device)
+
+
+@pytest.mark.parametrize("recipe,shape,world", [
+    ("fp8-rowwise", (37, 19), 3), ("fp8-block", (255, 200), 2),
+    ("mxfp8", (191, 70), 3), ("nvfp4", (47, 33), 3), ("nvfp4,nvfp4_2d=false", (47, 33), 3)])
+def test_padded_shards_and_odd_columns_gather_to_the_whole_weights_casts(recipe, shape,
+                                                                         world):
+    """Shards of ceil(rows / world) rows, the last padded (128 + 127; 13 + 13 + 11;
+    64 + 64 + 63; 16 + 16 + 15), odd column counts (NVFP4 packs two codes a byte),
+    columns from 1e-3 to 1e3: each gathered cast equals the whole weight's."""
+    from mixprec import Recipe
+
+    fmt = Recipe.parse(recipe).linear
+    torch.manual_seed(0)
+    weight = torch.randn(shape) * torch.logspace(-3, 3, shape[1])
+    got = _gather_in_process(fmt, weight, world)
+    for d in fmt.weight_cast_dims():
+        a, b = got.cast(d), fmt.cast(weight, "weight", d, {})
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)), d
+        assert torch.equal(a.scale_inv, b.scale_inv) and (a.rows, a.cols) == (b.rows, b.cols)
+        assert (a.outer is None) == (b.outer is None)
+        assert a.outer is None or torch.equal(a.outer, b.outer)
+
+
+def test_an_nvfp4_block_holding_nan_gathers_as_nan():
+    """A NaN in one shard: its 16x16 block's scale and codes are NaN after the gather,
+    as in the whole weight's cast (the step is then skipped); the other blocks keep
+    their codes."""
+    from mixprec import Recipe
+
+    fmt = Recipe.parse("nvfp4").linear
+    torch.manual_seed(1)
+    weight = torch.randn(64, 48)
+    weight[40, 5] = float("nan")
+    got = _gather_in_process(fmt, weight, 2).cast(1)
+    want = fmt.cast(weight, "weight", 1, {})
+    nan = got.dequant().isnan()
+    assert torch.equal(nan, want.dequant().isnan()) and nan[32:48, :16].all()
+    assert nan.sum() == 256
+    ok = ~nan
+    assert torch.equal(got.dequant()[ok], want.dequant()[ok])

@@ -207,10 +207,11 @@ def _hooks(m: nn.Module, stats):
         shard = m.weight._local_tensor.detach()
         amax = getattr(m, "fp8_gather_amax", None)
         inputs, wires = [], []
-        for d in dims:
-            parts, wire = _send(fmt, shard, d, amax, rows)
-            inputs += parts
-            wires.append(wire)
+        with torch.autocast(shard.device.type, enabled=False):  # as the Linear casts
+            for d in dims:
+                parts, wire = _send(fmt, shard, d, amax, rows)
+                inputs += parts
+                wires.append(wire)
         if stats is not None:
             for t in inputs:
                 stats.record(t, op="all_gather", what="weights")
