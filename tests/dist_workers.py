@@ -673,6 +673,19 @@ def sharded_optimizer(rank, world, tmp, states, write="nearest", chunk=None):
     _teardown()
 
 
+def _classify_steps(engine, rank, world, steps, g, width, classes, batch=16):
+    """``steps`` cross-entropy steps on random batches drawn from ``g``, each rank
+    taking its chunk."""
+    for _ in range(steps):
+        x = torch.randn(batch, width, generator=g)
+        y = torch.randint(0, classes, (batch,), generator=g)
+        with engine.autocast():
+            loss = F.cross_entropy(engine.model(x.chunk(world)[rank]),
+                                   y.chunk(world)[rank])
+        engine.backward(loss)
+        engine.step()
+
+
 def fp8_gather(rank, world, tmp, recipe, steps=6):
     """FSDP2 on a stack of bias-free 64x64 Linears (every parameter a Float8Linear
     weight), 2 ranks x 8 samples: the bytes each step all-gathers and the all-reduces
@@ -698,14 +711,7 @@ def fp8_gather(rank, world, tmp, recipe, steps=6):
     dist.all_gather_single, dist.all_reduce = gather, reduce
     g = torch.Generator().manual_seed(3)
     try:
-        for _ in range(steps):
-            x = torch.randn(16, 64, generator=g)
-            y = torch.randint(0, 64, (16,), generator=g)
-            with engine.autocast():
-                loss = F.cross_entropy(engine.model(x.chunk(world)[rank]),
-                                       y.chunk(world)[rank])
-            engine.backward(loss)
-            engine.step()
+        _classify_steps(engine, rank, world, steps, g, 64, 64)
     finally:
         dist.all_gather_single, dist.all_reduce = real_gather, real_reduce
     from mixprec.fp8.gather import gathers_fp8
@@ -1013,14 +1019,7 @@ def cast_gather(rank, world, tmp, recipes, steps=3):
             before = len(engine.comm_stats.records)
             g = torch.Generator().manual_seed(3)
             try:
-                for _ in range(steps):
-                    x = torch.randn(8 * world, 33, generator=g)
-                    y = torch.randint(0, 30, (8 * world,), generator=g)
-                    with engine.autocast():
-                        loss = F.cross_entropy(engine.model(x.chunk(world)[rank]),
-                                               y.chunk(world)[rank])
-                    engine.backward(loss)
-                    engine.step()
+                _classify_steps(engine, rank, world, steps, g, 33, 30, batch=8 * world)
             finally:
                 dist.all_gather_single = real_gather
             recs = engine.comm_stats.records[before:]

@@ -102,7 +102,7 @@ def _gather_in_process(fmt, weight, world):
     """What FSDP2's all-gather of ``weight`` over ``world`` ranks hands the Linear, made
     in one process: each rank's rows cast with the agreed amax, the inputs of the ranks
     concatenated."""
-    from mixprec.fp8.gather_casts import CastWeight, _send
+    from mixprec.fp8.gather_casts import CastWeight, send_shard
 
     rows = -(-weight.shape[0] // world)
     shards = [weight[r * rows:(r + 1) * rows] for r in range(world)]
@@ -110,11 +110,7 @@ def _gather_in_process(fmt, weight, world):
     amax = None if amaxes[0] is None else torch.stack(amaxes).amax(0)
     sent = []
     for s in shards:
-        inputs, wires = [], []
-        for d in fmt.weight_cast_dims():
-            parts, wire = _send(fmt, s, d, amax, rows)
-            inputs += parts
-            wires.append(wire)
+        inputs, wires = send_shard(fmt, s, amax, rows)
         sent.append(inputs)
     gathered = [torch.cat(col) for col in zip(*sent)]
     return CastWeight(gathered, wires, weight.shape, weight.dtype, weight.device)

@@ -32,8 +32,8 @@ from torch import nn
 
 from mixprec.fp8.quantized import Quantized, expand_blocks
 
-__all__ = ["CastWeight", "install_cast_gather", "why_not_gathered", "pack_fp4",
-           "unpack_fp4"]
+__all__ = ["CastWeight", "install_cast_gather", "why_not_gathered", "send_shard",
+           "pack_fp4", "unpack_fp4"]
 
 _U8 = torch.uint8
 _E4M3 = torch.float8_e4m3fn
@@ -105,6 +105,20 @@ def _send(fmt, shard: torch.Tensor, dim: int, amax, rows: int
     s = _pad(q.scale_inv.float(), math.ceil(rows / br), 1).to(sdt)
     out.append(s.view(_U8))
     return out, _Wire(dim, q.rows, q.cols, q.data.dtype, sdt, None, q.outer, fp4)
+
+
+def send_shard(fmt, shard: torch.Tensor, amax: torch.Tensor | None, rows: int
+               ) -> tuple[list[torch.Tensor], list[_Wire]]:
+    """What a rank all-gathers of its weight rows ``shard`` (padded to ``rows``): the
+    uint8 inputs of each of ``fmt``'s weight casts, cast with the agreed ``amax`` and
+    autocast off, as the Linear casts; and how to read them back."""
+    inputs, wires = [], []
+    with torch.autocast(shard.device.type, enabled=False):
+        for d in fmt.weight_cast_dims():
+            parts, wire = _send(fmt, shard, d, amax, rows)
+            inputs += parts
+            wires.append(wire)
+    return inputs, wires
 
 
 class CastWeight(torch.Tensor):
@@ -199,19 +213,13 @@ def why_not_gathered(m: nn.Module) -> str | None:
 
 def _hooks(m: nn.Module, stats):
     fmt, shape = m.quantizer, m.weight.shape  # the whole weight's
-    dims = fmt.weight_cast_dims()
 
     def fsdp_pre_all_gather(mesh):
         out = shape[0]
         rows = math.ceil(out / mesh.size())
         shard = m.weight._local_tensor.detach()
         amax = getattr(m, "fp8_gather_amax", None)
-        inputs, wires = [], []
-        with torch.autocast(shard.device.type, enabled=False):  # as the Linear casts
-            for d in dims:
-                parts, wire = _send(fmt, shard, d, amax, rows)
-                inputs += parts
-                wires.append(wire)
+        inputs, wires = send_shard(fmt, shard, amax, rows)
         if stats is not None:
             for t in inputs:
                 stats.record(t, op="all_gather", what="weights")
