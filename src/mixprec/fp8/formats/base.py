@@ -86,7 +86,8 @@ class LinearFormat:
     name: ClassVar[str]
     #: the forward's casts serve the backward GEMMs (a per-tensor scale has no axis)
     reused_roles: ClassVar[tuple[str, ...]] = ()
-    #: one scale per tensor: FSDP2 may gather the weight as fp8 codes
+    #: one scale per tensor: FSDP2's all-gather sends the weight's e4m3 codes with a
+    #: scale every rank holds (``mixprec.fp8.gather.Fp8Weight``)
     per_tensor: ClassVar[bool] = False
     #: FSDP2 may gather the weight as its casts (``fp8_all_gather``)
     gathers_casts: ClassVar[bool] = True
