@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from mixprec.fp8.quantized import Quantized, expand_blocks
 
@@ -149,9 +150,8 @@ class CastWeight(torch.Tensor):
                          else raw[:out].clone().view(w.codes))
                 if w.scales is None:
                     return Quantized(codes, w.shared, outer=w.outer)
-                br = max(w.rows, 1)
-                inv = self._parts[i + 1].view(w.scales)[:math.ceil(out / br)].to(torch.float32,
-                                                                              copy=True)
+                scales = self._parts[i + 1].view(w.scales)[:math.ceil(out / max(w.rows, 1))]
+                inv = scales.to(torch.float32, copy=True)
                 if w.fp4:  # a block holding an inf or NaN: its codes are NaN
                     bad = expand_blocks(inv.isnan(), w.rows, w.cols, codes.shape)
                     codes = torch.where(bad, torch.tensor(float("nan"), dtype=_E4M3,
@@ -182,8 +182,6 @@ class CastWeight(torch.Tensor):
 
         def unwrap(t):
             return t.dequantize() if isinstance(t, CastWeight) else t
-
-        from torch.utils._pytree import tree_map
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
