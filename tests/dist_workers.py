@@ -673,6 +673,19 @@ def sharded_optimizer(rank, world, tmp, states, write="nearest", chunk=None):
     _teardown()
 
 
+def _classify_steps(engine, rank, world, steps, g, width, classes, batch=16):
+    """``steps`` cross-entropy steps on random batches drawn from ``g``, each rank
+    taking its chunk."""
+    for _ in range(steps):
+        x = torch.randn(batch, width, generator=g)
+        y = torch.randint(0, classes, (batch,), generator=g)
+        with engine.autocast():
+            loss = F.cross_entropy(engine.model(x.chunk(world)[rank]),
+                                   y.chunk(world)[rank])
+        engine.backward(loss)
+        engine.step()
+
+
 def fp8_gather(rank, world, tmp, recipe, steps=6):
     """FSDP2 on a stack of bias-free 64x64 Linears (every parameter a Float8Linear
     weight), 2 ranks x 8 samples: the bytes each step all-gathers and the all-reduces
@@ -698,14 +711,7 @@ def fp8_gather(rank, world, tmp, recipe, steps=6):
     dist.all_gather_single, dist.all_reduce = gather, reduce
     g = torch.Generator().manual_seed(3)
     try:
-        for _ in range(steps):
-            x = torch.randn(16, 64, generator=g)
-            y = torch.randint(0, 64, (16,), generator=g)
-            with engine.autocast():
-                loss = F.cross_entropy(engine.model(x.chunk(world)[rank]),
-                                       y.chunk(world)[rank])
-            engine.backward(loss)
-            engine.step()
+        _classify_steps(engine, rank, world, steps, g, 64, 64)
     finally:
         dist.all_gather_single, dist.all_reduce = real_gather, real_reduce
     from mixprec.fp8.gather import gathers_fp8
@@ -745,8 +751,11 @@ def gpt_fp8_gather(rank, world, tmp, recipe, steps=4):
         losses.append(loss.item())
         engine.backward(loss)
         engine.step()
+    from mixprec.fp8.gather import gathers_fp8
+
     _save(tmp, "gptfp8", rank, {"losses": losses, "params": engine.fp32_state_dict(full=True),
-                                "fp8": len(engine.fp8_modules)})
+                                "fp8": len(engine.fp8_modules),
+                                "hooked": sum(map(gathers_fp8, engine.fp8_modules))})
     del engine, model
     _teardown()
 
@@ -912,4 +921,121 @@ def accum_windows(rank, world, tmp, recipe, parallel, ends, old=False):
                                  "dtype": stats.dtype if stats else None,
                                  "numel": sum(p.numel() for p in params)})
     del engine, model
+    _teardown()
+
+
+#: (in, out) of the Linears gathered as casts: 128 + 128 rows, 128 + 127 (a padded
+#: shard), 32 + 31 and 15 + 15 rows on 2 ranks; 33 and 63 inputs are odd
+CAST_SHAPES = ((33, 256), (256, 255), (255, 63), (63, 30))
+
+
+def _cast_model(seed=0):
+    torch.manual_seed(seed)
+    layers = []
+    for i, o in CAST_SHAPES:
+        layers += [nn.Linear(i, o, bias=False), nn.GELU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _gather_by_hand(m, world):
+    """``m``'s weight gathered through its hooks, as FSDP2 would: (the gathered tensor,
+    the bytes this rank's inputs hold)."""
+    local, mesh = m.weight._local_tensor, m.weight.device_mesh
+    if m.quantizer.per_tensor:
+        inputs, meta = local.fsdp_pre_all_gather(mesh, m.weight.shape, m.weight.stride(),
+                                                 m, None)
+    else:
+        inputs, meta = local.fsdp_pre_all_gather(mesh)
+    outs = []
+    for t in inputs:
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous())
+        outs.append(torch.cat(parts))
+    w, _ = local.fsdp_post_all_gather(tuple(outs), meta, torch.float32)
+    return w, sum(t.numel() * t.element_size() for t in inputs)
+
+
+def _casts_equal(a, b) -> bool:
+    """Codes (as bytes), inverse scales (NaN where NaN) and outer factors equal."""
+    same = torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and (
+        torch.equal(a.scale_inv, b.scale_inv)) and (a.rows, a.cols) == (b.rows, b.cols)
+    return same and ((a.outer is None and b.outer is None) or torch.equal(a.outer, b.outer))
+
+
+def cast_gather(rank, world, tmp, recipes, steps=3):
+    """For each recipe: FSDP2 over ``_cast_model`` with and without ``fp8_all_gather``.
+    Per Linear: whether it is hooked, whether each weight cast gathered by hand equals
+    the format's cast of the whole fp32 weight bit for bit, and the bytes sent; the
+    engine's comm_stats (records, fallbacks) and the fallback warnings; the bytes
+    all-gathered per step at torch.distributed's entry point; the trained weights of
+    both runs."""
+    from mixprec.fp8.gather import gathers_fp8
+    from mixprec.fp8.gather_casts import CastWeight
+    from mixprec.fp8.linear import fp8_modules
+
+    _init(rank, world, tmp)
+    out = {}
+    real_gather = dist.all_gather_single
+    for recipe in recipes:
+        res = {}
+        for gather in (False, True):
+            model = _cast_model()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine = MixedPrecision(
+                    model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                    recipe + (",fp8_all_gather=true" if gather else ""), parallel="fsdp",
+                    fp8_filter=lambda m, fqn: True)
+            mods = list(fp8_modules(engine.module).values())
+            layers = []
+            if gather:
+                for m in mods:
+                    full = m.weight.full_tensor().detach()
+                    row = {"hooked": gathers_fp8(m), "shape": tuple(full.shape)}
+                    if row["hooked"]:
+                        w, nbytes = _gather_by_hand(m, world)
+                        row["bytes"] = nbytes
+                        dims = (1,) if m.quantizer.per_tensor else \
+                            m.quantizer.weight_cast_dims()
+                        row["dims"] = dims
+                        if isinstance(w, CastWeight):
+                            row["equal"] = [_casts_equal(
+                                w.cast(d), m.quantizer.cast(full, "weight", d, {}))
+                                for d in dims]
+                            row["value"] = torch.equal(w + 0, w.cast(1).dequant())
+                        else:
+                            want = m.quantizer.cast(full, "weight", 1, m.scaling_state())
+                            row["equal"] = [torch.equal(
+                                w._codes[:full.shape[0]].view(torch.uint8),
+                                want.data.view(torch.uint8))]
+                    layers.append(row)
+            counts = {"gathered": 0}
+
+            def counting(o, i, *a, counts=counts, **k):
+                counts["gathered"] += i.numel() * i.element_size()
+                return real_gather(o, i, *a, **k)
+
+            dist.all_gather_single = counting
+            before = len(engine.comm_stats.records)
+            g = torch.Generator().manual_seed(3)
+            try:
+                _classify_steps(engine, rank, world, steps, g, 33, 30, batch=8 * world)
+            finally:
+                dist.all_gather_single = real_gather
+            recs = engine.comm_stats.records[before:]
+            res[gather] = {
+                "layers": layers, "params": [p.full_tensor().clone()
+                                             for p in engine.master_params],
+                "gathered": counts["gathered"] / steps,
+                "recorded": sum(r.nbytes for r in recs if r.op == "all_gather") / steps,
+                "fallbacks": list(engine.comm_stats.fallbacks),
+                "warnings": [str(w.message) for w in caught
+                             if "low-precision communication" in str(w.message)]}
+            if gather and rank == 0 and recipe == recipes[-1]:
+                from mixprec.diagnostics import audit_comm
+
+                res["findings"] = audit_comm(engine)
+            del engine, model
+        out[recipe] = res
+    _save(tmp, "castgather", rank, out)
     _teardown()

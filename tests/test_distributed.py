@@ -29,6 +29,7 @@ def spawn(fn, *args, world=2):
             "lean_ddp": "lean", "lean_fsdp": "leanfsdp",
             "sharded_optimizer": "shardopt", "fp8_gather": "fp8gather",
             "gpt_fp8_gather": "gptfp8", "disagreeing_choices": "choices",
+            "cast_gather": "castgather",
             "resume_dropout": "dropout", "door_writers": "door",
             "accum_windows": "windows"}[fn.__name__]
     return [torch.load(os.path.join(tmp, f"{name}_rank{r}.pt"), weights_only=False)
@@ -517,14 +518,17 @@ def test_fsdp_fp8_all_gather_sends_a_quarter_of_the_bytes_and_trains_the_same(re
     assert fp8[0]["state_keys"] == plain[0]["state_keys"]  # nothing new in checkpoints
 
 
-def test_fp8_all_gather_on_a_gpt_whose_blocks_regather_for_the_backward():
+@pytest.mark.parametrize("recipe", ["fp8", "mxfp8", "nvfp4"])
+def test_fp8_all_gather_on_a_gpt_whose_blocks_regather_for_the_backward(recipe):
     """The workbench GPT, each block an FSDP unit resharded after its forward: its
-    weights are gathered as fp8 again for the backward, and every later gather refills
-    the same buffers (FSDP's ``out=`` path). Losses and fp32 weights equal FSDP without
-    the fp8 all-gather bit for bit."""
-    plain = spawn(w.gpt_fp8_gather, "fp8")
-    fp8 = spawn(w.gpt_fp8_gather, "fp8,fp8_all_gather=true")
+    weights are gathered as codes again for the backward, and every later gather
+    refills the same buffers (FSDP's ``out=`` path). Losses and fp32 weights equal FSDP
+    without the fp8 all-gather bit for bit (MX and NVFP4: every Linear's rows shard
+    on a multiple of 32, so all are gathered as their casts)."""
+    plain = spawn(w.gpt_fp8_gather, recipe)
+    fp8 = spawn(w.gpt_fp8_gather, recipe + ",fp8_all_gather=true")
     assert fp8[0]["fp8"] == plain[0]["fp8"] > 0
+    assert fp8[0]["hooked"] == fp8[0]["fp8"] and plain[0]["hooked"] == 0
     for a, b in zip(fp8, plain):
         assert a["losses"] == b["losses"]
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in b["params"])

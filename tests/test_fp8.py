@@ -603,13 +603,16 @@ def test_engine_fp8_filter_and_a_model_converted_by_hand():
     assert not any(isinstance(x, Float8Linear) for x in m.modules())  # refused: untouched
 
 
-def test_fp8_all_gather_is_for_per_tensor_scaling_only():
+def test_fp8_all_gather_takes_every_format_but_int8():
     from mixprec import Recipe
 
-    assert Recipe.parse("fp8,fp8_all_gather=true").linear.fp8_all_gather is True
-    for scaling in ("rowwise", "block", "mx", "nvfp4"):
-        with pytest.raises(NotImplementedError, match="per-tensor scales"):
-            Recipe.parse(f"fp8,fp8_scaling={scaling},fp8_all_gather=true")
+    for scaling in ("delayed", "current", "rowwise", "block", "mx", "nvfp4"):
+        r = Recipe.parse(f"fp8,fp8_scaling={scaling},fp8_all_gather=true")
+        assert r.linear.fp8_all_gather is True
+    with pytest.raises(NotImplementedError, match="fp8_scaling=int8: this format's weight "
+                                                  "casts cannot be gathered.*drop "
+                                                  "fp8_all_gather"):
+        Recipe.parse("fp8,fp8_scaling=int8,fp8_all_gather=true")
 
 
 def test_fp8_weight_is_its_codes_to_float8linear_and_its_value_to_anything_else():

@@ -250,18 +250,19 @@ def test_a_model_converted_by_hand_as_the_rules_say_is_kept_quietly():
         MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), other)
 
 
-def test_fp8_all_gather_refuses_a_rule_that_gives_a_linear_block_scales():
+def test_fp8_all_gather_refuses_a_rule_that_gives_a_linear_int8():
     model = Net()
-    bad = "fp8-current,fp8_all_gather=true,layer:blocks.*.fc=mxfp8"
+    bad = "fp8-current,fp8_all_gather=true,layer:blocks.*.fc=int8-rowwise"
     with pytest.raises(NotImplementedError, match=r"fp8_all_gather.*blocks\.0\.fc "
-                                                  r"\(mxfp8\), blocks\.1\.fc \(mxfp8\).*"
-                                                  "per-tensor scales.*drop fp8_all_gather"):
+                                                  r"\(int8-rowwise\), blocks\.1\.fc "
+                                                  r"\(int8-rowwise\).*cannot carry.*"
+                                                  "drop fp8_all_gather"):
         MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), bad)
     assert not any(isinstance(m, Float8Linear) for m in model.modules())  # untouched
-    # per-tensor rules, and a block rule on a Linear that stays bf16 anyway, are fine
+    # rules of formats with gathered casts are fine
     _, engine = _engine("fp8-current,fp8_all_gather=true,layer:mid=fp8,"
-                        "layer:out=bf16,layer:head=bf16")
-    assert {m.scaling for m in engine.fp8_modules} == {"current", "delayed"}
+                        "layer:blocks.*.fc=mxfp8,layer:out=bf16,layer:head=bf16")
+    assert {m.scaling for m in engine.fp8_modules} == {"current", "delayed", "mx"}
 
 
 # --- checkpoints -----------------------------------------------------------------------

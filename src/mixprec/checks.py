@@ -259,9 +259,9 @@ def check_fp8_filter(fp8_filter, recipe, model: nn.Module) -> None:
 
 
 def check_fp8_all_gather(recipe, model: nn.Module, fp8_filter=None) -> None:
-    """``fp8_all_gather`` gathers per-tensor fp8 weights only: an error where the
-    recipe's ``layer:`` rules would convert a Linear of ``model`` to another scaling
-    (rowwise, block, MX, NVFP4), whose scales no rank knows before the gather."""
+    """``fp8_all_gather`` gathers the weight casts of every format but INT8's: an error
+    where the recipe's ``layer:`` rules would convert a Linear of ``model`` to a format
+    whose casts cannot be gathered."""
     if recipe.linear is None or not recipe.linear.fp8_all_gather or not recipe.layer_rules:
         return
     from mixprec.fp8.convert import layer_formats
@@ -269,17 +269,16 @@ def check_fp8_all_gather(recipe, model: nn.Module, fp8_filter=None) -> None:
 
     if fp8_modules(model):
         return  # converted by hand: the engine converts nothing
-    # what the gather can carry: bf16, or a format with one scale per tensor
     formats = layer_formats(model, recipe, fp8_filter)
     bad = [f"{name} ({fmt})" for name, fmt in formats.items()
-           if fmt != "bf16" and not PRESETS[fmt].linear.per_tensor]
+           if fmt != "bf16" and not PRESETS[fmt].linear.gathers_casts]
     if bad:
         raise NotImplementedError(
             f"recipe {str(recipe)!r}: fp8_all_gather, but its layer: rules convert "
-            f"{', '.join(bad[:4])}{' and more' if len(bad) > 4 else ''} to a scaling "
-            "the fp8 all-gather cannot carry: it is built for per-tensor scales (fp8, "
-            "fp8-current), which every rank knows before the gather. Give those Linears "
-            "fp8, fp8-current or bf16 in the rules, or drop fp8_all_gather.")
+            f"{', '.join(bad[:4])}{' and more' if len(bad) > 4 else ''} to a format "
+            "whose weight casts the all-gather cannot carry. Give those Linears another "
+            "format (fp8, fp8-current, fp8-rowwise, fp8-block, mxfp8, nvfp4) or bf16 in "
+            "the rules, or drop fp8_all_gather.")
 
 
 def check_fsdp_units(parallel: str | None, units, model: nn.Module):

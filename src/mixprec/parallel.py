@@ -197,13 +197,16 @@ class FSDP(_Replicated):
 
     def shard(self, model: nn.Module, optimizers: list, emulate: bool) -> nn.Module:
         """``fully_shard`` the units, then the root; the optimizers follow the shards.
-        With ``fp8_all_gather``, the Float8Linear weights get the fp8 gather hooks."""
+        With ``fp8_all_gather``, the Float8Linear weights get the gather hooks
+        (``mixprec.fp8.gather``), recorded in ``comm_stats``."""
         model = shard_fsdp(model, self.recipe, optimizers, self.units, emulate=emulate,
                            **self.kwargs)
         if self.recipe.linear is not None and self.recipe.linear.fp8_all_gather:
+            from mixprec.comm import fsdp_policy
             from mixprec.fp8.linear import fp8_modules
 
-            mods = install_fp8_all_gather(list(fp8_modules(model).values()))
+            sent = fsdp_policy(self.recipe, emulate).param_dtype  # None: the weight's
+            mods = install_fp8_all_gather(fp8_modules(model), self.comm_stats, sent)
             refresh_gather_scales_(mods, all_reduce_max_)
         return model
 
@@ -237,10 +240,12 @@ class FSDP(_Replicated):
     def __init__(self, recipe: Recipe, kwargs: dict | None = None, units=None,
                  two_d: bool = False) -> None:
         super().__init__(recipe, kwargs, units)
+        #: the weights' all-gathers as codes, the 16-bit fallbacks, and (over a
+        #: tensor-parallel model) the norm's sums
+        self.comm_stats = CommStats()
         #: FSDP over a tensor-parallel model: the norm sums over each gradient's mesh dims
         self.two_d = two_d
         if two_d:
-            self.comm_stats = CommStats()
             self.norm_of = self._norm_of
             self.norm_reduce = None
 

@@ -2,6 +2,7 @@
 comparison, audits, and the doctor that turns them into advice."""
 
 from mixprec.diagnostics.audit import (
+    audit_comm,
     audit_dtypes,
     audit_kernel_speed,
     audit_scale_history,
@@ -19,4 +20,4 @@ from mixprec.diagnostics.updates import audit_vanished_updates, vanished_updates
 __all__ = ["doctor", "Finding", "Report", "NumericsMonitor", "trace_nonfinite",
            "compare_to_fp32", "audit_dtypes", "audit_scale_history", "matmul_coverage",
            "audit_kernel_speed", "fp8_ranges", "audit_fp8_ranges", "time_shares",
-           "audit_time_shares", "vanished_updates", "audit_vanished_updates"]
+           "audit_time_shares", "vanished_updates", "audit_vanished_updates", "audit_comm"]

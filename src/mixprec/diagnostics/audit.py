@@ -19,7 +19,8 @@ from mixprec.recipe import Recipe
 if TYPE_CHECKING:
     from mixprec.engine import MixedPrecision
 
-__all__ = ["audit_dtypes", "audit_scale_history", "matmul_coverage", "audit_kernel_speed"]
+__all__ = ["audit_dtypes", "audit_scale_history", "matmul_coverage", "audit_kernel_speed",
+           "audit_comm"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -236,3 +237,24 @@ def audit_kernel_speed(device: torch.device, recipe: Recipe | str
                                                   "range)" if other.name == "bf16" else ""),
             {"relative": rel}))
     return found, facts
+
+
+def audit_comm(engine) -> list[Finding]:
+    """A ``comm-fallback`` warning where the engine's ``comm_stats`` holds fallbacks:
+    what a low-precision format's communication sent in 16 bits instead, and why."""
+    stats = getattr(engine, "comm_stats", None)
+    falls = list(getattr(stats, "fallbacks", None) or [])
+    if not falls:
+        return []
+    names = ", ".join(f"{f.what} ({f.asked}, sent as {_name(f.sent)})" for f in falls[:4])
+    more = f" and {len(falls) - 4} more" if len(falls) > 4 else ""
+    whys = sorted({f.why for f in falls})
+    return [Finding(
+        "warning", "comm-fallback",
+        f"{len(falls)} tensor(s) communicated in 16 bits, not as their format's codes",
+        f"{names}{more}: {'; '.join(whys[:3])}",
+        "give those layers shapes whose shards line up with the format's blocks (the "
+        "reason says which multiple), or another format for them in layer: rules; the "
+        "run is correct either way, it only sends more bytes",
+        {"fallbacks": [{"what": f.what, "asked": f.asked, "sent": str(f.sent),
+                        "why": f.why} for f in falls]})]

@@ -23,7 +23,9 @@ Checks, each turned into a finding with evidence and advice:
    (Amdahl), and the biggest other ops are named (``timeshare.py``);
 9. whether updates reach the weights: one step, the share of elements with a non-zero
    gradient whose stored value did not move (``updates.py``);
-10. given a plan (``mixprec.plan``'s ``Plan``, or its JSON file) in place of the recipe:
+10. communication: what a low-precision format sent in 16 bits instead, and why
+    (``engine.comm_stats.fallbacks``; ``audit.audit_comm``);
+11. given a plan (``mixprec.plan``'s ``Plan``, or its JSON file) in place of the recipe:
     training runs under the plan's recipe, and each fp8/fp4 Linear's SQNR against bf16,
     measured as the planner does on the trained weights and the run's batches, is held
     to the plan's floor (``mixprec.planner.check``, imported only for a plan).
@@ -43,6 +45,7 @@ from torch import nn
 
 from mixprec import formats
 from mixprec.diagnostics.audit import (
+    audit_comm,
     audit_dtypes,
     audit_kernel_speed,
     audit_scale_history,
@@ -123,7 +126,7 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
         f8, ranges = audit_fp8_ranges(model_factory(), lambda m: batch_fn(m, 0), r)
         findings += f8
         facts["fp8_ranges"] = [asdict(x) for x in ranges]
-    findings += audit_dtypes(model, engine, r)
+    findings += audit_dtypes(model, engine, r) + audit_comm(engine)
     findings += audit_scale_history(scale_history if scale_history is not None else scales, r)
     if reference_steps and r.compute != "fp32":
         findings += _reference(model_factory, batch_fn, r, reference_steps, lr, facts)

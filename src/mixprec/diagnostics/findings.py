@@ -35,6 +35,7 @@ CODES: dict[str, str] = {
     "step-slow": "a recipe's step takes several times fp32's",
     "engine": "the recipe cannot run on this model",
     "plan-floor": "a planned fp8/fp4 layer whose SQNR fell below the plan's floor",
+    "comm-fallback": "a low-precision format's weights or activations sent in 16 bits",
 }
 
 

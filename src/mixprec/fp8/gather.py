@@ -1,5 +1,7 @@
 """fp8 all-gather under FSDP2: the weights of per-tensor Linear formats cross the wire
-as e4m3 bytes (``fp8_all_gather=true``: 0.25x of fp32's bytes, the same codes).
+as e4m3 bytes (``fp8_all_gather=true``: 0.25x of fp32's bytes, the same codes); those of
+the other formats as the codes and scales of their casts (``mixprec.fp8.gather_casts``,
+installed from here too).
 
 Each rank casts its shard with a scale every rank holds before the gather: delayed
 scaling's from the amax history the ranks agree on each step, current scaling's from the
@@ -97,8 +99,9 @@ def _local_amax(m: nn.Module) -> torch.Tensor:
     return t.abs().amax().float()
 
 
-def _hooks(m: nn.Module):
-    """The pre- and post-all-gather hooks for Float8Linear ``m``'s weight."""
+def _hooks(m: nn.Module, stats=None):
+    """The pre- and post-all-gather hooks for Float8Linear ``m``'s weight (each gather
+    recorded in ``stats``, a ``CommStats``, where given)."""
 
     def fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy):
         shard = _shard(m).detach()
@@ -113,6 +116,8 @@ def _hooks(m: nn.Module):
         if len(outer_size) and codes.shape[0] < rows:  # FSDP's even shard: pad the tail
             pad = codes.new_zeros((rows - codes.shape[0], *codes.shape[1:]))
             codes = torch.cat([codes, pad])
+        if stats is not None:
+            stats.record(codes, op="all_gather", what="weights")
         return (codes,), (scale, amax)
 
     def fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None):
@@ -125,20 +130,26 @@ def _hooks(m: nn.Module):
     return fsdp_pre_all_gather, fsdp_post_all_gather
 
 
-def install_fp8_all_gather(modules: list[nn.Module]) -> list[nn.Module]:
-    """Set the hooks on each per-tensor Float8Linear whose weight FSDP2 shards (a
-    DTensor); returns those modules. Current scaling gets a ``fp8_gather_scale``
-    buffer (not saved: it follows from the weights), filled by
-    ``refresh_gather_scales_``."""
-    done = []
-    for m in modules:
+def install_fp8_all_gather(modules: list[nn.Module] | dict[str, nn.Module], stats=None,
+                           sent: torch.dtype | None = None) -> list[nn.Module]:
+    """Set the hooks on each Float8Linear whose weight FSDP2 shards (a DTensor);
+    returns those modules. Per-tensor formats here (current scaling
+    gets a ``fp8_gather_scale`` buffer, not saved: it follows from the weights, filled
+    by ``refresh_gather_scales_``); the others by ``gather_casts.install_cast_gather``,
+    which notes each weight it leaves in 16 bits (``sent``) in ``stats``."""
+    from mixprec.fp8.gather_casts import install_cast_gather
+
+    named = modules if isinstance(modules, dict) else {str(i): m for i, m in
+                                                       enumerate(modules)}
+    done = install_cast_gather(named, stats, sent)
+    for m in named.values():
         if not m.quantizer.per_tensor or \
                 not hasattr(getattr(m, "weight", None), "_local_tensor"):
             continue
         if not m.quantizer.has_history and getattr(m, "fp8_gather_scale", None) is None:
             m.register_buffer("fp8_gather_scale", torch.ones((), device=_shard(m).device),
                               persistent=False)
-        pre, post = _hooks(m)
+        pre, post = _hooks(m, stats)
         local = _shard(m)
         local.fsdp_pre_all_gather, local.fsdp_post_all_gather = pre, post
         done.append(m)
@@ -146,7 +157,26 @@ def install_fp8_all_gather(modules: list[nn.Module]) -> list[nn.Module]:
 
 
 def _current(fp8_modules) -> list[nn.Module]:
-    return [m for m in fp8_modules if not m.quantizer.has_history and gathers_fp8(m)]
+    return [m for m in fp8_modules if m.quantizer.per_tensor and not m.quantizer.has_history
+            and gathers_fp8(m)]
+
+
+def _agreed(fp8_modules) -> list[nn.Module]:
+    """The modules whose gathered casts need an amax the ranks agree on."""
+    return [m for m in fp8_modules if getattr(m, "fp8_gather_amax", None) is not None
+            and gathers_fp8(m)]
+
+
+def _set_agreed(mods, flat: torch.Tensor) -> None:
+    n = 0
+    for m in mods:
+        k = m.fp8_gather_amax.numel()
+        m.fp8_gather_amax.copy_(flat[n:n + k].view_as(m.fp8_gather_amax))
+        n += k
+
+
+def _agreed_parts(mods) -> list[torch.Tensor]:
+    return [m.quantizer.gather_amax(_shard(m)).reshape(-1) for m in mods]
 
 
 def _set_gather_scales(mods, amax: torch.Tensor) -> None:
@@ -158,23 +188,27 @@ def _set_gather_scales(mods, amax: torch.Tensor) -> None:
 
 def refresh_gather_scales_(fp8_modules: Sequence[nn.Module],
                            all_reduce_max_: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Current scaling's gather scales from the weights as they are now: the shards'
-    amaxes, max over ranks in one all-reduce (a collective: every rank calls it)."""
-    mods = _current(fp8_modules)
-    if mods:
-        amax = torch.stack([_local_amax(m) for m in mods])
-        _set_gather_scales(mods, all_reduce_max_(amax))
+    """Current scaling's gather scales, and the other formats' agreed amaxes, from the
+    weights as they are now: the shards' amaxes, max over ranks in one all-reduce (a
+    collective: every rank calls it)."""
+    mods, agreed = _current(fp8_modules), _agreed(fp8_modules)
+    if mods or agreed:
+        flat = all_reduce_max_(torch.cat([_local_amax(m).reshape(1) for m in mods]
+                                         + _agreed_parts(agreed)))
+        _set_gather_scales(mods, flat[:len(mods)])
+        _set_agreed(agreed, flat[len(mods):])
 
 
 def agree_amaxes_(fp8_modules: Sequence[nn.Module],
                   all_reduce_max_: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """After an optimizer step: the step's amax histories become the max over ranks and
-    current scaling's gather scales follow the new weights, in one all-reduce (none
-    where no module has either)."""
-    mods = _current(fp8_modules)
+    current scaling's gather scales and the other formats' agreed amaxes follow the new
+    weights, in one all-reduce (none where no module has any)."""
+    mods, agreed = _current(fp8_modules), _agreed(fp8_modules)
     hists = [m for m in fp8_modules if m.quantizer.has_history]
     parts = [m.fp8_amax_history[:, 0] for m in hists] + [_local_amax(m).reshape(1)
                                                          for m in mods]
+    parts += _agreed_parts(agreed)
     if not parts:
         return
     flat = torch.cat(parts)
@@ -184,4 +218,5 @@ def agree_amaxes_(fp8_modules: Sequence[nn.Module],
         rows = m.fp8_amax_history.shape[0]
         m.fp8_amax_history[:, 0] = flat[n:n + rows]
         n += rows
-    _set_gather_scales(mods, flat[n:])
+    _set_gather_scales(mods, flat[n:n + len(mods)])
+    _set_agreed(agreed, flat[n + len(mods):])

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from mixprec.fp8.gather_casts import CastWeight
 from mixprec.fp8.mm import _QuantizedMatmul
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.quantizers import quantizer_for
@@ -104,7 +105,10 @@ class Float8Linear(nn.Linear):
         """``t`` (2-D) cast for ``role`` along ``dim`` by this module's quantizer.
         ``record``: part of a training step (delayed scaling records the amax). A
         forward that builds no graph (an evaluation) does not record: it is not part of
-        the step, and a checkpoint taken after it must resume like an uninterrupted run."""
+        the step, and a checkpoint taken after it must resume like an uninterrupted run.
+        A weight FSDP2 gathered as its casts (``CastWeight``) hands over its cast."""
+        if isinstance(t, CastWeight):
+            return t.cast(dim)
         return self.quantizer.cast(t, role, dim, self.scaling_state(), record, generator)
 
     def _sr_generator(self, device) -> torch.Generator | torch.Tensor | None:
@@ -234,6 +238,7 @@ def scaling_buffers(m: Float8Linear) -> dict[str, torch.Tensor]:
     and NVFP4's stochastic-rounding counter (not weights: ``fp32_state_dict`` leaves
     them out; the memory ledger counts them as ``fp8``)."""
     out = m.scaling_state()
-    if getattr(m, "fp8_gather_scale", None) is not None:
-        out["fp8_gather_scale"] = m.fp8_gather_scale
+    for name in ("fp8_gather_scale", "fp8_gather_amax"):
+        if getattr(m, name, None) is not None:
+            out[name] = getattr(m, name)
     return out

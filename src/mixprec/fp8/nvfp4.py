@@ -92,9 +92,12 @@ def _round_e2m1(v: torch.Tensor, generator: torch.Generator | torch.Tensor | Non
 
 
 def cast_nvfp4(t: torch.Tensor, dim: int = 1, square: bool = False,
-               generator: torch.Generator | torch.Tensor | None = None) -> Quantized:
+               generator: torch.Generator | torch.Tensor | None = None,
+               amax: torch.Tensor | None = None) -> Quantized:
     """``t`` (2-D) in NVFP4 along ``dim`` (1×16 blocks), or in 16×16 blocks with
-    ``square``; ``generator``: stochastic rounding of the elements.
+    ``square``; ``generator``: stochastic rounding of the elements; ``amax``: the
+    tensor's amax where it is known already (a row shard's, agreed over ranks: the
+    shard then casts as its rows of the whole tensor do).
 
     The result's codes are the e2m1 values as e4m3 bytes (every e2m1 value is one), its
     inverse scales the e4m3 block scales ``s`` (in fp32) and its ``outer`` the descale
@@ -103,7 +106,7 @@ def cast_nvfp4(t: torch.Tensor, dim: int = 1, square: bool = False,
                   (1, NVFP4_BLOCK) if dim == 1 else (NVFP4_BLOCK, 1))
     x = t.detach().float()
     amax_b = block_amax(x, rows, cols)
-    amax_t = amax_b.amax()  # the tensor's amax: the largest block's
+    amax_t = amax_b.amax() if amax is None else amax.float()  # the largest block's
     descale = torch.where(amax_t > 0, amax_t / _DESCALE, torch.ones_like(amax_t))
     s = ((amax_b / _E2M1_MAX) / descale).clamp_(_E4M3.min_normal, _E4M3.max)
     s = s.to(torch.float8_e4m3fn).float()

@@ -51,13 +51,15 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     return (x.float() * scale).clamp_(-m, m).to(dtype)
 
 
-def cast_rowwise(t: torch.Tensor, dim: int, dtype: torch.dtype, margin: int = 0
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def cast_rowwise(t: torch.Tensor, dim: int, dtype: torch.dtype, margin: int = 0,
+                 amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` (2-D) in fp8 with one scale per slice along ``dim``, the GEMM's contraction
     dim, and the inverse scales, shaped to broadcast (``dim=1``: (rows, 1); ``dim=0``:
     (1, cols)). A slice of zeros keeps the scale 1; a slice holding an inf or NaN gets a
-    NaN scale (``nan_if_not_finite``)."""
-    amax = t.detach().abs().amax(dim=dim, keepdim=True).float()
+    NaN scale (``nan_if_not_finite``). ``amax``: the slices' amaxes, shaped as the
+    scales, where they are known already (a row shard's columns, agreed over ranks)."""
+    if amax is None:
+        amax = t.detach().abs().amax(dim=dim, keepdim=True).float()
     scale = amax_to_scale(amax, FP8_MAX[dtype], margin, torch.ones_like(amax))
     scale = nan_if_not_finite(scale, amax)
     return cast_to_fp8(t, scale, dtype), torch.reciprocal(scale)

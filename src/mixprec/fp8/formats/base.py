@@ -77,16 +77,20 @@ class LinearFormat:
     #: this share of the model's Linears, rounded up, stays in bf16 too (whichever of
     #: this and ``bf16_last_layers`` keeps more)
     bf16_last_fraction: float = 0.0
-    #: under ``parallel="fsdp"``, FSDP2 gathers the weights as e4m3 bytes (per-tensor
-    #: formats only: every rank knows the scale before the gather)
+    #: under ``parallel="fsdp"``, FSDP2 gathers the weights as the codes and scales of
+    #: their casts (``mixprec.fp8.gather``); a weight whose shards cannot be cast as
+    #: their rows of the whole weight is gathered in 16 bits, with a warning
     fp8_all_gather: bool = False
 
     #: the name a recipe string gives it (``fp8_scaling=NAME``)
     name: ClassVar[str]
     #: the forward's casts serve the backward GEMMs (a per-tensor scale has no axis)
     reused_roles: ClassVar[tuple[str, ...]] = ()
-    #: one scale per tensor: FSDP2 may gather the weight as fp8 codes
+    #: one scale per tensor: FSDP2's all-gather sends the weight's e4m3 codes with a
+    #: scale every rank holds (``mixprec.fp8.gather.Fp8Weight``)
     per_tensor: ClassVar[bool] = False
+    #: FSDP2 may gather the weight as its casts (``fp8_all_gather``)
+    gathers_casts: ClassVar[bool] = True
     #: a scale per block: the GEMMs take the block-scaled routes
     block_scaled: ClassVar[bool] = False
     #: ``auto`` takes the per-tensor GEMM routes (``_scaled_mm`` or a measured dequant)
@@ -116,12 +120,11 @@ class LinearFormat:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.fp8_all_gather and not self.per_tensor:
+        if self.fp8_all_gather and not self.gathers_casts:
             raise NotImplementedError(
-                f"recipe: fp8_all_gather with fp8_scaling={self.name}: the fp8 "
-                "all-gather is built for per-tensor scales (delayed, current), which "
-                "every rank knows before the gather. Use fp8_scaling=delayed or current, "
-                "or drop fp8_all_gather.")
+                f"recipe: fp8_all_gather with fp8_scaling={self.name}: this format's "
+                "weight casts cannot be gathered as codes. Use another fp8_scaling "
+                "(delayed, current, rowwise, block, mx, nvfp4), or drop fp8_all_gather.")
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -156,6 +159,27 @@ class LinearFormat:
         dim. ``state``: the module's buffers of ``buffers``; ``record``: this cast is
         part of a training step (delayed scaling records its amax)."""
         raise NotImplementedError(type(self).__name__)
+
+    def weight_cast_dims(self) -> tuple[int, ...]:
+        """The contracted dims of the weight casts a training step takes: the forward's
+        (1) and, unless that cast serves dgrad too, dgrad's (0)."""
+        return (1,) if self.reuses("weight") else (1, 0)
+
+    def shard_rows(self, dim: int) -> int:
+        """The rows one scale of the weight's cast along ``dim`` spans: a row shard's
+        cast is its rows of the whole weight's where the shard starts on a multiple."""
+        return 1
+
+    def gather_amax(self, shard: torch.Tensor) -> torch.Tensor | None:
+        """What the ranks agree on (all-reduce MAX) before each casts its rows of the
+        weight (``cast_shard``); None: the casts of a shard need nothing of the others."""
+        return None
+
+    def cast_shard(self, shard: torch.Tensor, dim: int, amax: torch.Tensor | None
+                   ) -> Quantized:
+        """Rows ``shard`` of a weight cast along ``dim`` as the whole weight's cast
+        casts them, given ``amax``, the ranks' agreed ``gather_amax``."""
+        return self.cast(shard, "weight", dim, {})
 
     def gemm_context(self) -> contextlib.AbstractContextManager:
         """Around a Linear's casts and GEMMs: full-precision fp32 matmul for the

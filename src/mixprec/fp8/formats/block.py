@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from mixprec.fp8.blocks import cast_blocks, cast_tiles
+from mixprec.fp8.blocks import TILE, cast_blocks, cast_tiles
 from mixprec.fp8.formats.base import E4M3, Margined, TileScaled
 from mixprec.fp8.padding import KernelSpec
 from mixprec.fp8.quantized import Quantized
@@ -36,6 +36,10 @@ class BlockScaling(TileScaled, Margined):
     def pow2(self) -> bool:
         """Scales rounded down to powers of two."""
         return self.block_scales == "pow2"
+
+    def shard_rows(self, dim: int) -> int:
+        """A 128×128 block spans 128 rows."""
+        return TILE
 
     def kernel_refusal(self) -> str | None:
         """torch's block kernels take e4m3 operands only."""

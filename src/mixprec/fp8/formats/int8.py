@@ -178,6 +178,8 @@ class Int8Rowwise(LinearFormat):
     flush_view: ClassVar[str] = ""
     #: its own GEMM (``int8_gemm``: ``torch._int_mm``), not a scaled-matmul kernel
     kernel: ClassVar[None] = None
+    #: ``fp8_all_gather`` is refused: FSDP2 gathers its weights in 16 bits
+    gathers_casts: ClassVar[bool] = False
 
     def dtype(self, role: str) -> torch.dtype:
         """int8, every role."""

@@ -39,6 +39,10 @@ class MXScaling(TileScaled, Fp8Elements):
         """The e8m0 exponent rule (``mx_rounding``)."""
         return self.mx_rounding
 
+    def shard_rows(self, dim: int) -> int:
+        """dgrad's tiles (``dim=0``) span 32 rows; the forward's, one."""
+        return MX_TILE if dim == 0 else 1
+
     def cast(self, t: torch.Tensor, role: str, dim: int, state: dict, record: bool = False,
              generator: torch.Generator | None = None) -> Quantized:
         """1×32 MX tiles along ``dim`` (``cast_mx``)."""

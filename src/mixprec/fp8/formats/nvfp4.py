@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from mixprec.fp8.formats.base import LinearFormat
-from mixprec.fp8.nvfp4 import apply_hadamard, cast_nvfp4, hadamard_16
+from mixprec.fp8.nvfp4 import NVFP4_BLOCK, apply_hadamard, cast_nvfp4, hadamard_16
 from mixprec.fp8.padding import KernelSpec
 from mixprec.fp8.quantized import Quantized
 
@@ -57,6 +57,22 @@ class NVFP4Scaling(LinearFormat):
     def reuses(self, role: str) -> bool:
         """The forward's 16×16 weight blocks serve dgrad; 1×16 casts have an axis."""
         return role == "weight" and self.nvfp4_2d
+
+    def shard_rows(self, dim: int) -> int:
+        """16×16 blocks, and dgrad's 16×1, span 16 rows; the forward's 1×16, one."""
+        return NVFP4_BLOCK if self.nvfp4_2d or dim == 0 else 1
+
+    def gather_amax(self, shard: torch.Tensor) -> torch.Tensor | None:
+        """The shard's amax: the ranks' max is the weight's, which sets the per-tensor
+        descale."""
+        if shard.numel() == 0:
+            return torch.zeros((), device=shard.device)
+        return shard.detach().abs().amax().float()
+
+    def cast_shard(self, shard: torch.Tensor, dim: int, amax: torch.Tensor | None
+                   ) -> Quantized:
+        """The weight's cast of these rows, with the whole weight's amax."""
+        return cast_nvfp4(shard, dim, square=self.nvfp4_2d, amax=amax)
 
     def buffers(self, device: torch.device | str, seed: int = 0
                 ) -> dict[str, tuple[torch.Tensor, bool]]:

@@ -36,6 +36,20 @@ class RowwiseScaling(Margined):
         codes, inv = cast_rowwise(t, dim, self.dtype(role), self.margin)
         return Quantized(codes, inv)
 
+    def gather_amax(self, shard: torch.Tensor) -> torch.Tensor | None:
+        """The shard's column amaxes ``(1, in)``: dgrad's scales span every row, so the
+        ranks' max is the whole weight's."""
+        if shard.shape[0] == 0:
+            return shard.new_zeros((1, shard.shape[1]), dtype=torch.float32)
+        return shard.detach().abs().amax(dim=0, keepdim=True).float()
+
+    def cast_shard(self, shard: torch.Tensor, dim: int, amax: torch.Tensor | None
+                   ) -> Quantized:
+        """The forward's rows scale themselves; dgrad's columns take the agreed amax."""
+        codes, inv = cast_rowwise(shard, dim, self.dtype("weight"), self.margin,
+                                  amax if dim == 0 else None)
+        return Quantized(codes, inv)
+
     def mm(self, a: Quantized, b: Quantized, out_dtype: torch.dtype, backend: str
            ) -> torch.Tensor:
         """``fp8_gemm`` with one inverse scale per row of ``a`` and column of ``b``."""
