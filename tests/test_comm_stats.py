@@ -23,6 +23,17 @@ def test_records_sum_by_op_purpose_and_dtype():
                           ("all_gather", "weights", torch.uint8): 18}
 
 
+def test_a_long_run_keeps_the_recent_calls_and_every_sum(monkeypatch):
+    monkeypatch.setattr(comm_stats, "KEEP", 4)
+    s = CommStats()
+    for i in range(1, 11):
+        s.record(torch.zeros(i, dtype=torch.uint8), op="all_gather", what="weights")
+    assert s.calls == 10 and s.bytes_sent == 55
+    assert s.totals() == {("all_gather", "weights", torch.uint8): 55}
+    assert 4 <= len(s.records) <= 8 and s.per_call[-4:] == [7, 8, 9, 10]
+    assert [r.nbytes for r in s.records[-4:]] == [7, 8, 9, 10]
+
+
 def test_a_fallback_warns_once_per_cause_and_is_kept_each_time(monkeypatch):
     monkeypatch.setattr(comm_stats, "_WARNED", set())
     s = CommStats()

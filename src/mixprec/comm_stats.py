@@ -12,6 +12,8 @@ import torch
 
 __all__ = ["CommStats", "CommRecord", "CommFallback"]
 
+#: the most recent calls ``per_call`` and ``records`` keep (a long run makes millions)
+KEEP = 4096
 #: the fallbacks already warned about in this process: (what, asked, why)
 _WARNED: set[tuple[str, str, str]] = set()
 
@@ -48,9 +50,10 @@ class CommFallback:
 class CommStats:
     """Bytes this rank sent in the collectives counted here (numel × element size of
     the payload, once per call): DDP's gradient buckets, the gradient norm's sums over a
-    tensor-parallel mesh, and whatever else records itself; each call is also kept as a
-    ``CommRecord`` (``records``, summed by ``totals()``), and each 16-bit fallback as a
-    ``CommFallback`` (``fallbacks``)."""
+    tensor-parallel mesh, FSDP's all-gathers of weight codes; each call is also kept as
+    a ``CommRecord`` (``records``), and each 16-bit fallback as a ``CommFallback``
+    (``fallbacks``). The sums (``bytes_sent``, ``calls``, ``totals()``) count every
+    call; ``per_call`` and ``records`` hold the most recent ones (at least ``KEEP``)."""
 
     bytes_sent: int = 0
     calls: int = 0
@@ -58,6 +61,7 @@ class CommStats:
     per_call: list[int] = field(default_factory=list)
     records: list[CommRecord] = field(default_factory=list)
     fallbacks: list[CommFallback] = field(default_factory=list)
+    _totals: dict = field(default_factory=dict, repr=False)
 
     def record(self, t: torch.Tensor, op: str = "all_reduce", what: str = "grads") -> None:
         """Count one collective's payload: ``t.numel() * t.element_size()`` bytes."""
@@ -67,14 +71,15 @@ class CommStats:
         self.dtype = t.dtype
         self.per_call.append(n)
         self.records.append(CommRecord(op, what, t.dtype, n))
+        key = (op, what, t.dtype)
+        self._totals[key] = self._totals.get(key, 0) + n
+        if len(self.records) > 2 * KEEP:  # trimmed in halves: amortised O(1) per call
+            del self.records[:-KEEP]
+            del self.per_call[:-KEEP]
 
     def totals(self) -> dict[tuple[str, str, torch.dtype], int]:
-        """``(op, what, dtype) -> bytes`` over every record."""
-        out: dict[tuple[str, str, torch.dtype], int] = {}
-        for r in self.records:
-            key = (r.op, r.what, r.dtype)
-            out[key] = out.get(key, 0) + r.nbytes
-        return out
+        """``(op, what, dtype) -> bytes`` over every call."""
+        return dict(self._totals)
 
     def fallback(self, what: str, asked: str, sent: torch.dtype, why: str) -> None:
         """Note that ``what`` crossed the wire as ``sent`` although format ``asked``
