@@ -260,7 +260,7 @@ def _attach_stats(model: nn.Module, stats: CommStats) -> None:
     from mixprec.fp8.linear import fp8_modules
     from mixprec.fp8.tensor_parallel import attach_comm_stats
 
-    attach_comm_stats(fp8_modules(model).values(), stats)
+    attach_comm_stats(fp8_modules(model), stats)
 
 
 def _shard_norm(local: list[torch.Tensor], spreads: list, device: torch.device,

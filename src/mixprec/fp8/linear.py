@@ -112,6 +112,8 @@ class Float8Linear(nn.Linear):
         (``mixprec.fp8.tensor_parallel``)."""
         if isinstance(t, CastWeight):
             return t.cast(dim)
+        if role == "input" and dim == 1 and "_given_input" in self.__dict__:
+            return self.__dict__.pop("_given_input")  # gathered as codes (tensor_parallel)
         with agreeing(self._tp_layout, role, self.tp_comm_stats):
             return self.quantizer.cast(t, role, dim, self.scaling_state(), record,
                                        generator)

@@ -127,15 +127,15 @@ class _Cast:
 
 
 @contextlib.contextmanager
-def agreeing(layout: TPLayout | None, role: str, stats=None):
+def agreeing(layout: TPLayout | None, role: str, stats=None, dim: int | None = -1):
     """Around one cast of ``role``'s operand on a tensor-parallel shard: the amaxes the
     cast takes (``agreed_amax``) and the random numbers it draws (``draw_sliced``)
-    become the whole tensor's."""
+    become the whole tensor's (``dim``: the operand's sharded dim, if not the role's)."""
     if layout is None:
         yield
         return
     prev = getattr(_LOCAL, "cast", None)
-    _LOCAL.cast = _Cast(layout, layout.dim_of(role), stats)
+    _LOCAL.cast = _Cast(layout, layout.dim_of(role) if dim == -1 else dim, stats)
     try:
         yield
     finally:
@@ -170,10 +170,10 @@ def draw_sliced(shape: tuple[int, ...] | torch.Size, draw) -> torch.Tensor:
     return draw(tuple(whole)).narrow(cur.dim, cur.layout.offset, shape[cur.dim])
 
 
-def attach_comm_stats(modules, stats) -> None:
-    """The quantized Linears record their amax all-reduces in ``stats``."""
-    for m in modules:
-        m.tp_comm_stats = stats
+def attach_comm_stats(modules: dict, stats) -> None:
+    """The quantized Linears (by name) record their collectives in ``stats``."""
+    for name, m in modules.items():
+        m.tp_comm_stats, m.tp_name = stats, name
 
 
 def _local(t):
@@ -195,9 +195,13 @@ def tp_linear(mod, x: torch.Tensor, w, out_dtype: torch.dtype) -> torch.Tensor:
     want = [Replicate()] if lay.sharded == 0 else [Shard(x.dim() - 1)]
     if not is_dtensor(x):
         x = DTensor.from_local(x, mesh, want, run_check=False)
-    x = x.redistribute(mesh, want)
-    # colwise: each rank's input gradient is a partial sum over the output shards
-    xl = x.to_local(grad_placements=[Partial()] if lay.sharded == 0 else None)
+    split = x.placements[0]
+    if lay.sharded == 0 and split.is_shard() and split.dim % x.dim() != x.dim() - 1:
+        xl = _gather_input(mod, x, lay)  # sequence parallel: gathered as the format's codes
+    else:
+        x = x.redistribute(mesh, want)
+        # colwise: each rank's input gradient is a partial sum over the output shards
+        xl = x.to_local(grad_placements=[Partial()] if lay.sharded == 0 else None)
     lead = xl.shape[:-1]
     y = _QuantizedMatmul.apply(xl.reshape(-1, xl.shape[-1]), w.to_local(), mod, out_dtype,
                                torch.is_grad_enabled())
@@ -214,3 +218,70 @@ def tp_linear(mod, x: torch.Tensor, w, out_dtype: torch.dtype) -> torch.Tensor:
     if mod.bias is not None:  # DTensor adds the replicated bias once to the partial sums
         y = (y.float() + mod.bias.float()).to(out_dtype)
     return y
+
+
+class _Gathered(torch.autograd.Function):
+    """The gathered input (``value``, whole) as a function of this rank's rows
+    ``local``: its gradient, a partial sum on each rank, is reduce-scattered back to the
+    rows (as torch's plan does for a 16-bit gather)."""
+
+    @staticmethod
+    def forward(ctx, local, value, mesh, dim):
+        ctx.mesh, ctx.dim = mesh, dim
+        return value
+
+    @staticmethod
+    def backward(ctx, g):
+        from torch.distributed.tensor import DTensor, Partial, Shard
+
+        part = DTensor.from_local(g.contiguous(), ctx.mesh, [Partial()], run_check=False)
+        return part.redistribute(ctx.mesh, [Shard(ctx.dim)]).to_local(), None, None, None
+
+
+#: a CommStats for the fallback warnings of a Linear outside an engine
+_LOOSE_STATS: list = []
+
+
+def _stats_of(mod):
+    if mod.tp_comm_stats is not None:
+        return mod.tp_comm_stats
+    if not _LOOSE_STATS:
+        from mixprec.comm_stats import CommStats
+
+        _LOOSE_STATS.append(CommStats())
+    return _LOOSE_STATS[0]
+
+
+def _gather_input(mod, x, lay: TPLayout) -> torch.Tensor:
+    """A colwise Linear's input sharded on a token dim (``SequenceParallel`` before it),
+    whole on this rank: a per-tensor format casts its rows with the amax agreed over the
+    group and all-gathers the fp8 codes, which the forward GEMM and wgrad take as the
+    input's cast (``mod._given_input``); the other formats cast the input along tokens
+    for wgrad, from its 16-bit values, so those are gathered (a ``CommStats.fallback``).
+    Each gather is recorded as ``("all_gather", "activations")``."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from mixprec.fp8.quantized import Quantized
+
+    stats, dim, q = _stats_of(mod), x.placements[0].dim % x.dim(), mod.quantizer
+    name = getattr(mod, "tp_name", None) or f"Linear({mod.in_features}, {mod.out_features})"
+    local = x.to_local()
+    if not q.per_tensor:
+        stats.fallback(f"activations:{name}", q.name, local.dtype,
+                       f"the {q.name} format casts a Linear's input along the tokens for "
+                       "its weight gradient, from the 16-bit values, so sequence "
+                       "parallelism gathers those (fp8-current and fp8 gather e4m3 codes)")
+        stats.record(local, op="all_gather", what="activations")
+        xr = x.redistribute(lay.mesh, [Replicate()])
+        return xr.to_local(grad_placements=[Partial()])
+    with agreeing(lay, "input", stats, dim=0):  # rows are split: the amax is the whole's
+        cast = q.cast(local.reshape(-1, local.shape[-1]), "input", 1, mod.scaling_state(),
+                      torch.is_grad_enabled())
+    codes = cast.codes.view(local.shape)
+    stats.record(codes, op="all_gather", what="activations")
+    raw = DTensor.from_local(codes.view(torch.uint8), lay.mesh, [Shard(dim)],
+                             run_check=False, shape=x.shape, stride=x.stride())
+    whole = raw.full_tensor().view(codes.dtype)  # gloo has no fp8: the codes as bytes
+    mod._given_input = Quantized(whole.reshape(-1, whole.shape[-1]), cast.inv)
+    value = (whole.float() * cast.inv).to(local.dtype)  # what the 16-bit gather held, cast
+    return _Gathered.apply(local, value, lay.mesh, dim)
