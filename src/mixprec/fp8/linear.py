@@ -112,11 +112,18 @@ class Float8Linear(nn.Linear):
         (``mixprec.fp8.tensor_parallel``)."""
         if isinstance(t, CastWeight):
             return t.cast(dim)
-        if role == "input" and dim == 1 and "_given_input" in self.__dict__:
-            return self.__dict__.pop("_given_input")  # gathered as codes (tensor_parallel)
+        if self._tp_layout is None:
+            return self.quantizer.cast(t, role, dim, self.scaling_state(), record,
+                                       generator)
+        if role == "input" and dim == 1 and self._given_input is not None:
+            given, self._given_input = self._given_input, None  # gathered as codes
+            return given
         with agreeing(self._tp_layout, role, self.tp_comm_stats):
             return self.quantizer.cast(t, role, dim, self.scaling_state(), record,
                                        generator)
+
+    #: the input's cast, gathered as codes by ``tensor_parallel`` (sequence parallel)
+    _given_input = None
 
     #: the weight's tensor-parallel layout, set by a forward on DTensor weights
     _tp_layout = None

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +41,9 @@ __all__ = ["TPLayout", "tp_layout", "tp_refusal", "tp_linear", "agreeing", "agre
 _ROLE_DIMS = {0: {"input": None, "weight": 0, "grad_output": 1},
               1: {"input": 1, "weight": 1, "grad_output": None}}
 
-_LOCAL = threading.local()
+#: the cast in progress on a tensor-parallel shard (``agreeing``); a module global, which
+#: compiled code reads as a guarded constant
+_CAST = None
 
 
 def is_dtensor(t: Any) -> bool:
@@ -131,15 +132,15 @@ def agreeing(layout: TPLayout | None, role: str, stats=None, dim: int | None = -
     """Around one cast of ``role``'s operand on a tensor-parallel shard: the amaxes the
     cast takes (``agreed_amax``) and the random numbers it draws (``draw_sliced``)
     become the whole tensor's (``dim``: the operand's sharded dim, if not the role's)."""
+    global _CAST
     if layout is None:
         yield
         return
-    prev = getattr(_LOCAL, "cast", None)
-    _LOCAL.cast = _Cast(layout, layout.dim_of(role) if dim == -1 else dim, stats)
+    prev, _CAST = _CAST, _Cast(layout, layout.dim_of(role) if dim == -1 else dim, stats)
     try:
         yield
     finally:
-        _LOCAL.cast = prev
+        _CAST = prev
 
 
 def agreed_amax(amax: torch.Tensor, along: int | None = None) -> torch.Tensor:
@@ -147,7 +148,7 @@ def agreed_amax(amax: torch.Tensor, along: int | None = None) -> torch.Tensor:
     all-reduced (MAX) over the tensor-parallel group where the operand is sharded along
     ``along`` (the dim the amax was taken over; None: the whole tensor's amax). A NaN
     becomes an inf first, so every rank sees it. Elsewhere ``amax`` itself."""
-    cur = getattr(_LOCAL, "cast", None)
+    cur = _CAST
     if cur is None or cur.dim is None or (along is not None and along % 2 != cur.dim):
         return amax
     out = torch.where(torch.isnan(amax), torch.full_like(amax, math.inf), amax)
@@ -162,7 +163,7 @@ def draw_sliced(shape: tuple[int, ...] | torch.Size, draw) -> torch.Tensor:
     """``draw(shape)`` (random numbers for a cast), or inside ``agreeing`` on a sharded
     operand: ``draw`` of the whole tensor's shape, narrowed to this rank's slice, so
     that the ranks together draw what one process would."""
-    cur = getattr(_LOCAL, "cast", None)
+    cur = _CAST
     if cur is None or cur.dim is None or len(shape) != 2:
         return draw(shape)
     whole = list(shape)
