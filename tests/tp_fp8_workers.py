@@ -5,7 +5,6 @@ the group setup and the GPT-style model)."""
 from __future__ import annotations
 
 import gc
-import math
 import warnings
 
 import torch
@@ -13,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -22,7 +21,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from mixprec import MixedPrecision
-from tp_workers import Block, _init, _save, full
+from tp_workers import Block, _init, _save, full, run_steps
 
 warnings.simplefilter("ignore")
 
@@ -50,19 +49,7 @@ def train(model, recipe, steps, inf_step=-1, rank=0):
     backward."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine = MixedPrecision(model, opt, recipe, max_grad_norm=0.5)
-    out = {"norms": [], "skipped": []}
-    for i, (x, y) in enumerate(make_data(steps)):
-        with engine.autocast():
-            loss = F.cross_entropy(engine.model(x), y)
-        engine.backward(loss)
-        if i == inf_step and rank == 1:
-            g = engine.param_state.gradients()[0]
-            (g.to_local() if isinstance(g, DTensor) else g).view(-1)[0] = math.inf
-        r = engine.step()
-        out["norms"].append(float(r.grad_norm))
-        out["skipped"].append(bool(r.skipped))
-    out["params"] = [full(p) for p in engine.master_params]
-    return out, engine
+    return run_steps(engine, make_data(steps), inf_step, rank), engine
 
 
 def reference(recipe, steps, inf_step=-1):
