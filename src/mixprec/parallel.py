@@ -354,10 +354,10 @@ def check_parallel_recipe(parallel: str | None, recipe: Recipe,
             f"({_TP_FORMATS}): pick one of those.")
     if tp and recipe.linear is not None and recipe.linear.fp8_all_gather:
         raise NotImplementedError(
-            f"recipe {str(recipe)!r} with tensor parallelism: fp8_all_gather gathers "
-            "whole per-tensor fp8 weights, not tensor-parallel shards. Tensor "
-            f"parallelism runs the Linear formats ({_TP_FORMATS}) with FSDP gathering "
-            "16-bit shards: drop fp8_all_gather.")
+            f"recipe {str(recipe)!r} with tensor parallelism: fp8_all_gather (FSDP "
+            "gathering the weights as their casts) is not built for tensor-parallel "
+            f"shards. Tensor parallelism runs the Linear formats ({_TP_FORMATS}) with "
+            "FSDP gathering 16-bit shards, which the Linears cast: drop fp8_all_gather.")
     if recipe.wgrad == "fp32" and parallel == "fsdp":
         raise NotImplementedError(
             f"recipe {str(recipe)!r}: wgrad=fp32 with parallel='fsdp' is not "
