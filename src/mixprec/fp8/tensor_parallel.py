@@ -258,7 +258,7 @@ def _gather_input(mod, x, lay: TPLayout) -> torch.Tensor:
     whole on this rank: a per-tensor format casts its rows with the amax agreed over the
     group and all-gathers the fp8 codes, which the forward GEMM and wgrad take as the
     input's cast (``mod._given_input``); the other formats cast the input along tokens
-    for wgrad, from its 16-bit values, so those are gathered (a ``CommStats.fallback``).
+    for wgrad, from its high-precision values, so those are gathered (a ``CommStats.fallback``).
     Each gather is recorded as ``("all_gather", "activations")``."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -270,7 +270,7 @@ def _gather_input(mod, x, lay: TPLayout) -> torch.Tensor:
     if not q.per_tensor:
         stats.fallback(f"activations:{name}", q.name, local.dtype,
                        f"the {q.name} format casts a Linear's input along the tokens for "
-                       "its weight gradient, from the 16-bit values, so sequence "
+                       "its weight gradient, from its high-precision values, so sequence "
                        "parallelism gathers those (fp8-current and fp8 gather e4m3 codes)")
         stats.record(local, op="all_gather", what="activations")
         xr = x.redistribute(lay.mesh, [Replicate()])
