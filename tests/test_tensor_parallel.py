@@ -88,22 +88,22 @@ def test_fsdp_over_tp_on_a_2x2_mesh_trains_like_one_process_and_reshards(tmp_pat
             assert r["norms"] == pytest.approx(ref_norms[3:], rel=1e-2)
 
 
-def test_fp8_recipes_and_ddp_over_a_tp_model_are_refused_with_the_fix():
-    """fp8 and fp4 recipes over DTensor weights raise NotImplementedError naming the
-    recipe and the 16-bit recipes that run; DDP over DTensors names 'tp' and 'fsdp';
-    a 16-bit recipe builds; parallel_kwargs with "tp" (nothing would read them) are
-    refused."""
+def test_fp8_all_gather_and_ddp_over_a_tp_model_are_refused_with_the_fix():
+    """The fp8 and fp4 recipes build over DTensor weights; fp8_all_gather (whole
+    per-tensor weights, not shards) raises NotImplementedError naming the formats that
+    run; DDP over DTensors names 'tp' and 'fsdp'; parallel_kwargs with "tp" (nothing
+    would read them) are refused."""
     cases = [("fp8", None), ("mxfp8", "tp"), ("nvfp4", None), ("bf16", "ddp"),
-             ("bf16-master", None), ("fp32", "tp-kwargs")]
+             ("bf16-master", None), ("fp32", "tp-kwargs"),
+             ("fp8-current,fp8_all_gather=true", None)]
     out = spawn(w.refusals, cases, world=1, name="refusals")[0]
-    for recipe in ("fp8", "mxfp8", "nvfp4"):
-        msg = next(v for (r, _), v in out.items() if r == recipe)
-        assert msg.startswith("NotImplementedError"), msg
-        assert repr(recipe) in msg or recipe in msg, msg
-        assert "16-bit recipes today" in msg, msg
+    for case in [("fp8", None), ("mxfp8", "tp"), ("nvfp4", None), ("bf16-master", None)]:
+        assert out[case] == "built", (case, out[case])
+    msg = out["fp8-current,fp8_all_gather=true", None]
+    assert msg.startswith("NotImplementedError") and "drop fp8_all_gather" in msg, msg
+    assert "fp8-rowwise" in msg and "mxfp8" in msg, msg
     assert out["bf16", "ddp"].startswith("ValueError") and "parallel='tp'" in out[
         "bf16", "ddp"], out["bf16", "ddp"]
-    assert out["bf16-master", None] == "built"
     assert "given with parallel='tp'" in out["fp32", "tp-kwargs"], out["fp32", "tp-kwargs"]
 
 

@@ -131,10 +131,22 @@ def tp_train(rank, world, tmp, kind, recipe, steps, max_norm, inf_step):
     mesh = init_device_mesh("cpu", (world,))
     model = parallelize_module(make_model(kind), mesh, PLANS[kind])
     engine = MixedPrecision(model, make_opt(model, recipe), recipe, max_grad_norm=max_norm)
+    data = make_data(kind, steps)
+    if kind == "sp":  # the sequence-parallel norm takes this rank's rows
+        data = [(x.chunk(world)[rank], y) for x, y in data]
+    out = run_steps(engine, data, inf_step, rank)
+    out["names"] = list(engine.param_state.names)
+    out["bytes"] = engine.comm_stats.bytes_sent if engine.comm_stats else None
+    _save(tmp, "tp", rank, out)
+    dist.destroy_process_group()
+
+
+def run_steps(engine, data, inf_step=-1, rank=1) -> dict:
+    """``engine`` trained on ``data``: each step's skip and norm, and the whole master
+    parameters. ``inf_step``: at that step rank ``rank``'s gradient of the first
+    parameter gets an inf (after backward, before the step: a rank-local fault)."""
     out = {"skipped": [], "norms": []}
-    for i, (x, y) in enumerate(make_data(kind, steps)):
-        if kind == "sp":  # the sequence-parallel norm takes this rank's rows
-            x = x.chunk(world)[rank]
+    for i, (x, y) in enumerate(data):
         with engine.autocast():
             loss = F.cross_entropy(engine.model(x), y)
         engine.backward(loss)
@@ -145,10 +157,7 @@ def tp_train(rank, world, tmp, kind, recipe, steps, max_norm, inf_step):
         out["skipped"].append(bool(r.skipped))
         out["norms"].append(float(r.grad_norm))
     out["params"] = [full(p) for p in engine.master_params]
-    out["names"] = list(engine.param_state.names)
-    out["bytes"] = engine.comm_stats.bytes_sent if engine.comm_stats else None
-    _save(tmp, "tp", rank, out)
-    dist.destroy_process_group()
+    return out
 
 
 def reference(kind, recipe, steps, max_norm, inf_step=-1, sgd=False):

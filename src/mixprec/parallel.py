@@ -208,6 +208,8 @@ class FSDP(_Replicated):
             sent = fsdp_policy(self.recipe, emulate).param_dtype  # None: the weight's
             mods = install_fp8_all_gather(fp8_modules(model), self.comm_stats, sent)
             refresh_gather_scales_(mods, all_reduce_max_)
+        if self.two_d:
+            _attach_stats(model, self.comm_stats)
         return model
 
     def agree_amax(self, fp8_modules: list) -> None:
@@ -253,6 +255,14 @@ class FSDP(_Replicated):
         return _shard_norm(grads, self._spreads, device, self.comm_stats)
 
 
+def _attach_stats(model: nn.Module, stats: CommStats) -> None:
+    """Tensor parallelism: the quantized Linears' amax all-reduces go to ``stats``."""
+    from mixprec.fp8.linear import fp8_modules
+    from mixprec.fp8.tensor_parallel import attach_comm_stats
+
+    attach_comm_stats(fp8_modules(model), stats)
+
+
 def _shard_norm(local: list[torch.Tensor], spreads: list, device: torch.device,
                 stats: CommStats) -> torch.Tensor:
     """The whole model's gradient norm from local shards and their spreads."""
@@ -278,6 +288,12 @@ class TP(_Replicated):
         self.comm_stats = CommStats()
         self._spreads: list = []
 
+    def shard(self, model: nn.Module, optimizers: list, emulate: bool) -> nn.Module:
+        """Nothing is sharded (the plan did it): the quantized Linears record their amax
+        all-reduces in ``comm_stats``."""
+        _attach_stats(model, self.comm_stats)
+        return model
+
     def local(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each DTensor gradient's local shard; their spreads kept for ``norm_of``."""
         self._spreads = [spread_of(g) for g in grads]
@@ -295,8 +311,11 @@ class TP(_Replicated):
 
 _MODES = {None: SingleProcess, "ddp": DDP, "fsdp": FSDP, "tp": TP}
 
-#: compute formats tensor parallelism runs today
+#: compute formats tensor parallelism runs besides the Linear formats
 _TP_COMPUTE = ("fp32", "tf32", "bf16", "fp16")
+#: the Linear formats' presets that run on tensor-parallel shards (``fp8.tensor_parallel``)
+_TP_FORMATS = ("fp8, fp8-current, fp8-rowwise, fp8-block, mxfp8, nvfp4, int8-rowwise; "
+               "block formats where the shard cuts lie on block boundaries")
 
 
 def has_dtensor_params(model: nn.Module) -> bool:
@@ -326,13 +345,19 @@ def check_parallel_recipe(parallel: str | None, recipe: Recipe,
                           tensor_parallel: bool = False) -> None:
     """What a mode cannot do with a recipe, before anything is built
     (``tensor_parallel``: the model's parameters are DTensors)."""
-    if (parallel == "tp" or tensor_parallel) and recipe.compute not in _TP_COMPUTE:
+    tp = parallel == "tp" or tensor_parallel
+    if tp and recipe.compute not in _TP_COMPUTE and recipe.linear is None:
         raise NotImplementedError(
             f"recipe {str(recipe)!r} with tensor parallelism: its {recipe.compute} "
-            "Linears do not take DTensor weights yet. Tensor parallelism runs the 16-bit "
-            "recipes today (fp32, tf32, bf16, fp16 and their -master and write-rule "
-            "variants): pick one of those, or train the fp8 recipe without a "
-            "tensor-parallel plan.")
+            "compute does not take DTensor weights. Tensor parallelism runs the 16-bit "
+            "recipes (fp32, tf32, bf16, fp16 and their variants) and the Linear formats "
+            f"({_TP_FORMATS}): pick one of those.")
+    if tp and recipe.linear is not None and recipe.linear.fp8_all_gather:
+        raise NotImplementedError(
+            f"recipe {str(recipe)!r} with tensor parallelism: fp8_all_gather (FSDP "
+            "gathering the weights as their casts) is not built for tensor-parallel "
+            f"shards. Tensor parallelism runs the Linear formats ({_TP_FORMATS}) with "
+            "FSDP gathering 16-bit shards, which the Linears cast: drop fp8_all_gather.")
     if recipe.wgrad == "fp32" and parallel == "fsdp":
         raise NotImplementedError(
             f"recipe {str(recipe)!r}: wgrad=fp32 with parallel='fsdp' is not "

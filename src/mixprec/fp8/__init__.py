@@ -2,7 +2,8 @@
 registry), the casts (``scaling``, ``blocks``, ``nvfp4``), the GEMM routes (``route``,
 ``gemm``, ``scaled_mm``), the quantized GEMM (``mm.quantized_mm``, which
 ``QuantizedLinear``, grouped expert GEMMs and tensor-parallel shards call), the Linear
-(``linear``), the module swap (``convert``) and FSDP2's fp8 all-gather (``gather``).
+(``linear``), the module swap (``convert``), FSDP2's fp8 all-gather (``gather``) and
+tensor-parallel shards (``tensor_parallel``; the sequence-parallel plan ``tp_plans``).
 """
 
 from mixprec.fp8.convert import ConvertReport, convert, layer_formats

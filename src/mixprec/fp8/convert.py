@@ -34,6 +34,7 @@ from torch import nn
 
 from mixprec.experts.hook import is_experts
 from mixprec.fp8.linear import Float8Linear, is_conv1d
+from mixprec.fp8.tensor_parallel import is_dtensor, tp_refusal
 from mixprec.layer_rules import LayerRule, first_match
 
 if TYPE_CHECKING:
@@ -132,8 +133,20 @@ def _decide(model: nn.Module, r: Recipe, filter) -> list[tuple[str, nn.Module, s
     """``plan`` under recipe ``r``, with each Linear's format (``layer_formats``)."""
     rows = plan(model, filter, r.linear.bf16_last_layers, r.linear.bf16_last_fraction,
                 rules=r.layer_rules)
+    rows = [(fqn, m, why if why is not None else _sharding_reason(m, r, fqn))
+            for fqn, m, why in rows]
     return [(fqn, m, "bf16" if why is not None else r.layer_format(fqn), why)
             for fqn, m, why in rows]
+
+
+def _sharding_reason(m: nn.Module, r: Recipe, fqn: str) -> str | None:
+    """Why the Linear ``fqn``, whose weight a tensor-parallel plan sharded, cannot run
+    its format on the shards (``mixprec.fp8.tensor_parallel.tp_refusal``; None: it can,
+    or its weight is no DTensor)."""
+    if not is_dtensor(m.weight):
+        return None
+    w = m.weight.t() if is_conv1d(m) else m.weight
+    return tp_refusal(r.for_layer(fqn).linear, w)
 
 
 def layer_formats(model: nn.Module, recipe: Recipe | str,
@@ -197,6 +210,9 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
     for fqn, m, _, why in rows:
         if why is not None:
             skipped.append((fqn, why))
+            if why.startswith("tensor parallel:"):  # the user asked for fp8 here
+                warnings.warn(f"fp8: {fqn} is kept in 16 bits under {why[17:]}",
+                              stacklevel=2)
             continue
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

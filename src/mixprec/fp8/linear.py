@@ -18,6 +18,7 @@ from mixprec.fp8.gather_casts import CastWeight
 from mixprec.fp8.mm import _QuantizedMatmul
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.quantizers import quantizer_for
+from mixprec.fp8.tensor_parallel import agreeing, is_dtensor, tp_linear
 
 if TYPE_CHECKING:
     from mixprec.recipe import Recipe
@@ -106,10 +107,28 @@ class Float8Linear(nn.Linear):
         ``record``: part of a training step (delayed scaling records the amax). A
         forward that builds no graph (an evaluation) does not record: it is not part of
         the step, and a checkpoint taken after it must resume like an uninterrupted run.
-        A weight FSDP2 gathered as its casts (``CastWeight``) hands over its cast."""
+        A weight FSDP2 gathered as its casts (``CastWeight``) hands over its cast. On a
+        tensor-parallel shard the cast's amaxes are the whole tensor's
+        (``mixprec.fp8.tensor_parallel``)."""
         if isinstance(t, CastWeight):
             return t.cast(dim)
-        return self.quantizer.cast(t, role, dim, self.scaling_state(), record, generator)
+        if self._tp_layout is None:
+            return self.quantizer.cast(t, role, dim, self.scaling_state(), record,
+                                       generator)
+        if role == "input" and dim == 1 and self._given_input is not None:
+            given, self._given_input = self._given_input, None  # gathered as codes
+            return given
+        with agreeing(self._tp_layout, role, self.tp_comm_stats):
+            return self.quantizer.cast(t, role, dim, self.scaling_state(), record,
+                                       generator)
+
+    #: the input's cast, gathered as codes by ``tensor_parallel`` (sequence parallel)
+    _given_input = None
+
+    #: the weight's tensor-parallel layout, set by a forward on DTensor weights
+    _tp_layout = None
+    #: where the tensor-parallel amax all-reduces are recorded (the engine's CommStats)
+    tp_comm_stats = None
 
     def _sr_generator(self, device) -> torch.Generator | torch.Tensor | None:
         """Stochastic rounding of the gradients: a generator for this backward, seeded
@@ -171,6 +190,8 @@ class Float8Linear(nn.Linear):
         new.weight = linear.weight
         new.bias = linear.bias
         new._configure(_coerce(recipe), seed)
+        for hooks in _HOOK_DICTS:  # torch's tensor-parallel plans live in these hooks
+            setattr(new, hooks, getattr(linear, hooks))
         return new
 
     @property
@@ -195,6 +216,8 @@ class Float8Linear(nn.Linear):
                      and torch.is_autocast_enabled(dev) else x.dtype)
         x2d = x.reshape(-1, x.shape[-1])
         w = self.weight.t() if self.transposed else self.weight  # (out, in) either way
+        if is_dtensor(w):  # torch's ColwiseParallel / RowwiseParallel: the local shards
+            return tp_linear(self, x, w, out_dtype)
         # whether to record amaxes is decided here: inside the Function, grad is off
         y = _QuantizedMatmul.apply(x2d, w, self, out_dtype, torch.is_grad_enabled())
         if self.bias is not None:
@@ -208,6 +231,12 @@ class Float8Linear(nn.Linear):
                 f"grad={'e5m2' if self.grad_dtype == torch.float8_e5m2 else 'e4m3'}, "
                 f"gemm={self.gemm_choice}")
 
+
+#: a module's hooks that ``from_linear`` carries over (``parallelize_module``'s input and
+#: output redistributions among them)
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_backward_pre_hooks", "_backward_hooks")
 
 #: the name of what it is: it runs fp4 formats too
 QuantizedLinear = Float8Linear

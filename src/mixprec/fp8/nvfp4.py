@@ -29,6 +29,7 @@ import torch
 
 from mixprec import formats
 from mixprec.fp8.quantized import Quantized, block_amax, expand_blocks
+from mixprec.fp8.tensor_parallel import agreed_amax, draw_sliced
 
 __all__ = ["NVFP4_BLOCK", "cast_nvfp4", "hadamard_16", "apply_hadamard", "counter_uniform"]
 
@@ -85,8 +86,9 @@ def _round_e2m1(v: torch.Tensor, generator: torch.Generator | torch.Tensor | Non
         q = k.round_().mul_(step)
     else:
         down = k.floor()
-        u = (counter_uniform(generator, k.shape) if isinstance(generator, torch.Tensor)
-             else torch.rand(k.shape, generator=generator, device=v.device))
+        u = draw_sliced(k.shape, lambda s: counter_uniform(generator, s)
+                        if isinstance(generator, torch.Tensor)
+                        else torch.rand(s, generator=generator, device=v.device))
         q = torch.where(u < k.sub_(down), down.add(1), down).mul_(step)
     return q.copysign_(v)
 
@@ -106,7 +108,7 @@ def cast_nvfp4(t: torch.Tensor, dim: int = 1, square: bool = False,
                   (1, NVFP4_BLOCK) if dim == 1 else (NVFP4_BLOCK, 1))
     x = t.detach().float()
     amax_b = block_amax(x, rows, cols)
-    amax_t = amax_b.amax() if amax is None else amax.float()  # the largest block's
+    amax_t = agreed_amax(amax_b.amax()) if amax is None else amax.float()  # the largest block's
     descale = torch.where(amax_t > 0, amax_t / _DESCALE, torch.ones_like(amax_t))
     s = ((amax_b / _E2M1_MAX) / descale).clamp_(_E4M3.min_normal, _E4M3.max)
     s = s.to(torch.float8_e4m3fn).float()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from mixprec import formats
+from mixprec.fp8.tensor_parallel import agreed_amax
 
 __all__ = ["ROLES", "amax_to_scale", "cast_to_fp8", "cast_rowwise", "nan_if_not_finite",
            "update_delayed_scales", "FP8_MAX", "fp8_max_tensor"]
@@ -59,7 +60,7 @@ def cast_rowwise(t: torch.Tensor, dim: int, dtype: torch.dtype, margin: int = 0,
     NaN scale (``nan_if_not_finite``). ``amax``: the slices' amaxes, shaped as the
     scales, where they are known already (a row shard's columns, agreed over ranks)."""
     if amax is None:
-        amax = t.detach().abs().amax(dim=dim, keepdim=True).float()
+        amax = agreed_amax(t.detach().abs().amax(dim=dim, keepdim=True).float(), dim)
     scale = amax_to_scale(amax, FP8_MAX[dtype], margin, torch.ones_like(amax))
     scale = nan_if_not_finite(scale, amax)
     return cast_to_fp8(t, scale, dtype), torch.reciprocal(scale)

@@ -46,6 +46,7 @@ from mixprec.fp8.formats.base import LinearFormat
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.route import GEMM_CHOICES
 from mixprec.fp8.scaling import nan_if_not_finite
+from mixprec.fp8.tensor_parallel import agreed_amax
 from mixprec.fp32_precision import ieee_fp32_matmul
 
 __all__ = ["Int8Rowwise", "cast_int8_rowwise", "int8_gemm", "int_mm_refusal",
@@ -65,7 +66,7 @@ def cast_int8_rowwise(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Te
     contracted dim), shaped to broadcast (``dim=1``: (rows, 1); ``dim=0``: (1, cols)):
     ``t ≈ codes · scale`` (the module doc gives the rounding, zeros and non-finite
     slices)."""
-    amax = t.detach().abs().amax(dim=dim, keepdim=True).float()
+    amax = agreed_amax(t.detach().abs().amax(dim=dim, keepdim=True).float(), dim)
     scale = amax / INT8_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     scale = nan_if_not_finite(scale, amax)

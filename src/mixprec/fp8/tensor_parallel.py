@@ -1,0 +1,288 @@
+"""Quantized Linears under torch's tensor-parallel plans (``parallelize_module``).
+
+``ColwiseParallel`` leaves a Linear's weight ``Shard(0)`` (its outputs split) and feeds
+it a replicated input; ``RowwiseParallel`` leaves it ``Shard(1)`` (its inputs split),
+feeds it an input sharded on the last dim and all-reduces its partial output. A
+``QuantizedLinear`` with such a DTensor weight (``tp_linear``) runs its three GEMMs on
+the local shards, with the scales one process would use:
+
+- a per-tensor amax (the weight's, an activation's, a gradient's) of an operand sharded
+  on any dim is agreed by an all-reduce MAX over the tensor-parallel group;
+- a per-row amax (rowwise, int8) of an operand sharded along the cast's own dim (the
+  contracted K) is agreed the same way (one value per row); along the other dim a row is
+  whole on every rank;
+- block, MX and NVFP4 blocks are local where every shard cut lies on a block boundary
+  (``tp_refusal`` says where not: ``fp8.convert`` then keeps that Linear in 16 bits and
+  warns); NVFP4's per-tensor amax is agreed, and its stochastic rounding draws the
+  whole tensor's random numbers and keeps this rank's slice.
+
+A colwise Linear's output is ``Shard(-1)``; a rowwise one's is ``Partial`` in the
+output's dtype, so the all-reduce (or reduce-scatter) torch's plan then runs carries
+16 bits under a 16-bit autocast, as torchao's ``Float8RowwiseParallel`` does. The amax
+all-reduces are recorded in the engine's ``CommStats`` (``op="all_reduce",
+what="amax"``) where the engine attached it (``attach_comm_stats``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["TPLayout", "tp_layout", "tp_refusal", "tp_linear", "agreeing", "agreed_amax",
+           "draw_sliced", "attach_comm_stats", "is_dtensor"]
+
+#: the role -> sharded dim of its 2-D operand, by the weight's sharded dim (0: colwise,
+#: 1: rowwise); None: the operand is whole on every rank
+_ROLE_DIMS = {0: {"input": None, "weight": 0, "grad_output": 1},
+              1: {"input": 1, "weight": 1, "grad_output": None}}
+
+#: the cast in progress on a tensor-parallel shard (``agreeing``); a module global, which
+#: compiled code reads as a guarded constant
+_CAST = None
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (without importing DTensor where none exists)."""
+    return type(t).__name__ == "DTensor" and hasattr(t, "placements")
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """How a Linear's weight lies on its tensor-parallel mesh."""
+
+    #: the 1-D mesh the weight is sharded on
+    mesh: Any
+    #: the weight's sharded dim in (out, in) layout: 0 colwise, 1 rowwise
+    sharded: int
+    #: this rank's offset along that dim, and the dim's whole size
+    offset: int
+    full: int
+
+    @property
+    def group(self):
+        return self.mesh.get_group(0)
+
+    def dim_of(self, role: str) -> int | None:
+        """The dim of ``role``'s 2-D operand that is sharded (None: whole everywhere)."""
+        return _ROLE_DIMS[self.sharded][role]
+
+
+def _placement_error(w) -> str | None:
+    if w.device_mesh.ndim != 1:
+        return (f"its weight is a DTensor on a {w.device_mesh.ndim}-D mesh; quantized "
+                "Linears take a 1-D tensor-parallel mesh (FSDP over TP gathers to one)")
+    p = w.placements[0]
+    if not p.is_shard() or p.dim not in (0, 1, -1, -2):
+        return (f"its weight is placed {p} on the mesh; quantized Linears take torch's "
+                "ColwiseParallel (Shard(0)) and RowwiseParallel (Shard(1)) weights")
+    return None
+
+
+def tp_layout(w) -> TPLayout:
+    """``w`` (a DTensor weight in (out, in) layout) as a ``TPLayout``."""
+    why = _placement_error(w)
+    if why is not None:
+        raise NotImplementedError(f"tensor-parallel quantized Linear: {why}. Keep the "
+                                  "Linear in 16 bits (a recipe rule layer:NAME=bf16).")
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    dim = w.placements[0].dim % 2
+    _, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
+    return TPLayout(w.device_mesh, dim, int(offset[dim]), int(w.shape[dim]))
+
+
+def tp_refusal(fmt, weight) -> str | None:
+    """Why a Linear of format ``fmt`` whose weight is ``weight`` ((out, in)) cannot run on its
+    tensor-parallel shards (None: it can, or the weight is no DTensor): a placement
+    other than colwise / rowwise, or a block-scaled format whose blocks a shard cut
+    splits."""
+    if not is_dtensor(weight):
+        return None
+    why = _placement_error(weight)
+    if why is not None:
+        return f"tensor parallel: {why}"
+    dim = weight.placements[0].dim % 2
+    unit = fmt.kernel.tile if fmt.block_scaled and fmt.kernel is not None else 1
+    n, world = weight.shape[dim], weight.device_mesh.size()
+    chunk = math.ceil(n / world)
+    if unit > 1 and world > 1 and chunk % unit:
+        what = ("output features" if dim == 0 else "input features")
+        return (f"tensor parallel: its {n} {what} split over {world} ranks cut at "
+                f"multiples of {chunk}, not of the {fmt.name} format's {unit}-element "
+                f"blocks, which would then span two ranks; it runs in 16 bits (make "
+                f"the dim a multiple of {unit * world}, or pick fp8-current / "
+                "fp8-rowwise for it)")
+    return None
+
+
+@dataclass(frozen=True)
+class _Cast:
+    layout: TPLayout
+    dim: int | None
+    stats: Any
+
+
+@contextlib.contextmanager
+def agreeing(layout: TPLayout | None, role: str, stats=None, dim: int | None = -1):
+    """Around one cast of ``role``'s operand on a tensor-parallel shard: the amaxes the
+    cast takes (``agreed_amax``) and the random numbers it draws (``draw_sliced``)
+    become the whole tensor's (``dim``: the operand's sharded dim, if not the role's)."""
+    global _CAST
+    if layout is None:
+        yield
+        return
+    prev, _CAST = _CAST, _Cast(layout, layout.dim_of(role) if dim == -1 else dim, stats)
+    try:
+        yield
+    finally:
+        _CAST = prev
+
+
+def agreed_amax(amax: torch.Tensor, along: int | None = None) -> torch.Tensor:
+    """``amax`` of the operand being cast, made the whole tensor's inside ``agreeing``:
+    all-reduced (MAX) over the tensor-parallel group where the operand is sharded along
+    ``along`` (the dim the amax was taken over; None: the whole tensor's amax). A NaN
+    becomes an inf first, so every rank sees it. Elsewhere ``amax`` itself."""
+    cur = _CAST
+    if cur is None or cur.dim is None or (along is not None and along % 2 != cur.dim):
+        return amax
+    out = torch.where(torch.isnan(amax), torch.full_like(amax, math.inf), amax)
+    out = out.float().contiguous()
+    if cur.stats is not None:
+        cur.stats.record(out, op="all_reduce", what="amax")
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=cur.layout.group)
+    return out.to(amax.dtype)
+
+
+def draw_sliced(shape: tuple[int, ...] | torch.Size, draw) -> torch.Tensor:
+    """``draw(shape)`` (random numbers for a cast), or inside ``agreeing`` on a sharded
+    operand: ``draw`` of the whole tensor's shape, narrowed to this rank's slice, so
+    that the ranks together draw what one process would."""
+    cur = _CAST
+    if cur is None or cur.dim is None or len(shape) != 2:
+        return draw(shape)
+    whole = list(shape)
+    whole[cur.dim] = cur.layout.full
+    return draw(tuple(whole)).narrow(cur.dim, cur.layout.offset, shape[cur.dim])
+
+
+def attach_comm_stats(modules: dict, stats) -> None:
+    """The quantized Linears (by name) record their collectives in ``stats``."""
+    for name, m in modules.items():
+        m.tp_comm_stats, m.tp_name = stats, name
+
+
+def _local(t):
+    return t.to_local() if is_dtensor(t) else t
+
+
+def tp_linear(mod, x: torch.Tensor, w, out_dtype: torch.dtype) -> torch.Tensor:
+    """``mod``'s forward on tensor-parallel shards: ``x`` (a DTensor as torch's plan
+    prepared it, or a local tensor of the layout's input) times the DTensor weight ``w``
+    (out, in), plus the bias; a DTensor ``Shard(-1)`` (colwise) or ``Partial``
+    (rowwise) that the plan's output hook redistributes."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from mixprec.fp8.mm import _QuantizedMatmul
+
+    lay = tp_layout(w)
+    mod._tp_layout = lay
+    mesh = lay.mesh
+    want = [Replicate()] if lay.sharded == 0 else [Shard(x.dim() - 1)]
+    if not is_dtensor(x):
+        x = DTensor.from_local(x, mesh, want, run_check=False)
+    split = x.placements[0]
+    if lay.sharded == 0 and split.is_shard() and split.dim % x.dim() != x.dim() - 1:
+        xl = _gather_input(mod, x, lay)  # sequence parallel: gathered as the format's codes
+    else:
+        x = x.redistribute(mesh, want)
+        # colwise: each rank's input gradient is a partial sum over the output shards
+        xl = x.to_local(grad_placements=[Partial()] if lay.sharded == 0 else None)
+    lead = xl.shape[:-1]
+    y = _QuantizedMatmul.apply(xl.reshape(-1, xl.shape[-1]), w.to_local(), mod, out_dtype,
+                               torch.is_grad_enabled())
+    if lay.sharded == 0:
+        if mod.bias is not None:  # this rank's slice of the bias, in high precision
+            y = (y.float() + _local(mod.bias).float()).to(out_dtype)
+        y = y.reshape(*lead, y.shape[-1])
+        shape = (*lead, mod.out_features)
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        return DTensor.from_local(y, mesh, [Shard(y.dim() - 1)], run_check=False,
+                                  shape=torch.Size(shape), stride=stride)
+    y = DTensor.from_local(y.reshape(*lead, y.shape[-1]), mesh, [Partial()],
+                           run_check=False)
+    if mod.bias is not None:  # DTensor adds the replicated bias once to the partial sums
+        y = (y.float() + mod.bias.float()).to(out_dtype)
+    return y
+
+
+class _Gathered(torch.autograd.Function):
+    """The gathered input (``value``, whole) as a function of this rank's rows
+    ``local``: its gradient, a partial sum on each rank, is reduce-scattered back to the
+    rows (as torch's plan does for a 16-bit gather)."""
+
+    @staticmethod
+    def forward(ctx, local, value, mesh, dim):
+        ctx.mesh, ctx.dim = mesh, dim
+        return value
+
+    @staticmethod
+    def backward(ctx, g):
+        from torch.distributed.tensor import DTensor, Partial, Shard
+
+        part = DTensor.from_local(g.contiguous(), ctx.mesh, [Partial()], run_check=False)
+        return part.redistribute(ctx.mesh, [Shard(ctx.dim)]).to_local(), None, None, None
+
+
+#: a CommStats for the fallback warnings of a Linear outside an engine
+_LOOSE_STATS: list = []
+
+
+def _stats_of(mod):
+    if mod.tp_comm_stats is not None:
+        return mod.tp_comm_stats
+    if not _LOOSE_STATS:
+        from mixprec.comm_stats import CommStats
+
+        _LOOSE_STATS.append(CommStats())
+    return _LOOSE_STATS[0]
+
+
+def _gather_input(mod, x, lay: TPLayout) -> torch.Tensor:
+    """A colwise Linear's input sharded on a token dim (``SequenceParallel`` before it),
+    whole on this rank: a per-tensor format casts its rows with the amax agreed over the
+    group and all-gathers the fp8 codes, which the forward GEMM and wgrad take as the
+    input's cast (``mod._given_input``); the other formats cast the input along tokens
+    for wgrad, from its high-precision values, so those are gathered (a ``CommStats.fallback``).
+    Each gather is recorded as ``("all_gather", "activations")``."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from mixprec.fp8.quantized import Quantized
+
+    stats, dim, q = _stats_of(mod), x.placements[0].dim % x.dim(), mod.quantizer
+    name = getattr(mod, "tp_name", None) or f"Linear({mod.in_features}, {mod.out_features})"
+    local = x.to_local()
+    if not q.per_tensor:
+        stats.fallback(f"activations:{name}", q.name, local.dtype,
+                       f"the {q.name} format casts a Linear's input along the tokens for "
+                       "its weight gradient, from its high-precision values, so sequence "
+                       "parallelism gathers those (fp8-current and fp8 gather e4m3 codes)")
+        stats.record(local, op="all_gather", what="activations")
+        xr = x.redistribute(lay.mesh, [Replicate()])
+        return xr.to_local(grad_placements=[Partial()])
+    with agreeing(lay, "input", stats, dim=0):  # rows are split: the amax is the whole's
+        cast = q.cast(local.reshape(-1, local.shape[-1]), "input", 1, mod.scaling_state(),
+                      torch.is_grad_enabled())
+    codes = cast.codes.view(local.shape)
+    stats.record(codes, op="all_gather", what="activations")
+    raw = DTensor.from_local(codes.view(torch.uint8), lay.mesh, [Shard(dim)],
+                             run_check=False, shape=x.shape, stride=x.stride())
+    whole = raw.full_tensor().view(codes.dtype)  # gloo has no fp8: the codes as bytes
+    mod._given_input = Quantized(whole.reshape(-1, whole.shape[-1]), cast.inv)
+    value = (whole.float() * cast.inv).to(local.dtype)  # what the 16-bit gather held, cast
+    return _Gathered.apply(local, value, lay.mesh, dim)
