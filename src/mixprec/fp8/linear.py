@@ -18,7 +18,8 @@ from mixprec.fp8.gather_casts import CastWeight
 from mixprec.fp8.mm import _QuantizedMatmul
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.quantizers import quantizer_for
-from mixprec.fp8.tensor_parallel import agreeing, is_dtensor, tp_linear
+from mixprec.fp8.tensor_parallel import is_dtensor, tp_linear
+from mixprec.fp8.tp_agree import agreeing
 
 if TYPE_CHECKING:
     from mixprec.recipe import Recipe

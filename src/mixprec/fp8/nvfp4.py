@@ -29,7 +29,7 @@ import torch
 
 from mixprec import formats
 from mixprec.fp8.quantized import Quantized, block_amax, expand_blocks
-from mixprec.fp8.tensor_parallel import agreed_amax, draw_sliced
+from mixprec.fp8.tp_agree import agreed_amax, draw_sliced
 
 __all__ = ["NVFP4_BLOCK", "cast_nvfp4", "hadamard_16", "apply_hadamard", "counter_uniform"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from mixprec import formats
-from mixprec.fp8.tensor_parallel import agreed_amax
+from mixprec.fp8.tp_agree import agreed_amax
 
 __all__ = ["ROLES", "amax_to_scale", "cast_to_fp8", "cast_rowwise", "nan_if_not_finite",
            "update_delayed_scales", "FP8_MAX", "fp8_max_tensor"]

@@ -25,25 +25,23 @@ what="amax"``) where the engine attached it (``attach_comm_stats``).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["TPLayout", "tp_layout", "tp_refusal", "tp_linear", "agreeing", "agreed_amax",
-           "draw_sliced", "attach_comm_stats", "is_dtensor"]
+from mixprec.fp8.tp_agree import agreeing
+
+__all__ = ["TPLayout", "tp_layout", "tp_refusal", "tp_linear", "attach_comm_stats",
+           "is_dtensor"]
+
 
 #: the role -> sharded dim of its 2-D operand, by the weight's sharded dim (0: colwise,
 #: 1: rowwise); None: the operand is whole on every rank
 _ROLE_DIMS = {0: {"input": None, "weight": 0, "grad_output": 1},
               1: {"input": 1, "weight": 1, "grad_output": None}}
 
-#: the cast in progress on a tensor-parallel shard (``agreeing``); a module global, which
-#: compiled code reads as a guarded constant
-_CAST = None
 
 
 def is_dtensor(t: Any) -> bool:
@@ -118,57 +116,6 @@ def tp_refusal(fmt, weight) -> str | None:
                 f"the dim a multiple of {unit * world}, or pick fp8-current / "
                 "fp8-rowwise for it)")
     return None
-
-
-@dataclass(frozen=True)
-class _Cast:
-    layout: TPLayout
-    dim: int | None
-    stats: Any
-
-
-@contextlib.contextmanager
-def agreeing(layout: TPLayout | None, role: str, stats=None, dim: int | None = -1):
-    """Around one cast of ``role``'s operand on a tensor-parallel shard: the amaxes the
-    cast takes (``agreed_amax``) and the random numbers it draws (``draw_sliced``)
-    become the whole tensor's (``dim``: the operand's sharded dim, if not the role's)."""
-    global _CAST
-    if layout is None:
-        yield
-        return
-    prev, _CAST = _CAST, _Cast(layout, layout.dim_of(role) if dim == -1 else dim, stats)
-    try:
-        yield
-    finally:
-        _CAST = prev
-
-
-def agreed_amax(amax: torch.Tensor, along: int | None = None) -> torch.Tensor:
-    """``amax`` of the operand being cast, made the whole tensor's inside ``agreeing``:
-    all-reduced (MAX) over the tensor-parallel group where the operand is sharded along
-    ``along`` (the dim the amax was taken over; None: the whole tensor's amax). A NaN
-    becomes an inf first, so every rank sees it. Elsewhere ``amax`` itself."""
-    cur = _CAST
-    if cur is None or cur.dim is None or (along is not None and along % 2 != cur.dim):
-        return amax
-    out = torch.where(torch.isnan(amax), torch.full_like(amax, math.inf), amax)
-    out = out.float().contiguous()
-    if cur.stats is not None:
-        cur.stats.record(out, op="all_reduce", what="amax")
-    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=cur.layout.group)
-    return out.to(amax.dtype)
-
-
-def draw_sliced(shape: tuple[int, ...] | torch.Size, draw) -> torch.Tensor:
-    """``draw(shape)`` (random numbers for a cast), or inside ``agreeing`` on a sharded
-    operand: ``draw`` of the whole tensor's shape, narrowed to this rank's slice, so
-    that the ranks together draw what one process would."""
-    cur = _CAST
-    if cur is None or cur.dim is None or len(shape) != 2:
-        return draw(shape)
-    whole = list(shape)
-    whole[cur.dim] = cur.layout.full
-    return draw(tuple(whole)).narrow(cur.dim, cur.layout.offset, shape[cur.dim])
 
 
 def attach_comm_stats(modules: dict, stats) -> None:

@@ -46,7 +46,7 @@ from mixprec.fp8.formats.base import LinearFormat
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.route import GEMM_CHOICES
 from mixprec.fp8.scaling import nan_if_not_finite
-from mixprec.fp8.tensor_parallel import agreed_amax
+from mixprec.fp8.tp_agree import agreed_amax
 from mixprec.fp32_precision import ieee_fp32_matmul
 
 __all__ = ["Int8Rowwise", "cast_int8_rowwise", "int8_gemm", "int_mm_refusal",

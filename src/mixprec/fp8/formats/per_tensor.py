@@ -13,7 +13,7 @@ from mixprec.fp8.gather import Fp8Weight
 from mixprec.fp8.gemm import fp8_gemm
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.scaling import ROLES, cast_to_fp8, nan_if_not_finite
-from mixprec.fp8.tensor_parallel import agreed_amax
+from mixprec.fp8.tp_agree import agreed_amax
 
 __all__ = ["PerTensor"]
 

@@ -1,0 +1,74 @@
+"""The agreement a cast on a tensor-parallel shard needs: inside ``agreeing`` (around one
+cast of an operand whose tensor-parallel layout is known), the amaxes the cast takes
+become the whole tensor's (``agreed_amax``: an all-reduce MAX over the group where the
+operand is sharded) and the random numbers it draws the whole tensor's slice
+(``draw_sliced``). Outside it both are the identity, so the casts call them always.
+``mixprec.fp8.tensor_parallel`` runs the quantized Linears on the shards."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["agreeing", "agreed_amax", "draw_sliced"]
+
+#: the cast in progress on a tensor-parallel shard (``agreeing``); a module global, which
+#: compiled code reads as a guarded constant
+_CAST = None
+
+
+@dataclass(frozen=True)
+class _Cast:
+    layout: Any  # mixprec.fp8.tensor_parallel.TPLayout
+    dim: int | None
+    stats: Any
+
+
+@contextlib.contextmanager
+def agreeing(layout: Any, role: str, stats=None, dim: int | None = -1):
+    """Around one cast of ``role``'s operand on a tensor-parallel shard: the amaxes the
+    cast takes (``agreed_amax``) and the random numbers it draws (``draw_sliced``)
+    become the whole tensor's (``layout``: the weight's ``TPLayout``, None off a
+    tensor-parallel shard; ``dim``: the operand's sharded dim, if not the role's)."""
+    global _CAST
+    if layout is None:
+        yield
+        return
+    prev, _CAST = _CAST, _Cast(layout, layout.dim_of(role) if dim == -1 else dim, stats)
+    try:
+        yield
+    finally:
+        _CAST = prev
+
+
+def agreed_amax(amax: torch.Tensor, along: int | None = None) -> torch.Tensor:
+    """``amax`` of the operand being cast, made the whole tensor's inside ``agreeing``:
+    all-reduced (MAX) over the tensor-parallel group where the operand is sharded along
+    ``along`` (the dim the amax was taken over; None: the whole tensor's amax). A NaN
+    becomes an inf first, so every rank sees it. Elsewhere ``amax`` itself."""
+    cur = _CAST
+    if cur is None or cur.dim is None or (along is not None and along % 2 != cur.dim):
+        return amax
+    out = torch.where(torch.isnan(amax), torch.full_like(amax, math.inf), amax)
+    out = out.float().contiguous()
+    if cur.stats is not None:
+        cur.stats.record(out, op="all_reduce", what="amax")
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=cur.layout.group)
+    return out.to(amax.dtype)
+
+
+def draw_sliced(shape: tuple[int, ...] | torch.Size, draw) -> torch.Tensor:
+    """``draw(shape)`` (random numbers for a cast), or inside ``agreeing`` on a sharded
+    operand: ``draw`` of the whole tensor's shape, narrowed to this rank's slice, so
+    that the ranks together draw what one process would."""
+    cur = _CAST
+    if cur is None or cur.dim is None or len(shape) != 2:
+        return draw(shape)
+    whole = list(shape)
+    whole[cur.dim] = cur.layout.full
+    return draw(tuple(whole)).narrow(cur.dim, cur.layout.offset, shape[cur.dim])
