@@ -212,7 +212,7 @@ def layer_costs(shapes: Iterable[Shape], formats: Iterable[str], recipe: Recipe,
         if todo and BF16 in formats and BF16 not in todo:
             todo.insert(0, BF16)
         if todo:
-            got = _agreeing(shape, todo, recipe, device, seconds, build or _one_linear)
+            got = _agreeing(shape, todo, recipe, device, seconds, build)
             for f, cost in got.items():
                 _CACHE[_key(shape, f, recipe, device)] = cost
                 out[(shape, f)] = cost
@@ -300,13 +300,14 @@ def saved_bytes(engine, model: nn.Module, *inputs: torch.Tensor) -> int:
 
 
 def _agreeing(shape: Shape, formats: list[str], recipe: Recipe, device,
-              seconds: float, build: Callable) -> dict[str, LayerCost]:
+              seconds: float, build: Callable | None = None) -> dict[str, LayerCost]:
     """``_measure``, again while its timings disagree (``disagreements``), at most
     ``MAX_MEASUREMENTS`` times: the measurement with the fewest disagreements, then the
     smallest spread, each cost marked with the number of measurements taken."""
     best, best_key, n = None, None, 0
     while n < MAX_MEASUREMENTS:
-        got = _measure(shape, formats, recipe, device, seconds, build)
+        got = (_measure(shape, formats, recipe, device, seconds) if build is None
+               else _measure(shape, formats, recipe, device, seconds, build))
         n += 1
         bad = disagreements(shape, got, recipe, device)
         key = (len(bad), max((c.spread for c in got.values()), default=0.0))
@@ -324,7 +325,8 @@ def _spread(times: list[float]) -> float:
 
 
 def _measure(shape: Shape, formats: list[str], recipe: Recipe, device,
-             seconds: float, build: Callable) -> dict[str, LayerCost]:
+             seconds: float, build: Callable | None = None) -> dict[str, LayerCost]:
+    build = build or _one_linear
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     runs = {f: build(shape, f, recipe, dev) for f in formats}
