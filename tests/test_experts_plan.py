@@ -171,9 +171,13 @@ def test_experts_timed_for_real_route_each_expert_its_counted_tokens():
     _, index, _ = planner_experts._routing(shape, 64, "cpu", torch.Generator())
     assert index.shape == (20, 2)
     assert torch.bincount(index.reshape(-1), minlength=4).tolist() == [30, 0, 6, 4]
-    costs = planner_experts.experts_costs({shape: m}, ("bf16", "fp8-current"),
+    unreached = shape._replace(counts=(0, 0, 0, 0))
+    costs = planner_experts.experts_costs({shape: m, unreached: m},
+                                          ("bf16", "fp8-current"),
                                           mixprec.Recipe.parse("fp8-current"),
                                           seconds=0.01)
+    assert costs.pop((unreached, "bf16")).seconds == 0  # nothing routed: nothing timed
+    assert costs.pop((unreached, "fp8-current")).route == "none"
     assert set(costs) == {(shape, "bf16"), (shape, "fp8-current")}
     assert all(c.seconds > 0 for c in costs.values())
     assert costs[(shape, "bf16")].route == "native"

@@ -233,6 +233,8 @@ def step_flops(model: nn.Module, cov: Coverage, run: Callable[[], Any]) -> dict[
         handles.append(m.register_forward_hook(dense))
     for name, m in experts.items():
         def routed(mod, args, out, name=name):
+            if len(args) < 2:  # not called as (hidden, top_k_index, top_k_weights)
+                return
             e = mod.num_experts
             pairs = int((args[1] < e).sum())
             for proj in ("gate_up_proj", "up_proj", "down_proj"):

@@ -87,6 +87,8 @@ def experts_shapes(model: nn.Module, run: Callable[[], Any]) -> dict[str, Expert
         up, down = _projections(m)
 
         def hook(mod, args, res, name=name, up=up, down=down):
+            if len(args) < 3:  # not called as (hidden, top_k_index, top_k_weights)
+                return
             idx = args[1].reshape(-1)
             counts = torch.bincount(idx[idx < mod.num_experts], minlength=mod.num_experts)
             out[name] = ExpertsShape(type(mod).__name__, tuple(getattr(mod, up).shape),
@@ -113,10 +115,13 @@ def experts_costs(modules: dict[ExpertsShape, nn.Module], formats: Iterable[str]
                   ) -> dict[tuple[ExpertsShape, str], LayerCost]:
     """``{(shape, format): LayerCost}`` for each experts module (one per distinct
     shape, counts included) in each format (module docstring; ``recipe``: the fp8
-    recipe around them)."""
-    return layer_costs(list(modules), formats, recipe, device, seconds=seconds,
-                       cache_file=cache_file,
-                       build=lambda s, f, r, d: _one_experts(s, modules[s], f, r, d))
+    recipe around them). A module no token reached costs nothing in any format."""
+    formats = list(formats)
+    out = layer_costs([s for s in modules if s.tokens], formats, recipe, device,
+                      seconds=seconds, cache_file=cache_file,
+                      build=lambda s, f, r, d: _one_experts(s, modules[s], f, r, d))
+    return {**out, **{(s, f): LayerCost(0.0, 0, "none") for s in modules if not s.tokens
+                      for f in formats}}
 
 
 class _Routed(nn.Module):
@@ -211,6 +216,8 @@ def _capture(model: nn.Module, batches: Sequence, loss_fn: Callable) -> dict[str
     handles = []
     for n in got:
         def fwd(mod, args, out, n=n):
+            if len(args) < 3:  # not called as (hidden, top_k_index, top_k_weights)
+                return
             item = [args[0].detach().float(), args[1].detach(), args[2].detach().float(),
                     None]
             got[n].append(item)

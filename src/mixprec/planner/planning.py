@@ -280,6 +280,7 @@ def _row(layer: Layer, cfg: Config, quality, owner: str) -> PlanRow:
     o, bf = layer.options[f], layer.options[BF16]
     q = quality.get((layer.name, f))
     st = cfg.states.get(owner, "fp32")
-    return PlanRow(layer.name, layer.shape, f, st, bf.seconds / o.seconds,
+    return PlanRow(layer.name, layer.shape, f, st,
+                   bf.seconds / o.seconds if o.seconds > 0 else 1.0,
                    None if f == BF16 or q is None else round(q.sqnr, 2),
                    float(o.saved_bytes), cfg.reasons.get(layer.name, ""))
