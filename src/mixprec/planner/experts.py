@@ -39,8 +39,20 @@ from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.grouped import grouped_mm
 from mixprec.experts.hook import _projections, experts_modules
 from mixprec.layer_rules import LayerRule
-from mixprec.planner.numerics import LayerNumerics, _flushed, sqnr_db
-from mixprec.planner.timing import BF16, LayerCost, layer_costs, recipe_for_format
+from mixprec.planner.numerics import (
+    LayerNumerics,
+    _flushed,
+    backward_all,
+    captured,
+    sqnr_db,
+)
+from mixprec.planner.timing import (
+    BF16,
+    LayerCost,
+    layer_costs,
+    recipe_for_format,
+    timed_step,
+)
 from mixprec.recipe import Recipe
 
 __all__ = ["ExpertsShape", "experts_shapes", "experts_costs", "experts_numerics",
@@ -153,7 +165,6 @@ def _one_experts(shape: ExpertsShape, module: nn.Module, fmt: str, recipe: Recip
     """A copy of ``module`` in ``fmt`` behind a real engine on routing with the
     shape's counts, and the step to time (``timing.layer_costs``' ``build``)."""
     from mixprec.engine import MixedPrecision
-    from mixprec.planner.timing import saved_bytes
 
     m = copy.deepcopy(module).float().to(device)
     for proj in _projections(m):
@@ -179,20 +190,7 @@ def _one_experts(shape: ExpertsShape, module: nn.Module, fmt: str, recipe: Recip
         route = _route("auto", f8, torch.device(device), k, n)
         route = f8.backend(device) if route == "loop" else route
 
-    def step():
-        with engine.autocast():
-            y = model(x, index, weights)
-        y.backward(dy.to(y.dtype))
-        x.grad = None
-        for p in model.parameters():
-            p.grad = None
-
-    def high() -> int:
-        from mixprec.memory.ledger import high_water
-
-        return high_water(step, device)
-
-    return step, lambda: saved_bytes(engine, model, x, index, weights), route, high
+    return (*timed_step(engine, model, (x, index, weights), dy, device), route)
 
 
 def _hidden(m: nn.Module) -> int:
@@ -226,14 +224,7 @@ def _capture(model: nn.Module, batches: Sequence, loss_fn: Callable) -> dict[str
                     item[3] = g.detach().float()
                 out.register_hook(keep)
         handles.append(model.get_submodule(n).register_forward_hook(fwd))
-    try:
-        for b in batches:
-            model.zero_grad(set_to_none=True)
-            loss_fn(model, b).backward()
-    finally:
-        for h in handles:
-            h.remove()
-        model.zero_grad(set_to_none=True)
+    backward_all(model, batches, loss_fn, handles)
     return got
 
 
@@ -298,12 +289,7 @@ def experts_numerics(model: nn.Module, batches: Sequence, loss_fn: Callable,
     fmts = [f for f in formats if f != BF16]
     if not fmts or not experts_modules(model):
         return {}
-    was = model.training
-    ref_model = copy.deepcopy(model).float().train()
-    try:
-        got = _capture(ref_model, batches, loss_fn)
-    finally:
-        model.train(was)
+    ref_model, got = captured(model, batches, loss_fn, _capture)
     out = {}
     for name, items in got.items():
         mod = ref_model.get_submodule(name)

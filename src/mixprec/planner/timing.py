@@ -40,7 +40,7 @@ from mixprec.recipe import Recipe
 
 __all__ = ["LayerCost", "Shape", "layer_costs", "state_step_costs", "device_key", "clear_cache",
            "recipe_for_format", "BF16", "max_speedup", "disagreements", "noise_report",
-           "NOISY_SPREAD", "MAX_MEASUREMENTS", "saved_bytes"]
+           "NOISY_SPREAD", "MAX_MEASUREMENTS", "saved_bytes", "timed_step"]
 
 #: the format name of a Linear kept in the recipe's high precision
 BF16 = "bf16"
@@ -196,7 +196,8 @@ def layer_costs(shapes: Iterable[Shape], formats: Iterable[str], recipe: Recipe,
     (module docstring); bf16 is measured with any other format of its shape, so that
     the two are compared within one interleaved run. ``build(shape, format, recipe,
     device)`` makes what is timed (default: a one-Linear model; ``planner.experts``
-    passes an experts module's) and returns ``(step, saved, route, high)``."""
+    passes an experts module's) and returns ``(step, saved, high, route)``
+    (``timed_step``'s three and the GEMM route)."""
     formats = list(formats)
     disk = _read(cache_file)
     out: dict[tuple[Shape, str], LayerCost] = {}
@@ -264,11 +265,18 @@ def _one_linear(shape: Shape, fmt: str, recipe: Recipe, device):
     mods = list(fp8_modules(model).values())
     route = mods[0].backend if mods else ("emulated" if engine.emulating else "native")
 
+    return (*timed_step(engine, model, (x,), dy, device), route)
+
+
+def timed_step(engine, model: nn.Module, inputs: tuple, dy: torch.Tensor, device):
+    """``(step, saved, high)`` of ``model(*inputs)`` under ``engine``: the step to time
+    (forward under its autocast, backward on ``dy``, gradients dropped), the bytes it
+    saves for backward (``saved_bytes``) and the step's high-water mark beyond them."""
     def step():
         with engine.autocast():
-            y = model(x)
+            y = model(*inputs)
         y.backward(dy.to(y.dtype))
-        x.grad = None
+        inputs[0].grad = None
         for p in model.parameters():
             p.grad = None
 
@@ -277,7 +285,7 @@ def _one_linear(shape: Shape, fmt: str, recipe: Recipe, device):
 
         return high_water(step, device)
 
-    return step, lambda: saved_bytes(engine, model, x), route, high
+    return step, lambda: saved_bytes(engine, model, *inputs), high
 
 
 def saved_bytes(engine, model: nn.Module, *inputs: torch.Tensor) -> int:
@@ -344,7 +352,7 @@ def _measure(shape: Shape, formats: list[str], recipe: Recipe, device,
             times[f].append(time.perf_counter() - t)
         rounds += 1
     out = {}
-    for f, (_, saved, route, high) in runs.items():
+    for f, (_, saved, high, route) in runs.items():
         kept = saved()  # the step's high-water mark beyond what backward keeps
         out[f] = LayerCost(statistics.median(times[f]), kept, route, max(0, high() - kept),
                            _spread(times[f]))
