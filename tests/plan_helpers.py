@@ -1,5 +1,6 @@
 """Plans of the tiny workbench GPT in seconds: the planner's measured speeds replaced by
-fixed ones (every fp8 format twice bf16's speed), its numerics and loss check real."""
+fixed ones (every fp8 format twice bf16's speed, experts modules' too), its numerics
+and loss check real."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ def _costs(shapes, formats, recipe, device, *, seconds=0.25, cache_file=None):
     return {(s, f): LayerCost(seconds(s, f), 1000, "fixed") for s in shapes for f in formats}
 
 
+def _experts_costs(modules, formats, recipe, device, *, seconds=0.25, cache_file=None):
+    """Every experts module's fp8/fp4 formats at 2x bf16's speed, as the Linears'."""
+    return {(s, f): LayerCost(1e-3 if f == BF16 else 5e-4, 1000, "fixed")
+            for s in modules for f in formats}
+
+
 def _baselines(model, b, shell, batch, loss_fn, state_formats, device):
     return Baselines(0.1, 1e6, 0.09, 1e6, {f: 1e-9 for f in ("fused", *STATE_ORDER)})
 
@@ -38,11 +45,12 @@ def fixed_timing(mp: pytest.MonkeyPatch) -> None:
         except ImportError:
             continue
         for attr, fake in (("layer_costs", _costs), ("_baselines", _baselines),
-                           ("_time_scales", lambda *a: {})):
+                           ("_time_scales", lambda *a: {}),
+                           ("experts_costs", _experts_costs)):
             if hasattr(mod, attr):
                 mp.setattr(mod, attr, fake)
                 patched += 1
-    assert patched == 3, f"the planner's timing moved: {mixprec.planner.__file__}"
+    assert patched == 4, f"the planner's timing moved: {mixprec.planner.__file__}"
 
 
 @contextlib.contextmanager

@@ -64,3 +64,36 @@ def test_a_rule_keeping_a_layer_is_named_with_its_rule():
     cov = coverage(_Wide(), "fp8,layer:fc=bf16", {"fc": "rule layer:fc=bf16"})
     row = next(r for r in cov.rows if r.name == "fc")
     assert (row.format, row.reason) == ("bf16", "rule layer:fc=bf16")
+
+
+def test_coverage_by_flops_weights_experts_by_their_routed_tokens():
+    """A tiny Mixtral (hidden 64, 4 experts, top-2, 2 layers) on 64 tokens whose
+    routers send the experts 64, 40, 16 and 8 of them: counted by hand, each Linear
+    and router ``2 · 64 · params``, each experts projection ``2 · 128 pairs · its
+    params per expert``."""
+    pytest.importorskip("transformers")
+    from test_experts_plan import TOKENS, _batch, _model, _skew
+
+    model = _model("mixtral")
+    _skew(model)
+    engine, _ = _engine(model, "fp8-current,layer:*.experts=mxfp8")
+    batch = _batch()
+    with engine.autocast():
+        got = engine.coverage_flops(lambda: model(**batch))
+    flops = {r.name: r.params for r in got.rows}
+    pairs = 2 * TOKENS
+    assert flops["model.layers.0.mlp.experts.gate_up_proj"] == 2 * pairs * 128 * 64
+    assert flops["model.layers.1.mlp.experts.down_proj"] == 2 * pairs * 64 * 64
+    assert flops["model.layers.0.self_attn.k_proj"] == 2 * TOKENS * 64 * 32
+    assert flops["model.layers.1.mlp.gate"] == 2 * TOKENS * 4 * 64
+    assert flops["lm_head"] == 2 * TOKENS * 64 * 128
+    attention = 2 * 2 * TOKENS * (64 * 64 * 2 + 64 * 32 * 2)
+    experts = 2 * 2 * pairs * (128 * 64 + 64 * 64)
+    rest = 2 * TOKENS * 64 * 128 + 2 * 2 * TOKENS * 4 * 64  # head, routers: bf16
+    assert got.total == attention + experts + rest
+    assert got.low_precision_share == pytest.approx((attention + experts) / got.total)
+    assert got.by_kind()["experts"] == {"mxfp8": 1.0}
+    # by parameters the experts weigh their size, not their tokens: another share
+    assert engine.coverage.low_precision_share == pytest.approx(
+        (2 * (128 * 64 + 64 * 64) * 4 + 2 * 12288) / (2 * 49152 + 2 * 12288 + 8192 + 512))
+    assert "matmul FLOPs in low precision" in str(got)

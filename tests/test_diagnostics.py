@@ -224,6 +224,7 @@ def test_g_clean_bf16_run_has_no_false_alarms():
     assert report.ok, str(report)
     assert report.facts["matmul_flops_by_dtype"].get("bfloat16", 0) > 0.9
     assert report.facts["matmul_weights_by_format"]["attention"] == {"bf16": 1.0}
+    assert report.facts["matmul_flops_by_format"]["attention"] == {"bf16": 1.0}
     json.loads(report.to_json())
 
 

@@ -9,14 +9,24 @@ dense layer; an expert's are that times the share of tokens routed to it), by mo
 kind: ``attention``, ``linear`` (the MLPs and the rest), ``head``, ``experts``,
 ``router``. A low-precision recipe that leaves more than half of them in 16 bits warns
 once, naming the largest modules left out and why.
+
+``step_flops`` weights the same rows by the matmul FLOPs of a real forward: a Linear
+(or router) ``2 · tokens · params``, each projection of an experts module ``2 ·
+routed pairs · params per expert`` (the (token, expert) pairs its router sent, so
+an expert's share follows its tokens), and ``Coverage.weighted`` turns those counts
+into the same report by FLOPs (``engine.coverage_flops``). The backward doubles every
+weight's FLOPs alike, so the shares are a training step's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
 from mixprec.experts.format import ExpertsFormat
@@ -24,7 +34,8 @@ from mixprec.experts.hook import experts_modules
 from mixprec.fp8.linear import Float8Linear, is_conv1d
 from mixprec.recipe import Recipe
 
-__all__ = ["Coverage", "CoverageRow", "coverage", "warn_low_coverage", "low_precision"]
+__all__ = ["Coverage", "CoverageRow", "coverage", "warn_low_coverage", "low_precision",
+           "step_flops"]
 
 #: the share of matmul weights below which a low-precision recipe warns
 WARN_BELOW = 0.5
@@ -63,11 +74,20 @@ class Coverage:
 
     rows: tuple[CoverageRow, ...]
     high: str = "bf16"
+    #: what each row's ``params`` counts (``weighted``: FLOPs of a forward)
+    unit: str = "matmul weight parameters"
 
     @property
     def total(self) -> int:
-        """Parameters that feed matmuls."""
+        """Parameters that feed matmuls (FLOPs, for a ``weighted`` report)."""
         return sum(r.params for r in self.rows)
+
+    def weighted(self, counts: Mapping[str, int], unit: str = "matmul FLOPs"
+                 ) -> Coverage:
+        """The same rows, each counted by ``counts[row.name]`` (0 where absent: a
+        module the forward never reached) in place of its parameters."""
+        return Coverage(tuple(dataclasses.replace(r, params=int(counts.get(r.name, 0)))
+                              for r in self.rows), self.high, unit)
 
     def shares(self, kind: str | None = None) -> dict[str, float]:
         """Format -> share of the parameters (of ``kind``, or of all)."""
@@ -94,8 +114,8 @@ class Coverage:
         return sorted(rows, key=lambda r: -r.params)[:n]
 
     def __str__(self) -> str:
-        lines = [f"coverage: {self.low_precision_share:.0%} of {self.total:,} matmul "
-                 "weight parameters in low precision"]
+        lines = [f"coverage: {self.low_precision_share:.0%} of {self.total:,} "
+                 f"{self.unit} in low precision"]
         for kind, shares in self.by_kind().items():
             said = ", ".join(f"{f} {s:.0%}" for f, s in sorted(shares.items()))
             lines.append(f"  {kind:<10} {said}")
@@ -192,3 +212,40 @@ def warn_low_coverage(cov: Coverage, r: Recipe, stacklevel: int = 3) -> None:
         f"matmul weights in low precision; the largest left in {cov.high}: {named}. "
         "engine.coverage lists every module; layer: rules, bf16_last_layers or the "
         "fp8_filter decide what converts.", stacklevel=stacklevel)
+
+
+def step_flops(model: nn.Module, cov: Coverage, run: Callable[[], Any]) -> dict[str, int]:
+    """The forward matmul FLOPs of each row of ``cov`` while ``run()`` runs ``model``
+    (module docstring): by row name, counted by forward hooks; experts by the routed
+    (token, expert) pairs their top-k indices give."""
+    flops: dict[str, int] = {}
+    handles = []
+    experts = experts_modules(model)
+    modules = dict(model.named_modules())
+    for row in cov.rows:
+        m = modules.get(row.name)
+        if m is None or row.kind == "experts":
+            continue
+
+        def dense(mod, args, out, name=row.name, params=row.params):
+            x = args[0]
+            flops[name] = flops.get(name, 0) + 2 * (x.numel() // x.shape[-1]) * params
+        handles.append(m.register_forward_hook(dense))
+    for name, m in experts.items():
+        def routed(mod, args, out, name=name):
+            if len(args) < 2:  # not called as (hidden, top_k_index, top_k_weights)
+                return
+            e = mod.num_experts
+            pairs = int((args[1] < e).sum())
+            for proj in ("gate_up_proj", "up_proj", "down_proj"):
+                w = getattr(mod, proj, None)
+                if isinstance(w, torch.Tensor) and w.dim() == 3:
+                    key = f"{name}.{proj}"
+                    flops[key] = flops.get(key, 0) + 2 * pairs * (w.numel() // e)
+        handles.append(m.register_forward_hook(routed))
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return flops

@@ -39,7 +39,7 @@ from torch import nn
 from mixprec import checkpoint, checkpoint_resharding
 from mixprec.checks import check_backward, warn_low_precision_loss
 from mixprec.context import precision_context, recompute_context, run_backward
-from mixprec.coverage import Coverage, warn_low_coverage
+from mixprec.coverage import Coverage, step_flops, warn_low_coverage
 from mixprec.recipe import Recipe
 from mixprec.scaler import LossScaler
 from mixprec.setup import as_optimizers, build, check_loop_args, warn_kernel_choices
@@ -279,6 +279,12 @@ class MixedPrecision:
         (Linears, experts, attention, head, routers), and what stayed in 16 bits and
         why (``mixprec.coverage``): ``print(engine.coverage)``."""
         return self._coverage
+
+    def coverage_flops(self, run: Callable[[], Any]) -> Coverage:
+        """``coverage`` by the matmul FLOPs of ``run()``, a forward of a real batch
+        (``lambda: model(x)``, under ``autocast()``): dense layers by their tokens,
+        experts by the tokens routed to them (``mixprec.coverage.step_flops``)."""
+        return self._coverage.weighted(step_flops(self.module, self._coverage, run))
 
     @property
     def scale(self) -> torch.Tensor:

@@ -95,6 +95,12 @@ def run(args: argparse.Namespace) -> int:
                       highlight=False)
         if report.facts.get("kernels"):
             con.print(f"kernel choices: {report.facts['kernels']}", highlight=False)
+        weights = report.facts.get("matmul_weights_by_format", {})
+        flops = report.facts.get("matmul_flops_by_format", {})
+        for kind in dict.fromkeys([*weights, *flops]):
+            said = [f"{what} " + ", ".join(f"{f} {v:.0%}" for f, v in sorted(d[kind].items()))
+                    for what, d in (("weights", weights), ("FLOPs", flops)) if kind in d]
+            con.print(f"coverage {kind}: " + "; ".join(said), highlight=False)
         for pth in report.facts.get("plots", []):
             con.print(f"plot: {pth}")
     return 1 if any(f.severity == "error" for f in report.findings) else 0

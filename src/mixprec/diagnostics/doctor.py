@@ -259,13 +259,18 @@ def _reference(model_factory, batch_fn, r: Recipe, steps: int, lr: float,
 
 def _coverage(engine, model, batch_fn, facts: dict) -> list[Finding]:
     """The share of matmul FLOPs that ran in a low-precision dtype."""
-    cov = matmul_coverage(lambda: _forward(engine, model, batch_fn))
+    by_format = []
+    cov = matmul_coverage(lambda: by_format.append(
+        engine.coverage_flops(lambda: _forward(engine, model, batch_fn))))
     low = sum(v for k, v in cov.items() if k in ("bfloat16", "float16",
                                                  "float8_e4m3fn", "float8_e5m2"))
     facts["matmul_flops_by_dtype"] = cov
-    # the engine's static view: the matmul weights' formats per module kind (experts too)
+    # the engine's view: the matmul weights' formats per module kind (experts too), by
+    # parameters and by this forward's FLOPs (experts by the tokens routed to them)
     facts["matmul_weights_by_format"] = engine.coverage.by_kind()
     facts["matmul_weights_low_precision"] = engine.coverage.low_precision_share
+    facts["matmul_flops_by_format"] = by_format[0].by_kind()
+    facts["matmul_flops_low_precision"] = by_format[0].low_precision_share
     if low >= 0.5:
         return []
     return [Finding(

@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from mixprec.diagnostics.findings import Finding
+from mixprec.experts.hook import experts_modules
 from mixprec.planner import Plan
+from mixprec.planner.experts import experts_numerics
 from mixprec.planner.numerics import layer_numerics, linear_names
 from mixprec.planner.timing import BF16
 
@@ -57,9 +59,9 @@ def as_plan(obj: Plan | str | os.PathLike) -> Plan:
 
 
 def check_layers(plan: Plan, model: nn.Module) -> None:
-    """Raise if a layer of ``plan`` is not a Linear of ``model`` (a plan made for
-    another model)."""
-    have = set(linear_names(model))
+    """Raise if a layer of ``plan`` is not a Linear or experts module of ``model`` (a
+    plan made for another model)."""
+    have = set(linear_names(model)) | set(experts_modules(model))
     missing = [r.layer for r in plan.rows if r.layer not in have]
     if missing:
         raise ValueError(f"the plan names layers this model has no Linear called: "
@@ -69,16 +71,20 @@ def check_layers(plan: Plan, model: nn.Module) -> None:
 
 def plan_sqnr(plan: Plan, model: nn.Module, batch_fn: Callable[[nn.Module, Any], torch.Tensor],
               batches: Iterable[Any]) -> list[LayerCheck]:
-    """Each fp8/fp4 Linear of ``plan``, measured in its planned format on ``model``'s
-    current weights (an fp32 model with plain Linears) and ``batches``:
+    """Each fp8/fp4 Linear and experts module of ``plan``, measured in its planned
+    format on ``model``'s current weights (an fp32 model with plain Linears) and
+    ``batches`` (``planner.experts`` scores the experts modules):
     ``batch_fn(model, batch)`` returns the loss (the doctor passes step indices)."""
     check_layers(plan, model)
+    batches = list(batches)
     floors = plan.layer_floor()
     chosen = {r.layer: r for r in plan.rows if r.layer in floors}
     if not chosen:
         return []
     fmts = sorted({r.choice for r in chosen.values()} - {BF16})
-    got = layer_numerics(model, list(batches), batch_fn, fmts, plan.recipe)
+    got = layer_numerics(model, batches, batch_fn, fmts, plan.recipe)
+    if any(n in chosen for n in experts_modules(model)):
+        got.update(experts_numerics(model, batches, batch_fn, fmts, plan.recipe))
     out = []
     for name, r in chosen.items():
         q = got.get((name, r.choice))

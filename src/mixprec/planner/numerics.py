@@ -36,7 +36,8 @@ from mixprec.fp8.linear import Float8Linear, is_conv1d
 from mixprec.planner.timing import BF16, recipe_for_format
 from mixprec.recipe import Recipe
 
-__all__ = ["LayerNumerics", "layer_numerics", "sqnr_db", "linear_names"]
+__all__ = ["LayerNumerics", "layer_numerics", "sqnr_db", "linear_names", "backward_all",
+           "captured"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,24 @@ def _capture(model, batches, loss_fn):
                     pair[1] = g.detach().reshape(-1, g.shape[-1]).float()
                 out.register_hook(keep)
         handles.append(m.register_forward_hook(fwd))
+    backward_all(model, batches, loss_fn, handles)
+    return got
+
+
+def captured(model: nn.Module, batches, loss_fn, capture: Callable):
+    """An fp32 training copy of ``model`` and what ``capture(copy, batches, loss_fn)``
+    took from it (``model`` is left in its mode)."""
+    was = model.training
+    ref = copy.deepcopy(model).float().train()
+    try:
+        return ref, capture(ref, batches, loss_fn)
+    finally:
+        model.train(was)
+
+
+def backward_all(model: nn.Module, batches, loss_fn, handles: list) -> None:
+    """The loss's backward on each batch with the capturing ``handles`` on, which are
+    removed after (and the gradients cleared), whatever happens."""
     try:
         for b in batches:
             model.zero_grad(set_to_none=True)
@@ -100,7 +119,6 @@ def _capture(model, batches, loss_fn):
         for h in handles:
             h.remove()
         model.zero_grad(set_to_none=True)
-    return got
 
 
 def _weight(m: nn.Module) -> torch.Tensor:
@@ -128,12 +146,7 @@ def layer_numerics(model: nn.Module, batches: Sequence, loss_fn: Callable,
     loss; ``recipe``: the fp8 recipe whose other settings (margin, history) the casts
     use. The model is left as it was."""
     fmts = [f for f in formats if f != BF16]
-    was = model.training
-    ref_model = copy.deepcopy(model).float().train()
-    try:
-        got = _capture(ref_model, batches, loss_fn)
-    finally:
-        model.train(was)
+    ref_model, got = captured(model, batches, loss_fn, _capture)
     out = {}
     for name, pairs in got.items():
         pairs = [(x, g) for x, g in pairs if g is not None]

@@ -3,10 +3,12 @@
 It measures three things on this device and chooses from them (``choose``):
 
 1. speed: each distinct Linear shape in each candidate format, forward and backward,
-   casts included, on the GEMM route the engine would take (``timing``);
-2. numerics: each Linear's SQNR against bf16 for output, dgrad and wgrad, the share its
-   casts flush to zero and delayed scaling's amax headroom, on your batches
-   (``numerics``);
+   casts included, on the GEMM route the engine would take (``timing``); each
+   transformers experts module on its grouped GEMMs at the tokens its router sends each
+   expert on the sample batch (``experts``);
+2. numerics: each Linear's and experts module's SQNR against bf16 for output, dgrad
+   and wgrad, the share its casts flush to zero and delayed scaling's amax headroom, on
+   your batches (``numerics``, ``experts``);
 3. bytes: the whole model's step time and peak under the 16-bit recipe and under the
    fp8 recipe with nothing converted (``mixprec.memory.measure(peak=True)``), each
    format's saved activation bytes and each state format's exact bytes.
@@ -18,7 +20,7 @@ beyond their noise after being measured again are listed in ``Plan.timing_noise`
 under the table. With ``max_loss`` the
 planner also runs the model forward under its plan and under the 16-bit recipe on the
 calibration batches and, while the plan's loss is more than ``max_loss`` (relative)
-above, moves the Linear with the lowest SQNR back to bf16.
+above, moves the Linear or experts module with the lowest SQNR back to bf16.
 
     >>> import torch, mixprec
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
@@ -53,15 +55,12 @@ CANDIDATES = ("bf16", *LINEAR_PRESETS)
 #: Measured on Gaussian activations: e4m3 outputs ~28-29 dB, e5m2 gradients (dgrad)
 #: ~25 dB, MXFP8's e4m3 gradients ~29 dB, NVFP4 ~15-17 dB (so NVFP4 needs a lower floor)
 DEFAULT_MIN_SQNR = 20.0
-#: why an experts module has no row: its grouped GEMMs are neither timed nor scored
-NOT_PLANNED = ("experts module: kept in bf16 (a layer:...=bf16 rule); the planner times "
-               "and scores Linears only, not grouped expert GEMMs; give it a format with "
-               "a layer:<name>=<format> rule")
 
 
 @dataclass(frozen=True)
 class PlanRow:
-    """One Linear of the plan: its format and states, the predicted speed-up of its
+    """One Linear or experts module of the plan (``shape``: an experts module's hidden
+    and intermediate widths): its format and states, the predicted speed-up of its
     forward + backward over bf16, its worst SQNR (dB, None for bf16), the bytes it
     saves for backward in its format, and why."""
 
@@ -81,8 +80,8 @@ class Plan:
     predictions and the measured baselines they came from. ``timing_noise``: the
     timings that still disagreed beyond their noise after being measured again, one
     line each (empty where they agreed); the predictions then rest on noisy figures.
-    ``not_planned``: the modules the planner does not choose a format for (transformers
-    experts modules, kept in bf16 by the recipe's rules) and why."""
+    ``not_planned``: modules the planner chose no format for, and why (empty: every
+    Linear and transformers experts module has a row)."""
 
     recipe: Recipe
     rows: tuple[PlanRow, ...]
@@ -231,7 +230,7 @@ def plan_from(sv: Survey, cfg: Config, *, goal: str = "fastest",
                  "fp8-shell": {"step_s": b.step_shell, "peak": b.peak_shell}},
                 device_key(device), max_loss, memory, loss_delta,
                 {k: v for k, v in cfg.reasons.items() if k.startswith("states:")},
-                tuple(sv.noise), {n: NOT_PLANNED for n in sv.experts})
+                tuple(sv.noise))
 
 
 def _check_args(b: Recipe, goal, formats, state_formats, max_loss, min_sqnr) -> None:
@@ -281,6 +280,7 @@ def _row(layer: Layer, cfg: Config, quality, owner: str) -> PlanRow:
     o, bf = layer.options[f], layer.options[BF16]
     q = quality.get((layer.name, f))
     st = cfg.states.get(owner, "fp32")
-    return PlanRow(layer.name, layer.shape, f, st, bf.seconds / o.seconds,
+    return PlanRow(layer.name, layer.shape, f, st,
+                   bf.seconds / o.seconds if o.seconds > 0 else 1.0,
                    None if f == BF16 or q is None else round(q.sqnr, 2),
                    float(o.saved_bytes), cfg.reasons.get(layer.name, ""))

@@ -1,7 +1,9 @@
 """What the planner measures about one model on this device, before it chooses.
 
 ``survey(model, sample_batch, ...)`` returns a ``Survey``: each Linear's options (time
-and saved bytes per format from ``timing``, SQNR and refusals from ``numerics``), the
+and saved bytes per format from ``timing``, SQNR and refusals from ``numerics``) and
+each transformers experts module's (``experts``: timed at the tokens its router sends
+each expert, scored on its real inputs), the
 modules that own parameters (for state formats), and the whole model's measured
 baselines: the step time and peak of the 16-bit recipe and of the fp8 recipe with no
 Linear converted (``measure_step``), and per fp8 format the step with every Linear in
@@ -42,6 +44,13 @@ from mixprec.planner.choose import (
     fit_scale,
     predict,
 )
+from mixprec.planner.experts import (
+    experts_costs,
+    experts_numerics,
+    experts_shapes,
+    kept_in_bf16,
+    widths,
+)
 from mixprec.planner.numerics import LayerNumerics, layer_numerics, linear_names
 from mixprec.planner.timing import (
     BF16,
@@ -76,7 +85,7 @@ class Survey:
     #: the timings that still disagreed beyond their noise after being measured again,
     #: one line each (empty: they agreed)
     noise: list[str] = dataclasses.field(default_factory=list)
-    #: the model's transformers experts modules: not planned, kept in bf16 (``recipe``)
+    #: the model's transformers experts modules (candidates too: in ``names``, ``layers``)
     experts: list[str] = dataclasses.field(default_factory=list)
 
     def predict(self, cfg: Config) -> tuple[float, float]:
@@ -92,23 +101,23 @@ class Survey:
 
     def recipe(self, cfg: Config) -> Recipe:
         """``cfg`` as a recipe: the fp8 recipe of its most common fp8 format with one
-        ``layer:`` rule per Linear and one ``=bf16`` rule per experts module (where any
-        Linear is fp8, else the 16-bit recipe), and ``states:`` rules for modules whose
-        states are not the recipe's."""
+        ``layer:`` rule per Linear and experts module (where any of them is fp8, else
+        the 16-bit recipe), and ``states:`` rules for modules whose states are not the
+        recipe's."""
         r = self.layer_recipe(cfg) if cfg.any_fp8 else self.base
         states = tuple(LayerRule("states", p, v) for p, v in
                        compress(cfg.states, list(self.units), r.states))
         return r.replace(layers=r.layers + states) if states else r
 
     def layer_recipe(self, cfg: Config) -> Recipe:
-        """The fp8 recipe of ``cfg``'s Linears, without its state rules."""
+        """The fp8 recipe of ``cfg``'s Linears and experts modules, without its state
+        rules."""
         fp8 = [f for f in cfg.layers.values() if f != BF16]
         main = max(sorted(set(fp8)), key=fp8.count)
         r = recipe_for_format(self.shell, main)
         rules = tuple(LayerRule("layer", p, v)
                       for p, v in compress(cfg.layers, self.names, None))
-        kept = compress(dict.fromkeys(self.experts, BF16), self.experts, None)
-        return r.replace(layers=rules + tuple(LayerRule("layer", p, v) for p, v in kept))
+        return r.replace(layers=rules)
 
 
 def compress(choice: dict[str, str], universe: list[str], default: str | None
@@ -156,37 +165,68 @@ def survey(model: nn.Module, sample_batch: Any, *, base: Recipe, formats: tuple[
     quality = layer_numerics(model, batches, lambda m, bt: call_loss(m, bt, loss_fn),
                              [f for f in formats if f != BF16], shell)
     noise = noise_report(costs, shell, device)
-    layers = {}
-    for n in names:
-        opts = {}
-        bf = costs[(shapes[n], BF16)].seconds
-        for f in formats:
-            c = costs[(shapes[n], f)]
-            q = quality.get((n, f))
-            most = max_speedup(c.route, shell, device) if f != BF16 else 1.0
-            opts[f] = Option(f, max(c.seconds, bf / most), c.saved_bytes,
-                             math.inf if q is None else q.sqnr,
-                             None if f == BF16 else _refusal(fixed.get(n), q, min_sqnr),
-                             c.working_bytes, c.route, most)
-        layers[n] = Layer(n, shapes[n][:2], opts)
+    layers = {n: _layer(n, shapes[n][:2], lambda f, n=n: costs[(shapes[n], f)],
+                        quality, formats, shell, device, fixed.get(n), min_sqnr)
+              for n in names}
+    experts = _experts(model, sample_batch, loss_fn, batches, formats, shell, device,
+                       min_sqnr, quality, noise, seconds, cache_file)
+    layers.update(experts)
     units = _state_units(model)
     first = {}
     for pname, p in model.named_parameters():
         first.setdefault(id(p), pname.rpartition(".")[0])
     owner = {n: first.get(id(model.get_submodule(n).weight), n) for n in names}
-    base_m = _baselines(model, base, shell, sample_batch, loss_fn, state_formats, device)
+    owner.update({n: n for n in experts})
+    # the fp8 recipe's step with nothing converted: its experts modules kept in bf16 too
+    kept = kept_in_bf16(shell, experts)
+    base_m = _baselines(model, base, kept, sample_batch, loss_fn, state_formats, device)
     base_m = dataclasses.replace(base_m, time_scale=_time_scales(
-        model, shell, sample_batch, loss_fn, layers, fixed, base_m, noise))
+        model, kept, sample_batch, loss_fn, layers, fixed, base_m, noise))
     for fp8, parts, step in ((True, "the Linears and the optimizer", "the fp8 recipe's"),
                              (False, "the optimizer", "the 16-bit recipe's")):
         k = fit_scale(layers, units, base_m, fp8)
         if k < 1:
             noise.append(f"{parts} timed alone add up to {1 / k:.2f}x {step} whole "
                          "step: scaled down to fit in it")
-    from mixprec.experts.hook import experts_modules
+    return Survey(base, shell, names + list(experts), layers, units, base_m, quality,
+                  float(min_sqnr), owner, noise, list(experts))
 
-    return Survey(base, shell, names, layers, units, base_m, quality, float(min_sqnr),
-                  owner, noise, list(experts_modules(model)))
+
+def _layer(name: str, shape: tuple[int, int], cost: Callable[[str], Any], quality,
+           formats, shell: Recipe, device, fixed: str | None, min_sqnr: float) -> Layer:
+    """One candidate (a Linear or an experts module) with its option per format:
+    ``cost(format)`` its measured ``LayerCost``, never faster than its route allows."""
+    opts = {}
+    bf = cost(BF16).seconds
+    for f in formats:
+        c = cost(f)
+        q = quality.get((name, f))
+        most = max_speedup(c.route, shell, device) if f != BF16 else 1.0
+        opts[f] = Option(f, max(c.seconds, bf / most), c.saved_bytes,
+                         math.inf if q is None else q.sqnr,
+                         None if f == BF16 else _refusal(fixed, q, min_sqnr),
+                         c.working_bytes, c.route, most)
+    return Layer(name, shape, opts)
+
+
+def _experts(model, batch, loss_fn, batches, formats, shell, device, min_sqnr,
+             quality: dict, noise: list[str], seconds, cache_file) -> dict[str, Layer]:
+    """The experts modules as candidates (``planner.experts``): timed at the tokens
+    the router sends each expert on ``batch``, scored on ``batches``; their numerics
+    go into ``quality``, their timings' disagreements into ``noise``."""
+    shapes = experts_shapes(model, lambda: call_loss(model, batch, loss_fn))
+    if not shapes:
+        return {}
+    mods = {s: model.get_submodule(n) for n, s in reversed(shapes.items())}
+    costs = experts_costs(mods, formats, shell, device, seconds=seconds,
+                          cache_file=cache_file)
+    quality.update(experts_numerics(model, batches,
+                                    lambda m, bt: call_loss(m, bt, loss_fn),
+                                    [f for f in formats if f != BF16], shell))
+    noise += noise_report(costs, shell, device)
+    return {n: _layer(n, widths(model.get_submodule(n)), lambda f, s=s: costs[(s, f)],
+                      quality, formats, shell, device, None, min_sqnr)
+            for n, s in shapes.items()}
 
 
 def _refusal(fixed: str | None, q: LayerNumerics | None, floor: float) -> str | None:

@@ -29,7 +29,7 @@ import math
 import statistics
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +40,7 @@ from mixprec.recipe import Recipe
 
 __all__ = ["LayerCost", "Shape", "layer_costs", "state_step_costs", "device_key", "clear_cache",
            "recipe_for_format", "BF16", "max_speedup", "disagreements", "noise_report",
-           "NOISY_SPREAD", "MAX_MEASUREMENTS"]
+           "NOISY_SPREAD", "MAX_MEASUREMENTS", "saved_bytes", "timed_step"]
 
 #: the format name of a Linear kept in the recipe's high precision
 BF16 = "bf16"
@@ -127,8 +127,9 @@ def max_speedup(route: str, recipe: Recipe, device: torch.device | str) -> float
     return max(1.0, bf16 if gemm == "bf16" else 1.0 / bf16)
 
 
-def _label(shape: Shape) -> str:
-    return f"{shape[0]}x{shape[1]} at {shape[2]} tokens"
+def _label(shape) -> str:
+    label = getattr(shape, "label", None)  # an experts module's (``planner.experts``)
+    return label if isinstance(label, str) else f"{shape[0]}x{shape[1]} at {shape[2]} tokens"
 
 
 def disagreements(shape: Shape, costs: dict[str, LayerCost], recipe: Recipe,
@@ -186,17 +187,21 @@ def _key(shape: Shape, fmt: str, recipe: Recipe, device) -> str:
 
 def layer_costs(shapes: Iterable[Shape], formats: Iterable[str], recipe: Recipe,
                 device: torch.device | str = "cpu", *, seconds: float = 0.25,
-                cache_file: str | Path | None = None) -> dict[tuple[Shape, str], LayerCost]:
+                cache_file: str | Path | None = None,
+                build: Callable | None = None) -> dict[tuple[Shape, str], LayerCost]:
     """``{(shape, format): LayerCost}`` for every shape and format, measured on
     ``device`` (cached). ``recipe`` is the fp8 recipe the Linears sit in (its params,
     master, emulation and GEMM route settings); ``seconds``: about how long each
     shape's interleaved rounds run. A shape whose timings disagree is measured again
     (module docstring); bf16 is measured with any other format of its shape, so that
-    the two are compared within one interleaved run."""
+    the two are compared within one interleaved run. ``build(shape, format, recipe,
+    device)`` makes what is timed (default: a one-Linear model; ``planner.experts``
+    passes an experts module's) and returns ``(step, saved, high, route)``
+    (``timed_step``'s three and the GEMM route)."""
     formats = list(formats)
     disk = _read(cache_file)
     out: dict[tuple[Shape, str], LayerCost] = {}
-    for shape in dict.fromkeys(tuple(s) for s in shapes):
+    for shape in dict.fromkeys(s if isinstance(s, tuple) else tuple(s) for s in shapes):
         todo = []
         for f in formats:
             k = _key(shape, f, recipe, device)
@@ -208,7 +213,8 @@ def layer_costs(shapes: Iterable[Shape], formats: Iterable[str], recipe: Recipe,
         if todo and BF16 in formats and BF16 not in todo:
             todo.insert(0, BF16)
         if todo:
-            for f, cost in _agreeing(shape, todo, recipe, device, seconds).items():
+            got = _agreeing(shape, todo, recipe, device, seconds, build)
+            for f, cost in got.items():
                 _CACHE[_key(shape, f, recipe, device)] = cost
                 out[(shape, f)] = cost
     if cache_file is not None:  # noisy timings stay out: the next run measures them again
@@ -259,46 +265,57 @@ def _one_linear(shape: Shape, fmt: str, recipe: Recipe, device):
     mods = list(fp8_modules(model).values())
     route = mods[0].backend if mods else ("emulated" if engine.emulating else "native")
 
+    return (*timed_step(engine, model, (x,), dy, device), route)
+
+
+def timed_step(engine, model: nn.Module, inputs: tuple, dy: torch.Tensor, device):
+    """``(step, saved, high)`` of ``model(*inputs)`` under ``engine``: the step to time
+    (forward under its autocast, backward on ``dy``, gradients dropped), the bytes it
+    saves for backward (``saved_bytes``) and the step's high-water mark beyond them."""
     def step():
         with engine.autocast():
-            y = model(x)
+            y = model(*inputs)
         y.backward(dy.to(y.dtype))
-        x.grad = None
+        inputs[0].grad = None
         for p in model.parameters():
             p.grad = None
-
-    def saved() -> int:
-        seen: dict = {}
-        params = {id(p) for p in model.parameters()}
-
-        def pack(t):
-            if id(t) not in params and t is not x and t.device.type != "meta":
-                st = t.untyped_storage()
-                seen[(st.data_ptr(), st.device)] = st.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with engine.autocast():
-                y = model(x)
-        del y
-        return int(sum(seen.values()))
 
     def high() -> int:
         from mixprec.memory.ledger import high_water
 
         return high_water(step, device)
 
-    return step, saved, route, high
+    return step, lambda: saved_bytes(engine, model, *inputs), high
+
+
+def saved_bytes(engine, model: nn.Module, *inputs: torch.Tensor) -> int:
+    """The bytes autograd saves for backward when ``model(*inputs)`` runs under
+    ``engine``'s autocast: not the parameters, not the inputs, each storage once."""
+    seen: dict = {}
+    skip = {id(p) for p in model.parameters()} | {id(t) for t in inputs}
+
+    def pack(t):
+        if id(t) not in skip and t.device.type != "meta":
+            st = t.untyped_storage()
+            seen[(st.data_ptr(), st.device)] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with engine.autocast():
+            y = model(*inputs)
+    del y
+    return int(sum(seen.values()))
 
 
 def _agreeing(shape: Shape, formats: list[str], recipe: Recipe, device,
-              seconds: float) -> dict[str, LayerCost]:
+              seconds: float, build: Callable | None = None) -> dict[str, LayerCost]:
     """``_measure``, again while its timings disagree (``disagreements``), at most
     ``MAX_MEASUREMENTS`` times: the measurement with the fewest disagreements, then the
     smallest spread, each cost marked with the number of measurements taken."""
     best, best_key, n = None, None, 0
     while n < MAX_MEASUREMENTS:
-        got = _measure(shape, formats, recipe, device, seconds)
+        got = (_measure(shape, formats, recipe, device, seconds) if build is None
+               else _measure(shape, formats, recipe, device, seconds, build))
         n += 1
         bad = disagreements(shape, got, recipe, device)
         key = (len(bad), max((c.spread for c in got.values()), default=0.0))
@@ -316,10 +333,11 @@ def _spread(times: list[float]) -> float:
 
 
 def _measure(shape: Shape, formats: list[str], recipe: Recipe, device,
-             seconds: float) -> dict[str, LayerCost]:
+             seconds: float, build: Callable | None = None) -> dict[str, LayerCost]:
+    build = build or _one_linear
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    runs = {f: _one_linear(shape, f, recipe, dev) for f in formats}
+    runs = {f: build(shape, f, recipe, dev) for f in formats}
     times: dict[str, list[float]] = {f: [] for f in formats}
     for step, *_ in runs.values():  # warm-up: first calls build caches and pick routes
         step()
@@ -334,7 +352,7 @@ def _measure(shape: Shape, formats: list[str], recipe: Recipe, device,
             times[f].append(time.perf_counter() - t)
         rounds += 1
     out = {}
-    for f, (_, saved, route, high) in runs.items():
+    for f, (_, saved, high, route) in runs.items():
         kept = saved()  # the step's high-water mark beyond what backward keeps
         out[f] = LayerCost(statistics.median(times[f]), kept, route, max(0, high() - kept),
                            _spread(times[f]))
