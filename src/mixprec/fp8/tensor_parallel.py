@@ -63,6 +63,7 @@ class TPLayout:
 
     @property
     def group(self):
+        """The tensor-parallel process group (the mesh's one dim)."""
         return self.mesh.get_group(0)
 
     def dim_of(self, role: str) -> int | None:
