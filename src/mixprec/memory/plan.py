@@ -14,6 +14,7 @@ from torch import nn
 
 from mixprec.master import grads_in_place, updated_dtype
 from mixprec.memory.layers import fp8_share, layer_recipes
+from mixprec.memory.moe import moe_experts, moe_terms
 from mixprec.memory.transient import (
     backward_transient,
     linear_shapes,
@@ -271,13 +272,18 @@ def estimate(
         route = fp8_gemm_route(dev, choice) if on_model else (
             "scaled_mm" if choice == "auto" else choice)
         tokens = activations.seq_len * activations.micro_batch
+        work = 0.0
+        if on_model and moe_experts(params):  # saved and held as its modules run
+            items["activations"], work = moe_terms(params, r, tokens, act_bytes, route)
+            notes.append("activations: a transformers mixture-of-experts model, priced "
+                         "from its own modules (mixprec.memory.moe)")
         steady = sum(v for k, v in items.items() if k not in ("activations",
                                                                 "weight_casts"))
         # gradients that autograd makes afresh each backward (no accumulation buffers)
         # are not yet there when the backward peaks
         fresh = items["grads"] if grads_in_place(r, emulated) else 0.0
         backward = (sum(items.values()) - fresh
-                    + backward_transient(tokens, shapes, act_bytes, route))
+                    + max(work, backward_transient(tokens, shapes, act_bytes, route)))
         largest = (max((_local(p).numel() for p in params.parameters()), default=0)
                    if on_model
                    else activations.ffn_mult * activations.hidden ** 2)  # an MLP weight
