@@ -12,7 +12,8 @@ the activations' width: 2 bytes under a 16-bit or fp8 recipe), what one forward 
   attention's output projection reads the attention output as it is, no copy), or its
   format's cast for the weight gradient (``cast_bytes``);
 - the attention: Q, K, V and the output at ``b`` bytes, an fp32 log-sum-exp per head;
-- the router: fp32 probabilities per expert, the top-k ids (int64) and weights;
+- the router: its 16-bit input, fp32 probabilities per expert, the top-k ids (int64)
+  and weights;
 - the experts: three int64 index vectors of ``R`` (sort order, permutation, inverse),
   the gate-up output (``b·R·2I``), the activation's output (``b·R·I``), the
   down-projection output and the routing weights; under a format, each expert's casts
@@ -130,11 +131,15 @@ def moe_saved_bytes(model: nn.Module, tokens: int, linear_formats: dict[str, Any
             qd, kd = m.q_proj.out_features, m.k_proj.out_features
             heads = getattr(m.config, "num_attention_heads", 1)
             total += t * (b * (2 * qd + 2 * kd) + 4 * heads)
+    mods = dict(model.named_modules())
     for name, m in moe_experts(model).items():
         e, h, inner, k = _experts_dims(m)
         r = k * t
         up = 2 * inner if m.has_gate else inner
-        total += t * (4 * e + 12 * k + 4)  # router: probabilities, top-k ids and weights
+        # the router: its 16-bit input (a Linear's is counted above), probabilities,
+        # top-k ids and weights
+        router = getattr(mods.get(name.rpartition(".")[0]), "gate", None)
+        total += t * (4 * e + 12 * k + 4 + (0 if isinstance(router, nn.Linear) else b * h))
         total += 24 * r + b * r * (up + inner + h)  # indices, gate-up, act, down out
         q = quantizers.get(name)
         if q is None:  # transformers' grouped_mm: 16-bit inputs, fp32 routing weights
