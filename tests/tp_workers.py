@@ -271,3 +271,45 @@ def tp_memory(rank, world, tmp, recipe):
     del engine, opt, model
     gc.collect()
     dist.destroy_process_group()
+
+
+def tp_peak(rank, world, tmp, recipes, dim, batch, seq):
+    """Each rank's measured peak of one training step (``measure(..., peak=True)``)
+    against ``estimate``'s per-rank prediction, for a TP-split GPT block of width
+    ``dim`` (heads of 4), on ``world`` ranks: TP over all of them, or FSDP x TP on a
+    (world/2, 2) mesh when ``world`` is 4."""
+    from mixprec.memory import TransformerSpec, estimate, measure
+
+    _init(rank, world, tmp)
+    tp = 2
+    dp = world // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, seq, dim, generator=g)
+    y = torch.randint(0, 4, (batch,), generator=g)
+    xs, ys = x.chunk(dp)[mesh["dp"].get_local_rank()], y.chunk(dp)[mesh["dp"].get_local_rank()]
+    out = {}
+    for recipe in recipes:
+        torch.manual_seed(0)
+        model = parallelize_module(Block(dim), mesh["tp"], PLANS["block"])
+        kwargs = ({"parallel": "fsdp", "parallel_kwargs": {"mesh": mesh["dp"]}} if dp > 1
+                  else {})
+        engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                recipe, **kwargs)
+        spec = TransformerSpec(layers=1, hidden=dim, heads=dim // 4, seq_len=seq,
+                               micro_batch=batch // dp, attention="flash", dropout=False,
+                               tensor_parallel=tp)
+        predicted = estimate(engine.model, recipe, zero_stage=3 if dp > 1 else 0,
+                             world_size=dp, activations=spec)
+        loss_fn = lambda o: F.cross_entropy(o, ys)  # noqa: E731
+        with engine.autocast():
+            loss = loss_fn(engine.model(xs))
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        got = measure(engine.model, engine, xs, peak=True, loss_fn=loss_fn)
+        out[recipe] = (predicted.peak, got.peak, dict(got.items), dict(predicted.items))
+        del engine, model
+    _save(tmp, "tppeak", rank, out)
+    gc.collect()
+    dist.destroy_process_group()

@@ -109,6 +109,10 @@ class TransformerSpec:
     dropout: bool = True
     fp32_norms: bool | None = None
     fp32_softmax: bool | None = None
+    #: tensor-parallel ranks: Q, K, V, the attention and the MLP's hidden values are
+    #: split over them (Korthikanti et al. §4.2.2: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``);
+    #: the norms, the Linears' replicated inputs and the head stay whole
+    tensor_parallel: int = 1
 
 
 def activation_bytes(spec: TransformerSpec, bytes_per_value: float = 2.0,
@@ -126,18 +130,22 @@ def activation_bytes(spec: TransformerSpec, bytes_per_value: float = 2.0,
         return spec.layers * v * sbh + total_extra
     # norms, QKV input, Q/K/V, attention output (the projection's input), MLP input,
     # fc output (GELU's input), GELU output (the second Linear's input)
-    per = 2 * norm + li + 3 * v + v + li + f * v + f * li
+    tp = spec.tensor_parallel
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel={tp!r}: the number of tensor-parallel ranks, "
+                         "an integer >= 1")
+    split = 3 * v + v + f * v + f * li  # Q/K/V, attention output, fc and GELU outputs
     if li != v:
-        per += li  # fp8: the projection saves its own fp8 copy of the attention output
-    per *= sbh
+        split += li  # fp8: the projection saves its own fp8 copy of the attention output
+    per = (2 * norm + li + li + split / tp) * sbh
     if spec.dropout:
         per += 2 * sbh
     if spec.recompute == "none":
         if spec.attention == "flash":
-            per += 4.0 * a * s * b
+            per += 4.0 * a * s * b / tp
         else:
             soft = (4.0 + v) if spec.fp32_softmax else v
-            per += a * s * s * b * (soft + (1 + v if spec.dropout else 0))
+            per += a * s * s * b * (soft + (1 + v if spec.dropout else 0)) / tp
     return spec.layers * per + total_extra
 
 
@@ -317,6 +325,7 @@ def _linear_routes(params, spec: TransformerSpec, r: Recipe, emulated: bool,
         out = []
         for fqn, i, o in linear_shapes(params):
             own = recipes.get(fqn)
+            i, o = _tp_local(params.get_submodule(fqn), i, o, spec.tensor_parallel)
             out.append((i, o, rest if own is None else own.linear))
         return out
     h, f = spec.hidden, spec.ffn_mult
@@ -324,6 +333,19 @@ def _linear_routes(params, spec: TransformerSpec, r: Recipe, emulated: bool,
     per_layer = [(h, 3 * h, inner), (h, h, inner), (h, f * h, inner), (f * h, h, inner)]
     head = [(h, spec.vocab, rest)] if spec.vocab else []
     return per_layer * spec.layers + head
+
+
+def _tp_local(m: nn.Module, i: int, o: int, tp: int) -> tuple[int, int]:
+    """A Linear's ``(in, out)`` as this rank computes it: a weight split by a
+    tensor-parallel plan (``Shard(0)``: colwise, ``Shard(1)``: rowwise on the mesh's
+    last dim, where FSDP x TP keeps TP) holds ``1/tp`` of that dim; FSDP's own shards
+    are gathered whole for the GEMMs."""
+    w = getattr(m, "weight", None)
+    place = getattr(w, "placements", None)
+    if tp <= 1 or not place or not getattr(place[-1], "is_shard", lambda: False)():
+        return i, o
+    dim = place[-1].dim
+    return (i // tp, o) if dim == 1 else (i, o // tp)
 
 
 def _optimizer_bytes(r: Recipe, opt: str, n: int, sizes: list | None,
