@@ -1,7 +1,7 @@
 """A training step's peak memory: ``estimate()``'s prediction against
 ``measure(..., peak=True)``'s measured high-water mark, for every preset.
 
-    python benchmarks/memory_peak.py [--size medium] [--batch 8] [--recipes fp32,bf16]
+    python benchmarks/memory_peak.py [--size medium] [--batch 8] [--recipes fp32,bf16] [--moe]
 
 The workbench GPT (``--size``, the compare default ``medium``: 4 layers, d=256,
 sequence 128) with each preset's optimizer (``mixprec.optim.adamw_for``), after two
@@ -127,7 +127,7 @@ def main() -> None:
     print("| recipe | steady MB | estimated peak MB | measured peak MB | estimate / measured |")
     print("|---|---|---|---|---|")
     mb = 2.0 ** 20
-    for r in args.recipes.split(","):
+    for r in [r for r in args.recipes.split(",") if r]:  # --recipes '': the MoE rows only
         steady, est, got = peaks(r, args.size, args.batch)
         print(f"| `{r}` | {steady / mb:.1f} | {est / mb:.1f} | {got / mb:.1f} | "
               f"{est / got:.3f} |", flush=True)

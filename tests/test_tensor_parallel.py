@@ -119,20 +119,21 @@ def test_the_memory_planner_counts_each_tp_ranks_shards(recipe):
         assert r["predicted"]["params"] < r["whole"]["params"]
 
 
-def test_each_tp_ranks_measured_step_against_the_planners_prediction():
-    """Two TP ranks, one GPT block each (width 64): ``measure(..., peak=True)`` reads
-    each rank's local shards (it raised on a DTensor before), the saved activations of
-    an fp32 step match ``TransformerSpec(tensor_parallel=2)`` within 5% (the whole
-    model's formula is 1.6x them), and the predicted peak is within 10% of the
-    measured one."""
+def test_each_tp_ranks_measured_peak_is_within_5_percent_of_the_planners():
+    """Two TP ranks, four GPT blocks (width 64, separate q, k, v Linears): on each rank
+    ``measure(..., peak=True)`` reads the local shards (it raised on a DTensor before),
+    the saved activations match ``TransformerSpec(tensor_parallel=2)`` within 2% (the
+    whole model's formula is 1.6x them in fp32), and the predicted peak of a step is
+    within 5% of the measured one, in fp32 and bf16-master (one spawn for all)."""
     from mixprec.memory import TransformerSpec, activation_bytes
 
-    spec = dict(layers=1, hidden=64, heads=16, seq_len=32, micro_batch=8,
+    spec = dict(layers=4, hidden=64, heads=16, seq_len=32, micro_batch=8,
                 attention="flash", dropout=False)
-    split = activation_bytes(TransformerSpec(**spec, tensor_parallel=2), 4)
-    whole = activation_bytes(TransformerSpec(**spec), 4)
-    assert whole / split > 1.5
-    for r in spawn(w.tp_peak, ["fp32"], 64, 8, 32, name="tppeak"):
-        predicted, got, items, _ = r["fp32"]
-        assert abs(items["activations"] / split - 1) <= 0.05, (items["activations"], split)
-        assert abs(predicted / got - 1) <= 0.10, (predicted / 2**20, got / 2**20)
+    assert activation_bytes(TransformerSpec(**spec), 4) / activation_bytes(
+        TransformerSpec(**spec, tensor_parallel=2), 4) > 1.5
+    for r in spawn(w.tp_peak, ["fp32", "bf16-master"], 64, 8, 32, 4, name="tppeak"):
+        for recipe, (predicted, got, items, planned) in r.items():
+            assert abs(items["activations"] / planned["activations"] - 1) <= 0.02, (
+                recipe, items["activations"], planned["activations"])
+            assert abs(predicted / got - 1) <= 0.05, (recipe, predicted / 2**20,
+                                                      got / 2**20)

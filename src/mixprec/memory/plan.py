@@ -113,6 +113,9 @@ class TransformerSpec:
     #: split over them (Korthikanti et al. §4.2.2: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``);
     #: the norms, the Linears' replicated inputs and the head stay whole
     tensor_parallel: int = 1
+    #: Linears that read the attention's input: 1 (a fused QKV) or 3 (separate q, k, v);
+    #: each casts and saves its own copy where the input is cast (16 bits, fp8)
+    qkv_linears: Literal[1, 3] = 1
 
 
 def activation_bytes(spec: TransformerSpec, bytes_per_value: float = 2.0,
@@ -137,7 +140,12 @@ def activation_bytes(spec: TransformerSpec, bytes_per_value: float = 2.0,
     split = 3 * v + v + f * v + f * li  # Q/K/V, attention output, fc and GELU outputs
     if li != v:
         split += li  # fp8: the projection saves its own fp8 copy of the attention output
-    per = (2 * norm + li + li + split / tp) * sbh
+    if spec.qkv_linears not in (1, 3):
+        raise ValueError(f"qkv_linears={spec.qkv_linears!r}: 1 (a fused QKV Linear) or 3 "
+                         "(separate q, k and v Linears)")
+    # separate q, k, v Linears each keep their own cast of the input (none in fp32)
+    copies = spec.qkv_linears if li < 4 else 1
+    per = (2 * norm + copies * li + li + split / tp) * sbh
     if spec.dropout:
         per += 2 * sbh
     if spec.recompute == "none":
