@@ -70,7 +70,8 @@ class Block(nn.Module):
         self.head = nn.Linear(dim, 4)
 
     def forward(self, x):  # x: (batch, seq, dim)
-        return self.head(self.hidden(x).mean(1))
+        h = self.hidden(x)
+        return h if self.head is None else self.head(h.mean(1))  # a Stack's inner block
 
     def hidden(self, x):
         """The block's output before the head."""
@@ -95,7 +96,7 @@ class Stack(nn.Module):
 
     def forward(self, x):
         for blk in self.layers:
-            x = blk.hidden(x)
+            x = blk(x)  # through __call__: FSDP's hooks gather each block's shards
         return self.head(x.mean(1))
 
 
@@ -296,7 +297,8 @@ def tp_peak(rank, world, tmp, recipes, dim, batch, seq, layers=1):
     """Each rank's measured peak of one training step (``measure(..., peak=True)``)
     against ``estimate``'s per-rank prediction, for ``layers`` TP-split GPT blocks of
     width ``dim`` (heads of 4), on ``world`` ranks: TP over all of them, or FSDP x TP on
-    a (world/2, 2) mesh when ``world`` is 4."""
+    a (world/2, 2) mesh when ``world`` is 4 (the planner's ZeRO-3 items then differ from
+    what FSDP2 holds, the fp32 shards serving as masters: not asserted)."""
     from mixprec.memory import TransformerSpec, estimate, measure
 
     _init(rank, world, tmp)
