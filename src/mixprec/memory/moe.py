@@ -11,7 +11,9 @@ the activations' width: 2 bytes under a 16-bit or fp8 recipe), what one forward 
 - each Linear its input: a 16-bit copy ``b·in`` (autocast casts it once per Linear; the
   attention's output projection reads the attention output as it is, no copy), or its
   format's cast for the weight gradient (``cast_bytes``);
-- the attention: Q, K, V and the output at ``b`` bytes, an fp32 log-sum-exp per head;
+- the attention (``F.scaled_dot_product_attention``'s fused kernel): Q, K, V and the
+  output at ``b`` bytes, an fp32 log-sum-exp per head; a dense gated MLP (a shared
+  expert) its gate, up and activation outputs;
 - the router: its 16-bit input, fp32 probabilities per expert, the top-k ids (int64)
   and weights;
 - the experts: three int64 index vectors of ``R`` (sort order, permutation, inverse),
@@ -37,7 +39,7 @@ from torch import nn
 from mixprec.memory.transient import linear_shapes
 
 __all__ = ["moe_experts", "cast_bytes", "moe_saved_bytes", "experts_backward",
-           "loss_transient", "moe_terms"]
+           "loss_transient", "moe_terms", "moe_notes"]
 
 
 def moe_experts(model: nn.Module) -> dict[str, nn.Module]:
@@ -110,6 +112,24 @@ def _norm_widths(model: nn.Module) -> list[tuple[int, int]]:
     return out
 
 
+def _attention_widths(m: nn.Module) -> tuple[int, int, int, int, int]:
+    """``(Q, K, V, output widths per token, heads)`` the attention kernel saves: the q,
+    k and v projections' outputs (the output has every head's V width), or under
+    multi-head latent attention (DeepSeek's: no ``q_proj``/``k_proj`` pair) the
+    config's head dims."""
+    cfg = m.config
+    heads = getattr(cfg, "num_attention_heads", 1)
+    q, k, v = (getattr(m, f"{n}_proj", None) for n in "qkv")
+    if all(isinstance(x, nn.Linear) for x in (q, k, v)):
+        groups = getattr(cfg, "num_key_value_heads", None) or heads
+        vd = v.out_features
+        return q.out_features, k.out_features, vd, vd * heads // groups, heads
+    qk = getattr(cfg, "qk_head_dim", None) or (getattr(cfg, "qk_nope_head_dim", 0)
+                                                + getattr(cfg, "qk_rope_head_dim", 0))
+    vd = heads * getattr(cfg, "v_head_dim", qk)
+    return heads * qk, heads * qk, vd, vd, heads
+
+
 def moe_saved_bytes(model: nn.Module, tokens: int, linear_formats: dict[str, Any],
                     quantizers: dict[str, Any], act_bytes: float) -> float:
     """Bytes one forward of ``tokens`` tokens saves for backward (see the module doc).
@@ -126,11 +146,14 @@ def moe_saved_bytes(model: nn.Module, tokens: int, linear_formats: dict[str, Any
         elif not fqn.endswith("o_proj"):  # the attention output is saved already
             total += b * t * i
     for m in model.modules():
-        if type(m).__name__.endswith("Attention") and isinstance(
-                getattr(m, "q_proj", None), nn.Linear):
-            qd, kd = m.q_proj.out_features, m.k_proj.out_features
-            heads = getattr(m.config, "num_attention_heads", 1)
-            total += t * (b * (2 * qd + 2 * kd) + 4 * heads)
+        if type(m).__name__.endswith("Attention") and hasattr(m, "config"):
+            qd, kd, vd, od, heads = _attention_widths(m)
+            total += t * (b * (qd + kd + vd + od) + 4 * heads)
+        elif all(isinstance(getattr(m, n, None), nn.Linear)
+                 for n in ("gate_proj", "up_proj", "down_proj")):
+            # a dense gated MLP (a shared expert, a dense layer): its gate and up
+            # outputs and the activation's, 16-bit
+            total += 3 * b * t * m.up_proj.out_features
     mods = dict(model.named_modules())
     for name, m in moe_experts(model).items():
         e, h, inner, k = _experts_dims(m)
@@ -237,3 +260,14 @@ def moe_terms(model: nn.Module, r: Any, tokens: int, act_bytes: float, route: st
                                 lambda q, t, i, o: q.backward_bytes(t, i, o, act_bytes,
                                                                     route)))
     return saved, work
+
+
+def moe_notes(model: nn.Module) -> list[str]:
+    """What the pricing leaves out for this model: an attention implementation other
+    than ``sdpa`` (``eager`` saves each head's s×s probabilities, not priced)."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+    if impl == "sdpa":
+        return []
+    return [f"activations: attention implementation {impl!r}: priced as sdpa's fused "
+            "kernel (its s×s scores and probabilities are not counted); load the model "
+            "with attn_implementation='sdpa' for the priced path"]

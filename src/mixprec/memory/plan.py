@@ -14,7 +14,7 @@ from torch import nn
 
 from mixprec.master import grads_in_place, updated_dtype
 from mixprec.memory.layers import fp8_share, layer_recipes
-from mixprec.memory.moe import moe_experts, moe_terms
+from mixprec.memory.moe import moe_experts, moe_notes, moe_terms
 from mixprec.memory.transient import (
     backward_transient,
     linear_shapes,
@@ -293,6 +293,7 @@ def estimate(
             items["activations"], work = moe_terms(params, r, tokens, act_bytes, route)
             notes.append("activations: a transformers mixture-of-experts model, priced "
                          "from its own modules (mixprec.memory.moe)")
+            notes += moe_notes(params)
         steady = sum(v for k, v in items.items() if k not in ("activations",
                                                                 "weight_casts"))
         # gradients that autograd makes afresh each backward (no accumulation buffers)
