@@ -20,6 +20,7 @@ from mixprec.memory.transient import (
     linear_shapes,
     saved_weight_bytes,
     step_scratch,
+    tp_local,
 )
 from mixprec.recipe import Recipe
 
@@ -334,7 +335,7 @@ def _linear_routes(params, spec: TransformerSpec, r: Recipe, emulated: bool,
         out = []
         for fqn, i, o in linear_shapes(params):
             own = recipes.get(fqn)
-            i, o = _tp_local(params.get_submodule(fqn), i, o, spec.tensor_parallel)
+            i, o = tp_local(params.get_submodule(fqn), i, o, spec.tensor_parallel)
             out.append((i, o, rest if own is None else own.linear))
         return out
     h, f = spec.hidden, spec.ffn_mult
@@ -342,19 +343,6 @@ def _linear_routes(params, spec: TransformerSpec, r: Recipe, emulated: bool,
     per_layer = [(h, 3 * h, inner), (h, h, inner), (h, f * h, inner), (f * h, h, inner)]
     head = [(h, spec.vocab, rest)] if spec.vocab else []
     return per_layer * spec.layers + head
-
-
-def _tp_local(m: nn.Module, i: int, o: int, tp: int) -> tuple[int, int]:
-    """A Linear's ``(in, out)`` as this rank computes it: a weight split by a
-    tensor-parallel plan (``Shard(0)``: colwise, ``Shard(1)``: rowwise on the mesh's
-    last dim, where FSDP x TP keeps TP) holds ``1/tp`` of that dim; FSDP's own shards
-    are gathered whole for the GEMMs."""
-    w = getattr(m, "weight", None)
-    place = getattr(w, "placements", None)
-    if tp <= 1 or not place or not getattr(place[-1], "is_shard", lambda: False)():
-        return i, o
-    dim = place[-1].dim
-    return (i // tp, o) if dim == 1 else (i, o // tp)
 
 
 def _optimizer_bytes(r: Recipe, opt: str, n: int, sizes: list | None,
