@@ -1,6 +1,6 @@
 """The saved activations and backward working sets of a transformers mixture-of-experts
-causal LM (Mixtral, Qwen3-MoE and their kin: RMSNorm, rotary attention, a router Linear
-and an experts module with 3-D weights), read off the model's own modules; ``estimate``
+causal LM (Mixtral, Qwen3-MoE and their kin: RMSNorm, rotary attention, a router and
+an experts module with 3-D weights), read off the model's own modules; ``estimate``
 prices such a model with them in place of the GPT formula of ``TransformerSpec``.
 
 Per token (``T = seq_len · micro_batch`` tokens, ``R = top_k · T`` routed rows, ``b``
@@ -24,9 +24,11 @@ the activations' width: 2 bytes under a 16-bit or fp8 recipe), what one forward 
   the 16-bit inputs of both projections;
 - the head's input, the loss's fp32 log-probabilities (``4·V``) and the token ids.
 
-The working sets on top of all that: the loss at the forward's end (the head's 16-bit
-logits, their fp32 copy and the reduction, ``8·T·V``) and each experts projection's
-backward on the ``loop`` route (the CPU's: ``experts_backward``).
+The working sets on top of that: the loss at the forward's end (the head's 16-bit
+logits, their fp32 copy and the reduction, ``8·T·V``) and the last layer's experts
+backward on the ``loop`` route (the CPU's; ``experts_backward``), less what the backward
+has freed by then. Each expert is taken to get the average ``R/E`` rows: the busiest
+one's scratch is larger, by as much as the routing is uneven.
 """
 
 from __future__ import annotations
