@@ -1,14 +1,19 @@
 """A training step's peak memory: ``estimate()``'s prediction against
 ``measure(..., peak=True)``'s measured high-water mark, for every preset.
 
-    python benchmarks/memory_peak.py [--size medium] [--batch 8] [--recipes fp32,bf16]
+    python benchmarks/memory_peak.py [--size medium] [--batch 8] [--recipes fp32,bf16] [--moe]
 
 The workbench GPT (``--size``, the compare default ``medium``: 4 layers, d=256,
 sequence 128) with each preset's optimizer (``mixprec.optim.adamw_for``), after two
 steps. The prediction uses the model and a transformer spec of its shape
 (``F.scaled_dot_product_attention``: flash, no dropout); the measurement takes one real
 step (undone afterwards) under ``torch.profiler``'s memory events. MB = 2^20 bytes.
-No figure is asserted here (tests/test_memory_peak.py asserts the bound)."""
+
+``--moe`` adds tiny transformers mixture-of-experts models (Mixtral and Qwen3-MoE built
+from config: 2 layers, hidden 64, 4 experts of 128, top-2, vocabulary 128; nothing is
+downloaded) under the recipes that run their experts on mixprec's grouped GEMM, batch 8
+of 64 tokens; their prediction reads the model's own modules (``mixprec.memory.moe``).
+No figure is asserted here (tests/test_memory_peak.py asserts the bounds)."""
 
 from __future__ import annotations
 
@@ -51,21 +56,90 @@ def peaks(recipe: str, size: str = "medium", batch: int = 8) -> tuple[float, flo
     return steady, predicted.peak, got.peak
 
 
+#: the MoE rows' recipes: 16-bit experts on transformers' grouped GEMM, and three formats
+MOE_RECIPES = ("bf16-master", "fp8-current", "mxfp8", "nvfp4")
+MOE_MODELS = ("mixtral", "qwen3_moe")
+
+
+def moe_model(kind: str, seed: int = 0):
+    """A tiny transformers MoE causal LM from config (experts initialized N(0, 0.05))."""
+    import transformers
+
+    from mixprec.experts.hook import experts_modules
+
+    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
+                  num_experts_per_tok=2)
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(**common, intermediate_size=128,
+                                         num_local_experts=4)
+    elif kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, intermediate_size=128,
+                                          moe_intermediate_size=128, num_experts=4,
+                                          head_dim=16)
+    else:
+        raise ValueError(f"kind={kind!r}; valid: {', '.join(MOE_MODELS)}")
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    for m in experts_modules(model).values():  # transformers' init leaves some at 0
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+    return model
+
+
+def moe_peaks(kind: str, recipe: str, batch: int = 8, seq: int = 64
+              ) -> tuple[float, float, float]:
+    """``(steady, estimated peak, measured peak)`` in bytes for a tiny MoE model."""
+    model = moe_model(kind)
+    idx = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(1))
+    data = {"input_ids": idx, "labels": idx}
+    cfg = model.config
+    spec = TransformerSpec(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
+                           heads=cfg.num_attention_heads, seq_len=seq, micro_batch=batch,
+                           vocab=cfg.vocab_size, attention="flash", dropout=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        predicted = estimate(model, recipe, activations=spec)
+        engine = MixedPrecision(model, adamw_for(recipe, model.parameters(), lr=1e-3),
+                                recipe)
+        for _ in range(1):  # the optimizer's states exist after one step
+            with engine.autocast():
+                loss = model(**data).loss
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+        got = measure(model, engine, data, peak=True, loss_fn=lambda out: out.loss)
+    steady = sum(v for k, v in got.items.items() if k not in ("activations",
+                                                               "weight_casts"))
+    return steady, predicted.peak, got.peak
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="medium")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--recipes", default=",".join(PRESETS))
+    ap.add_argument("--moe", action="store_true",
+                    help="also the tiny Mixtral and Qwen3-MoE rows")
     args = ap.parse_args()
     print(f"# benchmarks/memory_peak.py --size {args.size} --batch {args.batch}: "
           f"{cpu_name()}, torch {torch.__version__}")
     print("| recipe | steady MB | estimated peak MB | measured peak MB | estimate / measured |")
     print("|---|---|---|---|---|")
     mb = 2.0 ** 20
-    for r in args.recipes.split(","):
+    for r in [r for r in args.recipes.split(",") if r]:  # --recipes '': the MoE rows only
         steady, est, got = peaks(r, args.size, args.batch)
         print(f"| `{r}` | {steady / mb:.1f} | {est / mb:.1f} | {got / mb:.1f} | "
               f"{est / got:.3f} |", flush=True)
+    if args.moe:
+        print("\n| model | recipe | steady MB | estimated peak MB | measured peak MB | "
+              "estimate / measured |")
+        print("|---|---|---|---|---|---|")
+        for kind in MOE_MODELS:
+            for r in MOE_RECIPES:
+                steady, est, got = moe_peaks(kind, r)
+                print(f"| {kind} | `{r}` | {steady / mb:.1f} | {est / mb:.2f} | "
+                      f"{got / mb:.2f} | {est / got:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

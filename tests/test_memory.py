@@ -89,6 +89,25 @@ def test_korthikanti_formula_defaults():
     assert activation_bytes(full) == 3 * 2 * s * b * h
 
 
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_korthikanti_formula_under_tensor_parallelism(t):
+    """§4.2.2 of the paper: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` per layer."""
+    s, b, h, a = 2048, 2, 1024, 16
+    spec = TransformerSpec(layers=1, hidden=h, heads=a, seq_len=s, micro_batch=b,
+                           tensor_parallel=t)
+    assert activation_bytes(spec) == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    # separate q, k, v Linears: two more 16-bit copies of the attention's input
+    sep = TransformerSpec(layers=1, hidden=h, heads=a, seq_len=s, micro_batch=b,
+                          tensor_parallel=t, qkv_linears=3)
+    assert activation_bytes(sep) - activation_bytes(spec) == 2 * 2 * s * b * h
+    assert activation_bytes(sep, 4) == activation_bytes(
+        TransformerSpec(layers=1, hidden=h, heads=a, seq_len=s, micro_batch=b,
+                        tensor_parallel=t), 4)  # fp32: the three read one tensor
+    for bad in (dict(tensor_parallel=0), dict(qkv_linears=2)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            activation_bytes(TransformerSpec(layers=1, hidden=h, heads=a, seq_len=s, **bad))
+
+
 # --- measure() equals estimate() -------------------------------------------------------
 
 MODEL_STATES = ("params", "grads", "master", "optimizer", "fp8", "buffers")

@@ -70,13 +70,33 @@ class Block(nn.Module):
         self.head = nn.Linear(dim, 4)
 
     def forward(self, x):  # x: (batch, seq, dim)
+        h = self.hidden(x)
+        return h if self.head is None else self.head(h.mean(1))  # a Stack's inner block
+
+    def hidden(self, x):
+        """The block's output before the head."""
         h = self.ln1(x)
         b, t, _ = h.shape
         # heads from the local width: under TP each rank holds heads / tp of them
         q, k, v = (m(h).view(b, t, -1, 4).transpose(1, 2) for m in (self.q, self.k, self.v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
-        x = x + self.proj(F.gelu(self.fc(self.ln2(x))))
+        return x + self.proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class Stack(nn.Module):
+    """``layers`` GPT blocks and one head (the blocks' own heads removed)."""
+
+    def __init__(self, dim: int, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.head = self.layers[-1].head
+        for blk in self.layers:
+            blk.head = None
+
+    def forward(self, x):
+        for blk in self.layers:
+            x = blk(x)  # through __call__: FSDP's hooks gather each block's shards
         return self.head(x.mean(1))
 
 
@@ -269,5 +289,49 @@ def tp_memory(rank, world, tmp, recipe):
     _save(tmp, "tpmem", rank, {"predicted": predicted, "whole": whole,
                                "measured": measured})
     del engine, opt, model
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def tp_peak(rank, world, tmp, recipes, dim, batch, seq, layers=1):
+    """Each rank's measured peak of one training step (``measure(..., peak=True)``)
+    against ``estimate``'s per-rank prediction, for ``layers`` TP-split GPT blocks of
+    width ``dim`` (heads of 4), on ``world`` ranks: TP over all of them, or FSDP x TP on
+    a (world/2, 2) mesh when ``world`` is 4 (the planner's ZeRO-3 items then differ from
+    what FSDP2 holds, the fp32 shards serving as masters: not asserted)."""
+    from mixprec.memory import TransformerSpec, estimate, measure
+
+    _init(rank, world, tmp)
+    tp = 2
+    dp = world // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, seq, dim, generator=g)
+    y = torch.randint(0, 4, (batch,), generator=g)
+    xs, ys = x.chunk(dp)[mesh["dp"].get_local_rank()], y.chunk(dp)[mesh["dp"].get_local_rank()]
+    out = {}
+    for recipe in recipes:
+        torch.manual_seed(0)
+        plan = {f"layers.*.{k}": v for k, v in PLANS["block"].items()}
+        model = parallelize_module(Stack(dim, layers), mesh["tp"], plan)
+        kwargs = ({"parallel": "fsdp", "parallel_kwargs": {"mesh": mesh["dp"]}} if dp > 1
+                  else {})
+        engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                recipe, **kwargs)
+        spec = TransformerSpec(layers=layers, hidden=dim, heads=dim // 4, seq_len=seq,
+                               micro_batch=batch // dp, attention="flash", dropout=False,
+                               tensor_parallel=tp, qkv_linears=3)
+        predicted = estimate(engine.model, recipe, zero_stage=3 if dp > 1 else 0,
+                             world_size=dp, activations=spec)
+        loss_fn = lambda o: F.cross_entropy(o, ys)  # noqa: E731
+        with engine.autocast():
+            loss = loss_fn(engine.model(xs))
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        got = measure(engine.model, engine, xs, peak=True, loss_fn=loss_fn)
+        out[recipe] = (predicted.peak, got.peak, dict(got.items), dict(predicted.items))
+        del engine, model
+    _save(tmp, "tppeak", rank, out)
     gc.collect()
     dist.destroy_process_group()

@@ -23,7 +23,9 @@ accounting, K = 12 bytes for mixed-precision Adam), stage 2 also the gradients, 
 3 also the working parameters. FSDP2's ``fully_shard`` is stage 3. A tensor-parallel
 model (DTensor parameters from ``parallelize_module``) is counted per rank: each
 shard's local elements, replicated parameters whole; ``zero_stage`` and ``world_size``
-then describe its data-parallel dimension.
+then describe its data-parallel dimension, and ``TransformerSpec(tensor_parallel=t)``
+its activations. A transformers mixture-of-experts model's activations and peak come
+from its own modules (``mixprec.memory.moe``).
 
 ``measure(model, engine_or_optimizer, sample_batch)`` counts the bytes that actually
 exist, by storage (a storage shared by two tensors counts once). It also counts the

@@ -22,7 +22,8 @@ _CPU_DEVICE = torch.autograd.DeviceType.CPU
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    st = t.untyped_storage()
+    """A tensor's storage (pointer, bytes); a DTensor's is its local shard's."""
+    st = getattr(t, "_local_tensor", t).untyped_storage()
     return st.data_ptr(), st.nbytes()
 
 

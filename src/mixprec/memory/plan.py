@@ -14,11 +14,13 @@ from torch import nn
 
 from mixprec.master import grads_in_place, updated_dtype
 from mixprec.memory.layers import fp8_share, layer_recipes
+from mixprec.memory.moe import moe_experts, moe_notes, moe_terms
 from mixprec.memory.transient import (
     backward_transient,
     linear_shapes,
     saved_weight_bytes,
     step_scratch,
+    tp_local,
 )
 from mixprec.recipe import Recipe
 
@@ -108,6 +110,13 @@ class TransformerSpec:
     dropout: bool = True
     fp32_norms: bool | None = None
     fp32_softmax: bool | None = None
+    #: tensor-parallel ranks: Q, K, V, the attention and the MLP's hidden values are
+    #: split over them (Korthikanti et al. §4.2.2: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``);
+    #: the norms, the Linears' replicated inputs and the head stay whole
+    tensor_parallel: int = 1
+    #: Linears that read the attention's input: 1 (a fused QKV) or 3 (separate q, k, v);
+    #: each casts and saves its own copy where the input is cast (16 bits, fp8)
+    qkv_linears: Literal[1, 3] = 1
 
 
 def activation_bytes(spec: TransformerSpec, bytes_per_value: float = 2.0,
@@ -125,18 +134,27 @@ def activation_bytes(spec: TransformerSpec, bytes_per_value: float = 2.0,
         return spec.layers * v * sbh + total_extra
     # norms, QKV input, Q/K/V, attention output (the projection's input), MLP input,
     # fc output (GELU's input), GELU output (the second Linear's input)
-    per = 2 * norm + li + 3 * v + v + li + f * v + f * li
+    tp = spec.tensor_parallel
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel={tp!r}: the number of tensor-parallel ranks, "
+                         "an integer >= 1")
+    split = 3 * v + v + f * v + f * li  # Q/K/V, attention output, fc and GELU outputs
     if li != v:
-        per += li  # fp8: the projection saves its own fp8 copy of the attention output
-    per *= sbh
+        split += li  # fp8: the projection saves its own fp8 copy of the attention output
+    if spec.qkv_linears not in (1, 3):
+        raise ValueError(f"qkv_linears={spec.qkv_linears!r}: 1 (a fused QKV Linear) or 3 "
+                         "(separate q, k and v Linears)")
+    # separate q, k, v Linears each keep their own cast of the input (none in fp32)
+    copies = spec.qkv_linears if li < 4 else 1
+    per = (2 * norm + copies * li + li + split / tp) * sbh
     if spec.dropout:
         per += 2 * sbh
     if spec.recompute == "none":
         if spec.attention == "flash":
-            per += 4.0 * a * s * b
+            per += 4.0 * a * s * b / tp
         else:
             soft = (4.0 + v) if spec.fp32_softmax else v
-            per += a * s * s * b * (soft + (1 + v if spec.dropout else 0))
+            per += a * s * s * b * (soft + (1 + v if spec.dropout else 0)) / tp
     return spec.layers * per + total_extra
 
 
@@ -271,13 +289,19 @@ def estimate(
         route = fp8_gemm_route(dev, choice) if on_model else (
             "scaled_mm" if choice == "auto" else choice)
         tokens = activations.seq_len * activations.micro_batch
+        work = 0.0
+        if on_model and moe_experts(params):  # saved and held as its modules run
+            items["activations"], work = moe_terms(params, r, tokens, act_bytes, route)
+            notes.append("activations: a transformers mixture-of-experts model, priced "
+                         "from its own modules (mixprec.memory.moe)")
+            notes += moe_notes(params)
         steady = sum(v for k, v in items.items() if k not in ("activations",
                                                                 "weight_casts"))
         # gradients that autograd makes afresh each backward (no accumulation buffers)
         # are not yet there when the backward peaks
         fresh = items["grads"] if grads_in_place(r, emulated) else 0.0
         backward = (sum(items.values()) - fresh
-                    + backward_transient(tokens, shapes, act_bytes, route))
+                    + max(work, backward_transient(tokens, shapes, act_bytes, route)))
         largest = (max((_local(p).numel() for p in params.parameters()), default=0)
                    if on_model
                    else activations.ffn_mult * activations.hidden ** 2)  # an MLP weight
@@ -311,6 +335,7 @@ def _linear_routes(params, spec: TransformerSpec, r: Recipe, emulated: bool,
         out = []
         for fqn, i, o in linear_shapes(params):
             own = recipes.get(fqn)
+            i, o = tp_local(params.get_submodule(fqn), i, o, spec.tensor_parallel)
             out.append((i, o, rest if own is None else own.linear))
         return out
     h, f = spec.hidden, spec.ffn_mult

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["linear_shapes", "saved_weight_bytes", "backward_transient",
+__all__ = ["linear_shapes", "tp_local", "saved_weight_bytes", "backward_transient",
            "STEP_SCRATCH_PER_ELEMENT", "step_scratch"]
 
 #: mixprec.optim's scratch per element of one piece of its step (measured on 4096²:
@@ -41,6 +41,19 @@ def linear_shapes(model: nn.Module) -> list[tuple[str, int, int]]:
             i, o = m.weight.shape
             out.append((name, int(i), int(o)))
     return out
+
+
+def tp_local(m: nn.Module, i: int, o: int, tp: int) -> tuple[int, int]:
+    """A Linear's ``(in, out)`` as this rank computes it: a weight split by a
+    tensor-parallel plan (``Shard(0)``: colwise, ``Shard(1)``: rowwise on the mesh's
+    last dim, where FSDP x TP keeps TP) holds ``1/tp`` of that dim; FSDP's own shards
+    are gathered whole for the GEMMs."""
+    w = getattr(m, "weight", None)
+    place = getattr(w, "placements", None)
+    if tp <= 1 or not place or not getattr(place[-1], "is_shard", lambda: False)():
+        return i, o
+    dim = place[-1].dim
+    return (i // tp, o) if dim == 1 else (i, o // tp)
 
 
 #: bytes per weight element saved for backward, by the route of a Linear without format
