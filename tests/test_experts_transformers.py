@@ -15,46 +15,20 @@ import warnings
 import pytest
 import torch
 
+import moe_helpers
 from mixprec import MixedPrecision
 from mixprec.experts import experts_formats
-from mixprec.experts.hook import IMPLEMENTATION, convert_experts, experts_modules
+from mixprec.experts.hook import IMPLEMENTATION, convert_experts
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-MODELS = ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"]
+MODELS = list(moe_helpers.MODELS)
 RECIPES = ["fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4"]
 
 
-def _config(kind: str):
-    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
-                  num_experts_per_tok=2)
-    if kind == "mixtral":
-        return transformers.MixtralConfig(**common, intermediate_size=64,
-                                          num_local_experts=4)
-    if kind == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**common, intermediate_size=64,
-                                           moe_intermediate_size=64, num_experts=4,
-                                           head_dim=16)
-    if kind == "deepseek_v3":
-        return transformers.DeepseekV3Config(
-            **{**common, "num_key_value_heads": 4}, intermediate_size=64,
-            moe_intermediate_size=64, n_routed_experts=4, n_group=1, topk_group=1,
-            first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=32,
-            qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_shared_experts=1)
-    return transformers.GptOssConfig(**common, intermediate_size=64, num_local_experts=4,
-                                     head_dim=16)
-
-
 def _model(kind: str, seed: int = 0):
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(_config(kind),
-                                                          dtype=torch.float32)
-    for m in experts_modules(model).values():  # transformers' init leaves some at 0
-        for p in m.parameters():
-            torch.nn.init.normal_(p, std=0.05)
-    return model
+    return moe_helpers.model(kind, seed, experts_std=0.05)
 
 
 def _routing(tokens: int = 24, seed: int = 0):
