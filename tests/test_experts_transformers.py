@@ -118,22 +118,28 @@ def test_training_ends_near_bf16_master(kind, recipe, within):
     assert engine.coverage.shares("experts") == {recipe: 1.0}
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "nvfp4"])
-def test_resume_is_bit_identical(tmp_path, recipe):
-    """Delayed scaling's amax histories and NVFP4's rounding stream of the experts
-    travel in the checkpoint."""
-    whole, model, _ = _train("mixtral", recipe, 4)
-    first, _, engine = _train("mixtral", recipe, 2)
+@pytest.mark.parametrize("kind,recipe", [
+    ("mixtral", "fp8"), ("mixtral", "nvfp4"),
+    # a shared expert beside the routed ones; biased, interleaved (in, out) experts
+    ("deepseek_v3", "fp8"), ("gpt_oss", "nvfp4")])
+def test_resume_is_bit_identical(tmp_path, kind, recipe):
+    """Saved at step 2 of 4 and resumed into a model of other weights: the losses and
+    the experts' scaling state equal the uninterrupted run's. Delayed scaling's amax
+    histories and NVFP4's rounding stream of the experts travel in the checkpoint."""
+    whole, model, _ = _train(kind, recipe, 4)
+    first, _, engine = _train(kind, recipe, 2)
     engine.save(tmp_path / "ck.pt")
-    fresh = _model("mixtral", seed=1)
+    fresh = _model(kind, seed=1)
     eng2 = MixedPrecision(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), recipe)
     eng2.load(tmp_path / "ck.pt")
-    rest, fresh, _ = _train("mixtral", recipe, 2, fresh, eng2)
+    rest, fresh, _ = _train(kind, recipe, 2, fresh, eng2)
     assert first + rest == whole
     for (name, a), b in zip(experts_formats(model).items(),
                             experts_formats(fresh).values()):
         for key, t in a.scaling_state().items():
             assert torch.equal(t, b.scaling_state()[key]), (name, key)
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
     if recipe == "fp8":
         hist = next(iter(experts_formats(model).values())).fp8_amax_history
         assert hist.abs().sum() > 0  # the histories are live, not the initial zeros
