@@ -1,5 +1,6 @@
 """transformers MoE experts under data parallel: a tiny Mixtral with its experts in
-fp8-current and MXFP8 on 2 gloo ranks, with DDP and with FSDP2 (the experts' 3-D weights
+fp8-current, MXFP8 and delayed fp8 (the experts' amax histories agreed across the
+ranks) on 2 gloo ranks, with DDP and with FSDP2 (the experts' 3-D weights
 sharded like any parameter), trains as one process that takes the same two halves as
 micro-batches of one step, bit for bit, the experts running in the format on every rank,
 and a step one rank's infinite loss spoils is skipped on both."""
@@ -18,7 +19,7 @@ import moe_dist_workers as w
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 
-CASES = [(r, p) for r in ("fp8-current", "mxfp8") for p in ("ddp", "fsdp")]
+CASES = [(r, p) for r in ("fp8-current", "mxfp8", "fp8") for p in ("ddp", "fsdp")]
 
 
 @pytest.fixture(scope="module")
