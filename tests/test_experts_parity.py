@@ -30,8 +30,8 @@ def _losses(kind: str, recipe: str) -> tuple[float, ...]:
     return tuple(moe_helpers.train(model, engine, moe_helpers.markov_batches(STEPS)))
 
 
-# measured (AMD EPYC, torch 2.13 CPU): fp8-current -0.55%, nvfp4 -0.10%, and Qwen3-MoE
-# mxfp8 -0.16% (left out: another 30 s)
+# measured (AMD EPYC, torch 2.13 CPU): fp8-current -0.55%, nvfp4 -0.10%; every family and
+# format: benchmarks/moe_parity.py (docs/benchmarks.md)
 @pytest.mark.parametrize("kind,recipe", [("mixtral", "fp8-current"), ("mixtral", "nvfp4")])
 def test_fifty_steps_end_within_2_percent_of_bf16_master(kind, recipe):
     ref, got = _losses(kind, "bf16-master"), _losses(kind, recipe)
