@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 import moe_dist_workers as w
 
 pytest.importorskip("transformers")
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
+pytestmark = [pytest.mark.long, pytest.mark.filterwarnings("ignore")]
 
 CASES = [(r, p) for r in ("fp8-current", "mxfp8", "fp8") for p in ("ddp", "fsdp")]
 
