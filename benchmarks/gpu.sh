@@ -11,6 +11,9 @@
 #   preflight  benchmarks/gpu_preflight.py: each kernel check in its own process
 #   tests      the CUDA-marked tests (-m cuda), one time box per test, JUnit XML
 #   compile    the CUDA compile test, last of the tests
+#   grouped    benchmarks/grouped_gemm.py: the experts' grouped GEMM per format and
+#              route (bf16 torch._grouped_mm, loop, grouped, scaled_grouped), each
+#              checked against the loop route, one JSON line per case in bench.jsonl
 #   bench:R    benchmarks/gpu_bench.py: one process per recipe R, one JSON line each,
 #              fast recipes first, the dequantizing ones (fp8-block, mxfp8, nvfp4) last
 #   plan       benchmarks/plan.py: the planner's predictions against measurement
@@ -31,7 +34,7 @@ DRY=${MIXPREC_GPU_SH_DRY_RUN:-0}
 for arg in "$@"; do
   case $arg in
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "gpu.sh: unknown argument '$arg'; valid: --dry-run, --help" >&2; exit 2 ;;
   esac
 done
@@ -50,17 +53,19 @@ if [ "$DRY" = 1 ]; then
   DEV=cpu
   BENCH_ARGS=(--device cpu --size tiny --batch 2 --seq 32 --steps 1 --warmup 0)
   PLAN_ARGS=(--device cpu --models gpt --size tiny --batch 2 --steps 1 --seconds 0.02)
-  TEST_BOX=60 COMPILE_BOX=60 PER_TEST=45 PLAN_BOX=30 RECIPE_BOX=60
+  GROUPED_ARGS=(--device cpu --tokens 64 --experts 4 --k 64 --n 128 --repeats 1)
+  TEST_BOX=60 COMPILE_BOX=60 PER_TEST=45 PLAN_BOX=30 RECIPE_BOX=60 GROUPED_BOX=60
 else
   DEV=cuda
   BENCH_ARGS=(--device cuda --size large --batch 4 --steps 4 --warmup 1)
   PLAN_ARGS=(--device cuda --models gpt --size medium --batch 32 --steps 5)
-  TEST_BOX=75 COMPILE_BOX=60 PER_TEST=45 PLAN_BOX=60 RECIPE_BOX=
+  GROUPED_ARGS=(--device cuda --tokens 4096 --experts 8,64 --k 2048 --n 4096 --repeats 5)
+  TEST_BOX=75 COMPILE_BOX=60 PER_TEST=45 PLAN_BOX=60 RECIPE_BOX= GROUPED_BOX=45
 fi
 
 # ---- the plan: step names and boxes, in order ------------------------------------
-NAMES=(env preflight tests compile)
-BOXES=(15 60 "$TEST_BOX" "$COMPILE_BOX")
+NAMES=(env preflight tests compile grouped)
+BOXES=(15 60 "$TEST_BOX" "$COMPILE_BOX" "$GROUPED_BOX")
 declare -A RECIPE_OF=()
 RECIPES=()
 listed=$("$PY" benchmarks/gpu_bench.py --list 2>"$WORK/recipes.err")
@@ -236,7 +241,10 @@ else
   record compile none 0 "no CUDA-marked test file found"
 fi
 
-i=4
+step 4 "$WORK/grouped.log" "$PY" benchmarks/grouped_gemm.py "${GROUPED_ARGS[@]}" \
+  --out "$OUT/bench.jsonl"
+
+i=5
 for r in "${RECIPES[@]}"; do
   step "$i" "$WORK/bench-${r//[^A-Za-z0-9._-]/_}.log" "$PY" benchmarks/gpu_bench.py \
     --recipe "$r" "${BENCH_ARGS[@]}" --out "$OUT/bench.jsonl"

@@ -15,46 +15,20 @@ import warnings
 import pytest
 import torch
 
+import moe_helpers
 from mixprec import MixedPrecision
 from mixprec.experts import experts_formats
-from mixprec.experts.hook import IMPLEMENTATION, convert_experts, experts_modules
+from mixprec.experts.hook import IMPLEMENTATION, convert_experts
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-MODELS = ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"]
+MODELS = list(moe_helpers.MODELS)
 RECIPES = ["fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4"]
 
 
-def _config(kind: str):
-    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
-                  num_experts_per_tok=2)
-    if kind == "mixtral":
-        return transformers.MixtralConfig(**common, intermediate_size=64,
-                                          num_local_experts=4)
-    if kind == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**common, intermediate_size=64,
-                                           moe_intermediate_size=64, num_experts=4,
-                                           head_dim=16)
-    if kind == "deepseek_v3":
-        return transformers.DeepseekV3Config(
-            **{**common, "num_key_value_heads": 4}, intermediate_size=64,
-            moe_intermediate_size=64, n_routed_experts=4, n_group=1, topk_group=1,
-            first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=32,
-            qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_shared_experts=1)
-    return transformers.GptOssConfig(**common, intermediate_size=64, num_local_experts=4,
-                                     head_dim=16)
-
-
 def _model(kind: str, seed: int = 0):
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(_config(kind),
-                                                          dtype=torch.float32)
-    for m in experts_modules(model).values():  # transformers' init leaves some at 0
-        for p in m.parameters():
-            torch.nn.init.normal_(p, std=0.05)
-    return model
+    return moe_helpers.model(kind, seed, experts_std=0.05)
 
 
 def _routing(tokens: int = 24, seed: int = 0):
@@ -144,22 +118,28 @@ def test_training_ends_near_bf16_master(kind, recipe, within):
     assert engine.coverage.shares("experts") == {recipe: 1.0}
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "nvfp4"])
-def test_resume_is_bit_identical(tmp_path, recipe):
-    """Delayed scaling's amax histories and NVFP4's rounding stream of the experts
-    travel in the checkpoint."""
-    whole, model, _ = _train("mixtral", recipe, 4)
-    first, _, engine = _train("mixtral", recipe, 2)
+@pytest.mark.parametrize("kind,recipe", [
+    ("mixtral", "fp8"), ("mixtral", "nvfp4"),
+    # a shared expert beside the routed ones; biased, interleaved (in, out) experts
+    ("deepseek_v3", "fp8"), ("gpt_oss", "nvfp4")])
+def test_resume_is_bit_identical(tmp_path, kind, recipe):
+    """Saved at step 2 of 4 and resumed into a model of other weights: the losses and
+    the experts' scaling state equal the uninterrupted run's. Delayed scaling's amax
+    histories and NVFP4's rounding stream of the experts travel in the checkpoint."""
+    whole, model, _ = _train(kind, recipe, 4)
+    first, _, engine = _train(kind, recipe, 2)
     engine.save(tmp_path / "ck.pt")
-    fresh = _model("mixtral", seed=1)
+    fresh = _model(kind, seed=1)
     eng2 = MixedPrecision(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), recipe)
     eng2.load(tmp_path / "ck.pt")
-    rest, fresh, _ = _train("mixtral", recipe, 2, fresh, eng2)
+    rest, fresh, _ = _train(kind, recipe, 2, fresh, eng2)
     assert first + rest == whole
     for (name, a), b in zip(experts_formats(model).items(),
                             experts_formats(fresh).values()):
         for key, t in a.scaling_state().items():
             assert torch.equal(t, b.scaling_state()[key]), (name, key)
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
     if recipe == "fp8":
         hist = next(iter(experts_formats(model).values())).fp8_amax_history
         assert hist.abs().sum() > 0  # the histories are live, not the initial zeros

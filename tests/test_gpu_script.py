@@ -62,18 +62,26 @@ def test_dry_run_writes_every_file_and_a_crashed_step_costs_only_its_own(tmp_pat
     assert run.returncode == 0, run.stderr[-3000:]
     assert {p.name for p in tmp_path.iterdir()} == FILES
     steps, notes = summary(tmp_path)
-    assert list(steps) == ["env", "preflight", "tests", "compile", "bench:bf16",
-                           "bench:mxfp8", "plan"]
+    assert list(steps) == ["env", "preflight", "tests", "compile", "grouped",
+                           "bench:bf16", "bench:mxfp8", "plan"]
     assert steps["bench:bf16"][0] == "139"  # 128 + SIGSEGV
-    for name in ("env", "preflight", "tests", "compile", "bench:mxfp8"):
+    for name in ("env", "preflight", "tests", "compile", "grouped", "bench:mxfp8"):
         assert steps[name][0] == "0", (name, steps[name], run.stdout[-2000:])
     # the planner's survey may outrun its 30 s box on a loaded 2-core host: then SIGINT
     assert steps["plan"][0] in ("0", "124") and (tmp_path / "plan.txt").stat().st_size
     assert all(0 <= wall <= 70 for _, wall, _ in steps.values())  # boxes of 60 s at most
     assert notes[-1].endswith("finished") and took < 420
 
-    bench = [json.loads(x) for x in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    bench = [b for b in lines if b.get("bench") != "grouped_gemm"]
     assert [b["recipe"] for b in bench] == ["bf16", "mxfp8"]
+    # the grouped GEMM: both baselines and every format's loop and grouped routes, each
+    # checked against its loop route (on a CPU the grouped route's products are the
+    # loop's, so the gradients agree to an fp32 rounding; NVFP4 from the same stream)
+    grouped = {(g["format"], g["route"]): g for g in lines if g.get("bench") == "grouped_gemm"}
+    assert len(grouped) == 2 + 2 * 6 and all(g["status"] == "ok" for g in grouped.values())
+    assert all(g["vs_loop"] < 2e-2 and g["ms"] > 0 for g in grouped.values()
+               if g["format"] != "bf16")
     assert bench[0]["status"] == "error" and "exit 139" in bench[0]["error"]
     ok = bench[1]
     assert ok["status"] == "ok" and ok["step_ms"] > 0 and ok["tokens_per_s"] > 0
@@ -95,8 +103,8 @@ def test_dry_run_writes_every_file_and_a_crashed_step_costs_only_its_own(tmp_pat
     assert names and not any("compile" in n for n in names)
     with tarfile.open(tmp_path / "rest.tar.gz") as tar:
         packed = {Path(n).name for n in tar.getnames()}
-    assert {"env.txt", "preflight.log", "bench-bf16.log", "bench-mxfp8.log",
-            "compile.xml"} <= packed
+    assert {"env.txt", "preflight.log", "grouped.log", "bench-bf16.log",
+            "bench-mxfp8.log", "compile.xml"} <= packed
 
 
 def test_sigterm_mid_run_leaves_the_summary_and_names_what_did_not_run(tmp_path):
@@ -109,7 +117,7 @@ def test_sigterm_mid_run_leaves_the_summary_and_names_what_did_not_run(tmp_path)
     steps, notes = summary(tmp_path)
     assert steps["env"][0] == "0"
     assert steps["preflight"][2] == "interrupted: the script got SIGTERM"
-    for name in ("tests", "compile", "bench:bf16", "bench:mxfp8", "plan"):
+    for name in ("tests", "compile", "grouped", "bench:bf16", "bench:mxfp8", "plan"):
         assert steps[name][:1] == ("none",) and "not run" in steps[name][2]
     assert notes[-1].endswith("interrupted by SIGTERM")
     names = {p.name for p in tmp_path.iterdir()}
@@ -274,3 +282,32 @@ def test_bench_builds_the_model_on_its_device(monkeypatch):
     model = build()
     assert _Tracked.devices == [torch.device("meta")]
     assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+def test_grouped_gemm_bench_reports_a_failing_route_and_goes_on(monkeypatch):
+    """One route raising (fp8's grouped) gives its row the error; every other case is
+    checked and timed: the grouped routes equal the loop's products on a CPU."""
+    mod = benchmark("grouped_gemm")
+    inner = mod.grouped_mm
+
+    def failing(x, w, offs, fmt, route, out_dtype):
+        if fmt.format_name == "fp8" and route == "grouped":
+            raise RuntimeError("no kernel")
+        return inner(x, w, offs, fmt, route=route, out_dtype=out_dtype)
+
+    monkeypatch.setattr(mod, "grouped_mm", failing)
+    args = mod.argparse.Namespace(device="cpu", tokens=40, k=32, n=64, repeats=1,
+                                  formats=["fp8", "fp8-current"])
+    rows = {(r["format"], r["route"]): r for r in mod.bench(args, 4)}
+    assert list(rows) == [("bf16", "torch._grouped_mm"), ("bf16", "loop"), ("fp8", "loop"),
+                          ("fp8", "grouped"), ("fp8-current", "loop"),
+                          ("fp8-current", "grouped")]
+    assert rows[("fp8", "grouped")]["status"] == "error"
+    assert "RuntimeError: no kernel" in rows[("fp8", "grouped")]["error"]
+    ok = [r for k, r in rows.items() if k != ("fp8", "grouped")]
+    assert all(r["status"] == "ok" and r["ms"] > 0 for r in ok)
+    assert rows[("fp8", "loop")]["vs_loop"] == 0
+    assert 0 < rows[("fp8-current", "grouped")]["vs_loop"] < 2e-2  # bf16 output roundings
+    # e4m3 against float64: a few percent; the bf16 baselines far closer
+    assert 1e-2 < rows[("fp8", "loop")]["vs_fp64"] < 0.1
+    assert rows[("bf16", "loop")]["vs_fp64"] < 1e-2

@@ -1,0 +1,74 @@
+"""Rank function for tests/test_experts_distributed.py: a tiny Mixtral whose experts run
+in an fp8/fp4 format, trained under DDP or FSDP2 on gloo ranks (one spawn, several
+cases), and the one-process reference of the same micro-batches."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from mixprec import MixedPrecision
+from mixprec.experts import experts_formats
+from moe_helpers import count_experts_gemms, markov_batches, model
+
+warnings.simplefilter("ignore")
+
+STEPS, LR = 6, 0.5
+#: the step whose loss on rank 1 (the reference's second micro-batch) is made infinite
+INF_STEP = 3
+
+
+def _run(recipe: str, parallel: str | None, rank: int, world: int) -> dict:
+    """``STEPS`` SGD steps; with ``parallel`` each rank takes its share of every batch,
+    else one process takes the ``world`` shares as micro-batches of one step (each loss
+    × ``world``, the learning rate / ``world``: the ranks' average of their means).
+    Share 1's loss at ``INF_STEP`` is infinite: every rank must skip that step."""
+    m = model("mixtral", seed=rank if parallel else 0)  # ranks: rank 0's broadcast
+    engine = MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=LR if parallel
+                                               else LR / world), recipe, parallel=parallel,
+                            grad_accum_steps=1 if parallel else world)
+    skipped, losses = [], []
+    with count_experts_gemms() as counted:
+        for step, ids in enumerate(markov_batches(STEPS, batch=4)):
+            shares = ids.chunk(world)
+            for i in [rank] if parallel else range(world):
+                with engine.autocast():
+                    loss = engine.model(input_ids=shares[i], labels=shares[i]).loss
+                if step == INF_STEP and i == 1:
+                    loss = loss * float("inf")
+                engine.backward(loss if parallel else loss * world)
+                result = engine.step()
+                losses.append(loss.item())
+            skipped.append(bool(result.skipped))
+    params = [p.detach() for p in engine.master_params]
+    if parallel == "fsdp":
+        params = [p.full_tensor() for p in params]
+    formats = experts_formats(m)
+    return {"params": [p.clone() for p in params], "skipped": skipped, "losses": losses,
+            "calls": counted.calls, "formats": sorted({f.format_name for f in
+                                                       formats.values()}),
+            "n_formats": len(formats), "fsdp_sharded": _sharded_experts(m)}
+
+
+def _sharded_experts(m) -> list[str]:
+    """The experts' 3-D weights FSDP holds as DTensor shards."""
+    from torch.distributed.tensor import DTensor
+
+    return [n for n, p in m.named_parameters() if p.dim() == 3 and isinstance(p, DTensor)]
+
+
+def experts(rank, world, tmp, cases):
+    """Each (recipe, parallel) case on this rank; rank 0 also writes the references."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                            world_size=world)
+    out = {case: _run(*case, rank, world) for case in cases}
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        for recipe in sorted({r for r, _ in cases}):
+            out[(recipe, None)] = _run(recipe, None, 0, world)
+    torch.save(out, os.path.join(tmp, f"experts_rank{rank}.pt"))
