@@ -239,7 +239,7 @@ def audit_kernel_speed(device: torch.device, recipe: Recipe | str
     return found, facts
 
 
-def audit_comm(engine) -> list[Finding]:
+def audit_comm(engine: MixedPrecision) -> list[Finding]:
     """A ``comm-fallback`` warning where the engine's ``comm_stats`` holds fallbacks:
     what a low-precision format's communication sent in 16 bits instead, and why."""
     stats = getattr(engine, "comm_stats", None)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from mixprec.comm_stats import CommStats
 from mixprec.fp8.scaling import amax_to_scale, cast_to_fp8, fp8_max_tensor, nan_if_not_finite
 
 __all__ = ["Fp8Weight", "install_fp8_all_gather", "gathers_fp8", "agree_amaxes_",
@@ -130,7 +131,8 @@ def _hooks(m: nn.Module, stats=None):
     return fsdp_pre_all_gather, fsdp_post_all_gather
 
 
-def install_fp8_all_gather(modules: list[nn.Module] | dict[str, nn.Module], stats=None,
+def install_fp8_all_gather(modules: list[nn.Module] | dict[str, nn.Module],
+                           stats: CommStats | None = None,
                            sent: torch.dtype | None = None) -> list[nn.Module]:
     """Set the hooks on each Float8Linear whose weight FSDP2 shards (a DTensor);
     returns those modules. Per-tensor formats here (current scaling

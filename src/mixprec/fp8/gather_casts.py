@@ -25,13 +25,19 @@ input of a padded (last) shard to have the shard's padded shape, which scales ca
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from mixprec.comm_stats import CommStats
 from mixprec.fp8.quantized import Quantized, expand_blocks
+
+if TYPE_CHECKING:
+    from mixprec.fp8.formats.base import LinearFormat
 
 __all__ = ["CastWeight", "install_cast_gather", "why_not_gathered", "send_shard",
            "pack_fp4", "unpack_fp4"]
@@ -108,7 +114,7 @@ def _send(fmt, shard: torch.Tensor, dim: int, amax, rows: int
     return out, _Wire(dim, q.rows, q.cols, q.data.dtype, sdt, None, q.outer, fp4)
 
 
-def send_shard(fmt, shard: torch.Tensor, amax: torch.Tensor | None, rows: int
+def send_shard(fmt: LinearFormat, shard: torch.Tensor, amax: torch.Tensor | None, rows: int
                ) -> tuple[list[torch.Tensor], list[_Wire]]:
     """What a rank all-gathers of its weight rows ``shard`` (padded to ``rows``): the
     uint8 inputs of each of ``fmt``'s weight casts, cast with the agreed ``amax`` and
@@ -130,11 +136,13 @@ class CastWeight(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, parts, wires, shape, dtype, device):
+    def __new__(cls, parts: Sequence[torch.Tensor], wires: Sequence[_Wire],
+                shape: torch.Size, dtype: torch.dtype, device: torch.device):
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device,
                                                    requires_grad=False)
 
-    def __init__(self, parts, wires, shape, dtype, device):
+    def __init__(self, parts: Sequence[torch.Tensor], wires: Sequence[_Wire],
+                 shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
         self._parts, self._wires = tuple(parts), tuple(wires)
 
     def cast(self, dim: int) -> Quantized:
@@ -233,7 +241,7 @@ def _hooks(m: nn.Module, stats):
     return fsdp_pre_all_gather, fsdp_post_all_gather
 
 
-def install_cast_gather(named: dict[str, nn.Module], stats=None,
+def install_cast_gather(named: dict[str, nn.Module], stats: CommStats | None = None,
                         sent: torch.dtype | None = None) -> list[nn.Module]:
     """Set the hooks on each of ``named``'s sharded QuantizedLinears of a format with
     casts to gather (not per tensor: ``mixprec.fp8.gather``'s); a weight that cannot be

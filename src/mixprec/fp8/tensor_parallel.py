@@ -27,11 +27,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mixprec.comm_stats import CommStats
 from mixprec.fp8.tp_agree import agreeing
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch import nn
+
+    from mixprec.fp8.formats.base import LinearFormat
 
 __all__ = ["TPLayout", "tp_layout", "tp_refusal", "tp_linear", "attach_comm_stats",
            "is_dtensor"]
@@ -62,7 +69,7 @@ class TPLayout:
     full: int
 
     @property
-    def group(self):
+    def group(self) -> dist.ProcessGroup:
         """The tensor-parallel process group (the mesh's one dim)."""
         return self.mesh.get_group(0)
 
@@ -82,7 +89,7 @@ def _placement_error(w) -> str | None:
     return None
 
 
-def tp_layout(w) -> TPLayout:
+def tp_layout(w: torch.Tensor) -> TPLayout:
     """``w`` (a DTensor weight in (out, in) layout) as a ``TPLayout``."""
     why = _placement_error(w)
     if why is not None:
@@ -95,7 +102,7 @@ def tp_layout(w) -> TPLayout:
     return TPLayout(w.device_mesh, dim, int(offset[dim]), int(w.shape[dim]))
 
 
-def tp_refusal(fmt, weight) -> str | None:
+def tp_refusal(fmt: LinearFormat, weight: torch.Tensor) -> str | None:
     """Why a Linear of format ``fmt`` whose weight is ``weight`` ((out, in)) cannot run on its
     tensor-parallel shards (None: it can, or the weight is no DTensor): a placement
     other than colwise / rowwise, or a block-scaled format whose blocks a shard cut
@@ -119,7 +126,7 @@ def tp_refusal(fmt, weight) -> str | None:
     return None
 
 
-def attach_comm_stats(modules: dict, stats) -> None:
+def attach_comm_stats(modules: dict, stats: CommStats | None) -> None:
     """The quantized Linears (by name) record their collectives in ``stats``."""
     for name, m in modules.items():
         m.tp_comm_stats, m.tp_name = stats, name
@@ -129,7 +136,8 @@ def _local(t):
     return t.to_local() if is_dtensor(t) else t
 
 
-def tp_linear(mod, x: torch.Tensor, w, out_dtype: torch.dtype) -> torch.Tensor:
+def tp_linear(mod: nn.Module, x: torch.Tensor, w: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
     """``mod``'s forward on tensor-parallel shards: ``x`` (a DTensor as torch's plan
     prepared it, or a local tensor of the layout's input) times the DTensor weight ``w``
     (out, in), plus the bias; a DTensor ``Shard(-1)`` (colwise) or ``Partial``

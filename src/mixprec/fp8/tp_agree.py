@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from mixprec.comm_stats import CommStats
 
 __all__ = ["agreeing", "agreed_amax", "draw_sliced"]
 
@@ -30,7 +33,8 @@ class _Cast:
 
 
 @contextlib.contextmanager
-def agreeing(layout: Any, role: str, stats=None, dim: int | None = -1):
+def agreeing(layout: Any, role: str, stats: CommStats | None = None,
+             dim: int | None = -1) -> Iterator[None]:
     """Around one cast of ``role``'s operand on a tensor-parallel shard: the amaxes the
     cast takes (``agreed_amax``) and the random numbers it draws (``draw_sliced``)
     become the whole tensor's (``layout``: the weight's ``TPLayout``, None off a
@@ -62,7 +66,8 @@ def agreed_amax(amax: torch.Tensor, along: int | None = None) -> torch.Tensor:
     return out.to(amax.dtype)
 
 
-def draw_sliced(shape: tuple[int, ...] | torch.Size, draw) -> torch.Tensor:
+def draw_sliced(shape: tuple[int, ...] | torch.Size,
+                draw: Callable[[tuple[int, ...]], torch.Tensor]) -> torch.Tensor:
     """``draw(shape)`` (random numbers for a cast), or inside ``agreeing`` on a sharded
     operand: ``draw`` of the whole tensor's shape, narrowed to this rank's slice, so
     that the ranks together draw what one process would."""

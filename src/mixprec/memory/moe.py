@@ -74,11 +74,9 @@ def cast_bytes(q: Any, rows: int, cols: int, role: str, dim: int) -> float:
     tile = kernel.tile if kernel is not None else 0
     if not tile:  # rowwise: one scale per row of the contracted dim
         return float(rows * cols + 4 * (rows if dim == 1 else cols))
-    extra = 0
-    if q.name == "nvfp4":
-        extra = 4  # its global scale
-        if dim == 0 and role != "weight":  # Hadamard blocks of 16 tokens
-            rows += (-rows) % 16
+    extra = q.global_scale_bytes
+    if dim == 0 and role != "weight":  # NVFP4's Hadamard blocks of 16 tokens
+        rows += (-rows) % q.token_multiple
     if role == "weight" and q.reuses("weight"):  # square tiles serve both GEMMs
         scales = math.ceil(rows / tile) * math.ceil(cols / tile)
     elif dim == 1:

@@ -28,6 +28,7 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -97,7 +98,9 @@ def _capture(model, batches, loss_fn):
     return got
 
 
-def captured(model: nn.Module, batches, loss_fn, capture: Callable):
+def captured(model: nn.Module, batches: Sequence[Any],
+             loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+             capture: Callable) -> tuple[nn.Module, Any]:
     """An fp32 training copy of ``model`` and what ``capture(copy, batches, loss_fn)``
     took from it (``model`` is left in its mode)."""
     was = model.training
@@ -108,7 +111,8 @@ def captured(model: nn.Module, batches, loss_fn, capture: Callable):
         model.train(was)
 
 
-def backward_all(model: nn.Module, batches, loss_fn, handles: list) -> None:
+def backward_all(model: nn.Module, batches: Sequence[Any],
+                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], handles: list) -> None:
     """The loss's backward on each batch with the capturing ``handles`` on, which are
     removed after (and the gradients cleared), whatever happens."""
     try:

@@ -32,11 +32,15 @@ import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from mixprec.recipe import Recipe
+
+if TYPE_CHECKING:
+    from mixprec.engine import MixedPrecision
 
 __all__ = ["LayerCost", "Shape", "layer_costs", "state_step_costs", "device_key", "clear_cache",
            "recipe_for_format", "BF16", "max_speedup", "disagreements", "noise_report",
@@ -268,7 +272,9 @@ def _one_linear(shape: Shape, fmt: str, recipe: Recipe, device):
     return (*timed_step(engine, model, (x,), dy, device), route)
 
 
-def timed_step(engine, model: nn.Module, inputs: tuple, dy: torch.Tensor, device):
+def timed_step(engine: MixedPrecision, model: nn.Module, inputs: tuple, dy: torch.Tensor,
+               device: torch.device | str
+               ) -> tuple[Callable[[], None], Callable[[], int], Callable[[], int]]:
     """``(step, saved, high)`` of ``model(*inputs)`` under ``engine``: the step to time
     (forward under its autocast, backward on ``dy``, gradients dropped), the bytes it
     saves for backward (``saved_bytes``) and the step's high-water mark beyond them."""
@@ -288,7 +294,7 @@ def timed_step(engine, model: nn.Module, inputs: tuple, dy: torch.Tensor, device
     return step, lambda: saved_bytes(engine, model, *inputs), high
 
 
-def saved_bytes(engine, model: nn.Module, *inputs: torch.Tensor) -> int:
+def saved_bytes(engine: MixedPrecision, model: nn.Module, *inputs: torch.Tensor) -> int:
     """The bytes autograd saves for backward when ``model(*inputs)`` runs under
     ``engine``'s autocast: not the parameters, not the inputs, each storage once."""
     seen: dict = {}

@@ -93,6 +93,10 @@ class LinearFormat:
     gathers_casts: ClassVar[bool] = True
     #: a scale per block: the GEMMs take the block-scaled routes
     block_scaled: ClassVar[bool] = False
+    #: bytes of a per-tensor scale a block-scaled cast carries beside its block scales
+    global_scale_bytes: ClassVar[int] = 0
+    #: an activation's or gradient's cast pads its tokens to a multiple of this
+    token_multiple: ClassVar[int] = 1
     #: ``auto`` takes the per-tensor GEMM routes (``_scaled_mm`` or a measured dequant)
     takes_tensor_route: ClassVar[bool] = True
     #: the GEMMs this format quantizes (``forward``, ``dgrad``, ``wgrad``); one left out

@@ -38,6 +38,8 @@ class NVFP4Scaling(LinearFormat):
     kernel_capability: ClassVar[tuple[tuple[int, int], int | None]] = ((10, 0), None)
     exact_fp32: ClassVar[bool] = True
     block_scaled: ClassVar[bool] = True
+    global_scale_bytes: ClassVar[int] = 4
+    token_multiple: ClassVar[int] = NVFP4_BLOCK  # the Hadamard transform's blocks
     takes_tensor_route: ClassVar[bool] = False
     flush_view: ClassVar[str] = ""
 
