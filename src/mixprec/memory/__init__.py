@@ -26,8 +26,9 @@ shard's local elements, replicated parameters whole; ``zero_stage`` and ``world_
 then describe its data-parallel dimension, and ``TransformerSpec(tensor_parallel=t)``
 its activations. A module FSDP2 already sharded (``engine.model`` under
 ``parallel="fsdp"``) is counted as each rank holds it, with ``zero_stage=3`` and
-``world_size`` its data-parallel size (``mixprec.memory.fsdp``). A transformers mixture-of-experts model's activations and peak come
-from its own modules (``mixprec.memory.moe``).
+``world_size`` its data-parallel size (``mixprec.memory.fsdp``). A transformers
+mixture-of-experts model's activations and peak come from its own modules
+(``mixprec.memory.moe``).
 
 ``measure(model, engine_or_optimizer, sample_batch)`` counts the bytes that actually
 exist, by storage (a storage shared by two tensors counts once). It also counts the
