@@ -297,8 +297,9 @@ def tp_peak(rank, world, tmp, recipes, dim, batch, seq, layers=1):
     """Each rank's measured peak of one training step (``measure(..., peak=True)``)
     against ``estimate``'s per-rank prediction, for ``layers`` TP-split GPT blocks of
     width ``dim`` (heads of 4), on ``world`` ranks: TP over all of them, or FSDP x TP on
-    a (world/2, 2) mesh when ``world`` is 4 (the planner's ZeRO-3 items then differ from
-    what FSDP2 holds, the fp32 shards serving as masters: not asserted)."""
+    a (world/2, 2) mesh when ``world`` is 4 (``estimate`` of the sharded model, stage 3
+    over dp). The measured items get ``grads``: the gradients' local bytes after a
+    backward (``measure`` runs after ``zero_grad``)."""
     from mixprec.memory import TransformerSpec, estimate, measure
 
     _init(rank, world, tmp)
@@ -323,14 +324,23 @@ def tp_peak(rank, world, tmp, recipes, dim, batch, seq, layers=1):
                                tensor_parallel=tp, qkv_linears=3)
         predicted = estimate(engine.model, recipe, zero_stage=3 if dp > 1 else 0,
                              world_size=dp, activations=spec)
+        if dp > 1:  # a sharded module at another stage: refused with the fix
+            try:
+                estimate(engine.model, recipe, zero_stage=1, world_size=dp)
+            except ValueError as e:
+                out["refusal"] = str(e)
         loss_fn = lambda o: F.cross_entropy(o, ys)  # noqa: E731
         with engine.autocast():
             loss = loss_fn(engine.model(xs))
         engine.backward(loss)
+        grads = sum(g.numel() * g.element_size() for g in
+                    (g.to_local() if isinstance(g, DTensor) else g
+                     for g in engine.param_state.gradients()))
         engine.step()
         engine.zero_grad()
         got = measure(engine.model, engine, xs, peak=True, loss_fn=loss_fn)
-        out[recipe] = (predicted.peak, got.peak, dict(got.items), dict(predicted.items))
+        out[recipe] = (predicted.peak, got.peak, {**got.items, "grads": grads},
+                       dict(predicted.items))
         del engine, model
     _save(tmp, "tppeak", rank, out)
     gc.collect()

@@ -24,8 +24,11 @@ accounting, K = 12 bytes for mixed-precision Adam), stage 2 also the gradients, 
 model (DTensor parameters from ``parallelize_module``) is counted per rank: each
 shard's local elements, replicated parameters whole; ``zero_stage`` and ``world_size``
 then describe its data-parallel dimension, and ``TransformerSpec(tensor_parallel=t)``
-its activations. A transformers mixture-of-experts model's activations and peak come
-from its own modules (``mixprec.memory.moe``).
+its activations. A module FSDP2 already sharded (``engine.model`` under
+``parallel="fsdp"``) is counted as each rank holds it, with ``zero_stage=3`` and
+``world_size`` its data-parallel size (``mixprec.memory.fsdp``). A transformers
+mixture-of-experts model's activations and peak come from its own modules
+(``mixprec.memory.moe``).
 
 ``measure(model, engine_or_optimizer, sample_batch)`` counts the bytes that actually
 exist, by storage (a storage shared by two tensors counts once). It also counts the

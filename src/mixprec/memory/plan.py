@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from mixprec.master import grads_in_place, updated_dtype
+from mixprec.memory.fsdp import FSDP_NOTE, fsdp_gathered_bytes, fsdp_held_recipe, fsdp_sharded
 from mixprec.memory.layers import fp8_share, layer_recipes
 from mixprec.memory.moe import moe_experts, moe_notes, moe_terms
 from mixprec.memory.transient import (
@@ -222,7 +223,9 @@ def estimate(
     their own dtype and have no gradient, master or optimizer state. Emulation is
     resolved on its device (fp16 on a CPU is emulated by default, and its working
     copy then lives in fp32 tensors). For a bare count, only
-    ``emulate=true`` counts as emulated.
+    ``emulate=true`` counts as emulated. A module FSDP2 sharded (``fully_shard``, over
+    a tensor-parallel plan or not) is counted as each rank holds it
+    (``mixprec.memory.fsdp``): ``zero_stage=3``, ``world_size`` its data-parallel size.
 
     With a ``TransformerSpec`` the breakdown also predicts the saved weight copies
     (``weight_casts``) and a step's ``peak``: the items less the gradients that
@@ -249,7 +252,10 @@ def estimate(
     # what the model's low-precision activations are stored in: fp32 tensors under
     # emulation, and around fp8 Linears where this device runs those layers in fp32
     act_fp32 = emulated or (r.linear is not None and on_model and fp8_rest(r, dev) == "fp32")
-    param_bytes = 4 if emulated else _BYTES[r.params]
+    # a module FSDP2 sharded: its counts are per rank, its items the engine's shards'
+    fsdp = on_model and fsdp_sharded(params, zero_stage)
+    held = fsdp_held_recipe(r) if fsdp else r
+    param_bytes = 4 if emulated else _BYTES[held.params]
     if emulated and r.params != "fp32":
         notes.append(f"emulated {r.params}: the working copy is stored in fp32 tensors")
     if isinstance(params, nn.Module):
@@ -264,14 +270,14 @@ def estimate(
         sizes = formats = None
         if r.linear is not None:
             notes.append("fp8 scaling state needs the module to count its Linears (~0)")
-    shard = {k: (world_size if zero_stage >= lvl else 1)
+    shard = {k: (world_size if zero_stage >= lvl and not fsdp else 1)
              for k, lvl in (("optimizer", 1), ("grads", 2), ("params", 3))}
-    grads_per = _BYTES[r.grads] * (2 if r.grad_accum == "kahan" else 1)
+    grads_per = _BYTES[held.grads] * (2 if r.grad_accum == "kahan" else 1)
     items = {
         "params": (n * param_bytes + frozen_bytes) / shard["params"],
         "grads": n * grads_per / shard["grads"],
-        "master": (n * 4 if r.master == "fp32" else 0) / shard["optimizer"],
-        "optimizer": (_optimizer_bytes(r, opt, n, sizes, emulated, notes, formats)
+        "master": (n * 4 if held.master == "fp32" else 0) / shard["optimizer"],
+        "optimizer": (_optimizer_bytes(held, opt, n, sizes, emulated, notes, formats)
                       + 4 * n_tensors * _STATES[opt][1]) / shard["optimizer"],
         "fp8": fp8_bytes,
         "buffers": buffers,
@@ -299,9 +305,12 @@ def estimate(
                                                                 "weight_casts"))
         # gradients that autograd makes afresh each backward (no accumulation buffers)
         # are not yet there when the backward peaks
-        fresh = items["grads"] if grads_in_place(r, emulated) else 0.0
+        fresh = items["grads"] if grads_in_place(held, emulated) else 0.0
         backward = (sum(items.values()) - fresh
                     + max(work, backward_transient(tokens, shapes, act_bytes, route)))
+        if fsdp:
+            backward += fsdp_gathered_bytes(params, r, emulated, world_size)
+            notes.append(FSDP_NOTE)
         largest = (max((_local(p).numel() for p in params.parameters()), default=0)
                    if on_model
                    else activations.ffn_mult * activations.hidden ** 2)  # an MLP weight
