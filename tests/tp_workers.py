@@ -299,9 +299,13 @@ def tp_peak(rank, world, tmp, recipes, dim, batch, seq, layers=1):
     width ``dim`` (heads of 4), on ``world`` ranks: TP over all of them, or FSDP x TP on
     a (world/2, 2) mesh when ``world`` is 4 (``estimate`` of the sharded model, stage 3
     over dp). The measured items get ``grads``: the gradients' local bytes after a
-    backward (``measure`` runs after ``zero_grad``)."""
+    backward (``measure`` runs after ``zero_grad``). Real 16-bit kernels on any CPU:
+    the planner does not model the emulated path's extra saved tensors under tensor
+    parallelism (docs/not-there-yet.md)."""
+    from mixprec.kernels import EMULATE_ENV
     from mixprec.memory import TransformerSpec, estimate, measure
 
+    os.environ[EMULATE_ENV] = "off"  # this rank's process only
     _init(rank, world, tmp)
     tp = 2
     dp = world // tp
