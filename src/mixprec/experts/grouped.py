@@ -20,9 +20,11 @@ Routes (``route=``):
   ``torch._grouped_mm`` (a CPU kernel since torch 2.9): the same products, one fp32
   rounding per element where the scale is not a power of two; it needs K and N
   multiples of 4 (16-byte strides) and falls back to ``loop`` per call where they are
-  not. For the per-tensor formats (``fp8``, ``fp8-current``) it reads nothing on the
-  host there (``mixprec.experts.segments``: per-expert scales by segment reductions),
-  so ``torch.compile`` traces it without a graph break; it does not check the offsets.
+  not. For the per-tensor formats (``fp8``, ``fp8-current``) and ``fp8-rowwise`` it
+  reads nothing on the host there (``mixprec.experts.segments`` and
+  ``segments_rowwise``: per-expert scales by segment reductions, bit for bit the
+  per-expert casts), so ``torch.compile`` traces it without a graph break; it does not
+  check the offsets.
   On a GPU, whose grouped kernel takes bf16 only, the per-tensor and rowwise formats
   pass their codes widened to bf16 and apply the scales after the GEMM
   (``mixprec.experts.codes_grouped``: the ``dequant`` route's rounding; K and N
@@ -33,10 +35,12 @@ Routes (``route=``):
   for the block formats), ``loop`` on
   a CPU (where the casts dominate and ``grouped``'s extra dequantize pass measured
   slower: ``benchmarks/grouped_gemm.py``); under ``torch.compile``, ``grouped`` for the
-  per-tensor formats on a CPU too (the loop reads the counts on the host).
+  per-tensor and rowwise formats on a CPU too (the loop reads the counts on the host).
 
-The other routes and formats read the token counts to the host once per call (as
-transformers' own fallback reads them): each expert's casts are sized by them.
+The other routes and formats (the block, MX and NVFP4 formats everywhere; every format
+on a GPU's ``grouped`` and ``scaled_grouped``) read the token counts to the host once
+per call (as transformers' own fallback reads them): each expert's casts are sized by
+them, and ``torch.compile`` breaks the graph there.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from mixprec.experts.codes_grouped import bf16_only, codes_apply, rows_mm, wgrad
 from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.scaled_grouped import scaled_grouped_applies, scaled_grouped_forward
 from mixprec.experts.segments import segmented_mm
+from mixprec.experts.segments_rowwise import rowwise_applies, segmented_rowwise_mm
 
 __all__ = ["grouped_mm", "ROUTES", "group_bounds"]
 
@@ -92,7 +97,7 @@ def _route(route: str, fmt: ExpertsFormat, device: torch.device, k: int, n: int,
     # auto on a CPU: the per-expert casts dominate, and the grouped route's extra
     # dequantize-and-stack pass made it slower than the loop on every format measured
     # (benchmarks/grouped_gemm.py); on a GPU one launch replaces one per expert
-    sync_free = compiling and fmt.quantizer.per_tensor
+    sync_free = compiling and (fmt.quantizer.per_tensor or rowwise_applies(fmt))
     return "grouped" if route != "auto" or device.type == "cuda" or sync_free else "loop"
 
 
@@ -290,7 +295,10 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                      and torch.is_autocast_enabled(dev) else x.dtype)
     route = _route(route, fmt, x.device, x.shape[1], weight.shape[1],
                    torch.compiler.is_compiling())
-    if route == "grouped" and fmt.quantizer.per_tensor and not bf16_only(x.device):
-        return segmented_mm(x, weight, offsets, fmt, out_dtype, torch.is_grad_enabled())
+    if route == "grouped" and not bf16_only(x.device):
+        if fmt.quantizer.per_tensor:
+            return segmented_mm(x, weight, offsets, fmt, out_dtype, torch.is_grad_enabled())
+        if rowwise_applies(fmt):
+            return segmented_rowwise_mm(x, weight, offsets, fmt, out_dtype)
     return _GroupedQuantizedMM.apply(x, weight, offsets, fmt, out_dtype,
                                      torch.is_grad_enabled(), route)
