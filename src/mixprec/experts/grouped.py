@@ -54,6 +54,7 @@ from mixprec.experts.codes_grouped import bf16_only, codes_apply, rows_mm, wgrad
 from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.scaled_grouped import scaled_grouped_applies, scaled_grouped_forward
 from mixprec.experts.segments import segmented_mm
+from mixprec.experts.segments_blocks import blocks_apply, segmented_blocks_mm
 from mixprec.experts.segments_rowwise import rowwise_applies, segmented_rowwise_mm
 
 __all__ = ["grouped_mm", "ROUTES", "group_bounds"]
@@ -97,7 +98,8 @@ def _route(route: str, fmt: ExpertsFormat, device: torch.device, k: int, n: int,
     # auto on a CPU: the per-expert casts dominate, and the grouped route's extra
     # dequantize-and-stack pass made it slower than the loop on every format measured
     # (benchmarks/grouped_gemm.py); on a GPU one launch replaces one per expert
-    sync_free = compiling and (fmt.quantizer.per_tensor or rowwise_applies(fmt))
+    sync_free = compiling and (fmt.quantizer.per_tensor or rowwise_applies(fmt)
+                               or blocks_apply(fmt))
     return "grouped" if route != "auto" or device.type == "cuda" or sync_free else "loop"
 
 
@@ -300,5 +302,7 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
             return segmented_mm(x, weight, offsets, fmt, out_dtype, torch.is_grad_enabled())
         if rowwise_applies(fmt):
             return segmented_rowwise_mm(x, weight, offsets, fmt, out_dtype)
+        if blocks_apply(fmt):
+            return segmented_blocks_mm(x, weight, offsets, fmt, out_dtype)
     return _GroupedQuantizedMM.apply(x, weight, offsets, fmt, out_dtype,
                                      torch.is_grad_enabled(), route)
