@@ -20,11 +20,12 @@ Routes (``route=``):
   ``torch._grouped_mm`` (a CPU kernel since torch 2.9): the same products, one fp32
   rounding per element where the scale is not a power of two; it needs K and N
   multiples of 4 (16-byte strides) and falls back to ``loop`` per call where they are
-  not. For the per-tensor formats (``fp8``, ``fp8-current``) and ``fp8-rowwise`` it
-  reads nothing on the host there (``mixprec.experts.segments`` and
-  ``segments_rowwise``: per-expert scales by segment reductions, bit for bit the
-  per-expert casts), so ``torch.compile`` traces it without a graph break; it does not
-  check the offsets.
+  not. For the per-tensor formats (``fp8``, ``fp8-current``), ``fp8-rowwise``,
+  ``fp8-block`` and ``mxfp8`` it reads nothing on the host there
+  (``mixprec.experts.segments``, ``segments_rowwise``: per-expert scales by segment
+  reductions; ``segments_blocks``: wgrad's tiles aligned to each expert's first token
+  in a fixed-size buffer; bit for bit the per-expert casts), so ``torch.compile``
+  traces it without a graph break; it does not check the offsets.
   On a GPU, whose grouped kernel takes bf16 only, the per-tensor and rowwise formats
   pass their codes widened to bf16 and apply the scales after the GEMM
   (``mixprec.experts.codes_grouped``: the ``dequant`` route's rounding; K and N
@@ -35,9 +36,9 @@ Routes (``route=``):
   for the block formats), ``loop`` on
   a CPU (where the casts dominate and ``grouped``'s extra dequantize pass measured
   slower: ``benchmarks/grouped_gemm.py``); under ``torch.compile``, ``grouped`` for the
-  per-tensor and rowwise formats on a CPU too (the loop reads the counts on the host).
+  formats above on a CPU too (the loop reads the counts on the host).
 
-The other routes and formats (the block, MX and NVFP4 formats everywhere; every format
+The other routes and formats (``nvfp4`` and ``int8-rowwise`` everywhere; every format
 on a GPU's ``grouped`` and ``scaled_grouped``) read the token counts to the host once
 per call (as transformers' own fallback reads them): each expert's casts are sized by
 them, and ``torch.compile`` breaks the graph there.
