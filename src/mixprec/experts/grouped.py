@@ -118,15 +118,17 @@ def _say_once(fmt, device) -> None:
                       stacklevel=4)
 
 
-def _dequant_rows(casts, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _dequant_rows(casts, cols: int, device, least: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 values of per-expert row casts (None: no rows) stacked into one
     (rows, cols) tensor, and the cumulative row counts. A cast may hold more rows than
     its expert's tokens (NVFP4's Hadamard transform pads the tokens to whole 16-blocks);
-    the rows are rounded up to a multiple of 4 for 16-byte strides."""
+    the rows are rounded up to a multiple of 4 for 16-byte strides, and to at least
+    ``least`` (the input's rows, those past the last expert's included)."""
     vals = [c.dequant() if c is not None else None for c in casts]
     counts = [v.shape[0] if v is not None else 0 for v in vals]
     rows = sum(counts)
-    out = torch.zeros(rows + (-rows) % 4, cols, device=device)
+    out = torch.zeros(max(rows + (-rows) % 4, least), cols, device=device)
     start = 0
     for v, c in zip(vals, counts):
         if v is not None:
@@ -200,7 +202,7 @@ class _GroupedQuantizedMM(torch.autograd.Function):
                 if grouped and bf16_only(gy.device):
                     dx = rows_mm(g1, wd, bounds, t, n, k, gy.device)
                 elif grouped:
-                    a, offs = _dequant_rows(g1, n, gy.device)
+                    a, offs = _dequant_rows(g1, n, gy.device, t)
                     dx = torch._grouped_mm(a, _stack(wd, (n, k), False), offs=offs)[:t]
                 else:
                     dx = gy.new_zeros(t, k, dtype=dx_dtype)
@@ -243,7 +245,7 @@ def _forward(route, fmt, xq, wq, bounds, x, n, out_dtype) -> torch.Tensor:
                     x.device)
         return _zero_tail(y, bounds).to(out_dtype)
     if route == "grouped":
-        a, offs = _dequant_rows(xq, k, x.device)
+        a, offs = _dequant_rows(xq, k, x.device, t)
         y = torch._grouped_mm(a, _stack(wq, (k, n), True), offs=offs)[:t]
         return _zero_tail(y, bounds).to(out_dtype)
     y = x.new_zeros(t, n, dtype=out_dtype)
