@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mixprec.experts import adapter
-from mixprec.experts.segments import _pad_rows, grouped_mm_fp32, segment_ids
+from mixprec.experts.segments import expert_rows, rows_product, segment_ids, wgrad_product
 from mixprec.fp8.formats import BlockScaling, MXScaling
 
 if TYPE_CHECKING:
@@ -59,16 +59,14 @@ class _SegmentedBlocksMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offsets, fmt, out_dtype):
         t, e = x.shape[0], w.shape[0]
-        offs = offsets.to(torch.int32)
-        ids = segment_ids(offs, t)
+        offs, ids = expert_rows(offsets, t)
         need_dx, need_dw = ctx.needs_input_grad[:2]
         dest, bound = tile_aligned_rows(offs, t, fmt.quantizer.tile) if need_dw else (None, 0)
         with adapter.no_autocast(x), fmt.quantizer.gemm_context():
             xv = adapter.cast(fmt, x, "input", 1).dequant()
             wq = [adapter.cast(fmt, w[i], "weight", 1) for i in range(e)]
             wv = torch.stack([c.dequant().t() for c in wq])
-            y = grouped_mm_fp32(xv, wv, offs)
-            y = torch.where((ids < e).unsqueeze(1), y, 0).to(out_dtype)
+            y = rows_product(xv, wv, offs, ids, out_dtype)
             wd = [] if not need_dx else wq if adapter.reuses(fmt, "weight") else [
                 adapter.cast(fmt, w[i], "weight", 0) for i in range(e)]
             xw = [adapter.cast(fmt, _spread(x, dest, bound), "input", 0)] if need_dw else []
@@ -87,14 +85,12 @@ class _SegmentedBlocksMM(torch.autograd.Function):
         with adapter.no_autocast(gy), fmt.quantizer.gemm_context():
             if ctx.needs_input_grad[0]:
                 gd = adapter.cast(fmt, gy, "grad_output", 1, True).dequant()
-                dx = grouped_mm_fp32(gd, torch.stack([c.dequant() for c in casts[:e]]), offs)
-                dx = torch.where((ids < e).unsqueeze(1), dx, 0).to(ctx.x_dtype)
+                wd = torch.stack([c.dequant() for c in casts[:e]])
+                dx = rows_product(gd, wd, offs, ids, ctx.x_dtype)
             if ctx.needs_input_grad[1]:
                 g0 = adapter.cast(fmt, _spread(gy, dest, ctx.bound), "grad_output", 0, True)
-                dw = grouped_mm_fp32(_pad_rows(g0.dequant()[dest]).t().contiguous(),
-                                     _pad_rows(casts[-1].dequant()[dest]), offs)
-                has_rows = torch.diff(offs, prepend=offs.new_zeros(1)) > 0
-                dw = torch.where(has_rows.view(-1, 1, 1), dw, 0).to(ctx.w_dtype)
+                dw = wgrad_product(g0.dequant()[dest], casts[-1].dequant()[dest], offs,
+                                   ctx.w_dtype)
         return dx, dw, None, None, None
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mixprec.experts import adapter
-from mixprec.experts.segments import _pad_rows, _values, grouped_mm_fp32, segment_ids
+from mixprec.experts.segments import _values, expert_rows, rows_product, wgrad_product
 from mixprec.fp8.formats import RowwiseScaling
 
 if TYPE_CHECKING:
@@ -64,15 +64,13 @@ class _SegmentedRowwiseMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offsets, fmt, out_dtype):
         t, e = x.shape[0], w.shape[0]
-        offs = offsets.to(torch.int32)
-        ids = segment_ids(offs, t)
+        offs, ids = expert_rows(offsets, t)
         need_dx, need_dw = ctx.needs_input_grad[:2]
         with adapter.no_autocast(x):
             xq = _cast(fmt, x, _amax(x, 1), "input")
             wq = _cast(fmt, w, _amax(w, 2), "weight")
-            y = grouped_mm_fp32(_values(*xq), _values(*wq).transpose(1, 2).contiguous(),
-                                offs)
-            y = torch.where((ids < e).unsqueeze(1), y, 0).to(out_dtype)
+            y = rows_product(_values(*xq), _values(*wq).transpose(1, 2).contiguous(), offs,
+                             ids, out_dtype)
             wd = _cast(fmt, w, _amax(w, 1), "weight") if need_dx else (None, None)
             xw = _columns_cast(fmt, x, ids, e, "input") if need_dw else (None, None)
         ctx.save_for_backward(*wd, *xw, offs, ids)
@@ -87,14 +85,11 @@ class _SegmentedRowwiseMM(torch.autograd.Function):
         with adapter.no_autocast(gy):
             if ctx.needs_input_grad[0]:
                 gd = _values(*_cast(fmt, gy, _amax(gy, 1), "grad_output"))
-                dx = grouped_mm_fp32(gd, _values(wc, wi), offs)
-                dx = torch.where((ids < e).unsqueeze(1), dx, 0).to(ctx.x_dtype)
+                dx = rows_product(gd, _values(wc, wi), offs, ids, ctx.x_dtype)
             if ctx.needs_input_grad[1]:
                 gc, gi = _columns_cast(fmt, gy, ids, e, "grad_output")
-                dw = grouped_mm_fp32(_pad_rows(_values(gc, gi[ids])).t().contiguous(),
-                                     _pad_rows(_values(xc, xi[ids])), offs)
-                has_rows = torch.diff(offs, prepend=offs.new_zeros(1)) > 0
-                dw = torch.where(has_rows.view(-1, 1, 1), dw, 0).to(ctx.w_dtype)
+                dw = wgrad_product(_values(gc, gi[ids]), _values(xc, xi[ids]), offs,
+                                   ctx.w_dtype)
         return dx, dw, None, None, None
 
 
