@@ -76,6 +76,19 @@ def test_grouped_route_matches_the_loop(recipe):
     assert torch.equal(grouped[2][1], torch.zeros(N, K))
 
 
+@pytest.mark.parametrize("recipe", FORMATS)
+def test_grouped_route_keeps_every_row_past_a_whole_stride_of_expert_rows(recipe):
+    """16 rows go to the experts (a multiple of the 4-row stride) and 2 elsewhere: the
+    output and the input gradient keep all 18 rows, the last two zero, as the loop's."""
+    x, w, gy, _ = _operands(5)
+    offs = torch.tensor([4, 4, 12, 16])
+    loop = _grouped(recipe, "loop", x, w, gy, offs)
+    grouped = _grouped(recipe, "grouped", x, w, gy, offs)
+    for a, b in zip(loop[:2], grouped[:2]):
+        assert b.shape == (T, a.shape[1]) and torch.equal(b[16:], torch.zeros_like(b[16:]))
+        torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-5 * a.abs().max().item())
+
+
 @pytest.mark.parametrize("recipe,lo,hi", [
     ("fp8", 24, 38), ("fp8-current", 24, 38), ("fp8-rowwise", 24, 38),
     ("fp8-block", 24, 38), ("mxfp8", 24, 38), ("nvfp4", 12, 30)])

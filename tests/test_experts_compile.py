@@ -1,7 +1,7 @@
-"""The experts' grouped GEMM reads nothing on the host for the per-tensor formats, so
-``torch.compile`` traces it (and a transformers MoE model's experts) as one graph: the
-compiled forward and backward equal eager's, and ``auto`` takes the sync-free route
-under compile."""
+"""The experts' grouped GEMM reads nothing on the host for the per-tensor, rowwise,
+``fp8-block`` and MX formats, so ``torch.compile`` traces it (and a transformers MoE
+model's experts) as one graph: the compiled forward and backward equal eager's, and
+``auto`` takes the sync-free route under compile."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import torch._dynamo as dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from mixprec.experts import ExpertsFormat, grouped_mm
+from mixprec.experts.grouped import _GroupedQuantizedMM
 from mixprec.experts.segments import segment_ids
+from mixprec.experts.segments_blocks import tile_aligned_rows
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -54,9 +56,72 @@ def test_grouped_route_compiles_as_one_graph_and_equals_eager(recipe):
         assert torch.equal(t, got[3][name]), name
 
 
+SYNC_FREE = ["fp8-rowwise", "fp8-block", "mxfp8"]
+LONG = [5, 0, 139, 3]  # expert 2 spans several wgrad tiles (128 tokens: fp8-block)
+
+
+def _long_operands(dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    t = sum(LONG) + 1
+    return (torch.randn(t, K, generator=g).to(dtype),
+            (torch.randn(len(LONG), N, K, generator=g) / 8).to(dtype),
+            torch.randn(t, N, generator=g).to(dtype), torch.tensor(LONG).cumsum(0))
+
+
+def _host_read(x, w, offs, fmt):
+    """The grouped route as it reads the token counts on the host (per-expert casts)."""
+    return _GroupedQuantizedMM.apply(x, w, offs, fmt, x.dtype, True, "grouped")
+
+
+def test_tile_aligned_rows_start_every_expert_on_a_tile():
+    dest, bound = tile_aligned_rows(torch.tensor(COUNTS).cumsum(0), T, 4)
+    assert dest.tolist() == [0, 1, 2, 3, 4, 8, 9, 10, 11, 12, 13, 14, 15, 16,
+                             20, 21, 22, 24]
+    assert bound == T + 5 * 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recipe", SYNC_FREE)
+def test_row_and_tile_formats_compile_as_one_graph_and_equal_the_host_read(recipe, dtype):
+    """fullgraph=True traces forward and backward (wgrad's per-expert scales along the
+    tokens: segment reductions, or tiles aligned to each expert's first token);
+    compiled, eager ``grouped`` and the per-expert casts of the host-read path agree
+    bit for bit."""
+    dynamo.reset()
+    x, w, gy, offs = _long_operands(dtype)
+    ref = _run(_host_read, ExpertsFormat(recipe), x, w, gy, offs)
+    eager = _run(lambda *a: grouped_mm(*a, route="grouped"), ExpertsFormat(recipe),
+                 x, w, gy, offs)
+    compiled = torch.compile(lambda *a: grouped_mm(*a), fullgraph=True, backend="aot_eager")
+    got = _run(compiled, ExpertsFormat(recipe), x, w, gy, offs)
+    for a, b, c in zip(ref[:3], eager[:3], got[:3]):
+        assert a.dtype == dtype and torch.equal(a, b) and torch.equal(a, c)
+    assert torch.equal(got[1][-1], torch.zeros(K, dtype=dtype))
+    assert torch.equal(got[2][1], torch.zeros(N, K, dtype=dtype))
+
+
+@pytest.mark.parametrize("recipe", SYNC_FREE)
+def test_wgrad_scales_along_the_tokens_are_per_expert(recipe):
+    """An inf in one token of expert 2 makes that expert's wgrad NaN in its column only,
+    and expert 0's and 3's gradients stay finite (no scale or tile spans two experts),
+    exactly as the per-expert casts do."""
+    x, w, gy, offs = _long_operands()
+    x[8, 3] = float("inf")
+    ref = _run(_host_read, ExpertsFormat(recipe), x, w, gy, offs)
+    got = _run(lambda *a: grouped_mm(*a, route="grouped"), ExpertsFormat(recipe),
+               x, w, gy, offs)
+    for a, b in zip(ref[:3], got[:3]):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
+    dw = got[2]
+    assert dw[2, :, 3].isnan().all() and dw[[0, 3]].isfinite().all()
+
+
 @pytest.mark.slow
-def test_a_transformers_moe_model_compiles_as_one_graph(monkeypatch):
-    """A tiny Qwen3-MoE (one layer) under the engine's fp8-current compiles to one graph
+@pytest.mark.parametrize("recipe", [  # the tile formats compile for 15-30 s: CI's long pass
+    "fp8-current", "fp8-rowwise", *(pytest.param(r, marks=pytest.mark.long)
+                                    for r in ("fp8-block", "mxfp8"))])
+def test_a_transformers_moe_model_compiles_as_one_graph(recipe, monkeypatch):
+    """A tiny Qwen3-MoE (one layer) under the engine's ``recipe`` compiles to one graph
     (no break, so none from the experts: the counting backend sees one frame), and the
     compiled loss and gradients are eager's on the same route, bit for bit."""
     transformers = pytest.importorskip("transformers")
@@ -70,7 +135,7 @@ def test_a_transformers_moe_model_compiles_as_one_graph(monkeypatch):
         intermediate_size=64, moe_intermediate_size=64, num_experts=4, head_dim=16),
         dtype=torch.float32)
     engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.0),
-                            "fp8-current")
+                            recipe)
     idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     experts = model.model.layers[0].mlp.experts
 

@@ -15,13 +15,13 @@ import torch
 
 from mixprec.fp8.mm import _no_autocast, _pack, _unpack
 from mixprec.fp8.quantized import Quantized
-from mixprec.fp8.scaling import cast_to_fp8, nan_if_not_finite
+from mixprec.fp8.scaling import cast_to_fp8, nan_if_not_finite, rowwise_scale
 
 if TYPE_CHECKING:
     from mixprec.experts.format import ExpertsFormat
 
 __all__ = ["cast", "mm", "reuses", "pack", "unpack", "no_autocast", "segment_scales",
-           "cast_scaled"]
+           "cast_scaled", "rowwise_scales"]
 
 #: autocast off around the GEMMs, which pick their own dtypes (as in a Float8Linear)
 no_autocast = _no_autocast
@@ -66,6 +66,12 @@ def segment_scales(fmt: ExpertsFormat, amax: torch.Tensor, role: str, record: bo
         q._record(state, role, kept.amax())
     scale = q._scale(amax, role, state, False).expand_as(amax)
     return nan_if_not_finite(scale, amax)
+
+
+def rowwise_scales(fmt: ExpertsFormat, amax: torch.Tensor, role: str) -> torch.Tensor:
+    """The scales of ``fmt``'s rowwise casts for ``role`` from each slice's ``amax``
+    (elementwise, as the quantizer's ``cast`` scales one slice)."""
+    return rowwise_scale(amax, fmt.quantizer.dtype(role), fmt.quantizer.margin)
 
 
 def cast_scaled(fmt: ExpertsFormat, t: torch.Tensor, scale: torch.Tensor, role: str

@@ -20,9 +20,12 @@ Routes (``route=``):
   ``torch._grouped_mm`` (a CPU kernel since torch 2.9): the same products, one fp32
   rounding per element where the scale is not a power of two; it needs K and N
   multiples of 4 (16-byte strides) and falls back to ``loop`` per call where they are
-  not. For the per-tensor formats (``fp8``, ``fp8-current``) it reads nothing on the
-  host there (``mixprec.experts.segments``: per-expert scales by segment reductions),
-  so ``torch.compile`` traces it without a graph break; it does not check the offsets.
+  not. For the per-tensor formats (``fp8``, ``fp8-current``), ``fp8-rowwise``,
+  ``fp8-block`` and ``mxfp8`` it reads nothing on the host there
+  (``mixprec.experts.segments``, ``segments_rowwise``: per-expert scales by segment
+  reductions; ``segments_blocks``: wgrad's tiles aligned to each expert's first token
+  in a fixed-size buffer; bit for bit the per-expert casts), so ``torch.compile``
+  traces it without a graph break; it does not check the offsets.
   On a GPU, whose grouped kernel takes bf16 only, the per-tensor and rowwise formats
   pass their codes widened to bf16 and apply the scales after the GEMM
   (``mixprec.experts.codes_grouped``: the ``dequant`` route's rounding; K and N
@@ -33,10 +36,12 @@ Routes (``route=``):
   for the block formats), ``loop`` on
   a CPU (where the casts dominate and ``grouped``'s extra dequantize pass measured
   slower: ``benchmarks/grouped_gemm.py``); under ``torch.compile``, ``grouped`` for the
-  per-tensor formats on a CPU too (the loop reads the counts on the host).
+  formats above on a CPU too (the loop reads the counts on the host).
 
-The other routes and formats read the token counts to the host once per call (as
-transformers' own fallback reads them): each expert's casts are sized by them.
+The other routes and formats (``nvfp4`` and ``int8-rowwise`` everywhere; every format
+on a GPU's ``grouped`` and ``scaled_grouped``) read the token counts to the host once
+per call (as transformers' own fallback reads them): each expert's casts are sized by
+them, and ``torch.compile`` breaks the graph there.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ from mixprec.experts.codes_grouped import bf16_only, codes_apply, rows_mm, wgrad
 from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.scaled_grouped import scaled_grouped_applies, scaled_grouped_forward
 from mixprec.experts.segments import segmented_mm
+from mixprec.experts.segments_blocks import blocks_apply, segmented_blocks_mm
+from mixprec.experts.segments_rowwise import rowwise_applies, segmented_rowwise_mm
 
 __all__ = ["grouped_mm", "ROUTES", "group_bounds"]
 
@@ -92,7 +99,8 @@ def _route(route: str, fmt: ExpertsFormat, device: torch.device, k: int, n: int,
     # auto on a CPU: the per-expert casts dominate, and the grouped route's extra
     # dequantize-and-stack pass made it slower than the loop on every format measured
     # (benchmarks/grouped_gemm.py); on a GPU one launch replaces one per expert
-    sync_free = compiling and fmt.quantizer.per_tensor
+    sync_free = compiling and (fmt.quantizer.per_tensor or rowwise_applies(fmt)
+                               or blocks_apply(fmt))
     return "grouped" if route != "auto" or device.type == "cuda" or sync_free else "loop"
 
 
@@ -110,15 +118,17 @@ def _say_once(fmt, device) -> None:
                       stacklevel=4)
 
 
-def _dequant_rows(casts, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _dequant_rows(casts, cols: int, device, least: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 values of per-expert row casts (None: no rows) stacked into one
     (rows, cols) tensor, and the cumulative row counts. A cast may hold more rows than
     its expert's tokens (NVFP4's Hadamard transform pads the tokens to whole 16-blocks);
-    the rows are rounded up to a multiple of 4 for 16-byte strides."""
+    the rows are rounded up to a multiple of 4 for 16-byte strides, and to at least
+    ``least`` (the input's rows, those past the last expert's included)."""
     vals = [c.dequant() if c is not None else None for c in casts]
     counts = [v.shape[0] if v is not None else 0 for v in vals]
     rows = sum(counts)
-    out = torch.zeros(rows + (-rows) % 4, cols, device=device)
+    out = torch.zeros(max(rows + (-rows) % 4, least), cols, device=device)
     start = 0
     for v, c in zip(vals, counts):
         if v is not None:
@@ -192,7 +202,7 @@ class _GroupedQuantizedMM(torch.autograd.Function):
                 if grouped and bf16_only(gy.device):
                     dx = rows_mm(g1, wd, bounds, t, n, k, gy.device)
                 elif grouped:
-                    a, offs = _dequant_rows(g1, n, gy.device)
+                    a, offs = _dequant_rows(g1, n, gy.device, t)
                     dx = torch._grouped_mm(a, _stack(wd, (n, k), False), offs=offs)[:t]
                 else:
                     dx = gy.new_zeros(t, k, dtype=dx_dtype)
@@ -235,7 +245,7 @@ def _forward(route, fmt, xq, wq, bounds, x, n, out_dtype) -> torch.Tensor:
                     x.device)
         return _zero_tail(y, bounds).to(out_dtype)
     if route == "grouped":
-        a, offs = _dequant_rows(xq, k, x.device)
+        a, offs = _dequant_rows(xq, k, x.device, t)
         y = torch._grouped_mm(a, _stack(wq, (k, n), True), offs=offs)[:t]
         return _zero_tail(y, bounds).to(out_dtype)
     y = x.new_zeros(t, n, dtype=out_dtype)
@@ -290,7 +300,12 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                      and torch.is_autocast_enabled(dev) else x.dtype)
     route = _route(route, fmt, x.device, x.shape[1], weight.shape[1],
                    torch.compiler.is_compiling())
-    if route == "grouped" and fmt.quantizer.per_tensor and not bf16_only(x.device):
-        return segmented_mm(x, weight, offsets, fmt, out_dtype, torch.is_grad_enabled())
+    if route == "grouped" and not bf16_only(x.device):
+        if fmt.quantizer.per_tensor:
+            return segmented_mm(x, weight, offsets, fmt, out_dtype, torch.is_grad_enabled())
+        if rowwise_applies(fmt):
+            return segmented_rowwise_mm(x, weight, offsets, fmt, out_dtype)
+        if blocks_apply(fmt):
+            return segmented_blocks_mm(x, weight, offsets, fmt, out_dtype)
     return _GroupedQuantizedMM.apply(x, weight, offsets, fmt, out_dtype,
                                      torch.is_grad_enabled(), route)

@@ -25,7 +25,8 @@ from mixprec.experts import adapter
 if TYPE_CHECKING:
     from mixprec.experts.format import ExpertsFormat
 
-__all__ = ["segmented_mm", "segment_ids", "grouped_mm_fp32"]
+__all__ = ["segmented_mm", "segment_ids", "grouped_mm_fp32", "expert_rows",
+           "rows_product", "wgrad_product"]
 
 
 @torch.library.custom_op("mixprec::grouped_mm_fp32", mutates_args=())
@@ -78,6 +79,29 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     """Zero rows up to a multiple of 4 (16-byte strides for the transposed operand)."""
     extra = (-t.shape[0]) % 4
     return t if not extra else torch.cat([t, t.new_zeros(extra, t.shape[1])])
+
+
+def expert_rows(offsets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The offsets as ``grouped_mm_fp32`` takes them (int32) and each row's expert id."""
+    offs = offsets.to(torch.int32)
+    return offs, segment_ids(offs, rows)
+
+
+def rows_product(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, ids: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """Each expert's rows of ``a`` times its ``b``, the rows past the last expert's
+    (``ids`` E) zero, in ``dtype``."""
+    y = grouped_mm_fp32(a, b, offs)
+    return torch.where((ids < b.shape[0]).unsqueeze(1), y, 0).to(dtype)
+
+
+def wgrad_product(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype
+                  ) -> torch.Tensor:
+    """Each expert's ``gᵀ @ x`` over its rows (E × N × K; zero for an expert without
+    rows), in ``dtype``."""
+    dw = grouped_mm_fp32(_pad_rows(g).t().contiguous(), _pad_rows(x), offs)
+    has_rows = torch.diff(offs, prepend=offs.new_zeros(1)) > 0
+    return torch.where(has_rows.view(-1, 1, 1), dw, 0).to(dtype)
 
 
 class _SegmentedMM(torch.autograd.Function):

@@ -12,8 +12,8 @@ import torch
 from mixprec import formats
 from mixprec.fp8.tp_agree import agreed_amax
 
-__all__ = ["ROLES", "amax_to_scale", "cast_to_fp8", "cast_rowwise", "nan_if_not_finite",
-           "update_delayed_scales", "FP8_MAX", "fp8_max_tensor"]
+__all__ = ["ROLES", "amax_to_scale", "cast_to_fp8", "cast_rowwise", "rowwise_scale",
+           "nan_if_not_finite", "update_delayed_scales", "FP8_MAX", "fp8_max_tensor"]
 
 ROLES = ("input", "weight", "grad_output")
 FP8_MAX = {
@@ -61,9 +61,15 @@ def cast_rowwise(t: torch.Tensor, dim: int, dtype: torch.dtype, margin: int = 0,
     scales, where they are known already (a row shard's columns, agreed over ranks)."""
     if amax is None:
         amax = agreed_amax(t.detach().abs().amax(dim=dim, keepdim=True).float(), dim)
-    scale = amax_to_scale(amax, FP8_MAX[dtype], margin, torch.ones_like(amax))
-    scale = nan_if_not_finite(scale, amax)
+    scale = rowwise_scale(amax, dtype, margin)
     return cast_to_fp8(t, scale, dtype), torch.reciprocal(scale)
+
+
+def rowwise_scale(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
+    """The scale of each slice of a rowwise cast from its ``amax`` (elementwise): 1 for
+    a slice of zeros, NaN for one holding an inf or NaN."""
+    scale = amax_to_scale(amax, FP8_MAX[dtype], margin, torch.ones_like(amax))
+    return nan_if_not_finite(scale, amax)
 
 
 def update_delayed_scales(
