@@ -51,7 +51,7 @@ def summary(out: Path) -> tuple[dict[str, tuple[str, float, str]], list[str]]:
     return steps, notes
 
 
-@pytest.mark.slow
+@pytest.mark.long  # every step of the GPU script, dry: about 40 s on a 2-core CPU
 def test_dry_run_writes_every_file_and_a_crashed_step_costs_only_its_own(tmp_path):
     """The whole run on this CPU, bench's first recipe crashing (SIGSEGV): every result
     file is there, 8 at most; every step has its exit code and wall time; the other

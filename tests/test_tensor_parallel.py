@@ -139,6 +139,7 @@ def test_each_tp_ranks_measured_peak_is_within_5_percent_of_the_planners():
                                                       got / 2**20)
 
 
+@pytest.mark.long  # four ranks
 def test_fsdp_over_tp_ranks_hold_what_the_planner_predicts():
     """FSDP (dp=2) over TP=2, four GPT blocks: ``estimate`` of the sharded model with
     ``zero_stage=3, world_size=2`` gives each rank's steady state exactly as measured
