@@ -30,13 +30,15 @@ def _max_rel(a, b):
 
 @pytest.mark.parametrize("kind", ["mlp", "block", "sp"])
 @pytest.mark.parametrize("recipe,tol", [
-    ("fp32", 1e-5), ("bf16-master", 1e-2),
+    # bf16-master after 6 steps at lr 0.5 (mlp, block, sp), AMD EPYC: real kernels 8.0e-3,
+    # 4.7e-3, 5.7e-3; emulated (a CPU without bf16 units) 9.0e-3, 5.6e-3, 1.4e-2
+    ("fp32", 1e-5), ("bf16-master", 2e-2),
     # no master: each rank's bf16 rounding lands in the weights (FSDP's bound)
     ("bf16-kahan", 5e-2), ("bf16-remainder", 5e-2)])
 def test_two_tp_ranks_train_like_one_process(kind, recipe, tol):
     """TP=2 with torch's colwise/rowwise plans (and a sequence-parallel norm, whose
     replicated weights get partial-sum gradients) trains as one process does, to the
-    distributed tolerances (fp32 1e-5, bf16-master 1e-2); the clip norm is the whole
+    distributed tolerances (fp32 1e-5, bf16-master 2e-2); the clip norm is the whole
     model's on every rank, equal to one process's."""
     ranks = spawn(w.tp_train, kind, recipe, 6, 0.5, -1)
     ref, ref_norms = w.reference(kind, recipe, 6, 0.5)
