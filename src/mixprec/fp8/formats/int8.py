@@ -238,12 +238,12 @@ class Int8Rowwise(LinearFormat):
     def backward_bytes(self, t: int, i: int, o: int, act_bytes: float, route: str
                        ) -> float:
         """The larger of the gradient's cast (an fp32 copy and the fp32 quotient:
-        ``8·T·O``) and the dgrad GEMM (the codes, the int32 sum and its fp32 copy:
-        ``T·O + 8·T·I``, plus on ``dequant_fp32`` the fp32 codes of one 1024-wide chunk
-        of each operand, ``4·c·(T + I)``, ``c = min(O, 1024)``); wgrad runs in 16 bits
-        on the saved input."""
-        chunks = 4 * min(o, 1024) * (t + i) if route == "dequant_fp32" else 0
-        return max(8 * t * o, t * o + 8 * t * i + chunks)
+        ``8·T·O``) and the dgrad GEMM: the gradient's codes ``T·O`` and ``int8_gemm``'s
+        12 bytes per output element (the int32 sum, its fp32 copy and the scaled
+        product; on the exact route the fp32 partial sum and its int32 copy instead, at
+        the same height), less the input's gradient the caller counts (``act_bytes``
+        per element). wgrad runs in 16 bits on the saved input."""
+        return max(8 * t * o, t * o + (12 - act_bytes) * t * i)
 
     def mm(self, a: Quantized, b: Quantized, out_dtype: torch.dtype, backend: str
            ) -> torch.Tensor:
