@@ -208,6 +208,9 @@ class FSDP(_Replicated):
             sent = fsdp_policy(self.recipe, emulate).param_dtype  # None: the weight's
             mods = install_fp8_all_gather(fp8_modules(model), self.comm_stats, sent)
             refresh_gather_scales_(mods, all_reduce_max_)
+            from mixprec.experts.hook import note_whole_gathers
+
+            note_whole_gathers(model, self.comm_stats, sent)
         if self.two_d:
             _attach_stats(model, self.comm_stats)
         return model

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 import zlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from mixprec.recipe import Recipe
 
 __all__ = ["IMPLEMENTATION", "is_experts", "experts_modules", "convert_experts",
-           "restore_experts", "experts_forward"]
+           "restore_experts", "experts_forward", "note_whole_gathers"]
 
 #: the name mixprec's forward is registered under in transformers' ExpertsInterface
 IMPLEMENTATION = "mixprec"
@@ -101,6 +101,28 @@ def convert_experts(model: nn.Module, recipe: Recipe, *,
             m.add_module(f"{proj}_fp8", ExpertsFormat(
                 own, seed=zlib.crc32(f"{name}.{proj}".encode()), device=w.device))
     return out
+
+
+#: why FSDP2's ``fp8_all_gather`` leaves an experts module's weights in high precision
+WHOLE_GATHER = ("FSDP2 gathers an experts module's 3-D weight as it holds it; the grouped "
+                "GEMM casts each expert's slice after the gather (experts weights are not "
+                "gathered as codes and scales)")
+
+
+def note_whole_gathers(model: nn.Module, stats: Any, sent: torch.dtype | None) -> list[str]:
+    """Under FSDP2 with ``fp8_all_gather``: note in ``stats`` (``CommStats.fallback``,
+    a warning once) each converted experts projection whose 3-D weight FSDP shards,
+    gathered in ``sent`` (default: the weight's dtype). Returns their names."""
+    noted = []
+    for name, m in experts_modules(model).items():
+        for proj in _projections(m):
+            fmt, w = getattr(m, f"{proj}_fp8", None), getattr(m, proj)
+            if fmt is None or not hasattr(w, "_local_tensor"):
+                continue
+            what = f"experts:{name}.{proj}"
+            stats.fallback(what, fmt.quantizer.name, sent or w.dtype, WHOLE_GATHER)
+            noted.append(what)
+    return noted
 
 
 def restore_experts(model: nn.Module) -> None:
