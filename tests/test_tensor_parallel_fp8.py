@@ -20,18 +20,26 @@ STEPS = 3
 PAIRS = ["fp8-current,fp8_gemm=dequant_fp32", "fp8,fp8_gemm=dequant_fp32",
          "fp8-rowwise,fp8_gemm=dequant_fp32", "mxfp8", "nvfp4,bf16_last_layers=0",
          "int8-rowwise"]
-TRAINED = ["fp8-current", "fp8", "fp8-rowwise", "mxfp8", "nvfp4"]
-RUNS = [*((r, -1) for r in TRAINED), ("fp8", 1), ("fp8-block", -1)]
+#: each format on a GEMM route that rounds its fp32 accumulator to bf16 once, as the
+#: fp32 partial sums are (nvfp4: the head alone in 16 bits, the rowwise proj in nvfp4)
+TRAINED = ["fp8-current,fp8_gemm=dequant_fp32", "fp8,fp8_gemm=dequant_fp32",
+           "fp8-rowwise,fp8_gemm=dequant_fp32", "mxfp8", "nvfp4,bf16_last_layers=1"]
+#: the recipes as they come: this CPU's ``auto`` route and nvfp4's 16-bit proj
+AS_GIVEN = ["fp8-current", "nvfp4"]
+RUNS = [*((r, -1) for r in TRAINED + AS_GIVEN), ("fp8", 1), ("fp8-block", -1)]
+#: the two reduce dtypes on a bf16 input under bf16 autocast
+BF16_PAIRS = ["fp8-current,fp8_gemm=dequant_fp32",
+              "fp8-current,fp8_gemm=dequant_fp32,tp_reduce=compute"]
 SP_RUNS = [("fp8-current", True), ("fp8-current", False), ("mxfp8", True)]
-#: the formats FSDP x TP trains on a 2 x 2 mesh (nvfp4 rounds to nearest: see the test)
-FSDP_TP = ["fp8-current", "mxfp8", "fp8-rowwise", "nvfp4,nvfp4_sr=false"]
+#: the formats FSDP x TP trains on a 2 x 2 mesh
+FSDP_TP = ["fp8-current", "mxfp8", "fp8-rowwise", "nvfp4"]
 #: the local input of the sequence-parallel colwise Linear: 4 sequences, 3 of 6 tokens
 SP_LOCAL = 4 * 3 * w.DIM
 
 
 @pytest.fixture(scope="module")
 def two():
-    return spawn(w.tp_fp8, PAIRS, RUNS, SP_RUNS, STEPS, name="tp8")
+    return spawn(w.tp_fp8, PAIRS, BF16_PAIRS, RUNS, SP_RUNS, STEPS, name="tp8")
 
 
 @pytest.mark.parametrize("recipe", PAIRS)
@@ -43,8 +51,9 @@ def test_a_colwise_and_a_rowwise_shard_compute_what_one_process_does(two, recipe
     fp32 rounding (the shards sum in another order; measured <= 1.4e-7). Casting with
     each rank's own amaxes instead moves them by 1e-3 to 2e-1 (measured: per tensor,
     rowwise, int8 and NVFP4; MX's 1x32 blocks are local by design)."""
+    one = two[0]["pairs"][recipe][1]  # rank 0 draws as one process does (rank 1 apart)
     for rank in two:
-        tp, one = rank["pairs"][recipe]
+        tp = rank["pairs"][recipe][0]
         for key in one:
             if key in ("y", "dx"):
                 assert _max_rel([tp[key]], [one[key]]) <= 1e-6, (key, recipe)
@@ -55,24 +64,82 @@ def test_a_colwise_and_a_rowwise_shard_compute_what_one_process_does(two, recipe
 @pytest.mark.parametrize("recipe", TRAINED)
 def test_two_tp_ranks_train_the_gpt_block_like_one_process(two, recipe):
     """The GPT-style block (width 64) split by torch's plans trains as one process does
-    to within 5e-2 after 3 SGD steps (measured 1.3e-2 mxfp8 to 2.8e-2 fp8-current: a
-    rowwise Linear's partial sums are added in the 16-bit output dtype, an ulp off one
-    process's, and fp8's 1/8 steps turn an ulp into a flipped code downstream); the clip
-    norms agree with one process's to 5e-3 (measured <= 2.4e-3) and are the same on
+    to within 1e-2 after 3 SGD steps (measured <= 2.5e-7 on this CPU: a rowwise
+    Linear's partial sums cross the ranks as fp32 and are rounded to bf16 once, as one
+    process rounds its GEMM; summed in bf16 they ended 1.3e-2 (mxfp8) to 2.7e-2 apart);
+    each rowwise Linear's all-reduce carries fp32 (2 Linears x 24 tokens x 64 x 4
+    bytes a step); the clip norms agree with one process's to 5e-3 and are the same on
     both ranks; no step is skipped; per-tensor formats all-reduce one fp32 amax per
     sharded cast (4 colwise Linears: weight, gradient; 2 rowwise: input, weight)."""
     ref = w.reference(recipe, STEPS)
     runs = [r["runs"][recipe, -1] for r in two]
     for got in runs:
-        assert _max_rel(got["params"], ref["params"]) <= 5e-2, recipe
+        assert _max_rel(got["params"], ref["params"]) <= 1e-2, recipe
         assert got["norms"] == pytest.approx(ref["norms"], rel=5e-3)
         assert got["skipped"] == [False] * STEPS
-        assert got["kept"] == {"head": "output head: the last Linear"} or recipe == "nvfp4"
+        assert got["kept"] == {"head": "output head: the last Linear"}
+        assert got["totals"][("all_reduce", "outputs", torch.float32)] == STEPS * 2 * 24 * 64 * 4
     assert runs[0]["norms"] == runs[1]["norms"]
     amax = runs[0]["totals"].get(("all_reduce", "amax", torch.float32), 0)
-    if recipe in ("fp8", "fp8-current"):
+    if recipe.startswith(("fp8,", "fp8-current")):
         assert amax == STEPS * 12 * 4
     assert (amax > 0) == (recipe != "mxfp8")  # MX blocks along a cut K are local
+
+
+@pytest.mark.parametrize("recipe", AS_GIVEN)
+def test_two_tp_ranks_train_the_gpt_block_near_one_process_as_recipes_come(two, recipe):
+    """The recipes as they come end within 5e-2 of one process (measured 3.0e-2
+    fp8-current, 1.3e-2 nvfp4), not 1e-2, for reasons outside the fp32 partial sums:
+    this CPU's ``auto`` route for fp8-current is the bf16 dequantizing GEMM, which in
+    one process rounds its accumulator to bf16 before the scale and again after, while
+    the shards round the fp32 sum once; nvfp4 keeps its last two Linears in 16 bits,
+    among them the rowwise proj, whose partial sums torch reduces in bf16."""
+    ref = w.reference(recipe, STEPS)
+    for rank in two:
+        got = rank["runs"][recipe, -1]
+        assert _max_rel(got["params"], ref["params"]) <= 5e-2, recipe
+        assert got["norms"] == pytest.approx(ref["norms"], rel=5e-3)
+
+
+def test_a_rowwise_output_and_a_colwise_input_grad_are_summed_in_fp32(two):
+    """A bf16 input under bf16 autocast through a colwise then a rowwise fp8 Linear
+    (exact fp32 GEMM route): with ``tp_reduce=fp32`` the output and the input's
+    gradient equal one process's on all but at most 8 of 4096 elements each (measured
+    0: an fp32 sum in another order may land an ulp apart on another chip); the
+    rowwise output's all-reduce and the colwise input gradient's carry fp32 (64 x 64 x
+    4 bytes each). With ``tp_reduce=compute`` each rank's sum is rounded to bf16 first:
+    at least 10% of the elements differ (measured 48% of the outputs, 32% of the
+    input's gradient) and the output's all-reduce carries bf16, half the bytes."""
+    fp32, compute = BF16_PAIRS
+    for rank in two:
+        for recipe, most in ((fp32, 8), (compute, None)):
+            tp, one = rank["bf16"][recipe]
+            for key in ("y", "dx"):
+                assert tp[key].dtype == one[key].dtype == torch.bfloat16
+                apart = (tp[key] != one[key]).sum().item()
+                if most is not None:
+                    assert apart <= most, (recipe, key, apart)
+                else:
+                    assert apart >= 0.1 * tp[key].numel(), (recipe, key, apart)
+        totals = rank["bf16"][fp32][0]["totals"]
+        assert totals[("all_reduce", "outputs", torch.float32)] == 64 * 64 * 4
+        assert totals[("all_reduce", "input_grads", torch.float32)] == 64 * 64 * 4
+        totals = rank["bf16"][compute][0]["totals"]
+        assert totals[("all_reduce", "outputs", torch.bfloat16)] == 64 * 64 * 2
+        assert not [k for k in totals if k[1] in ("input_grads",) or k[2] == torch.float32
+                    and k[1] == "outputs"]
+
+
+def test_stochastic_rounding_draws_alike_on_tp_ranks_and_apart_on_dp_ranks(two):
+    """NVFP4's stochastic rounding: the two ranks of a tensor-parallel pair, which round
+    slices of one gradient, draw the same numbers (those one process draws); the same
+    Linear on two ranks outside tensor parallelism (data-parallel replicas) draws
+    different ones."""
+    tp = [rank["draws"]["tp"] for rank in two]
+    dp = [rank["draws"]["dp"] for rank in two]
+    assert torch.equal(tp[0], tp[1])
+    assert torch.equal(dp[0], tp[0])  # rank 0 draws what one process draws
+    assert not torch.equal(dp[0], dp[1])
 
 
 def test_an_inf_on_one_tp_rank_skips_the_fp8_step_on_every_rank(two):
@@ -107,7 +174,8 @@ def test_sequence_parallel_gathers_fp8_codes_into_a_colwise_linear(two):
     ColwiseParallel, whose gather of the norm's output the engine does not see; mxfp8
     casts its wgrad input along the tokens, so it gathers the norm's output as it is
     (2 or 4 bytes an element: 2 or 4 times the codes' bytes), with one recorded fallback
-    and one warning. Each trains as one process does (5e-2)."""
+    and one warning. Each trains as one process does to 1e-2 (measured 1.1e-3
+    fp8-current, 1.0e-7 mxfp8; 2.2e-2 and 7.2e-3 with the rowwise sums in bf16)."""
     for rank in two:
         codes, torch_plan, mx = (rank["sp"][k] for k in SP_RUNS)
         assert all(torch.equal(a, b) for a, b in zip(codes["params"], torch_plan["params"]))
@@ -122,7 +190,7 @@ def test_sequence_parallel_gathers_fp8_codes_into_a_colwise_linear(two):
         assert codes["fallbacks"] == []
     for recipe, quantized in SP_RUNS:
         ref, norms = w.sp_reference(recipe, STEPS)
-        assert _max_rel(two[0]["sp"][recipe, quantized]["params"], ref) <= 5e-2
+        assert _max_rel(two[0]["sp"][recipe, quantized]["params"], ref) <= 1e-2
 
 
 @pytest.mark.long  # four ranks, four formats: ~35 s on two cores

@@ -81,15 +81,19 @@ def _tp_runs(mesh, rank, runs, steps):
     return out
 
 
-def tp_fp8(rank, world, tmp, pairs, runs, sp_runs, steps):
+def tp_fp8(rank, world, tmp, pairs, bf16_pairs, runs, sp_runs, steps):
     """One group for every two-rank check: ``pair_grads`` for each recipe of
-    ``pairs`` (on the shards and in this process), the GPT-style block trained under
-    each of ``runs``, and the sequence-parallel model under each of ``sp_runs``."""
+    ``pairs`` and ``pair_bf16`` for each of ``bf16_pairs`` (on the shards and in this
+    process), the GPT-style block trained under each of ``runs``, the
+    sequence-parallel model under each of ``sp_runs``, and the stochastic-rounding
+    draws of an NVFP4 Linear on the shards and of one outside tensor parallelism."""
     _init(rank, world, tmp)
     mesh = init_device_mesh("cpu", (world,))
     out = {"pairs": {r: (pair_grads(r, mesh), pair_grads(r)) for r in pairs},
+           "bf16": {r: (pair_bf16(r, mesh), pair_bf16(r)) for r in bf16_pairs},
            "runs": _tp_runs(mesh, rank, runs, steps),
-           "sp": _sp_runs(mesh, rank, world, sp_runs, steps)}
+           "sp": _sp_runs(mesh, rank, world, sp_runs, steps),
+           "draws": {"tp": sr_draws(_pair(NV, mesh)), "dp": sr_draws(_pair(NV))}}
     _save(tmp, "tp8", rank, out)
     gc.collect()
     dist.destroy_process_group()
@@ -133,6 +137,36 @@ def pair_grads(recipe, mesh=None):
     y.backward(gy)
     return {"y": full(y), "dx": x.grad.clone(),
             **{n: full(p.grad) for n, p in m.named_parameters()}}
+
+
+def pair_bf16(recipe, mesh=None):
+    """One forward and backward of ``Pair`` on a bf16 input under bf16 autocast: the
+    output, the input's gradient (both bf16) and the collectives the Linears recorded."""
+    from mixprec.comm_stats import CommStats
+    from mixprec.fp8.linear import fp8_modules
+    from mixprec.fp8.tensor_parallel import attach_comm_stats
+
+    m, stats = _pair(recipe, mesh), CommStats()
+    attach_comm_stats(fp8_modules(m), stats)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, DIM, generator=g).bfloat16().requires_grad_(True)
+    gy = torch.randn(64, DIM, generator=g).bfloat16()
+    with torch.autocast("cpu", torch.bfloat16):
+        y = m(x)
+    y.backward(gy)
+    return {"y": full(y), "dx": x.grad.clone(), "totals": stats.totals()}
+
+
+#: NVFP4 on every Linear of a ``Pair``, with stochastic rounding (the default)
+NV = "nvfp4,bf16_last_layers=0"
+
+
+def sr_draws(pair):
+    """What the stochastic rounding of ``pair``'s second Linear draws next (16
+    numbers), after one forward and backward."""
+    x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(3))
+    pair(x).float().sum().backward()
+    return torch.rand(16, generator=pair.down._sr_generator("cpu"))
 
 
 class SeqMLP(nn.Module):
@@ -221,8 +255,13 @@ def _fsdp_tp_run(recipe, steps, path, mesh, mode):
         norms.append(float(engine.step().grad_norm))
         if mode == "save" and i == half - 1:
             engine.save(path, reshardable=True)
+    from mixprec.fp8.linear import fp8_modules
+
+    q = fp8_modules(engine.model).get("q")
     out = {"params": [full(p) for p in engine.master_params], "norms": norms,
-           "totals": engine.comm_stats.totals() if engine.comm_stats else {}}
+           "totals": engine.comm_stats.totals() if engine.comm_stats else {},
+           "draws": (torch.rand(16, generator=q._sr_generator("cpu"))
+                     if q is not None and q.quantizer.stochastic_grads else None)}
     del engine, model, opt
     gc.collect()
     return out

@@ -19,7 +19,7 @@ from mixprec.fp8.mm import _QuantizedMatmul
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.quantizers import quantizer_for
 from mixprec.fp8.tensor_parallel import is_dtensor, tp_linear
-from mixprec.fp8.tp_agree import agreeing
+from mixprec.fp8.tp_agree import STREAM_STRIDE, agreeing, sr_stream
 
 if TYPE_CHECKING:
     from mixprec.recipe import Recipe
@@ -138,15 +138,20 @@ class Float8Linear(nn.Linear):
 
         A compiled backward cannot make a generator: there the key ``seed · 1000003 +
         calls`` (a tensor) is returned for ``nvfp4.counter_uniform``, and the count
-        advances on the device, inside the graph. Compiled and eager runs draw different
+        advances on the device, inside the graph. Under data parallelism the key moves
+        by this rank's stream (``tp_agree.sr_stream``): each data-parallel rank rounds
+        its own gradients with its own numbers, the ranks of one tensor-parallel group
+        with the same. Compiled and eager runs draw different
         random bits, each reproducible and resumable from the same buffer (a module that
         switches between the two within one run continues its eager count from its
         last eager backward; a checkpoint or ``load_state_dict`` re-reads it)."""
         if not self.quantizer.stochastic_grads or torch.device(device).type == "meta":
             return None  # (meta tensors: shapes only, rounded to nearest)
+        if getattr(self, "_sr_shift", None) is None:  # data-parallel ranks draw apart
+            self._sr_shift = sr_stream(getattr(self, "_tp_layout", None)) * STREAM_STRIDE
         if torch.compiler.is_compiling():
             rng = self.nvfp4_rng
-            key = rng[0] * 1_000_003 + rng[1]
+            key = rng[0] * 1_000_003 + rng[1] + self._sr_shift
             rng[1:] += 1
             return key
         if self._rng_host is None:  # once after construction or a load: one host read
@@ -154,7 +159,11 @@ class Float8Linear(nn.Linear):
         seed, calls = self._rng_host
         self._rng_host[1] += 1
         self.nvfp4_rng[1] += 1  # the checkpointed copy, on the device: no host sync
-        return torch.Generator(device).manual_seed(seed * 1_000_003 + calls)
+        return torch.Generator(device).manual_seed(seed * 1_000_003 + calls
+                                                   + self._sr_shift)
+
+    #: ``sr_stream · STREAM_STRIDE``, fixed by this rank at the first backward
+    _sr_shift: int | None = None
 
     _rng_host: list[int] | None = None
 

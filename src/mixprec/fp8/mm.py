@@ -58,10 +58,11 @@ class _QuantizedMatmul(torch.autograd.Function):
     serves the backward too (a per-tensor scale, a 128×128 weight block) it is saved as
     it is; otherwise the second cast is made here and only it is saved. The gradient is
     cast along ``out`` for dgrad and along the tokens for wgrad (once, if it has no
-    axis)."""
+    axis). ``grad_dtype``: the dtype the output's gradient is read in, where the output
+    is a wider sum than the Linear's (a tensor-parallel partial sum kept in fp32)."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, mod, out_dtype, record):
+    def forward(ctx, x2d, weight, mod, out_dtype, record, grad_dtype=None):
         q = mod.quantizer
         with _no_autocast(x2d), q.gemm_context():
             xq = mod.quantize(x2d, "input", 1, record)
@@ -79,11 +80,14 @@ class _QuantizedMatmul(torch.autograd.Function):
         # wgrad's operand in the output's dtype (bf16 under autocast), as F.linear saves it
         ctx.save_for_backward(*tensors, x2d.to(out_dtype) if need_dw and hp_wgrad else None)
         ctx.mod, ctx.x_dtype, ctx.w_dtype = mod, x2d.dtype, weight.dtype
+        ctx.grad_dtype = grad_dtype
         return y
 
     @staticmethod
     def backward(ctx, gy):
         *saved, x_hp = ctx.saved_tensors
+        if ctx.grad_dtype is not None:  # 16-bit values in fp32: exact
+            gy = gy.to(ctx.grad_dtype)
         xw, wd = _unpack(saved, ctx.casts)
         mod, dx, dw = ctx.mod, None, None
         q = mod.quantizer
@@ -100,7 +104,7 @@ class _QuantizedMatmul(torch.autograd.Function):
                 if g is None or not q.reuses("grad_output"):  # along the tokens
                     g = mod.quantize(gy, "grad_output", 0, g is None, gen)
                 dw = q.mm(g.t(), xw, torch.float32, mod.backend).to(ctx.w_dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 class GemmSite:

@@ -16,11 +16,18 @@ the local shards, with the scales one process would use:
   warns); NVFP4's per-tensor amax is agreed, and its stochastic rounding draws the
   whole tensor's random numbers and keeps this rank's slice.
 
-A colwise Linear's output is ``Shard(-1)``; a rowwise one's is ``Partial`` in the
-output's dtype, so the all-reduce (or reduce-scatter) torch's plan then runs carries
-16 bits under a 16-bit autocast, as torchao's ``Float8RowwiseParallel`` does. The amax
-all-reduces are recorded in the engine's ``CommStats`` (``op="all_reduce",
-what="amax"``) where the engine attached it (``attach_comm_stats``).
+A colwise Linear's output is ``Shard(-1)``; a rowwise one's is ``Partial``: each rank's
+sum over its share of K. Under the format's ``tp_reduce="fp32"`` (the default) those
+partial sums are the GEMM's fp32 accumulators, so the all-reduce (or reduce-scatter)
+torch's plan then runs carries fp32, and a forward hook after the plan's rounds the
+whole sum once to the output's dtype and adds the bias, as one process does;
+``tp_reduce="compute"`` rounds each rank's partial sum to the output's 16 bits first,
+as torchao's ``Float8RowwiseParallel`` does (half the bytes, an ulp off one process's
+sum). The backward's partial sums, a colwise Linear's input gradient, follow the same
+field where the input is narrower than fp32 (an fp32 input's gradient is summed in
+fp32 anyway). These sums are recorded in the engine's ``CommStats`` (``what="outputs"``,
+``"input_grads"``), as are the amax all-reduces (``op="all_reduce", what="amax"``),
+where the engine attached it (``attach_comm_stats``).
 """
 
 from __future__ import annotations
@@ -30,12 +37,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from mixprec.comm_stats import CommStats
 from mixprec.fp8.tp_agree import agreeing
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
     from torch import nn
 
     from mixprec.fp8.formats.base import LinearFormat
@@ -136,12 +143,19 @@ def _local(t):
     return t.to_local() if is_dtensor(t) else t
 
 
+def _sums_fp32(mod: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether ``mod``'s partial sums, wanted in ``dtype``, cross the ranks in fp32
+    instead (``tp_reduce="fp32"`` and a ``dtype`` narrower than fp32)."""
+    return mod.quantizer.tp_reduce == "fp32" and dtype != torch.float32
+
+
 def tp_linear(mod: nn.Module, x: torch.Tensor, w: torch.Tensor,
               out_dtype: torch.dtype) -> torch.Tensor:
     """``mod``'s forward on tensor-parallel shards: ``x`` (a DTensor as torch's plan
     prepared it, or a local tensor of the layout's input) times the DTensor weight ``w``
     (out, in), plus the bias; a DTensor ``Shard(-1)`` (colwise) or ``Partial``
-    (rowwise) that the plan's output hook redistributes."""
+    (rowwise, in fp32 under ``tp_reduce="fp32"``) that the plan's output hook
+    redistributes, and ``mod``'s rounding hook (``_round_sum``) then finishes."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     from mixprec.fp8.mm import _QuantizedMatmul
@@ -155,13 +169,18 @@ def tp_linear(mod: nn.Module, x: torch.Tensor, w: torch.Tensor,
     split = x.placements[0]
     if lay.sharded == 0 and split.is_shard() and split.dim % x.dim() != x.dim() - 1:
         xl = _gather_input(mod, x, lay)  # sequence parallel: gathered as the format's codes
+    elif lay.sharded == 0 and _sums_fp32(mod, x.dtype):
+        xl = x.redistribute(mesh, want).to_local(grad_placements=[Replicate()])
+        xl = _SummedGrad.apply(xl, lay, mod.tp_comm_stats)  # its dgrad sums in fp32
     else:
         x = x.redistribute(mesh, want)
         # colwise: each rank's input gradient is a partial sum over the output shards
         xl = x.to_local(grad_placements=[Partial()] if lay.sharded == 0 else None)
     lead = xl.shape[:-1]
-    y = _QuantizedMatmul.apply(xl.reshape(-1, xl.shape[-1]), w.to_local(), mod, out_dtype,
-                               torch.is_grad_enabled())
+    wide = lay.sharded == 1 and _sums_fp32(mod, out_dtype)
+    y = _QuantizedMatmul.apply(xl.reshape(-1, xl.shape[-1]), w.to_local(), mod,
+                               torch.float32 if wide else out_dtype,
+                               torch.is_grad_enabled(), out_dtype if wide else None)
     if lay.sharded == 0:
         if mod.bias is not None:  # this rank's slice of the bias, in high precision
             y = (y.float() + _local(mod.bias).float()).to(out_dtype)
@@ -172,27 +191,83 @@ def tp_linear(mod: nn.Module, x: torch.Tensor, w: torch.Tensor,
                                   shape=torch.Size(shape), stride=stride)
     y = DTensor.from_local(y.reshape(*lead, y.shape[-1]), mesh, [Partial()],
                            run_check=False)
-    if mod.bias is not None:  # DTensor adds the replicated bias once to the partial sums
+    if mod.bias is not None and not wide:  # DTensor adds the bias once to the partials
         y = (y.float() + mod.bias.float()).to(out_dtype)
+    if _round_sum not in mod._forward_hooks.values():  # after the plan's output hook
+        mod.register_forward_hook(_round_sum)
+    sent = torch.empty(y.shape, dtype=y.dtype, device="meta")  # for CommStats
+    mod._tp_sum = (sent, out_dtype if wide else None)
     return y
+
+
+def _round_sum(mod: nn.Module, inputs, out):
+    """A rowwise Linear's forward hook, after the plan's: the sum it reduced is recorded
+    (``all_reduce`` where ``out`` is whole, ``reduce_scatter`` where it is split,
+    ``what="outputs"``); an fp32 sum (``tp_reduce="fp32"``) is rounded once to the
+    output's dtype and the bias added in fp32, as one process does."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    if getattr(mod, "_tp_sum", None) is None:
+        return None
+    (sent, dtype), mod._tp_sum = mod._tp_sum, None
+    if is_dtensor(out):
+        p = out.placements[0]
+        op = None if p.is_partial() else "all_reduce" if p.is_replicate() else "reduce_scatter"
+    else:
+        op = "all_reduce" if out.numel() == sent.numel() else "reduce_scatter"
+    if op is not None and mod.tp_comm_stats is not None:
+        mod.tp_comm_stats.record(sent, op=op, what="outputs")
+    if dtype is None:
+        return None
+    y = out.to(dtype)
+    if mod.bias is not None:
+        b = mod.bias
+        if is_dtensor(b) and not is_dtensor(y):  # split tokens: each rank's bias grad
+            b = b.to_local(grad_placements=[Replicate() if op == "all_reduce"  # is a
+                                            else Partial()])  # partial sum
+        y = (y.float() + b.float()).to(dtype)
+    return y
+
+
+class _SummedGrad(torch.autograd.Function):
+    """A colwise Linear's input (whole on each rank) in fp32: the input gradient, each
+    rank's partial sum over its output features, is all-reduced in fp32 and rounded
+    once to the input's dtype (``tp_reduce="fp32"``)."""
+
+    @staticmethod
+    def forward(ctx, x, lay, stats):
+        ctx.lay, ctx.stats, ctx.dtype = lay, stats, x.dtype
+        return x.float()
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.float().contiguous().clone()
+        if ctx.stats is not None:
+            ctx.stats.record(g, op="all_reduce", what="input_grads")
+        dist.all_reduce(g, group=ctx.lay.group)
+        return g.to(ctx.dtype), None, None
 
 
 class _Gathered(torch.autograd.Function):
     """The gathered input (``value``, whole) as a function of this rank's rows
-    ``local``: its gradient, a partial sum on each rank, is reduce-scattered back to the
-    rows (as torch's plan does for a 16-bit gather)."""
+    ``local``: its gradient, a partial sum on each rank (fp32 where ``value`` is), is
+    reduce-scattered back to the rows (as torch's plan does for a 16-bit gather) and
+    recorded in ``stats`` (``what="input_grads"``)."""
 
     @staticmethod
-    def forward(ctx, local, value, mesh, dim):
-        ctx.mesh, ctx.dim = mesh, dim
+    def forward(ctx, local, value, mesh, dim, stats):
+        ctx.mesh, ctx.dim, ctx.stats = mesh, dim, stats
         return value
 
     @staticmethod
     def backward(ctx, g):
         from torch.distributed.tensor import DTensor, Partial, Shard
 
+        if ctx.stats is not None:
+            ctx.stats.record(g, op="reduce_scatter", what="input_grads")
         part = DTensor.from_local(g.contiguous(), ctx.mesh, [Partial()], run_check=False)
-        return part.redistribute(ctx.mesh, [Shard(ctx.dim)]).to_local(), None, None, None
+        grad = part.redistribute(ctx.mesh, [Shard(ctx.dim)]).to_local()
+        return grad, None, None, None, None
 
 
 #: a CommStats for the fallback warnings of a Linear outside an engine
@@ -240,5 +315,7 @@ def _gather_input(mod, x, lay: TPLayout) -> torch.Tensor:
                              run_check=False, shape=x.shape, stride=x.stride())
     whole = raw.full_tensor().view(codes.dtype)  # gloo has no fp8: the codes as bytes
     mod._given_input = Quantized(whole.reshape(-1, whole.shape[-1]), cast.inv)
-    value = (whole.float() * cast.inv).to(local.dtype)  # what the 16-bit gather held, cast
-    return _Gathered.apply(local, value, lay.mesh, dim)
+    value = whole.float() * cast.inv  # what the 16-bit gather held, cast
+    if not _sums_fp32(mod, local.dtype):  # fp32: the input gradient's sums stay fp32
+        value = value.to(local.dtype)
+    return _Gathered.apply(local, value, lay.mesh, dim, mod.tp_comm_stats)

@@ -3,7 +3,9 @@ cast of an operand whose tensor-parallel layout is known), the amaxes the cast t
 become the whole tensor's (``agreed_amax``: an all-reduce MAX over the group where the
 operand is sharded) and the random numbers it draws the whole tensor's slice
 (``draw_sliced``). Outside it both are the identity, so the casts call them always.
-``mixprec.fp8.tensor_parallel`` runs the quantized Linears on the shards."""
+``sr_stream`` says which random stream a rank draws from: the ranks of one
+tensor-parallel group alike, data-parallel ranks apart. ``mixprec.fp8.tensor_parallel``
+runs the quantized Linears on the shards."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch.distributed as dist
 
 from mixprec.comm_stats import CommStats
 
-__all__ = ["agreeing", "agreed_amax", "draw_sliced"]
+__all__ = ["agreeing", "agreed_amax", "draw_sliced", "sr_stream", "STREAM_STRIDE"]
 
 #: the cast in progress on a tensor-parallel shard (``agreeing``); a module global, which
 #: compiled code reads as a guarded constant
@@ -77,3 +79,21 @@ def draw_sliced(shape: tuple[int, ...] | torch.Size,
     whole = list(shape)
     whole[cur.dim] = cur.layout.full
     return draw(tuple(whole)).narrow(cur.dim, cur.layout.offset, shape[cur.dim])
+
+
+#: an odd 32-bit multiplier: a module's stochastic-rounding key moves by
+#: ``stream * STREAM_STRIDE``, distinct in the key's low 32 bits for every stream
+STREAM_STRIDE = 0x9E3779B1
+
+
+def sr_stream(layout: Any = None) -> int:
+    """The random stream this rank's stochastic rounding draws from: the global rank of
+    the first rank of its tensor-parallel group (``layout``: the Linear's ``TPLayout``,
+    None off a tensor-parallel shard: this rank), so that the ranks of one group, which
+    draw one tensor and keep their slices, draw alike, and data-parallel ranks, which
+    round different gradients, draw apart; 0 in one process and on global rank 0."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    if layout is None:
+        return dist.get_rank()
+    return dist.get_global_rank(layout.group, 0)

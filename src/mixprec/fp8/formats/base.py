@@ -37,6 +37,7 @@ CHOICES: dict[str, tuple] = {
     "amax_compute_algo": ("max", "most_recent"),
     "block_scales": ("fp32", "pow2"),
     "mx_rounding": ("rceil", "floor", "ceil", "even"),
+    "tp_reduce": ("fp32", "compute"),
 }
 _INTS = {"bf16_last_layers": 0, "margin": 0, "amax_history_len": 1}
 
@@ -81,6 +82,13 @@ class LinearFormat:
     #: their casts (``mixprec.fp8.gather``); a weight whose shards cannot be cast as
     #: their rows of the whole weight is gathered in 16 bits, with a warning
     fp8_all_gather: bool = False
+    #: under tensor parallelism, the dtype a Linear's partial sums are summed in across
+    #: the ranks (a rowwise Linear's output, a colwise one's input gradient): ``fp32``
+    #: (the GEMM's accumulator, rounded once after the sum, as one process rounds it;
+    #: twice the bytes of a 16-bit output) or ``compute`` (each rank's sum rounded to
+    #: the 16-bit output first, as torchao and Transformer Engine reduce):
+    #: ``mixprec.fp8.tensor_parallel``
+    tp_reduce: Literal["fp32", "compute"] = "fp32"
 
     #: the name a recipe string gives it (``fp8_scaling=NAME``)
     name: ClassVar[str]
