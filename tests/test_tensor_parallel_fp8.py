@@ -67,8 +67,8 @@ def test_two_tp_ranks_train_the_gpt_block_like_one_process(two, recipe):
     """The GPT-style block (width 64) split by torch's plans trains as one process does
     to within 1e-2 after 3 SGD steps (measured <= 2.5e-7 on this CPU: a rowwise
     Linear's partial sums cross the ranks as fp32 and are rounded to bf16 once, as one
-    process rounds its GEMM; summed in bf16 they ended 1.3e-2 (mxfp8) to 2.7e-2 apart);
-    each rowwise Linear's all-reduce carries fp32 (2 Linears x 24 tokens x 64 x 4
+    process rounds its GEMM; summed in bf16 they ended 1.3e-2 (mxfp8) to 6.0e-2
+    (nvfp4) apart); each rowwise Linear's all-reduce carries fp32 (2 Linears x 24 tokens x 64 x 4
     bytes a step); the clip norms agree with one process's to 5e-3 and are the same on
     both ranks; no step is skipped; per-tensor formats all-reduce one fp32 amax per
     sharded cast (4 colwise Linears: weight, gradient; 2 rowwise: input, weight)."""
