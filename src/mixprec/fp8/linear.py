@@ -147,11 +147,14 @@ class Float8Linear(nn.Linear):
         last eager backward; a checkpoint or ``load_state_dict`` re-reads it)."""
         if not self.quantizer.stochastic_grads or torch.device(device).type == "meta":
             return None  # (meta tensors: shapes only, rounded to nearest)
-        if getattr(self, "_sr_shift", None) is None:  # data-parallel ranks draw apart
-            self._sr_shift = sr_stream(getattr(self, "_tp_layout", None)) * STREAM_STRIDE
+        shift = getattr(self, "_sr_shift", None)  # data-parallel ranks draw apart
+        if shift is None:
+            shift = sr_stream(getattr(self, "_tp_layout", None)) * STREAM_STRIDE
+            if not torch.compiler.is_compiling():  # (a graph keeps no side effect)
+                self._sr_shift = shift
         if torch.compiler.is_compiling():
             rng = self.nvfp4_rng
-            key = rng[0] * 1_000_003 + rng[1] + self._sr_shift
+            key = rng[0] * 1_000_003 + rng[1] + shift
             rng[1:] += 1
             return key
         if self._rng_host is None:  # once after construction or a load: one host read
@@ -159,8 +162,7 @@ class Float8Linear(nn.Linear):
         seed, calls = self._rng_host
         self._rng_host[1] += 1
         self.nvfp4_rng[1] += 1  # the checkpointed copy, on the device: no host sync
-        return torch.Generator(device).manual_seed(seed * 1_000_003 + calls
-                                                   + self._sr_shift)
+        return torch.Generator(device).manual_seed(seed * 1_000_003 + calls + shift)
 
     #: ``sr_stream · STREAM_STRIDE``, fixed by this rank at the first backward
     _sr_shift: int | None = None
