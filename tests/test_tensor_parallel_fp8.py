@@ -131,6 +131,22 @@ def test_a_rowwise_output_and_a_colwise_input_grad_are_summed_in_fp32(two):
                     and k[1] == "outputs"]
 
 
+def test_a_rowwise_output_split_along_the_tokens_is_reduce_scattered_in_fp32(two):
+    """The rowwise Linear's output reduce-scattered along the tokens (``RowwiseParallel(
+    output_layouts=Shard(0))``, as before a sequence-parallel norm), bf16 input and
+    autocast: each rank's tokens of the output equal one process's on all but at most
+    8 elements (measured 0), the bias gradient (added after the sum, a partial sum over
+    each rank's tokens) one process's to fp32 rounding, and the reduce-scatter carries
+    fp32 (64 x 64 x 4 bytes of partial sums)."""
+    for rank in two:
+        tp, one = rank["split"]
+        assert tp["y"].shape == (32, w.DIM) and tp["y"].dtype == torch.bfloat16
+        assert (tp["y"] != one["y"]).sum().item() <= 8
+        assert (tp["dx"] != one["dx"]).sum().item() <= 8
+        assert _max_rel([tp["bias"]], [one["bias"]]) <= 1e-6
+        assert tp["totals"][("reduce_scatter", "outputs", torch.float32)] == 64 * 64 * 4
+
+
 def test_stochastic_rounding_draws_alike_on_tp_ranks_and_apart_on_dp_ranks(two):
     """NVFP4's stochastic rounding: the two ranks of a tensor-parallel pair, which round
     slices of one gradient, draw the same numbers (those one process draws); the same
@@ -222,3 +238,17 @@ def test_fsdp_over_fp8_tp_on_a_2x2_mesh_and_a_resume_at_tp_1():
     draws = [r["nvfp4"]["save"]["draws"] for r in ranks]  # ranks 2 * dp + tp
     assert torch.equal(draws[0], draws[1]) and torch.equal(draws[2], draws[3])
     assert not torch.equal(draws[0], draws[2])
+
+
+def test_tp_reduce_is_a_format_field_fp32_by_default():
+    """``tp_reduce`` is every Linear format's field: fp32 by default, ``compute`` by
+    name in a recipe string (written back by ``str``); another value is refused naming
+    it and the valid ones."""
+    from mixprec.recipe import Recipe
+
+    assert Recipe.parse("mxfp8").linear.tp_reduce == "fp32"
+    r = Recipe.parse("fp8-current,tp_reduce=compute")
+    assert r.linear.tp_reduce == "compute" and Recipe.parse(str(r)) == r
+    with pytest.raises(ValueError, match=r"'tp_reduce': unknown value 'bf16'; valid: fp32, "
+                                         r"compute"):
+        Recipe.parse("nvfp4,tp_reduce=bf16")

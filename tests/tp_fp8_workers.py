@@ -91,6 +91,8 @@ def tp_fp8(rank, world, tmp, pairs, bf16_pairs, runs, sp_runs, steps):
     mesh = init_device_mesh("cpu", (world,))
     out = {"pairs": {r: (pair_grads(r, mesh), pair_grads(r)) for r in pairs},
            "bf16": {r: (pair_bf16(r, mesh), pair_bf16(r)) for r in bf16_pairs},
+           "split": (pair_bf16(bf16_pairs[0], mesh, True), pair_bf16(bf16_pairs[0], None,
+                                                                       True)),
            "runs": _tp_runs(mesh, rank, runs, steps),
            "sp": _sp_runs(mesh, rank, world, sp_runs, steps),
            "draws": {"tp": sr_draws(_pair(NV, mesh)), "dp": sr_draws(_pair(NV))}}
@@ -110,7 +112,7 @@ class Pair(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
-def _pair(recipe, mesh=None):
+def _pair(recipe, mesh=None, down=None):
     from mixprec import fp8
 
     torch.manual_seed(0)
@@ -119,7 +121,8 @@ def _pair(recipe, mesh=None):
         m.up.weight[DIM + 3, 5] = 40.0  # colwise shard (its rows)
         m.down.weight[7, DIM + 9] = -40.0  # rowwise shard (its columns)
     if mesh is not None:  # the documented order: the plan first, then the conversion
-        m = parallelize_module(m, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        m = parallelize_module(m, mesh, {"up": ColwiseParallel(),
+                                         "down": down or RowwiseParallel()})
     fp8.convert(m, recipe, filter=lambda mod, name: True)
     return m
 
@@ -139,22 +142,31 @@ def pair_grads(recipe, mesh=None):
             **{n: full(p.grad) for n, p in m.named_parameters()}}
 
 
-def pair_bf16(recipe, mesh=None):
+def pair_bf16(recipe, mesh=None, split=False):
     """One forward and backward of ``Pair`` on a bf16 input under bf16 autocast: the
-    output, the input's gradient (both bf16) and the collectives the Linears recorded."""
+    output (this rank's tokens where ``split``: the rowwise Linear's output then
+    reduce-scattered along the tokens), the input's gradient (both bf16), the rowwise
+    Linear's bias gradient and the collectives the Linears recorded."""
     from mixprec.comm_stats import CommStats
     from mixprec.fp8.linear import fp8_modules
     from mixprec.fp8.tensor_parallel import attach_comm_stats
 
-    m, stats = _pair(recipe, mesh), CommStats()
+    down = RowwiseParallel(output_layouts=Shard(0)) if split and mesh is not None else None
+    m, stats = _pair(recipe, mesh, down), CommStats()
     attach_comm_stats(fp8_modules(m), stats)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(64, DIM, generator=g).bfloat16().requires_grad_(True)
     gy = torch.randn(64, DIM, generator=g).bfloat16()
     with torch.autocast("cpu", torch.bfloat16):
         y = m(x)
-    y.backward(gy)
-    return {"y": full(y), "dx": x.grad.clone(), "totals": stats.totals()}
+    if split and mesh is not None:  # y holds this rank's tokens
+        y.backward(gy.chunk(dist.get_world_size())[dist.get_rank()])
+    else:
+        y.backward(gy)
+        if split:
+            y = y.chunk(dist.get_world_size())[dist.get_rank()]
+    return {"y": full(y), "dx": x.grad.clone(), "bias": full(m.down.bias.grad),
+            "totals": stats.totals()}
 
 
 #: NVFP4 on every Linear of a ``Pair``, with stochastic rounding (the default)
