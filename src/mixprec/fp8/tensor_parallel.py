@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from mixprec.fp8.formats.base import LinearFormat
 
 __all__ = ["TPLayout", "tp_layout", "tp_refusal", "tp_linear", "attach_comm_stats",
-           "is_dtensor"]
+           "is_dtensor", "watch_sums"]
 
 
 #: the role -> sharded dim of its 2-D operand, by the weight's sharded dim (0: colwise,
@@ -169,7 +169,7 @@ def tp_linear(mod: nn.Module, x: torch.Tensor, w: torch.Tensor,
     split = x.placements[0]
     if lay.sharded == 0 and split.is_shard() and split.dim % x.dim() != x.dim() - 1:
         xl = _gather_input(mod, x, lay)  # sequence parallel: gathered as the format's codes
-    elif lay.sharded == 0 and _sums_fp32(mod, x.dtype):
+    elif lay.sharded == 0 and x.requires_grad and _sums_fp32(mod, x.dtype):
         xl = x.redistribute(mesh, want).to_local(grad_placements=[Replicate()])
         xl = _SummedGrad.apply(xl, lay, mod.tp_comm_stats)  # its dgrad sums in fp32
     else:
@@ -193,11 +193,18 @@ def tp_linear(mod: nn.Module, x: torch.Tensor, w: torch.Tensor,
                            run_check=False)
     if mod.bias is not None and not wide:  # DTensor adds the bias once to the partials
         y = (y.float() + mod.bias.float()).to(out_dtype)
-    if _round_sum not in mod._forward_hooks.values():  # after the plan's output hook
-        mod.register_forward_hook(_round_sum)
+    watch_sums(mod)
     sent = torch.empty(y.shape, dtype=y.dtype, device="meta")  # for CommStats
     mod._tp_sum = (sent, out_dtype if wide else None)
     return y
+
+
+def watch_sums(mod: nn.Module) -> None:
+    """``mod`` (a quantized Linear on tensor-parallel shards) gets its rounding hook
+    (``_round_sum``) once, after the hooks it has: the plan's output hook, and before
+    FSDP's, which ``fp8.convert`` (that calls this) precedes."""
+    if _round_sum not in mod._forward_hooks.values():
+        mod.register_forward_hook(_round_sum)
 
 
 def _round_sum(mod: nn.Module, inputs, out):
