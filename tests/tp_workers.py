@@ -180,6 +180,73 @@ def run_steps(engine, data, inf_step=-1, rank=1) -> dict:
     return out
 
 
+#: accumulation runs: micro-batches per window, and each window's length (the last one
+#: ended early with ``backward(last=True)``, as at a data loader's end)
+ACCUM, WINDOWS = 3, (3, 3, 3, 2)
+
+
+def accum_steps(engine, kind, inf_at=-1, rank=1, world=1) -> dict:
+    """``engine`` (``grad_accum_steps=ACCUM``) through ``WINDOWS``' micro-batches of
+    ``kind``'s data: each update's skip, its norm, ``clip_grad_norm_``'s norm read just
+    before it, and the whole masters. ``inf_at``: after that micro-batch's backward,
+    rank ``rank``'s first gradient gets an inf (a rank-local fault). Under sequence
+    parallelism each of ``world`` ranks feeds its rows."""
+    out = {"skipped": [], "norms": [], "clip": []}
+    data, i = make_data(kind, sum(WINDOWS)), 0
+    for n in WINDOWS:
+        for j in range(n):
+            x, y = data[i]
+            if kind == "sp" and world > 1:
+                x = x.chunk(world)[rank]
+            with engine.autocast():
+                loss = F.cross_entropy(engine.model(x), y)
+            engine.backward(loss, last=True if j == n - 1 and n < ACCUM else None)
+            if i == inf_at and rank == 1:
+                g = engine.param_state.gradients()[0]
+                (g.to_local() if isinstance(g, DTensor) else g).view(-1)[0] = math.inf
+            i += 1
+            if j < n - 1:
+                assert engine.step().accumulating
+        out["clip"].append(float(engine.clip_grad_norm_()))
+        r = engine.step()
+        out["skipped"].append(bool(r.skipped))
+        out["norms"].append(float(r.grad_norm))
+    out["params"] = [full(p) for p in engine.master_params]
+    return out
+
+
+def tp_accum(rank, world, tmp, runs, inf_at):
+    """TP over every rank for each (kind, recipe) of ``runs``, accumulating
+    ``ACCUM`` micro-batches a step (``accum_steps``; SGD with momentum), and the
+    engine's collectives."""
+    _init(rank, world, tmp)
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for kind, recipe in runs:
+        model = parallelize_module(make_model(kind), mesh, PLANS[kind])
+        engine = MixedPrecision(model, make_opt(model, recipe, sgd=True), recipe,
+                                max_grad_norm=0.5, grad_accum_steps=ACCUM)
+        out[kind, recipe] = accum_steps(engine, kind, inf_at, rank, world)
+        out[kind, recipe]["totals"] = engine.comm_stats.totals()
+        del engine, model
+    _save(tmp, "tpaccum", rank, out)
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def accum_reference(kind, recipe, inf_at=-1):
+    """One process accumulating the same micro-batches (``accum_steps``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = make_model(kind)
+        engine = MixedPrecision(model, make_opt(model, recipe, sgd=True), recipe,
+                                max_grad_norm=0.5, grad_accum_steps=ACCUM)
+        return accum_steps(engine, kind, inf_at)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def reference(kind, recipe, steps, max_norm, inf_step=-1, sgd=False):
     """One process, the same model, data and optimizer."""
     threads = torch.get_num_threads()
