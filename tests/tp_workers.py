@@ -247,6 +247,40 @@ def accum_reference(kind, recipe, inf_at=-1):
         torch.set_num_threads(threads)
 
 
+def tp_compiled(rank, world, tmp, kind, recipes, steps):
+    """TP over every rank for each recipe, the engine's model called eagerly and then
+    through ``torch.compile`` (``aot_eager``: dynamo and AOTAutograd, as
+    tests/test_compile.py): each run's losses, masters and the frames dynamo compiled."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    _init(rank, world, tmp)
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for recipe in recipes:
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            counter = CompileCounterWithBackend("aot_eager")
+            model = parallelize_module(make_model(kind), mesh, PLANS[kind])
+            engine = MixedPrecision(model, make_opt(model, recipe, sgd=True), recipe,
+                                    max_grad_norm=0.5)
+            f = torch.compile(engine.model, backend=counter) if compiled else engine.model
+            losses = []
+            for x, y in make_data(kind, steps):
+                with engine.autocast():
+                    loss = F.cross_entropy(f(x), y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            out[recipe, compiled] = {"losses": losses, "frames": counter.frame_count,
+                                     "emulating": engine.emulating,
+                                     "params": [full(p) for p in engine.master_params]}
+            del engine, model, f
+    torch._dynamo.reset()
+    _save(tmp, "tpcompile", rank, out)
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def reference(kind, recipe, steps, max_norm, inf_step=-1, sgd=False):
     """One process, the same model, data and optimizer."""
     threads = torch.get_num_threads()
