@@ -165,6 +165,58 @@ def test_fp8_all_gather_and_ddp_over_a_tp_model_are_refused_with_the_fix():
     assert "given with parallel='tp'" in out["fp32", "tp-kwargs"], out["fp32", "tp-kwargs"]
 
 
+def _tp_refusal(recipe):
+    from mixprec.parallel import check_parallel_recipe
+    from mixprec.recipe import Recipe
+
+    try:
+        check_parallel_recipe("tp", Recipe.coerce(recipe))
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def test_every_registered_format_is_listed_for_tp_or_refused_with_its_reason(monkeypatch):
+    """The Linear formats tensor parallelism names come from the format registry: each
+    registered format is listed by its presets (the block-scaled ones with their
+    condition) or refused with its own ``tp_unsupported`` reason; a format that gains
+    a reason leaves the list and is refused with it, and a layer of it on a shard is
+    kept in 16 bits with the reason."""
+    from torch.distributed.tensor import Shard
+
+    from mixprec.fp8.formats import FORMATS
+    from mixprec.fp8.tensor_parallel import tp_refusal
+    from mixprec.parallel import tp_formats
+    from mixprec.recipe import Recipe
+
+    def parts():  # the listed presets, and the block-scaled ones with their condition
+        listed, blocks = tp_formats().split("; ")
+        return listed.split(", "), blocks.split(" where ")[0].split(", ")
+
+    listed, blocks = parts()
+    for name, cls in FORMATS.items():
+        recipe = f"fp8,fp8_scaling={name}"
+        preset = Recipe.coerce(recipe).fp8_name
+        if cls.tp_unsupported is None:
+            assert preset in listed, (name, listed)
+            assert (preset in blocks) == cls.block_scaled, (name, blocks)
+            assert _tp_refusal(recipe) is None, name
+        else:
+            assert preset not in listed, (name, listed)
+            assert cls.tp_unsupported in _tp_refusal(recipe), name
+    monkeypatch.setattr(FORMATS["rowwise"], "tp_unsupported", "its casts need X")
+    listed, _ = parts()
+    assert "fp8-rowwise" not in listed and "fp8-current" in listed, listed
+    msg = _tp_refusal("fp8-rowwise")
+    assert "'rowwise' does not run on tensor-parallel shards: its casts need X" in msg
+    assert "fp8-current" in msg.split("Pick")[1], msg
+    assert _tp_refusal("fp8-current") is None
+    # a layer rule's format on a shard (``is_dtensor`` reads the type's name): 16 bits
+    shard = type("DTensor", (), {"placements": (Shard(0),)})()
+    why = tp_refusal(Recipe.coerce("fp8-rowwise").linear, shard)
+    assert "its casts need X" in why and "16 bits" in why, why
+
+
 @pytest.mark.parametrize("recipe", ["fp32", "bf16-master"])
 def test_the_memory_planner_counts_each_tp_ranks_shards(recipe):
     """``estimate`` of a TP-split model gives each rank's bytes: the working weights,

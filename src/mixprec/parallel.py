@@ -63,7 +63,7 @@ from mixprec.kernels import KernelChoices
 from mixprec.recipe import Recipe
 
 __all__ = ["Parallel", "SingleProcess", "DDP", "FSDP", "TP", "make_parallel",
-           "check_parallel_recipe", "resolve_parallel", "has_dtensor_params"]
+           "check_parallel_recipe", "resolve_parallel", "has_dtensor_params", "tp_formats"]
 
 
 class Parallel:
@@ -316,9 +316,30 @@ _MODES = {None: SingleProcess, "ddp": DDP, "fsdp": FSDP, "tp": TP}
 
 #: compute formats tensor parallelism runs besides the Linear formats
 _TP_COMPUTE = ("fp32", "tf32", "bf16", "fp16")
-#: the Linear formats' presets that run on tensor-parallel shards (``fp8.tensor_parallel``)
-_TP_FORMATS = ("fp8, fp8-current, fp8-rowwise, fp8-block, mxfp8, nvfp4, int8-rowwise; "
-               "block formats where the shard cuts lie on block boundaries")
+
+
+def _format_names() -> dict[str, list[str]]:
+    """Each registered Linear format's name -> the presets that pick it (or
+    ``fp8_scaling=NAME`` where none does)."""
+    from mixprec.fp8.formats import FORMATS
+    from mixprec.recipe.presets import LINEAR_PRESETS
+    from mixprec.recipe.syntax import preset_flat
+
+    return {name: [p for p in LINEAR_PRESETS if preset_flat(p)["fp8_scaling"] == name]
+            or [f"fp8_scaling={name}"] for name in FORMATS}
+
+
+def tp_formats() -> str:
+    """The Linear formats that run on tensor-parallel shards, as an error message lists
+    them: every registered format without a ``tp_unsupported`` reason, by its presets."""
+    from mixprec.fp8.formats import FORMATS
+
+    names = _format_names()
+    ok = [n for n, cls in FORMATS.items() if cls.tp_unsupported is None]
+    blocks = [p for n in ok if FORMATS[n].block_scaled for p in names[n]]
+    listed = ", ".join(p for n in ok for p in names[n])
+    return listed + (f"; {', '.join(blocks)} where the shard cuts lie on their blocks"
+                     if blocks else "")
 
 
 def has_dtensor_params(model: nn.Module) -> bool:
@@ -354,12 +375,18 @@ def check_parallel_recipe(parallel: str | None, recipe: Recipe,
             f"recipe {str(recipe)!r} with tensor parallelism: its {recipe.compute} "
             "compute does not take DTensor weights. Tensor parallelism runs the 16-bit "
             "recipes (fp32, tf32, bf16, fp16 and their variants) and the Linear formats "
-            f"({_TP_FORMATS}): pick one of those.")
+            f"({tp_formats()}): pick one of those.")
+    why = recipe.linear is not None and type(recipe.linear).tp_unsupported
+    if tp and why:
+        raise NotImplementedError(
+            f"recipe {str(recipe)!r} with tensor parallelism: its Linear format "
+            f"{recipe.linear.name!r} does not run on tensor-parallel shards: {why}. Pick "
+            f"one that does ({tp_formats()}), or a 16-bit recipe.")
     if tp and recipe.linear is not None and recipe.linear.fp8_all_gather:
         raise NotImplementedError(
             f"recipe {str(recipe)!r} with tensor parallelism: fp8_all_gather (FSDP "
             "gathering the weights as their casts) is not built for tensor-parallel "
-            f"shards. Tensor parallelism runs the Linear formats ({_TP_FORMATS}) with "
+            f"shards. Tensor parallelism runs the Linear formats ({tp_formats()}) with "
             "FSDP gathering 16-bit shards, which the Linears cast: drop fp8_all_gather.")
     if recipe.wgrad == "fp32" and parallel == "fsdp":
         raise NotImplementedError(

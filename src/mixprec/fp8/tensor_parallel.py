@@ -116,6 +116,9 @@ def tp_refusal(fmt: LinearFormat, weight: torch.Tensor) -> str | None:
     splits."""
     if not is_dtensor(weight):
         return None
+    if fmt.tp_unsupported is not None:
+        return (f"tensor parallel: the {fmt.name} format does not run on shards: "
+                f"{fmt.tp_unsupported}; it runs in 16 bits")
     why = _placement_error(weight)
     if why is not None:
         return f"tensor parallel: {why}"

@@ -112,6 +112,9 @@ class LinearFormat:
     quantized_gemms: ClassVar[tuple[str, ...]] = ("forward", "dgrad", "wgrad")
     #: an amax history in ``fp8_amax_history`` that the ranks agree on every step
     has_history: ClassVar[bool] = False
+    #: why this format cannot run on tensor-parallel shards (None: it can; a
+    #: block-scaled one where every shard cut lies on a block boundary)
+    tp_unsupported: ClassVar[str | None] = None
     #: the GEMMs multiply dequantized fp32 operands (full fp32 precision pinned)
     exact_fp32: ClassVar[bool] = False
     #: elements per scale along the contracted dim, as the diagnostics judge underflow
