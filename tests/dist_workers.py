@@ -1028,6 +1028,9 @@ def cast_gather(rank, world, tmp, recipes, steps=3):
                                              for p in engine.master_params],
                 "gathered": counts["gathered"] / steps,
                 "recorded": sum(r.nbytes for r in recs if r.op == "all_gather") / steps,
+                # the fallbacks' gathers: the only fp32 all-gathers of weights
+                "fallback_bytes": sum(r.nbytes for r in recs if r.op == "all_gather"
+                                      and r.dtype == torch.float32) / steps,
                 "fallbacks": list(engine.comm_stats.fallbacks),
                 "warnings": [str(w.message) for w in caught
                              if "low-precision communication" in str(w.message)]}

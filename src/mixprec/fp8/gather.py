@@ -81,10 +81,12 @@ class Fp8Weight(torch.Tensor):
 
 
 def gathers_fp8(m: nn.Module) -> bool:
-    """Whether ``m``'s weight is all-gathered as fp8 (its local shard has the hooks)."""
+    """Whether ``m``'s weight is all-gathered as fp8 (its local shard has the hooks,
+    not those of a weight left in 16 bits)."""
     w = getattr(m, "weight", None)
     local = getattr(w, "_local_tensor", None)
-    return local is not None and hasattr(local, "fsdp_pre_all_gather")
+    return (local is not None and hasattr(local, "fsdp_pre_all_gather")
+            and not getattr(local, "gathers_16_bits", False))
 
 
 def _shard(m: nn.Module) -> torch.Tensor:

@@ -241,12 +241,33 @@ def _hooks(m: nn.Module, stats):
     return fsdp_pre_all_gather, fsdp_post_all_gather
 
 
+def _plain_hooks(m: nn.Module, stats: CommStats, sent: torch.dtype | None):
+    """The hooks of a weight gathered in 16 bits: FSDP2's own gather (the padded shard
+    in ``sent``, default the weight's dtype; the gathered rows are the weight's), each
+    gather recorded in ``stats``. The local shard is marked ``gathers_16_bits``."""
+    out_rows = m.weight.shape[0]
+
+    def fsdp_pre_all_gather(mesh):
+        shard = m.weight._local_tensor.detach()
+        sent_shard = _pad(shard.to(sent or shard.dtype), math.ceil(out_rows / mesh.size()))
+        stats.record(sent_shard, op="all_gather", what="weights")
+        return (sent_shard,), None
+
+    def fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None):
+        if out is not None:  # the same buffer, gathered again
+            return None
+        return outputs[0], tuple(outputs)
+
+    return fsdp_pre_all_gather, fsdp_post_all_gather
+
+
 def install_cast_gather(named: dict[str, nn.Module], stats: CommStats | None = None,
                         sent: torch.dtype | None = None) -> list[nn.Module]:
     """Set the hooks on each of ``named``'s sharded QuantizedLinears of a format with
     casts to gather (not per tensor: ``mixprec.fp8.gather``'s); a weight that cannot be
     gathered so stays in 16 bits, noted in ``stats`` (``CommStats.fallback``) as
-    ``sent`` (default: the weight's dtype). Returns the hooked modules."""
+    ``sent`` (default: the weight's dtype), and each of its gathers recorded there.
+    Returns the hooked modules (those gathered as casts)."""
     done = []
     for name, m in named.items():
         local = getattr(getattr(m, "weight", None), "_local_tensor", None)
@@ -257,6 +278,10 @@ def install_cast_gather(named: dict[str, nn.Module], stats: CommStats | None = N
             if stats is not None:
                 stats.fallback(f"weight:{name}", m.quantizer.name, sent or m.weight.dtype,
                                why)
+                if m.weight.device_mesh.ndim == 1:  # its 16-bit gathers: counted too
+                    local.fsdp_pre_all_gather, local.fsdp_post_all_gather = _plain_hooks(
+                        m, stats, sent)
+                    local.gathers_16_bits = True
             continue
         amax = m.quantizer.gather_amax(local)
         if amax is not None and getattr(m, "fp8_gather_amax", None) is None:
