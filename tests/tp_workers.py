@@ -228,6 +228,7 @@ def tp_accum(rank, world, tmp, runs, inf_at):
                                 max_grad_norm=0.5, grad_accum_steps=ACCUM)
         out[kind, recipe] = accum_steps(engine, kind, inf_at, rank, world)
         out[kind, recipe]["totals"] = engine.comm_stats.totals()
+        out[kind, recipe]["emulating"] = engine.emulating
         del engine, model
     _save(tmp, "tpaccum", rank, out)
     gc.collect()

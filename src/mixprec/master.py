@@ -42,6 +42,8 @@ the checks, the memory planner and the diagnostics ask them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -97,15 +99,34 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _placed_like(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def _placed_like(grad: torch.Tensor, like: torch.Tensor, stats=None) -> torch.Tensor:
     """``grad`` placed as ``like`` (its parameter or buffer): a partial-sum DTensor
     gradient, which a replicated parameter gets where it met sharded activations
     (sequence parallelism's norms), is summed across its mesh (an all-reduce by
-    DTensor). Any other gradient is returned as it is."""
+    DTensor, per partial mesh dim, each recorded in ``stats``, a ``CommStats``, where
+    given). Any other gradient is returned as it is."""
     placements = getattr(grad, "placements", ())
     if not any(pl.is_partial() for pl in placements):
         return grad
+    if stats is not None:
+        _record_sum(grad, like, stats)
     return grad.redistribute(grad.device_mesh, like.placements)
+
+
+def _record_sum(grad: torch.Tensor, like: torch.Tensor, stats) -> None:
+    """Record in ``stats`` the collective per partial mesh dim that places ``grad`` as
+    ``like``: an all-reduce where ``like`` is replicated, else a reduce-scatter."""
+    for pl, want in zip(getattr(grad, "placements", ()), like.placements):
+        if pl.is_partial():
+            op = "all_reduce" if want.is_replicate() else "reduce_scatter"
+            stats.record(grad.to_local(), op=op, what="grads")
+
+
+def _note_added_sum(p: torch.Tensor, stats, grad: torch.Tensor) -> None:
+    """A DTensor parameter's gradient hook (``direct`` mode): a partial-sum gradient that
+    autograd adds into an existing ``.grad`` is summed by DTensor there; recorded."""
+    if p.grad is not None:
+        _record_sum(grad, p, stats)
 
 
 def _cast_(p: nn.Parameter, dtype: torch.dtype) -> None:
@@ -170,6 +191,8 @@ class ParamState:
         self.index = {id(p): i for i, p in enumerate(params)}
         #: the working parameters that are DTensors (tensor parallelism, FSDP)
         self._dtensors = [p for p in params if hasattr(p, "to_local")]
+        #: where the sums of partial-sum gradients are recorded (``record_sums``)
+        self.comm_stats = None
         self.kahan = recipe.grad_accum == "kahan"
         self.announce_grads = announce_grads
         #: the optimizers read ``grads`` themselves (``lend_grads``): 16-bit weights then
@@ -209,6 +232,16 @@ class ParamState:
                 "(before model.half() / .to(torch.bfloat16)), or load fp32 weights."
             )
 
+    def record_sums(self, stats) -> None:
+        """Record each partial-sum gradient's sum across the mesh in ``stats`` (a
+        ``CommStats``) as it enters. In ``direct`` mode autograd adds a later
+        micro-batch's partial sum into ``.grad`` itself (DTensor sums it there): a hook
+        on each DTensor parameter records those."""
+        self.comm_stats = stats
+        if stats is not None and self.direct:
+            for p in self._dtensors:
+                p.register_hook(functools.partial(_note_added_sum, p, stats))
+
     # --- after each backward ------------------------------------------------------
 
     def accumulate(self) -> None:
@@ -218,7 +251,7 @@ class ParamState:
         if self.direct:
             for p in self._dtensors:  # sequence parallelism's partial sums, summed
                 if p.grad is not None:
-                    p.grad = _placed_like(p.grad, p)
+                    p.grad = _placed_like(p.grad, p, self.comm_stats)
             return
         settled, self._settled = self._settled, set()
         idx = [i for i, p in enumerate(self.working)
@@ -274,7 +307,8 @@ class ParamState:
         idx = [i if isinstance(i, int) else self.index[id(i)] for i in where]
         # FSDP's shards: their local tensors (DTensor has no rule for _foreach_copy_)
         bufs = [_local(self.buffers[i]) for i in idx]
-        grads = [_local(_placed_like(g, self.buffers[i])) for g, i in zip(grads, idx)]
+        grads = [_local(_placed_like(g, self.buffers[i], self.comm_stats))
+                 for g, i in zip(grads, idx)]
         if replace:
             torch._foreach_copy_(bufs, grads)
             if self.kahan:

@@ -248,6 +248,7 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
     state = ParamState([p for p in model.parameters() if p.requires_grad], r,
                        emulate=kernels.emulate, names=names, sharded=par.sharded,
                        announce_grads=par.announces_grads)
+    state.record_sums(par.comm_stats)  # partial-sum gradients' sums (TP, FSDP x TP)
     if emu_mode is not None and state.round_to is not None:
         emu_mode.tag(state.working)  # bf16 values in fp32 tensors
     _repoint(optimizers, state)
