@@ -231,6 +231,24 @@ def test_every_registered_format_is_listed_for_tp_or_refused_with_its_reason(mon
     assert "its casts need X" in why and "16 bits" in why, why
 
 
+def test_quantized_colwise_plans_own_collectives_are_counted():
+    """``QuantizedColwiseParallel`` on a Linear kept in 16 bits (bf16-master) behind a
+    sequence-parallel norm runs torch's behaviour, and the engine's ``comm_stats``
+    records it: each step one all-gather of this rank's norm output (4 x 3 x 64
+    elements in the dtype the norm gave) and one reduce-scatter of the whole input's
+    gradient (4 x 6 x 64 in that dtype), besides the norm's fp32 sum."""
+    steps = 3
+    for r in spawn(w.tp_plan_bytes, "bf16-master", steps, name="tpplan"):
+        (shape, dtype), = set(r["seen"])
+        assert shape == (4, 3, 64)
+        local = math.prod(shape) * dtype.itemsize
+        totals = r["totals"]
+        assert totals.pop(("all_gather", "activations", dtype)) == steps * local
+        assert totals.pop(("reduce_scatter", "input_grads", dtype)) == steps * 2 * local
+        assert set(totals) <= {("all_reduce", "grads", torch.float32),
+                               ("all_reduce", "grads", torch.bfloat16)}, totals
+
+
 @pytest.mark.parametrize("recipe", ["fp32", "bf16-master"])
 def test_the_memory_planner_counts_each_tp_ranks_shards(recipe):
     """``estimate`` of a TP-split model gives each rank's bytes: the working weights,

@@ -282,6 +282,31 @@ def tp_compiled(rank, world, tmp, kind, recipes, steps):
     dist.destroy_process_group()
 
 
+def tp_plan_bytes(rank, world, tmp, recipe, steps):
+    """A sequence-parallel norm, then ``QuantizedColwiseParallel`` on a Linear that
+    ``recipe`` keeps in 16 bits (torch's behaviour: its input gathered): the engine's
+    collectives, and the norm output's local shape and dtype (what that gather sends)."""
+    from tp_fp8_workers import SeqMLP, make_data, sp_plan
+
+    _init(rank, world, tmp)
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = parallelize_module(SeqMLP(), mesh, sp_plan(quantized=True))
+    seen = []
+    model.norm.register_forward_hook(
+        lambda m, i, o: seen.append((tuple(o.to_local().shape), o.dtype)))
+    engine = MixedPrecision(model, make_opt(model, recipe, sgd=True), recipe)
+    for x, y in make_data(steps):
+        with engine.autocast():
+            loss = F.cross_entropy(engine.model(x.chunk(world, 1)[rank]), y)
+        engine.backward(loss)
+        engine.step()
+    _save(tmp, "tpplan", rank, {"totals": engine.comm_stats.totals(), "seen": seen})
+    del engine, model
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def reference(kind, recipe, steps, max_norm, inf_step=-1, sgd=False):
     """One process, the same model, data and optimizer."""
     threads = torch.get_num_threads()

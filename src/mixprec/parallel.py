@@ -259,11 +259,15 @@ class FSDP(_Replicated):
 
 
 def _attach_stats(model: nn.Module, stats: CommStats) -> None:
-    """Tensor parallelism: the quantized Linears' amax all-reduces go to ``stats``."""
+    """Tensor parallelism: the quantized Linears' amax all-reduces, and the collectives
+    of the modules mixprec's plans took (``fp8.tp_plans``), go to ``stats``."""
     from mixprec.fp8.linear import fp8_modules
     from mixprec.fp8.tensor_parallel import attach_comm_stats
 
     attach_comm_stats(fp8_modules(model), stats)
+    for m in model.modules():
+        if getattr(m, "tp_records_plan", False):
+            m.tp_comm_stats = stats
 
 
 def _shard_norm(local: list[torch.Tensor], spreads: list, device: torch.device,

@@ -9,7 +9,11 @@ quantized Linear gather the input as its format's fp8 codes instead of 16 bits
     ...         "fc": QuantizedColwiseParallel(input_layouts=Shard(1))}
 
 Any other module the plan takes (a Linear the recipe keeps in 16 bits, an Embedding)
-gets torch's ``ColwiseParallel`` behaviour: its input gathered before its forward.
+gets torch's ``ColwiseParallel`` behaviour: its input gathered before its forward. The
+plan's own redistributions (that input gather and its gradient's reduce-scatter, an
+output redistributed to ``output_layouts``) are recorded in the engine's ``CommStats``
+(``what="activations"``, ``"input_grads"``, ``"outputs"``; this rank's local bytes)
+where the engine attached it to the module (``tp_comm_stats``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,27 @@ from torch.distributed.tensor import DTensor, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 __all__ = ["QuantizedColwiseParallel"]
+
+
+def _collective(src, dst, ndim: int) -> str | None:
+    """The collective that redistributes placement ``src`` to ``dst`` on a 1-D mesh
+    (of a tensor of ``ndim`` dims)."""
+    if src.is_partial():
+        return "all_reduce" if dst.is_replicate() else "reduce_scatter" if \
+            dst.is_shard() else None
+    if src.is_shard() and dst.is_replicate():
+        return "all_gather"
+    if src.is_shard() and dst.is_shard() and src.dim % ndim != dst.dim % ndim:
+        return "all_to_all"
+    return None
+
+
+def _record(mod: nn.Module, t: DTensor, dst, what: str) -> None:
+    """Record in ``mod``'s ``tp_comm_stats`` the collective that places ``t`` as ``dst``."""
+    stats = getattr(mod, "tp_comm_stats", None)
+    op = _collective(t.placements[0], dst, t.ndim)
+    if stats is not None and op is not None:
+        stats.record(t.to_local(), op=op, what=what)
 
 
 class QuantizedColwiseParallel(ColwiseParallel):
@@ -35,9 +60,17 @@ class QuantizedColwiseParallel(ColwiseParallel):
 
     def _input(self, mesh, mod: nn.Module, inputs):
         if not self._keeps_shards(mod):
-            return ColwiseParallel._prepare_input_fn(self.input_layouts,
-                                                     self.desired_input_layouts, mod,
-                                                     inputs, mesh)
+            x = inputs[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, self.input_layouts, run_check=False)
+            _record(mod, x, self.desired_input_layouts[0], "activations")
+            x = ColwiseParallel._prepare_input_fn(self.input_layouts,
+                                                  self.desired_input_layouts, mod, (x,),
+                                                  mesh)
+            if x.requires_grad and self.input_layouts != self.desired_input_layouts:
+                src = self.input_layouts[0]  # the gradient goes back to the input's layout
+                x.register_hook(lambda g: _record(mod, g, src, "input_grads"))
+            return x
         x = inputs[0]
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, self.input_layouts, run_check=False)
@@ -53,6 +86,12 @@ class QuantizedColwiseParallel(ColwiseParallel):
                                                                        inputs))
         out = partial(ColwiseParallel._prepare_output_fn, self.output_layouts,
                       self.use_local_output)
-        module.register_forward_hook(lambda m, inputs, outputs: out(m, outputs,
-                                                                    device_mesh))
+
+        def output(m, inputs, outputs):
+            if isinstance(outputs, DTensor):
+                _record(m, outputs, self.output_layouts[0], "outputs")
+            return out(m, outputs, device_mesh)
+
+        module.register_forward_hook(output)
+        module.tp_records_plan = True  # the engine attaches its CommStats
         return module
