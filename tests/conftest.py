@@ -20,7 +20,8 @@ from mixprec.workbench import GPT, GPTConfig
 # is safe. The command-line and torchrun tests still start real interpreters.
 multiprocessing.set_forkserver_preload(
     ["torch", "torch._dynamo", "torch.distributed.fsdp", "mixprec", "mixprec.workbench.train",
-     "dist_workers", "tp_workers", "tp_fp8_workers", "children"])
+     "dist_workers", "tp_workers", "tp_fp8_workers", "tp_loop_workers",
+     "children"])
 
 
 def pytest_addoption(parser):

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import tp_loop_workers as loop
 import tp_workers as w
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -85,9 +86,9 @@ def test_two_tp_ranks_accumulating_micro_batches_train_like_one_process():
     sum per update, and every micro-batch's sum of the sequence-parallel norm's
     partial-sum gradients (also those autograd adds into ``.grad`` under fp32)."""
     inf_at, finite = 5, [0, 2, 3]
-    ranks = spawn(w.tp_accum, list(ACCUM_RUNS), inf_at, name="tpaccum")
+    ranks = spawn(loop.tp_accum, list(ACCUM_RUNS), inf_at, name="tpaccum")
     for (kind, recipe), tol in ACCUM_RUNS.items():
-        ref = w.accum_reference(kind, recipe, inf_at)
+        ref = loop.accum_reference(kind, recipe, inf_at)
         assert ref["skipped"] == [False, True, False, False]
         norm_tol = 5e-3 if "fp8" in recipe else tol
         for got in (r[kind, recipe] for r in ranks):
@@ -109,7 +110,7 @@ def test_two_tp_ranks_accumulating_micro_batches_train_like_one_process():
             if kind == "sp":
                 dtype = (torch.bfloat16 if recipe == "bf16-master" and not got["emulating"]
                          else torch.float32)
-                partial = sum(w.WINDOWS) * 32 * dtype.itemsize
+                partial = sum(loop.WINDOWS) * 32 * dtype.itemsize
                 assert sums.pop(dtype) == partial + (4 * 4 if dtype == torch.float32
                                                      else 0), (kind, recipe)
             assert sums.get(torch.float32, 4 * 4) == 4 * 4 and len(sums) <= 1, sums
@@ -124,7 +125,7 @@ def test_a_compiled_tp_model_trains_bit_for_bit_as_eager():
     quantized Linears break the graph where they compute their shard's offset
     (docs/not-there-yet.md)."""
     recipes = ["bf16-master", "fp8-current"]
-    for r in spawn(w.tp_compiled, "mlp", recipes, 3, name="tpcompile"):
+    for r in spawn(loop.tp_compiled, "mlp", recipes, 3, name="tpcompile"):
         for recipe in recipes:
             eager, compiled = r[recipe, False], r[recipe, True]
             assert compiled["losses"] == eager["losses"], recipe
@@ -238,7 +239,7 @@ def test_quantized_colwise_plans_own_collectives_are_counted():
     elements in the dtype the norm gave) and one reduce-scatter of the whole input's
     gradient (4 x 6 x 64 in that dtype), besides the norm's fp32 sum."""
     steps = 3
-    for r in spawn(w.tp_plan_bytes, "bf16-master", steps, name="tpplan"):
+    for r in spawn(loop.tp_plan_bytes, "bf16-master", steps, name="tpplan"):
         (shape, dtype), = set(r["seen"])
         assert shape == (4, 3, 64)
         local = math.prod(shape) * dtype.itemsize
