@@ -112,7 +112,10 @@ WHOLE_GATHER = ("FSDP2 gathers an experts module's 3-D weight as it holds it; th
 def note_whole_gathers(model: nn.Module, stats: Any, sent: torch.dtype | None) -> list[str]:
     """Under FSDP2 with ``fp8_all_gather``: note in ``stats`` (``CommStats.fallback``,
     a warning once) each converted experts projection whose 3-D weight FSDP shards,
-    gathered in ``sent`` (default: the weight's dtype). Returns their names."""
+    gathered in ``sent`` (default: the weight's dtype), and record each of its gathers
+    there (on a 1-D mesh). Returns their names."""
+    from mixprec.fp8.gather_casts import plain_gather_hooks
+
     noted = []
     for name, m in experts_modules(model).items():
         for proj in _projections(m):
@@ -121,6 +124,9 @@ def note_whole_gathers(model: nn.Module, stats: Any, sent: torch.dtype | None) -
                 continue
             what = f"experts:{name}.{proj}"
             stats.fallback(what, fmt.quantizer.name, sent or w.dtype, WHOLE_GATHER)
+            if w.device_mesh.ndim == 1:
+                w._local_tensor.fsdp_pre_all_gather, w._local_tensor.fsdp_post_all_gather \
+                    = plain_gather_hooks(w, stats, sent)
             noted.append(what)
     return noted
 

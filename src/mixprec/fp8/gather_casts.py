@@ -39,7 +39,8 @@ from mixprec.fp8.quantized import Quantized, expand_blocks
 if TYPE_CHECKING:
     from mixprec.fp8.formats.base import LinearFormat
 
-__all__ = ["CastWeight", "install_cast_gather", "why_not_gathered", "send_shard",
+__all__ = ["CastWeight", "install_cast_gather", "plain_gather_hooks", "why_not_gathered",
+           "send_shard",
            "pack_fp4", "unpack_fp4"]
 
 _U8 = torch.uint8
@@ -241,15 +242,16 @@ def _hooks(m: nn.Module, stats):
     return fsdp_pre_all_gather, fsdp_post_all_gather
 
 
-def _plain_hooks(m: nn.Module, stats: CommStats, sent: torch.dtype | None):
-    """The hooks of a weight gathered in 16 bits: FSDP2's own gather (the padded shard
-    in ``sent``, default the weight's dtype; the gathered rows are the weight's), each
-    gather recorded in ``stats``. The local shard is marked ``gathers_16_bits``."""
-    out_rows = m.weight.shape[0]
+def plain_gather_hooks(param: torch.Tensor, stats: CommStats, sent: torch.dtype | None):
+    """FSDP2's own gather of ``param`` (a sharded parameter: a weight gathered in 16
+    bits, an experts module's 3-D weight) as extension hooks that record it: the padded
+    shard in ``sent`` (default: the parameter's dtype) goes out, the gathered rows are
+    the parameter's, each gather recorded in ``stats``. Returns ``(pre, post)``."""
+    rows = param.shape[0]
 
     def fsdp_pre_all_gather(mesh):
-        shard = m.weight._local_tensor.detach()
-        sent_shard = _pad(shard.to(sent or shard.dtype), math.ceil(out_rows / mesh.size()))
+        shard = param._local_tensor.detach()
+        sent_shard = _pad(shard.to(sent or shard.dtype), math.ceil(rows / mesh.size()))
         stats.record(sent_shard, op="all_gather", what="weights")
         return (sent_shard,), None
 
@@ -279,8 +281,8 @@ def install_cast_gather(named: dict[str, nn.Module], stats: CommStats | None = N
                 stats.fallback(f"weight:{name}", m.quantizer.name, sent or m.weight.dtype,
                                why)
                 if m.weight.device_mesh.ndim == 1:  # its 16-bit gathers: counted too
-                    local.fsdp_pre_all_gather, local.fsdp_post_all_gather = _plain_hooks(
-                        m, stats, sent)
+                    local.fsdp_pre_all_gather, local.fsdp_post_all_gather = \
+                        plain_gather_hooks(m.weight, stats, sent)
                     local.gathers_16_bits = True
             continue
         amax = m.quantizer.gather_amax(local)
