@@ -193,7 +193,8 @@ def test_sequence_parallel_gathers_fp8_codes_into_a_colwise_linear(two):
     ColwiseParallel, whose gather of the norm's output the engine does not see; mxfp8
     casts its wgrad input along the tokens, so it gathers the norm's output as it is
     (2 or 4 bytes an element: 2 or 4 times the codes' bytes), with one recorded fallback
-    and one warning. Each trains as one process does to 1e-2 (measured 1.1e-3
+    and one warning. Either way the whole input's gradient is reduce-scattered back to
+    the rows in fp32 and recorded. Each trains as one process does to 1e-2 (measured 1.1e-3
     fp8-current, 1.0e-7 mxfp8; 2.2e-2 and 7.2e-3 with the rowwise sums in bf16)."""
     for rank in two:
         codes, torch_plan, mx = (rank["sp"][k] for k in SP_RUNS)
@@ -204,6 +205,11 @@ def test_sequence_parallel_gathers_fp8_codes_into_a_colwise_linear(two):
         (_, _, wide), = [k for k in mx["totals"] if k[:2] == key[:2]]
         assert wide.itemsize in (2, 4)
         assert mx["totals"][(*key[:2], wide)] == wide.itemsize * STEPS * SP_LOCAL
+        # the input's gradient, whole on each rank, reduce-scattered back to the rows
+        # (in fp32 under tp_reduce=fp32), recorded for either gather
+        for run in (codes, mx):
+            assert run["totals"][("reduce_scatter", "input_grads", torch.float32)] == \
+                4 * STEPS * 2 * SP_LOCAL
         assert [(f.what, f.asked) for f in mx["fallbacks"]] == [("activations:up", "mx")]
         assert sum("activations:up is communicated" in m for m in mx["warnings"]) == 1
         assert codes["fallbacks"] == []

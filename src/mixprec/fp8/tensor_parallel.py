@@ -301,7 +301,7 @@ def _gather_input(mod, x, lay: TPLayout) -> torch.Tensor:
     input's cast (``mod._given_input``); the other formats cast the input along tokens
     for wgrad, from its high-precision values, so those are gathered (a ``CommStats.fallback``).
     Each gather is recorded as ``("all_gather", "activations")``."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from mixprec.fp8.quantized import Quantized
 
@@ -314,8 +314,10 @@ def _gather_input(mod, x, lay: TPLayout) -> torch.Tensor:
                        "its weight gradient, from its high-precision values, so sequence "
                        "parallelism gathers those (fp8-current and fp8 gather e4m3 codes)")
         stats.record(local, op="all_gather", what="activations")
-        xr = x.redistribute(lay.mesh, [Replicate()])
-        return xr.to_local(grad_placements=[Partial()])
+        value = x.redistribute(lay.mesh, [Replicate()]).to_local().detach()
+        if _sums_fp32(mod, local.dtype):  # the input gradient's sums in fp32
+            value = value.float()
+        return _Gathered.apply(local, value, lay.mesh, dim, mod.tp_comm_stats)
     with agreeing(lay, "input", stats, dim=0):  # rows are split: the amax is the whole's
         cast = q.cast(local.reshape(-1, local.shape[-1]), "input", 1, mod.scaling_state(),
                       torch.is_grad_enabled())
