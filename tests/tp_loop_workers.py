@@ -147,3 +147,39 @@ def tp_plan_bytes(rank, world, tmp, recipe, steps):
     del engine, model
     gc.collect()
     dist.destroy_process_group()
+
+
+
+def tp_full_resume(rank, world, tmp, kind, recipes, steps, ckpt, mode):
+    """TP over ``world`` ranks (``world`` 1: one process, no plan), for each recipe.
+    ``mode="save"``: ``steps`` AdamW steps, a whole checkpoint (``save(path,
+    full=True)``, ``ckpt`` + the recipe) after half of them; ``mode="load"``: load it and
+    run the last half. Each recipe's whole masters, or the error the load raised."""
+    _init(rank, world, tmp)
+    out = {}
+    for recipe in recipes:
+        model = make_model(kind)
+        if world > 1:
+            model = parallelize_module(model, init_device_mesh("cpu", (world,)),
+                                       PLANS[kind])
+        engine = MixedPrecision(model, make_opt(model, recipe), recipe, max_grad_norm=0.5)
+        data, half, path = make_data(kind, steps), steps // 2, f"{ckpt}-{recipe}.pt"
+        if mode == "load":
+            try:
+                engine.load(path)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out[recipe] = f"{type(e).__name__}: {e}"
+                continue
+            data = data[half:]
+        for i, (x, y) in enumerate(data):
+            with engine.autocast():
+                loss = F.cross_entropy(engine.model(x), y)
+            engine.backward(loss)
+            engine.step()
+            if mode == "save" and i == half - 1:
+                engine.save(path, full=True)
+        out[recipe] = [full(p) for p in engine.master_params]
+        del engine, model
+        gc.collect()
+    _save(tmp, "tpfull", rank, out)
+    dist.destroy_process_group()

@@ -209,11 +209,19 @@ def _like(full, like, rows: bool = False):
     return full
 
 
+def _has_dtensors(module: nn.Module) -> bool:
+    """Whether a tensor-parallel plan made any of ``module``'s parameters a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
 def shard_full_state(state: dict, module: nn.Module, trainable: list,
                      optimizers: list[torch.optim.Optimizer]) -> dict:
-    """A ``"full"`` engine state with each tensor cut like its FSDP counterpart: model
-    entries like ``module``'s, ``masters`` like the ``trainable`` parameters (FSDP's
-    shards are the masters), optimizer state like the parameter it belongs to. Returns
+    """A ``"full"`` engine state with each tensor cut like its DTensor counterpart (an
+    FSDP shard, a tensor-parallel plan's): model entries like ``module``'s, ``masters``
+    like the ``trainable`` parameters, optimizer state like the parameter it belongs
+    to; whole tensors stay whole. Returns
     new dicts; ``state`` is left as it was."""
     have = module.state_dict()
     out = dict(state)
@@ -361,7 +369,8 @@ def restore_engine(engine: Any, state: dict) -> None:
     if ps.has_master and masters is None:
         # saved under FSDP, whose fp32 parameters were the masters
         masters = [state["model"][n] for n in ps.names]
-    if engine.parallelism.sharded and saved_layout(state) == "full":
+    if saved_layout(state) == "full" and (engine.parallelism.sharded
+                                          or _has_dtensors(engine.module)):
         state = shard_full_state({**state, "masters": masters}, engine.module,
                                  ps.working, engine.optimizers)
         masters = state["masters"]
