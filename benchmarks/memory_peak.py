@@ -9,11 +9,12 @@ steps. The prediction uses the model and a transformer spec of its shape
 (``F.scaled_dot_product_attention``: flash, no dropout); the measurement takes one real
 step (undone afterwards) under ``torch.profiler``'s memory events. MB = 2^20 bytes.
 
-``--moe`` adds tiny transformers mixture-of-experts models (Mixtral and Qwen3-MoE built
-from config: 2 layers, hidden 64, 4 experts of 128, top-2, vocabulary 128; nothing is
-downloaded) under the recipes that run their experts on mixprec's grouped GEMM, batch 8
-of 64 tokens; their prediction reads the model's own modules (``mixprec.memory.moe``).
-No figure is asserted here (tests/test_memory_peak.py asserts the bounds)."""
+``--moe`` adds tiny transformers mixture-of-experts models (Mixtral, Qwen3-MoE,
+DeepSeek-V3 and GPT-OSS built from config: 2 layers, hidden 64, 4 experts of 128, top-2,
+vocabulary 128; nothing is downloaded) under the recipes that run their experts on
+mixprec's grouped GEMM, batch 8 of 64 tokens; their prediction reads the model's own
+modules (``mixprec.memory.moe``). No figure is asserted here (tests/test_memory_peak.py
+asserts the bounds)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def peaks(recipe: str, size: str = "medium", batch: int = 8) -> tuple[float, flo
 
 #: the MoE rows' recipes: 16-bit experts on transformers' grouped GEMM, and three formats
 MOE_RECIPES = ("bf16-master", "fp8-current", "mxfp8", "nvfp4")
-MOE_MODELS = ("mixtral", "qwen3_moe")
+MOE_MODELS = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 
 
 def moe_model(kind: str, seed: int = 0):
@@ -77,6 +78,15 @@ def moe_model(kind: str, seed: int = 0):
         cfg = transformers.Qwen3MoeConfig(**common, intermediate_size=128,
                                           moe_intermediate_size=128, num_experts=4,
                                           head_dim=16)
+    elif kind == "deepseek_v3":  # multi-head latent attention, a shared expert
+        cfg = transformers.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4}, intermediate_size=128,
+            moe_intermediate_size=128, n_routed_experts=4, n_group=1, topk_group=1,
+            first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=32,
+            qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_shared_experts=1)
+    elif kind == "gpt_oss":  # eager attention with sinks, biased experts
+        cfg = transformers.GptOssConfig(**common, intermediate_size=128,
+                                        num_local_experts=4, head_dim=16)
     else:
         raise ValueError(f"kind={kind!r}; valid: {', '.join(MOE_MODELS)}")
     torch.manual_seed(seed)
@@ -120,7 +130,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--recipes", default=",".join(PRESETS))
     ap.add_argument("--moe", action="store_true",
-                    help="also the tiny Mixtral and Qwen3-MoE rows")
+                    help="also the tiny MoE rows (Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS)")
     args = ap.parse_args()
     print(f"# benchmarks/memory_peak.py --size {args.size} --batch {args.batch}: "
           f"{cpu_name()}, torch {torch.__version__}")

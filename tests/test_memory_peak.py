@@ -83,7 +83,9 @@ def test_mixprec_memory_prints_the_peak_and_judges_the_fit_by_it(capsys):
     assert "no" in capsys.readouterr().out.split("fits")[1]
 
 
-# Mixtral's cases other than fp8-current run in the long pass (about 10 s each here)
+# Mixtral's cases other than fp8-current, DeepSeek-V3's other than bf16-master and
+# GPT-OSS's run in the long pass (about 10 s each here; GPT-OSS's attention is checked
+# quickly below)
 _LONG = pytest.mark.long
 
 
@@ -91,12 +93,47 @@ _LONG = pytest.mark.long
     pytest.param("bf16-master", "mixtral", marks=_LONG), ("fp8-current", "mixtral"),
     pytest.param("mxfp8", "mixtral", marks=_LONG), pytest.param("nvfp4", "mixtral", marks=_LONG),
     ("bf16-master", "qwen3_moe"), ("fp8-current", "qwen3_moe"), ("mxfp8", "qwen3_moe"),
-    ("nvfp4", "qwen3_moe")])
+    ("nvfp4", "qwen3_moe"),
+    ("bf16-master", "deepseek_v3"), pytest.param("fp8-current", "deepseek_v3", marks=_LONG),
+    pytest.param("mxfp8", "deepseek_v3", marks=_LONG),
+    pytest.param("nvfp4", "deepseek_v3", marks=_LONG),
+    pytest.param("bf16-master", "gpt_oss", marks=_LONG),
+    pytest.param("fp8-current", "gpt_oss", marks=_LONG),
+    pytest.param("mxfp8", "gpt_oss", marks=_LONG), pytest.param("nvfp4", "gpt_oss", marks=_LONG)])
 def test_estimated_peak_of_a_mixture_of_experts_model_is_within_10_percent(kind, recipe):
     """A tiny transformers MoE model: the experts' saved casts and 16-bit outputs, the
-    routing indices, the loss's working set and the experts' backward (every expert's
-    gradient casts, the fp32 input and weight gradients, one expert's GEMM scratch)."""
+    routing indices, the attention's saved tensors (a fused kernel's; DeepSeek-V3's
+    sdpa math fallback and GPT-OSS's eager softmax with sinks, s×s each), the loss's
+    working set, the biased experts' fp32 forward (GPT-OSS) and the experts' backward
+    (every expert's gradient casts, the fp32 input and weight gradients, one expert's
+    GEMM scratch)."""
     pytest.importorskip("transformers")
     steady, est, got = _bench().moe_peaks(kind, recipe)
     assert got > 2 * steady  # a peak dominated by what the step holds beyond the states
     assert abs(est / got - 1) <= 0.10, (kind, recipe, est / 2**20, got / 2**20)
+
+
+@pytest.mark.parametrize("kind,path", [("deepseek_v3", "math"), ("gpt_oss", "eager")])
+def test_saved_activations_of_an_s_by_s_attention_are_priced_within_5_percent(kind, path):
+    """DeepSeek-V3's attention under sdpa on a CPU (q·k head dim 32, v 16: torch's
+    fallback saves fp32 Q, K, V and s×s probabilities) and GPT-OSS's eager attention
+    (fp32 softmax over s + 1 columns with its sinks, the 16-bit probabilities, the row
+    maxima's indices; a clamped sigmoid gate in the experts): the predicted saved
+    bytes of one forward against what ``saved_tensors_hooks`` counts."""
+    pytest.importorskip("transformers")
+    from mixprec.memory import TransformerSpec, estimate
+    from mixprec.memory.moe import attention_path
+
+    model = _bench().moe_model(kind)
+    attn = model.model.layers[0].self_attn
+    assert attention_path(attn, model.config._attn_implementation, "cpu") == path
+    idx = torch.randint(0, 128, (8, 64), generator=torch.Generator().manual_seed(1))
+    spec = TransformerSpec(layers=2, hidden=64, heads=4, seq_len=64, micro_batch=8,
+                           vocab=128, attention="flash", dropout=False)
+    est = estimate(model, "bf16-master", activations=spec)
+    engine = MixedPrecision(model, torch.optim.AdamW(model.parameters()), "bf16-master")
+    got = measure(model, engine, {"input_ids": idx, "labels": idx},
+                  loss_fn=lambda out: out.loss)
+    assert abs(est["activations"] / got["activations"] - 1) <= 0.05, (
+        est["activations"] / 2**20, got["activations"] / 2**20)
+    assert any("s×s probabilities" in n for n in est.notes)

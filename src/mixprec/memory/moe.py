@@ -11,24 +11,28 @@ the activations' width: 2 bytes under a 16-bit or fp8 recipe), what one forward 
 - each Linear its input: a 16-bit copy ``b·in`` (autocast casts it once per Linear; the
   attention's output projection reads the attention output as it is, no copy), or its
   format's cast for the weight gradient (``cast_bytes``);
-- the attention (``F.scaled_dot_product_attention``'s fused kernel): Q, K, V and the
-  output at ``b`` bytes, an fp32 log-sum-exp per head; a dense gated MLP (a shared
-  expert) its gate, up and activation outputs;
+- the attention (``attention_saved``): under ``sdpa``'s fused kernel Q, K, V and the
+  output at ``b`` bytes and an fp32 log-sum-exp per head; under its CPU math fallback
+  (q·k and v head dims differ: DeepSeek-V3's) fp32 Q, K, V and ``s×s`` probabilities;
+  under ``eager`` (GPT-OSS's) the fp32 softmax, its 16-bit copy and Q, K, V; a dense
+  gated MLP (a shared expert) its gate, up and activation outputs;
 - the router: its 16-bit input, fp32 probabilities per expert, the top-k ids (int64)
   and weights;
 - the experts: three int64 index vectors of ``R`` (sort order, permutation, inverse),
-  the gate-up output (``b·R·2I``), the activation's output (``b·R·I``), the
-  down-projection output and the routing weights; under a format, each expert's casts
+  what the activation saves (its input, the gate-up output, and its own tensors:
+  ``activation_saved`` runs the module's activation on a few rows to count them),
+  the down-projection output and the routing weights; under a format, each expert's casts
   of its tokens and weights (``mixprec.experts.grouped``: the casts the backward
   reuses or makes along the token dim); without one, transformers' grouped GEMM keeps
   the 16-bit inputs of both projections;
 - the head's input, the loss's fp32 log-probabilities (``4·V``) and the token ids.
 
 The working sets on top of that: the loss at the forward's end (the head's 16-bit
-logits, their fp32 copy and the reduction, ``8·T·V``) and the last layer's experts
-backward on the ``loop`` route (the CPU's; ``experts_backward``), less what the backward
-has freed by then. Each expert is taken to get the average ``R/E`` rows: the busiest
-one's scratch is larger, by as much as the routing is uneven.
+logits, their fp32 copy and the reduction, ``8·T·V``), the last layer's biased experts
+adding their bias in fp32 under a format (``experts_bias_forward``) and the last
+layer's experts backward on the ``loop`` route (the CPU's; ``experts_backward``), less
+what the backward has freed by then. Each expert is taken to get the average ``R/E``
+rows: the busiest one's scratch is larger, by as much as the routing is uneven.
 """
 
 from __future__ import annotations
@@ -40,8 +44,10 @@ from torch import nn
 
 from mixprec.memory.transient import linear_shapes
 
-__all__ = ["moe_experts", "cast_bytes", "moe_saved_bytes", "experts_backward",
-           "loss_transient", "moe_terms", "moe_notes"]
+__all__ = ["moe_experts", "cast_bytes", "attention_path", "attention_saved",
+           "activation_saved", "moe_saved_bytes", "experts_bias_forward",
+           "experts_backward", "loss_transient", "moe_terms", "PRICED_ATTENTION",
+           "moe_notes"]
 
 
 def moe_experts(model: nn.Module) -> dict[str, nn.Module]:
@@ -112,43 +118,114 @@ def _norm_widths(model: nn.Module) -> list[tuple[int, int]]:
     return out
 
 
-def _attention_widths(m: nn.Module) -> tuple[int, int, int, int, int]:
-    """``(Q, K, V, output widths per token, heads)`` the attention kernel saves: the q,
-    k and v projections' outputs (the output has every head's V width), or under
-    multi-head latent attention (DeepSeek's: no ``q_proj``/``k_proj`` pair) the
+def _attention_dims(m: nn.Module) -> tuple[int, int, int, int, int, int]:
+    """``(heads, kv heads, q·k head dim, v head dim, K width, V width)`` of an attention
+    module: from its q, k and v projections, or under multi-head latent attention
+    (DeepSeek's: no ``q_proj``/``k_proj`` pair, K and V expanded per head) the
     config's head dims."""
     cfg = m.config
     heads = getattr(cfg, "num_attention_heads", 1)
     q, k, v = (getattr(m, f"{n}_proj", None) for n in "qkv")
     if all(isinstance(x, nn.Linear) for x in (q, k, v)):
         groups = getattr(cfg, "num_key_value_heads", None) or heads
-        vd = v.out_features
-        return q.out_features, k.out_features, vd, vd * heads // groups, heads
+        return (heads, groups, q.out_features // heads, v.out_features // groups,
+                k.out_features, v.out_features)
     qk = getattr(cfg, "qk_head_dim", None) or (getattr(cfg, "qk_nope_head_dim", 0)
                                                 + getattr(cfg, "qk_rope_head_dim", 0))
-    vd = heads * getattr(cfg, "v_head_dim", qk)
-    return heads * qk, heads * qk, vd, vd, heads
+    vd = getattr(cfg, "v_head_dim", qk)
+    return heads, heads, qk, vd, heads * qk, heads * vd
+
+
+def attention_path(m: nn.Module, impl: str, device: str = "cpu") -> str:
+    """How an attention module runs: ``fused`` (``sdpa``'s flash or memory-efficient
+    kernel, or a flash/flex implementation), ``math`` (``sdpa`` on a CPU where the
+    q·k and v head dims differ: torch's fused CPU kernel needs them equal) or
+    ``eager`` (transformers' matmul-softmax-matmul)."""
+    if impl == "eager":
+        return "eager"
+    _, _, qk, vd, _, _ = _attention_dims(m)
+    return "math" if impl == "sdpa" and device == "cpu" and qk != vd else "fused"
+
+
+def attention_saved(m: nn.Module, path: str, seq_len: int, b: float) -> float:
+    """Bytes per token an attention module saves for backward beyond its Linears'
+    inputs (``b``: the activations' bytes).
+
+    - ``fused``: Q, K, V and the output at ``b`` and an fp32 log-sum-exp per head;
+    - ``math`` (torch's CPU fallback, which upcasts 16-bit inputs): the scaled Q, and
+      K and V expanded to every head, in fp32, the fp32 ``s×s`` probabilities, and
+      the output projection's own input;
+    - ``eager``: Q and the expanded K and V at ``b``, the fp32 softmax over ``s``
+      columns (one more per head's sink, with the row maximum's int64 index) and its
+      ``b`` copy the PV matmul reads, and the output projection's input."""
+    heads, groups, qk, vd, kw, vw = _attention_dims(m)
+    qw, ow = heads * qk, heads * vd
+    if path == "fused":
+        return b * (qw + kw + vw + ow) + 4 * heads
+    full = qw + heads * qk + heads * vd  # Q, and K and V repeated to every head
+    if path == "math":
+        return 4.0 * full + 4 * heads * seq_len + b * ow
+    sink = getattr(m, "sinks", None) is not None
+    return (b * full + heads * (4 * (seq_len + sink) + b * seq_len + 8 * sink)
+            + b * ow)
+
+
+def _attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules()
+            if type(m).__name__.endswith("Attention") and hasattr(m, "config")}
+
+
+def _attn_impl(model: nn.Module) -> str:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+
+
+def activation_saved(m: nn.Module, width: int) -> float:
+    """Values per routed row an experts module's activation saves, its input (the
+    gate-up output, ``width`` wide) included: its own ``_apply_gate`` (or ``act_fn``)
+    run on 4 fp32 rows under ``saved_tensors_hooks`` (Mixtral's SiLU-and-multiply saves
+    ``1.5·width``, GPT-OSS's clamped sigmoid gate ``3·width``)."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    x = torch.randn(4, width, requires_grad=True)
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack,
+                                                                             lambda t: t):
+            (m._apply_gate if m.has_gate else m.act_fn)(x)
+    except Exception:  # an activation that needs more than its input: SwiGLU's count
+        return 1.5 * width if m.has_gate else 2.0 * width
+    return sum(seen.values()) / 4 / x.element_size()
 
 
 def moe_saved_bytes(model: nn.Module, tokens: int, linear_formats: dict[str, Any],
-                    quantizers: dict[str, Any], act_bytes: float) -> float:
-    """Bytes one forward of ``tokens`` tokens saves for backward (see the module doc).
+                    quantizers: dict[str, Any], act_bytes: float,
+                    seq_len: int | None = None, device: str = "cpu") -> float:
+    """Bytes one forward of ``tokens`` tokens (sequences of ``seq_len``, default one)
+    saves for backward on ``device`` (see the module doc).
 
     ``linear_formats``: each Linear's quantizer (None: a 16-bit or fp32 Linear);
     ``quantizers``: each experts module's quantizer by name (None or absent: it runs in
     16 bits on transformers' own implementation)."""
-    t, b = tokens, act_bytes
+    t, b, s = tokens, act_bytes, seq_len or tokens
     total = sum(8.0 * w + 4.0 * g for w, g in _norm_widths(model)) * t
+    impl = _attn_impl(model)
+    fused = {f"{n}.o_proj" for n, m in _attention_modules(model).items()
+             if attention_path(m, impl, device) == "fused"}
     for fqn, i, _ in linear_shapes(model):
         q = linear_formats.get(fqn)
         if q is not None:
             total += _saved_cast(q, t, i, "input")
-        elif not fqn.endswith("o_proj"):  # the attention output is saved already
+        elif fqn not in fused:  # a fused kernel's output is saved already
             total += b * t * i
     for m in model.modules():
         if type(m).__name__.endswith("Attention") and hasattr(m, "config"):
-            qd, kd, vd, od, heads = _attention_widths(m)
-            total += t * (b * (qd + kd + vd + od) + 4 * heads)
+            total += t * attention_saved(m, attention_path(m, impl, device), s, b)
         elif all(isinstance(getattr(m, n, None), nn.Linear)
                  for n in ("gate_proj", "up_proj", "down_proj")):
             # a dense gated MLP (a shared expert, a dense layer): its gate and up
@@ -163,7 +240,8 @@ def moe_saved_bytes(model: nn.Module, tokens: int, linear_formats: dict[str, Any
         # top-k ids and weights
         router = getattr(mods.get(name.rpartition(".")[0]), "gate", None)
         total += t * (4 * e + 12 * k + 4 + (0 if isinstance(router, nn.Linear) else b * h))
-        total += 24 * r + b * r * (up + inner + h)  # indices, gate-up, act, down out
+        # indices, the activation's saved values (the gate-up output among them), down out
+        total += 24 * r + b * r * (activation_saved(m, up) + h)
         q = quantizers.get(name)
         if q is None:  # transformers' grouped_mm: 16-bit inputs, fp32 routing weights
             total += b * r * (h + inner) + 4 * r
@@ -197,6 +275,32 @@ def _top_saved(model: nn.Module, tokens: int, head_bytes: float) -> float:
     return tokens * (8.0 * width + 4 + head_bytes + 4 * _vocab(model) + 8)
 
 
+def experts_bias_forward(model: nn.Module, tokens: int, quantizers: dict[str, Any],
+                         act_bytes: float, head_bytes: float = 2.0) -> float:
+    """The most bytes the last layer's experts forward holds beyond everything the
+    forward saves, where a format runs experts with biases (GPT-OSS's): the gate-up
+    projection adds its bias in fp32 (``mixprec.experts.hook``), holding the 16-bit
+    output, its fp32 copy, the gathered bias (and its fp32 copy) and the fp32 sum,
+    ``(4 + bias + 4)·R·up`` beyond the output, before the activation, the down
+    projection, the head and the loss have saved theirs; 0 without biases."""
+    experts = moe_experts(model)
+    if not experts:
+        return 0.0
+    name, m = list(experts.items())[-1]
+    q = quantizers.get(name)
+    if q is None or not m.has_bias:
+        return 0.0
+    e, h, inner, k = _experts_dims(m)
+    r, b = k * tokens, act_bytes
+    up = 2 * inner if m.has_gate else inner
+    bias = getattr(m, "gate_up_proj_bias" if m.has_gate else "up_proj_bias").element_size()
+    held = (4 + bias + (0 if bias == 4 else 4) + 4) * r * up
+    later = (b * r * (activation_saved(m, up) - up + h)
+             + e * _saved_cast(q, r / e, inner, "input") + _top_saved(model, tokens,
+                                                                       head_bytes))
+    return held - later
+
+
 def experts_backward(model: nn.Module, tokens: int, quantizers: dict[str, Any],
                      act_bytes: float, route_bytes: Any, head_bytes: float = 2.0) -> float:
     """The most bytes the last layer's experts backward holds beyond everything the
@@ -226,8 +330,8 @@ def experts_backward(model: nn.Module, tokens: int, quantizers: dict[str, Any],
     down_w = 0.0 if q is None else e * _saved_cast(q, h, inner, "weight")
     # (in, out, dx bytes, freed before it runs, a fresh weight gradient already there)
     steps = ((inner, h, b, top + out_and_weights, 0.0),
-             (h, up, 4, top + out_and_weights + b * r * (up + inner) + down_in + down_w,
-              4 * e * h * inner))
+             (h, up, 4, top + out_and_weights + b * r * activation_saved(m, up) + down_in
+              + down_w, 4 * e * h * inner))
     for i, o, dx_bytes, freed, held in steps:
         need = b * r * o + dx_bytes * r * i + 4 * e * o * i + held - freed
         if q is not None:
@@ -240,11 +344,12 @@ def experts_backward(model: nn.Module, tokens: int, quantizers: dict[str, Any],
     return best
 
 
-def moe_terms(model: nn.Module, r: Any, tokens: int, act_bytes: float, route: str
-              ) -> tuple[float, float]:
+def moe_terms(model: nn.Module, r: Any, tokens: int, act_bytes: float, route: str,
+              seq_len: int | None = None) -> tuple[float, float]:
     """``(saved activations, working set)`` of an MoE model under recipe ``r``: what one
-    forward saves, and the larger of the loss's working set and the widest experts
-    projection's backward (``route``: the fp8 GEMM route of one expert's GEMMs)."""
+    forward of ``tokens`` tokens (sequences of ``seq_len``) saves, and the larger of the
+    loss's working set and the widest experts projection's backward (``route``: the
+    fp8 GEMM route of one expert's GEMMs)."""
     from mixprec.fp8.quantizers import quantizer_for
     from mixprec.memory.layers import layer_recipes
 
@@ -254,20 +359,33 @@ def moe_terms(model: nn.Module, r: Any, tokens: int, act_bytes: float, route: st
     if r.linear is not None:
         experts = {name: quantizer_for(r.for_layer(name)) for name in moe_experts(model)
                    if r.layer_format(name) != "bf16"}
-    saved = moe_saved_bytes(model, tokens, linears, experts, act_bytes)
+    device = next(model.parameters()).device.type
+    saved = moe_saved_bytes(model, tokens, linears, experts, act_bytes, seq_len, device)
     work = max(loss_transient(model, tokens),
+               experts_bias_forward(model, tokens, experts, act_bytes),
                experts_backward(model, tokens, experts, act_bytes,
                                 lambda q, t, i, o: q.backward_bytes(t, i, o, act_bytes,
                                                                     route)))
     return saved, work
 
 
+#: attention implementations priced by their own saved tensors (``attention_path``)
+PRICED_ATTENTION = ("sdpa", "eager")
+
+
 def moe_notes(model: nn.Module) -> list[str]:
-    """What the pricing leaves out for this model: an attention implementation other
-    than ``sdpa`` (``eager`` saves each head's s×s probabilities, not priced)."""
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
-    if impl == "sdpa":
-        return []
-    return [f"activations: attention implementation {impl!r}: priced as sdpa's fused "
-            "kernel (its s×s scores and probabilities are not counted); load the model "
-            "with attn_implementation='sdpa' for the priced path"]
+    """What the pricing leaves out or assumes for this model: an attention
+    implementation other than ``sdpa`` and ``eager`` is priced as a fused kernel (its
+    log-sum-exp only), and the ``eager`` and ``math`` paths' ``s×s`` probabilities are
+    flagged where they are priced."""
+    impl = _attn_impl(model)
+    if impl not in PRICED_ATTENTION:
+        return [f"activations: attention implementation {impl!r}: priced as a fused "
+                "kernel (Q, K, V, the output and a log-sum-exp per head)"]
+    device = next(model.parameters()).device.type
+    paths = {attention_path(m, impl, device) for m in _attention_modules(model).values()}
+    if paths & {"eager", "math"}:
+        how = "eager" if "eager" in paths else "sdpa's math fallback (q·k and v head dims differ)"
+        return [f"activations: attention runs {how}: its fp32 s×s probabilities per head "
+                "are priced; a fused kernel would save a log-sum-exp per head instead"]
+    return []

@@ -297,7 +297,8 @@ def estimate(
         tokens = activations.seq_len * activations.micro_batch
         work = 0.0
         if on_model and moe_experts(params):  # saved and held as its modules run
-            items["activations"], work = moe_terms(params, r, tokens, act_bytes, route)
+            items["activations"], work = moe_terms(params, r, tokens, act_bytes, route,
+                                                      activations.seq_len)
             notes.append("activations: a transformers mixture-of-experts model, priced "
                          "from its own modules (mixprec.memory.moe)")
             notes += moe_notes(params)
