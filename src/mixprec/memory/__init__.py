@@ -39,17 +39,11 @@ weight copies made by autocast or fp8 casts.
 Units: ``GB`` means 10^9 bytes, as published memory tables and the ZeRO paper use.
 """
 
+from mixprec.memory.breakdown import GB, ITEMS, Breakdown
 from mixprec.memory.ledger import high_water, measure
-from mixprec.memory.plan import (
-    GB,
-    ITEMS,
-    Breakdown,
-    TransformerSpec,
-    activation_bytes,
-    estimate,
-    parse_bytes,
-    parse_count,
-)
+from mixprec.memory.plan import estimate
+from mixprec.memory.spec import TransformerSpec, activation_bytes
+from mixprec.memory.units import parse_bytes, parse_count
 
 __all__ = ["Breakdown", "TransformerSpec", "estimate", "measure", "high_water",
            "parse_count", "parse_bytes",

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mixprec.memory.plan import ITEMS, Breakdown
+from mixprec.memory.breakdown import ITEMS, Breakdown
 from mixprec.wgrad import WEIGHT_CAST_TAG
 
 if TYPE_CHECKING:

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from torch import nn
 
 from mixprec.master import grads_in_place, updated_dtype
+from mixprec.memory.breakdown import Breakdown
 from mixprec.memory.fsdp import FSDP_NOTE, fsdp_gathered_bytes, fsdp_held_recipe, fsdp_sharded
 from mixprec.memory.layers import fp8_share, layer_recipes
 from mixprec.memory.moe import moe_experts, moe_notes, moe_terms
+from mixprec.memory.spec import TransformerSpec, activation_bytes
 from mixprec.memory.transient import (
     backward_transient,
     linear_shapes,
@@ -23,182 +22,17 @@ from mixprec.memory.transient import (
     step_scratch,
     tp_local,
 )
+from mixprec.memory.units import parse_count, rank_local
 from mixprec.recipe import Recipe
 
-__all__ = ["Breakdown", "TransformerSpec", "estimate", "parse_count", "parse_bytes",
-           "activation_bytes",
-           "ITEMS", "GB"]
+__all__ = ["estimate"]
 
-ITEMS = ("params", "grads", "master", "optimizer", "fp8", "buffers", "activations",
-         "weight_casts")
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # torch optimizer -> (parameter-sized states, 0-dim fp32 tensors per parameter such as
 # the step count), for torch's defaults (no amsgrad, no RMSprop momentum/centering)
 _STATES = {"adamw": (2, 1), "adam": (2, 1), "sgd_momentum": (1, 0), "sgd": (0, 0),
            "adagrad": (1, 1), "rmsprop": (1, 1), "adadelta": (2, 1), "adamax": (2, 1),
            "nadam": (2, 2), "radam": (2, 1)}
-GB = 1e9
-
-
-@dataclass(frozen=True)
-class Breakdown:
-    """Bytes per rank by item, plus what the numbers assumed."""
-
-    items: dict[str, float]
-    recipe: str
-    notes: tuple[str, ...] = field(default=())
-    #: the highest bytes held during one training step (forward, backward and optimizer
-    #: step): ``measure(..., peak=True)``'s measured high-water mark, or ``estimate``'s
-    #: prediction when it has a transformer spec; None when not known
-    peak: float | None = None
-
-    @property
-    def total(self) -> float:
-        """Sum of all items, in bytes."""
-        return float(sum(self.items.values()))
-
-    def __getitem__(self, item: str) -> float:
-        return self.items.get(item, 0.0)
-
-    def gb(self, item: str | None = None) -> float:
-        """One item, or the total, in GB (1e9 bytes)."""
-        return (self.total if item is None else self[item]) / GB
-
-    def table(self) -> str:
-        """Plain-text table of the items in GB, with the notes."""
-        rows = [f"{'item':<13}{'GB':>12}"]
-        rows += [f"{k:<13}{v / GB:>12.3f}" for k, v in self.items.items() if v]
-        rows.append(f"{'total':<13}{self.total / GB:>12.3f}")
-        if self.peak is not None:
-            rows.append(f"{'peak':<13}{self.peak / GB:>12.3f}")
-        return "\n".join(rows + [f"  note: {n}" for n in self.notes])
-
-
-@dataclass(frozen=True, kw_only=True)
-class TransformerSpec:
-    """Shapes for the activation formula of Korthikanti et al. 2022 (§4.1).
-
-    With the defaults (16-bit activations, dropout, nothing kept in fp32, no ``vocab``)
-    it is the paper's per-layer ``s·b·h·(34 + 5·a·s/h)`` bytes times ``layers``:
-    ``34·s·b·h`` = 2 norm inputs (2+2) + QKV input (2) + Q, K, V (6) + projection input
-    (2) + MLP input (2) + fc output (8) + GELU output (8) + two dropout masks (1+1), and
-    ``5·a·s²·b`` = softmax output (2) + its dropout mask (1) + dropout output (2).
-
-    Each term follows what a run really saves:
-
-    - ``attention="flash"`` (``F.scaled_dot_product_attention``'s fused kernels) saves no
-      s×s matrix, only its fp32 log-sum-exp (``4·a·s·b``);
-    - ``dropout=False`` drops the masks and the dropout output;
-    - ``fp32_norms`` / ``fp32_softmax`` (mixprec's FP32 islands; ``estimate`` sets them
-      from the recipe's ``keep_fp32``): the norm inputs are saved as fp32 copies, and the
-      fp32 softmax output is saved together with the low-precision copy that the PV
-      matmul takes;
-    - ``linear_input_bytes`` (1 under fp8 recipes, whose Linears save fp8 copies of their
-      inputs); ``vocab``: the output layer's input, and the fp32 logits of the loss
-      (``4·s·b·V``), plus the final norm;
-    - recomputation: ``selective`` drops the s×s terms, ``full`` keeps each layer's input.
-    """
-
-    layers: int
-    hidden: int
-    heads: int
-    seq_len: int
-    micro_batch: int = 1
-    ffn_mult: int = 4
-    vocab: int | None = None
-    attention: Literal["materialized", "flash"] = "materialized"
-    recompute: Literal["none", "selective", "full"] = "none"
-    dropout: bool = True
-    fp32_norms: bool | None = None
-    fp32_softmax: bool | None = None
-    #: tensor-parallel ranks: Q, K, V, the attention and the MLP's hidden values are
-    #: split over them (Korthikanti et al. §4.2.2: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``);
-    #: the norms, the Linears' replicated inputs and the head stay whole
-    tensor_parallel: int = 1
-    #: Linears that read the attention's input: 1 (a fused QKV) or 3 (separate q, k, v);
-    #: each casts and saves its own copy where the input is cast (16 bits, fp8)
-    qkv_linears: Literal[1, 3] = 1
-
-
-def activation_bytes(spec: TransformerSpec, bytes_per_value: float = 2.0,
-                     linear_input_bytes: float | None = None) -> float:
-    """Bytes saved for backward by one forward pass (see TransformerSpec)."""
-    s, b, h, a, f = spec.seq_len, spec.micro_batch, spec.hidden, spec.heads, spec.ffn_mult
-    v = bytes_per_value
-    li = v if linear_input_bytes is None else linear_input_bytes
-    sbh = s * b * h
-    norm = 4.0 if spec.fp32_norms else v
-    total_extra = 0.0
-    if spec.vocab:
-        total_extra = (norm + li) * sbh + 4.0 * s * b * spec.vocab
-    if spec.recompute == "full":
-        return spec.layers * v * sbh + total_extra
-    # norms, QKV input, Q/K/V, attention output (the projection's input), MLP input,
-    # fc output (GELU's input), GELU output (the second Linear's input)
-    tp = spec.tensor_parallel
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tensor_parallel={tp!r}: the number of tensor-parallel ranks, "
-                         "an integer >= 1")
-    split = 3 * v + v + f * v + f * li  # Q/K/V, attention output, fc and GELU outputs
-    if li != v:
-        split += li  # fp8: the projection saves its own fp8 copy of the attention output
-    if spec.qkv_linears not in (1, 3):
-        raise ValueError(f"qkv_linears={spec.qkv_linears!r}: 1 (a fused QKV Linear) or 3 "
-                         "(separate q, k and v Linears)")
-    # separate q, k, v Linears each keep their own cast of the input (none in fp32)
-    copies = spec.qkv_linears if li < 4 else 1
-    per = (2 * norm + copies * li + li + split / tp) * sbh
-    if spec.dropout:
-        per += 2 * sbh
-    if spec.recompute == "none":
-        if spec.attention == "flash":
-            per += 4.0 * a * s * b / tp
-        else:
-            soft = (4.0 + v) if spec.fp32_softmax else v
-            per += a * s * s * b * (soft + (1 + v if spec.dropout else 0)) / tp
-    return spec.layers * per + total_extra
-
-
-_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-
-
-def parse_count(params: int | float | str | nn.Module) -> int:
-    """A parameter count from ``70B``, ``7.5e9``, ``350M``, an int, or a module."""
-    if isinstance(params, nn.Module):
-        return sum(_local(p).numel() for p in params.parameters())
-    if isinstance(params, (int, float)) and not isinstance(params, bool):
-        if params <= 0 or not math.isfinite(params):
-            raise ValueError(f"parameter count must be > 0, got {params!r}")
-        return int(params)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*",
-                     str(params).lower())
-    if not m:
-        raise ValueError(f"parameter count {params!r}: expected a number with an optional "
-                         "K/M/B/T suffix, e.g. '70B', '7.5e9', '350M'")
-    return parse_count(float(m.group(1)) * _SUFFIX[m.group(2)])
-
-
-def parse_bytes(size: int | float | str, what: str = "size") -> float:
-    """Bytes from ``80GB``, ``80G``, ``512MB``, ``24GiB``, ``141e9`` or a number;
-    ``what`` names the argument in the error (``--device-memory``, ``memory``).
-
-    >>> parse_bytes("24GiB"), parse_bytes("512MB"), parse_bytes(2e9)
-    (25769803776.0, 512000000.0, 2000000000.0)
-    """
-    if isinstance(size, (int, float)) and not isinstance(size, bool):
-        if size > 0 and math.isfinite(size):
-            return float(size)
-        raise ValueError(f"{what}={size!r}: a positive number of bytes, or e.g. 2GB")
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*"
-                     r"(gib|gb|g|mib|mb|m|kib|kb|k|tib|tb|t|b)?\s*", str(size).lower())
-    if not m:
-        raise ValueError(f"{what}={size!r}: expected e.g. 80GB, 512MB, 24GiB or 141e9")
-    return float(m.group(1)) * _UNITS[m.group(2)]
-
-
-_UNITS = {None: 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6,
-          "mib": 2**20, "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12,
-          "tib": 2**40}
 
 
 def _state_bytes(r: Recipe, emulated: bool) -> int:
@@ -262,7 +96,7 @@ def estimate(
         frozen_n, n_tensors, frozen_bytes, fp8_bytes, buffers = _module_counts(params, r)
         n -= frozen_n
         named = [(k, p) for k, p in params.named_parameters() if p.requires_grad]
-        sizes = [tuple(_local(p).shape) for _, p in named]
+        sizes = [tuple(rank_local(p).shape) for _, p in named]
         # each parameter's state format: the recipe's states: rule for its module
         formats = [r.state_format(k) for k, _ in named]
     else:
@@ -312,7 +146,7 @@ def estimate(
         if fsdp:
             backward += fsdp_gathered_bytes(params, r, emulated, world_size)
             notes.append(FSDP_NOTE)
-        largest = (max((_local(p).numel() for p in params.parameters()), default=0)
+        largest = (max((rank_local(p).numel() for p in params.parameters()), default=0)
                    if on_model
                    else activations.ffn_mult * activations.hidden ** 2)  # an MLP weight
         from mixprec.optim.pieces import CHUNK
@@ -403,14 +237,8 @@ def _module_counts(model: nn.Module, r: Recipe):
     fp8_bytes, fp8_bufs = _fp8_state_bytes(model, r)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers()
                   if id(b) not in fp8_bufs)
-    return (sum(_local(p).numel() for p in frozen), len(uniq) - len(frozen),
-            sum(_local(p).numel() * p.element_size() for p in frozen), fp8_bytes, buffers)
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """What this rank stores of ``p``: a DTensor's local shard (a tensor-parallel plan's
-    or FSDP's), else ``p``; so a module's counts are per rank, replicated tensors whole."""
-    return p.to_local() if hasattr(p, "to_local") else p
+    return (sum(rank_local(p).numel() for p in frozen), len(uniq) - len(frozen),
+            sum(rank_local(p).numel() * p.element_size() for p in frozen), fp8_bytes, buffers)
 
 
 def _activation_item(spec: TransformerSpec, r: Recipe, act_fp32: bool,

@@ -194,7 +194,7 @@ def plan(model: nn.Module, sample_batch: Any, *, goal: str = "fastest",
         cache_file: a JSON file that keeps the measured speeds across processes.
         seconds: about how long each shape's timing runs.
     """
-    from mixprec.memory.plan import parse_bytes
+    from mixprec.memory.units import parse_bytes
 
     b = Recipe.coerce(base)
     formats = tuple(dict.fromkeys(formats))
