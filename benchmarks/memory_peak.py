@@ -19,6 +19,8 @@ asserts the bounds)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import warnings
 
 import torch
@@ -97,19 +99,38 @@ def moe_model(kind: str, seed: int = 0):
     return model
 
 
-def moe_peaks(kind: str, recipe: str, batch: int = 8, seq: int = 64
-              ) -> tuple[float, float, float]:
-    """``(steady, estimated peak, measured peak)`` in bytes for a tiny MoE model."""
+@contextlib.contextmanager
+def experts_route(route: str):
+    """mixprec's experts run their grouped GEMMs on ``route`` (``grouped`` on a CPU: the
+    route ``torch.compile`` takes, sync-free for the block formats), eagerly."""
+    from mixprec.experts import grouped, hook
+
+    before = hook.grouped_mm
+    if route != "loop":
+        hook.grouped_mm = functools.partial(grouped.grouped_mm, route=route)
+    try:
+        yield
+    finally:
+        hook.grouped_mm = before
+
+
+def moe_peaks(kind: str, recipe: str, batch: int = 8, seq: int = 64, *,
+              route: str = "loop", routed: bool = False) -> tuple[float, float, float]:
+    """``(steady, estimated peak, measured peak)`` in bytes for a tiny MoE model, its
+    experts on ``route``; ``routed``: the estimate reads the batch's routing
+    (``estimate(..., sample_batch=)``) rather than taking every expert at the average."""
     model = moe_model(kind)
     idx = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(1))
     data = {"input_ids": idx, "labels": idx}
     cfg = model.config
     spec = TransformerSpec(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
                            heads=cfg.num_attention_heads, seq_len=seq, micro_batch=batch,
-                           vocab=cfg.vocab_size, attention="flash", dropout=False)
-    with warnings.catch_warnings():
+                           vocab=cfg.vocab_size, attention="flash", dropout=False,
+                           experts_route=route)
+    with warnings.catch_warnings(), experts_route(route):
         warnings.simplefilter("ignore")
-        predicted = estimate(model, recipe, activations=spec)
+        predicted = estimate(model, recipe, activations=spec,
+                             sample_batch=data if routed else None)
         engine = MixedPrecision(model, adamw_for(recipe, model.parameters(), lr=1e-3),
                                 recipe)
         for _ in range(1):  # the optimizer's states exist after one step

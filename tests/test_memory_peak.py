@@ -122,7 +122,7 @@ def test_saved_activations_of_an_s_by_s_attention_are_priced_within_5_percent(ki
     bytes of one forward against what ``saved_tensors_hooks`` counts."""
     pytest.importorskip("transformers")
     from mixprec.memory import TransformerSpec, estimate
-    from mixprec.memory.moe import attention_path
+    from mixprec.memory.attention import attention_path
 
     model = _bench().moe_model(kind)
     attn = model.model.layers[0].self_attn
@@ -137,3 +137,48 @@ def test_saved_activations_of_an_s_by_s_attention_are_priced_within_5_percent(ki
     assert abs(est["activations"] / got["activations"] - 1) <= 0.05, (
         est["activations"] / 2**20, got["activations"] / 2**20)
     assert any("s×s probabilities" in n for n in est.notes)
+
+
+@pytest.mark.parametrize("kind,recipe", [
+    ("qwen3_moe", "mxfp8"), pytest.param("qwen3_moe", "fp8-block", marks=_LONG),
+    pytest.param("mixtral", "mxfp8", marks=_LONG),
+    pytest.param("mixtral", "fp8-block", marks=_LONG)])
+def test_the_sync_free_block_route_is_priced_with_its_padded_wgrad_buffer(kind, recipe):
+    """The experts on the CPU's ``grouped`` route (the one ``torch.compile`` takes):
+    fp8-block and mxfp8 cast wgrad's operands whole, in a buffer padded so every
+    expert starts on a tile, and dequantize them to fp32; the loop route's pricing
+    read 0.58-0.68 of that step's peak."""
+    pytest.importorskip("transformers")
+    from mixprec.experts.segments_blocks import tile_aligned_rows
+    from mixprec.fp8.quantizers import quantizer_for
+    from mixprec.memory.moe import padded_rows
+    from mixprec.recipe import Recipe
+
+    q = quantizer_for(Recipe.coerce(recipe))
+    offsets = torch.tensor([300, 301, 700, 1000])  # 4 experts, 24 rows past the last
+    assert padded_rows(q, 1024, 4) == tile_aligned_rows(offsets, 1024, q.kernel.tile)[1]
+    steady, est, got = _bench().moe_peaks(kind, recipe, route="grouped")
+    assert abs(est / got - 1) <= 0.05, (kind, recipe, est / 2**20, got / 2**20)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", pytest.param("mixtral", marks=_LONG)])
+def test_the_batchs_routing_prices_the_busiest_expert(kind):
+    """``estimate(..., sample_batch=)`` reads each expert's rows from the router
+    (nvfp4's backward peaks in the busiest expert's scratch on the loop route): within
+    3% of the measured peak, where the average rows read 0.93-0.94."""
+    pytest.importorskip("transformers")
+    from mixprec.memory import TransformerSpec, estimate
+    from mixprec.memory.moe import routed_rows
+
+    bench = _bench()
+    model = bench.moe_model(kind)
+    idx = torch.randint(0, 128, (8, 64), generator=torch.Generator().manual_seed(1))
+    rows = routed_rows(model, {"input_ids": idx})
+    assert len(rows) == 2 and all(sum(r) == 2 * idx.numel() for r in rows.values())
+    assert max(max(r) for r in rows.values()) > 2 * idx.numel() / 4  # uneven routing
+    spec = TransformerSpec(layers=2, hidden=64, heads=4, seq_len=64, micro_batch=8,
+                           vocab=128, attention="flash", dropout=False)
+    average = estimate(model, "nvfp4", activations=spec).peak
+    _, routed, got = bench.moe_peaks(kind, "nvfp4", routed=True)
+    assert routed > average
+    assert abs(routed / got - 1) <= 0.03, (kind, routed / 2**20, got / 2**20)

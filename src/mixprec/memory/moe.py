@@ -11,28 +11,31 @@ the activations' width: 2 bytes under a 16-bit or fp8 recipe), what one forward 
 - each Linear its input: a 16-bit copy ``b·in`` (autocast casts it once per Linear; the
   attention's output projection reads the attention output as it is, no copy), or its
   format's cast for the weight gradient (``cast_bytes``);
-- the attention (``attention_saved``): under ``sdpa``'s fused kernel Q, K, V and the
-  output at ``b`` bytes and an fp32 log-sum-exp per head; under its CPU math fallback
-  (q·k and v head dims differ: DeepSeek-V3's) fp32 Q, K, V and ``s×s`` probabilities;
-  under ``eager`` (GPT-OSS's) the fp32 softmax, its 16-bit copy and Q, K, V; a dense
-  gated MLP (a shared expert) its gate, up and activation outputs;
+- the attention (``mixprec.memory.attention``): under ``sdpa``'s fused kernel Q, K, V
+  and the output at ``b`` bytes and an fp32 log-sum-exp per head; under its CPU math
+  fallback (q·k and v head dims differ: DeepSeek-V3's) fp32 Q, K, V and ``s×s``
+  probabilities; under ``eager`` (GPT-OSS's) the fp32 softmax, its 16-bit copy and Q,
+  K, V; a dense gated MLP (a shared expert) its gate, up and activation outputs;
 - the router: its 16-bit input, fp32 probabilities per expert, the top-k ids (int64)
   and weights;
 - the experts: three int64 index vectors of ``R`` (sort order, permutation, inverse),
   what the activation saves (its input, the gate-up output, and its own tensors:
   ``activation_saved`` runs the module's activation on a few rows to count them),
-  the down-projection output and the routing weights; under a format, each expert's casts
-  of its tokens and weights (``mixprec.experts.grouped``: the casts the backward
-  reuses or makes along the token dim); without one, transformers' grouped GEMM keeps
-  the 16-bit inputs of both projections;
+  the down-projection output and the routing weights; under a format, each expert's
+  casts of its tokens and weights (``mixprec.experts.grouped``: the casts the backward
+  reuses or makes along the token dim; on the sync-free block route one cast of a
+  tile-padded buffer of ``R + (E + 1)·(tile − 1)`` rows, ``padded_rows``); without
+  one, transformers' grouped GEMM keeps the 16-bit inputs of both projections;
 - the head's input, the loss's fp32 log-probabilities (``4·V``) and the token ids.
 
 The working sets on top of that: the loss at the forward's end (the head's 16-bit
 logits, their fp32 copy and the reduction, ``8·T·V``), the last layer's biased experts
 adding their bias in fp32 under a format (``experts_bias_forward``) and the last
-layer's experts backward on the ``loop`` route (the CPU's; ``experts_backward``), less
-what the backward has freed by then. Each expert is taken to get the average ``R/E``
-rows: the busiest one's scratch is larger, by as much as the routing is uneven.
+layer's experts backward (``experts_backward``: on the ``loop`` route each expert's
+casts and the busiest one's GEMM scratch; on the sync-free block route whole-operand
+fp32 casts of the padded buffer), less what the backward has freed by then. Each expert
+is taken to get the average ``R/E`` rows unless ``routed_rows`` read a sample batch's
+routing: the busiest expert's scratch is larger, by as much as the routing is uneven.
 """
 
 from __future__ import annotations
@@ -42,12 +45,18 @@ from typing import Any
 
 from torch import nn
 
+from mixprec.memory.attention import (
+    PRICED_ATTENTION,
+    attention_impl,
+    attention_modules,
+    attention_path,
+    attention_saved,
+)
 from mixprec.memory.transient import linear_shapes
 
-__all__ = ["moe_experts", "cast_bytes", "attention_path", "attention_saved",
-           "activation_saved", "moe_saved_bytes", "experts_bias_forward",
-           "experts_backward", "loss_transient", "moe_terms", "PRICED_ATTENTION",
-           "moe_notes"]
+__all__ = ["moe_experts", "cast_bytes", "activation_saved", "sync_free_blocks",
+           "padded_rows", "moe_saved_bytes", "experts_bias_forward", "experts_backward",
+           "loss_transient", "routed_rows", "moe_terms", "moe_notes"]
 
 
 def moe_experts(model: nn.Module) -> dict[str, nn.Module]:
@@ -118,67 +127,6 @@ def _norm_widths(model: nn.Module) -> list[tuple[int, int]]:
     return out
 
 
-def _attention_dims(m: nn.Module) -> tuple[int, int, int, int, int, int]:
-    """``(heads, kv heads, q·k head dim, v head dim, K width, V width)`` of an attention
-    module: from its q, k and v projections, or under multi-head latent attention
-    (DeepSeek's: no ``q_proj``/``k_proj`` pair, K and V expanded per head) the
-    config's head dims."""
-    cfg = m.config
-    heads = getattr(cfg, "num_attention_heads", 1)
-    q, k, v = (getattr(m, f"{n}_proj", None) for n in "qkv")
-    if all(isinstance(x, nn.Linear) for x in (q, k, v)):
-        groups = getattr(cfg, "num_key_value_heads", None) or heads
-        return (heads, groups, q.out_features // heads, v.out_features // groups,
-                k.out_features, v.out_features)
-    qk = getattr(cfg, "qk_head_dim", None) or (getattr(cfg, "qk_nope_head_dim", 0)
-                                                + getattr(cfg, "qk_rope_head_dim", 0))
-    vd = getattr(cfg, "v_head_dim", qk)
-    return heads, heads, qk, vd, heads * qk, heads * vd
-
-
-def attention_path(m: nn.Module, impl: str, device: str = "cpu") -> str:
-    """How an attention module runs: ``fused`` (``sdpa``'s flash or memory-efficient
-    kernel, or a flash/flex implementation), ``math`` (``sdpa`` on a CPU where the
-    q·k and v head dims differ: torch's fused CPU kernel needs them equal) or
-    ``eager`` (transformers' matmul-softmax-matmul)."""
-    if impl == "eager":
-        return "eager"
-    _, _, qk, vd, _, _ = _attention_dims(m)
-    return "math" if impl == "sdpa" and device == "cpu" and qk != vd else "fused"
-
-
-def attention_saved(m: nn.Module, path: str, seq_len: int, b: float) -> float:
-    """Bytes per token an attention module saves for backward beyond its Linears'
-    inputs (``b``: the activations' bytes).
-
-    - ``fused``: Q, K, V and the output at ``b`` and an fp32 log-sum-exp per head;
-    - ``math`` (torch's CPU fallback, which upcasts 16-bit inputs): the scaled Q, and
-      K and V expanded to every head, in fp32, the fp32 ``s×s`` probabilities, and
-      the output projection's own input;
-    - ``eager``: Q and the expanded K and V at ``b``, the fp32 softmax over ``s``
-      columns (one more per head's sink, with the row maximum's int64 index) and its
-      ``b`` copy the PV matmul reads, and the output projection's input."""
-    heads, groups, qk, vd, kw, vw = _attention_dims(m)
-    qw, ow = heads * qk, heads * vd
-    if path == "fused":
-        return b * (qw + kw + vw + ow) + 4 * heads
-    full = qw + heads * qk + heads * vd  # Q, and K and V repeated to every head
-    if path == "math":
-        return 4.0 * full + 4 * heads * seq_len + b * ow
-    sink = getattr(m, "sinks", None) is not None
-    return (b * full + heads * (4 * (seq_len + sink) + b * seq_len + 8 * sink)
-            + b * ow)
-
-
-def _attention_modules(model: nn.Module) -> dict[str, nn.Module]:
-    return {n: m for n, m in model.named_modules()
-            if type(m).__name__.endswith("Attention") and hasattr(m, "config")}
-
-
-def _attn_impl(model: nn.Module) -> str:
-    return getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
-
-
 def activation_saved(m: nn.Module, width: int) -> float:
     """Values per routed row an experts module's activation saves, its input (the
     gate-up output, ``width`` wide) included: its own ``_apply_gate`` (or ``act_fn``)
@@ -205,17 +153,21 @@ def activation_saved(m: nn.Module, width: int) -> float:
 
 def moe_saved_bytes(model: nn.Module, tokens: int, linear_formats: dict[str, Any],
                     quantizers: dict[str, Any], act_bytes: float,
-                    seq_len: int | None = None, device: str = "cpu") -> float:
+                    seq_len: int | None = None, device: str = "cpu",
+                    rows: dict[str, list[int]] | None = None,
+                    experts_route: str = "loop") -> float:
     """Bytes one forward of ``tokens`` tokens (sequences of ``seq_len``, default one)
     saves for backward on ``device`` (see the module doc).
 
     ``linear_formats``: each Linear's quantizer (None: a 16-bit or fp32 Linear);
     ``quantizers``: each experts module's quantizer by name (None or absent: it runs in
-    16 bits on transformers' own implementation)."""
+    16 bits on transformers' own implementation); ``rows``: each experts module's rows
+    per expert (``routed_rows``; default the average); ``experts_route``: ``loop`` or
+    ``grouped`` (``sync_free_blocks``)."""
     t, b, s = tokens, act_bytes, seq_len or tokens
     total = sum(8.0 * w + 4.0 * g for w, g in _norm_widths(model)) * t
-    impl = _attn_impl(model)
-    fused = {f"{n}.o_proj" for n, m in _attention_modules(model).items()
+    impl = attention_impl(model)
+    fused = {f"{n}.o_proj" for n, m in attention_modules(model).items()
              if attention_path(m, impl, device) == "fused"}
     for fqn, i, _ in linear_shapes(model):
         q = linear_formats.get(fqn)
@@ -246,11 +198,11 @@ def moe_saved_bytes(model: nn.Module, tokens: int, linear_formats: dict[str, Any
         if q is None:  # transformers' grouped_mm: 16-bit inputs, fp32 routing weights
             total += b * r * (h + inner) + 4 * r
             continue
-        per = r / e  # the rows of one expert, on average
-        total += b * r + e * (_saved_cast(q, per, h, "input")
-                              + _saved_cast(q, per, inner, "input")
-                              + _saved_cast(q, up, h, "weight")
-                              + _saved_cast(q, h, inner, "weight"))
+        counts = (rows or {}).get(name) or [r / e] * e  # the average, unless read
+        pad = padded_rows(q, r, e) if sync_free_blocks(q, experts_route, device) else 0
+        total += b * r + (_input_casts(q, counts, h, pad) + _input_casts(q, counts, inner, pad)
+                          + e * (_saved_cast(q, up, h, "weight")
+                                 + _saved_cast(q, h, inner, "weight")))
     vocab = _vocab(model)
     total += t * (4 * vocab + 16)  # the loss's log-probabilities, labels and token ids
     return float(total)
@@ -301,19 +253,52 @@ def experts_bias_forward(model: nn.Module, tokens: int, quantizers: dict[str, An
     return held - later
 
 
+def sync_free_blocks(q: Any, experts_route: str, device: str) -> bool:
+    """Whether experts in quantizer ``q``'s format take the sync-free block route
+    (``mixprec.experts.segments_blocks``): ``fp8-block`` and MX fp8 with every GEMM
+    quantized, on a CPU's ``grouped`` route (its choice under ``torch.compile``)."""
+    from mixprec.fp8.formats import BlockScaling, MXScaling
+
+    return (experts_route == "grouped" and device == "cpu"
+            and isinstance(q, (BlockScaling, MXScaling)) and "wgrad" in q.quantized_gemms)
+
+
+def padded_rows(q: Any, rows: int, experts: int) -> int:
+    """The rows of the sync-free block route's wgrad buffer: every expert (and the rows
+    past the last one) starts on a whole tile, ``T + (E + 1)·(tile − 1)``."""
+    return rows + (experts + 1) * (q.kernel.tile - 1)
+
+
+def _blocks_backward(q: Any, r: int, e: int, i: int, o: int, b: float) -> float:
+    """The sync-free block route's backward scratch for one projection beyond the
+    arriving gradient, ``dx`` and ``dw``: the gradient's fp32 dequantized tile cast
+    (``4·R·O``) and every expert's fp32 weights (``4·E·O·I``) held while wgrad runs,
+    then the larger of the padded gradient's cast along the tokens (its 16-bit copy
+    and the cast's three fp32 passes, ``(b + 12)·P·O`` over ``P = padded_rows``) and
+    the wgrad product (both padded operands' codes and fp32 values, their gathered
+    rows and the transposed gradient)."""
+    p = padded_rows(q, r, e)
+    return 4 * r * o + 4 * e * o * i + max((b + 12) * p * o,
+                                           5 * p * o + 8 * r * o + 4 * p * i + 4 * r * i)
+
+
 def experts_backward(model: nn.Module, tokens: int, quantizers: dict[str, Any],
-                     act_bytes: float, route_bytes: Any, head_bytes: float = 2.0) -> float:
+                     act_bytes: float, route_bytes: Any, head_bytes: float = 2.0,
+                     rows: list[int] | None = None, experts_route: str = "loop",
+                     device: str = "cpu") -> float:
     """The most bytes the last layer's experts backward holds beyond everything the
-    forward saved, on the ``loop`` route (the CPU's); negative where what it frees
-    first (the loss's and head's saved tensors, the activation's and down projection's
-    saved tensors) outweighs it.
+    forward saved; negative where what it frees first (the loss's and head's saved
+    tensors, the activation's and down projection's saved tensors) outweighs it.
 
     Per projection of ``I`` inputs and ``O`` outputs over ``R`` rows: the arriving
-    gradient (``b·R·O``), then the gradient's casts for every expert (for dgrad, and
-    along the tokens for wgrad unless reused), the input gradient (fp32 for the gate-up
-    projection, whose tokens come from the fp32 residual stream), the fp32 weight
-    gradient of every expert (``4·E·O·I``), and one expert's GEMM scratch: its format's
-    ``backward_bytes`` on its rows (``route_bytes(q, rows, in, out)``)."""
+    gradient (``b·R·O``), the input gradient (fp32 for the gate-up projection, whose
+    tokens come from the fp32 residual stream) and the fp32 weight gradient of every
+    expert (``4·E·O·I``); on the ``loop`` route (a CPU's eager choice) the gradient's
+    casts for every expert (for dgrad, and along the tokens for wgrad unless reused)
+    and the busiest expert's GEMM scratch (its format's ``backward_bytes`` on its rows,
+    ``route_bytes(q, rows, in, out)``); ``rows``: the rows each expert of this layer
+    got (default: the average ``R/E`` each). On the sync-free block route
+    (``sync_free_blocks``), ``_blocks_backward``'s whole-operand casts instead."""
     best = -math.inf
     experts = moe_experts(model)
     if not experts:
@@ -324,9 +309,13 @@ def experts_backward(model: nn.Module, tokens: int, quantizers: dict[str, Any],
     up = 2 * inner if m.has_gate else inner
     q = quantizers.get(name)
     b = act_bytes
+    counts = rows or [math.ceil(r / e)] * e
+    free = q is not None and sync_free_blocks(q, experts_route, device)
     top = _top_saved(model, tokens, head_bytes)
     out_and_weights = b * r * h + (b if q is not None else 4) * r
-    down_in = b * r * inner if q is None else e * _saved_cast(q, r / e, inner, "input")
+    down_in = (b * r * inner if q is None else
+               _input_casts(q, rows or [r / e] * e, inner,
+                            padded_rows(q, r, e) if free else 0))
     down_w = 0.0 if q is None else e * _saved_cast(q, h, inner, "weight")
     # (in, out, dx bytes, freed before it runs, a fresh weight gradient already there)
     steps = ((inner, h, b, top + out_and_weights, 0.0),
@@ -334,25 +323,81 @@ def experts_backward(model: nn.Module, tokens: int, quantizers: dict[str, Any],
               + down_w, 4 * e * h * inner))
     for i, o, dx_bytes, freed, held in steps:
         need = b * r * o + dx_bytes * r * i + 4 * e * o * i + held - freed
-        if q is not None:
-            per = math.ceil(r / e)
-            need += e * cast_bytes(q, per, o, "grad_output", 1)
-            if not q.reuses("grad_output"):
-                need += e * cast_bytes(q, per, o, "grad_output", 0)
-            need += route_bytes(q, per, i, o)
+        if free:
+            need += _blocks_backward(q, r, e, i, o, b)
+        elif q is not None:
+            for n in counts:
+                need += cast_bytes(q, n, o, "grad_output", 1)
+                if not q.reuses("grad_output"):
+                    need += cast_bytes(q, n, o, "grad_output", 0)
+            need += route_bytes(q, max(counts), i, o)
         best = max(best, need)
     return best
 
 
+def _input_casts(q: Any, counts: list[float], cols: int, padded: int = 0) -> float:
+    """What the experts' GEMM keeps of its token operand (``cols`` wide) for wgrad: each
+    expert's cast of its ``counts`` rows, or on the sync-free block route one cast of
+    the ``padded``-row buffer along the tokens and two int64 row maps (each row's
+    expert, its place in the buffer)."""
+    if padded:
+        return cast_bytes(q, padded, cols, "input", 0) + 16 * sum(counts)
+    return sum(_saved_cast(q, n, cols, "input") for n in counts)
+
+
+def routed_rows(model: nn.Module, batch: Any) -> dict[str, list[int]]:
+    """The rows each expert of each experts module gets on ``batch`` (a dict of keyword
+    inputs, a tuple of positional ones, or a tensor): one forward without grad, the
+    router's top-k ids counted per expert; the model's buffers are restored after."""
+    import torch
+
+    counts: dict[str, list[int]] = {}
+
+    def hook(name, m):
+        def read(_mod, args, kwargs):
+            ids = args[1] if len(args) > 1 else next(
+                v for k, v in kwargs.items() if k in ("top_k_index", "router_indices"))
+            e = _experts_dims(m)[0]
+            got = torch.bincount(ids.reshape(-1).clamp(0, e), minlength=e + 1)[:e]
+            counts[name] = [int(c) for c in got.tolist()]
+        return read
+
+    handles = [m.register_forward_pre_hook(hook(n, m), with_kwargs=True)
+               for n, m in moe_experts(model).items()]
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    try:
+        with torch.no_grad():
+            if isinstance(batch, dict):
+                model(**batch)
+            elif isinstance(batch, (tuple, list)):
+                model(*batch)
+            else:
+                model(batch)
+    finally:
+        for h in handles:
+            h.remove()
+        with torch.no_grad():
+            named = dict(model.named_buffers())
+            for k, v in buffers.items():
+                named[k].copy_(v)
+    return counts
+
+
 def moe_terms(model: nn.Module, r: Any, tokens: int, act_bytes: float, route: str,
-              seq_len: int | None = None) -> tuple[float, float]:
+              seq_len: int | None = None, rows: dict[str, list[int]] | None = None,
+              experts_route: str = "loop") -> tuple[float, float]:
     """``(saved activations, working set)`` of an MoE model under recipe ``r``: what one
-    forward of ``tokens`` tokens (sequences of ``seq_len``) saves, and the larger of the
-    loss's working set and the widest experts projection's backward (``route``: the
-    fp8 GEMM route of one expert's GEMMs)."""
+    forward of ``tokens`` tokens (sequences of ``seq_len``) saves, and the largest of
+    the loss's working set, the biased experts' forward and the widest experts
+    projection's backward (``route``: the fp8 GEMM route of one expert's GEMMs;
+    ``rows``: each experts module's rows per expert, ``routed_rows``; ``experts_route``:
+    the experts' grouped route, ``loop`` or ``grouped``)."""
     from mixprec.fp8.quantizers import quantizer_for
     from mixprec.memory.layers import layer_recipes
 
+    if experts_route not in ("loop", "grouped"):
+        raise ValueError(f"experts_route={experts_route!r}; valid: loop (a CPU's eager "
+                         "route), grouped (a GPU's, and a compiled CPU model's)")
     linears = ({fqn: quantizer_for(rec) for fqn, rec in layer_recipes(model, r).items()
                 if rec is not None} if r.linear is not None else {})
     experts = {}
@@ -360,17 +405,17 @@ def moe_terms(model: nn.Module, r: Any, tokens: int, act_bytes: float, route: st
         experts = {name: quantizer_for(r.for_layer(name)) for name in moe_experts(model)
                    if r.layer_format(name) != "bf16"}
     device = next(model.parameters()).device.type
-    saved = moe_saved_bytes(model, tokens, linears, experts, act_bytes, seq_len, device)
+    saved = moe_saved_bytes(model, tokens, linears, experts, act_bytes, seq_len, device,
+                            rows, experts_route)
+    last = list(moe_experts(model))[-1:]
     work = max(loss_transient(model, tokens),
                experts_bias_forward(model, tokens, experts, act_bytes),
                experts_backward(model, tokens, experts, act_bytes,
                                 lambda q, t, i, o: q.backward_bytes(t, i, o, act_bytes,
-                                                                    route)))
+                                                                    route),
+                                rows=(rows or {}).get(last[0]) if last else None,
+                                experts_route=experts_route, device=device))
     return saved, work
-
-
-#: attention implementations priced by their own saved tensors (``attention_path``)
-PRICED_ATTENTION = ("sdpa", "eager")
 
 
 def moe_notes(model: nn.Module) -> list[str]:
@@ -378,12 +423,12 @@ def moe_notes(model: nn.Module) -> list[str]:
     implementation other than ``sdpa`` and ``eager`` is priced as a fused kernel (its
     log-sum-exp only), and the ``eager`` and ``math`` paths' ``s×s`` probabilities are
     flagged where they are priced."""
-    impl = _attn_impl(model)
+    impl = attention_impl(model)
     if impl not in PRICED_ATTENTION:
         return [f"activations: attention implementation {impl!r}: priced as a fused "
                 "kernel (Q, K, V, the output and a log-sum-exp per head)"]
     device = next(model.parameters()).device.type
-    paths = {attention_path(m, impl, device) for m in _attention_modules(model).values()}
+    paths = {attention_path(m, impl, device) for m in attention_modules(model).values()}
     if paths & {"eager", "math"}:
         how = "eager" if "eager" in paths else "sdpa's math fallback (q·k and v head dims differ)"
         return [f"activations: attention runs {how}: its fp32 s×s probabilities per head "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,7 +14,7 @@ from mixprec.master import grads_in_place, updated_dtype
 from mixprec.memory.breakdown import Breakdown
 from mixprec.memory.fsdp import FSDP_NOTE, fsdp_gathered_bytes, fsdp_held_recipe, fsdp_sharded
 from mixprec.memory.layers import fp8_share, layer_recipes
-from mixprec.memory.moe import moe_experts, moe_notes, moe_terms
+from mixprec.memory.moe import moe_experts, moe_notes, moe_terms, routed_rows
 from mixprec.memory.spec import TransformerSpec, activation_bytes
 from mixprec.memory.transient import (
     backward_transient,
@@ -47,6 +48,7 @@ def estimate(
     zero_stage: int = 0,
     world_size: int = 1,
     activations: TransformerSpec | float | None = None,
+    sample_batch: Any = None,
 ) -> Breakdown:
     """Bytes per rank of each item for ``params`` trained with ``recipe``.
 
@@ -65,6 +67,10 @@ def estimate(
     (``weight_casts``) and a step's ``peak``: the items less the gradients that
     autograd makes afresh each backward, plus the widest Linear's backward working set
     (``mixprec.memory.transient``), or the optimizer step's scratch where larger.
+    For a transformers mixture-of-experts model, ``sample_batch`` (its inputs, as
+    ``measure`` takes them) is run once without grad to read how many rows each expert
+    gets (``mixprec.memory.moe.routed_rows``): the busiest expert's scratch is priced
+    at its rows, not the average.
     """
     r = Recipe.coerce(recipe)
     opt = optimizer.lower().replace("-", "_")
@@ -131,8 +137,10 @@ def estimate(
         tokens = activations.seq_len * activations.micro_batch
         work = 0.0
         if on_model and moe_experts(params):  # saved and held as its modules run
+            rows = routed_rows(params, sample_batch) if sample_batch is not None else None
             items["activations"], work = moe_terms(params, r, tokens, act_bytes, route,
-                                                      activations.seq_len)
+                                                   activations.seq_len, rows,
+                                                   activations.experts_route)
             notes.append("activations: a transformers mixture-of-experts model, priced "
                          "from its own modules (mixprec.memory.moe)")
             notes += moe_notes(params)

@@ -53,6 +53,11 @@ class TransformerSpec:
     #: Linears that read the attention's input: 1 (a fused QKV) or 3 (separate q, k, v);
     #: each casts and saves its own copy where the input is cast (16 bits, fp8)
     qkv_linears: Literal[1, 3] = 1
+    #: a transformers mixture-of-experts model's experts route
+    #: (``mixprec.experts.grouped``): ``loop``, a CPU's eager choice, or ``grouped``, a
+    #: GPU's and a compiled CPU model's (where ``fp8-block`` and ``mxfp8`` take the
+    #: sync-free block route with its tile-padded wgrad buffer)
+    experts_route: Literal["loop", "grouped"] = "loop"
 
 
 def activation_bytes(spec: TransformerSpec, bytes_per_value: float = 2.0,
