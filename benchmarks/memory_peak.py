@@ -13,8 +13,11 @@ step (undone afterwards) under ``torch.profiler``'s memory events. MB = 2^20 byt
 DeepSeek-V3 and GPT-OSS built from config: 2 layers, hidden 64, 4 experts of 128, top-2,
 vocabulary 128; nothing is downloaded) under the recipes that run their experts on
 mixprec's grouped GEMM, batch 8 of 64 tokens; their prediction reads the model's own
-modules (``mixprec.memory.moe``). No figure is asserted here (tests/test_memory_peak.py
-asserts the bounds)."""
+modules (``mixprec.memory.moe``), with every expert at the average rows and with the
+batch's routing (``estimate(..., sample_batch=)``). The experts run on the CPU's eager
+``loop`` route, and ``fp8-block`` and ``mxfp8`` also on the ``grouped`` route that
+``torch.compile`` takes (sync-free, with its tile-padded wgrad buffer), run eagerly. No
+figure is asserted here (tests/test_memory_peak.py asserts the bounds)."""
 
 from __future__ import annotations
 
@@ -114,19 +117,33 @@ def experts_route(route: str):
         hook.grouped_mm = before
 
 
-def moe_peaks(kind: str, recipe: str, batch: int = 8, seq: int = 64, *,
-              route: str = "loop", routed: bool = False) -> tuple[float, float, float]:
-    """``(steady, estimated peak, measured peak)`` in bytes for a tiny MoE model, its
-    experts on ``route``; ``routed``: the estimate reads the batch's routing
-    (``estimate(..., sample_batch=)``) rather than taking every expert at the average."""
+def _moe_inputs(kind: str, batch: int, seq: int, route: str):
+    """The model, its batch and the spec its estimate takes."""
     model = moe_model(kind)
     idx = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(1))
-    data = {"input_ids": idx, "labels": idx}
     cfg = model.config
     spec = TransformerSpec(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
                            heads=cfg.num_attention_heads, seq_len=seq, micro_batch=batch,
                            vocab=cfg.vocab_size, attention="flash", dropout=False,
                            experts_route=route)
+    return model, {"input_ids": idx, "labels": idx}, spec
+
+
+def moe_estimate(kind: str, recipe: str, batch: int = 8, seq: int = 64, *,
+                 route: str = "loop") -> float:
+    """The estimated peak in bytes with every expert at the average rows."""
+    model, _, spec = _moe_inputs(kind, batch, seq, route)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return estimate(model, recipe, activations=spec).peak
+
+
+def moe_peaks(kind: str, recipe: str, batch: int = 8, seq: int = 64, *,
+              route: str = "loop", routed: bool = False) -> tuple[float, float, float]:
+    """``(steady, estimated peak, measured peak)`` in bytes for a tiny MoE model, its
+    experts on ``route``; ``routed``: the estimate reads the batch's routing
+    (``estimate(..., sample_batch=)``) rather than taking every expert at the average."""
+    model, data, spec = _moe_inputs(kind, batch, seq, route)
     with warnings.catch_warnings(), experts_route(route):
         warnings.simplefilter("ignore")
         predicted = estimate(model, recipe, activations=spec,
@@ -163,15 +180,18 @@ def main() -> None:
         print(f"| `{r}` | {steady / mb:.1f} | {est / mb:.1f} | {got / mb:.1f} | "
               f"{est / got:.3f} |", flush=True)
     if args.moe:
-        print("\n| model | recipe | steady MB | estimated peak MB | measured peak MB | "
-              "estimate / measured |")
-        print("|---|---|---|---|---|---|")
-        for kind in MOE_MODELS:
-            for r in MOE_RECIPES:
-                steady, est, got = moe_peaks(kind, r)
-                print(f"| {kind} | `{r}` | {steady / mb:.1f} | {est / mb:.2f} | "
-                      f"{got / mb:.2f} | {est / got:.3f} |", flush=True)
-
+        print("\n| model | recipe | route | steady MB | estimated peak MB (average rows) | "
+              "estimated peak MB (batch's routing) | measured peak MB | "
+              "estimate / measured (average) | estimate / measured (routing) |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        runs = [(k, r, "loop") for k in MOE_MODELS for r in MOE_RECIPES]
+        runs += [(k, r, "grouped") for k in MOE_MODELS for r in ("fp8-block", "mxfp8")]
+        for kind, r, route in runs:
+            average = moe_estimate(kind, r, route=route)
+            steady, est, got = moe_peaks(kind, r, route=route, routed=True)
+            print(f"| {kind} | `{r}` | {route} | {steady / mb:.1f} | {average / mb:.2f} | "
+                  f"{est / mb:.2f} | {got / mb:.2f} | {average / got:.3f} | "
+                  f"{est / got:.3f} |", flush=True)
 
 if __name__ == "__main__":
     main()
