@@ -348,15 +348,19 @@ def _input_casts(q: Any, counts: list[float], cols: int, padded: int = 0) -> flo
 def routed_rows(model: nn.Module, batch: Any) -> dict[str, list[int]]:
     """The rows each expert of each experts module gets on ``batch`` (a dict of keyword
     inputs, a tuple of positional ones, or a tensor): one forward without grad, the
-    router's top-k ids counted per expert; the model's buffers are restored after."""
+    router's top-k ids (the experts forward's second argument, or its ``top_k_index`` /
+    ``router_indices`` keyword) counted per expert; a module called otherwise is left
+    out (priced at the average). The model's buffers are restored after."""
     import torch
 
     counts: dict[str, list[int]] = {}
 
     def hook(name, m):
         def read(_mod, args, kwargs):
-            ids = args[1] if len(args) > 1 else next(
-                v for k, v in kwargs.items() if k in ("top_k_index", "router_indices"))
+            ids = args[1] if len(args) > 1 else kwargs.get(
+                "top_k_index", kwargs.get("router_indices"))
+            if not isinstance(ids, torch.Tensor):  # a signature not known: the average
+                return
             e = _experts_dims(m)[0]
             got = torch.bincount(ids.reshape(-1).clamp(0, e), minlength=e + 1)[:e]
             counts[name] = [int(c) for c in got.tolist()]
