@@ -59,6 +59,7 @@ from mixprec.experts.scaled_grouped import scaled_grouped_applies, scaled_groupe
 from mixprec.experts.segments import segmented_mm, wgrad_product
 from mixprec.experts.segments_blocks import blocks_apply, segmented_blocks_mm
 from mixprec.experts.segments_int8 import int8_applies, segmented_int8_mm
+from mixprec.experts.segments_nvfp4 import nvfp4_applies, segmented_nvfp4_mm, stream_keys
 from mixprec.experts.segments_rowwise import rowwise_applies, segmented_rowwise_mm
 
 __all__ = ["grouped_mm", "ROUTES", "group_bounds"]
@@ -103,7 +104,8 @@ def _route(route: str, fmt: ExpertsFormat, device: torch.device, k: int, n: int,
     # dequantize-and-stack pass made it slower than the loop on every format measured
     # (benchmarks/grouped_gemm.py); on a GPU one launch replaces one per expert
     sync_free = compiling and (fmt.quantizer.per_tensor or rowwise_applies(fmt)
-                               or blocks_apply(fmt) or int8_applies(fmt))
+                               or blocks_apply(fmt) or int8_applies(fmt)
+                               or nvfp4_applies(fmt))
     return "grouped" if route != "auto" or device.type == "cuda" or sync_free else "loop"
 
 
@@ -194,14 +196,15 @@ class _GroupedQuantizedMM(torch.autograd.Function):
         xw, wd = casts[:len(bounds)], casts[len(bounds):]
         t, n, k = ctx.shape
         grouped = ctx.route != "loop"
-        gen = fmt._sr_generator(gy.device)
+        keys, wkeys = stream_keys(fmt._sr_generator(gy.device), bounds, t, n)
         dx = dw = None
         with adapter.no_autocast(gy), fmt.quantizer.gemm_context():
             g1 = [None] * len(bounds)
             if ctx.needs_input_grad[0]:
                 dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
                 g1 = [None if s == e else adapter.cast(fmt, gy[s:e], "grad_output", 1,
-                                                       True, gen) for s, e in bounds]
+                                                       True, key)
+                      for key, (s, e) in zip(keys, bounds)]
                 if grouped and bf16_only(gy.device):
                     dx = rows_mm(g1, wd, bounds, t, n, k, gy.device)
                 elif grouped:
@@ -224,8 +227,8 @@ class _GroupedQuantizedMM(torch.autograd.Function):
             elif ctx.needs_input_grad[1]:
                 reuse = adapter.reuses(fmt, "grad_output")
                 g0 = [None if s == e else c if c is not None and reuse
-                      else adapter.cast(fmt, gy[s:e], "grad_output", 0, c is None, gen)
-                      for c, (s, e) in zip(g1, bounds)]
+                      else adapter.cast(fmt, gy[s:e], "grad_output", 0, c is None, key)
+                      for c, key, (s, e) in zip(g1, wkeys, bounds)]
                 if grouped and bf16_only(gy.device):
                     dw = _zero_empty(wgrad_mm(g0, xw, bounds, t, k, n, gy.device), bounds)
                 elif grouped:
@@ -315,5 +318,7 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
             return segmented_blocks_mm(x, weight, offsets, fmt, out_dtype)
         if int8_applies(fmt):
             return segmented_int8_mm(x, weight, offsets, fmt, out_dtype)
+        if nvfp4_applies(fmt):
+            return segmented_nvfp4_mm(x, weight, offsets, fmt, out_dtype)
     return _GroupedQuantizedMM.apply(x, weight, offsets, fmt, out_dtype,
                                      torch.is_grad_enabled(), route)
