@@ -15,17 +15,17 @@ expert with no token costs nothing and gets a zero weight gradient.
 Routes (``route=``):
 
 - ``loop``: one quantized GEMM per expert on the format's own route: the exact
-  reference, bit for bit what a ``Float8Linear`` holding ``W[e]`` computes on its rows;
+  reference, bit for bit what a ``Float8Linear`` holding ``W[e]`` computes on its rows
+  (NVFP4's stochastic rounding aside: the experts draw from their own stream);
 - ``grouped``: on a CPU the casts dequantized to fp32 and multiplied by
   ``torch._grouped_mm`` (a CPU kernel since torch 2.9): the same products, one fp32
   rounding per element where the scale is not a power of two; it needs K and N
   multiples of 4 (16-byte strides) and falls back to ``loop`` per call where they are
   not (``int8-rowwise``'s 16-bit wgrad: the same kernel on the 16-bit operands). For
-  the per-tensor formats (``fp8``, ``fp8-current``), ``fp8-rowwise``, ``fp8-block``,
-  ``mxfp8`` and ``int8-rowwise`` it reads nothing on the host there
-  (``mixprec.experts.segments``, ``segments_rowwise``: per-expert scales by segment
-  reductions; ``segments_blocks``: wgrad's tiles aligned to each expert's first token
-  in a fixed-size buffer; ``segments_int8``: every int8 cast whole; bit for bit the
+  every format it reads nothing on the host there (``mixprec.experts.segments``,
+  ``segments_rowwise``: per-expert scales by segment reductions; ``segments_blocks``,
+  ``segments_nvfp4``: wgrad's tiles aligned to each expert's first token in a
+  fixed-size buffer; ``segments_int8``: every int8 cast whole; bit for bit the
   per-expert casts), so ``torch.compile`` traces it without a graph break; it does not
   check the offsets.
   On a GPU, whose grouped kernel takes bf16 only, the per-tensor and rowwise formats
@@ -40,10 +40,11 @@ Routes (``route=``):
   slower: ``benchmarks/grouped_gemm.py``); under ``torch.compile``, ``grouped`` for the
   formats above on a CPU too (the loop reads the counts on the host).
 
-The other routes and formats (``nvfp4`` everywhere; every format
-on a GPU's ``grouped`` and ``scaled_grouped``) read the token counts to the host once
-per call (as transformers' own fallback reads them): each expert's casts are sized by
-them, and ``torch.compile`` breaks the graph there.
+The other routes (``loop``; a GPU's ``grouped`` and ``scaled_grouped``) read the token
+counts to the host once per call (as transformers' own fallback reads them): each
+expert's casts are sized by them, and ``torch.compile`` breaks the graph there. NVFP4's
+stochastic rounding draws each gradient element's number by its place in one counter
+stream per backward on every route (``segments_nvfp4.stream_keys``).
 """
 
 from __future__ import annotations
