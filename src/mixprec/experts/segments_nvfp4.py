@@ -35,7 +35,7 @@ import torch
 
 from mixprec.experts import adapter
 from mixprec.experts.segments import expert_rows, rows_product, wgrad_product
-from mixprec.experts.segments_blocks import _spread, tile_aligned_rows
+from mixprec.experts.segments_blocks import _spread, tile_aligned_rows, weight_casts
 from mixprec.fp8.formats.nvfp4 import NVFP4Scaling
 from mixprec.fp8.nvfp4 import NVFP4_BLOCK, apply_hadamard, cast_nvfp4, counter_key, hadamard_16
 
@@ -108,11 +108,9 @@ class _SegmentedNVFP4MM(torch.autograd.Function):
         layout = _layout(offs, t) if need_dw else (None, 0, None, None)
         with adapter.no_autocast(x), fmt.quantizer.gemm_context():
             xv = _rows_cast(x, ids, e + 1, None).dequant()
-            wq = [adapter.cast(fmt, w[i], "weight", 1) for i in range(e)]
+            wq, wd = weight_casts(fmt, w, need_dx)
             y = rows_product(xv, torch.stack([c.dequant().t() for c in wq]), offs, ids,
                              out_dtype)
-            wd = [] if not need_dx else wq if adapter.reuses(fmt, "weight") else [
-                adapter.cast(fmt, w[i], "weight", 0) for i in range(e)]
             xw = [] if not need_dw else [
                 _tokens_cast(fmt, _spread(x, layout[0], layout[1]), layout[3], e + 1, None)]
         tensors, ctx.casts = adapter.pack(wd + xw)
