@@ -179,7 +179,7 @@ def test_a_transformers_moe_model_compiles_as_one_graph(recipe, monkeypatch):
     assert counter.frame_count == 1
     route = grouped._route  # eager on the route compile takes (auto: the loop on a CPU)
     monkeypatch.setattr(grouped, "_route", lambda *a: route(*a[:5], True))
-    monkeypatch.setattr(Float8Linear, "_sr_generator", ExpertsFormat._sr_generator)
+    monkeypatch.setattr(Float8Linear, "_sr_generator", Float8Linear._sr_key)
     assert not model.load_state_dict(rng, strict=False).unexpected_keys
     eager = grads(loss_fn)
     for a, b in zip(eager, compiled):

@@ -50,20 +50,12 @@ class ExpertsFormat(nn.Module):
     # the scaling state and its step are Float8Linear's: one definition of each
     scaling_state = Float8Linear.scaling_state
     update_scales = Float8Linear.update_scales
-
-    def _sr_generator(self, device) -> torch.Tensor | None:
-        """Stochastic rounding of the gradients: this backward's key of the counter
-        stream (``mixprec.fp8.nvfp4.counter_uniform``), ``seed · 1000003 + calls`` from
-        ``nvfp4_rng``, whose count advances on the device; None where the quantizer
-        rounds to nearest. Eager and compiled, every route draws each gradient
-        element's number at its place in that stream (``segments_nvfp4.stream_keys``),
-        so they round alike, and nothing is read on the host."""
-        if not self.quantizer.stochastic_grads or torch.device(device).type == "meta":
-            return None
-        rng = self.nvfp4_rng
-        key = rng[0] * 1_000_003 + rng[1]
-        rng[1:] += 1
-        return key
+    _sr_generator = Float8Linear._sr_generator
+    _sr_stream_shift = Float8Linear._sr_stream_shift
+    # the grouped routes' stream: every gradient element's number by its place
+    # (``segments_nvfp4.stream_keys``), eager and compiled alike
+    _sr_key = Float8Linear._sr_key
+    _rng_host = None
 
     @property
     def scaling(self) -> str:
@@ -78,6 +70,10 @@ class ExpertsFormat(nn.Module):
     def backend(self, device: torch.device | str) -> str:
         """The GEMM route on ``device`` (``mixprec.fp8.route.gemm_route``)."""
         return self.quantizer.route(device, self.gemm_choice)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._rng_host = None  # a loaded nvfp4_rng is read again on the next backward
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         """The format and its route choice."""

@@ -16,7 +16,7 @@ Routes (``route=``):
 
 - ``loop``: one quantized GEMM per expert on the format's own route: the exact
   reference, bit for bit what a ``Float8Linear`` holding ``W[e]`` computes on its rows
-  (NVFP4's stochastic rounding aside: the experts draw from their own stream);
+  (NVFP4's stochastic rounding aside: one generator serves every expert's casts);
 - ``grouped``: on a CPU the casts dequantized to fp32 and multiplied by
   ``torch._grouped_mm`` (a CPU kernel since torch 2.9): the same products, one fp32
   rounding per element where the scale is not a power of two; it needs K and N
@@ -44,7 +44,8 @@ The other routes (``loop``; a GPU's ``grouped`` and ``scaled_grouped``) read the
 counts to the host once per call (as transformers' own fallback reads them): each
 expert's casts are sized by them, and ``torch.compile`` breaks the graph there. NVFP4's
 stochastic rounding draws each gradient element's number by its place in one counter
-stream per backward on every route (``segments_nvfp4.stream_keys``).
+stream per backward on the ``grouped`` route, eager and compiled, with or without the
+host read (``segments_nvfp4.stream_keys``); the ``loop`` draws as a Linear does.
 """
 
 from __future__ import annotations
@@ -197,7 +198,10 @@ class _GroupedQuantizedMM(torch.autograd.Function):
         xw, wd = casts[:len(bounds)], casts[len(bounds):]
         t, n, k = ctx.shape
         grouped = ctx.route != "loop"
-        keys, wkeys = stream_keys(fmt._sr_generator(gy.device), bounds, t, n)
+        # the loop draws as Linears do (eager: a generator, each cast in turn); the
+        # grouped route by place in the counter stream, as its sync-free form does
+        gen = (fmt._sr_generator if ctx.route == "loop" else fmt._sr_key)(gy.device)
+        keys, wkeys = stream_keys(gen, bounds, t, n)
         dx = dw = None
         with adapter.no_autocast(gy), fmt.quantizer.gemm_context():
             g1 = [None] * len(bounds)

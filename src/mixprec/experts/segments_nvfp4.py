@@ -17,14 +17,14 @@ rows are multiplied as the host-read path stacks them (without the transform, th
 rows are gathered back in place).
 
 Stochastic rounding draws the gradient's numbers from the counter stream of this
-backward's key (``ExpertsFormat._sr_generator``) by place, not by call: dgrad's cast
-takes number ``row · N + col`` (the row in the gradient), wgrad's ``T·N + row · N +
-col`` (the row in the 16-aligned layout), on every route (``stream_keys`` gives the
-per-expert casts of the other routes their offsets). So every element meets the scale,
-transform, clamp and rounding (random number included) that the host-read path's cast
-of its expert's slice gives it, and the values multiplied by ``grouped_mm_fp32`` are
-bit for bit those. Nothing reads a tensor's value on the host, so ``torch.compile``
-traces it as one graph.
+backward's key (``ExpertsFormat._sr_key``) by place, not by call: dgrad's cast takes
+number ``row · N + col`` (the row in the gradient), wgrad's ``T·N + row · N + col``
+(the row in the 16-aligned layout), as the host-read ``grouped`` path's per-expert
+casts draw them (``stream_keys`` gives them their offsets). So every element meets
+the scale, transform, clamp and rounding (random number included) that the host-read
+path's cast of its expert's slice gives it, and the values multiplied by
+``grouped_mm_fp32`` are bit for bit those. Nothing reads a tensor's value on the host,
+so ``torch.compile`` traces it as one graph.
 """
 
 from __future__ import annotations
@@ -50,13 +50,14 @@ def nvfp4_applies(fmt: ExpertsFormat) -> bool:
     return isinstance(fmt.quantizer, NVFP4Scaling)
 
 
-def stream_keys(key: torch.Tensor | None, bounds: list[tuple[int, int]], t: int, n: int
-                ) -> tuple[list, list]:
-    """Each expert's keys (dgrad's cast, wgrad's) in the stream of ``key`` (None: no
-    stochastic rounding) for a (``t`` × ``n``) gradient: dgrad's from its first row,
-    wgrad's from ``t`` rows on plus its first row in the 16-aligned layout."""
-    if key is None:
-        return [None] * len(bounds), [None] * len(bounds)
+def stream_keys(key: torch.Tensor | torch.Generator | None, bounds: list[tuple[int, int]],
+                t: int, n: int) -> tuple[list, list]:
+    """Each expert's keys (dgrad's cast, wgrad's) in the counter stream of ``key`` for
+    a (``t`` × ``n``) gradient: dgrad's from its first row, wgrad's from ``t`` rows on
+    plus its first row in the 16-aligned layout. A generator (drawn from in turn) or
+    None (no stochastic rounding) serves every cast as it is."""
+    if not isinstance(key, torch.Tensor):
+        return [key] * len(bounds), [key] * len(bounds)
     dgrad, wgrad, start = [], [], 0
     for s, end in bounds:
         dgrad.append(counter_key(key, s * n))
@@ -125,7 +126,7 @@ class _SegmentedNVFP4MM(torch.autograd.Function):
         casts = adapter.unpack(saved, ctx.casts)
         fmt, e = ctx.fmt, ctx.n_experts
         t, n = gy.shape
-        key = fmt._sr_generator(gy.device)
+        key = fmt._sr_key(gy.device)
         dx = dw = None
         with adapter.no_autocast(gy), fmt.quantizer.gemm_context():
             if ctx.needs_input_grad[0]:
