@@ -51,6 +51,10 @@ class ExpertsFormat(nn.Module):
     scaling_state = Float8Linear.scaling_state
     update_scales = Float8Linear.update_scales
     _sr_generator = Float8Linear._sr_generator
+    _sr_stream_shift = Float8Linear._sr_stream_shift
+    # the grouped routes' stream: every gradient element's number by its place
+    # (``segments_nvfp4.stream_keys``), eager and compiled alike
+    _sr_key = Float8Linear._sr_key
     _rng_host = None
 
     @property

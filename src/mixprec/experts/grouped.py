@@ -15,17 +15,19 @@ expert with no token costs nothing and gets a zero weight gradient.
 Routes (``route=``):
 
 - ``loop``: one quantized GEMM per expert on the format's own route: the exact
-  reference, bit for bit what a ``Float8Linear`` holding ``W[e]`` computes on its rows;
+  reference, bit for bit what a ``Float8Linear`` holding ``W[e]`` computes on its rows
+  (NVFP4's stochastic rounding aside: one generator serves every expert's casts);
 - ``grouped``: on a CPU the casts dequantized to fp32 and multiplied by
   ``torch._grouped_mm`` (a CPU kernel since torch 2.9): the same products, one fp32
   rounding per element where the scale is not a power of two; it needs K and N
   multiples of 4 (16-byte strides) and falls back to ``loop`` per call where they are
-  not. For the per-tensor formats (``fp8``, ``fp8-current``), ``fp8-rowwise``,
-  ``fp8-block`` and ``mxfp8`` it reads nothing on the host there
-  (``mixprec.experts.segments``, ``segments_rowwise``: per-expert scales by segment
-  reductions; ``segments_blocks``: wgrad's tiles aligned to each expert's first token
-  in a fixed-size buffer; bit for bit the per-expert casts), so ``torch.compile``
-  traces it without a graph break; it does not check the offsets.
+  not (``int8-rowwise``'s 16-bit wgrad: the same kernel on the 16-bit operands). For
+  every format it reads nothing on the host there (``mixprec.experts.segments``,
+  ``segments_rowwise``: per-expert scales by segment reductions; ``segments_blocks``,
+  ``segments_nvfp4``: wgrad's tiles aligned to each expert's first token in a
+  fixed-size buffer; ``segments_int8``: every int8 cast whole; bit for bit the
+  per-expert casts), so ``torch.compile`` traces it without a graph break; it does not
+  check the offsets.
   On a GPU, whose grouped kernel takes bf16 only, the per-tensor and rowwise formats
   pass their codes widened to bf16 and apply the scales after the GEMM
   (``mixprec.experts.codes_grouped``: the ``dequant`` route's rounding; K and N
@@ -38,10 +40,12 @@ Routes (``route=``):
   slower: ``benchmarks/grouped_gemm.py``); under ``torch.compile``, ``grouped`` for the
   formats above on a CPU too (the loop reads the counts on the host).
 
-The other routes and formats (``nvfp4`` and ``int8-rowwise`` everywhere; every format
-on a GPU's ``grouped`` and ``scaled_grouped``) read the token counts to the host once
-per call (as transformers' own fallback reads them): each expert's casts are sized by
-them, and ``torch.compile`` breaks the graph there.
+The other routes (``loop``; a GPU's ``grouped`` and ``scaled_grouped``) read the token
+counts to the host once per call (as transformers' own fallback reads them): each
+expert's casts are sized by them, and ``torch.compile`` breaks the graph there. NVFP4's
+stochastic rounding draws each gradient element's number by its place in one counter
+stream per backward on the ``grouped`` route, eager and compiled, with or without the
+host read (``segments_nvfp4.stream_keys``); the ``loop`` draws as a Linear does.
 """
 
 from __future__ import annotations
@@ -54,8 +58,10 @@ from mixprec.experts import adapter
 from mixprec.experts.codes_grouped import bf16_only, codes_apply, rows_mm, wgrad_mm
 from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.scaled_grouped import scaled_grouped_applies, scaled_grouped_forward
-from mixprec.experts.segments import segmented_mm
+from mixprec.experts.segments import segmented_mm, wgrad_product
 from mixprec.experts.segments_blocks import blocks_apply, segmented_blocks_mm
+from mixprec.experts.segments_int8 import int8_applies, segmented_int8_mm
+from mixprec.experts.segments_nvfp4 import nvfp4_applies, segmented_nvfp4_mm, stream_keys
 from mixprec.experts.segments_rowwise import rowwise_applies, segmented_rowwise_mm
 
 __all__ = ["grouped_mm", "ROUTES", "group_bounds"]
@@ -100,7 +106,8 @@ def _route(route: str, fmt: ExpertsFormat, device: torch.device, k: int, n: int,
     # dequantize-and-stack pass made it slower than the loop on every format measured
     # (benchmarks/grouped_gemm.py); on a GPU one launch replaces one per expert
     sync_free = compiling and (fmt.quantizer.per_tensor or rowwise_applies(fmt)
-                               or blocks_apply(fmt))
+                               or blocks_apply(fmt) or int8_applies(fmt)
+                               or nvfp4_applies(fmt))
     return "grouped" if route != "auto" or device.type == "cuda" or sync_free else "loop"
 
 
@@ -191,14 +198,18 @@ class _GroupedQuantizedMM(torch.autograd.Function):
         xw, wd = casts[:len(bounds)], casts[len(bounds):]
         t, n, k = ctx.shape
         grouped = ctx.route != "loop"
-        gen = fmt._sr_generator(gy.device)
+        # the loop draws as Linears do (eager: a generator, each cast in turn); the
+        # grouped route by place in the counter stream, as its sync-free form does
+        gen = (fmt._sr_generator if ctx.route == "loop" else fmt._sr_key)(gy.device)
+        keys, wkeys = stream_keys(gen, bounds, t, n)
         dx = dw = None
         with adapter.no_autocast(gy), fmt.quantizer.gemm_context():
             g1 = [None] * len(bounds)
             if ctx.needs_input_grad[0]:
                 dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
                 g1 = [None if s == e else adapter.cast(fmt, gy[s:e], "grad_output", 1,
-                                                       True, gen) for s, e in bounds]
+                                                       True, key)
+                      for key, (s, e) in zip(keys, bounds)]
                 if grouped and bf16_only(gy.device):
                     dx = rows_mm(g1, wd, bounds, t, n, k, gy.device)
                 elif grouped:
@@ -210,7 +221,10 @@ class _GroupedQuantizedMM(torch.autograd.Function):
                         if c is not None:
                             dx[s:e] = adapter.mm(fmt, c, w_e, dx_dtype)
                 dx = _zero_tail(dx, bounds).to(ctx.x_dtype)
-            if ctx.needs_input_grad[1] and x_hp is not None:  # wgrad in gy's 16 bits
+            if ctx.needs_input_grad[1] and x_hp is not None and grouped:  # gy's 16 bits
+                offs = torch.tensor([end for _, end in bounds], device=gy.device)
+                dw = wgrad_product(gy, x_hp.to(gy.dtype), offs.to(torch.int32), ctx.w_dtype)
+            elif ctx.needs_input_grad[1] and x_hp is not None:
                 dw = gy.new_zeros(len(bounds), n, k, dtype=ctx.w_dtype)
                 for e, (s, end) in enumerate(bounds):
                     if s != end:
@@ -218,8 +232,8 @@ class _GroupedQuantizedMM(torch.autograd.Function):
             elif ctx.needs_input_grad[1]:
                 reuse = adapter.reuses(fmt, "grad_output")
                 g0 = [None if s == e else c if c is not None and reuse
-                      else adapter.cast(fmt, gy[s:e], "grad_output", 0, c is None, gen)
-                      for c, (s, e) in zip(g1, bounds)]
+                      else adapter.cast(fmt, gy[s:e], "grad_output", 0, c is None, key)
+                      for c, key, (s, e) in zip(g1, wkeys, bounds)]
                 if grouped and bf16_only(gy.device):
                     dw = _zero_empty(wgrad_mm(g0, xw, bounds, t, k, n, gy.device), bounds)
                 elif grouped:
@@ -307,5 +321,9 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
             return segmented_rowwise_mm(x, weight, offsets, fmt, out_dtype)
         if blocks_apply(fmt):
             return segmented_blocks_mm(x, weight, offsets, fmt, out_dtype)
+        if int8_applies(fmt):
+            return segmented_int8_mm(x, weight, offsets, fmt, out_dtype)
+        if nvfp4_applies(fmt):
+            return segmented_nvfp4_mm(x, weight, offsets, fmt, out_dtype)
     return _GroupedQuantizedMM.apply(x, weight, offsets, fmt, out_dtype,
                                      torch.is_grad_enabled(), route)

@@ -31,8 +31,9 @@ __all__ = ["segmented_mm", "segment_ids", "grouped_mm_fp32", "expert_rows",
 
 @torch.library.custom_op("mixprec::grouped_mm_fp32", mutates_args=())
 def grouped_mm_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``torch._grouped_mm`` on fp32 operands, as an op ``torch.compile`` keeps opaque
-    (torch's meta kernel for it accepts bf16 only; the CPU kernel takes fp32)."""
+    """``torch._grouped_mm`` on fp32 (or 16-bit) operands, as an op ``torch.compile``
+    keeps opaque (torch's meta kernel for it accepts bf16 only; the CPU kernel takes
+    fp32); the output in the operands' dtype."""
     return torch._grouped_mm(a, b, offs=offs)
 
 
@@ -76,8 +77,9 @@ def _values(codes: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
 
 
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
-    """Zero rows up to a multiple of 4 (16-byte strides for the transposed operand)."""
-    extra = (-t.shape[0]) % 4
+    """Zero rows up to 16 bytes of the dtype (16-byte strides for the transposed
+    operand: 4 fp32 rows, 8 bf16)."""
+    extra = (-t.shape[0]) % (16 // t.element_size())
     return t if not extra else torch.cat([t, t.new_zeros(extra, t.shape[1])])
 
 
@@ -98,7 +100,7 @@ def rows_product(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, ids: torc
 def wgrad_product(g: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype
                   ) -> torch.Tensor:
     """Each expert's ``gᵀ @ x`` over its rows (E × N × K; zero for an expert without
-    rows), in ``dtype``."""
+    rows), in ``g``'s dtype (fp32, or 16 bits), then ``dtype``."""
     dw = grouped_mm_fp32(_pad_rows(g).t().contiguous(), _pad_rows(x), offs)
     has_rows = torch.diff(offs, prepend=offs.new_zeros(1)) > 0
     return torch.where(has_rows.view(-1, 1, 1), dw, 0).to(dtype)

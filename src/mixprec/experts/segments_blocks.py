@@ -27,7 +27,7 @@ from mixprec.fp8.formats import BlockScaling, MXScaling
 if TYPE_CHECKING:
     from mixprec.experts.format import ExpertsFormat
 
-__all__ = ["segmented_blocks_mm", "blocks_apply", "tile_aligned_rows"]
+__all__ = ["segmented_blocks_mm", "blocks_apply", "tile_aligned_rows", "weight_casts"]
 
 
 def blocks_apply(fmt: ExpertsFormat) -> bool:
@@ -53,6 +53,16 @@ def _spread(t: torch.Tensor, dest: torch.Tensor, bound: int) -> torch.Tensor:
     return t.new_zeros(bound, t.shape[1]).index_copy(0, dest, t)
 
 
+def weight_casts(fmt: ExpertsFormat, w: torch.Tensor, need_dx: bool
+                 ) -> tuple[list, list]:
+    """Each expert's weight cast for the forward (along K) and, where dgrad runs, for
+    dgrad (the forward's where the format reuses it, else along N)."""
+    wq = [adapter.cast(fmt, w[i], "weight", 1) for i in range(w.shape[0])]
+    wd = [] if not need_dx else wq if adapter.reuses(fmt, "weight") else [
+        adapter.cast(fmt, w[i], "weight", 0) for i in range(w.shape[0])]
+    return wq, wd
+
+
 class _SegmentedBlocksMM(torch.autograd.Function):
     """The grouped GEMM and its backward on per-expert tile casts, on the device."""
 
@@ -64,11 +74,9 @@ class _SegmentedBlocksMM(torch.autograd.Function):
         dest, bound = tile_aligned_rows(offs, t, fmt.quantizer.tile) if need_dw else (None, 0)
         with adapter.no_autocast(x), fmt.quantizer.gemm_context():
             xv = adapter.cast(fmt, x, "input", 1).dequant()
-            wq = [adapter.cast(fmt, w[i], "weight", 1) for i in range(e)]
-            wv = torch.stack([c.dequant().t() for c in wq])
-            y = rows_product(xv, wv, offs, ids, out_dtype)
-            wd = [] if not need_dx else wq if adapter.reuses(fmt, "weight") else [
-                adapter.cast(fmt, w[i], "weight", 0) for i in range(e)]
+            wq, wd = weight_casts(fmt, w, need_dx)
+            y = rows_product(xv, torch.stack([c.dequant().t() for c in wq]), offs, ids,
+                             out_dtype)
             xw = [adapter.cast(fmt, _spread(x, dest, bound), "input", 0)] if need_dw else []
         tensors, ctx.casts = adapter.pack(wd + xw)
         ctx.save_for_backward(*tensors, offs, ids, dest)

@@ -147,16 +147,9 @@ class Float8Linear(nn.Linear):
         last eager backward; a checkpoint or ``load_state_dict`` re-reads it)."""
         if not self.quantizer.stochastic_grads or torch.device(device).type == "meta":
             return None  # (meta tensors: shapes only, rounded to nearest)
-        shift = getattr(self, "_sr_shift", None)  # data-parallel ranks draw apart
-        if shift is None:
-            shift = sr_stream(getattr(self, "_tp_layout", None)) * STREAM_STRIDE
-            if not torch.compiler.is_compiling():  # (a graph keeps no side effect)
-                self._sr_shift = shift
+        shift = self._sr_stream_shift()
         if torch.compiler.is_compiling():
-            rng = self.nvfp4_rng
-            key = rng[0] * 1_000_003 + rng[1] + shift
-            rng[1:] += 1
-            return key
+            return self._sr_key(device)
         if self._rng_host is None:  # once after construction or a load: one host read
             self._rng_host = [int(v) for v in self.nvfp4_rng.tolist()]
         seed, calls = self._rng_host
@@ -164,8 +157,28 @@ class Float8Linear(nn.Linear):
         self.nvfp4_rng[1] += 1  # the checkpointed copy, on the device: no host sync
         return torch.Generator(device).manual_seed(seed * 1_000_003 + calls + shift)
 
+    def _sr_stream_shift(self) -> int:
+        """``sr_stream · STREAM_STRIDE``: data-parallel ranks draw apart."""
+        shift = getattr(self, "_sr_shift", None)
+        if shift is None:
+            shift = sr_stream(getattr(self, "_tp_layout", None)) * STREAM_STRIDE
+            if not torch.compiler.is_compiling():  # (a graph keeps no side effect)
+                self._sr_shift = shift
+        return shift
+
     #: ``sr_stream · STREAM_STRIDE``, fixed by this rank at the first backward
     _sr_shift: int | None = None
+
+    def _sr_key(self, device) -> torch.Tensor | None:
+        """This backward's key of the counter stream, ``seed · 1000003 + calls`` from
+        ``nvfp4_rng`` (a tensor) plus this rank's stream, the count advanced on the
+        device; None where the quantizer rounds to nearest."""
+        if not self.quantizer.stochastic_grads or torch.device(device).type == "meta":
+            return None
+        rng = self.nvfp4_rng
+        key = rng[0] * 1_000_003 + rng[1] + self._sr_stream_shift()
+        rng[1:] += 1
+        return key
 
     _rng_host: list[int] | None = None
 

@@ -31,7 +31,8 @@ from mixprec import formats
 from mixprec.fp8.quantized import Quantized, block_amax, expand_blocks
 from mixprec.fp8.tp_agree import agreed_amax, draw_sliced
 
-__all__ = ["NVFP4_BLOCK", "cast_nvfp4", "hadamard_16", "apply_hadamard", "counter_uniform"]
+__all__ = ["NVFP4_BLOCK", "cast_nvfp4", "hadamard_16", "apply_hadamard", "counter_uniform",
+           "counter_key"]
 
 NVFP4_BLOCK = 16
 _E4M3 = formats.get("fp8_e4m3")
@@ -66,6 +67,18 @@ def counter_uniform(key: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> t
     x = (x * 0x2C1B3C6D) & _M32
     x = x ^ (x >> 16)
     return ((x >> 8).to(torch.float32) * 2.0**-24).reshape(shape)
+
+
+#: the inverse of ``counter_uniform``'s key multiplier 0x61C88647, modulo 2^32
+_KEY_STEP = 0xEBB34377
+
+
+def counter_key(key: torch.Tensor, offset: int) -> torch.Tensor:
+    """The key whose ``counter_uniform`` stream is ``key``'s from its ``offset``-th
+    number on: ``counter_uniform(counter_key(k, o), (n,))`` equals
+    ``counter_uniform(k, (o + n,))[o:]``. The hash adds ``key · 0x61C88647`` to each
+    index modulo 2^32, so the key moves by ``offset`` times that multiplier's inverse."""
+    return (key.to(torch.int64) + (offset * _KEY_STEP & _M32)) & _M32
 
 
 def _round_e2m1(v: torch.Tensor, generator: torch.Generator | torch.Tensor | None,
