@@ -362,7 +362,7 @@ class _Bound(nn.Module):
         return call_loss(self.model, self.batch, self.loss_fn)
 
 
-#: training steps a copy of the model takes, untimed, before the baselines are measured:
+#: training steps of a copy, their times discarded, before the baselines are measured:
 #: a process's first whole-model steps run slower while its allocator and kernel caches
 #: settle (a config-built Mixtral's first 16-bit steps measured 25-40% over its later
 #: ones on a CPU), and the plan is for the steps after them
@@ -370,9 +370,9 @@ WARMUP_STEPS = 8
 
 
 def _baselines(model, b, shell, batch, loss_fn, state_formats, device) -> Baselines:
-    """The 16-bit recipe's and the fp8 shell's measured step and peak, after
-    ``WARMUP_STEPS`` untimed steps, and the optimizer's measured cost per parameter
-    shape and state format."""
+    """The 16-bit recipe's and the fp8 shell's measured step and peak (after
+    ``WARMUP_STEPS`` steps whose times are discarded), and the optimizer's measured
+    cost per parameter shape and state format."""
     measure_step(model, b, batch, loss_fn, steps=WARMUP_STEPS - 1, peak=False)
     t16, p16 = measure_step(model, b, batch, loss_fn)
     ts, ps = measure_step(model, shell, batch, loss_fn, fp8_filter=lambda m, n: False)
