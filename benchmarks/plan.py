@@ -193,7 +193,10 @@ def main() -> None:
         b = sv.baselines
         print(f"\n{name}: 16-bit step {b.step_16 * 1e3:.1f} ms, peak "
               f"{b.peak_16 / 1e6:.1f} MB; fp8 shell step {b.step_shell * 1e3:.1f} ms, "
-              f"peak {b.peak_shell / 1e6:.1f} MB")
+              f"peak {b.peak_shell / 1e6:.1f} MB; whole-step scales "
+              + ", ".join(f"{f} {k:.2f}" for f, k in sorted(b.time_scale.items())))
+        for line in sv.noise:
+            print(f"  noisy: {line}")
         print("| configuration | predicted step / 16-bit | measured step / 16-bit | "
               "meas/pred | predicted peak | measured peak | meas/pred |")
         print("|---|---|---|---|---|---|---|")
