@@ -51,43 +51,43 @@ def gpt(batch: int, size: str = "small"):
     return model, (idx, tgt), ("fc", "out")
 
 
+def _causal_lm(cls, cfg, batch: int, mlp: tuple[str, ...]):
+    """A transformers causal LM ``cls(cfg)`` (seed 0), a batch of ``batch`` rows of 128
+    random tokens as its own labels, and the names of its MLP modules."""
+    torch.manual_seed(0)
+    model = cls(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (batch, 128))
+    return model, {"input_ids": ids, "labels": ids}, mlp
+
+
 def llama(batch: int, size: str = "small"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=704,
                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
                       max_position_embeddings=256, attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg)
-    ids = torch.randint(0, 512, (batch, 128))
-    return model, {"input_ids": ids, "labels": ids}, ("gate_proj", "up_proj", "down_proj")
+    return _causal_lm(LlamaForCausalLM, cfg, batch, ("gate_proj", "up_proj", "down_proj"))
 
 
 def mixtral(batch: int, size: str = "small"):
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    torch.manual_seed(0)
     cfg = MixtralConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                         num_local_experts=8, num_experts_per_tok=2,
                         max_position_embeddings=256, attn_implementation="sdpa")
-    model = MixtralForCausalLM(cfg)
-    ids = torch.randint(0, 512, (batch, 128))
-    return model, {"input_ids": ids, "labels": ids}, ("experts",)
+    return _causal_lm(MixtralForCausalLM, cfg, batch, ("experts",))
 
 
 def qwen3_moe(batch: int, size: str = "small"):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    torch.manual_seed(0)
     cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
                          moe_intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, head_dim=64,
                          num_experts=8, num_experts_per_tok=2,
                          max_position_embeddings=256, attn_implementation="sdpa")
-    model = Qwen3MoeForCausalLM(cfg)
-    ids = torch.randint(0, 512, (batch, 128))
-    return model, {"input_ids": ids, "labels": ids}, ("experts",)
+    return _causal_lm(Qwen3MoeForCausalLM, cfg, batch, ("experts",))
 
 
 MODELS = {"gpt": gpt, "llama": llama, "mixtral": mixtral, "qwen3_moe": qwen3_moe}
