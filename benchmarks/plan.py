@@ -1,22 +1,28 @@
 """The planner's predictions against measurement: step time and peak memory.
 
-    python benchmarks/plan.py [--models gpt,llama] [--batch 8] [--steps 8] [--size small]
-                              [--device cpu] [--seconds 0.25]
+    python benchmarks/plan.py [--models gpt,llama,mixtral,qwen3_moe] [--batch 8]
+                              [--steps 8] [--size small] [--device cpu]
+                              [--seconds 0.25] [--clock wall|cpu]
 
-For the workbench GPT (``small``: 4 layers, d=128, 128 tokens a row) and a Hugging Face
-Llama built from a config (4 layers, d=256, MLP 704, 128 tokens a row; no download), the
-planner surveys the model (``mixprec.planner.survey``), then for several configurations
-predicts the step time and peak from that survey and measures them: the plan itself
-(``goal=fastest``), every Linear in fp8-current, every Linear in MXFP8 (these two marked
-``*``: the survey measured their steps to scale its per-Linear timings, so their
-predicted step is a re-measurement), MLPs in fp8-current with attention in bf16, MLPs in
-MXFP8 with the rest in fp8-current, and bf16 Linears with int8 optimizer states for
-every module or every other one. Step times are compared as ratios to the 16-bit
-recipe's (``bf16-master``): the prediction's to the survey's measured 16-bit step, the
-measurement's to a 16-bit copy stepped in turn with it (median of ``--steps``), so that
-a busy machine slows both alike. The peak is one step of a fresh copy under
-``measure(peak=True)``. The table prints measured / predicted for both. MB = 1e6
-bytes. Nothing is asserted here.
+For the workbench GPT (``small``: 4 layers, d=128, 128 tokens a row), a Hugging Face
+Llama built from a config (4 layers, d=256, MLP 704, 128 tokens a row; no download) and
+two mixture-of-experts models built from configs (``mixtral``, ``qwen3_moe``: 2 layers,
+d=256, 8 experts of intermediate 512 / 256, top-2, 128 tokens a row; their experts
+modules are planner candidates beside the Linears), the planner surveys the model
+(``mixprec.planner.survey``), then for several configurations predicts the step time
+and peak from that survey and measures them: the plan itself (``goal=fastest``), every
+Linear (and experts module) in fp8-current, every one in MXFP8 (these two marked ``*``:
+the survey measured their steps to scale its per-Linear timings, so their predicted
+step is a re-measurement), MLPs (the experts) in fp8-current with the rest in bf16, MLPs
+in MXFP8 with the rest in fp8-current, on the MoE models the experts in MXFP8 with the
+rest in bf16, and bf16 Linears with int8 optimizer states for every module or every
+other one. Step times are compared as ratios to the 16-bit recipe's (``bf16-master``):
+the prediction's to the survey's measured 16-bit step, the measurement's to a 16-bit
+copy stepped in turn with it (median of ``--steps``), so that a busy machine slows both
+alike. ``--clock cpu`` runs one thread and reads every timer (the survey's and these)
+as this process's CPU seconds, which other jobs on a shared, loaded machine do not
+stretch. The peak is one step of a fresh copy under ``measure(peak=True)``. The table
+prints measured / predicted for both. MB = 1e6 bytes. Nothing is asserted here.
 """
 
 from __future__ import annotations
@@ -45,24 +51,59 @@ def gpt(batch: int, size: str = "small"):
     return model, (idx, tgt), ("fc", "out")
 
 
+def _causal_lm(cls, cfg, batch: int, mlp: tuple[str, ...]):
+    """A transformers causal LM ``cls(cfg)`` (seed 0), a batch of ``batch`` rows of 128
+    random tokens as its own labels, and the names of its MLP modules."""
+    torch.manual_seed(0)
+    model = cls(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (batch, 128))
+    return model, {"input_ids": ids, "labels": ids}, mlp
+
+
 def llama(batch: int, size: str = "small"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=704,
                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
                       max_position_embeddings=256, attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg)
-    ids = torch.randint(0, 512, (batch, 128))
-    return model, {"input_ids": ids, "labels": ids}, ("gate_proj", "up_proj", "down_proj")
+    return _causal_lm(LlamaForCausalLM, cfg, batch, ("gate_proj", "up_proj", "down_proj"))
+
+
+def mixtral(batch: int, size: str = "small"):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                        num_local_experts=8, num_experts_per_tok=2,
+                        max_position_embeddings=256, attn_implementation="sdpa")
+    return _causal_lm(MixtralForCausalLM, cfg, batch, ("experts",))
+
+
+def qwen3_moe(batch: int, size: str = "small"):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                         moe_intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                         num_experts=8, num_experts_per_tok=2,
+                         max_position_embeddings=256, attn_implementation="sdpa")
+    return _causal_lm(Qwen3MoeForCausalLM, cfg, batch, ("experts",))
+
+
+MODELS = {"gpt": gpt, "llama": llama, "mixtral": mixtral, "qwen3_moe": qwen3_moe}
 
 
 def configs(sv, mlp: tuple[str, ...]):
     fastest = choose(sv.layers, sv.units, sv.baselines)
-    mixed = sv.uniform("bf16")
-    for n in mixed.layers:
-        if n.rsplit(".", 1)[-1] in mlp and sv.layers[n].options["fp8-current"].refused is None:
-            mixed.layers[n] = "fp8-current"
+
+    def mlps_in(fmt):  # the MLPs (or experts) in fmt, the rest in bf16
+        cfg = sv.uniform("bf16")
+        for n in cfg.layers:
+            if n.rsplit(".", 1)[-1] in mlp and sv.layers[n].options[fmt].refused is None:
+                cfg.layers[n] = fmt
+        return cfg
+
+    mixed = mlps_in("fp8-current")
     two = sv.uniform("fp8-current")
     for n in two.layers:
         if n.rsplit(".", 1)[-1] in mlp and sv.layers[n].options["mxfp8"].refused is None:
@@ -71,11 +112,13 @@ def configs(sv, mlp: tuple[str, ...]):
     for i, u in enumerate(half.states):
         if i % 2:
             half.states[u] = "int8"
+    what = "experts" if mlp == ("experts",) else "MLPs"
     return {"plan (fastest)": fastest,
             "all fp8-current *": sv.uniform("fp8-current"),
             "all mxfp8 *": sv.uniform("mxfp8"),
-            "MLPs fp8-current, rest bf16": mixed,
-            "MLPs mxfp8, rest fp8-current": two,
+            f"{what} fp8-current, rest bf16": mixed,
+            f"{what} mxfp8, rest fp8-current": two,
+            **({"experts mxfp8, rest bf16": mlps_in("mxfp8")} if what == "experts" else {}),
             "bf16, int8 states": sv.uniform("bf16", "int8"),
             "bf16, every other module's states int8": half}
 
@@ -125,13 +168,21 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seconds", type=float, default=0.25,
                     help="the survey's timing window per Linear shape and format")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: one thread, every timer reads this process's CPU seconds")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
+    if args.clock == "cpu":
+        # the survey's timers and this script's all call time.perf_counter: on a shared,
+        # loaded CPU, CPU seconds of one thread are what other jobs do not stretch
+        torch.set_num_threads(1)
+        time.perf_counter = time.process_time
     where = (torch.cuda.get_device_name() if args.device.startswith("cuda") else
              f"{cpu_name()} ({torch.backends.cpu.get_cpu_capability()})")
-    print(f"device: {where}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"device: {where}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{args.clock} clock")
     for name in args.models.split(","):
-        model, batch, mlp = {"gpt": gpt, "llama": llama}[name](args.batch, args.size)
+        model, batch, mlp = MODELS[name](args.batch, args.size)
         model = model.to(args.device)
         batch = ({k: v.to(args.device) for k, v in batch.items()} if isinstance(batch, dict)
                  else tuple(t.to(args.device) for t in batch))
@@ -142,7 +193,10 @@ def main() -> None:
         b = sv.baselines
         print(f"\n{name}: 16-bit step {b.step_16 * 1e3:.1f} ms, peak "
               f"{b.peak_16 / 1e6:.1f} MB; fp8 shell step {b.step_shell * 1e3:.1f} ms, "
-              f"peak {b.peak_shell / 1e6:.1f} MB")
+              f"peak {b.peak_shell / 1e6:.1f} MB; whole-step scales "
+              + ", ".join(f"{f} {k:.2f}" for f, k in sorted(b.time_scale.items())))
+        for line in sv.noise:
+            print(f"  noisy: {line}")
         print("| configuration | predicted step / 16-bit | measured step / 16-bit | "
               "meas/pred | predicted peak | measured peak | meas/pred |")
         print("|---|---|---|---|---|---|---|")

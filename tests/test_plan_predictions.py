@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 
 import pytest
 import torch
@@ -266,3 +267,29 @@ def test_the_bound_of_each_gemm_route_is_what_it_multiplies_in(monkeypatch, meas
     assert kernels.fp8_rest(fp32_rest, "cpu") == "fp32"
     assert timing.max_speedup("dequant_fp32", fp32_rest, "cpu") == 1.0
     assert timing.max_speedup("dequant", fp32_rest, "cpu") == 1.0
+
+
+def test_the_baselines_are_the_steps_after_the_process_warms_up(monkeypatch):
+    # a process whose first 8 whole-model steps run 1.3x slow (its allocator and kernel
+    # caches settling), every step after them steady: 100 ms under the 16-bit recipe,
+    # 90 ms under the fp8 shell; measure_step as it runs: one untimed step, then
+    # ``steps`` timed ones, their median
+    taken = []
+
+    def measure_step(model, recipe, batch, loss_fn=None, *, fp8_filter=None, steps=4,
+                     peak=True):
+        steady = 0.09 if recipe.compute == "fp8" else 0.1
+        times = []
+        for _ in range(1 + steps):
+            times.append(steady * (1.3 if len(taken) < 8 else 1.0))
+            taken.append(recipe.compute)
+        return statistics.median(times[1:]), (1e6 if peak else None)
+
+    monkeypatch.setattr(survey_mod, "measure_step", measure_step)
+    monkeypatch.setattr(survey_mod, "state_step_costs", lambda *a, **k: {})
+    base = Recipe.parse("bf16-master")
+    b = survey_mod._baselines(TwoLinears(), base, Recipe.parse("fp8-current"),
+                              torch.randn(8, 64), _loss, ("fp32",), "cpu")
+    # the steady steps, not the first ones (0.13 s taken as the 16-bit step)
+    assert b.step_16 == pytest.approx(0.1) and b.step_shell == pytest.approx(0.09)
+    assert taken[:survey_mod.WARMUP_STEPS] == ["bf16"] * survey_mod.WARMUP_STEPS

@@ -261,7 +261,6 @@ def call_loss(model: nn.Module, batch: Any, loss_fn: Callable | None) -> torch.T
     return loss
 
 
-
 def _shapes(model, names, batch, loss_fn) -> dict[str, tuple[int, int, int, bool]]:
     """(in, out, tokens, bias) of each Linear, read from one forward on ``batch``."""
     out, handles = {}, []
@@ -288,14 +287,12 @@ def _shapes(model, names, batch, loss_fn) -> dict[str, tuple[int, int, int, bool
     return out
 
 
-
 def _fixed_reasons(model) -> dict[str, str]:
     """The Linears no fp8 format can take (dims, subclasses), with the reason."""
     from mixprec.fp8.convert import plan as convert_plan
 
     return {fqn: why for fqn, _, why in convert_plan(model, filter=lambda m, n: True)
             if why is not None}
-
 
 
 def _state_units(model) -> dict[str, StateUnit]:
@@ -309,7 +306,6 @@ def _state_units(model) -> dict[str, StateUnit]:
     return {k: StateUnit(k, tuple(v)) for k, v in units.items()}
 
 
-
 def _engine(model, recipe: Recipe, fp8_filter=None, lr: float = 1e-3):
     from mixprec.engine import MixedPrecision
     from mixprec.optim import adamw_for
@@ -319,7 +315,6 @@ def _engine(model, recipe: Recipe, fp8_filter=None, lr: float = 1e-3):
         warnings.simplefilter("ignore")
         return MixedPrecision(model, opt, recipe,
                               fp8_filter=fp8_filter if recipe.linear is not None else None)
-
 
 
 def measure_step(model: nn.Module, recipe: Recipe, batch: Any,
@@ -356,7 +351,6 @@ def measure_step(model: nn.Module, recipe: Recipe, batch: Any,
     return statistics.median(times), high
 
 
-
 class _Bound(nn.Module):
     """The model with its batch bound: calling it returns the loss (for ``measure``)."""
 
@@ -368,10 +362,18 @@ class _Bound(nn.Module):
         return call_loss(self.model, self.batch, self.loss_fn)
 
 
+#: training steps of a copy, their times discarded, before the baselines are measured:
+#: a process's first whole-model steps run slower while its allocator and kernel caches
+#: settle (a config-built Mixtral's first 16-bit steps measured 25-40% over its later
+#: ones on a CPU), and the plan is for the steps after them
+WARMUP_STEPS = 8
+
 
 def _baselines(model, b, shell, batch, loss_fn, state_formats, device) -> Baselines:
-    """The 16-bit recipe's and the fp8 shell's measured step and peak, and the
-    optimizer's measured cost per parameter shape and state format."""
+    """The 16-bit recipe's and the fp8 shell's measured step and peak (after
+    ``WARMUP_STEPS`` steps whose times are discarded), and the optimizer's measured
+    cost per parameter shape and state format."""
+    measure_step(model, b, batch, loss_fn, steps=WARMUP_STEPS - 1, peak=False)
     t16, p16 = measure_step(model, b, batch, loss_fn)
     ts, ps = measure_step(model, shell, batch, loss_fn, fp8_filter=lambda m, n: False)
     shapes = {tuple(p.shape) for p in model.parameters() if p.requires_grad}
@@ -429,7 +431,6 @@ def _time_scales(model, shell: Recipe, batch, loss_fn, layers: dict[str, Layer],
                                  fp8_filter=lambda m, n: False, peak=False)
             shells.append(ts)
     return out
-
 
 
 def forward_loss(model: nn.Module, recipe: Recipe, batches: list,
