@@ -142,6 +142,30 @@ def test_auto_on_a_cpu_takes_int_mm_per_shape_class_only_where_measured_faster(
     assert len(calls) == (2 if takes else 0)
 
 
+@pytest.mark.parametrize("ratio", [2.0, 0.8])
+def test_auto_compiles_as_one_graph_and_equals_eager(monkeypatch, ratio, exact_cpu_int_mm):
+    """Under ``torch.compile(fullgraph=True)`` the per-shape reading is taken while
+    tracing, as a constant (it made a generator inside the graph and broke it): the
+    compiled Linears equal eager bit for bit, on either outcome of ``auto``."""
+    def reading(device, shape):  # as the measurement does: its operands from a generator
+        torch.Generator().manual_seed(0)
+        return kernels.SpeedReading(name="int_mm", base="fp32", rounds=(ratio,) * 3)
+
+    monkeypatch.setattr(kernels, "int8_reading", reading)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 32))
+    mixprec.fp8.convert(model, "int8-rowwise,bf16_last_layers=0")
+    x = torch.randn(40, 64)
+    outs = []
+    for run in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        model.zero_grad()
+        run(x).square().mean().backward()
+        outs.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    torch._dynamo.reset()
+
+
 def test_routes_by_device_and_choice(monkeypatch, exact_cpu_int_mm):
     q = quantizer_for("int8-rowwise")
     assert isinstance(q, Int8Rowwise) and q.quantized_gemms == ("forward", "dgrad")

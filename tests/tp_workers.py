@@ -293,7 +293,7 @@ def tp_memory(rank, world, tmp, recipe):
     dist.destroy_process_group()
 
 
-def tp_peak(rank, world, tmp, recipes, dim, batch, seq, layers=1):
+def tp_peak(rank, world, tmp, recipes, dim, batch, seq, layers=1, emulate="off"):
     """Each rank's measured peak of one training step (``measure(..., peak=True)``)
     against ``estimate``'s per-rank prediction, for ``layers`` TP-split GPT blocks of
     width ``dim`` (heads of 4), on ``world`` ranks: TP over all of them, or FSDP x TP on
@@ -305,7 +305,7 @@ def tp_peak(rank, world, tmp, recipes, dim, batch, seq, layers=1):
     from mixprec.kernels import EMULATE_ENV
     from mixprec.memory import TransformerSpec, estimate, measure
 
-    os.environ[EMULATE_ENV] = "off"  # this rank's process only
+    os.environ[EMULATE_ENV] = emulate  # this rank's process only
     _init(rank, world, tmp)
     tp = 2
     dp = world // tp
