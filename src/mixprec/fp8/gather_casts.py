@@ -25,7 +25,7 @@ input of a padded (last) shard to have the shard's padded shape, which scales ca
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -242,7 +242,8 @@ def _hooks(m: nn.Module, stats):
     return fsdp_pre_all_gather, fsdp_post_all_gather
 
 
-def plain_gather_hooks(param: torch.Tensor, stats: CommStats, sent: torch.dtype | None):
+def plain_gather_hooks(param: torch.Tensor, stats: CommStats, sent: torch.dtype | None
+                       ) -> tuple[Callable, Callable]:
     """FSDP2's own gather of ``param`` (a sharded parameter: a weight gathered in 16
     bits, an experts module's 3-D weight) as extension hooks that record it: the padded
     shard in ``sent`` (default: the parameter's dtype) goes out, the gathered rows are
