@@ -13,8 +13,10 @@ its ``scaled_grouped`` route. The ``route`` column is the route that ran (a bloc
 format's ``grouped`` on a GPU runs the loop). Each case's output and both gradients are
 checked against the loop route of its format (``vs loop``: the largest of the three
 max-abs-error / max-abs ratios) and its output against the float64 product (``vs
-fp64``); each call starts from the format's initial scaling state and stochastic
-rounding stream, so NVFP4's rounded gradients compare like with like. A case that
+fp64``); each call starts from the format's initial scaling state, and a format that
+rounds gradients stochastically (NVFP4) is checked in its round-to-nearest twin (the
+routes draw their random numbers differently: the loop from a generator per expert,
+the grouped route by place in one stream) and timed as it is. A case that
 raises prints its error and the others go on. Every case runs in turn, round-robin,
 and the table reports the median over the rounds, so a noisy neighbour hits every case
 alike. ``--out`` appends one JSON line per case (``"bench": "grouped_gemm"``). Timings
@@ -85,16 +87,19 @@ def _operands(args, experts: int, device):
 
 
 def _cases(formats, device, k, n):
-    cases = {("bf16", "torch._grouped_mm"): _bf16_grouped, ("bf16", "loop"): _bf16_loop}
+    cases = {("bf16", "torch._grouped_mm"): (_bf16_grouped,) * 2,
+             ("bf16", "loop"): (_bf16_loop,) * 2}
     for name in formats:
         fmt = ExpertsFormat(name, device=device)
         routes = ["loop", "grouped"]
         if scaled_grouped_applies(fmt, device, k, n):
             routes.append("scaled_grouped")
+        twin = (ExpertsFormat(f"{name},nvfp4_sr=false", device=device)
+                if fmt.quantizer.stochastic_grads else fmt)
         for route in routes:
             ran = _route(route, fmt, device, k, n)
             label = route if ran == route else f"{route}->{ran}"
-            cases[(name, label)] = _mixprec(fmt, route)
+            cases[(name, label)] = (_mixprec(fmt, route), _mixprec(twin, route))
     return cases
 
 
@@ -113,7 +118,7 @@ def bench(args, experts: int) -> list[dict]:
         ref64[start:end] = x[start:end].double() @ w[e].double().t()
         start = end
     cases, rows, loops = _cases(args.formats, args.device, args.k, args.n), {}, {}
-    for (name, route), fn in cases.items():  # the checks, and the first-call costs
+    for (name, route), (_, fn) in cases.items():  # the checks, and the first-call costs
         row = {"bench": "grouped_gemm", "format": name, "route": route, "experts": experts,
                "tokens": args.tokens, "k": args.k, "n": args.n, "device": args.device}
         try:
@@ -133,7 +138,7 @@ def bench(args, experts: int) -> list[dict]:
             try:
                 _sync(args.device)
                 t = time.perf_counter()
-                cases[c](x, w, offs)
+                cases[c][0](x, w, offs)
                 _sync(args.device)
                 times[c].append(time.perf_counter() - t)
             except Exception as e:
