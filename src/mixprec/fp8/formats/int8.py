@@ -155,12 +155,16 @@ def shape_class(m: int, k: int, n: int) -> tuple[int, int, int]:
 measured_int8: Callable[[torch.device, tuple[int, int, int]], bool] | None = None
 
 
-@torch.compiler.assume_constant_result  # a compiled graph takes the reading as a constant
 def _faster(dev: torch.device, m: int, k: int, n: int) -> bool:
     if measured_int8 is None:  # importing mixprec imports mixprec.kernels, which sets it
         raise RuntimeError("mixprec.fp8.formats.int8.measured_int8 is unset: "
                            "import mixprec")
     return measured_int8(dev, shape_class(m, k, n))
+
+
+# a compiled graph takes the reading as a constant, read while tracing (the mark
+# ``torch.compiler.assume_constant_result`` sets, without importing torch._dynamo)
+_faster._dynamo_marked_constant = True
 
 
 _SAID: set[tuple[str, str]] = set()
