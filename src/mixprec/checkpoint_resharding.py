@@ -31,12 +31,16 @@ __all__ = ["save_resharding", "restore_resharding", "is_resharding"]
 
 
 def _require_fsdp(engine, what: str) -> None:
-    if not engine.parallelism.sharded:
+    if not (engine.parallelism.sharded or _tensor_parallel(engine)):
         raise ValueError(
-            f"{what} is for parallel='fsdp' (the optimizer must hold the model's own "
-            f"parameters, as FSDP's fp32 shards are); this engine runs "
-            f"parallel={engine.parallel!r}. Use save(path) / load(path): without FSDP a "
-            "checkpoint is whole and loads at any world size already")
+            f"{what} is for parallel='fsdp' or a tensor-parallel model; this engine runs "
+            f"parallel={engine.parallel!r}. Use save(path) / load(path): without "
+            "sharding a checkpoint is whole and loads at any world size already")
+
+
+def _tensor_parallel(engine) -> bool:
+    """A tensor-parallel engine without FSDP (``checkpoint_tp`` makes its state)."""
+    return engine.parallel == "tp"
 
 
 def is_resharding(path: str | os.PathLike[str]) -> bool:
@@ -60,6 +64,10 @@ def save_resharding(engine: Any, path: str | os.PathLike[str], extra: dict,
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     _require_fsdp(engine, "save(path, reshardable=True)")
+    if _tensor_parallel(engine):
+        from mixprec.checkpoint_tp import check_tp_savable
+
+        check_tp_savable(engine)
     _not_mid_accumulation(engine)
     if any(not o.state for o in engine.optimizers):
         raise ValueError("save(path, reshardable=True) before the first step: the "
@@ -74,8 +82,14 @@ def save_resharding(engine: Any, path: str | os.PathLike[str], extra: dict,
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
     streams = rng_entry(engine, gather=True) if rng_state else None
-    model_sd, optim_sd = get_state_dict(engine.module, engine.optimizers)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+    tp = _tensor_parallel(engine)
+    if tp:
+        from mixprec.checkpoint_tp import tp_layout, tp_state
+
+        dcp.save(tp_state(engine), checkpoint_id=str(partial))
+    else:
+        model_sd, optim_sd = get_state_dict(engine.module, engine.optimizers)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
     meta = {"recipe": engine.recipe, "emulating": engine.emulating,
             "kernels": engine.kernels.as_dict(),
             "world_size": engine.world_size, "parallel": engine.parallel,
@@ -83,7 +97,8 @@ def save_resharding(engine: Any, path: str | os.PathLike[str], extra: dict,
             "steps": engine.steps, "schedulers": [s.state_dict() for s in engine.schedulers],
             # what dcp's optimizer state dict drops (mixprec.optim's stream counter)
             "optim_extra": [o.extra_state() if hasattr(o, "extra_state") else None
-                            for o in engine.optimizers]}
+                            for o in engine.optimizers],
+            "tp_layout": tp_layout(engine) if tp else None}
 
     def finish():
         save_atomic({"engine": meta, "extra": extra, "rng": streams},
@@ -113,6 +128,15 @@ def restore_resharding(engine: Any, path: str | os.PathLike[str],
     saved = load_checkpoint(path / "engine.pt")
     meta = saved["engine"]
     _run_settings(meta, engine.recipe, engine.emulating)
+    layout = meta.get("tp_layout")
+    if layout is not None and not engine.parallelism.sharded:
+        return _restore_tp(engine, path, saved, rng_state)
+    if layout is not None or _tensor_parallel(engine):
+        by, where = (("a tensor-parallel engine without FSDP",
+                      "under tensor parallelism or in one process") if layout is not None
+                     else ("an FSDP engine", "under parallel='fsdp'"))
+        raise ValueError(f"{str(path)!r} was saved by {by}: load it {where} (at any "
+                         f"degree); this engine runs parallel={engine.parallel!r}")
     _require_fsdp(engine, "a reshardable checkpoint")
     md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     have = {f"model.{k}": tuple(v.shape) for k, v in engine.module.state_dict().items()}
@@ -143,6 +167,28 @@ def restore_resharding(engine: Any, path: str | os.PathLike[str],
     for o, e in zip(engine.optimizers, meta.get("optim_extra", [])):
         if e is not None and hasattr(o, "load_extra_state"):
             o.load_extra_state(e)
+    _restore_counters(engine, meta)
+    if rng_state:
+        _restore_rng(engine, saved, path)
+    return dict(saved.get("extra", {}))
+
+
+def _restore_tp(engine: Any, path: Path, saved: dict, rng_state: bool) -> dict:
+    """The load of a directory a tensor-parallel engine without FSDP wrote
+    (``checkpoint_tp``), at any tensor-parallel degree or in one process."""
+    import torch.distributed.checkpoint as dcp
+
+    from mixprec.checkpoint_compat import stale_model_keys
+    from mixprec.checkpoint_tp import load_tp_state
+
+    meta = saved["engine"]
+    md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    have = {f"model.{k}": tuple(v.shape) for k, v in engine.module.state_dict().items()}
+    got = {k: tuple(m.size) for k, m in md.items()
+           if k.startswith("model.") and hasattr(m, "size")}
+    stale = stale_model_keys(engine.module, (k[len("model."):] for k in got))
+    _same_model(have, {k: v for k, v in got.items() if k[len("model."):] not in stale})
+    load_tp_state(engine, str(path), meta["tp_layout"])
     _restore_counters(engine, meta)
     if rng_state:
         _restore_rng(engine, saved, path)

@@ -377,7 +377,8 @@ class MixedPrecision:
         written by rank 0, holds every rank's streams. Under FSDP each rank otherwise
         writes its shards (one path per rank); ``full=True`` gathers them;
         ``reshardable=True`` writes a ``torch.distributed.checkpoint`` directory that
-        FSDP resumes at any world size.
+        FSDP resumes at any world size (a tensor-parallel engine's: at any degree, or
+        in one process).
 
         >>> import torch, tempfile, os
         >>> model = torch.nn.Linear(4, 2)
@@ -397,7 +398,7 @@ class MixedPrecision:
         ``rng_state=False``), and return its ``extra``. An unreadable file, or one this
         engine cannot resume (another recipe; FSDP shards of another world size), raises
         before anything changes. A directory is a ``reshardable`` save, for FSDP at any
-        world size."""
+        world size, or (saved under tensor parallelism) any degree or one process."""
         if checkpoint_resharding.is_resharding(path):
             return checkpoint_resharding.restore_resharding(self, path, rng_state)
         return checkpoint.load_engine(self, path, rng_state)
