@@ -843,6 +843,44 @@ class DoorSpy:
         return _versions(state, range(len(state.buffers)))
 
 
+class ValueSpy:
+    """Compares the buffers' values at each ``ParamState.receive`` call's entry and exit
+    with the values the previous call left: writes inside the door and outside it, seen
+    without version counters."""
+
+    def __init__(self, state) -> None:
+        self.state, self.inside, self.outside = state, 0, 0
+
+    def _snap(self):
+        return [getattr(b, "_local_tensor", b).detach().clone()
+                for b in self.state.buffers + list(self.state.compensations or [])]
+
+    def _changed(self) -> int:
+        now = self._snap()
+        n = sum(not torch.equal(a, b) for a, b in zip(self.last, now))
+        self.last = now
+        return n
+
+    def __enter__(self):
+        from mixprec.master import ParamState
+
+        self.last, self._orig, spy = self._snap(), ParamState.receive, self
+
+        def receive(state, *args, **kwargs):
+            spy.outside += spy._changed()
+            spy._orig(state, *args, **kwargs)
+            spy.inside += spy._changed()
+
+        ParamState.receive = receive
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from mixprec.master import ParamState
+
+        ParamState.receive = self._orig
+        self.outside += self._changed()
+
+
 def door_writers(rank, world, tmp):
     """One accumulation window per case, under DDP and FSDP: who called the parameter
     state's door, the buffer writes made in it, and all buffer writes of the window."""
@@ -856,7 +894,7 @@ def door_writers(rank, world, tmp):
                                 parallel=parallel, grad_accum_steps=accum)
         state = engine.param_state
         start = DoorSpy.writes(state)
-        with DoorSpy() as spy:
+        with ValueSpy(state) as values, DoorSpy() as spy:
             x, y = make_data(1)[0]
             xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
             for xm, ym in zip(xs.chunk(accum), ys.chunk(accum)):
@@ -865,7 +903,9 @@ def door_writers(rank, world, tmp):
                 engine.backward(loss)
         out[(parallel, recipe)] = {"calls": dict(spy.calls), "inside": spy.inside,
                                    "writes": DoorSpy.writes(state) - start,
-                                   "direct": state.direct}
+                                   "direct": state.direct, "emulating": engine.emulating,
+                                   "values_inside": values.inside,
+                                   "values_outside": values.outside}
         engine.step()
         del engine, model, state
     _save(tmp, "door", rank, out)

@@ -39,7 +39,7 @@ def test_every_buffer_write_of_a_window_goes_through_the_door(recipe, accum, cal
                             grad_accum_steps=accum)
     state = engine.param_state
     start = w.DoorSpy.writes(state)
-    with _ValueSpy(state) as values, w.DoorSpy() as spy:
+    with w.ValueSpy(state) as values, w.DoorSpy() as spy:
         _window(engine, accum)
     assert callers <= set(spy.calls), spy.calls
     assert set(spy.calls) <= {"accumulate", "add_fp32_grad"}
@@ -49,43 +49,6 @@ def test_every_buffer_write_of_a_window_goes_through_the_door(recipe, accum, cal
         # version counters as they were (the values above are the check there)
         assert spy.inside == w.DoorSpy.writes(state) - start > 0
 
-
-class _ValueSpy:
-    """Compares the buffers' values at each ``ParamState.receive`` call's entry and exit
-    with the values the previous call left: writes inside the door and outside it, seen
-    without version counters."""
-
-    def __init__(self, state) -> None:
-        self.state, self.inside, self.outside = state, 0, 0
-
-    def _snap(self):
-        return [b.detach().clone() for b in self.state.buffers + list(self.state.compensations
-                                                                     or [])]
-
-    def _changed(self) -> int:
-        now = self._snap()
-        n = sum(not torch.equal(a, b) for a, b in zip(self.last, now))
-        self.last = now
-        return n
-
-    def __enter__(self):
-        from mixprec.master import ParamState
-
-        self.last, self._orig, spy = self._snap(), ParamState.receive, self
-
-        def receive(state, *args, **kwargs):
-            spy.outside += spy._changed()
-            spy._orig(state, *args, **kwargs)
-            spy.inside += spy._changed()
-
-        ParamState.receive = receive
-        return self
-
-    def __exit__(self, *exc) -> None:
-        from mixprec.master import ParamState
-
-        ParamState.receive = self._orig
-        self.outside += self._changed()
 
 
 def test_ddp_hook_and_fsdp_shards_write_through_the_door():
@@ -103,7 +66,9 @@ def test_ddp_hook_and_fsdp_shards_write_through_the_door():
         # FSDP keeps the window's unsharded sum itself: one harvest of the shards
         assert not fsdp["direct"] and fsdp["calls"] == {"accumulate": 1}, fsdp
         for case in r.values():
-            assert case["inside"] == case["writes"] > 0, case
+            assert case["values_outside"] == 0 and case["values_inside"] > 0, case
+            if not case["emulating"]:  # see the window test above
+                assert case["inside"] == case["writes"] > 0, case
 
 
 def test_torch_optimizers_read_the_view_as_grad_without_a_copy():
