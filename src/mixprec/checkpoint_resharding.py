@@ -138,14 +138,7 @@ def restore_resharding(engine: Any, path: str | os.PathLike[str],
         raise ValueError(f"{str(path)!r} was saved by {by}: load it {where} (at any "
                          f"degree); this engine runs parallel={engine.parallel!r}")
     _require_fsdp(engine, "a reshardable checkpoint")
-    md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    have = {f"model.{k}": tuple(v.shape) for k, v in engine.module.state_dict().items()}
-    got = {k: tuple(m.size) for k, m in md.items()
-           if k.startswith("model.") and hasattr(m, "size")}
-    from mixprec.checkpoint_compat import stale_model_keys
-
-    stale = stale_model_keys(engine.module, (k[len("model."):] for k in got))
-    _same_model(have, {k: v for k, v in got.items() if k[len("model."):] not in stale})
+    md = _same_model_as(engine, path)
     trained = [n for n, p in engine.module.named_parameters() if p.requires_grad]
     missing = [n for n in trained if not any(k.startswith(f"optim.state.{n}.") for k in md)]
     if missing:
@@ -176,20 +169,28 @@ def restore_resharding(engine: Any, path: str | os.PathLike[str],
 def _restore_tp(engine: Any, path: Path, saved: dict, rng_state: bool) -> dict:
     """The load of a directory a tensor-parallel engine without FSDP wrote
     (``checkpoint_tp``), at any tensor-parallel degree or in one process."""
-    import torch.distributed.checkpoint as dcp
-
-    from mixprec.checkpoint_compat import stale_model_keys
     from mixprec.checkpoint_tp import load_tp_state
 
     meta = saved["engine"]
+    _same_model_as(engine, path)
+    load_tp_state(engine, str(path), meta["tp_layout"])
+    _restore_counters(engine, meta)
+    if rng_state:
+        _restore_rng(engine, saved, path)
+    return dict(saved.get("extra", {}))
+
+
+def _same_model_as(engine: Any, path: Path) -> dict:
+    """Raise unless the directory's model entries match ``engine``'s keys and shapes
+    (entries a newer layout dropped aside); returns the directory's metadata."""
+    import torch.distributed.checkpoint as dcp
+
+    from mixprec.checkpoint_compat import stale_model_keys
+
     md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     have = {f"model.{k}": tuple(v.shape) for k, v in engine.module.state_dict().items()}
     got = {k: tuple(m.size) for k, m in md.items()
            if k.startswith("model.") and hasattr(m, "size")}
     stale = stale_model_keys(engine.module, (k[len("model."):] for k in got))
     _same_model(have, {k: v for k, v in got.items() if k[len("model."):] not in stale})
-    load_tp_state(engine, str(path), meta["tp_layout"])
-    _restore_counters(engine, meta)
-    if rng_state:
-        _restore_rng(engine, saved, path)
-    return dict(saved.get("extra", {}))
+    return md
