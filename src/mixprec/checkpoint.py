@@ -209,13 +209,6 @@ def _like(full, like, rows: bool = False):
     return full
 
 
-def _has_dtensors(module: nn.Module) -> bool:
-    """Whether a tensor-parallel plan made any of ``module``'s parameters a DTensor."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in module.parameters())
-
-
 def shard_full_state(state: dict, module: nn.Module, trainable: list,
                      optimizers: list[torch.optim.Optimizer]) -> dict:
     """A ``"full"`` engine state with each tensor cut like its DTensor counterpart (an
@@ -369,8 +362,10 @@ def restore_engine(engine: Any, state: dict) -> None:
     if ps.has_master and masters is None:
         # saved under FSDP, whose fp32 parameters were the masters
         masters = [state["model"][n] for n in ps.names]
+    from mixprec.parallel import has_dtensor_params
+
     if saved_layout(state) == "full" and (engine.parallelism.sharded
-                                          or _has_dtensors(engine.module)):
+                                          or has_dtensor_params(engine.module)):
         state = shard_full_state({**state, "masters": masters}, engine.module,
                                  ps.working, engine.optimizers)
         masters = state["masters"]

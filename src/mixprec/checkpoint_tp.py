@@ -88,9 +88,9 @@ def load_tp_state(engine: Any, path: str, layout: dict) -> None:
              "optim": {str(k): s for k, s in enumerate(made)}}
     dcp.load(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
     engine.module.load_state_dict(state["model"])
+    name_of = {id(q): n for n, q in opt_params.items()}
     for o, st, groups in zip(engine.optimizers, made, layout["groups"]):
         order = [p for g in o.param_groups for p in g["params"]]
-        name_of = {id(q): n for n, q in opt_params.items()}
         o.load_state_dict({"state": {i: st[name_of[id(p)]] for i, p in enumerate(order)
                                      if name_of.get(id(p)) in st},
                            "param_groups": groups})
