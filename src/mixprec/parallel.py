@@ -206,11 +206,11 @@ class FSDP(_Replicated):
             from mixprec.fp8.linear import fp8_modules
 
             sent = fsdp_policy(self.recipe, emulate).param_dtype  # None: the weight's
-            mods = install_fp8_all_gather(fp8_modules(model), self.comm_stats, sent)
-            refresh_gather_scales_(mods, all_reduce_max_)
-            from mixprec.experts.hook import note_whole_gathers
+            from mixprec.experts.gather import install_experts_gather
 
-            note_whole_gathers(model, self.comm_stats, sent)
+            mods = install_fp8_all_gather(fp8_modules(model), self.comm_stats, sent)
+            mods += install_experts_gather(model, self.comm_stats, sent)
+            refresh_gather_scales_(mods, all_reduce_max_)
         if self.two_d:
             _attach_stats(model, self.comm_stats)
         return model

@@ -105,22 +105,25 @@ def convert_experts(model: nn.Module, recipe: Recipe, *,
 
 #: why FSDP2's ``fp8_all_gather`` leaves an experts module's weights in high precision
 WHOLE_GATHER = ("FSDP2 gathers an experts module's 3-D weight as it holds it; the grouped "
-                "GEMM casts each expert's slice after the gather (experts weights are not "
-                "gathered as codes and scales)")
+                "GEMM casts each expert's slice after the gather (experts weights are "
+                "gathered as codes and scales in the per-tensor formats only: fp8, "
+                "fp8-current)")
 
 
 def note_whole_gathers(model: nn.Module, stats: Any, sent: torch.dtype | None) -> list[str]:
     """Under FSDP2 with ``fp8_all_gather``: note in ``stats`` (``CommStats.fallback``,
-    a warning once) each converted experts projection whose 3-D weight FSDP shards,
-    gathered in ``sent`` (default: the weight's dtype), and record each of its gathers
-    there (on a 1-D mesh). Returns their names."""
+    a warning once) each converted experts projection whose 3-D weight FSDP shards and
+    does not gather as codes (``mixprec.experts.gather``), gathered in ``sent``
+    (default: the weight's dtype), and record each of its gathers there (on a 1-D
+    mesh). Returns their names."""
     from mixprec.fp8.gather_casts import plain_gather_hooks
 
     noted = []
     for name, m in experts_modules(model).items():
         for proj in _projections(m):
             fmt, w = getattr(m, f"{proj}_fp8", None), getattr(m, proj)
-            if fmt is None or not hasattr(w, "_local_tensor"):
+            if fmt is None or not hasattr(w, "_local_tensor") \
+                    or hasattr(fmt, "gather_amax_part"):  # gathered as codes
                 continue
             what = f"experts:{name}.{proj}"
             stats.fallback(what, fmt.quantizer.name, sent or w.dtype, WHOLE_GATHER)

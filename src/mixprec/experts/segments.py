@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mixprec.experts import adapter
+from mixprec.fp8.gather import Fp8Weight
 
 if TYPE_CHECKING:
     from mixprec.experts.format import ExpertsFormat
@@ -65,7 +66,12 @@ def _rows_cast(fmt, t, ids, n_groups, role, record):
 def _weights_cast(fmt, w, has_rows, role, record):
     """Each expert's weight (E × N × K) cast on its own per-tensor scale: the codes and
     the inverse scales (E × 1 × 1). An expert without tokens is cast too (it is not
-    multiplied) but not recorded."""
+    multiplied) but not recorded. A weight FSDP2 gathered as codes (``Fp8Weight``,
+    ``mixprec.experts.gather``) is cast already: its codes (copied: FSDP frees them)
+    and scales, its agreed amaxes recorded."""
+    if isinstance(w, Fp8Weight):
+        adapter.segment_scales(fmt, w._amax, role, record, mask=has_rows)
+        return w._codes.clone(), torch.reciprocal(w._scale).view(-1, 1, 1)
     amax = w.detach().abs().amax(dim=(1, 2)).float()
     scale = adapter.segment_scales(fmt, amax, role, record, mask=has_rows).view(-1, 1, 1)
     return adapter.cast_scaled(fmt, w, scale, role), torch.reciprocal(scale)

@@ -39,7 +39,10 @@ class Fp8Weight(torch.Tensor):
     """A gathered weight as e4m3 codes and the scale they were cast with
     (``value = codes / scale``), shaped and typed as the weight it stands for, and this
     rank's shard amax (for delayed scaling's history). Float8Linear takes the codes as
-    its cast; any other op sees the dequantized value."""
+    its cast; any other op sees the dequantized value.
+
+    An experts weight (E × N × K) has one scale and one agreed amax per expert (vectors
+    of E): views that keep dim 0 keep them, ``w[e]`` is expert e's per-tensor cast."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -57,7 +60,10 @@ class Fp8Weight(torch.Tensor):
     def dequantize(self) -> torch.Tensor:
         """``codes / scale`` in this tensor's dtype (the codes times the inverse scale,
         in fp32, as the fp8 GEMMs apply it)."""
-        return (self._codes.float() * torch.reciprocal(self._scale)).to(self.dtype)
+        inv = torch.reciprocal(self._scale)
+        if inv.dim():  # one per expert: along dim 0
+            inv = inv.view(-1, *[1] * (self._codes.dim() - 1))
+        return (self._codes.float() * inv).to(self.dtype)
 
     def __repr__(self) -> str:
         return f"Fp8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, e4m3 codes)"
@@ -72,12 +78,44 @@ class Fp8Weight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _KEEP and isinstance(args[0], Fp8Weight):
+        if func in _KEEP and isinstance(args[0], Fp8Weight) and not args[0]._scale.dim():
             w = args[0]
             codes = func(w._codes, *args[1:], **kwargs)
             return Fp8Weight(codes, w._scale, w._amax, w.dtype)
+        if isinstance(args[0] if args else None, Fp8Weight) and args[0]._scale.dim():
+            kept = _per_expert(func, args, kwargs)
+            if kept is not None:
+                return kept
         unwrap = lambda t: t.dequantize() if isinstance(t, Fp8Weight) else t  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+_SAME_EXPERTS = {torch.ops.aten.as_strided.default, torch.ops.aten.view.default,
+                 torch.ops.aten._unsafe_view.default}
+
+
+def _per_expert(func, args, kwargs) -> Fp8Weight | None:
+    """An op on an experts weight that keeps each expert's codes whole (None: it does
+    not, and sees the dequantized value): ``w[e]`` (expert e's scale), a transpose of
+    the last two dims, and FSDP's views of the first experts (a padded gather cut to E:
+    their scales)."""
+    w = args[0]
+    if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+        return Fp8Weight(func(w._codes), w._scale, w._amax, w.dtype)
+    if func is torch.ops.aten.select.int and args[1] == 0:
+        e = args[2]
+        return Fp8Weight(w._codes[e], w._scale[e], w._amax[e], w.dtype)
+    if func is torch.ops.aten.transpose.int and 0 not in (args[1] % w.dim(),
+                                                          args[2] % w.dim()):
+        return Fp8Weight(func(w._codes, *args[1:]), w._scale, w._amax, w.dtype)
+    if func in _SAME_EXPERTS and not kwargs and len(args[1]) == w.dim() \
+            and tuple(args[1][1:]) == tuple(w.shape[1:]) and args[1][0] <= w.shape[0] \
+            and (func is not torch.ops.aten.as_strided.default
+                 or (tuple(args[2]) == w._codes.contiguous().stride()
+                     and (len(args) < 4 or args[3] in (0, None)) and w._codes.is_contiguous())):
+        n = args[1][0]
+        return Fp8Weight(func(w._codes, *args[1:]), w._scale[:n], w._amax[:n], w.dtype)
+    return None
 
 
 def gathers_fp8(m: nn.Module) -> bool:
@@ -166,9 +204,10 @@ def _current(fp8_modules) -> list[nn.Module]:
 
 
 def _agreed(fp8_modules) -> list[nn.Module]:
-    """The modules whose gathered casts need an amax the ranks agree on."""
+    """The modules whose gathered casts need an amax the ranks agree on (an experts
+    format gathered as codes: one per expert, ``mixprec.experts.gather``)."""
     return [m for m in fp8_modules if getattr(m, "fp8_gather_amax", None) is not None
-            and gathers_fp8(m)]
+            and (gathers_fp8(m) or hasattr(m, "gather_amax_part"))]
 
 
 def _set_agreed(mods, flat: torch.Tensor) -> None:
@@ -180,7 +219,8 @@ def _set_agreed(mods, flat: torch.Tensor) -> None:
 
 
 def _agreed_parts(mods) -> list[torch.Tensor]:
-    return [m.quantizer.gather_amax(_shard(m)).reshape(-1) for m in mods]
+    return [m.gather_amax_part() if hasattr(m, "gather_amax_part")
+            else m.quantizer.gather_amax(_shard(m)).reshape(-1) for m in mods]
 
 
 def _set_gather_scales(mods, amax: torch.Tensor) -> None:
