@@ -270,12 +270,15 @@ def install_cast_gather(named: dict[str, nn.Module], stats: CommStats | None = N
     casts to gather (not per tensor: ``mixprec.fp8.gather``'s); a weight that cannot be
     gathered so stays in 16 bits, noted in ``stats`` (``CommStats.fallback``) as
     ``sent`` (default: the weight's dtype), and each of its gathers recorded there.
-    Returns the hooked modules (those gathered as casts)."""
+    Returns the hooked modules (those gathered as casts). On a mesh of one rank, where
+    FSDP2 copies the shard instead of gathering it, the Linear casts its weight itself."""
     done = []
     for name, m in named.items():
         local = getattr(getattr(m, "weight", None), "_local_tensor", None)
         if m.quantizer.per_tensor or local is None:
             continue
+        if m.weight.device_mesh.ndim == 1 and m.weight.device_mesh.size() == 1:
+            continue  # one rank: FSDP2 gathers nothing, and passes on one input only
         why = why_not_gathered(m)
         if why is not None:
             if stats is not None:
