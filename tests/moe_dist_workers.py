@@ -72,3 +72,74 @@ def experts(rank, world, tmp, cases):
         for recipe in sorted({r for r, _ in cases}):
             out[(recipe, None)] = _run(recipe, None, 0, world)
     torch.save(out, os.path.join(tmp, f"experts_rank{rank}.pt"))
+
+
+
+def _gathered_run(kind: str, recipe: str, rank: int, world: int, tmp: str) -> dict:
+    """``GATHER_STEPS`` SGD steps of a tiny ``kind`` model under FSDP2 on this rank's
+    shares of the batches: the trained weights, the losses, the weights' all-gather
+    bytes per dtype of each step, the experts' fallbacks, the warnings said and how
+    often a gathered fp8 weight was dequantized. Then the last step again from a
+    checkpoint of FSDP's shards written before it, by an engine built from other
+    weights: its loss and weights."""
+    from mixprec.fp8.gather import Fp8Weight, gathers_fp8
+    from mixprec.fp8.linear import fp8_modules
+
+    def engine_of(seed):
+        m = model(kind, seed=seed)  # ranks: rank 0's broadcast
+        return m, MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=LR), recipe,
+                                 parallel="fsdp")
+
+    def step(engine, ids):
+        share = ids.chunk(world)[rank]
+        with engine.autocast():
+            loss = engine.model(input_ids=share, labels=share).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m, engine = engine_of(rank)
+    stats, batches = engine.comm_stats, markov_batches(GATHER_STEPS, batch=2 * world)
+    sent, losses, path = [], [], os.path.join(tmp, f"{kind}-{recipe}-{rank}.pt")
+    dequantize, dequantized = Fp8Weight.dequantize, []
+    Fp8Weight.dequantize = lambda w: dequantized.append(w.shape) or dequantize(w)
+    try:
+        for i, ids in enumerate(batches):
+            if i == GATHER_STEPS - 1:
+                engine.save(path)
+            before = stats.totals()
+            losses.append(step(engine, ids))
+            sent.append({k[2]: v - before.get(k, 0) for k, v in stats.totals().items()
+                         if k[:2] == ("all_gather", "weights")})
+    finally:
+        Fp8Weight.dequantize = dequantize
+    _, resumed = engine_of(7)
+    resumed.load(path)
+    experts = [p for p in m.parameters() if p.dim() == 3]
+    linears = [mod.weight for mod in fp8_modules(m).values() if gathers_fp8(mod)]
+    return {"params": [p.full_tensor().clone() for p in engine.master_params],
+            "losses": losses, "sent": sent, "dequantized": dequantized,
+            "resumed_loss": step(resumed, batches[-1]),
+            "resumed": [p.full_tensor().clone() for p in resumed.master_params],
+            "shard_numel": {"experts": sum(p.to_local().numel() for p in experts),
+                            "linears": sum(p.to_local().numel() for p in linears)},
+            "fallbacks": sorted(f.what for f in stats.fallbacks
+                                if f.what.startswith("experts:")),
+            "said": [str(c.message) for c in caught if "experts:" in str(c.message)]}
+
+
+#: the steps of each ``gathered`` case
+GATHER_STEPS = 3
+
+
+def gathered(rank, world, tmp, cases):
+    """Each (model kind, recipe) case on this rank, FSDP2 over gloo."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                            world_size=world)
+    out = {case: _gathered_run(*case, rank, world, tmp) for case in cases}
+    dist.barrier()
+    dist.destroy_process_group()
+    torch.save(out, os.path.join(tmp, f"gathered_rank{rank}.pt"))
