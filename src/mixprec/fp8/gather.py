@@ -9,7 +9,9 @@ weights' amax, agreed once after each optimizer step (``agree_amaxes_``: one all
 MAX per step). FSDP2's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` hooks, set on
 the local shards after ``fully_shard``, send the codes as uint8 and hand the Linear an
 ``Fp8Weight`` (the codes and their scale; any other use sees the dequantized weight).
-Training so equals training without it bit for bit where the weight is fp32.
+Training so equals training without it bit for bit where the weight is fp32. The 3-D
+weights of transformers experts modules in these formats gather the same way, with one
+scale per expert (``mixprec.experts.gather``).
 """
 
 from __future__ import annotations
