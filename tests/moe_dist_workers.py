@@ -102,6 +102,7 @@ def _gathered_run(kind: str, recipe: str, rank: int, world: int, tmp: str) -> di
         warnings.simplefilter("always")
         m, engine = engine_of(rank)
     stats, batches = engine.comm_stats, markov_batches(GATHER_STEPS, batch=2 * world)
+    experts_sent = _count_experts_gathers(m)
     sent, losses, path = [], [], os.path.join(tmp, f"{kind}-{recipe}-{rank}.pt")
     dequantize, dequantized = Fp8Weight.dequantize, []
     Fp8Weight.dequantize = lambda w: dequantized.append(w.shape) or dequantize(w)
@@ -110,6 +111,7 @@ def _gathered_run(kind: str, recipe: str, rank: int, world: int, tmp: str) -> di
             if i == GATHER_STEPS - 1:
                 engine.save(path)
             before = stats.totals()
+            experts_sent.append(0)
             losses.append(step(engine, ids))
             sent.append({k[2]: v - before.get(k, 0) for k, v in stats.totals().items()
                          if k[:2] == ("all_gather", "weights")})
@@ -121,6 +123,7 @@ def _gathered_run(kind: str, recipe: str, rank: int, world: int, tmp: str) -> di
     linears = [mod.weight for mod in fp8_modules(m).values() if gathers_fp8(mod)]
     return {"params": [p.full_tensor().clone() for p in engine.master_params],
             "losses": losses, "sent": sent, "dequantized": dequantized,
+            "experts_sent": experts_sent[1:],
             "resumed_loss": step(resumed, batches[-1]),
             "resumed": [p.full_tensor().clone() for p in resumed.master_params],
             "shard_numel": {"experts": sum(p.to_local().numel() for p in experts),
@@ -128,6 +131,25 @@ def _gathered_run(kind: str, recipe: str, rank: int, world: int, tmp: str) -> di
             "fallbacks": sorted(f.what for f in stats.fallbacks
                                 if f.what.startswith("experts:")),
             "said": [str(c.message) for c in caught if "experts:" in str(c.message)]}
+
+
+def _count_experts_gathers(m) -> list[int]:
+    """A list whose last entry each all-gather of an experts weight (a hooked shard)
+    adds its inputs' bytes to."""
+    counts = [0]
+
+    def counted(inner):
+        def fsdp_pre_all_gather(mesh):
+            inputs, meta = inner(mesh)
+            counts[-1] += sum(t.numel() * t.element_size() for t in inputs)
+            return inputs, meta
+        return fsdp_pre_all_gather
+
+    for p in m.parameters():
+        local = getattr(p, "_local_tensor", None)
+        if p.dim() == 3 and hasattr(local, "fsdp_pre_all_gather"):
+            local.fsdp_pre_all_gather = counted(local.fsdp_pre_all_gather)
+    return counts
 
 
 #: the steps of each ``gathered`` case

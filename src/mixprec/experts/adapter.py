@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mixprec.fp8.gather_casts import CastWeight
 from mixprec.fp8.mm import _no_autocast, _pack, _unpack
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.scaling import cast_to_fp8, nan_if_not_finite, rowwise_scale
@@ -30,7 +31,10 @@ no_autocast = _no_autocast
 def cast(fmt: ExpertsFormat, t: torch.Tensor, role: str, dim: int, record: bool = False,
          generator: torch.Generator | None = None) -> Quantized:
     """``t`` (2-D) cast for ``role`` along ``dim`` by ``fmt`` (an ``ExpertsFormat``):
-    its quantizer with its scaling state."""
+    its quantizer with its scaling state; an expert's weight FSDP2 gathered as its
+    casts (``CastWeight``, ``mixprec.experts.gather_casts``) hands over its cast."""
+    if isinstance(t, CastWeight):
+        return t.cast(dim)
     return fmt.quantizer.cast(t, role, dim, fmt.scaling_state(), record, generator)
 
 

@@ -29,17 +29,21 @@ import torch
 from torch import nn
 
 from mixprec.experts import adapter
+from mixprec.experts.gather_casts import cast_hooks
 from mixprec.fp8.gather import Fp8Weight
 
 __all__ = ["gathers_codes", "install_experts_gather"]
 
 
-def gathers_codes(fmt: nn.Module, w: torch.Tensor) -> bool:
+def gathers_codes(fmt: nn.Module, w: torch.Tensor, transposed: bool = False) -> bool:
     """Whether FSDP2 can gather experts weight ``w`` (its sharded parameter) of format
-    ``fmt`` as codes: a per-tensor format, the weight cut along dim 0 on a 1-D mesh."""
+    ``fmt`` as codes: the weight cut along dim 0 on a 1-D mesh, in a per-tensor format
+    or (stored out × in, not ``transposed``) a format with gathered casts."""
     from torch.distributed.tensor import Shard
 
-    if not fmt.quantizer.per_tensor or not hasattr(w, "_local_tensor"):
+    q = fmt.quantizer
+    if not hasattr(w, "_local_tensor") or not (q.per_tensor or q.gathers_casts
+                                               and not transposed):
         return False
     return w.device_mesh.ndim == 1 and tuple(w.placements) == (Shard(0),)
 
@@ -112,19 +116,27 @@ def install_experts_gather(model: nn.Module, stats: Any,
     """Under FSDP2 with ``fp8_all_gather``: the hooks on each converted experts
     projection whose weight can be gathered as codes (``gathers_codes``), each gather
     recorded in ``stats`` (a ``CommStats``); the others noted there as fallbacks
-    (``note_whole_gathers``). Returns the formats gathered as codes, whose
-    ``fp8_gather_amax`` ``refresh_gather_scales_`` fills before the first forward."""
+    (``note_whole_gathers``). Returns the per-tensor formats gathered as codes, whose
+    ``fp8_gather_amax`` ``refresh_gather_scales_`` fills before the first forward (the
+    other formats' casts, ``gather_casts.cast_hooks``, need nothing agreed)."""
     from mixprec.experts.hook import _projections, experts_modules, note_whole_gathers
 
     done = []
     for m in experts_modules(model).values():
         for proj in _projections(m):
             fmt, w = getattr(m, f"{proj}_fp8", None), getattr(m, proj)
-            if fmt is None or not gathers_codes(fmt, w):
+            if fmt is None or not gathers_codes(fmt, w, m.is_transposed):
+                continue
+            if not fmt.quantizer.per_tensor:  # each expert's casts, whole on one rank
+                local = w._local_tensor
+                local.fsdp_pre_all_gather, local.fsdp_post_all_gather = cast_hooks(
+                    fmt, w, sent, stats)
+                fmt.gathered_as_codes = True
                 continue
             if getattr(fmt, "fp8_gather_amax", None) is None:
                 fmt.register_buffer("fp8_gather_amax", torch.zeros(
                     w.shape[0], device=w._local_tensor.device), persistent=False)
+            fmt.gathered_as_codes = True
             fmt.gather_amax_part = _amax_part(w, sent)
             local = w._local_tensor
             local.fsdp_pre_all_gather, local.fsdp_post_all_gather = _hooks(fmt, w, sent,

@@ -57,6 +57,7 @@ import torch
 from mixprec.experts import adapter
 from mixprec.experts.codes_grouped import bf16_only, codes_apply, rows_mm, wgrad_mm
 from mixprec.experts.format import ExpertsFormat
+from mixprec.experts.gather_casts import ExpertsCasts
 from mixprec.experts.scaled_grouped import scaled_grouped_applies, scaled_grouped_forward
 from mixprec.experts.segments import segmented_mm, wgrad_product
 from mixprec.experts.segments_blocks import blocks_apply, segmented_blocks_mm
@@ -314,7 +315,8 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                      and torch.is_autocast_enabled(dev) else x.dtype)
     route = _route(route, fmt, x.device, x.shape[1], weight.shape[1],
                    torch.compiler.is_compiling())
-    if route == "grouped" and not bf16_only(x.device):
+    if route == "grouped" and not bf16_only(x.device) and not isinstance(weight,
+                                                                          ExpertsCasts):
         if fmt.quantizer.per_tensor:
             return segmented_mm(x, weight, offsets, fmt, out_dtype, torch.is_grad_enabled())
         if rowwise_applies(fmt):

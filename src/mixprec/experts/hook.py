@@ -123,7 +123,7 @@ def note_whole_gathers(model: nn.Module, stats: Any, sent: torch.dtype | None) -
         for proj in _projections(m):
             fmt, w = getattr(m, f"{proj}_fp8", None), getattr(m, proj)
             if fmt is None or not hasattr(w, "_local_tensor") \
-                    or hasattr(fmt, "gather_amax_part"):  # gathered as codes
+                    or getattr(fmt, "gathered_as_codes", False):
                 continue
             what = f"experts:{name}.{proj}"
             stats.fallback(what, fmt.quantizer.name, sent or w.dtype, WHOLE_GATHER)
