@@ -48,9 +48,10 @@ def _one_step(recipe):
 
 
 def test_fp8_all_gather_notes_the_experts_weights_it_gathers_whole(one_rank_group):
-    """FSDP2 with ``fp8_all_gather`` in a format without a gathered experts cast
-    (MXFP8): the experts' 3-D weights are gathered as FSDP holds them; each projection
-    is a ``CommStats`` fallback (one warning) and the doctor's ``comm-fallback`` finding
+    """FSDP2 with ``fp8_all_gather`` on one rank in a format whose casts are gathered
+    (MXFP8: several inputs, which FSDP2's one-rank copy does not pass on): the experts'
+    3-D weights are gathered as FSDP holds them; each projection is a ``CommStats``
+    fallback (one warning, saying why) and the doctor's ``comm-fallback`` finding
     names it."""
     from mixprec.diagnostics import audit_comm
 
@@ -61,7 +62,7 @@ def test_fp8_all_gather_notes_the_experts_weights_it_gathers_whole(one_rank_grou
         for p in ("down_proj", "gate_up_proj")]
     assert {f.sent for f in falls} == {torch.float32}
     said = [w for w in caught if "experts:" in str(w.message)]
-    assert len(said) == 1 and "gathered as codes and scales" in str(said[0].message)
+    assert len(said) == 1 and "not as codes and scales: one rank" in str(said[0].message)
     # each gather of an experts weight is recorded (fp32, whole on one rank): the
     # forward's and the backward's (FSDP reshards after the forward)
     experts = sum(p.numel() * 4 for p in m.parameters() if p.dim() == 3)
@@ -167,6 +168,48 @@ def test_gathered_experts_weight_keeps_each_experts_scale():
     assert torch.equal(cut.transpose(0, 1) * 1, want.transpose(0, 1))  # across experts
 
 
+_CAST_FORMATS = ["fp8-rowwise", "fp8-block", "mxfp8", "nvfp4", "nvfp4,nvfp4_2d=false"]
+
+
+@pytest.mark.parametrize("route", ["loop", "grouped"])
+@pytest.mark.parametrize("recipe", _CAST_FORMATS)
+def test_grouped_gemm_takes_each_experts_gathered_casts(monkeypatch, route, recipe):
+    """The grouped GEMM on an experts weight gathered as each expert's casts (2 ranks'
+    inputs, the second's expert padded) gives the output and both gradients of the
+    same GEMM on the weight itself, bit for bit, without dequantizing the casts (an
+    expert without tokens included)."""
+    from mixprec.experts import ExpertsFormat, grouped_mm
+    from mixprec.experts.gather_casts import ExpertsCasts, _send_experts
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 64, 32, generator=g) * torch.logspace(-2, 2, 32)
+    x = torch.randn(10, 32, generator=g)
+    offsets = torch.tensor([3, 3, 10])
+
+    def run(weight, fmt):
+        xx = x.clone().requires_grad_()
+        y = grouped_mm(xx, weight, offsets, fmt, route=route)
+        y.backward(torch.linspace(-2, 2, y.numel()).view_as(y))
+        return y, xx.grad
+
+    plain = torch.nn.Parameter(w.clone())
+    want = run(plain, ExpertsFormat(recipe))
+    fmt = ExpertsFormat(recipe)
+    ranks = [_send_experts(fmt.quantizer, shard, 2) for shard in (w[:2], w[2:])]
+    parts = [torch.cat(col) for col in zip(*(inputs for inputs, _ in ranks))]
+    gathered = ExpertsCasts(parts, ranks[0][1], torch.Size([4, 64, 32]), torch.float32)
+    cut = torch.nn.Parameter(torch.as_strided(gathered, (3, 64, 32), (2048, 32, 1), 0))
+    assert type(cut.detach()) is ExpertsCasts and cut.shape == (3, 64, 32)
+    monkeypatch.setattr(ExpertsCasts, "dequantize", _refuse)
+    got = run(cut, fmt)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    assert torch.equal(plain.grad, cut.grad)
+
+
+def _refuse(self):
+    raise AssertionError("a gathered experts weight was dequantized")
+
+
 def _spawn(world, cases):
     import torch.multiprocessing as mp
 
@@ -182,33 +225,59 @@ def _spawn(world, cases):
 _ON = ",fp8_all_gather=true"
 
 
+def _hand_count(recipe: str, n: int, k: int) -> int:
+    """Bytes one expert's (n × k) weight crosses the wire as under ``fp8_all_gather``."""
+    return {"fp8-current": n * k, "fp8": n * k,
+            # forward codes + fp32 row scales; dgrad codes + fp32 column scales
+            "fp8-rowwise": 2 * n * k + 4 * n + 4 * k,
+            # codes + fp32 128x128 block scales (one cast serves forward and dgrad)
+            "fp8-block": n * k + 4 * -(-n // 128) * -(-k // 128),
+            # forward and dgrad codes, each with an e8m0 scale per 32
+            "mxfp8": 2 * (n * k + n * k // 32),
+            # e2m1 codes two a byte + e4m3 16x16 scales + the fp32 descale
+            "nvfp4": n * k // 2 + (n // 16) * (k // 16) + 4,
+            # forward 1x16 and dgrad 16x1 casts, each with its descale
+            "nvfp4,nvfp4_2d=false": 2 * (n * k // 2 + n * k // 16 + 4)}[recipe]
+
+
+_ON = ",fp8_all_gather=true"
+_TWO_RANKS = [("mixtral", r) for r in ["fp8-current", "fp8", *_CAST_FORMATS]] + [
+    ("gpt_oss", "fp8-current"), ("qwen3_moe", "fp8-current")]
+
+
 @pytest.mark.long
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("world,cases", [
-    (2, [("mixtral", "fp8-current"), ("mixtral", "fp8"), ("gpt_oss", "fp8-current"),
-         ("qwen3_moe", "fp8-current")]),
+    (2, _TWO_RANKS + [("gpt_oss", "mxfp8")]),
     # 4 experts on 3 ranks: 2, 2 and none (a padded gather of zero experts)
-    (3, [("mixtral", "fp8-current")]),
+    (3, [("mixtral", "fp8-current"), ("mixtral", "mxfp8")]),
 ])
 def test_ranks_gathering_experts_codes_train_as_without_fp8_all_gather(world, cases):
     """Tiny MoE models under FSDP2 on gloo ranks with ``fp8_all_gather``: the experts'
-    weights cross as codes (each step's all-gathered bytes are one per element of the
-    padded shards of the experts and fp8 Linears, forward and backward), no gathered
-    weight is dequantized, and the losses and trained weights are bit for bit those
-    without ``fp8_all_gather``; a checkpoint of FSDP's shards resumes the last step
-    bit for bit in an engine built from other weights."""
+    weights cross as their codes and scales (each step's experts gathers, forward and
+    backward, carry the hand count of the format's bytes for the rank's padded experts),
+    no gathered weight is dequantized, and the losses and trained weights are bit for
+    bit those without ``fp8_all_gather``; a checkpoint of FSDP's shards resumes the
+    last step bit for bit in an engine built from other weights. GPT-OSS's in × out
+    experts in MXFP8 are gathered whole instead: warned once, recorded, and the same."""
     import moe_dist_workers as w
 
     ranks = _spawn(world, [(k, r + _ON) for k, r in cases] + cases)
+    per = -(-4 // world)  # experts a rank sends (the tiny models have 4)
     for r in ranks:
         for kind, recipe in cases:
             on, off = r[(kind, recipe + _ON)], r[(kind, recipe)]
-            assert on["losses"] == off["losses"]
+            assert on["losses"] == off["losses"], (kind, recipe)
             assert all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
-            assert not on["fallbacks"] and not on["said"] and not on["dequantized"]
-            # rank 0's shards are the padded size every rank sends
-            n = ranks[0][(kind, recipe + _ON)]["shard_numel"]
-            assert on["sent"] == [{torch.uint8: 2 * (n["experts"] + n["linears"])}] * \
-                w.GATHER_STEPS
             assert on["resumed_loss"] == on["losses"][-1]
             assert all(torch.equal(a, b) for a, b in zip(on["resumed"], on["params"]))
+            if kind == "gpt_oss" and recipe == "mxfp8":
+                assert len(on["fallbacks"]) == 4 and len(on["said"]) == 1
+                assert "stored in × out" in on["said"][0]
+                fp32 = 2 * 2 * per * (128 * 64 + 64 * 64) * 4
+                assert on["experts_sent"] == [fp32] * w.GATHER_STEPS
+                continue
+            assert not on["fallbacks"] and not on["said"] and not on["dequantized"]
+            # 2 layers x (gate-up 128 x 64 + down 64 x 64), forward and backward
+            want = 2 * 2 * per * (_hand_count(recipe, 128, 64) + _hand_count(recipe, 64, 64))
+            assert on["experts_sent"] == [want] * w.GATHER_STEPS, (kind, recipe)

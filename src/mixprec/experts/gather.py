@@ -32,20 +32,33 @@ from mixprec.experts import adapter
 from mixprec.experts.gather_casts import cast_hooks
 from mixprec.fp8.gather import Fp8Weight
 
-__all__ = ["gathers_codes", "install_experts_gather"]
+__all__ = ["why_not_gathered", "install_experts_gather"]
 
 
-def gathers_codes(fmt: nn.Module, w: torch.Tensor, transposed: bool = False) -> bool:
-    """Whether FSDP2 can gather experts weight ``w`` (its sharded parameter) of format
-    ``fmt`` as codes: the weight cut along dim 0 on a 1-D mesh, in a per-tensor format
-    or (stored out × in, not ``transposed``) a format with gathered casts."""
+def why_not_gathered(fmt: nn.Module, w: torch.Tensor, transposed: bool = False
+                     ) -> str | None:
+    """Why FSDP2 cannot gather experts weight ``w`` (its sharded parameter) of format
+    ``fmt`` as codes (None: it can): in a per-tensor format it needs the weight cut
+    along the experts on a 1-D mesh; in a format with gathered casts, also more than
+    one rank and the weight stored out × in (not ``transposed``)."""
     from torch.distributed.tensor import Shard
 
     q = fmt.quantizer
-    if not hasattr(w, "_local_tensor") or not (q.per_tensor or q.gathers_casts
-                                               and not transposed):
-        return False
-    return w.device_mesh.ndim == 1 and tuple(w.placements) == (Shard(0),)
+    if w.device_mesh.ndim != 1 or tuple(w.placements) != (Shard(0),):
+        return (f"its weight is sharded {tuple(w.placements)} over a {w.device_mesh.ndim}-D "
+                "mesh, not cut along the experts on a 1-D mesh")
+    if q.per_tensor:
+        return None
+    if not q.gathers_casts:
+        return f"fp8_scaling={q.name} has no gathered cast"
+    if transposed:
+        return ("its weight is stored in × out (GPT-OSS): its experts' casts are made "
+                "along the transposed view; the per-tensor formats (fp8, fp8-current) "
+                "gather it as codes")
+    if w.device_mesh.size() == 1:
+        return ("one rank: FSDP2 copies the weight there, passing on one input only, "
+                "not the casts' several")
+    return None
 
 
 def _shard(w: torch.Tensor, sent: torch.dtype | None) -> torch.Tensor:
@@ -114,7 +127,7 @@ def _hooks(fmt: nn.Module, w: torch.Tensor, sent: torch.dtype | None, stats: Any
 def install_experts_gather(model: nn.Module, stats: Any,
                            sent: torch.dtype | None) -> list[nn.Module]:
     """Under FSDP2 with ``fp8_all_gather``: the hooks on each converted experts
-    projection whose weight can be gathered as codes (``gathers_codes``), each gather
+    projection whose weight can be gathered as codes (``why_not_gathered``), each gather
     recorded in ``stats`` (a ``CommStats``); the others noted there as fallbacks
     (``note_whole_gathers``). Returns the per-tensor formats gathered as codes, whose
     ``fp8_gather_amax`` ``refresh_gather_scales_`` fills before the first forward (the
@@ -125,7 +138,8 @@ def install_experts_gather(model: nn.Module, stats: Any,
     for m in experts_modules(model).values():
         for proj in _projections(m):
             fmt, w = getattr(m, f"{proj}_fp8", None), getattr(m, proj)
-            if fmt is None or not gathers_codes(fmt, w, m.is_transposed):
+            if fmt is None or not hasattr(w, "_local_tensor") \
+                    or why_not_gathered(fmt, w, m.is_transposed) is not None:
                 continue
             if not fmt.quantizer.per_tensor:  # each expert's casts, whole on one rank
                 local = w._local_tensor

@@ -104,10 +104,9 @@ def convert_experts(model: nn.Module, recipe: Recipe, *,
 
 
 #: why FSDP2's ``fp8_all_gather`` leaves an experts module's weights in high precision
-WHOLE_GATHER = ("FSDP2 gathers an experts module's 3-D weight as it holds it; the grouped "
-                "GEMM casts each expert's slice after the gather (experts weights are "
-                "gathered as codes and scales in the per-tensor formats only: fp8, "
-                "fp8-current)")
+WHOLE_GATHER = ("FSDP2 gathers this experts module's 3-D weight as it holds it and the "
+                "grouped GEMM casts each expert's slice after the gather, not as codes "
+                "and scales: ")
 
 
 def note_whole_gathers(model: nn.Module, stats: Any, sent: torch.dtype | None) -> list[str]:
@@ -116,6 +115,7 @@ def note_whole_gathers(model: nn.Module, stats: Any, sent: torch.dtype | None) -
     does not gather as codes (``mixprec.experts.gather``), gathered in ``sent``
     (default: the weight's dtype), and record each of its gathers there (on a 1-D
     mesh). Returns their names."""
+    from mixprec.experts.gather import why_not_gathered
     from mixprec.fp8.gather_casts import plain_gather_hooks
 
     noted = []
@@ -126,7 +126,8 @@ def note_whole_gathers(model: nn.Module, stats: Any, sent: torch.dtype | None) -
                     or getattr(fmt, "gathered_as_codes", False):
                 continue
             what = f"experts:{name}.{proj}"
-            stats.fallback(what, fmt.quantizer.name, sent or w.dtype, WHOLE_GATHER)
+            why = why_not_gathered(fmt, w, m.is_transposed) or "its hooks are not set"
+            stats.fallback(what, fmt.quantizer.name, sent or w.dtype, WHOLE_GATHER + why)
             if w.device_mesh.ndim == 1:
                 w._local_tensor.fsdp_pre_all_gather, w._local_tensor.fsdp_post_all_gather \
                     = plain_gather_hooks(w, stats, sent)
