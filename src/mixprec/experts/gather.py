@@ -17,7 +17,7 @@ same. Delayed scaling records each expert's agreed amax as it would record the
 gathered weight's.
 
 The other formats (rowwise, block, MX, NVFP4, int8) still gather the weight as FSDP
-holds it, a ``CommStats`` fallback (``mixprec.experts.hook.note_whole_gathers``).
+holds it, a ``CommStats`` fallback (``note_whole_gathers``).
 """
 
 from __future__ import annotations
@@ -30,9 +30,12 @@ from torch import nn
 
 from mixprec.experts import adapter
 from mixprec.experts.gather_casts import cast_hooks
+from mixprec.experts.hook import _projections, experts_modules
 from mixprec.fp8.gather import Fp8Weight
+from mixprec.fp8.gather_casts import plain_gather_hooks
 
-__all__ = ["why_not_gathered", "install_experts_gather"]
+__all__ = ["why_not_gathered", "install_experts_gather", "note_whole_gathers",
+           "WHOLE_GATHER"]
 
 
 def why_not_gathered(fmt: nn.Module, w: torch.Tensor, transposed: bool = False
@@ -124,6 +127,36 @@ def _hooks(fmt: nn.Module, w: torch.Tensor, sent: torch.dtype | None, stats: Any
     return fsdp_pre_all_gather, fsdp_post_all_gather
 
 
+#: why FSDP2's ``fp8_all_gather`` leaves an experts module's weights in high precision
+WHOLE_GATHER = ("FSDP2 gathers this experts module's 3-D weight as it holds it and the "
+                "grouped GEMM casts each expert's slice after the gather, not as codes "
+                "and scales: ")
+
+
+def note_whole_gathers(model: nn.Module, stats: Any, sent: torch.dtype | None) -> list[str]:
+    """Under FSDP2 with ``fp8_all_gather``: note in ``stats`` (``CommStats.fallback``,
+    a warning once) each converted experts projection whose 3-D weight FSDP shards and
+    does not gather as codes (``install_experts_gather``), gathered in ``sent``
+    (default: the weight's dtype), and record each of its gathers there (on a 1-D
+    mesh). Returns their names."""
+
+    noted = []
+    for name, m in experts_modules(model).items():
+        for proj in _projections(m):
+            fmt, w = getattr(m, f"{proj}_fp8", None), getattr(m, proj)
+            if fmt is None or not hasattr(w, "_local_tensor") \
+                    or getattr(fmt, "gathered_as_codes", False):
+                continue
+            what = f"experts:{name}.{proj}"
+            why = why_not_gathered(fmt, w, m.is_transposed) or "its hooks are not set"
+            stats.fallback(what, fmt.quantizer.name, sent or w.dtype, WHOLE_GATHER + why)
+            if w.device_mesh.ndim == 1:
+                w._local_tensor.fsdp_pre_all_gather, w._local_tensor.fsdp_post_all_gather \
+                    = plain_gather_hooks(w, stats, sent)
+            noted.append(what)
+    return noted
+
+
 def install_experts_gather(model: nn.Module, stats: Any,
                            sent: torch.dtype | None) -> list[nn.Module]:
     """Under FSDP2 with ``fp8_all_gather``: the hooks on each converted experts
@@ -132,8 +165,6 @@ def install_experts_gather(model: nn.Module, stats: Any,
     (``note_whole_gathers``). Returns the per-tensor formats gathered as codes, whose
     ``fp8_gather_amax`` ``refresh_gather_scales_`` fills before the first forward (the
     other formats' casts, ``gather_casts.cast_hooks``, need nothing agreed)."""
-    from mixprec.experts.hook import _projections, experts_modules, note_whole_gathers
-
     done = []
     for m in experts_modules(model).values():
         for proj in _projections(m):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from mixprec.recipe import Recipe
 
 __all__ = ["IMPLEMENTATION", "is_experts", "experts_modules", "convert_experts",
-           "restore_experts", "experts_forward", "note_whole_gathers"]
+           "restore_experts", "experts_forward"]
 
 #: the name mixprec's forward is registered under in transformers' ExpertsInterface
 IMPLEMENTATION = "mixprec"
@@ -101,38 +101,6 @@ def convert_experts(model: nn.Module, recipe: Recipe, *,
             m.add_module(f"{proj}_fp8", ExpertsFormat(
                 own, seed=zlib.crc32(f"{name}.{proj}".encode()), device=w.device))
     return out
-
-
-#: why FSDP2's ``fp8_all_gather`` leaves an experts module's weights in high precision
-WHOLE_GATHER = ("FSDP2 gathers this experts module's 3-D weight as it holds it and the "
-                "grouped GEMM casts each expert's slice after the gather, not as codes "
-                "and scales: ")
-
-
-def note_whole_gathers(model: nn.Module, stats: Any, sent: torch.dtype | None) -> list[str]:
-    """Under FSDP2 with ``fp8_all_gather``: note in ``stats`` (``CommStats.fallback``,
-    a warning once) each converted experts projection whose 3-D weight FSDP shards and
-    does not gather as codes (``mixprec.experts.gather``), gathered in ``sent``
-    (default: the weight's dtype), and record each of its gathers there (on a 1-D
-    mesh). Returns their names."""
-    from mixprec.experts.gather import why_not_gathered
-    from mixprec.fp8.gather_casts import plain_gather_hooks
-
-    noted = []
-    for name, m in experts_modules(model).items():
-        for proj in _projections(m):
-            fmt, w = getattr(m, f"{proj}_fp8", None), getattr(m, proj)
-            if fmt is None or not hasattr(w, "_local_tensor") \
-                    or getattr(fmt, "gathered_as_codes", False):
-                continue
-            what = f"experts:{name}.{proj}"
-            why = why_not_gathered(fmt, w, m.is_transposed) or "its hooks are not set"
-            stats.fallback(what, fmt.quantizer.name, sent or w.dtype, WHOLE_GATHER + why)
-            if w.device_mesh.ndim == 1:
-                w._local_tensor.fsdp_pre_all_gather, w._local_tensor.fsdp_post_all_gather \
-                    = plain_gather_hooks(w, stats, sent)
-            noted.append(what)
-    return noted
 
 
 def restore_experts(model: nn.Module) -> None:
