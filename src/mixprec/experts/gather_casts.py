@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from mixprec.fp8.gather_casts import CastWeight, send_shard
+from mixprec.fp8.gather_casts import CastWeight, parts_hooks, send_shard
 
 __all__ = ["ExpertsCasts", "cast_hooks"]
 
@@ -127,21 +127,13 @@ def cast_hooks(fmt: nn.Module, w: torch.Tensor, sent: torch.dtype | None, stats:
     experts' casts out as uint8, recorded in ``stats``; an ``ExpertsCasts`` back."""
     shape = w.shape
 
-    def fsdp_pre_all_gather(mesh):
+    def send(mesh):
         local = w._local_tensor.detach()
-        shard = local.to(sent or local.dtype)
-        inputs, wires = _send_experts(fmt.quantizer, shard,
-                                      math.ceil(shape[0] / mesh.size()))
-        if stats is not None:
-            for t in inputs:
-                stats.record(t, op="all_gather", what="weights")
-        return tuple(inputs), tuple(wires)
+        return _send_experts(fmt.quantizer, local.to(sent or local.dtype),
+                             math.ceil(shape[0] / mesh.size()))
 
-    def fsdp_post_all_gather(outputs, wires, param_dtype, *, out=None):
-        if out is not None:  # the same buffers, gathered again: new wires
-            out._parts, out._wires = tuple(outputs), tuple(wires)
-            return None
+    def wrap(outputs, wires, param_dtype):
         rows = torch.Size([outputs[0].shape[0], *shape[1:]])
-        return ExpertsCasts(outputs, wires, rows, param_dtype), tuple(outputs)
+        return ExpertsCasts(outputs, wires, rows, param_dtype)
 
-    return fsdp_pre_all_gather, fsdp_post_all_gather
+    return parts_hooks(send, wrap, stats)

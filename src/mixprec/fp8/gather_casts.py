@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from mixprec.fp8.formats.base import LinearFormat
 
 __all__ = ["CastWeight", "install_cast_gather", "plain_gather_hooks", "why_not_gathered",
-           "send_shard",
+           "send_shard", "parts_hooks",
            "pack_fp4", "unpack_fp4"]
 
 _U8 = torch.uint8
@@ -221,12 +221,26 @@ def why_not_gathered(m: nn.Module) -> str | None:
 def _hooks(m: nn.Module, stats):
     fmt, shape = m.quantizer, m.weight.shape  # the whole weight's
 
-    def fsdp_pre_all_gather(mesh):
-        out = shape[0]
-        rows = math.ceil(out / mesh.size())
+    def send(mesh):
+        rows = math.ceil(shape[0] / mesh.size())
         shard = m.weight._local_tensor.detach()
-        amax = getattr(m, "fp8_gather_amax", None)
-        inputs, wires = send_shard(fmt, shard, amax, rows)
+        return send_shard(fmt, shard, getattr(m, "fp8_gather_amax", None), rows)
+
+    def wrap(outputs, wires, param_dtype):
+        return CastWeight(outputs, wires, shape, param_dtype, outputs[0].device)
+
+    return parts_hooks(send, wrap, stats)
+
+
+def parts_hooks(send: Callable, wrap: Callable, stats: CommStats | None
+                ) -> tuple[Callable, Callable]:
+    """FSDP2's one-argument pre- and post-all-gather hooks over ``send(mesh)``, the
+    uint8 inputs of the rank and the wires that read them (each input recorded in
+    ``stats``), and ``wrap(outputs, wires, param_dtype)``, the tensor the module gets,
+    whose ``_parts`` and ``_wires`` a gather into the same buffers renews."""
+
+    def fsdp_pre_all_gather(mesh):
+        inputs, wires = send(mesh)
         if stats is not None:
             for t in inputs:
                 stats.record(t, op="all_gather", what="weights")
@@ -236,8 +250,7 @@ def _hooks(m: nn.Module, stats):
         if out is not None:  # the same buffers, gathered again: new wires
             out._parts, out._wires = tuple(outputs), tuple(wires)
             return None
-        w = CastWeight(outputs, wires, shape, param_dtype, outputs[0].device)
-        return w, tuple(outputs)
+        return wrap(outputs, wires, param_dtype), tuple(outputs)
 
     return fsdp_pre_all_gather, fsdp_post_all_gather
 
