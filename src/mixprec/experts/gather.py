@@ -16,8 +16,11 @@ second cast: the same codes and scales as casting the weight FSDP would have gat
 same. Delayed scaling records each expert's agreed amax as it would record the
 gathered weight's.
 
-The other formats (rowwise, block, MX, NVFP4, int8) still gather the weight as FSDP
-holds it, a ``CommStats`` fallback (``note_whole_gathers``).
+Rowwise, block, MX and NVFP4 gather each expert's casts
+(``mixprec.experts.gather_casts``); a weight neither can take (``why_not_gathered``:
+int8, GPT-OSS's in × out layout outside the per-tensor formats, one rank, a mesh not
+cut along the experts) is gathered as FSDP holds it, a ``CommStats`` fallback
+(``note_whole_gathers``).
 """
 
 from __future__ import annotations
