@@ -18,7 +18,7 @@ from mixprec.fp8.gather_casts import CastWeight
 from mixprec.fp8.mm import _QuantizedMatmul
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.quantizers import quantizer_for
-from mixprec.fp8.tensor_parallel import is_dtensor, tp_linear, watch_sums
+from mixprec.fp8.tensor_parallel import is_dtensor, read_layout, tp_linear, watch_sums
 from mixprec.fp8.tp_agree import STREAM_STRIDE, agreeing, sr_stream
 
 if TYPE_CHECKING:
@@ -219,6 +219,7 @@ class Float8Linear(nn.Linear):
             setattr(new, hooks, getattr(linear, hooks))
         if is_dtensor(new.weight):  # a plan's shards: rounds its sums after the plan
             watch_sums(new)
+            read_layout(new)
         return new
 
     @property

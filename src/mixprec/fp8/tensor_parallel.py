@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 
     from mixprec.fp8.formats.base import LinearFormat
 
-__all__ = ["TPLayout", "tp_layout", "tp_refusal", "tp_linear", "attach_comm_stats",
+__all__ = ["TPLayout", "tp_layout", "layout_of", "read_layout",
+           "tp_refusal", "tp_linear", "attach_comm_stats",
            "is_dtensor", "watch_sums"]
 
 
@@ -74,6 +75,13 @@ class TPLayout:
     #: this rank's offset along that dim, and the dim's whole size
     offset: int
     full: int
+
+    def holds(self, w: torch.Tensor) -> bool:
+        """Whether ``w`` (a DTensor weight in (out, in) layout) lies as this layout says:
+        the same mesh, sharded dim and whole size (what fixes the offset)."""
+        return (w.device_mesh is self.mesh and w.placements[0].is_shard()
+                and w.placements[0].dim % 2 == self.sharded
+                and w.shape[self.sharded] == self.full)
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -107,6 +115,24 @@ def tp_layout(w: torch.Tensor) -> TPLayout:
     dim = w.placements[0].dim % 2
     _, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
     return TPLayout(w.device_mesh, dim, int(offset[dim]), int(w.shape[dim]))
+
+
+def layout_of(mod: nn.Module, w: torch.Tensor) -> TPLayout:
+    """``mod``'s cached ``TPLayout`` of its DTensor weight ``w``, computed once (the
+    offset is read from the mesh on the host) and again only where ``w`` lies otherwise:
+    compiled code reads it as a constant instead of breaking the graph at the offset."""
+    lay = mod._tp_layout
+    if lay is None or not lay.holds(w):
+        lay = mod._tp_layout = tp_layout(w)
+    return lay
+
+
+def read_layout(mod: nn.Module) -> None:
+    """``mod``'s layout (``layout_of``) read now, on the host, where its DTensor weight
+    takes one: a compiled forward then finds it cached."""
+    w = mod.weight.t() if mod.transposed else mod.weight
+    if is_dtensor(w) and _placement_error(w) is None:
+        layout_of(mod, w)
 
 
 def tp_refusal(fmt: LinearFormat, weight: torch.Tensor) -> str | None:
@@ -163,8 +189,7 @@ def tp_linear(mod: nn.Module, x: torch.Tensor, w: torch.Tensor,
 
     from mixprec.fp8.mm import _QuantizedMatmul
 
-    lay = tp_layout(w)
-    mod._tp_layout = lay
+    lay = layout_of(mod, w)
     mesh = lay.mesh
     want = [Replicate()] if lay.sharded == 0 else [Shard(x.dim() - 1)]
     if not is_dtensor(x):
