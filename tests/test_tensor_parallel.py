@@ -116,14 +116,26 @@ def test_two_tp_ranks_accumulating_micro_batches_train_like_one_process():
             assert sums.get(torch.float32, 4 * 4) == 4 * 4 and len(sums) <= 1, sums
 
 
+#: the frames dynamo compiles for an fp8-current TP=2 MLP pair over 3 steps (torch 2.13):
+#: every Linear's GEMM Function (``_QuantizedMatmul``) runs outside the graph, whose
+#: backward sets the cast's agreement (``tp_agree.agreeing``, a module global) and
+#: records the amax all-reduce in ``CommStats``: mutations dynamo refuses in an
+#: autograd.Function's backward. Dynamo then compiles the Function's forward as a frame
+#: of its own, recompiled each step since the ``CommStats`` counters it bumps are
+#: guarded as constants; and the rowwise Linear's rounding hook breaks where the bias
+#: goes local (``to_local``, whose backward dynamo cannot trace)
+FP8_TP_FRAMES = 20
+
+
 @pytest.mark.long  # dynamo compiles each rank's graphs on two cores: ~1 minute
 def test_a_compiled_tp_model_trains_bit_for_bit_as_eager():
     """``torch.compile`` (aot_eager) of the engine's TP=2 model (the MLP pair) under
     bf16-master and fp8-current: the losses and the fp32 masters after 3 steps equal
-    the eager run's bit for bit on both ranks, and frames were compiled (under
-    emulation, which dynamo does not trace, none are: the run is eager). fp8's
-    quantized Linears break the graph where they compute their shard's offset
-    (docs/not-there-yet.md)."""
+    the eager run's bit for bit on both ranks; bf16-master compiles to one frame, and
+    fp8-current to ``FP8_TP_FRAMES`` (its shard layouts read once at conversion, not
+    on the host in each forward; the breaks left are named there and in
+    docs/not-there-yet.md). Under emulation, which dynamo does not trace, no frame is
+    compiled: the run is eager."""
     recipes = ["bf16-master", "fp8-current"]
     for r in spawn(loop.tp_compiled, "mlp", recipes, 3, name="tpcompile"):
         for recipe in recipes:
@@ -132,7 +144,9 @@ def test_a_compiled_tp_model_trains_bit_for_bit_as_eager():
             assert all(torch.equal(a, b) for a, b in zip(compiled["params"],
                                                          eager["params"])), recipe
             assert eager["frames"] == 0
-            assert (compiled["frames"] == 0) == compiled["emulating"], recipe
+            want = 0 if compiled["emulating"] else (
+                1 if recipe == "bf16-master" else FP8_TP_FRAMES)
+            assert compiled["frames"] == want, (recipe, compiled["frames"])
 
 
 @pytest.mark.slow
