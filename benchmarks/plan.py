@@ -18,11 +18,12 @@ in MXFP8 with the rest in fp8-current, on the MoE models the experts in MXFP8 wi
 rest in bf16, and bf16 Linears with int8 optimizer states for every module or every
 other one. Step times are compared as ratios to the 16-bit recipe's (``bf16-master``):
 the prediction's to the survey's measured 16-bit step, the measurement's to a 16-bit
-copy stepped in turn with it (median of ``--steps``), so that a busy machine slows both
-alike. ``--clock cpu`` runs one thread and reads every timer (the survey's and these)
-as this process's CPU seconds, which other jobs on a shared, loaded machine do not
-stretch. The peak is one step of a fresh copy under ``measure(peak=True)``. The table
-prints measured / predicted for both. MB = 1e6 bytes. Nothing is asserted here.
+copy stepped in turn with it (median of ``--steps``, the turns' order reversed every
+round), so that a busy machine slows both alike.
+``--clock cpu`` runs one thread and reads every timer (the survey's and these) as this
+process's CPU seconds, which other jobs on a shared, loaded machine do not stretch. The
+peak is one step of a fresh copy under ``measure(peak=True)``. The table prints
+measured / predicted for both. MB = 1e6 bytes. Nothing is asserted here.
 """
 
 from __future__ import annotations
@@ -125,7 +126,11 @@ def configs(sv, mlp: tuple[str, ...]):
 
 def interleaved(model, recipes: list, batch, steps: int) -> list[float]:
     """Median step seconds of each recipe on its own copy of ``model``, the recipes'
-    steps taken in turn so that a busy machine slows each alike."""
+    steps taken in turn so that a busy machine slows each alike, the order of the turns
+    reversed every round: two copies of the 16-bit recipe of a config-built Mixtral,
+    stepped in one fixed order, read the first copy's forward and backward 0-28 ms
+    (up to 18%) longer than the second's (median of their 2nd to 9th steps, 5 runs);
+    with the order reversed every round, within 2 ms (2 runs)."""
     import copy
 
     from mixprec import MixedPrecision
@@ -149,13 +154,16 @@ def interleaved(model, recipes: list, batch, steps: int) -> list[float]:
     times = [[] for _ in runs]
     for m, eng in runs:
         one(m, eng)
+    order = list(range(len(runs)))
     for _ in range(steps):
-        for i, (m, eng) in enumerate(runs):
+        for i in order:
+            m, eng = runs[i]
             sync()
             t = time.perf_counter()
             one(m, eng)
             sync()
             times[i].append(time.perf_counter() - t)
+        order.reverse()
     return [statistics.median(t) for t in times]
 
 
