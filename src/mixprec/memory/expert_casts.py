@@ -115,17 +115,35 @@ def token_casts(q: Any, counts: list[float], cols: int, act_bytes: float,
     return hp + 8 * rows
 
 
-def sync_free_forward(route: str, r: int, e: int, k: int, n: int) -> float:
+def sync_free_forward(route: str, q: Any, r: int, e: int, k: int, n: int, b: float
+                      ) -> float:
     """Sync-free ``route``'s forward working set for one projection (``K`` inputs,
-    ``N`` outputs, ``R`` rows, ``E`` experts) beyond its output: the tokens' dequantized
-    cast (``4·R·K``), the experts' fp32 weights (INT8's dequantized and transposed
-    copies, ``8·E·N·K``; the others' one, ``4·E·N·K``) and the grouped kernel's fp32
-    product with the rows past the last expert zeroed (``8·R·N``); per tensor, the
-    tokens and weights are freed before the zeroing."""
-    w = e * n * k
+    ``N`` outputs, ``R`` rows of fp32 tokens, ``E`` experts) beyond its output and what
+    it saves (``b``: the saved 16-bit copy's bytes), the larger of its stages: the
+    tokens' dequantized cast (``4·R·K``; NVFP4's cast itself holds ``20·R·K``) beside
+    the experts' fp32 weights (``4·E·N·K``, INT8's transposed copy too) and the grouped
+    kernel's fp32 product with the rows past the last expert zeroed (``8·R·N``; per
+    tensor, the tokens and weights are freed first); then wgrad's cast along the tokens
+    (rowwise: the magnitudes, gathered scales, scaled values and codes, ``13·R·K``; the tile
+    routes: the ``padded_rows`` buffer and its cast's fp32 passes, ``12·P·K``, NVFP4's
+    Hadamard transform and rounding passes over the 16-row aligned buffer ``28·P·K``),
+    each route's int64 row ids held throughout."""
+    rk, w = r * k, e * n * k
+    ids = 16 * r if route in ("blocks", "nvfp4") else 8 * r
+    wq = 0 if route == "int8" else saved_cast(q, n, k, "weight")  # the forward's codes
+    stages = [4 * rk + wq + (8 if route == "int8" else 4) * w + 8 * r * n]
     if route == "tensor":
-        return max(4 * r * k + 4 * w + 4 * r * n, 8 * r * n)
-    return 4 * r * k + (8 if route == "int8" else 4) * w + 8 * r * n
+        stages = [rk + wq + max(4 * rk + 4 * w + 4 * r * n, 8 * r * n)]
+    elif route == "rowwise":  # the forward's token codes, dgrad's weight cast
+        stages = [rk + s for s in stages] + [14 * rk + wq + saved_cast(q, n, k, "weight")]
+    elif route in ("blocks", "nvfp4"):
+        p = padded_rows(q, r, e)
+        if route == "nvfp4":
+            p += (-p) % q.token_multiple
+        stages += [4 * rk + wq + (28 if route == "nvfp4" else 12) * p * k]
+        stages += [20 * rk] if route == "nvfp4" else []
+    saved = token_casts(q, [r / e] * e, k, b, route) + e * saved_cast(q, n, k, "weight")
+    return ids + max(stages) - saved
 
 
 def blocks_backward(q: Any, r: int, e: int, i: int, o: int, b: float) -> float:
@@ -133,11 +151,13 @@ def blocks_backward(q: Any, r: int, e: int, i: int, o: int, b: float) -> float:
     arriving gradient, ``dx`` and ``dw``: the gradient's fp32 dequantized tile cast
     (``4·R·O``) and every expert's fp32 weights (``4·E·O·I``) held while wgrad runs,
     then the larger of the padded gradient's cast along the tokens (its 16-bit copy
-    and the cast's three fp32 passes, ``(b + 12)·P·O`` over ``P = padded_rows``) and
-    the wgrad product (both padded operands' codes and fp32 values, their gathered
-    rows and the transposed gradient)."""
+    and the cast's three fp32 passes, ``(b + 12)·P·O`` over ``P = padded_rows``), the
+    saved input's dequantization (the gradient's codes and gathered fp32 rows beside
+    the input's fp32 codes, tile scales and values, ``12·P·I``) and the wgrad product
+    (both padded operands' codes and fp32 values, their gathered rows and the
+    transposed gradient)."""
     p = padded_rows(q, r, e)
-    return 4 * r * o + 4 * e * o * i + max((b + 12) * p * o,
+    return 4 * r * o + 4 * e * o * i + max((b + 12) * p * o, p * o + 4 * r * o + 12 * p * i,
                                            5 * p * o + 8 * r * o + 4 * p * i + 4 * r * i)
 
 

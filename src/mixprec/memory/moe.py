@@ -150,17 +150,11 @@ def moe_saved_bytes(model: nn.Module, tokens: int, linear_formats: dict[str, Any
     fused = {f"{n}.o_proj" for n, m in attention_modules(model).items()
              if attention_path(m, impl, device) == "fused"}
     for fqn, i, _ in linear_shapes(model):
-        q = linear_formats.get(fqn)
-        if q is not None:
-            total += saved_cast(q, t, i, "input")
-        # a 16-bit copy where wgrad runs in 16 bits; a fused kernel's output is saved
-        if (q is None or "wgrad" not in q.quantized_gemms) and fqn not in fused:
-            total += b * t * i
+        total += _linear_saved(linear_formats.get(fqn), t, i, b, fqn in fused)
     for m in model.modules():
         if type(m).__name__.endswith("Attention") and hasattr(m, "config"):
             total += t * attention_saved(m, attention_path(m, impl, device), s, b)
-        elif all(isinstance(getattr(m, n, None), nn.Linear)
-                 for n in ("gate_proj", "up_proj", "down_proj")):
+        elif _dense_mlp(m):
             # a dense gated MLP (a shared expert, a dense layer): its gate and up
             # outputs and the activation's, 16-bit
             total += 3 * b * t * m.up_proj.out_features
@@ -190,6 +184,37 @@ def moe_saved_bytes(model: nn.Module, tokens: int, linear_formats: dict[str, Any
     return float(total)
 
 
+def _linear_saved(q: Any, t: int, i: int, b: float, fused: bool = False) -> float:
+    """What a Linear of ``i`` inputs keeps of ``t`` tokens' input: its format's cast
+    for wgrad, or a 16-bit copy where wgrad runs in 16 bits (none where the input is a
+    fused kernel's output, saved already)."""
+    total = 0.0 if q is None else saved_cast(q, t, i, "input")
+    if (q is None or "wgrad" not in q.quantized_gemms) and not fused:
+        total += b * t * i
+    return total
+
+
+def _dense_mlp(m: nn.Module) -> bool:
+    return all(isinstance(getattr(m, n, None), nn.Linear)
+               for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _shared_saved(model: nn.Module, name: str, tokens: int, linears: dict[str, Any],
+                  b: float) -> float:
+    """What the dense gated MLPs beside experts module ``name`` save (DeepSeek-V3's
+    shared expert, which runs after the routed ones): their 16-bit gate, up and
+    activation outputs and their Linears' inputs."""
+    parent = name.rpartition(".")[0]
+    total = 0.0
+    for child, m in dict(model.named_modules()).get(parent, nn.Module()).named_children():
+        if _dense_mlp(m):
+            total += 3 * b * tokens * m.up_proj.out_features + sum(
+                _linear_saved(linears.get(f"{parent}.{child}.{n}"), tokens,
+                              getattr(m, n).in_features, b)
+                for n in ("gate_proj", "up_proj", "down_proj"))
+    return total
+
+
 def _vocab(model: nn.Module) -> int:
     head = getattr(model, "lm_head", None)
     return head.out_features if isinstance(head, nn.Linear) else 0
@@ -211,14 +236,16 @@ def _top_saved(model: nn.Module, tokens: int, head_bytes: float) -> float:
 
 def experts_forward(model: nn.Module, tokens: int, quantizers: dict[str, Any],
                     act_bytes: float, head_bytes: float = 2.0, experts_route: str = "loop",
-                    device: str = "cpu") -> float:
+                    device: str = "cpu", linears: dict[str, Any] | None = None) -> float:
     """The most bytes the last layer's experts forward holds beyond everything the
     forward saves, before the activation, the down projection, the head and the loss
-    have saved theirs: where a format runs experts with biases (GPT-OSS's), the gate-up
+    have saved theirs (and a shared expert, ``linears`` its Linears' quantizers): where
+    a format runs experts with biases (GPT-OSS's), the gate-up
     projection adding its bias in fp32 (``mixprec.experts.hook``: the 16-bit output's
     fp32 copy, the gathered bias (and its fp32 copy) and the fp32 sum,
     ``(4 + bias + 4)·R·up`` beyond the output); on a sync-free route, its GEMM's fp32
-    operands and product (``sync_free_forward``); 0 (or less) otherwise."""
+    operands and product (``sync_free_forward``); beside the routed tokens it gathered
+    (fp32, ``4·R·hidden``)."""
     experts = moe_experts(model)
     if not experts:
         return 0.0
@@ -230,14 +257,16 @@ def experts_forward(model: nn.Module, tokens: int, quantizers: dict[str, Any],
     r, b = k * tokens, act_bytes
     up = 2 * inner if m.has_gate else inner
     route = sync_free_route(q, experts_route, device)
-    held = sync_free_forward(route, r, e, h, up) if route else 0.0
+    held = sync_free_forward(route, q, r, e, h, up, b) if route else 0.0
     if m.has_bias:
         bias = getattr(m, "gate_up_proj_bias" if m.has_gate else "up_proj_bias").element_size()
         held = max(held, (4 + bias + (0 if bias == 4 else 4) + 4) * r * up)
     later = (b * r * (activation_saved(m, up) - up + h)
-             + token_casts(q, [r / e] * e, inner, b, route) + _top_saved(model, tokens,
-                                                                         head_bytes))
-    return held - later
+             + token_casts(q, [r / e] * e, inner, b, route)
+             + _shared_saved(model, name, tokens, linears or {}, b)
+             + _top_saved(model, tokens, head_bytes))
+    # the routed tokens gathered from the fp32 residual stream, held while the experts run
+    return 4 * r * h + held - later
 
 
 def experts_backward(model: nn.Module, tokens: int, quantizers: dict[str, Any],
@@ -362,7 +391,7 @@ def moe_terms(model: nn.Module, r: Any, tokens: int, act_bytes: float, route: st
     last = list(moe_experts(model))[-1:]
     work = max(loss_transient(model, tokens),
                experts_forward(model, tokens, experts, act_bytes,
-                               experts_route=experts_route, device=device),
+                               experts_route=experts_route, device=device, linears=linears),
                experts_backward(model, tokens, experts, act_bytes,
                                 lambda q, t, i, o: q.backward_bytes(t, i, o, act_bytes,
                                                                     route),
