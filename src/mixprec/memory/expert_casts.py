@@ -150,14 +150,18 @@ def blocks_backward(q: Any, r: int, e: int, i: int, o: int, b: float) -> float:
     """The sync-free block route's backward scratch for one projection beyond the
     arriving gradient, ``dx`` and ``dw``: the gradient's fp32 dequantized tile cast
     (``4·R·O``) and every expert's fp32 weights (``4·E·O·I``) held while wgrad runs,
-    then the larger of the padded gradient's cast along the tokens (its 16-bit copy
-    and the cast's three fp32 passes, ``(b + 12)·P·O`` over ``P = padded_rows``), the
-    saved input's dequantization (the gradient's codes and gathered fp32 rows beside
-    the input's fp32 codes, tile scales and values, ``12·P·I``) and the wgrad product
-    (both padded operands' codes and fp32 values, their gathered rows and the
-    transposed gradient)."""
+    then the largest of the padded gradient's cast along the tokens (the buffer at
+    ``b`` bytes, the cast's fp32 copy of a 16-bit one and its tile scales and scaled
+    values, ``(b + 12)·P·O`` over ``P = padded_rows``, ``12·P·O`` in fp32), that cast's
+    dequantization (its codes, their fp32 copy, tile scales and values, ``13·P·O``: the
+    peak where the gradient is fp32, as on a CPU without bf16 units), the saved input's
+    (the gradient's codes and gathered fp32 rows beside the input's ``12·P·I``) and the
+    wgrad product (both padded operands' codes and fp32 values, their gathered rows and
+    the transposed gradient)."""
     p = padded_rows(q, r, e)
-    return 4 * r * o + 4 * e * o * i + max((b + 12) * p * o, p * o + 4 * r * o + 12 * p * i,
+    cast = b + 8 + (4 if b < 4 else 0)
+    return 4 * r * o + 4 * e * o * i + max(cast * p * o, 13 * p * o,
+                                           p * o + 4 * r * o + 12 * p * i,
                                            5 * p * o + 8 * r * o + 4 * p * i + 4 * r * i)
 
 
