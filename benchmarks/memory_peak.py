@@ -15,9 +15,11 @@ vocabulary 128; nothing is downloaded) under the recipes that run their experts 
 mixprec's grouped GEMM, batch 8 of 64 tokens; their prediction reads the model's own
 modules (``mixprec.memory.moe``), with every expert at the average rows and with the
 batch's routing (``estimate(..., sample_batch=)``). The experts run on the CPU's eager
-``loop`` route, and ``fp8-block`` and ``mxfp8`` also on the ``grouped`` route that
-``torch.compile`` takes (sync-free, with its tile-padded wgrad buffer), run eagerly. No
-figure is asserted here (tests/test_memory_peak.py asserts the bounds)."""
+``loop`` route, and every format with a sync-free module (``fp8-current``,
+``fp8-rowwise``, ``int8-rowwise``, ``nvfp4``, ``fp8-block``, ``mxfp8``) also on the
+``grouped`` route that ``torch.compile`` takes (``mixprec.experts.segments*``: whole
+operand casts, the tile formats' wgrad buffer padded to each expert's tiles), run
+eagerly. No figure is asserted here (tests/test_memory_peak.py asserts the bounds)."""
 
 from __future__ import annotations
 
@@ -64,6 +66,8 @@ def peaks(recipe: str, size: str = "medium", batch: int = 8) -> tuple[float, flo
 
 #: the MoE rows' recipes: 16-bit experts on transformers' grouped GEMM, and three formats
 MOE_RECIPES = ("bf16-master", "fp8-current", "mxfp8", "nvfp4")
+#: the formats with a sync-free ``grouped`` module, the MoE rows' ``grouped`` recipes
+MOE_SYNC_FREE = ("fp8-current", "fp8-rowwise", "int8-rowwise", "nvfp4", "fp8-block", "mxfp8")
 MOE_MODELS = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 
 
@@ -185,7 +189,7 @@ def main() -> None:
               "estimate / measured (average) | estimate / measured (routing) |")
         print("|---|---|---|---|---|---|---|---|---|")
         runs = [(k, r, "loop") for k in MOE_MODELS for r in MOE_RECIPES]
-        runs += [(k, r, "grouped") for k in MOE_MODELS for r in ("fp8-block", "mxfp8")]
+        runs += [(k, r, "grouped") for k in MOE_MODELS for r in MOE_SYNC_FREE]
         for kind, r, route in runs:
             average = moe_estimate(kind, r, route=route)
             steady, est, got = moe_peaks(kind, r, route=route, routed=True)

@@ -10,7 +10,8 @@ the activations' width: 2 bytes under a 16-bit or fp8 recipe), what one forward 
   normalized values and one fp32 rsqrt per group, ``8·w + 4·w/group``;
 - each Linear its input: a 16-bit copy ``b·in`` (autocast casts it once per Linear; the
   attention's output projection reads the attention output as it is, no copy), or its
-  format's cast for the weight gradient (``cast_bytes``);
+  format's cast for the weight gradient (``expert_casts.cast_bytes``; a format whose
+  wgrad runs in 16 bits, INT8's, keeps the 16-bit copy);
 - the attention (``mixprec.memory.attention``): under ``sdpa``'s fused kernel Q, K, V
   and the output at ``b`` bytes and an fp32 log-sum-exp per head; under its CPU math
   fallback (q·k and v head dims differ: DeepSeek-V3's) fp32 Q, K, V and ``s×s``
@@ -23,17 +24,19 @@ the activations' width: 2 bytes under a 16-bit or fp8 recipe), what one forward 
   ``activation_saved`` runs the module's activation on a few rows to count them),
   the down-projection output and the routing weights; under a format, each expert's
   casts of its tokens and weights (``mixprec.experts.grouped``: the casts the backward
-  reuses or makes along the token dim; on the sync-free block route one cast of a
-  tile-padded buffer of ``R + (E + 1)·(tile − 1)`` rows, ``padded_rows``); without
-  one, transformers' grouped GEMM keeps the 16-bit inputs of both projections;
+  reuses or makes along the token dim; on a sync-free route the whole operand's cast,
+  the tile formats' of a buffer padded so every expert starts on a tile, and each
+  row's expert id: ``mixprec.memory.expert_casts``); without one, transformers'
+  grouped GEMM keeps the 16-bit inputs of both projections;
 - the head's input, the loss's fp32 log-probabilities (``4·V``) and the token ids.
 
 The working sets on top of that: the loss at the forward's end (the head's 16-bit
-logits, their fp32 copy and the reduction, ``8·T·V``), the last layer's biased experts
-adding their bias in fp32 under a format (``experts_bias_forward``) and the last
-layer's experts backward (``experts_backward``: on the ``loop`` route each expert's
-casts and the busiest one's GEMM scratch; on the sync-free block route whole-operand
-fp32 casts of the padded buffer), less what the backward has freed by then. Each expert
+logits, their fp32 copy and the reduction, ``8·T·V``), the last layer's experts
+forward under a format (``experts_forward``: biased experts adding their bias in fp32,
+a sync-free route's fp32 operands and product) and its experts backward
+(``experts_backward``: on the ``loop`` route each expert's casts and the busiest one's
+GEMM scratch; on a sync-free route whole-operand fp32 casts, ``expert_casts``), less
+what the backward has freed by then (the forward: less what is not saved yet). Each expert
 is taken to get the average ``R/E`` rows unless ``routed_rows`` read a sample batch's
 routing: the busiest expert's scratch is larger, by as much as the routing is uneven.
 """
@@ -52,10 +55,18 @@ from mixprec.memory.attention import (
     attention_path,
     attention_saved,
 )
+from mixprec.memory.expert_casts import (
+    cast_bytes,
+    saved_cast,
+    sync_free_backward,
+    sync_free_forward,
+    sync_free_route,
+    token_casts,
+)
 from mixprec.memory.transient import linear_shapes
 
-__all__ = ["moe_experts", "cast_bytes", "activation_saved", "sync_free_blocks",
-           "padded_rows", "moe_saved_bytes", "experts_bias_forward", "experts_backward",
+__all__ = ["moe_experts", "activation_saved", "moe_saved_bytes", "experts_forward",
+           "experts_backward",
            "loss_transient", "routed_rows", "moe_terms", "moe_notes"]
 
 
@@ -76,37 +87,6 @@ def _experts_dims(m: nn.Module) -> tuple[int, int, int, int]:
     cfg = m.config
     k = getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "top_k", None) or 1
     return int(e), int(hidden), int(inner), int(k)
-
-
-def cast_bytes(q: Any, rows: int, cols: int, role: str, dim: int) -> float:
-    """Bytes of one cast of a (rows, cols) tensor by quantizer ``q`` along ``dim``:
-    one byte per code (fp4 codes too) and an fp32 scale per tensor, row or tile."""
-    if rows == 0:
-        return 0.0
-    if q.per_tensor:
-        return float(rows * cols + 4)
-    kernel = q.kernel
-    tile = kernel.tile if kernel is not None else 0
-    if not tile:  # rowwise: one scale per row of the contracted dim
-        return float(rows * cols + 4 * (rows if dim == 1 else cols))
-    extra = q.global_scale_bytes
-    if dim == 0 and role != "weight":  # NVFP4's Hadamard blocks of 16 tokens
-        rows += (-rows) % q.token_multiple
-    if role == "weight" and q.reuses("weight"):  # square tiles serve both GEMMs
-        scales = math.ceil(rows / tile) * math.ceil(cols / tile)
-    elif dim == 1:
-        scales = rows * math.ceil(cols / tile)
-    else:
-        scales = math.ceil(rows / tile) * cols
-    return float(rows * cols + 4 * scales + extra)
-
-
-def _saved_cast(q: Any, rows: int, cols: int, role: str) -> float:
-    """What a GEMM keeps of its operand for the backward: the forward cast where the
-    backward reuses it, else a cast along the other dim (``mixprec.experts.grouped``)."""
-    if role == "input" and "wgrad" not in q.quantized_gemms:
-        return 0.0
-    return cast_bytes(q, rows, cols, role, 1 if q.reuses(role) else 0)
 
 
 def _norm_widths(model: nn.Module) -> list[tuple[int, int]]:
@@ -163,23 +143,18 @@ def moe_saved_bytes(model: nn.Module, tokens: int, linear_formats: dict[str, Any
     ``quantizers``: each experts module's quantizer by name (None or absent: it runs in
     16 bits on transformers' own implementation); ``rows``: each experts module's rows
     per expert (``routed_rows``; default the average); ``experts_route``: ``loop`` or
-    ``grouped`` (``sync_free_blocks``)."""
+    ``grouped`` (``expert_casts.sync_free_route``)."""
     t, b, s = tokens, act_bytes, seq_len or tokens
     total = sum(8.0 * w + 4.0 * g for w, g in _norm_widths(model)) * t
     impl = attention_impl(model)
     fused = {f"{n}.o_proj" for n, m in attention_modules(model).items()
              if attention_path(m, impl, device) == "fused"}
     for fqn, i, _ in linear_shapes(model):
-        q = linear_formats.get(fqn)
-        if q is not None:
-            total += _saved_cast(q, t, i, "input")
-        elif fqn not in fused:  # a fused kernel's output is saved already
-            total += b * t * i
+        total += _linear_saved(linear_formats.get(fqn), t, i, b, fqn in fused)
     for m in model.modules():
         if type(m).__name__.endswith("Attention") and hasattr(m, "config"):
             total += t * attention_saved(m, attention_path(m, impl, device), s, b)
-        elif all(isinstance(getattr(m, n, None), nn.Linear)
-                 for n in ("gate_proj", "up_proj", "down_proj")):
+        elif _dense_mlp(m):
             # a dense gated MLP (a shared expert, a dense layer): its gate and up
             # outputs and the activation's, 16-bit
             total += 3 * b * t * m.up_proj.out_features
@@ -199,13 +174,45 @@ def moe_saved_bytes(model: nn.Module, tokens: int, linear_formats: dict[str, Any
             total += b * r * (h + inner) + 4 * r
             continue
         counts = (rows or {}).get(name) or [r / e] * e  # the average, unless read
-        pad = padded_rows(q, r, e) if sync_free_blocks(q, experts_route, device) else 0
-        total += b * r + (_input_casts(q, counts, h, pad) + _input_casts(q, counts, inner, pad)
-                          + e * (_saved_cast(q, up, h, "weight")
-                                 + _saved_cast(q, h, inner, "weight")))
+        route = sync_free_route(q, experts_route, device)
+        total += b * r + (token_casts(q, counts, h, b, route)
+                          + token_casts(q, counts, inner, b, route)
+                          + e * (saved_cast(q, up, h, "weight")
+                                 + saved_cast(q, h, inner, "weight")))
     vocab = _vocab(model)
     total += t * (4 * vocab + 16)  # the loss's log-probabilities, labels and token ids
     return float(total)
+
+
+def _linear_saved(q: Any, t: int, i: int, b: float, fused: bool = False) -> float:
+    """What a Linear of ``i`` inputs keeps of ``t`` tokens' input: its format's cast
+    for wgrad, or a 16-bit copy where wgrad runs in 16 bits (none where the input is a
+    fused kernel's output, saved already)."""
+    total = 0.0 if q is None else saved_cast(q, t, i, "input")
+    if (q is None or "wgrad" not in q.quantized_gemms) and not fused:
+        total += b * t * i
+    return total
+
+
+def _dense_mlp(m: nn.Module) -> bool:
+    return all(isinstance(getattr(m, n, None), nn.Linear)
+               for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _shared_saved(model: nn.Module, name: str, tokens: int, linears: dict[str, Any],
+                  b: float) -> float:
+    """What the dense gated MLPs beside experts module ``name`` save (DeepSeek-V3's
+    shared expert, which runs after the routed ones): their 16-bit gate, up and
+    activation outputs and their Linears' inputs."""
+    parent = name.rpartition(".")[0]
+    total = 0.0
+    for child, m in dict(model.named_modules()).get(parent, nn.Module()).named_children():
+        if _dense_mlp(m):
+            total += 3 * b * tokens * m.up_proj.out_features + sum(
+                _linear_saved(linears.get(f"{parent}.{child}.{n}"), tokens,
+                              getattr(m, n).in_features, b)
+                for n in ("gate_proj", "up_proj", "down_proj"))
+    return total
 
 
 def _vocab(model: nn.Module) -> int:
@@ -227,59 +234,39 @@ def _top_saved(model: nn.Module, tokens: int, head_bytes: float) -> float:
     return tokens * (8.0 * width + 4 + head_bytes + 4 * _vocab(model) + 8)
 
 
-def experts_bias_forward(model: nn.Module, tokens: int, quantizers: dict[str, Any],
-                         act_bytes: float, head_bytes: float = 2.0) -> float:
+def experts_forward(model: nn.Module, tokens: int, quantizers: dict[str, Any],
+                    act_bytes: float, head_bytes: float = 2.0, experts_route: str = "loop",
+                    device: str = "cpu", linears: dict[str, Any] | None = None) -> float:
     """The most bytes the last layer's experts forward holds beyond everything the
-    forward saves, where a format runs experts with biases (GPT-OSS's): the gate-up
-    projection adds its bias in fp32 (``mixprec.experts.hook``), holding the 16-bit
-    output, its fp32 copy, the gathered bias (and its fp32 copy) and the fp32 sum,
-    ``(4 + bias + 4)·R·up`` beyond the output, before the activation, the down
-    projection, the head and the loss have saved theirs; 0 without biases."""
+    forward saves, before the activation, the down projection, the head and the loss
+    have saved theirs (and a shared expert, ``linears`` its Linears' quantizers): where
+    a format runs experts with biases (GPT-OSS's), the gate-up
+    projection adding its bias in fp32 (``mixprec.experts.hook``: the 16-bit output's
+    fp32 copy, the gathered bias (and its fp32 copy) and the fp32 sum,
+    ``(4 + bias + 4)·R·up`` beyond the output); on a sync-free route, its GEMM's fp32
+    operands and product (``sync_free_forward``); beside the routed tokens it gathered
+    (fp32, ``4·R·hidden``)."""
     experts = moe_experts(model)
     if not experts:
         return 0.0
     name, m = list(experts.items())[-1]
     q = quantizers.get(name)
-    if q is None or not m.has_bias:
+    if q is None:
         return 0.0
     e, h, inner, k = _experts_dims(m)
     r, b = k * tokens, act_bytes
     up = 2 * inner if m.has_gate else inner
-    bias = getattr(m, "gate_up_proj_bias" if m.has_gate else "up_proj_bias").element_size()
-    held = (4 + bias + (0 if bias == 4 else 4) + 4) * r * up
+    route = sync_free_route(q, experts_route, device)
+    held = sync_free_forward(route, q, r, e, h, up, b) if route else 0.0
+    if m.has_bias:
+        bias = getattr(m, "gate_up_proj_bias" if m.has_gate else "up_proj_bias").element_size()
+        held = max(held, (4 + bias + (0 if bias == 4 else 4) + 4) * r * up)
     later = (b * r * (activation_saved(m, up) - up + h)
-             + e * _saved_cast(q, r / e, inner, "input") + _top_saved(model, tokens,
-                                                                       head_bytes))
-    return held - later
-
-
-def sync_free_blocks(q: Any, experts_route: str, device: str) -> bool:
-    """Whether experts in quantizer ``q``'s format take the sync-free block route
-    (``mixprec.experts.segments_blocks``): ``fp8-block`` and MX fp8 with every GEMM
-    quantized, on a CPU's ``grouped`` route (its choice under ``torch.compile``)."""
-    from mixprec.fp8.formats import BlockScaling, MXScaling
-
-    return (experts_route == "grouped" and device == "cpu"
-            and isinstance(q, (BlockScaling, MXScaling)) and "wgrad" in q.quantized_gemms)
-
-
-def padded_rows(q: Any, rows: int, experts: int) -> int:
-    """The rows of the sync-free block route's wgrad buffer: every expert (and the rows
-    past the last one) starts on a whole tile, ``T + (E + 1)·(tile − 1)``."""
-    return rows + (experts + 1) * (q.kernel.tile - 1)
-
-
-def _blocks_backward(q: Any, r: int, e: int, i: int, o: int, b: float) -> float:
-    """The sync-free block route's backward scratch for one projection beyond the
-    arriving gradient, ``dx`` and ``dw``: the gradient's fp32 dequantized tile cast
-    (``4·R·O``) and every expert's fp32 weights (``4·E·O·I``) held while wgrad runs,
-    then the larger of the padded gradient's cast along the tokens (its 16-bit copy
-    and the cast's three fp32 passes, ``(b + 12)·P·O`` over ``P = padded_rows``) and
-    the wgrad product (both padded operands' codes and fp32 values, their gathered
-    rows and the transposed gradient)."""
-    p = padded_rows(q, r, e)
-    return 4 * r * o + 4 * e * o * i + max((b + 12) * p * o,
-                                           5 * p * o + 8 * r * o + 4 * p * i + 4 * r * i)
+             + token_casts(q, [r / e] * e, inner, b, route)
+             + _shared_saved(model, name, tokens, linears or {}, b)
+             + _top_saved(model, tokens, head_bytes))
+    # the routed tokens gathered from the fp32 residual stream, held while the experts run
+    return 4 * r * h + held - later
 
 
 def experts_backward(model: nn.Module, tokens: int, quantizers: dict[str, Any],
@@ -297,8 +284,9 @@ def experts_backward(model: nn.Module, tokens: int, quantizers: dict[str, Any],
     casts for every expert (for dgrad, and along the tokens for wgrad unless reused)
     and the busiest expert's GEMM scratch (its format's ``backward_bytes`` on its rows,
     ``route_bytes(q, rows, in, out)``); ``rows``: the rows each expert of this layer
-    got (default: the average ``R/E`` each). On the sync-free block route
-    (``sync_free_blocks``), ``_blocks_backward``'s whole-operand casts instead."""
+    got (default: the average ``R/E`` each). On a sync-free route
+    (``expert_casts.sync_free_route``), its whole-operand casts instead
+    (``expert_casts.sync_free_backward``)."""
     best = -math.inf
     experts = moe_experts(model)
     if not experts:
@@ -310,13 +298,12 @@ def experts_backward(model: nn.Module, tokens: int, quantizers: dict[str, Any],
     q = quantizers.get(name)
     b = act_bytes
     counts = rows or [math.ceil(r / e)] * e
-    free = q is not None and sync_free_blocks(q, experts_route, device)
+    free = None if q is None else sync_free_route(q, experts_route, device)
     top = _top_saved(model, tokens, head_bytes)
     out_and_weights = b * r * h + (b if q is not None else 4) * r
     down_in = (b * r * inner if q is None else
-               _input_casts(q, rows or [r / e] * e, inner,
-                            padded_rows(q, r, e) if free else 0))
-    down_w = 0.0 if q is None else e * _saved_cast(q, h, inner, "weight")
+               token_casts(q, rows or [r / e] * e, inner, b, free))
+    down_w = 0.0 if q is None else e * saved_cast(q, h, inner, "weight")
     # (in, out, dx bytes, freed before it runs, a fresh weight gradient already there)
     steps = ((inner, h, b, top + out_and_weights, 0.0),
              (h, up, 4, top + out_and_weights + b * r * activation_saved(m, up) + down_in
@@ -324,7 +311,7 @@ def experts_backward(model: nn.Module, tokens: int, quantizers: dict[str, Any],
     for i, o, dx_bytes, freed, held in steps:
         need = b * r * o + dx_bytes * r * i + 4 * e * o * i + held - freed
         if free:
-            need += _blocks_backward(q, r, e, i, o, b)
+            need += sync_free_backward(free, q, r, e, i, o, b, dx_bytes)
         elif q is not None:
             for n in counts:
                 need += cast_bytes(q, n, o, "grad_output", 1)
@@ -333,16 +320,6 @@ def experts_backward(model: nn.Module, tokens: int, quantizers: dict[str, Any],
             need += route_bytes(q, max(counts), i, o)
         best = max(best, need)
     return best
-
-
-def _input_casts(q: Any, counts: list[float], cols: int, padded: int = 0) -> float:
-    """What the experts' GEMM keeps of its token operand (``cols`` wide) for wgrad: each
-    expert's cast of its ``counts`` rows, or on the sync-free block route one cast of
-    the ``padded``-row buffer along the tokens and two int64 row maps (each row's
-    expert, its place in the buffer)."""
-    if padded:
-        return cast_bytes(q, padded, cols, "input", 0) + 16 * sum(counts)
-    return sum(_saved_cast(q, n, cols, "input") for n in counts)
 
 
 def routed_rows(model: nn.Module, batch: Any) -> dict[str, list[int]]:
@@ -413,7 +390,8 @@ def moe_terms(model: nn.Module, r: Any, tokens: int, act_bytes: float, route: st
                             rows, experts_route)
     last = list(moe_experts(model))[-1:]
     work = max(loss_transient(model, tokens),
-               experts_bias_forward(model, tokens, experts, act_bytes),
+               experts_forward(model, tokens, experts, act_bytes,
+                               experts_route=experts_route, device=device, linears=linears),
                experts_backward(model, tokens, experts, act_bytes,
                                 lambda q, t, i, o: q.backward_bytes(t, i, o, act_bytes,
                                                                     route),
