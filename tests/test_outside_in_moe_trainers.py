@@ -159,6 +159,19 @@ def test_hf_trainer_runs_the_experts_in_fp8_and_keeps_the_router_high(tmp_path):
     assert err <= 2 ** -8 * ref.norm()
     assert err < 0.25 * fp8_err
 
+    # FLOPs: a router 2 · tokens · params, an experts projection 2 · (token, expert)
+    # pairs · params per expert, counted here from the config
+    ids = _tokens(4, seed=5)
+    with trainer.engine.autocast():
+        flops = trainer.engine.coverage_flops(lambda: model(input_ids=ids, labels=ids))
+    tokens, pairs = ids.numel(), ids.numel() * 2  # top-2
+    want = {"router": 2 * tokens * 4 * 64, "experts.gate_up_proj": 2 * pairs * 2 * 128 * 64,
+            "experts.down_proj": 2 * pairs * 64 * 128}
+    for r in flops.rows:
+        if r.kind in ("router", "experts"):
+            assert r.params == want["router" if r.kind == "router" else
+                                    "experts." + r.name.rsplit(".", 1)[1]], r
+
 
 @pytest.mark.parametrize("recipe", ["fp8-current", "mxfp8", "nvfp4"])
 def test_hf_trainer_trains_a_moe_model_in_each_low_precision_format(recipe, tmp_path):
@@ -211,6 +224,24 @@ def test_hf_max_grad_norm_and_the_lr_schedule_set_each_moe_update(tmp_path):
         assert update == pytest.approx(scheduled * clip * norm / (norm + 1e-6), rel=1e-4)
 
 
+@pytest.mark.parametrize("recipe", ["fp8", "nvfp4"])
+def test_hf_gradient_checkpointing_and_evaluations_leave_a_moe_run_unchanged(recipe, tmp_path):
+    """Delayed scaling's amax histories and NVFP4's rounding stream are experts state:
+    a recomputed forward and an evaluation pass between steps must not move them."""
+    def run(out, **kw):
+        trainer = MixedPrecisionTrainer(model=_mixtral(), args=_args(out, 4, **kw),
+                                        train_dataset=_ds(16), eval_dataset=_ds(8, seed=2),
+                                        recipe=recipe)
+        trainer.train()
+        return _losses(trainer), trainer.engine.export_state_dict()
+
+    losses, weights = run(tmp_path / "plain")
+    for kw in ({"gradient_checkpointing": True}, {"eval_strategy": "steps", "eval_steps": 1}):
+        other_losses, other_weights = run(tmp_path / next(iter(kw)), **kw)
+        assert other_losses == losses, kw
+        _assert_equal_states(other_weights, weights)
+
+
 @pytest.mark.parametrize("recipe", ["fp8-current", "fp8", "nvfp4"])
 def test_hf_resume_from_checkpoint_continues_a_moe_run_bit_for_bit(recipe, tmp_path):
     def run(out, resume=None):
@@ -245,9 +276,12 @@ def test_hf_load_best_model_at_end_restores_the_best_moe_checkpoint(tmp_path):
     assert trainer.evaluate()["eval_loss"] == evals[2]  # the working copy is step 2's too
 
 
-def test_hf_saved_moe_model_loads_into_plain_transformers(tmp_path):
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8", "nvfp4"])
+def test_hf_saved_moe_model_loads_into_plain_transformers(recipe, tmp_path):
+    """Strictly: the experts' scaling state (fp8's amax histories, NVFP4's rounding
+    stream) stays out of the model files."""
     trainer = MixedPrecisionTrainer(model=_mixtral(), args=_args(tmp_path, 3),
-                                    train_dataset=_ds(12), recipe="fp8-current")
+                                    train_dataset=_ds(12), recipe=recipe)
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))
     config = json.loads((tmp_path / "final" / "config.json").read_text())
@@ -263,8 +297,14 @@ def test_hf_saved_moe_model_loads_into_plain_transformers(tmp_path):
 
 
 def test_hf_layer_rules_pick_the_experts_format_inside_the_trainer(tmp_path):
-    def coverage(recipe):
-        trainer = MixedPrecisionTrainer(model=_mixtral(), args=_args(tmp_path, 2),
+    kept = None
+
+    def coverage(recipe, capture=False):
+        nonlocal kept
+        model = _mixtral()
+        if capture:
+            kept = _Capture(model.model.layers[0].mlp.experts)
+        trainer = MixedPrecisionTrainer(model=model, args=_args(tmp_path, 2),
                                         train_dataset=_ds(8), recipe=recipe)
         trainer.train()
         assert all(math.isfinite(v) for v in _losses(trainer).values())
@@ -273,12 +313,18 @@ def test_hf_layer_rules_pick_the_experts_format_inside_the_trainer(tmp_path):
     cov = coverage("fp8-current,layer:*.experts=mxfp8")
     assert set(_rows(cov, "experts").values()) == {"mxfp8"}
     assert set(_rows(cov, "attention").values()) == {"fp8-current"}
-    cov = coverage("fp8-current,layer:model.layers.0.mlp.experts=bf16")
+    plain = _mixtral()  # never converted: transformers' own experts implementation
+    cov = coverage("fp8-current,layer:model.layers.0.mlp.experts=bf16", capture=True)
     assert _rows(cov, "experts") == {
         "model.layers.0.mlp.experts.gate_up_proj": "bf16",
         "model.layers.0.mlp.experts.down_proj": "bf16",
         "model.layers.1.mlp.experts.gate_up_proj": "fp8-current",
         "model.layers.1.mlp.experts.down_proj": "fp8-current"}
+    # the experts kept in bf16 run the implementation the config had, as plain
+    # transformers runs it under bf16 autocast
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = plain.model.layers[0].mlp.experts(*kept.args)
+    assert torch.equal(kept.out, want)
     with pytest.warns(UserWarning, match=r"\*\.expert\b"):
         coverage("fp8-current,layer:*.expert=mxfp8")  # no module is called that
 
@@ -367,7 +413,7 @@ def test_lightning_gradient_clip_val_and_its_scheduler_set_each_moe_update():
         assert update == pytest.approx(seen["lr"][t] * clip, rel=1e-4)
 
 
-@pytest.mark.parametrize("recipe", ["fp8-current", "fp8"])
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8", "nvfp4"])
 def test_lightning_ckpt_path_resume_continues_a_moe_run_bit_for_bit(recipe, tmp_path):
     """Epochs of 3 batches and a checkpoint at each epoch's end: the resumed run starts
     the second epoch from its first batch, as the uninterrupted run does."""
@@ -384,7 +430,8 @@ def test_lightning_ckpt_path_resume_continues_a_moe_run_bit_for_bit(recipe, tmp_
                          first.precision_plugin.engine.export_state_dict())
 
 
-def test_lightning_best_moe_checkpoint_loads_strictly_into_the_plain_module(tmp_path):
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8"])
+def test_lightning_best_moe_checkpoint_loads_strictly_into_the_plain_module(recipe, tmp_path):
     """The monitored loss in mode "max": the best checkpoint is the step whose loss was
     highest. Its state_dict is that step's masters and loads into an unconverted model."""
     pl, LitMoE, _ = _pl()
@@ -397,10 +444,28 @@ def test_lightning_best_moe_checkpoint_loads_strictly_into_the_plain_module(tmp_
     module = LitMoE(_mixtral())
     best = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", mode="max",
                                         save_top_k=1, every_n_train_steps=1)
-    _fit(module, "fp8-current", 5, callbacks=[best, Record()])
+    _fit(module, recipe, 5, callbacks=[best, Record()])
     step = max(module.losses, key=module.losses.get) + 1  # global_step after that update
     ckpt = torch.load(best.best_model_path, weights_only=False)
     assert ckpt["global_step"] == step
     plain = LitMoE(_mixtral(seed=1))
     plain.load_state_dict(ckpt["state_dict"], strict=True)
     _assert_equal_states(plain.state_dict(), masters[step])  # keys as the module names them
+
+
+def test_lightning_layer_rules_name_the_experts_under_the_lightning_module():
+    """The engine is built over the LightningModule, so a rule's full name starts with
+    the attribute that holds the model; a `*.` pattern matches either way."""
+    _, LitMoE, _ = _pl()
+
+    def experts(recipe):
+        trainer = _fit(LitMoE(_mixtral()), recipe, 1)
+        return _rows(trainer.precision_plugin.engine.coverage, "experts")
+
+    assert set(experts("fp8-current,layer:*.experts=mxfp8").values()) == {"mxfp8"}
+    kept = experts("fp8-current,layer:model.model.layers.0.mlp.experts=bf16")
+    assert {k: v for k, v in kept.items() if v == "bf16"} == {
+        "model.model.layers.0.mlp.experts.gate_up_proj": "bf16",
+        "model.model.layers.0.mlp.experts.down_proj": "bf16"}
+    with pytest.warns(UserWarning, match="model.model.layers.0.mlp.experts"):
+        experts("fp8-current,layer:model.layers.0.mlp.experts=bf16")  # the model's own name
