@@ -329,6 +329,63 @@ def test_hf_layer_rules_pick_the_experts_format_inside_the_trainer(tmp_path):
         coverage("fp8-current,layer:*.expert=mxfp8")  # no module is called that
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_hf_other_moe_families_resume_bit_for_bit_and_reload_plainly(family, tmp_path):
+    """DeepSeek-V3 (a shared expert, grouped routing) and GPT-OSS (in x out weights,
+    biases per expert, interleaved gate-up) under mxfp8."""
+    import moe_helpers
+
+    def run(out, resume=None):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(moe_helpers.config(family))
+        trainer = MixedPrecisionTrainer(
+            model=model, args=_args(out, 4, save_strategy="steps", save_steps=2),
+            train_dataset=_ds(16), recipe="mxfp8")
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    whole = run(tmp_path / "whole")
+    assert set(_rows(whole.engine.coverage, "experts").values()) == {"mxfp8"}
+    resumed = run(tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-2"))
+    want, got = _losses(whole), _losses(resumed)
+    assert [got[s] for s in (3, 4)] == [want[s] for s in (3, 4)]
+    masters = whole.engine.export_state_dict()
+    _assert_equal_states(resumed.engine.export_state_dict(), masters)
+    whole.save_model(str(tmp_path / "final"))
+    plain, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "final"), output_loading_info=True)
+    assert not any(info.values()), info
+    _assert_equal_states(plain.state_dict(), masters)
+
+
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_hf_closing_or_dropping_the_engine_hands_the_experts_back(how, tmp_path):
+    import gc
+
+    model = _mixtral()
+    before = model.config._experts_implementation
+    trainer = MixedPrecisionTrainer(model=model, args=_args(tmp_path, 2),
+                                    train_dataset=_ds(8), recipe="fp8")
+    trainer.train()
+    assert model.config._experts_implementation == "mixprec"
+    masters = trainer.engine.export_state_dict()
+    if how == "close":
+        trainer.engine.close()
+    else:
+        del trainer
+        gc.collect()
+    assert model.config._experts_implementation == before
+    plain = _mixtral(seed=1)
+    plain.load_state_dict(masters)
+    g = torch.Generator().manual_seed(4)
+    args = (torch.randn(16, 64, generator=g), torch.randint(0, 4, (16, 2), generator=g),
+            torch.rand(16, 2, generator=g))
+    with torch.no_grad():  # the experts run transformers' own implementation, in fp32
+        got = model.model.layers[0].mlp.experts(*args)
+        want = plain.model.layers[0].mlp.experts(*args)
+    assert torch.equal(got, want)
+
+
 # -- Lightning Trainer -------------------------------------------------------------------
 
 def _pl():
