@@ -418,7 +418,7 @@ def _pl():
     return pl, LitMoE, MixedPrecisionPlugin
 
 
-def _fit(module, recipe, steps, *, batches=12, ckpt_path=None, callbacks=(), **kw):
+def _fit(module, recipe, steps, *, batches=12, ckpt_path=None, callbacks=(), val=None, **kw):
     pl, _, Plugin = _pl()
     loader = torch.utils.data.DataLoader(_tokens(4 * batches), batch_size=4)
     trainer = pl.Trainer(
@@ -427,7 +427,7 @@ def _fit(module, recipe, steps, *, batches=12, ckpt_path=None, callbacks=(), **k
         enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint)
                                  for c in callbacks),
         callbacks=list(callbacks), **kw)
-    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    trainer.fit(module, loader, val, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -526,3 +526,61 @@ def test_lightning_layer_rules_name_the_experts_under_the_lightning_module():
         "model.model.layers.0.mlp.experts.down_proj": "bf16"}
     with pytest.warns(UserWarning, match="model.model.layers.0.mlp.experts"):
         experts("fp8-current,layer:model.layers.0.mlp.experts=bf16")  # the model's own name
+
+
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8", "bf16-master"])
+def test_lightning_validate_best_after_fit_evaluates_the_best_moe_checkpoint(recipe, tmp_path):
+    """`trainer.validate(ckpt_path="best")` after `fit` loads the checkpoint into the
+    module the engine has cast: the masters, the working copy and the fp8 scaling state
+    must be that step's, so the loss equals the one validation logged at that step."""
+    pl, LitMoE, _ = _pl()
+
+    class LitVal(LitMoE):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.model(input_ids=batch, labels=batch).loss)
+
+    seen, masters = {}, {}
+
+    class Record(pl.Callback):
+        def on_validation_end(self, trainer, module):
+            if trainer.state.fn == "fit":
+                seen[trainer.global_step] = trainer.callback_metrics["val_loss"].item()
+                masters[trainer.global_step] = (
+                    trainer.precision_plugin.engine.export_state_dict())
+
+    val = torch.utils.data.DataLoader(_tokens(8, seed=2), batch_size=8)
+    module = LitVal(_mixtral())
+    best = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", mode="max",
+                                        save_top_k=1, save_on_train_epoch_end=False)
+    trainer = _fit(module, recipe, 4, callbacks=[best, Record()], val=val,
+                   val_check_interval=1, num_sanity_val_steps=0)
+    step = torch.load(best.best_model_path, weights_only=False)["global_step"]
+    assert sorted(seen) == [1, 2, 3, 4] and step == max(seen, key=seen.get) != 4
+    (out,) = trainer.validate(module, val, ckpt_path="best", verbose=False)
+    _assert_equal_states(trainer.precision_plugin.engine.export_state_dict(), masters[step])
+    assert out["val_loss"] == seen[step]
+
+
+def test_lightning_validate_and_test_after_fit_keep_the_engine_and_the_experts_in_fp8():
+    """Lightning keeps the fit's optimizers on its strategy: a later validate or test
+    must run the module under the engine fit built, not a new one (whose predecessor,
+    dropped, would hand the experts back to high precision)."""
+    pl, LitMoE, _ = _pl()
+
+    class LitVal(LitMoE):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.model(input_ids=batch, labels=batch).loss)
+
+        def test_step(self, batch, batch_idx):
+            self.log("test_loss", self.model(input_ids=batch, labels=batch).loss)
+
+    val = torch.utils.data.DataLoader(_tokens(8, seed=2), batch_size=8)
+    module = LitVal(_mixtral())
+    trainer = _fit(module, "fp8-current", 2, val=val, val_check_interval=2,
+                   num_sanity_val_steps=0)
+    engine, in_fit = trainer.precision_plugin.engine, trainer.callback_metrics["val_loss"].item()
+    losses = [trainer.validate(module, val, verbose=False)[0]["val_loss"] for _ in range(2)]
+    losses.append(trainer.test(module, val, verbose=False)[0]["test_loss"])
+    assert trainer.precision_plugin.engine is engine
+    assert module.model.config._experts_implementation == "mixprec"
+    assert losses == [in_fit] * 3
