@@ -22,6 +22,10 @@ V, SEQ = 128, 32
 E4M3_MAX = 448.0
 
 
+def LONG(value):  # noqa: N802  (a parametrize case for CI's long pass: many steps)
+    return pytest.param(value, marks=pytest.mark.long)
+
+
 def _mixtral(seed=0):
     torch.manual_seed(seed)
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(
@@ -173,7 +177,7 @@ def test_hf_trainer_runs_the_experts_in_fp8_and_keeps_the_router_high(tmp_path):
                                     "experts." + r.name.rsplit(".", 1)[1]], r
 
 
-@pytest.mark.parametrize("recipe", ["fp8-current", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["fp8-current", LONG("mxfp8"), LONG("nvfp4")])
 def test_hf_trainer_trains_a_moe_model_in_each_low_precision_format(recipe, tmp_path):
     trainer = MixedPrecisionTrainer(model=_mixtral(), args=_args(tmp_path, 30),
                                     train_dataset=_ds(64), recipe=recipe)
@@ -224,7 +228,7 @@ def test_hf_max_grad_norm_and_the_lr_schedule_set_each_moe_update(tmp_path):
         assert update == pytest.approx(scheduled * clip * norm / (norm + 1e-6), rel=1e-4)
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["fp8", LONG("nvfp4")])
 def test_hf_gradient_checkpointing_and_evaluations_leave_a_moe_run_unchanged(recipe, tmp_path):
     """Delayed scaling's amax histories and NVFP4's rounding stream are experts state:
     a recomputed forward and an evaluation pass between steps must not move them."""
@@ -329,6 +333,7 @@ def test_hf_layer_rules_pick_the_experts_format_inside_the_trainer(tmp_path):
         coverage("fp8-current,layer:*.expert=mxfp8")  # no module is called that
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
 def test_hf_other_moe_families_resume_bit_for_bit_and_reload_plainly(family, tmp_path):
     """DeepSeek-V3 (a shared expert, grouped routing) and GPT-OSS (in x out weights,
@@ -431,6 +436,7 @@ def _fit(module, recipe, steps, *, batches=12, ckpt_path=None, callbacks=(), val
     return trainer
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("recipe", ["fp8-current", "mxfp8"])
 def test_lightning_trains_a_moe_model_with_its_experts_in_the_format(recipe):
     _, LitMoE, _ = _pl()
@@ -470,7 +476,7 @@ def test_lightning_gradient_clip_val_and_its_scheduler_set_each_moe_update():
         assert update == pytest.approx(seen["lr"][t] * clip, rel=1e-4)
 
 
-@pytest.mark.parametrize("recipe", ["fp8-current", "fp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8", LONG("nvfp4")])
 def test_lightning_ckpt_path_resume_continues_a_moe_run_bit_for_bit(recipe, tmp_path):
     """Epochs of 3 batches and a checkpoint at each epoch's end: the resumed run starts
     the second epoch from its first batch, as the uninterrupted run does."""
