@@ -20,7 +20,8 @@ Lightning has set them up (``Precision.connect``), and from then on:
 - checkpoints: the plugin's state is the engine's whole ``state_dict`` (masters, loss
   scale, counters, fp8 state), and the checkpoint's ``state_dict`` is replaced by the
   fp32 weights (``engine.fp32_state_dict()``), so a fresh LightningModule loads it
-  strictly and ``Trainer.fit(ckpt_path=...)`` resumes bit for bit.
+  strictly and ``Trainer.fit(ckpt_path=...)`` resumes bit for bit; ``validate``/
+  ``test``/``predict`` after ``fit`` keep its engine, their ``ckpt_path=`` loads into it.
 
 - **accumulation windows** follow Lightning's: the backward inside the optimizer step's
   closure ends the window, so the short window Lightning closes at an epoch's end
@@ -130,8 +131,10 @@ class MixedPrecisionPlugin(Precision):
                 "the layers without sharding them (the engine shards them, FSDP2), "
                 "strategy='ddp', or one device.")
         sharded = _sharded_by_engine(model.trainer)
-        if not optimizers:
-            return model, optimizers, lr_schedulers  # not fitting: nothing to build
+        if not optimizers or model.trainer.state.fn != "fit":
+            # not fitting (validate, test, predict, even with the optimizers of an earlier
+            # fit still held): the engine fit built, if any, serves as it is
+            return model, optimizers, lr_schedulers
         if not model.automatic_optimization:
             raise NotImplementedError(
                 "MixedPrecisionPlugin with manual optimization: call engine.backward / "
@@ -159,6 +162,8 @@ class MixedPrecisionPlugin(Precision):
             self.engine.load_state_dict(self._pending)
             self._pending = None
         self._skip_aware(model)
+        if not self._gather:  # the sharded strategies load through their own path
+            self._route_weight_loads(trainer.strategy)
         return self.engine.model if ddp else model, optimizers, lr_schedulers
 
     def _skip_aware(self, module) -> None:
@@ -175,6 +180,27 @@ class MixedPrecisionPlugin(Precision):
             return step(scheduler, metric)
 
         module.lr_scheduler_step = lr_scheduler_step
+
+    def _route_weight_loads(self, strategy) -> None:
+        """Lightning's load of a checkpoint's weights into the cast module (``ckpt_path=``
+        of ``validate``/``test``/``predict`` after ``fit``) sets the engine's masters and
+        working copy (``load_fp32_state_dict``) and that step's fp8 scaling state (the
+        plugin's entry). Set on the strategy instance, once."""
+        if getattr(strategy, "_mixprec_loads", False):
+            return
+        load = strategy.load_model_state_dict
+
+        def load_model_state_dict(checkpoint, strict=True):
+            if self.engine is None:
+                return load(checkpoint, strict=strict)
+            weights = checkpoint["state_dict"]
+            self.engine.load_fp32_state_dict(weights)
+            saved = (checkpoint.get(type(self).__qualname__) or {}).get("model", {})
+            self.engine.module.load_state_dict(
+                {k: v for k, v in saved.items() if k not in weights}, strict=False)
+
+        strategy.load_model_state_dict = load_model_state_dict
+        strategy._mixprec_loads = True
 
     # --- the step ----------------------------------------------------------------------
 
