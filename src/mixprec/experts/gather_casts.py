@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -121,7 +121,8 @@ def _send_experts(q, shard: torch.Tensor, per: int) -> tuple[list[torch.Tensor],
     return out, wires
 
 
-def cast_hooks(fmt: nn.Module, w: torch.Tensor, sent: torch.dtype | None, stats: Any):
+def cast_hooks(fmt: nn.Module, w: torch.Tensor, sent: torch.dtype | None, stats: Any
+               ) -> tuple[Callable, Callable]:
     """FSDP2's one-argument pre- and post-all-gather hooks for experts weight ``w``
     (its sharded parameter) of format ``fmt`` (an ``ExpertsFormat``): each rank's
     experts' casts out as uint8, recorded in ``stats``; an ``ExpertsCasts`` back."""

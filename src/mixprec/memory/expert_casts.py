@@ -32,8 +32,14 @@ import math
 from types import SimpleNamespace
 from typing import Any
 
-__all__ = ["cast_bytes", "saved_cast", "token_casts", "sync_free_route", "padded_rows",
+__all__ = ["ROUTES", "cast_bytes", "saved_cast", "token_casts", "sync_free_route", "padded_rows",
            "sync_free_forward", "blocks_backward", "sync_free_backward"]
+
+
+#: the sync-free kernels (``mixprec.experts.grouped``'s functions), by what they cast
+TENSOR, ROWS, TILES = "segmented_mm", "segmented_rowwise_mm", "segmented_blocks_mm"
+INT8, FP4 = "segmented_int8_mm", "segmented_nvfp4_mm"
+ROUTES = (TENSOR, ROWS, TILES, INT8, FP4)
 
 
 def cast_bytes(q: Any, rows: int, cols: int, role: str, dim: int) -> float:
@@ -70,8 +76,9 @@ def saved_cast(q: Any, rows: int, cols: int, role: str) -> float:
 
 
 def sync_free_route(q: Any, experts_route: str, device: str) -> str | None:
-    """The sync-free module experts in quantizer ``q``'s format run on (``tensor``,
-    ``rowwise``, ``blocks``, ``int8``, ``nvfp4``: ``mixprec.experts.segments*``), as
+    """The sync-free kernel experts in quantizer ``q``'s format run on (the name of its
+    function in ``mixprec.experts.grouped``: ``segmented_mm``, ``segmented_rowwise_mm``,
+    ``segmented_blocks_mm``, ``segmented_int8_mm``, ``segmented_nvfp4_mm``), as
     ``grouped_mm`` picks it on a CPU's ``grouped`` route; None on the ``loop`` route,
     off a CPU, or for a format that takes the host-read path there (rowwise or tile
     fp8 with wgrad in 16 bits)."""
@@ -83,8 +90,8 @@ def sync_free_route(q: Any, experts_route: str, device: str) -> str | None:
     from mixprec.experts.segments_rowwise import rowwise_applies
 
     fmt = SimpleNamespace(quantizer=q)  # the predicates read the quantizer only
-    routes = (("tensor", lambda f: f.quantizer.per_tensor), ("rowwise", rowwise_applies),
-              ("blocks", blocks_apply), ("int8", int8_applies), ("nvfp4", nvfp4_applies))
+    routes = ((TENSOR, lambda f: f.quantizer.per_tensor), (ROWS, rowwise_applies),
+              (TILES, blocks_apply), (INT8, int8_applies), (FP4, nvfp4_applies))
     return next((name for name, applies in routes if applies(fmt)), None)
 
 
@@ -105,12 +112,12 @@ def token_casts(q: Any, counts: list[float], cols: int, act_bytes: float,
     hp = 0.0 if "wgrad" in q.quantized_gemms else act_bytes * rows * cols
     if route is None:
         return hp + sum(saved_cast(q, n, cols, "input") for n in counts)
-    if route in ("blocks", "nvfp4"):
+    if route in (TILES, FP4):
         p = padded_rows(q, int(rows), len(counts))
         return cast_bytes(q, p, cols, "input", 0) + 16 * rows
-    if route == "rowwise":  # one scale per (expert, column), the rows past included
+    if route == ROWS:  # one scale per (expert, column), the rows past included
         return rows * cols + 4 * (len(counts) + 1) * cols + 8 * rows
-    if route == "tensor":  # each row's inverse scale
+    if route == TENSOR:  # each row's inverse scale
         return rows * cols + 12 * rows
     return hp + 8 * rows
 
@@ -129,19 +136,19 @@ def sync_free_forward(route: str, q: Any, r: int, e: int, k: int, n: int, b: flo
     Hadamard transform and rounding passes over the 16-row aligned buffer ``28·P·K``),
     each route's int64 row ids held throughout."""
     rk, w = r * k, e * n * k
-    ids = 16 * r if route in ("blocks", "nvfp4") else 8 * r
-    wq = 0 if route == "int8" else saved_cast(q, n, k, "weight")  # the forward's codes
-    stages = [4 * rk + wq + (8 if route == "int8" else 4) * w + 8 * r * n]
-    if route == "tensor":
+    ids = 16 * r if route in (TILES, FP4) else 8 * r
+    wq = 0 if route == INT8 else saved_cast(q, n, k, "weight")  # the forward's codes
+    stages = [4 * rk + wq + (8 if route == INT8 else 4) * w + 8 * r * n]
+    if route == TENSOR:
         stages = [rk + wq + max(4 * rk + 4 * w + 4 * r * n, 8 * r * n)]
-    elif route == "rowwise":  # the forward's token codes, dgrad's weight cast
+    elif route == ROWS:  # the forward's token codes, dgrad's weight cast
         stages = [rk + s for s in stages] + [14 * rk + wq + saved_cast(q, n, k, "weight")]
-    elif route in ("blocks", "nvfp4"):
+    elif route in (TILES, FP4):
         p = padded_rows(q, r, e)
-        if route == "nvfp4":
+        if route == FP4:
             p += (-p) % q.token_multiple
-        stages += [4 * rk + wq + (28 if route == "nvfp4" else 12) * p * k]
-        stages += [20 * rk] if route == "nvfp4" else []
+        stages += [4 * rk + wq + (28 if route == FP4 else 12) * p * k]
+        stages += [20 * rk] if route == FP4 else []
     saved = token_casts(q, [r / e] * e, k, b, route) + e * saved_cast(q, n, k, "weight")
     return ids + max(stages) - saved
 
@@ -170,21 +177,21 @@ def sync_free_backward(route: str, q: Any, r: int, e: int, i: int, o: int, b: fl
     """Sync-free ``route``'s backward scratch for one projection (``I`` inputs, ``O``
     outputs, ``R`` rows, ``E`` experts; ``b``: the gradient's bytes, ``dx_bytes``: the
     input gradient's) beyond the arriving gradient, ``dx`` and ``dw`` (module doc)."""
-    if route == "blocks":
+    if route == TILES:
         return blocks_backward(q, r, e, i, o, b)
     ro, ri, w, dx = r * o, r * i, e * o * i, dx_bytes * r * i
     # the dgrad GEMM: its fp32 product and zeroed rows (and dx's own copy below fp32),
     # beside the route's fp32 weights (rowwise and NVFP4: one stack, INT8: two)
-    held_w = {"tensor": 0, "int8": 8 * w}.get(route, 4 * w)
+    held_w = {TENSOR: 0, INT8: 8 * w}.get(route, 4 * w)
     stages = [9 * ro, 4 * ro + 8 * ri + held_w + (dx if dx_bytes < 4 else 0)]
-    if route == "tensor":
+    if route == TENSOR:
         stages += [8 * ro + 8 * ri + dx, 8 * ro + 4 * ri + 4 * w + dx, 4 * ro + 8 * w + dx]
-    elif route == "rowwise":
+    elif route == ROWS:
         stages += [20 * ro + dx, 9 * ro + 12 * ri + dx, 13 * ro + 4 * ri + 4 * w + dx,
                    9 * ro + 4 * ri + 8 * w + dx]
-    elif route == "int8":  # wgrad on the 16-bit gradient and input copy
+    elif route == INT8:  # wgrad on the 16-bit gradient and input copy
         stages += [4 * ro + dx + max(b * ro + b * w, 6 * w)]
-    elif route == "nvfp4":
+    elif route == FP4:
         p = padded_rows(q, r, e)
         p += (-p) % q.token_multiple  # the 16-row blocks of the Hadamard transform
         cast = 25 + (32 if getattr(q, "stochastic_grads", False) else 0)
@@ -192,5 +199,5 @@ def sync_free_backward(route: str, q: Any, r: int, e: int, i: int, o: int, b: fl
         if not q.nvfp4_rht:  # the rows gathered back in place
             stages[-1] += 8 * ro + 4 * ri
     else:
-        raise ValueError(f"route={route!r}; valid: tensor, rowwise, blocks, int8, nvfp4")
+        raise ValueError(f"route={route!r}; valid: " + ", ".join(ROUTES))
     return max(stages) - dx - 4 * w
