@@ -3,6 +3,7 @@ fallback of a low-precision format warned once per cause and kept."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -92,3 +93,7 @@ def test_compiled_code_records_each_run_without_recompiling(backend):
     assert eager.records == want and compiled.records == want
     assert compiled.calls == 10 and compiled.bytes_sent == 5 * 72
     assert compiled.totals() == eager.totals()
+    twin = copy.deepcopy(compiled)  # a copy counts for itself, in compiled code too
+    f(x, twin).backward()
+    torch._dynamo.reset()
+    assert twin.calls == 12 and compiled.calls == 10

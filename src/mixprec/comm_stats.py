@@ -76,6 +76,11 @@ class CommStats:
     def __post_init__(self) -> None:
         _LIVE[self._key] = self
 
+    def __setstate__(self, state: dict) -> None:
+        """A copy (pickled, ``copy.deepcopy``) takes a key of its own."""
+        self.__dict__.update(state, _key=next(_KEYS))
+        _LIVE[self._key] = self
+
     def record(self, t: torch.Tensor, op: str = "all_reduce", what: str = "grads") -> None:
         """Count one collective's payload: ``t.numel() * t.element_size()`` bytes. In
         compiled code the graph keeps the count (``record_comm``), made when it runs:
