@@ -3,6 +3,7 @@ fallback of a low-precision format warned once per cause and kept."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -49,3 +50,50 @@ def test_a_fallback_warns_once_per_cause_and_is_kept_each_time(monkeypatch):
         CommFallback("weight:fc2", "mxfp8", torch.bfloat16, "shard cut not on a block")]
     with pytest.warns(UserWarning, match="nvfp4"):
         s.fallback("weight:fc1", "nvfp4", torch.bfloat16, "shard cut not on a block")
+
+
+class _SumsInBackward(torch.autograd.Function):
+    """Records an all-reduce of its gradient in backward, as the TP Functions do."""
+
+    @staticmethod
+    def forward(ctx, x, stats):
+        ctx.stats = stats
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.float().contiguous()
+        ctx.stats.record(g, op="all_reduce", what="input_grads")
+        return g * 2, None
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_code_records_each_run_without_recompiling(backend):
+    """``record`` in a compiled forward and in an autograd.Function's backward: each of
+    5 runs of one compiled frame records what eager records (op, purpose, dtype,
+    bytes, in order), and the frame is compiled once (no counter guarded on)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def step(x, stats):
+        stats.record(x, op="all_gather", what="activations")
+        return _SumsInBackward.apply(x, stats).sum()
+
+    torch._dynamo.reset()
+    eager, compiled = CommStats(), CommStats()
+    counter = CompileCounterWithBackend(backend)
+    f = torch.compile(step, backend=counter)
+    for _ in range(5):
+        x = torch.randn(4, 3, dtype=torch.bfloat16, requires_grad=True)
+        step(x, eager).backward()
+        f(x, compiled).backward()
+    torch._dynamo.reset()
+    assert counter.frame_count == 1
+    want = [CommRecord("all_gather", "activations", torch.bfloat16, 24),
+            CommRecord("all_reduce", "input_grads", torch.float32, 48)] * 5
+    assert eager.records == want and compiled.records == want
+    assert compiled.calls == 10 and compiled.bytes_sent == 5 * 72
+    assert compiled.totals() == eager.totals()
+    twin = copy.deepcopy(compiled)  # a copy counts for itself, in compiled code too
+    f(x, twin).backward()
+    torch._dynamo.reset()
+    assert twin.calls == 12 and compiled.calls == 10

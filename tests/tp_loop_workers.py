@@ -93,7 +93,8 @@ def accum_reference(kind, recipe, inf_at=-1):
 def tp_compiled(rank, world, tmp, kind, recipes, steps):
     """TP over every rank for each recipe, the engine's model called eagerly and then
     through ``torch.compile`` (``aot_eager``: dynamo and AOTAutograd, as
-    tests/test_compile.py): each run's losses, masters and the frames dynamo compiled."""
+    tests/test_compile.py): each run's losses, masters, the collectives its
+    ``comm_stats`` recorded and the frames dynamo had compiled after each step."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     _init(rank, world, tmp)
@@ -107,14 +108,16 @@ def tp_compiled(rank, world, tmp, kind, recipes, steps):
             engine = MixedPrecision(model, make_opt(model, recipe, sgd=True), recipe,
                                     max_grad_norm=0.5)
             f = torch.compile(engine.model, backend=counter) if compiled else engine.model
-            losses = []
+            losses, frames = [], []
             for x, y in make_data(kind, steps):
                 with engine.autocast():
                     loss = F.cross_entropy(f(x), y)
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.item())
-            out[recipe, compiled] = {"losses": losses, "frames": counter.frame_count,
+                frames.append(counter.frame_count)
+            out[recipe, compiled] = {"losses": losses, "frames": frames,
+                                     "records": list(engine.comm_stats.records),
                                      "emulating": engine.emulating,
                                      "params": [full(p) for p in engine.master_params]}
             del engine, model, f

@@ -1,11 +1,14 @@
 """What crossed the wire: each collective the engine and its formats run, with its
 operation, purpose, dtype and bytes, and every place where a format that asked for
 8-bit (or 4-bit) communication sent 16 bits instead (said once per cause, kept for the
-doctor)."""
+doctor). Compiled code records too: ``CommStats.record`` there calls the op
+``mixprec::record_comm``, which the graph keeps and which counts when the graph runs."""
 
 from __future__ import annotations
 
+import itertools
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +19,12 @@ __all__ = ["CommStats", "CommRecord", "CommFallback"]
 KEEP = 4096
 #: the fallbacks already warned about in this process: (what, asked, why)
 _WARNED: set[tuple[str, str, str]] = set()
+#: each CommStats' key, by which a compiled graph's ``record_comm`` finds it
+_KEYS = itertools.count()
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+#: the count of collectives recorded from compiled code: the tensor ``record_comm``
+#: mutates, so that no graph (AOTAutograd's, inductor's) drops the op as dead code
+_TICKS = torch.zeros((), dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -62,16 +71,33 @@ class CommStats:
     records: list[CommRecord] = field(default_factory=list)
     fallbacks: list[CommFallback] = field(default_factory=list)
     _totals: dict = field(default_factory=dict, repr=False)
+    _key: int = field(default_factory=lambda: next(_KEYS), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _LIVE[self._key] = self
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (pickled, ``copy.deepcopy``) takes a key of its own."""
+        self.__dict__.update(state, _key=next(_KEYS))
+        _LIVE[self._key] = self
 
     def record(self, t: torch.Tensor, op: str = "all_reduce", what: str = "grads") -> None:
-        """Count one collective's payload: ``t.numel() * t.element_size()`` bytes."""
+        """Count one collective's payload: ``t.numel() * t.element_size()`` bytes. In
+        compiled code the graph keeps the count (``record_comm``), made when it runs:
+        no counter of this object is read while tracing, so none is guarded on."""
         n = t.numel() * t.element_size()
+        if torch.compiler.is_compiling():
+            torch.ops.mixprec.record_comm(_TICKS, self._key, op, what, t.dtype, n)
+            return
+        self._count(op, what, t.dtype, n)
+
+    def _count(self, op: str, what: str, dtype: torch.dtype, n: int) -> None:
         self.bytes_sent += n
         self.calls += 1
-        self.dtype = t.dtype
+        self.dtype = dtype
         self.per_call.append(n)
-        self.records.append(CommRecord(op, what, t.dtype, n))
-        key = (op, what, t.dtype)
+        self.records.append(CommRecord(op, what, dtype, n))
+        key = (op, what, dtype)
         self._totals[key] = self._totals.get(key, 0) + n
         if len(self.records) > 2 * KEEP:  # trimmed in halves: amortised O(1) per call
             del self.records[:-KEEP]
@@ -92,3 +118,19 @@ class CommStats:
             _WARNED.add(key)
             warnings.warn(f"{what} is communicated in {sent} although {asked!r} asked for "
                           f"low-precision communication: {why}", stacklevel=3)
+
+
+@torch.library.custom_op("mixprec::record_comm", mutates_args=("ticks",))
+def record_comm(ticks: torch.Tensor, key: int, op: str, what: str, dtype: torch.dtype,
+                nbytes: int) -> None:
+    """``CommStats.record`` from compiled code: counts one collective of ``nbytes`` in
+    the CommStats keyed ``key`` (if it is alive) and bumps ``ticks``."""
+    ticks.add_(1)
+    stats = _LIVE.get(key)
+    if stats is not None:
+        stats._count(op, what, dtype, nbytes)
+
+
+@record_comm.register_fake
+def _(ticks, key, op, what, dtype, nbytes) -> None:
+    return None

@@ -19,7 +19,7 @@ from mixprec.fp8.mm import _QuantizedMatmul
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.quantizers import quantizer_for
 from mixprec.fp8.tensor_parallel import is_dtensor, read_layout, tp_linear, watch_sums
-from mixprec.fp8.tp_agree import STREAM_STRIDE, agreeing, sr_stream
+from mixprec.fp8.tp_agree import STREAM_STRIDE, agreement, sr_stream
 
 if TYPE_CHECKING:
     from mixprec.recipe import Recipe
@@ -119,9 +119,9 @@ class Float8Linear(nn.Linear):
         if role == "input" and dim == 1 and self._given_input is not None:
             given, self._given_input = self._given_input, None  # gathered as codes
             return given
-        with agreeing(self._tp_layout, role, self.tp_comm_stats):
-            return self.quantizer.cast(t, role, dim, self.scaling_state(), record,
-                                       generator)
+        return self.quantizer.cast(t, role, dim, self.scaling_state(), record, generator,
+                                   agree=agreement(self._tp_layout, role,
+                                                   self.tp_comm_stats))
 
     #: the input's cast, gathered as codes by ``tensor_parallel`` (sequence parallel)
     _given_input = None

@@ -29,7 +29,7 @@ import torch
 
 from mixprec import formats
 from mixprec.fp8.quantized import Quantized, block_amax, expand_blocks
-from mixprec.fp8.tp_agree import agreed_amax, draw_sliced
+from mixprec.fp8.tp_agree import Agreement, agreed_amax, draw_sliced
 
 __all__ = ["NVFP4_BLOCK", "cast_nvfp4", "hadamard_16", "apply_hadamard", "counter_uniform",
            "counter_key"]
@@ -82,7 +82,8 @@ def counter_key(key: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def _round_e2m1(v: torch.Tensor, generator: torch.Generator | torch.Tensor | None,
-                a: torch.Tensor | None = None) -> torch.Tensor:
+                a: torch.Tensor | None = None, agree: Agreement | None = None
+                ) -> torch.Tensor:
     """``v`` (already within ±6) on the e2m1 grid: nearest-even, or stochastically
     between the two neighbours with the probability that keeps the mean, drawn from
     ``generator`` (a ``torch.Generator``, or a key tensor for ``counter_uniform``).
@@ -101,18 +102,20 @@ def _round_e2m1(v: torch.Tensor, generator: torch.Generator | torch.Tensor | Non
         down = k.floor()
         u = draw_sliced(k.shape, lambda s: counter_uniform(generator, s)
                         if isinstance(generator, torch.Tensor)
-                        else torch.rand(s, generator=generator, device=v.device))
+                        else torch.rand(s, generator=generator, device=v.device), agree)
         q = torch.where(u < k.sub_(down), down.add(1), down).mul_(step)
     return q.copysign_(v)
 
 
 def cast_nvfp4(t: torch.Tensor, dim: int = 1, square: bool = False,
                generator: torch.Generator | torch.Tensor | None = None,
-               amax: torch.Tensor | None = None) -> Quantized:
+               amax: torch.Tensor | None = None, agree: Agreement | None = None
+               ) -> Quantized:
     """``t`` (2-D) in NVFP4 along ``dim`` (1×16 blocks), or in 16×16 blocks with
     ``square``; ``generator``: stochastic rounding of the elements; ``amax``: the
     tensor's amax where it is known already (a row shard's, agreed over ranks: the
-    shard then casts as its rows of the whole tensor do).
+    shard then casts as its rows of the whole tensor do); ``agree``: else ``t`` is a
+    tensor-parallel shard whose amax and random draws are agreed now (``tp_agree``).
 
     The result's codes are the e2m1 values as e4m3 bytes (every e2m1 value is one), its
     inverse scales the e4m3 block scales ``s`` (in fp32) and its ``outer`` the descale
@@ -121,7 +124,8 @@ def cast_nvfp4(t: torch.Tensor, dim: int = 1, square: bool = False,
                   (1, NVFP4_BLOCK) if dim == 1 else (NVFP4_BLOCK, 1))
     x = t.detach().float()
     amax_b = block_amax(x, rows, cols)
-    amax_t = agreed_amax(amax_b.amax()) if amax is None else amax.float()  # the largest block's
+    amax_t = (agreed_amax(amax_b.amax(), agree=agree)  # the largest block's
+              if amax is None else amax.float())
     descale = torch.where(amax_t > 0, amax_t / _DESCALE, torch.ones_like(amax_t))
     s = ((amax_b / _E2M1_MAX) / descale).clamp_(_E4M3.min_normal, _E4M3.max)
     s = s.to(torch.float8_e4m3fn).float()
@@ -130,7 +134,7 @@ def cast_nvfp4(t: torch.Tensor, dim: int = 1, square: bool = False,
     mult = torch.reciprocal(descale) / s
     v = x * expand_blocks(mult, rows, cols, x.shape)
     a = v.abs().clamp_(max=_E2M1_MAX)  # |v| within ±6 (a NaN stays NaN)
-    codes = _round_e2m1(v, generator, a).to(torch.float8_e4m3fn)
+    codes = _round_e2m1(v, generator, a, agree).to(torch.float8_e4m3fn)
     return Quantized(codes, s, rows, cols, outer=descale)
 
 

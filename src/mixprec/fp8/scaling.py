@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from mixprec import formats
-from mixprec.fp8.tp_agree import agreed_amax
+from mixprec.fp8.tp_agree import Agreement, agreed_amax
 
 __all__ = ["ROLES", "amax_to_scale", "cast_to_fp8", "cast_rowwise", "rowwise_scale",
            "nan_if_not_finite", "update_delayed_scales", "FP8_MAX", "fp8_max_tensor"]
@@ -53,14 +53,16 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
 
 
 def cast_rowwise(t: torch.Tensor, dim: int, dtype: torch.dtype, margin: int = 0,
-                 amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 amax: torch.Tensor | None = None, agree: Agreement | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` (2-D) in fp8 with one scale per slice along ``dim``, the GEMM's contraction
     dim, and the inverse scales, shaped to broadcast (``dim=1``: (rows, 1); ``dim=0``:
     (1, cols)). A slice of zeros keeps the scale 1; a slice holding an inf or NaN gets a
     NaN scale (``nan_if_not_finite``). ``amax``: the slices' amaxes, shaped as the
-    scales, where they are known already (a row shard's columns, agreed over ranks)."""
+    scales, where they are known already (a row shard's columns, agreed over ranks);
+    ``agree``: else ``t`` is a tensor-parallel shard whose amaxes are agreed now."""
     if amax is None:
-        amax = agreed_amax(t.detach().abs().amax(dim=dim, keepdim=True).float(), dim)
+        amax = agreed_amax(t.detach().abs().amax(dim=dim, keepdim=True).float(), dim, agree)
     scale = rowwise_scale(amax, dtype, margin)
     return cast_to_fp8(t, scale, dtype), torch.reciprocal(scale)
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec.comm_stats import CommStats
-from mixprec.fp8.tp_agree import agreeing
+from mixprec.fp8.tp_agree import agreement
 
 if TYPE_CHECKING:
     from torch import nn
@@ -343,9 +343,9 @@ def _gather_input(mod, x, lay: TPLayout) -> torch.Tensor:
         if _sums_fp32(mod, local.dtype):  # the input gradient's sums in fp32
             value = value.float()
         return _Gathered.apply(local, value, lay.mesh, dim, mod.tp_comm_stats)
-    with agreeing(lay, "input", stats, dim=0):  # rows are split: the amax is the whole's
-        cast = q.cast(local.reshape(-1, local.shape[-1]), "input", 1, mod.scaling_state(),
-                      torch.is_grad_enabled())
+    cast = q.cast(local.reshape(-1, local.shape[-1]), "input", 1, mod.scaling_state(),
+                  torch.is_grad_enabled(),  # rows are split: the amax is the whole's
+                  agree=agreement(lay, "input", stats, dim=0))
     codes = cast.codes.view(local.shape)
     stats.record(codes, op="all_gather", what="activations")
     raw = DTensor.from_local(codes.view(torch.uint8), lay.mesh, [Shard(dim)],

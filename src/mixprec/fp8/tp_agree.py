@@ -1,17 +1,18 @@
-"""The agreement a cast on a tensor-parallel shard needs: inside ``agreeing`` (around one
-cast of an operand whose tensor-parallel layout is known), the amaxes the cast takes
-become the whole tensor's (``agreed_amax``: an all-reduce MAX over the group where the
-operand is sharded) and the random numbers it draws the whole tensor's slice
-(``draw_sliced``). Outside it both are the identity, so the casts call them always.
+"""The agreement a cast on a tensor-parallel shard needs: given an ``Agreement`` (the
+operand's tensor-parallel layout, which ``agreement`` builds for one cast and the casts
+take as their ``agree`` argument), the amaxes the cast takes become the whole tensor's
+(``agreed_amax``: an all-reduce MAX over the group where the operand is sharded) and the
+random numbers it draws the whole tensor's slice (``draw_sliced``). Without one both are
+the identity, so the casts call them always. The agreement is passed, not set aside in a
+global: a compiled backward, which may mutate no global, casts on shards in one graph.
 ``sr_stream`` says which random stream a rank draws from: the ranks of one
 tensor-parallel group alike, data-parallel ranks apart. ``mixprec.fp8.tensor_parallel``
 runs the quantized Linears on the shards."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,44 +21,40 @@ import torch.distributed as dist
 
 from mixprec.comm_stats import CommStats
 
-__all__ = ["agreeing", "agreed_amax", "draw_sliced", "sr_stream", "STREAM_STRIDE"]
-
-#: the cast in progress on a tensor-parallel shard (``agreeing``); a module global, which
-#: compiled code reads as a guarded constant
-_CAST = None
+__all__ = ["Agreement", "agreement", "agreed_amax", "draw_sliced", "sr_stream",
+           "STREAM_STRIDE"]
 
 
 @dataclass(frozen=True)
-class _Cast:
-    layout: Any  # mixprec.fp8.tensor_parallel.TPLayout
+class Agreement:
+    """One cast of an operand on a tensor-parallel shard."""
+
+    #: the weight's ``mixprec.fp8.tensor_parallel.TPLayout``
+    layout: Any
+    #: the operand's sharded dim (None: the operand is whole on every rank)
     dim: int | None
-    stats: Any
+    #: where the amax all-reduces are recorded (None: nowhere)
+    stats: CommStats | None = None
 
 
-@contextlib.contextmanager
-def agreeing(layout: Any, role: str, stats: CommStats | None = None,
-             dim: int | None = -1) -> Iterator[None]:
-    """Around one cast of ``role``'s operand on a tensor-parallel shard: the amaxes the
-    cast takes (``agreed_amax``) and the random numbers it draws (``draw_sliced``)
-    become the whole tensor's (``layout``: the weight's ``TPLayout``, None off a
-    tensor-parallel shard; ``dim``: the operand's sharded dim, if not the role's)."""
-    global _CAST
+def agreement(layout: Any, role: str, stats: CommStats | None = None,
+              dim: int | None = -1) -> Agreement | None:
+    """The ``agree`` argument of one cast of ``role``'s operand on a tensor-parallel
+    shard (``layout``: the weight's ``TPLayout``; None off a shard, which gives None;
+    ``dim``: the operand's sharded dim, if not the role's; ``stats``: where its amax
+    all-reduces are recorded)."""
     if layout is None:
-        yield
-        return
-    prev, _CAST = _CAST, _Cast(layout, layout.dim_of(role) if dim == -1 else dim, stats)
-    try:
-        yield
-    finally:
-        _CAST = prev
+        return None
+    return Agreement(layout, layout.dim_of(role) if dim == -1 else dim, stats)
 
 
-def agreed_amax(amax: torch.Tensor, along: int | None = None) -> torch.Tensor:
-    """``amax`` of the operand being cast, made the whole tensor's inside ``agreeing``:
+def agreed_amax(amax: torch.Tensor, along: int | None = None,
+                agree: Agreement | None = None) -> torch.Tensor:
+    """``amax`` of the operand being cast, made the whole tensor's under ``agree``:
     all-reduced (MAX) over the tensor-parallel group where the operand is sharded along
     ``along`` (the dim the amax was taken over; None: the whole tensor's amax). A NaN
     becomes an inf first, so every rank sees it. Elsewhere ``amax`` itself."""
-    cur = _CAST
+    cur = agree
     if cur is None or cur.dim is None or (along is not None and along % 2 != cur.dim):
         return amax
     out = torch.where(torch.isnan(amax), torch.full_like(amax, math.inf), amax)
@@ -69,11 +66,12 @@ def agreed_amax(amax: torch.Tensor, along: int | None = None) -> torch.Tensor:
 
 
 def draw_sliced(shape: tuple[int, ...] | torch.Size,
-                draw: Callable[[tuple[int, ...]], torch.Tensor]) -> torch.Tensor:
-    """``draw(shape)`` (random numbers for a cast), or inside ``agreeing`` on a sharded
+                draw: Callable[[tuple[int, ...]], torch.Tensor],
+                agree: Agreement | None = None) -> torch.Tensor:
+    """``draw(shape)`` (random numbers for a cast), or under ``agree`` on a sharded
     operand: ``draw`` of the whole tensor's shape, narrowed to this rank's slice, so
     that the ranks together draw what one process would."""
-    cur = _CAST
+    cur = agree
     if cur is None or cur.dim is None or len(shape) != 2:
         return draw(shape)
     whole = list(shape)

@@ -24,6 +24,7 @@ from mixprec.fp8.padding import TENSOR_KERNEL, KernelSpec, backward_padding_byte
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.route import GEMM_CHOICES, gemm_route
 from mixprec.fp8.scaled_mm import block_scaled_mm
+from mixprec.fp8.tp_agree import Agreement
 from mixprec.fp32_precision import ieee_fp32_matmul
 
 __all__ = ["LinearFormat", "Fp8Elements", "Margined", "check_fields", "TileScaled"]
@@ -169,10 +170,13 @@ class LinearFormat:
         return role in self.reused_roles
 
     def cast(self, t: torch.Tensor, role: str, dim: int, state: dict, record: bool = False,
-             generator: torch.Generator | None = None) -> Quantized:
+             generator: torch.Generator | None = None, agree: Agreement | None = None
+             ) -> Quantized:
         """``t`` (2-D) cast for ``role`` with scales along ``dim``, the GEMM's contracted
         dim. ``state``: the module's buffers of ``buffers``; ``record``: this cast is
-        part of a training step (delayed scaling records its amax)."""
+        part of a training step (delayed scaling records its amax); ``agree``: the
+        operand lies on a tensor-parallel shard (``mixprec.fp8.tp_agree``): its amaxes
+        and random draws are the whole tensor's."""
         raise NotImplementedError(type(self).__name__)
 
     def weight_cast_dims(self) -> tuple[int, ...]:

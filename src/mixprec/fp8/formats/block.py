@@ -12,6 +12,7 @@ from mixprec.fp8.blocks import TILE, cast_blocks, cast_tiles
 from mixprec.fp8.formats.base import E4M3, Margined, TileScaled
 from mixprec.fp8.padding import KernelSpec
 from mixprec.fp8.quantized import Quantized
+from mixprec.fp8.tp_agree import Agreement
 
 __all__ = ["BlockScaling"]
 
@@ -50,7 +51,8 @@ class BlockScaling(TileScaled, Margined):
                 "fp8-block preset's, has the kernel)")
 
     def cast(self, t: torch.Tensor, role: str, dim: int, state: dict, record: bool = False,
-             generator: torch.Generator | None = None) -> Quantized:
+             generator: torch.Generator | None = None, agree: Agreement | None = None
+             ) -> Quantized:
         """A weight in 128×128 blocks (``dim`` does not matter), else 1×128 tiles along
         ``dim``."""
         if role == "weight":

@@ -46,7 +46,7 @@ from mixprec.fp8.formats.base import LinearFormat
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.route import GEMM_CHOICES
 from mixprec.fp8.scaling import nan_if_not_finite
-from mixprec.fp8.tp_agree import agreed_amax
+from mixprec.fp8.tp_agree import Agreement, agreed_amax
 from mixprec.fp32_precision import ieee_fp32_matmul
 
 __all__ = ["Int8Rowwise", "cast_int8_rowwise", "int8_gemm", "int_mm_refusal",
@@ -61,12 +61,13 @@ EXACT_CHUNK = 1024
 INT8_CAPABILITY = (7, 5)
 
 
-def cast_int8_rowwise(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cast_int8_rowwise(t: torch.Tensor, dim: int, agree: Agreement | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` (2-D) as int8 codes with one fp32 scale per slice along ``dim`` (the GEMM's
     contracted dim), shaped to broadcast (``dim=1``: (rows, 1); ``dim=0``: (1, cols)):
     ``t ≈ codes · scale`` (the module doc gives the rounding, zeros and non-finite
-    slices)."""
-    amax = agreed_amax(t.detach().abs().amax(dim=dim, keepdim=True).float(), dim)
+    slices; ``agree``: ``t`` is a tensor-parallel shard, ``tp_agree``)."""
+    amax = agreed_amax(t.detach().abs().amax(dim=dim, keepdim=True).float(), dim, agree)
     scale = amax / INT8_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     scale = nan_if_not_finite(scale, amax)
@@ -192,9 +193,10 @@ class Int8Rowwise(LinearFormat):
         return torch.int8
 
     def cast(self, t: torch.Tensor, role: str, dim: int, state: dict, record: bool = False,
-             generator: torch.Generator | None = None) -> Quantized:
+             generator: torch.Generator | None = None, agree: Agreement | None = None
+             ) -> Quantized:
         """Symmetric int8 codes with a scale per slice along ``dim``."""
-        codes, scale = cast_int8_rowwise(t, dim)
+        codes, scale = cast_int8_rowwise(t, dim, agree)
         return Quantized(codes, scale)
 
     def route(self, device: torch.device | str, choice: str | None = None) -> str:

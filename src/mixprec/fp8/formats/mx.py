@@ -12,6 +12,7 @@ from mixprec.fp8.blocks import MX_TILE, cast_mx
 from mixprec.fp8.formats.base import Fp8Elements, TileScaled
 from mixprec.fp8.padding import KernelSpec
 from mixprec.fp8.quantized import Quantized
+from mixprec.fp8.tp_agree import Agreement
 
 __all__ = ["MXScaling"]
 
@@ -44,6 +45,7 @@ class MXScaling(TileScaled, Fp8Elements):
         return MX_TILE if dim == 0 else 1
 
     def cast(self, t: torch.Tensor, role: str, dim: int, state: dict, record: bool = False,
-             generator: torch.Generator | None = None) -> Quantized:
+             generator: torch.Generator | None = None, agree: Agreement | None = None
+             ) -> Quantized:
         """1×32 MX tiles along ``dim`` (``cast_mx``)."""
         return cast_mx(t, dim, self.dtype(role), self.mx_rounding)

@@ -13,6 +13,7 @@ from mixprec.fp8.formats.base import LinearFormat
 from mixprec.fp8.nvfp4 import NVFP4_BLOCK, apply_hadamard, cast_nvfp4, hadamard_16
 from mixprec.fp8.padding import KernelSpec
 from mixprec.fp8.quantized import Quantized
+from mixprec.fp8.tp_agree import Agreement
 
 __all__ = ["NVFP4Scaling"]
 
@@ -82,11 +83,13 @@ class NVFP4Scaling(LinearFormat):
         return {"nvfp4_rng": (torch.tensor([seed, 0], device=device), True)}
 
     def cast(self, t: torch.Tensor, role: str, dim: int, state: dict, record: bool = False,
-             generator: torch.Generator | None = None) -> Quantized:
+             generator: torch.Generator | None = None, agree: Agreement | None = None
+             ) -> Quantized:
         """NVFP4 cast along ``dim``; the wgrad operands (``dim=0``) Hadamard-transformed
         first under ``nvfp4_rht``, the gradient rounded with ``generator``."""
         if role == "weight":
-            return cast_nvfp4(t, dim, square=self.nvfp4_2d)
+            return cast_nvfp4(t, dim, square=self.nvfp4_2d, agree=agree)
         if dim == 0 and self.nvfp4_rht:  # the wgrad operands, contracted over tokens
             t = apply_hadamard(t, hadamard_16(0, t.device))
-        return cast_nvfp4(t, dim, generator=generator if role == "grad_output" else None)
+        return cast_nvfp4(t, dim, generator=generator if role == "grad_output" else None,
+                          agree=agree)

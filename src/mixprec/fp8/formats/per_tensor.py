@@ -13,7 +13,7 @@ from mixprec.fp8.gather import Fp8Weight
 from mixprec.fp8.gemm import fp8_gemm
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.scaling import ROLES, cast_to_fp8, nan_if_not_finite
-from mixprec.fp8.tp_agree import agreed_amax
+from mixprec.fp8.tp_agree import Agreement, agreed_amax
 
 __all__ = ["PerTensor"]
 
@@ -40,7 +40,8 @@ class PerTensor(Margined):
         """Delayed scaling: ``amax`` into this step's history slot."""
 
     def cast(self, t: torch.Tensor, role: str, dim: int, state: dict, record: bool = False,
-             generator: torch.Generator | None = None) -> Quantized:
+             generator: torch.Generator | None = None, agree: Agreement | None = None
+             ) -> Quantized:
         """Per-tensor cast. A weight FSDP2 gathered as fp8 (``Fp8Weight``) is cast
         already with this role's scale: its codes are copied (the backward keeps them;
         FSDP frees the gathered bytes), and the shard's amax it carries is recorded,
@@ -49,7 +50,7 @@ class PerTensor(Margined):
             if record:
                 self._record(state, role, t._amax)
             return Quantized(t._codes.clone(), torch.reciprocal(t._scale))
-        amax = agreed_amax(t.detach().abs().amax().float())  # a TP shard: the whole's
+        amax = agreed_amax(t.detach().abs().amax().float(), agree=agree)  # a TP shard: the whole's
         scale = self._scale(amax, role, state, record)
         scale = nan_if_not_finite(scale, amax)  # an inf must not saturate to a finite max
         return Quantized(cast_to_fp8(t, scale, self.dtype(role)), torch.reciprocal(scale))

@@ -12,6 +12,7 @@ from mixprec.fp8.formats.base import Margined
 from mixprec.fp8.gemm import fp8_gemm
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.scaling import cast_rowwise
+from mixprec.fp8.tp_agree import Agreement
 
 __all__ = ["RowwiseScaling"]
 
@@ -31,9 +32,10 @@ class RowwiseScaling(Margined):
         return rowwise
 
     def cast(self, t: torch.Tensor, role: str, dim: int, state: dict, record: bool = False,
-             generator: torch.Generator | None = None) -> Quantized:
+             generator: torch.Generator | None = None, agree: Agreement | None = None
+             ) -> Quantized:
         """Rowwise cast along ``dim`` (``cast_rowwise``); the inverse scales broadcast."""
-        codes, inv = cast_rowwise(t, dim, self.dtype(role), self.margin)
+        codes, inv = cast_rowwise(t, dim, self.dtype(role), self.margin, agree=agree)
         return Quantized(codes, inv)
 
     def gather_amax(self, shard: torch.Tensor) -> torch.Tensor | None:
