@@ -157,6 +157,45 @@ def test_a_compiled_tp_model_trains_bit_for_bit_as_eager():
                 recipe, compiled["frames"])
 
 
+#: NVFP4 with stochastic rounding: every Linear of the MLP in NVFP4, and as the recipe
+#: comes (the rowwise ``down`` and the head in 16 bits)
+SR_RUNS = ["nvfp4,bf16_last_layers=0", "nvfp4", "nvfp4,nvfp4_sr=false"]
+
+
+@pytest.mark.long  # dynamo compiles twelve runs on each of two ranks: ~65 s on two cores
+def test_compiled_tp_ranks_round_stochastically_as_one_compiled_process():
+    """A compiled (aot_eager) TP=2 MLP under NVFP4 with stochastic rounding, 4 SGD
+    steps, draws from the counter stream what one compiled process draws (each rank
+    the whole gradient's numbers narrowed to its shard): with every Linear in NVFP4
+    its masters are within 1e-6 of one compiled process's on both ranks (the fp32
+    sums' order; measured 1.2e-7, eager 1.2e-7), though 1.3e-1 from the eager
+    run's (other bits, by design); one forward and backward of a colwise/rowwise pair
+    gives every weight and bias gradient bit for bit. As the recipe comes, the 16-bit
+    rowwise ``down`` sums its partial sums in bf16 (torch's plan), so compiled TP ends
+    within 2e-2 of one compiled process (measured 7.4e-3; 4.2e-3 eager, 1.6e-3 rounded
+    to nearest, where compiled equals eager bit for bit)."""
+    ranks = spawn(loop.tp_compiled_sr, "mlp", SR_RUNS, 4, name="tpcsr")
+    one = ranks[0]  # rank 0's whole model draws as one process does (rank 1's apart)
+    for r in ranks:
+        for recipe, tol in zip(SR_RUNS, (1e-6, 2e-2, 2e-2)):
+            for compiled in (False, True):
+                got, ref = r[recipe, True, compiled], one[recipe, False, compiled]
+                assert _max_rel(got["params"], ref["params"]) <= tol, (
+                    recipe, compiled, _max_rel(got["params"], ref["params"]))
+                assert got["losses"] == pytest.approx(ref["losses"], rel=tol)
+        sr, rtn = r[SR_RUNS[0], True, True], r[SR_RUNS[2], True, True]
+        if not sr["emulating"]:  # dynamo traced the backward: the counter stream drew
+            assert _max_rel(sr["params"], r[SR_RUNS[0], True, False]["params"]) > 1e-2
+            assert all(torch.equal(a, b) for a, b in zip(
+                rtn["params"], r[SR_RUNS[2], True, False]["params"]))
+        tp, whole = r["pair"][0], one["pair"][1]
+        for key in whole:
+            if key in ("y", "dx"):
+                assert _max_rel([tp[key]], [whole[key]]) <= 1e-6, key
+            else:
+                assert torch.equal(tp[key], whole[key]), key
+
+
 @pytest.mark.slow
 def test_fsdp_over_tp_on_a_2x2_mesh_trains_like_one_process_and_reshards(tmp_path):
     """FSDP (dp=2) over torch's TP plan (tp=2) on 4 ranks, bf16-master: equal to one

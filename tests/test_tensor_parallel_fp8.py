@@ -260,3 +260,35 @@ def test_tp_reduce_is_a_format_field_fp32_by_default():
     with pytest.raises(ValueError, match=r"'tp_reduce': unknown value 'bf16'; valid: fp32, "
                                          r"compute"):
         Recipe.parse("nvfp4,tp_reduce=bf16")
+
+
+@pytest.mark.parametrize("dim,cut", [(1, 0), (1, 1), (0, 1)])
+def test_a_compiled_sharded_sr_cast_draws_the_whole_tensors_numbers_narrowed(dim, cut):
+    """NVFP4's stochastic rounding from the counter stream (what a compiled backward
+    draws), compiled (``aot_eager``, one graph): each half of a 32 x 64 gradient cut
+    along ``cut`` and cast under its tensor-parallel ``Agreement`` (with the whole
+    tensor's amax, as the ranks agree it) has the codes and scales of the whole
+    tensor's cast with the same key, narrowed to that half: the draw is by each
+    element's place in the whole tensor. Drawn by the place in the half instead, 28%
+    to 32% of a half's codes differ (every half but a row cut's first, whose places
+    are the whole's)."""
+    from mixprec.fp8.nvfp4 import cast_nvfp4
+    from mixprec.fp8.tensor_parallel import TPLayout
+    from mixprec.fp8.tp_agree import Agreement
+
+    g = torch.Generator().manual_seed(4)
+    t = torch.randn(32, 64, generator=g) * torch.rand(32, 1, generator=g) * 10
+    key, amax = torch.tensor(12345), t.abs().amax()
+    cast = torch.compile(lambda x, agree: cast_nvfp4(x, dim, generator=key, amax=amax,
+                                                     agree=agree),
+                         backend="aot_eager", fullgraph=True)
+    whole = cast(t, None)
+    size = t.shape[cut] // 2
+    for offset in (0, size):
+        layout = TPLayout(mesh=None, sharded=cut, offset=offset, full=t.shape[cut])
+        got = cast(t.narrow(cut, offset, size), Agreement(layout, cut))
+        assert torch.equal(got.codes.view(torch.uint8),
+                           whole.codes.narrow(cut, offset, size).view(torch.uint8))
+        assert torch.equal(got.scale_inv, whole.scale_inv.narrow(
+            cut, offset * got.scale_inv.shape[cut] // size,
+            got.scale_inv.shape[cut]))

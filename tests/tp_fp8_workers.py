@@ -127,16 +127,18 @@ def _pair(recipe, mesh=None, down=None):
     return m
 
 
-def pair_grads(recipe, mesh=None):
+def pair_grads(recipe, mesh=None, compiled=False):
     """One forward and backward of ``Pair`` in fp32 (no autocast) under ``recipe``: the
-    output, the input's gradient and each parameter's whole gradient."""
+    output, the input's gradient and each parameter's whole gradient. ``compiled``:
+    through ``torch.compile`` (``aot_eager``)."""
     m = _pair(recipe, mesh)
+    f = torch.compile(m, backend="aot_eager") if compiled else m
     g = torch.Generator().manual_seed(2)
     x = torch.randn(16, DIM, generator=g)
     x[3, 11] = 25.0  # an outlier token
     x.requires_grad_(True)
     gy = torch.randn(16, DIM, generator=g)
-    y = m(x)
+    y = f(x)
     y.backward(gy)
     return {"y": full(y), "dx": x.grad.clone(),
             **{n: full(p.grad) for n, p in m.named_parameters()}}

@@ -192,3 +192,46 @@ def tp_full_resume(rank, world, tmp, kind, recipes, steps, ckpt, mode, how="full
         gc.collect()
     _save(tmp, "tpfull", rank, out)
     dist.destroy_process_group()
+
+
+def _sgd_run(kind, recipe, steps, mesh, compiled):
+    """``steps`` SGD steps of ``kind``'s model under ``recipe``, split by its plan on
+    ``mesh`` (None: whole, as one process), its model called eagerly or through
+    ``torch.compile`` (``aot_eager``): the losses and the whole masters."""
+    torch._dynamo.reset()
+    model = make_model(kind)
+    if mesh is not None:
+        model = parallelize_module(model, mesh, PLANS[kind])
+    engine = MixedPrecision(model, make_opt(model, recipe, sgd=True), recipe,
+                            max_grad_norm=0.5)
+    f = torch.compile(engine.model, backend="aot_eager") if compiled else engine.model
+    losses = []
+    for x, y in make_data(kind, steps):
+        with engine.autocast():
+            loss = F.cross_entropy(f(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, "emulating": engine.emulating,
+            "params": [full(p) for p in engine.master_params]}
+
+
+def tp_compiled_sr(rank, world, tmp, kind, recipes, steps):
+    """For each recipe: ``kind``'s model trained split over every rank and whole in this
+    rank (rank 0's whole run draws as one process does), each eagerly and compiled
+    (``_sgd_run``); and one forward and backward of ``tp_fp8_workers.Pair`` under
+    NVFP4 with stochastic rounding, compiled, on the shards and whole
+    (``pair_grads``)."""
+    from tp_fp8_workers import NV, pair_grads
+
+    _init(rank, world, tmp)
+    mesh = init_device_mesh("cpu", (world,))
+    out = {(recipe, split, compiled): _sgd_run(kind, recipe, steps,
+                                               mesh if split else None, compiled)
+           for recipe in recipes for split in (True, False) for compiled in (False, True)}
+    torch._dynamo.reset()
+    out["pair"] = (pair_grads(NV, mesh, compiled=True), pair_grads(NV, compiled=True))
+    torch._dynamo.reset()
+    _save(tmp, "tpcsr", rank, out)
+    gc.collect()
+    dist.destroy_process_group()
