@@ -271,14 +271,17 @@ def test_a_compiled_sharded_sr_cast_draws_the_whole_tensors_numbers_narrowed(dim
     tensor's cast with the same key, narrowed to that half: the draw is by each
     element's place in the whole tensor. Drawn by the place in the half instead, 28%
     to 32% of a half's codes differ (every half but a row cut's first, whose places
-    are the whole's)."""
-    from mixprec.fp8.nvfp4 import cast_nvfp4
+    are the whole's). A slice draws only its own numbers: ``counter_uniform`` of a
+    16 x 32 block placed at (16, 32) in a 32 x 64 tensor is the whole draw's block."""
+    from mixprec.fp8.nvfp4 import cast_nvfp4, counter_uniform
     from mixprec.fp8.tensor_parallel import TPLayout
     from mixprec.fp8.tp_agree import Agreement
 
     g = torch.Generator().manual_seed(4)
     t = torch.randn(32, 64, generator=g) * torch.rand(32, 1, generator=g) * 10
     key, amax = torch.tensor(12345), t.abs().amax()
+    assert torch.equal(counter_uniform(key, (16, 32), ((32, 64), (16, 32))),
+                       counter_uniform(key, (32, 64))[16:, 32:])
     cast = torch.compile(lambda x, agree: cast_nvfp4(x, dim, generator=key, amax=amax,
                                                      agree=agree),
                          backend="aot_eager", fullgraph=True)

@@ -29,7 +29,7 @@ import torch
 
 from mixprec import formats
 from mixprec.fp8.quantized import Quantized, block_amax, expand_blocks
-from mixprec.fp8.tp_agree import Agreement, agreed_amax, draw_sliced
+from mixprec.fp8.tp_agree import Agreement, agreed_amax, draw_sliced, slice_of
 
 __all__ = ["NVFP4_BLOCK", "cast_nvfp4", "hadamard_16", "apply_hadamard", "counter_uniform",
            "counter_key"]
@@ -52,14 +52,24 @@ def _e2m1_step(a: torch.Tensor) -> torch.Tensor:
 _M32 = 0xFFFFFFFF
 
 
-def counter_uniform(key: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+def counter_uniform(key: torch.Tensor, shape: tuple[int, ...] | torch.Size,
+                    within: tuple[tuple[int, int], tuple[int, int]] | None = None
+                    ) -> torch.Tensor:
     """Uniform floats in [0, 1) (24 random bits each) for every element of ``shape``,
     hashed from (``key``, the element's index) on ``key``'s device: no generator state,
     so compiled graphs draw them too, and the same key gives the same numbers on every
-    device. The hash is a 32-bit integer mixer (xor-shift, multiply) in int64 whose
-    products stay below 2^63."""
-    n = math.prod(shape)
-    i = torch.arange(n, device=key.device, dtype=torch.int64)
+    device. ``within`` (a 2-D ``shape`` only): (the whole shape, the slice's start), as
+    ``tp_agree.slice_of`` gives; the index is then the element's place in the whole
+    tensor, so the slice gets the whole draw's numbers, drawing only its own. The hash
+    is a 32-bit integer mixer (xor-shift, multiply) in int64 whose products stay below
+    2^63."""
+    if within is None:
+        i = torch.arange(math.prod(shape), device=key.device, dtype=torch.int64)
+    else:
+        (_, cols), (r0, c0) = within
+        r = torch.arange(r0, r0 + shape[0], device=key.device, dtype=torch.int64)
+        c = torch.arange(c0, c0 + shape[1], device=key.device, dtype=torch.int64)
+        i = (r[:, None] * cols + c).reshape(-1)
     x = (i + ((key.to(torch.int64) & _M32) * 0x61C88647 & _M32)) & _M32
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _M32
@@ -100,9 +110,11 @@ def _round_e2m1(v: torch.Tensor, generator: torch.Generator | torch.Tensor | Non
         q = k.round_().mul_(step)
     else:
         down = k.floor()
-        u = draw_sliced(k.shape, lambda s: counter_uniform(generator, s)
-                        if isinstance(generator, torch.Tensor)
-                        else torch.rand(s, generator=generator, device=v.device), agree)
+        if isinstance(generator, torch.Tensor):  # by place: this slice's numbers only
+            u = counter_uniform(generator, k.shape, slice_of(k.shape, agree))
+        else:
+            u = draw_sliced(k.shape, lambda s: torch.rand(s, generator=generator,
+                                                          device=v.device), agree)
         q = torch.where(u < k.sub_(down), down.add(1), down).mul_(step)
     return q.copysign_(v)
 

@@ -2,9 +2,10 @@
 operand's tensor-parallel layout, which ``agreement`` builds for one cast and the casts
 take as their ``agree`` argument), the amaxes the cast takes become the whole tensor's
 (``agreed_amax``: an all-reduce MAX over the group where the operand is sharded) and the
-random numbers it draws the whole tensor's slice (``draw_sliced``). Without one both are
-the identity, so the casts call them always. The agreement is passed, not set aside in a
-global: a compiled backward, which may mutate no global, casts on shards in one graph.
+random numbers it draws the whole tensor's slice (``draw_sliced``; ``slice_of`` says
+where the slice lies, for draws made by place). Without one both are the identity, so
+the casts call them always. The agreement is passed, not set aside in a global: a
+compiled backward, which may mutate no global, casts on shards in one graph.
 ``sr_stream`` says which random stream a rank draws from: the ranks of one
 tensor-parallel group alike, data-parallel ranks apart. ``mixprec.fp8.tensor_parallel``
 runs the quantized Linears on the shards."""
@@ -21,8 +22,8 @@ import torch.distributed as dist
 
 from mixprec.comm_stats import CommStats
 
-__all__ = ["Agreement", "agreement", "agreed_amax", "draw_sliced", "sr_stream",
-           "STREAM_STRIDE"]
+__all__ = ["Agreement", "agreement", "agreed_amax", "draw_sliced", "slice_of",
+           "sr_stream", "STREAM_STRIDE"]
 
 
 @dataclass(frozen=True)
@@ -65,18 +66,29 @@ def agreed_amax(amax: torch.Tensor, along: int | None = None,
     return out.to(amax.dtype)
 
 
+def slice_of(shape: tuple[int, ...] | torch.Size, agree: Agreement | None = None
+             ) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """Under ``agree`` on a sharded 2-D operand of ``shape``: the whole tensor's shape
+    and where this rank's slice starts in it (row, column); else None."""
+    cur = agree
+    if cur is None or cur.dim is None or len(shape) != 2:
+        return None
+    whole, at = list(shape), [0, 0]
+    whole[cur.dim], at[cur.dim] = cur.layout.full, cur.layout.offset
+    return tuple(whole), tuple(at)
+
+
 def draw_sliced(shape: tuple[int, ...] | torch.Size,
                 draw: Callable[[tuple[int, ...]], torch.Tensor],
                 agree: Agreement | None = None) -> torch.Tensor:
     """``draw(shape)`` (random numbers for a cast), or under ``agree`` on a sharded
     operand: ``draw`` of the whole tensor's shape, narrowed to this rank's slice, so
     that the ranks together draw what one process would."""
-    cur = agree
-    if cur is None or cur.dim is None or len(shape) != 2:
+    where = slice_of(shape, agree)
+    if where is None:
         return draw(shape)
-    whole = list(shape)
-    whole[cur.dim] = cur.layout.full
-    return draw(tuple(whole)).narrow(cur.dim, cur.layout.offset, shape[cur.dim])
+    cur = agree
+    return draw(where[0]).narrow(cur.dim, cur.layout.offset, shape[cur.dim])
 
 
 #: an odd 32-bit multiplier: a module's stochastic-rounding key moves by
