@@ -102,25 +102,8 @@ def tp_compiled(rank, world, tmp, kind, recipes, steps):
     out = {}
     for recipe in recipes:
         for compiled in (False, True):
-            torch._dynamo.reset()
-            counter = CompileCounterWithBackend("aot_eager")
-            model = parallelize_module(make_model(kind), mesh, PLANS[kind])
-            engine = MixedPrecision(model, make_opt(model, recipe, sgd=True), recipe,
-                                    max_grad_norm=0.5)
-            f = torch.compile(engine.model, backend=counter) if compiled else engine.model
-            losses, frames = [], []
-            for x, y in make_data(kind, steps):
-                with engine.autocast():
-                    loss = F.cross_entropy(f(x), y)
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-                frames.append(counter.frame_count)
-            out[recipe, compiled] = {"losses": losses, "frames": frames,
-                                     "records": list(engine.comm_stats.records),
-                                     "emulating": engine.emulating,
-                                     "params": [full(p) for p in engine.master_params]}
-            del engine, model, f
+            out[recipe, compiled] = _sgd_run(kind, recipe, steps, mesh, compiled,
+                                             CompileCounterWithBackend("aot_eager"))
     torch._dynamo.reset()
     _save(tmp, "tpcompile", rank, out)
     gc.collect()
@@ -194,25 +177,30 @@ def tp_full_resume(rank, world, tmp, kind, recipes, steps, ckpt, mode, how="full
     dist.destroy_process_group()
 
 
-def _sgd_run(kind, recipe, steps, mesh, compiled):
+def _sgd_run(kind, recipe, steps, mesh, compiled, backend="aot_eager"):
     """``steps`` SGD steps of ``kind``'s model under ``recipe``, split by its plan on
     ``mesh`` (None: whole, as one process), its model called eagerly or through
-    ``torch.compile`` (``aot_eager``): the losses and the whole masters."""
+    ``torch.compile`` (``backend``, or a ``CompileCounterWithBackend``): the losses,
+    the frames dynamo had compiled after each step (with a counter), the collectives
+    ``comm_stats`` recorded and the whole masters."""
     torch._dynamo.reset()
     model = make_model(kind)
     if mesh is not None:
         model = parallelize_module(model, mesh, PLANS[kind])
     engine = MixedPrecision(model, make_opt(model, recipe, sgd=True), recipe,
                             max_grad_norm=0.5)
-    f = torch.compile(engine.model, backend="aot_eager") if compiled else engine.model
-    losses = []
+    f = torch.compile(engine.model, backend=backend) if compiled else engine.model
+    losses, frames = [], []
     for x, y in make_data(kind, steps):
         with engine.autocast():
             loss = F.cross_entropy(f(x), y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return {"losses": losses, "emulating": engine.emulating,
+        frames.append(getattr(backend, "frame_count", None))
+    records = list(engine.comm_stats.records) if engine.comm_stats else []
+    return {"losses": losses, "frames": frames, "records": records,
+            "emulating": engine.emulating,
             "params": [full(p) for p in engine.master_params]}
 
 
