@@ -162,7 +162,7 @@ def test_a_compiled_tp_model_trains_bit_for_bit_as_eager():
 SR_RUNS = ["nvfp4,bf16_last_layers=0", "nvfp4", "nvfp4,nvfp4_sr=false"]
 
 
-@pytest.mark.long  # dynamo compiles twelve runs on each of two ranks: ~65 s on two cores
+@pytest.mark.long  # dynamo compiles on each of two ranks: ~80 s on two cores
 def test_compiled_tp_ranks_round_stochastically_as_one_compiled_process():
     """A compiled (aot_eager) TP=2 MLP under NVFP4 with stochastic rounding, 4 SGD
     steps, draws from the counter stream what one compiled process draws (each rank
