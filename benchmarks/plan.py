@@ -29,13 +29,12 @@ measured / predicted for both. MB = 1e6 bytes. Nothing is asserted here.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 import warnings
 
 import torch
 
-from mixprec.planner import measure_step, plan_from
+from mixprec.planner import measure_step, measure_steps, plan_from
 from mixprec.planner.choose import choose
 from mixprec.planner.survey import survey
 from mixprec.recipe import Recipe
@@ -127,44 +126,14 @@ def configs(sv, mlp: tuple[str, ...]):
 def interleaved(model, recipes: list, batch, steps: int) -> list[float]:
     """Median step seconds of each recipe on its own copy of ``model``, the recipes'
     steps taken in turn so that a busy machine slows each alike, the order of the turns
-    reversed every round: two copies of the 16-bit recipe of a config-built Mixtral,
-    stepped in one fixed order, read the first copy's forward and backward 0-28 ms
-    (up to 18%) longer than the second's (median of their 2nd to 9th steps, 5 runs);
-    with the order reversed every round, within 2 ms (2 runs)."""
-    import copy
-
-    from mixprec import MixedPrecision
-    from mixprec.optim import adamw_for
-    from mixprec.planner import call_loss
-
-    runs = []
-    for r in recipes:
-        m = copy.deepcopy(model)
-        opt = adamw_for(r, list(m.named_parameters()), lr=1e-3)
-        runs.append((m, MixedPrecision(m, opt, r)))
-
-    def one(m, eng):
-        with eng.autocast():
-            loss = call_loss(m, batch, None)
-        eng.backward(loss)
-        eng.step()
-
-    dev = next(model.parameters()).device
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    times = [[] for _ in runs]
-    for m, eng in runs:
-        one(m, eng)
-    order = list(range(len(runs)))
-    for _ in range(steps):
-        for i in order:
-            m, eng = runs[i]
-            sync()
-            t = time.perf_counter()
-            one(m, eng)
-            sync()
-            times[i].append(time.perf_counter() - t)
-        order.reverse()
-    return [statistics.median(t) for t in times]
+    reversed every round (``mixprec.planner.measure_steps``): two copies of the 16-bit
+    recipe of a config-built Mixtral, stepped in one fixed order, read the first copy's
+    forward and backward 0-28 ms (up to 18%) longer than the second's (median of their
+    2nd to 9th steps, 5 runs); with the order reversed every round, within 2 ms (2
+    runs)."""
+    got = measure_steps(model, [(r, None) for r in recipes], batch, None, steps=steps,
+                        peak=False)
+    return [t for t, _ in got]
 
 
 def main() -> None:

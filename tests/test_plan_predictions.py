@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import math
 import random
-import statistics
 
 import pytest
 import torch
 from torch import nn
 
 import mixprec.kernels as kernels
+import mixprec.planner.steps as steps_mod
 import mixprec.planner.survey as survey_mod
 import mixprec.planner.timing as timing
 from conftest import set_speeds
@@ -84,9 +84,14 @@ def host(monkeypatch):
         def baselines(model, b, shell, batch, loss_fn, state_formats, device):
             return Baselines(steps_of["16-bit"], 1e6, steps_of["shell"], 1e6, COSTS)
 
+        def measure_steps(model, runs, batch, loss_fn=None, *, steps=4, peak=True):
+            return [survey_mod.measure_step(model, r, batch, loss_fn, fp8_filter=f,
+                                            steps=steps, peak=peak) for r, f in runs]
+
         steps_of = steps
         monkeypatch.setattr(timing, "_measure", measure)
         monkeypatch.setattr(survey_mod, "measure_step", measure_step)
+        monkeypatch.setattr(survey_mod, "measure_steps", measure_steps)
         monkeypatch.setattr(survey_mod, "_baselines", baselines)
         return calls
     yield set_host
@@ -129,9 +134,10 @@ def test_a_dequantizing_route_timed_12x_faster_on_a_busy_host_is_not_predicted_f
     assert all(r.speedup <= 1.0 for r in p.rows)
     assert "fp8-current runs at 1.00x bf16's speed" in {r.layer: r for r in p.rows}["a"].reason
     # measured again: the 64x64 shape up to the limit (its timings kept disagreeing), the
-    # 64x256 one once; the fp8 step and the shell's again, as the step kept disagreeing
+    # 64x256 one once; the fp8 step and the shell's in turn, again as they kept
+    # disagreeing
     assert calls["shape"] == {A[:2]: timing.MAX_MEASUREMENTS, B[:2]: 1}
-    assert calls["step"] == {"fp8": 3, "shell": 2}
+    assert calls["step"] == {"fp8": 3, "shell": 3}
     noise = "\n".join(p.timing_noise)
     assert "fp8-current 64x64 at 256 tokens timed 12.24x bf16's speed" in noise
     assert "its dequant_fp32 GEMM can give at most 1.00x (3 measurements)" in noise
@@ -206,11 +212,11 @@ def test_a_whole_step_that_disagrees_with_its_linears_is_measured_again(host, se
             Baselines(0.05, 1e6, 0.05, 1e6, COSTS))
     if settles:
         assert survey_mod._time_scales(*args) == {"fp8-current": pytest.approx(0.75)}
-        assert calls["step"] == {"fp8": 2, "shell": 1}
+        assert calls["step"] == {"fp8": 2, "shell": 2}
     else:
         noise: list[str] = []
         assert survey_mod._time_scales(*args, noise) == {}
-        assert calls["step"] == {"fp8": 3, "shell": 2}
+        assert calls["step"] == {"fp8": 3, "shell": 3}
         assert noise == ["fp8-current: the whole step with every Linear in it measured "
                          "+8.00 ms against the fp8 recipe's with none, its Linears timed "
                          "alone -2.00 ms (3 measurements): their timings alone are used"]
@@ -269,27 +275,79 @@ def test_the_bound_of_each_gemm_route_is_what_it_multiplies_in(monkeypatch, meas
     assert timing.max_speedup("dequant", fp32_rest, "cpu") == 1.0
 
 
-def test_the_baselines_are_the_steps_after_the_process_warms_up(monkeypatch):
+@pytest.fixture
+def step_clock(monkeypatch):
+    """``step_clock(cost)``: ``measure_steps`` runs its real copies and engines, its
+    clock reads a virtual time that each step of a copy advances by ``cost(kind, n)``
+    (kind ``"16-bit"``, ``"shell"`` or ``"fp8"``, as the copy's engine was built; ``n``
+    the steps taken before it). Returns the kinds in the order stepped."""
+    def set_clock(cost):
+        now, kinds, taken = [0.0], {}, []
+        build, call = steps_mod.step_engine, steps_mod.call_loss
+
+        def step_engine(model, recipe, fp8_filter=None, **kw):
+            kinds[id(model)] = ("16-bit" if recipe.compute != "fp8" else
+                                "fp8" if fp8_filter(None, "") else "shell")
+            return build(model, recipe, fp8_filter, **kw)
+
+        def call_loss(model, batch, loss_fn):
+            now[0] += cost(kinds[id(model)], len(taken))
+            taken.append(kinds[id(model)])
+            return call(model, batch, loss_fn)
+
+        monkeypatch.setattr(steps_mod, "step_engine", step_engine)
+        monkeypatch.setattr(steps_mod, "call_loss", call_loss)
+        monkeypatch.setattr(steps_mod, "time", type("Clock", (), {
+            "perf_counter": staticmethod(lambda: now[0])}))
+        monkeypatch.setattr(survey_mod, "state_step_costs", lambda *a, **k: {})
+        return taken
+    return set_clock
+
+
+def _baselines_of(model):
+    return survey_mod._baselines(model, Recipe.parse("bf16-master"),
+                                 Recipe.parse("fp8-current"), torch.randn(8, 64), _loss,
+                                 ("fp32",), "cpu")
+
+
+def test_the_baselines_are_the_steps_after_the_process_warms_up(step_clock):
     # a process whose first 8 whole-model steps run 1.3x slow (its allocator and kernel
     # caches settling), every step after them steady: 100 ms under the 16-bit recipe,
-    # 90 ms under the fp8 shell; measure_step as it runs: one untimed step, then
-    # ``steps`` timed ones, their median
-    taken = []
-
-    def measure_step(model, recipe, batch, loss_fn=None, *, fp8_filter=None, steps=4,
-                     peak=True):
-        steady = 0.09 if recipe.compute == "fp8" else 0.1
-        times = []
-        for _ in range(1 + steps):
-            times.append(steady * (1.3 if len(taken) < 8 else 1.0))
-            taken.append(recipe.compute)
-        return statistics.median(times[1:]), (1e6 if peak else None)
-
-    monkeypatch.setattr(survey_mod, "measure_step", measure_step)
-    monkeypatch.setattr(survey_mod, "state_step_costs", lambda *a, **k: {})
-    base = Recipe.parse("bf16-master")
-    b = survey_mod._baselines(TwoLinears(), base, Recipe.parse("fp8-current"),
-                              torch.randn(8, 64), _loss, ("fp32",), "cpu")
+    # 90 ms under the fp8 shell
+    steady = {"16-bit": 0.1, "shell": 0.09}
+    taken = step_clock(lambda kind, n: steady[kind] * (1.3 if n < 8 else 1.0))
+    b = _baselines_of(TwoLinears())
     # the steady steps, not the first ones (0.13 s taken as the 16-bit step)
     assert b.step_16 == pytest.approx(0.1) and b.step_shell == pytest.approx(0.09)
-    assert taken[:survey_mod.WARMUP_STEPS] == ["bf16"] * survey_mod.WARMUP_STEPS
+    assert taken[:survey_mod.WARMUP_STEPS] == ["16-bit"] * survey_mod.WARMUP_STEPS
+    assert b.peak_16 > 0 and b.peak_shell > 0
+
+
+def test_the_baselines_are_stepped_in_turn_so_a_slowing_machine_moves_both_alike(
+        step_clock):
+    # every step 1 ms longer than the one before (a machine getting busier): measured
+    # one after the other, the shell's 4 steps would read 5 ms longer than the 16-bit
+    # recipe's for the same work, and every predicted ratio would move with that
+    steady = {"16-bit": 0.1, "shell": 0.09}
+    taken = step_clock(lambda kind, n: steady[kind] + 1e-3 * n)
+    b = _baselines_of(TwoLinears())
+    assert b.step_16 - b.step_shell == pytest.approx(0.01, abs=1e-9)
+    # one untimed step each, then rounds in turn, the order reversed every round
+    assert taken[8:18] == ["16-bit", "shell"] + ["16-bit", "shell", "shell", "16-bit"] * 2
+
+
+def test_the_time_scale_steps_the_fp8_recipe_in_turn_with_the_shell(step_clock):
+    # the Linears alone say fp8 saves 1 ms; the whole steps, 89.5 ms in fp8 and 90 ms
+    # in the shell, save 0.5 ms: a scale of 0.5. With every step 1 ms longer than the
+    # one before, the fp8 step measured alone after the shell's baseline would read
+    # 2 ms slower than the shell (a scale of -2, refused)
+    layers = {n: Layer(n, (64, 64), {
+        "bf16": Option("bf16", 2e-3, 100.0),
+        "fp8-current": Option("fp8-current", 1.5e-3, 50.0, 30.0)}) for n in ("a", "b")}
+    steady = {"fp8": 0.0895, "shell": 0.09}
+    taken = step_clock(lambda kind, n: steady[kind] + 1e-3 * n)
+    got = survey_mod._time_scales(TwoLinears(), Recipe.parse("fp8-current"),
+                                  torch.randn(8, 64), _loss, layers, {},
+                                  Baselines(0.1, 1e6, 0.09, 1e6, COSTS))
+    assert got == {"fp8-current": pytest.approx(0.5)}
+    assert taken == ["fp8", "shell", "fp8", "shell", "shell", "fp8"]

@@ -17,7 +17,8 @@ from mixprec.planner.planning import (
     plan,
     plan_from,
 )
-from mixprec.planner.survey import Survey, call_loss, measure_step
+from mixprec.planner.steps import call_loss, measure_step, measure_steps
+from mixprec.planner.survey import Survey
 
 __all__ = ["plan", "plan_from", "Plan", "PlanRow", "NoPlanFits", "CANDIDATES",
-           "DEFAULT_MIN_SQNR", "Survey", "measure_step", "call_loss"]
+           "DEFAULT_MIN_SQNR", "Survey", "measure_step", "measure_steps", "call_loss"]

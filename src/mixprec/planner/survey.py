@@ -3,14 +3,15 @@
 ``survey(model, sample_batch, ...)`` returns a ``Survey``: each Linear's options (time
 and saved bytes per format from ``timing``, SQNR and refusals from ``numerics``) and
 each transformers experts module's (``experts``: timed at the tokens its router sends
-each expert, scored on its real inputs), the
-modules that own parameters (for state formats), and the whole model's measured
-baselines: the step time and peak of the 16-bit recipe and of the fp8 recipe with no
-Linear converted (``measure_step``), and per fp8 format the step with every Linear in
-it, which scales the Linears' timed-alone differences to the model. No format is taken
-as faster than its GEMM route can run (``timing.max_speedup``), and timings that
-disagree beyond their noise are measured again, a bounded number of times; those that
-still disagree are listed in ``Survey.noise``, which the plan reports.
+each expert, scored on its real inputs), the modules that own parameters (for state
+formats), and the whole model's measured baselines: the step time and peak of the
+16-bit recipe and of the fp8 recipe with no Linear converted, and per fp8 format the
+step with every Linear in it against that one, which scales the Linears' timed-alone
+differences to the model (``steps.measure_steps``: each two steps compared are stepped
+in turn). No format is taken as faster than its GEMM route can run
+(``timing.max_speedup``), and timings that disagree beyond their noise are measured
+again, a bounded number of times; those that still disagree are listed in
+``Survey.noise``, which the plan reports.
 ``Survey.predict(config)`` prices any configuration from them (``choose.predict``),
 and ``Survey.recipe(config)`` writes it as a recipe with per-module rules, so a
 configuration can be predicted and then measured (``benchmarks/plan.py`` does both).
@@ -22,9 +23,6 @@ import copy
 import dataclasses
 import math
 import re
-import statistics
-import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -52,6 +50,7 @@ from mixprec.planner.experts import (
     widths,
 )
 from mixprec.planner.numerics import LayerNumerics, layer_numerics, linear_names
+from mixprec.planner.steps import call_loss, measure_step, measure_steps, step_engine
 from mixprec.planner.timing import (
     BF16,
     MAX_MEASUREMENTS,
@@ -241,26 +240,6 @@ def _refusal(fixed: str | None, q: LayerNumerics | None, floor: float) -> str | 
     return None
 
 
-def call_loss(model: nn.Module, batch: Any, loss_fn: Callable | None) -> torch.Tensor:
-    """The loss of ``model`` on ``batch``: ``loss_fn(model, batch)``, or else the
-    model called on the batch (a tuple as positional arguments, a dict as keywords)
-    returning a scalar tensor or an object with ``.loss`` (Hugging Face)."""
-    if loss_fn is not None:
-        loss = loss_fn(model, batch)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
-            raise ValueError(f"loss_fn(model, batch) returned {shape}, not a scalar "
-                             "tensor: reduce it (e.g. .mean()) to the loss")
-        return loss
-    out = (model(**batch) if isinstance(batch, dict) else
-           model(*batch) if isinstance(batch, (tuple, list)) else model(batch))
-    loss = getattr(out, "loss", out)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError("the model's output on sample_batch is not a scalar loss: pass "
-                         "loss_fn=lambda model, batch: <scalar loss>")
-    return loss
-
-
 def _shapes(model, names, batch, loss_fn) -> dict[str, tuple[int, int, int, bool]]:
     """(in, out, tokens, bias) of each Linear, read from one forward on ``batch``."""
     out, handles = {}, []
@@ -306,62 +285,6 @@ def _state_units(model) -> dict[str, StateUnit]:
     return {k: StateUnit(k, tuple(v)) for k, v in units.items()}
 
 
-def _engine(model, recipe: Recipe, fp8_filter=None, lr: float = 1e-3):
-    from mixprec.engine import MixedPrecision
-    from mixprec.optim import adamw_for
-
-    opt = adamw_for(recipe, list(model.named_parameters()), lr=lr)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return MixedPrecision(model, opt, recipe,
-                              fp8_filter=fp8_filter if recipe.linear is not None else None)
-
-
-def measure_step(model: nn.Module, recipe: Recipe, batch: Any,
-                 loss_fn: Callable | None = None, *,
-                 fp8_filter: Callable | None = None, steps: int = 4, peak: bool = True
-                 ) -> tuple[float, float | None]:
-    """Median seconds of a training step of a copy of ``model`` under ``recipe`` and the
-    step's measured peak bytes (``mixprec.memory.measure(peak=True)``)."""
-    from mixprec.memory import measure
-
-    m = copy.deepcopy(model)
-    eng = _engine(m, recipe, fp8_filter)
-    dev = next(m.parameters()).device
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-
-    def one():
-        with eng.autocast():
-            loss = call_loss(m, batch, loss_fn)
-        eng.backward(loss)
-        eng.step()
-
-    one()
-    times = []
-    for _ in range(steps):
-        sync()
-        t = time.perf_counter()
-        one()
-        sync()
-        times.append(time.perf_counter() - t)
-    high = None
-    if peak:
-        high = measure(_Bound(m, batch, loss_fn), eng, sample_batch=(), peak=True,
-                       loss_fn=lambda out: out).peak
-    return statistics.median(times), high
-
-
-class _Bound(nn.Module):
-    """The model with its batch bound: calling it returns the loss (for ``measure``)."""
-
-    def __init__(self, model, batch, loss_fn):
-        super().__init__()
-        self.model, self.batch, self.loss_fn = model, batch, loss_fn
-
-    def forward(self):
-        return call_loss(self.model, self.batch, self.loss_fn)
-
-
 #: training steps of a copy, their times discarded, before the baselines are measured:
 #: a process's first whole-model steps run slower while its allocator and kernel caches
 #: settle (a config-built Mixtral's first 16-bit steps measured 25-40% over its later
@@ -371,16 +294,20 @@ WARMUP_STEPS = 8
 
 def _baselines(model, b, shell, batch, loss_fn, state_formats, device) -> Baselines:
     """The 16-bit recipe's and the fp8 shell's measured step and peak (after
-    ``WARMUP_STEPS`` steps whose times are discarded), and the optimizer's measured
-    cost per parameter shape and state format."""
+    ``WARMUP_STEPS`` steps whose times are discarded; the two stepped in turn,
+    ``measure_steps``), and the optimizer's measured cost per parameter shape and state
+    format."""
     measure_step(model, b, batch, loss_fn, steps=WARMUP_STEPS - 1, peak=False)
-    t16, p16 = measure_step(model, b, batch, loss_fn)
-    ts, ps = measure_step(model, shell, batch, loss_fn, fp8_filter=lambda m, n: False)
+    (t16, p16), (ts, ps) = measure_steps(
+        model, [(b, None), (shell, lambda m, n: False)], batch, loss_fn)
     shapes = {tuple(p.shape) for p in model.parameters() if p.requires_grad}
     cost = state_step_costs(shapes, [f for f in state_formats], device)
     return Baselines(t16, p16, ts, ps, cost)
 
 
+#: timed steps of each of ``_time_scales``' two copies, stepped in turn (4 in all, as
+#: one ``measure_step``)
+PAIR_STEPS = 2
 #: the share of the whole step two step timings are not told apart within, at least
 STEP_TOLERANCE = 0.05
 
@@ -389,15 +316,15 @@ def _time_scales(model, shell: Recipe, batch, loss_fn, layers: dict[str, Layer],
                  fixed: dict[str, str], base: Baselines,
                  noise: list[str] | None = None) -> dict[str, float]:
     """Per fp8 format: the measured step with every Linear it can take in it, less the
-    shell's step, over the sum of those Linears' timed-alone differences from bf16. A
-    Linear timed alone is not timed inside the model (other inputs, caches, the
+    shell's step (the two stepped in turn, ``PAIR_STEPS`` timed steps each:
+    ``measure_steps``), over the sum of those Linears' timed-alone differences from
+    bf16. A Linear timed alone is not timed inside the model (other inputs, caches, the
     engine's hooks), so the whole-model step sets the scale. Where the two differ in
     sign or by more than 4x either way the format gets none, and the prediction falls
     back to the timings alone, capped to fit the step; where they also differ by more
     than the steps' noise (``STEP_TOLERANCE`` of the step, or the range of the steps
-    measured so far) both steps are measured again, the new pair replacing the last,
-    at most ``MAX_MEASUREMENTS`` times in all, and a difference that remains goes to
-    ``noise``."""
+    measured so far) the pair is measured again, at most ``MAX_MEASUREMENTS`` times in
+    all, the last pair taken, and a difference that remains goes to ``noise``."""
     out = {}
     fmts = {f for lay in layers.values() for f in lay.options if f != BF16}
     for f in sorted(fmts):
@@ -405,17 +332,20 @@ def _time_scales(model, shell: Recipe, batch, loss_fn, layers: dict[str, Layer],
                   for n, lay in layers.items() if n not in fixed)
         if den == 0:
             continue
-        shells, steps = [base.step_shell], []
+        shells, steps = [], []
         while True:
-            t, _ = measure_step(model, recipe_for_format(shell, f), batch, loss_fn,
-                                fp8_filter=lambda m, n: True, peak=False)
+            (t, _), (ts, _) = measure_steps(
+                model, [(recipe_for_format(shell, f), lambda m, n: True),
+                        (shell, lambda m, n: False)],
+                batch, loss_fn, steps=PAIR_STEPS, peak=False)
             steps.append(t)
-            diff = steps[-1] - shells[-1]  # a pair measured again replaces the last
+            shells.append(ts)
+            diff = t - ts
             k = diff / den
             if 0.25 <= k <= 4:
                 out[f] = k
                 break
-            tol = max(STEP_TOLERANCE * shells[-1],
+            tol = max(STEP_TOLERANCE * ts,
                       max(steps) - min(steps) + max(shells) - min(shells))
             if abs(diff - den) <= tol:
                 break  # the two agree within the noise: no scale, nothing to report
@@ -427,9 +357,6 @@ def _time_scales(model, shell: Recipe, batch, loss_fn, layers: dict[str, Layer],
                         f"Linears timed alone {den * 1e3:+.2f} ms ({len(steps)} "
                         "measurements): their timings alone are used")
                 break
-            ts, _ = measure_step(model, shell, batch, loss_fn,
-                                 fp8_filter=lambda m, n: False, peak=False)
-            shells.append(ts)
     return out
 
 
@@ -438,7 +365,7 @@ def forward_loss(model: nn.Module, recipe: Recipe, batches: list,
     """The mean loss of a copy of ``model`` under ``recipe``'s precision on
     ``batches`` (forward only, no update)."""
     m = copy.deepcopy(model)
-    eng = _engine(m, recipe, fp8_filter)
+    eng = step_engine(m, recipe, fp8_filter)
     total = 0.0
     with torch.no_grad():
         for bt in batches:
