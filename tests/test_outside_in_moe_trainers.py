@@ -246,7 +246,7 @@ def test_hf_gradient_checkpointing_and_evaluations_leave_a_moe_run_unchanged(rec
         _assert_equal_states(other_weights, weights)
 
 
-@pytest.mark.parametrize("recipe", ["fp8-current", "fp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8", LONG("nvfp4")])
 def test_hf_resume_from_checkpoint_continues_a_moe_run_bit_for_bit(recipe, tmp_path):
     def run(out, resume=None):
         trainer = MixedPrecisionTrainer(
