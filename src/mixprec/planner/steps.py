@@ -15,12 +15,15 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from mixprec.recipe import Recipe
+
+if TYPE_CHECKING:
+    from mixprec.engine import MixedPrecision
 
 __all__ = ["call_loss", "measure_step", "measure_steps", "step_engine"]
 
@@ -46,7 +49,7 @@ def call_loss(model: nn.Module, batch: Any, loss_fn: Callable | None) -> torch.T
 
 
 def step_engine(model: nn.Module, recipe: Recipe, fp8_filter: Callable | None = None,
-                lr: float = 1e-3):
+                lr: float = 1e-3) -> MixedPrecision:
     """A ``MixedPrecision`` engine on ``model`` under ``recipe`` with the recipe's
     AdamW (its warnings silenced); ``fp8_filter`` picks the Linears an fp8 recipe
     converts."""
