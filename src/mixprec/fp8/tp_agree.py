@@ -55,14 +55,13 @@ def agreed_amax(amax: torch.Tensor, along: int | None = None,
     all-reduced (MAX) over the tensor-parallel group where the operand is sharded along
     ``along`` (the dim the amax was taken over; None: the whole tensor's amax). A NaN
     becomes an inf first, so every rank sees it. Elsewhere ``amax`` itself."""
-    cur = agree
-    if cur is None or cur.dim is None or (along is not None and along % 2 != cur.dim):
+    if agree is None or agree.dim is None or (along is not None and along % 2 != agree.dim):
         return amax
     out = torch.where(torch.isnan(amax), torch.full_like(amax, math.inf), amax)
     out = out.float().contiguous()
-    if cur.stats is not None:
-        cur.stats.record(out, op="all_reduce", what="amax")
-    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=cur.layout.group)
+    if agree.stats is not None:
+        agree.stats.record(out, op="all_reduce", what="amax")
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=agree.layout.group)
     return out.to(amax.dtype)
 
 
@@ -70,11 +69,10 @@ def slice_of(shape: tuple[int, ...] | torch.Size, agree: Agreement | None = None
              ) -> tuple[tuple[int, int], tuple[int, int]] | None:
     """Under ``agree`` on a sharded 2-D operand of ``shape``: the whole tensor's shape
     and where this rank's slice starts in it (row, column); else None."""
-    cur = agree
-    if cur is None or cur.dim is None or len(shape) != 2:
+    if agree is None or agree.dim is None or len(shape) != 2:
         return None
     whole, at = list(shape), [0, 0]
-    whole[cur.dim], at[cur.dim] = cur.layout.full, cur.layout.offset
+    whole[agree.dim], at[agree.dim] = agree.layout.full, agree.layout.offset
     return tuple(whole), tuple(at)
 
 
@@ -87,8 +85,7 @@ def draw_sliced(shape: tuple[int, ...] | torch.Size,
     where = slice_of(shape, agree)
     if where is None:
         return draw(shape)
-    cur = agree
-    return draw(where[0]).narrow(cur.dim, cur.layout.offset, shape[cur.dim])
+    return draw(where[0]).narrow(agree.dim, agree.layout.offset, shape[agree.dim])
 
 
 #: an odd 32-bit multiplier: a module's stochastic-rounding key moves by
