@@ -4,7 +4,9 @@ most of them in 16 bits warns once, naming the largest."""
 
 from __future__ import annotations
 
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +149,13 @@ def test_a_long_kept_list_says_how_many_more_it_leaves_out():
     assert lines[-1] == (f"  ... and 3 more kept in bf16 ({3 * 2 * tokens * small:,}; "
                          "engine.coverage.kept() lists them)")
     assert len(said) == 1 and "; and 3 more." in said[0]
+
+
+def test_the_guides_coverage_example_prints_what_the_guide_shows(capsys):
+    """docs/guides/your-loop.md: its example's block, run, prints its text block."""
+    page = (Path(__file__).resolve().parents[1] / "docs/guides/your-loop.md").read_text()
+    code, shown = re.search(r"```python\n(net = .*?)```\n\n```text\n(.*?)```", page, re.S).groups()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the low-coverage warning, which the guide names
+        exec(code, {"torch": torch, "MixedPrecision": MixedPrecision})  # noqa: S102
+    assert capsys.readouterr().out == shown
