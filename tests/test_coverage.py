@@ -4,7 +4,9 @@ most of them in 16 bits warns once, naming the largest."""
 
 from __future__ import annotations
 
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,7 +45,9 @@ def test_a_recipe_leaving_most_weights_in_bf16_warns_naming_them():
     assert cov.shares("head") == {"bf16": 1.0}
     assert cov.shares("attention") == {"fp8-current": 1.0}
     assert cov.shares("linear") == {"fp8-current": 1.0}
-    assert "head" in str(cov) and "11% of 18,432" in str(cov)
+    assert str(cov).splitlines()[0] == ("coverage: 89% of 18,432 matmul weight parameters "
+                                        "in 16 bits (bf16), 11% below 16 bits (fp8-current)")
+    assert "  kept head (16,384): output head: the last Linear" in str(cov).splitlines()
 
 
 def test_a_recipe_covering_most_weights_is_quiet():
@@ -96,4 +100,62 @@ def test_coverage_by_flops_weights_experts_by_their_routed_tokens():
     # by parameters the experts weigh their size, not their tokens: another share
     assert engine.coverage.low_precision_share == pytest.approx(
         (2 * (128 * 64 + 64 * 64) * 4 + 2 * 12288) / (2 * 49152 + 2 * 12288 + 8192 + 512))
-    assert "matmul FLOPs in low precision" in str(got)
+    lines = str(got).splitlines()
+    assert lines[0] == (f"coverage: {rest / got.total:.0%} of {got.total:,} matmul FLOPs in "
+                        f"16 bits (bf16), {(attention + experts) / got.total:.0%} below 16 "
+                        "bits (fp8-current, mxfp8)")
+    # the head and the two routers kept: all three named, no "more"
+    assert sum(ln.startswith("  kept ") for ln in lines) == 3 and "more" not in lines[-1]
+
+
+def _flops_report(recipe, model, x):
+    engine, _ = _engine(model, recipe)
+    with engine.autocast():
+        return engine.coverage_flops(lambda: model(x))
+
+
+@pytest.mark.parametrize("recipe,width", [("bf16-master", "16 bits (bf16)"),
+                                          ("fp32", "32 bits (fp32)")])
+def test_a_16_bit_recipe_reads_all_in_16_bits_by_hand_counted_flops(recipe, width):
+    """_Wide on 5 × 7 tokens: each Linear ``2 · 35 · in · out`` FLOPs, all of them in the
+    recipe's compute format, none below 16 bits, and nothing called kept."""
+    torch.manual_seed(0)
+    got = _flops_report(recipe, _Wide(), torch.randn(5, 7, 32))
+    hand = 2 * 35 * (32 * 32 + 32 * 32 + 32 * 512)
+    assert got.total == hand == 1_290_240
+    assert (got.high_precision_share, got.low_precision_share) == (1.0, 0.0)
+    assert str(got).splitlines()[0] == (f"coverage: 100% of 1,290,240 matmul FLOPs in {width}, "
+                                        "0% below 16 bits")
+    assert got.kept() == [] and "kept" not in str(got)
+
+
+def test_a_long_kept_list_says_how_many_more_it_leaves_out():
+    """Eight Linears of 16 × 16 and a head of 16 × 512, five of the eight kept by rules:
+    the report names the three largest kept (the head first) and counts the other three
+    with their FLOPs; so does the warning."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)], nn.Linear(16, 512))
+    rules = ",".join(f"layer:{i}=bf16" for i in range(5))
+    engine, said = _engine(model, f"fp8-current,{rules}")
+    with engine.autocast():
+        got = engine.coverage_flops(lambda: model(torch.randn(10, 16)))
+    tokens, small, head = 10, 16 * 16, 16 * 512
+    low, high = 3 * 2 * tokens * small, 2 * tokens * (5 * small + head)
+    assert (got.total, got.low_precision_share) == (low + high, low / (low + high))
+    lines = str(got).splitlines()
+    assert lines[0] == (f"coverage: {high / got.total:.0%} of {got.total:,} matmul FLOPs in "
+                        f"16 bits (bf16), {low / got.total:.0%} below 16 bits (fp8-current)")
+    assert [ln.split()[1] for ln in lines if ln.startswith("  kept ")] == ["8", "0", "1"]
+    assert lines[-1] == (f"  ... and 3 more kept in bf16 ({3 * 2 * tokens * small:,}; "
+                         "engine.coverage.kept() lists them)")
+    assert len(said) == 1 and "; and 3 more." in said[0]
+
+
+def test_the_guides_coverage_example_prints_what_the_guide_shows(capsys):
+    """docs/guides/your-loop.md: its example's block, run, prints its text block."""
+    page = (Path(__file__).resolve().parents[1] / "docs/guides/your-loop.md").read_text()
+    code, shown = re.search(r"```python\n(net = .*?)```\n\n```text\n(.*?)```", page, re.S).groups()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the low-coverage warning, which the guide names
+        exec(code, {"torch": torch, "MixedPrecision": MixedPrecision})  # noqa: S102
+    assert capsys.readouterr().out == shown

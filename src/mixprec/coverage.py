@@ -7,8 +7,11 @@ mixture-of-experts routers, experts modules kept) in the recipe's 16-bit compute
 report counts parameters (a weight's FLOPs per token are proportional to its size for a
 dense layer; an expert's are that times the share of tokens routed to it), by module
 kind: ``attention``, ``linear`` (the MLPs and the rest), ``head``, ``experts``,
-``router``. A low-precision recipe that leaves more than half of them in 16 bits warns
-once, naming the largest modules left out and why.
+``router``. The report says the share in 16 bits (or the recipe's wider compute
+format) and the share below 16 bits apart, and lists the largest modules a low-precision
+recipe kept in 16 bits, with how many more it kept. A low-precision recipe that leaves
+more than half of them in 16 bits warns once, naming the largest modules left out and
+why.
 
 ``step_flops`` weights the same rows by the matmul FLOPs of a real forward: a Linear
 (or router) ``2 · tokens · params``, each projection of an experts module ``2 ·
@@ -29,16 +32,33 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec import formats
 from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.hook import experts_modules
 from mixprec.fp8.linear import Float8Linear, is_conv1d
 from mixprec.recipe import Recipe
 
 __all__ = ["Coverage", "CoverageRow", "coverage", "warn_low_coverage", "low_precision",
-           "step_flops"]
+           "step_flops", "element_bits"]
 
 #: the share of matmul weights below which a low-precision recipe warns
 WARN_BELOW = 0.5
+#: how many of the modules kept in 16 bits the report and the warning name
+NAMED = 3
+
+
+def element_bits(fmt: str) -> int | None:
+    """The bits of one element of a compute format (``"bf16"``: 16), or None for a
+    Linear or experts format (an fp8/fp4/int8 preset: below 16 bits by definition)."""
+    try:
+        return formats.get(fmt).total_bits
+    except ValueError:
+        return None
+
+
+def _below_16(fmt: str) -> bool:
+    bits = element_bits(fmt)
+    return bits is None or bits < 16
 
 
 def low_precision(r: Recipe) -> bool:
@@ -70,6 +90,9 @@ class Coverage:
     >>> cov = coverage(net, "fp8-current", dict(report.skipped))
     >>> round(cov.low_precision_share, 3), cov.by_kind()["head"]
     (0.8, {'bf16': 1.0})
+    >>> print(str(cov).splitlines()[0])
+    coverage: 20% of 2,560 matmul weight parameters in 16 bits (bf16),
+    80% below 16 bits (fp8-current)
     """
 
     rows: tuple[CoverageRow, ...]
@@ -104,23 +127,48 @@ class Coverage:
 
     @property
     def low_precision_share(self) -> float:
-        """The share of the parameters in an fp8/fp4 format."""
-        return sum(r.params for r in self.rows if r.reason is None
-                   and r.format != self.high) / (self.total or 1)
+        """The share of the parameters below 16 bits (an fp8/fp4/int8 format)."""
+        return sum(r.params for r in self.rows if _below_16(r.format)) / (self.total or 1)
 
-    def left_out(self, n: int = 3) -> list[CoverageRow]:
+    @property
+    def high_precision_share(self) -> float:
+        """The share of the parameters in 16 bits or more (the recipe's compute format:
+        all of them under a 16-bit recipe, the modules kept under a low-precision one)."""
+        return sum(r.params for r in self.rows if not _below_16(r.format)) / (self.total or 1)
+
+    def kept(self) -> list[CoverageRow]:
+        """Every module a low-precision recipe kept in 16 bits, largest first (none
+        under a 16-bit recipe: nothing there was meant to go lower)."""
+        return sorted((r for r in self.rows if r.reason is not None), key=lambda r: -r.params)
+
+    def left_out(self, n: int = NAMED) -> list[CoverageRow]:
         """The ``n`` largest modules left in 16 bits."""
         rows = [r for r in self.rows if r.format == self.high]
         return sorted(rows, key=lambda r: -r.params)[:n]
 
+    def _widths(self, below: bool) -> str:
+        """The formats of the rows above or below 16 bits: ``"16 bits (bf16)"``."""
+        fmts = sorted({r.format for r in self.rows if _below_16(r.format) == below})
+        if below:
+            return f"below 16 bits ({', '.join(fmts)})" if fmts else "below 16 bits"
+        bits = sorted({element_bits(f) for f in fmts or [self.high]})
+        width = f"{bits[0]} bits" if len(bits) == 1 else "16 bits or more"
+        return f"{width} ({', '.join(fmts or [self.high])})"
+
     def __str__(self) -> str:
-        lines = [f"coverage: {self.low_precision_share:.0%} of {self.total:,} "
-                 f"{self.unit} in low precision"]
+        lines = [f"coverage: {self.high_precision_share:.0%} of {self.total:,} {self.unit} "
+                 f"in {self._widths(False)}, {self.low_precision_share:.0%} "
+                 f"{self._widths(True)}"]
         for kind, shares in self.by_kind().items():
             said = ", ".join(f"{f} {s:.0%}" for f, s in sorted(shares.items()))
             lines.append(f"  {kind:<10} {said}")
-        for r in self.left_out():
-            lines.append(f"  kept {r.name} ({r.params:,}): {r.reason or r.format}")
+        kept = self.kept()
+        for r in kept[:NAMED]:
+            lines.append(f"  kept {r.name} ({r.params:,}): {r.reason}")
+        if len(kept) > NAMED:
+            rest = sum(r.params for r in kept[NAMED:])
+            lines.append(f"  ... and {len(kept) - NAMED} more kept in {self.high} "
+                         f"({rest:,}; engine.coverage.kept() lists them)")
         return "\n".join(lines)
 
 
@@ -207,6 +255,9 @@ def warn_low_coverage(cov: Coverage, r: Recipe, stacklevel: int = 3) -> None:
         return
     named = "; ".join(f"{x.name} ({x.params:,} parameters): {x.reason}"
                       for x in cov.left_out())
+    more = len(cov.kept()) - len(cov.left_out())
+    if more > 0:
+        named += f"; and {more} more"
     warnings.warn(
         f"recipe {str(r)!r} runs only {cov.low_precision_share:.0%} of this model's "
         f"matmul weights in low precision; the largest left in {cov.high}: {named}. "

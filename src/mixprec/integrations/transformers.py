@@ -54,11 +54,14 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import Trainer, TrainerCallback
 
 from mixprec.engine import MixedPrecision
+from mixprec.integrations import quiet_peer_import
 from mixprec.integrations._proxies import EngineOptimizer, save_fp32_config
 from mixprec.recipe import Recipe
+
+with quiet_peer_import():  # transformers' model code imports torchao where installed
+    from transformers import Trainer, TrainerCallback
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
