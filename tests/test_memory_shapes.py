@@ -70,13 +70,22 @@ def test_each_part_matches_the_hand_count_within_5_percent(kind, recipe):
 def test_mixprec_memory_prices_a_config_json(tmp_path, capsys):
     path = tmp_path / "config.json"
     _config("llama").to_json_file(path)
-    main(["memory", "--config", str(path), "--seq", "4096", "--recipe", "fp8",
-          "--zero", "3", "--gpus", "64"])
+    main(["memory", "--config", str(tmp_path), "--seq", "4096", "--recipe", "fp8",
+          "--zero", "3", "--gpus", "64"])  # the folder holding config.json
     out = capsys.readouterr().out
     flat = " ".join(out.split())  # the title wraps
     assert "70.55B (counted from the shapes)" in flat
     assert "70.55" in out.split("weight_casts")[1].split("\n")[0]
     assert "not sharded" in flat  # the ZeRO-3 note says why the casts are whole
+
+
+def test_a_config_that_is_not_there_or_not_a_decoders_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file; pass a config.json"):
+        spec_from_config(tmp_path, seq_len=8)
+    with pytest.raises(ValueError, match="has no hidden_size.*text_config"):
+        spec_from_config({"model_type": "llava", "vocab_size": 10}, seq_len=8)
+    with pytest.raises(ValueError, match="kv_heads=3.*divides heads=8"):
+        TransformerSpec(layers=1, hidden=64, heads=8, kv_heads=3, seq_len=8)
 
 
 def test_the_shape_options_price_the_same_model_as_its_config(capsys):
