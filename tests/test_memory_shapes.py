@@ -237,3 +237,38 @@ def test_gqa_and_swiglu_activations_within_10_percent_of_a_measured_forward(reci
                           vocab=256, attention="flash", dropout=False)
     assert abs(estimate(model, recipe, activations=gpt)["activations"]
                / got["activations"] - 1) > 0.10
+
+
+@pytest.mark.parametrize("kind,recipe", [("llama", "bf16-master"), ("llama", "fp8"),
+                                         ("mixtral", "bf16-master"), ("mixtral", "fp8")])
+def test_a_spec_read_off_a_config_prices_the_transformers_models_activations(kind, recipe):
+    """A small transformers Llama and Mixtral (hidden 128, 8 heads, 2 K and V heads,
+    intermediate 256; Mixtral 4 experts, top-2): the bare spec of their config against
+    the bytes one forward saves (transformers' RMSNorm keeps its fp32 input and
+    normalized values)."""
+    from mixprec import MixedPrecision
+    from mixprec.memory import measure
+
+    base = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=8,
+                num_key_value_heads=2, intermediate_size=256, vocab_size=256)
+    if kind == "llama":
+        cfg, cls = transformers.LlamaConfig(**base), transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.MixtralConfig(**base, num_local_experts=4, num_experts_per_tok=2)
+        cls = transformers.MixtralForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg)
+    s, b = 128, 4
+    ids = torch.randint(0, 256, (b, s))
+    batch = {"input_ids": ids, "labels": ids}
+    engine = MixedPrecision(model, torch.optim.AdamW(model.parameters()), recipe)
+    with engine.autocast():
+        loss = engine.model(**batch).loss
+    engine.backward(loss)
+    engine.step()
+    got = measure(model, engine, batch, loss_fn=lambda o: o.loss)["activations"]
+    spec = spec_from_config(cfg, seq_len=s, micro_batch=b, attention="flash", dropout=False)
+    # fp8 experts: the bare spec prices each routed row's cast, not each expert's
+    # weight-sized casts of its tokens (mixprec.memory.moe prices the module's)
+    rel = 0.10 if (kind, recipe) == ("mixtral", "fp8") else 0.03
+    assert estimate(spec, recipe)["activations"] == pytest.approx(got, rel=rel)

@@ -57,8 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="layers with a dense MLP instead of experts")
     p.add_argument("--untied", action="store_true",
                    help="the head has its own matrix (not tied to the embedding)")
-    p.add_argument("--rms-norm", action="store_true", help="RMSNorm (weight only), not "
-                                                           "LayerNorm, in the count")
+    p.add_argument("--rms-norm", action="store_true",
+                   help="transformers' RMSNorm, not LayerNorm: a weight only, and fp32 "
+                        "input and normalized values saved")
     p.add_argument("--attention", choices=["materialized", "flash"], default="flash")
     p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     p.add_argument("--device-memory", help="capacity per device, e.g. 80GB: says what fits")

@@ -51,8 +51,10 @@ class TransformerSpec:
       weights; ``shared_ffn_hidden``: a dense gated MLP beside the experts (a shared
       expert, ``n_shared·width``); ``dense_layers``: that many layers keep a dense MLP
       of ``ffn_hidden`` instead of experts;
-    - ``norm``: ``layer`` (weight and bias) or ``rms`` (weight only), for the parameter
-      count; ``tied_embeddings``: the head shares the embedding's matrix.
+    - ``norm``: ``layer`` (weight and bias) or ``rms`` (weight only; and saved as
+      transformers' RMSNorm saves it: its fp32 input and normalized values and an fp32
+      rsqrt per token, ``8·h + 4``); ``tied_embeddings``: the head shares the
+      embedding's matrix.
     """
 
     layers: int
@@ -97,7 +99,8 @@ class TransformerSpec:
     shared_ffn_hidden: int = 0
     #: layers (among ``layers``) with a dense MLP instead of experts
     dense_layers: int = 0
-    #: ``layer`` (LayerNorm: weight and bias) or ``rms`` (RMSNorm: weight)
+    #: ``layer`` (LayerNorm: weight and bias) or ``rms`` (transformers' RMSNorm: weight;
+    #: saves fp32 values)
     norm: Literal["layer", "rms"] = "layer"
     #: the head shares the embedding's matrix (counted once)
     tied_embeddings: bool = True
@@ -161,6 +164,8 @@ def activation_bytes(spec: TransformerSpec, bytes_per_value: float = 2.0,
     li = v if linear_input_bytes is None else linear_input_bytes
     sbh = s * b * h
     norm = 4.0 if spec.fp32_norms else v
+    if spec.norm == "rms":  # transformers' RMSNorm: fp32 input and normalized values
+        norm = 8.0 + 4.0 / h
     total_extra = 0.0
     if spec.vocab:
         total_extra = (norm + li) * sbh + 4.0 * s * b * spec.vocab
