@@ -239,8 +239,8 @@ def test_gqa_and_swiglu_activations_within_10_percent_of_a_measured_forward(reci
                / got["activations"] - 1) > 0.10
 
 
-@pytest.mark.parametrize("kind,recipe", [("llama", "bf16-master"), ("llama", "fp8"),
-                                         ("mixtral", "bf16-master"), ("mixtral", "fp8")])
+@pytest.mark.parametrize("kind,recipe", [(k, r) for k in ("llama", "mixtral")
+                                         for r in ("fp32", "bf16-master", "fp8")])
 def test_a_spec_read_off_a_config_prices_the_transformers_models_activations(kind, recipe):
     """A small transformers Llama and Mixtral (hidden 128, 8 heads, 2 K and V heads,
     intermediate 256; Mixtral 4 experts, top-2): the bare spec of their config against
