@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 
 from mixprec.memory import GB, ITEMS, Breakdown, TransformerSpec, estimate
+from mixprec.memory.hf_config import spec_from_config
+from mixprec.memory.shapes import param_count
 
 __all__ = ["add_arguments", "run", "plot_breakdowns", "parse_bytes"]
 
@@ -19,7 +21,11 @@ def parse_bytes(text: str) -> float:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``mixprec memory``."""
-    p.add_argument("--params", required=True, help="parameter count, e.g. 70B, 7.5e9, 350M")
+    p.add_argument("--params", help="parameter count, e.g. 70B, 7.5e9, 350M (default: "
+                                    "counted from --config or the shape options)")
+    p.add_argument("--config", help="a transformers config.json (or its folder): the "
+                                    "model's shapes, grouped-query attention, SwiGLU and "
+                                    "experts included; needs --seq")
     p.add_argument("--recipe", default="fp32,bf16-master,fp16-master",
                    help="presets to compare, comma-separated; recipes with overrides are "
                         "separated by ';', e.g. 'fp32;fp16-master,grads=fp16'")
@@ -34,6 +40,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int)
     p.add_argument("--batch", type=int, default=1, help="micro-batch per rank")
     p.add_argument("--vocab", type=int)
+    p.add_argument("--kv-heads", type=int, help="K and V heads (grouped-query attention; "
+                                                "default --heads)")
+    p.add_argument("--head-dim", type=int, help="each head's width (default hidden/heads)")
+    p.add_argument("--ffn-hidden", type=int,
+                   help="the MLP's width (intermediate_size; default 4 x --hidden)")
+    p.add_argument("--swiglu", action="store_true",
+                   help="gated MLPs (gate, up and down Linears: Llama, Mixtral, Qwen)")
+    p.add_argument("--experts", type=int, help="routed experts per MoE layer")
+    p.add_argument("--top-k", type=int, help="experts per token (default 1)")
+    p.add_argument("--expert-ffn-hidden", type=int,
+                   help="each expert's width (moe_intermediate_size; default --ffn-hidden)")
+    p.add_argument("--shared-ffn-hidden", type=int,
+                   help="width of the shared experts beside the routed ones (0: none)")
+    p.add_argument("--dense-layers", type=int,
+                   help="layers with a dense MLP instead of experts")
+    p.add_argument("--untied", action="store_true",
+                   help="the head has its own matrix (not tied to the embedding)")
+    p.add_argument("--rms-norm", action="store_true",
+                   help="transformers' RMSNorm, not LayerNorm: a weight only, and fp32 "
+                        "input and normalized values saved")
     p.add_argument("--attention", choices=["materialized", "flash"], default="flash")
     p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     p.add_argument("--device-memory", help="capacity per device, e.g. 80GB: says what fits")
@@ -53,20 +79,17 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    spec = None
-    shape = (args.layers, args.hidden, args.heads, args.seq)
-    if any(v is not None for v in shape):
-        if not all(v is not None for v in shape):
-            raise ValueError("activations need all of --layers, --hidden, --heads, --seq")
-        spec = TransformerSpec(layers=args.layers, hidden=args.hidden, heads=args.heads,
-                               seq_len=args.seq, micro_batch=args.batch, vocab=args.vocab,
-                               attention=args.attention, recompute=args.recompute,
-                               dropout=False)
-    results = {r: estimate(args.params, r, optimizer=args.optimizer, zero_stage=args.zero,
+    spec = _spec(args)
+    if args.params is None and spec is None:
+        raise ValueError("mixprec memory needs --params (e.g. 70B), --config with --seq, "
+                         "or the shape options --layers, --hidden, --heads, --seq")
+    params = args.params or param_count(spec)
+    results = {r: estimate(params, r, optimizer=args.optimizer, zero_stage=args.zero,
                            world_size=args.gpus, activations=spec)
                for r in _recipes(args.recipe)}
     cap = parse_bytes(args.device_memory) if args.device_memory else None
-    title = (f"{args.params} parameters, {args.optimizer}, ZeRO-{args.zero} over "
+    shown = args.params or f"{params / 1e9:.2f}B (counted from the shapes)"
+    title = (f"{shown} parameters, {args.optimizer}, ZeRO-{args.zero} over "
              f"{args.gpus} rank(s): GB (1e9 bytes) per rank")
     t = Table(title=title)
     t.add_column("item")
@@ -87,12 +110,39 @@ def run(args: argparse.Namespace) -> int:
             for b in results.values()))
     con = Console(width=160)
     con.print(t)
-    for n in next(iter(results.values())).notes:
+    for n in dict.fromkeys(n for b in results.values() for n in b.notes):  # each once
         con.print(f"note: {n}")
     if args.plot:
         out = plot_breakdowns(results, args.plot, title=title, capacity=cap)
         con.print(f"plot written to {out}")
     return 0
+
+
+#: the shape options (``--kv-heads`` sets ``kv_heads``): TransformerSpec fields
+_SHAPE = ("layers", "hidden", "heads", "vocab", "kv_heads", "head_dim", "ffn_hidden",
+          "experts", "top_k", "expert_ffn_hidden", "shared_ffn_hidden", "dense_layers")
+
+
+def _spec(args: argparse.Namespace) -> TransformerSpec | None:
+    """The model's shapes: ``--config``'s (the shape options given override it), or the
+    shape options' (all of --layers, --hidden, --heads, --seq), or None."""
+    run = {"micro_batch": args.batch, "attention": args.attention,
+           "recompute": args.recompute, "dropout": False}
+    given = {f: getattr(args, f) for f in _SHAPE if getattr(args, f) is not None}
+    flags = {"gated": (args.swiglu, True), "tied_embeddings": (args.untied, False),
+             "norm": (args.rms_norm, "rms")}
+    given.update({f: v for f, (on, v) in flags.items() if on})
+    if args.config:
+        if args.seq is None:
+            raise ValueError("--config needs --seq: the tokens per sequence the "
+                             "activations are priced at")
+        return spec_from_config(args.config, args.seq, **run, **given)
+    if not given and args.seq is None:
+        return None
+    if not all(v is not None for v in (args.layers, args.hidden, args.heads, args.seq)):
+        raise ValueError("the shape options need all of --layers, --hidden, --heads, "
+                         "--seq (or --config and --seq)")
+    return TransformerSpec(seq_len=args.seq, **run, **given)
 
 
 def plot_breakdowns(results: dict[str, Breakdown], path: str | Path, *, title: str = "",

@@ -30,6 +30,13 @@ its activations. A module FSDP2 already sharded (``engine.model`` under
 mixture-of-experts model's activations and peak come from its own modules
 (``mixprec.memory.moe``).
 
+Today's decoder shapes (grouped-query attention, SwiGLU, mixtures of experts with
+shared experts) go in the ``TransformerSpec`` (``spec_from_config`` reads them off a
+transformers config), whose parameters ``param_count`` counts; ``estimate(spec, ...)``
+prices the model from the spec alone. Under ZeRO-3 the fp8 weight casts are whole on
+every rank: each Linear keeps the cast of its gathered weight from its forward to its
+backward.
+
 ``measure(model, engine_or_optimizer, sample_batch)`` counts the bytes that actually
 exist, by storage (a storage shared by two tensors counts once). It also counts the
 bytes saved for backward in one forward pass, through
@@ -40,11 +47,13 @@ Units: ``GB`` means 10^9 bytes, as published memory tables and the ZeRO paper us
 """
 
 from mixprec.memory.breakdown import GB, ITEMS, Breakdown
+from mixprec.memory.hf_config import spec_from_config
 from mixprec.memory.ledger import high_water, measure
 from mixprec.memory.plan import estimate
+from mixprec.memory.shapes import param_count
 from mixprec.memory.spec import TransformerSpec, activation_bytes
 from mixprec.memory.units import parse_bytes, parse_count
 
 __all__ = ["Breakdown", "TransformerSpec", "estimate", "measure", "high_water",
-           "parse_count", "parse_bytes",
+           "parse_count", "parse_bytes", "param_count", "spec_from_config",
            "activation_bytes", "ITEMS", "GB"]

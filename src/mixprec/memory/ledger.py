@@ -214,7 +214,8 @@ def _is_weight_cast(t: torch.Tensor, param_ids: set[int], shapes: set) -> bool:
     if fn is not None and type(fn).__name__.startswith("ToCopyBackward"):
         nxt = fn.next_functions[0][0] if fn.next_functions else None
         var = getattr(nxt, "variable", None)
-        return var is not None and id(var) in param_ids
+        # a parameter of the model, or the whole weight FSDP2 gathered from its shards
+        return var is not None and (id(var) in param_ids or isinstance(var, nn.Parameter))
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
     return fn is None and t.dtype in fp8 and (tuple(t.shape), t.dtype) in shapes
 

@@ -15,6 +15,7 @@ from mixprec.memory.breakdown import Breakdown
 from mixprec.memory.fsdp import FSDP_NOTE, fsdp_gathered_bytes, fsdp_held_recipe, fsdp_sharded
 from mixprec.memory.layers import fp8_share, layer_recipes
 from mixprec.memory.moe import moe_experts, moe_notes, moe_terms, routed_rows
+from mixprec.memory.shapes import param_count, spec_linears
 from mixprec.memory.spec import TransformerSpec, activation_bytes
 from mixprec.memory.transient import (
     backward_transient,
@@ -42,7 +43,7 @@ def _state_bytes(r: Recipe, emulated: bool) -> int:
 
 
 def estimate(
-    params: int | float | str | nn.Module,
+    params: int | float | str | nn.Module | TransformerSpec,
     recipe: Recipe | str,
     optimizer: str = "adamw",
     zero_stage: int = 0,
@@ -67,6 +68,18 @@ def estimate(
     (``weight_casts``) and a step's ``peak``: the items less the gradients that
     autograd makes afresh each backward, plus the widest Linear's backward working set
     (``mixprec.memory.transient``), or the optimizer step's scratch where larger.
+    ``params`` may be the ``TransformerSpec`` itself: its parameters are counted from
+    its shapes (``mixprec.memory.shapes``; grouped-query attention, SwiGLU and experts
+    included, ``mixprec.memory.hf_config.spec_from_config`` reads them off a
+    transformers config), and it prices the activations too.
+
+    Under ZeRO-3 (FSDP) the ``weight_casts`` are not sharded: each rank casts every
+    weight it gathers whole and keeps that cast from the Linear's forward to its
+    backward (``_QuantizedMatmul`` saves it; with ``fp8_all_gather`` too, a copy of
+    the gathered codes), so an fp8 recipe holds one byte per fp8 weight element of the
+    whole model per rank at the end of the forward. Under ``recompute="full"`` a layer's
+    casts live from its recomputed forward to its backward only: one layer's.
+
     For a transformers mixture-of-experts model, ``sample_batch`` (its inputs, as
     ``measure`` takes them) is run once without grad to read how many rows each expert
     gets (``mixprec.memory.moe.routed_rows``): the busiest expert's scratch is priced
@@ -80,6 +93,9 @@ def estimate(
         raise ValueError(f"zero_stage {zero_stage!r}; valid: 0, 1, 2, 3")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if isinstance(params, TransformerSpec):
+        activations = params if activations is None else activations
+        params = param_count(params)
     n = parse_count(params)
     notes = []
     from mixprec.kernels import emulating, fp8_gemm_route, fp8_rest
@@ -129,8 +145,12 @@ def estimate(
         items["activations"] = _activation_item(activations, r, act_fp32, notes, emulated,
                                                 share)
         act_bytes = 4.0 if act_fp32 or r.compute in ("fp32", "tf32") else 2.0
-        shapes = _linear_routes(params, activations, r, emulated, act_fp32)
-        items["weight_casts"] = saved_weight_bytes(shapes)
+        shapes, expert_shapes = _linear_routes(params, activations, r, emulated, act_fp32)
+        items["weight_casts"] = _held_casts(activations, shapes, expert_shapes, on_model)
+        if zero_stage == 3 and items["weight_casts"]:
+            notes.append("weight_casts under ZeRO-3: each rank keeps the cast of every "
+                         "gathered weight, whole, from its forward to its backward "
+                         "(not sharded; recompute='full' keeps one layer's)")
         choice = r.linear.fp8_gemm if r.linear is not None else "auto"
         route = fp8_gemm_route(dev, choice) if on_model else (
             "scaled_mm" if choice == "auto" else choice)
@@ -149,14 +169,16 @@ def estimate(
         # gradients that autograd makes afresh each backward (no accumulation buffers)
         # are not yet there when the backward peaks
         fresh = items["grads"] if grads_in_place(held, emulated) else 0.0
+        routed = -(-tokens * activations.top_k // max(activations.experts, 1))
         backward = (sum(items.values()) - fresh
-                    + max(work, backward_transient(tokens, shapes, act_bytes, route)))
+                    + max(work, backward_transient(tokens, shapes, act_bytes, route),
+                          backward_transient(routed, expert_shapes, act_bytes, route)))
         if fsdp:
             backward += fsdp_gathered_bytes(params, r, emulated, world_size)
             notes.append(FSDP_NOTE)
         largest = (max((rank_local(p).numel() for p in params.parameters()), default=0)
                    if on_model
-                   else activations.ffn_mult * activations.hidden ** 2)  # an MLP weight
+                   else max(i * o for i, o, _, _ in spec_linears(activations)))
         from mixprec.optim.pieces import CHUNK
 
         after = steady + (step_scratch(largest, CHUNK) if r.needs_mixprec_optim else 0.0)
@@ -169,9 +191,12 @@ def estimate(
 
 
 def _linear_routes(params, spec: TransformerSpec, r: Recipe, emulated: bool,
-                   act_fp32: bool) -> list[tuple[int, int, str]]:
-    """``(in, out, route)`` of each Linear: the module's, or a transformer's from
-    ``spec`` (QKV, projection, the two MLP Linears per layer, and the head)."""
+                   act_fp32: bool) -> tuple[list[tuple[int, int, Any]], list]:
+    """``(in, out, route)`` of each Linear, and of each routed expert's projection
+    apart (they see ``top_k/experts`` of the tokens): the module's (its experts are
+    priced by ``mixprec.memory.moe``), or a transformer's from ``spec``
+    (``mixprec.memory.shapes.spec_linears``: the head and the router at the rest's
+    route)."""
     if r.compute in ("fp32", "tf32") or (r.linear is not None and act_fp32):
         rest = "fp32"  # also the layers around fp8 Linears where this device runs fp32
     elif emulated:
@@ -189,12 +214,24 @@ def _linear_routes(params, spec: TransformerSpec, r: Recipe, emulated: bool,
             own = recipes.get(fqn)
             i, o = tp_local(params.get_submodule(fqn), i, o, spec.tensor_parallel)
             out.append((i, o, rest if own is None else own.linear))
-        return out
-    h, f = spec.hidden, spec.ffn_mult
+        return out, []
     inner = fp8 if r.linear is not None else rest
-    per_layer = [(h, 3 * h, inner), (h, h, inner), (h, f * h, inner), (f * h, h, inner)]
-    head = [(h, spec.vocab, rest)] if spec.vocab else []
-    return per_layer * spec.layers + head
+    shapes, experts = [], []
+    for i, o, role, count in spec_linears(spec):
+        route = inner if role in ("layer", "expert") else rest
+        (experts if role == "expert" else shapes).extend([(i, o, route)] * count)
+    return shapes, experts
+
+
+def _held_casts(spec: TransformerSpec, shapes: list, experts: list, on_model: bool
+                ) -> float:
+    """The weight casts held at the forward's end: every Linear's, or under
+    ``recompute="full"`` (a bare spec) one layer's and the rest's (the head's)."""
+    total = saved_weight_bytes(shapes) + saved_weight_bytes(experts)
+    if on_model or spec.recompute != "full":
+        return total
+    head = saved_weight_bytes(shapes[-1:]) if spec.vocab else 0.0  # spec_linears' last
+    return head + (total - head) / spec.layers
 
 
 def _optimizer_bytes(r: Recipe, opt: str, n: int, sizes: list | None,

@@ -32,6 +32,29 @@ class TransformerSpec:
       inputs); ``vocab``: the output layer's input, and the fp32 logits of the loss
       (``4·s·b·V``), plus the final norm;
     - recomputation: ``selective`` drops the s×s terms, ``full`` keeps each layer's input.
+
+    Today's decoder shapes (``mixprec.memory.shapes`` counts their parameters;
+    ``mixprec.memory.hf_config.spec_from_config`` reads them off a transformers config):
+
+    - grouped-query attention: ``kv_heads`` K and V heads of ``head_dim`` (default
+      ``hidden / heads``) each, so Q saves ``heads·head_dim`` values and K, V
+      ``kv_heads·head_dim`` each;
+    - ``ffn_hidden``: the MLP's width (default ``ffn_mult·hidden``); ``gated`` (SwiGLU,
+      Llama's and Mixtral's): gate, up and down Linears, which save the gate and up
+      outputs and the SiLU's (``3·ffn_hidden``), the down input at the Linears' width,
+      and the MLP input once per gate and up Linear where it is cast;
+    - mixture of experts: ``experts`` experts of ``expert_ffn_hidden`` (default
+      ``ffn_hidden``) each, ``top_k`` per token, behind a router (``hidden × experts``):
+      every token's ``top_k`` routed rows save what a gated MLP saves, plus the gathered
+      input, the down output, an int64 sort index, permutation and inverse and an fp32
+      routing weight; the router its input, fp32 probabilities and the top-k ids and
+      weights; ``shared_ffn_hidden``: a dense gated MLP beside the experts (a shared
+      expert, ``n_shared·width``); ``dense_layers``: that many layers keep a dense MLP
+      of ``ffn_hidden`` instead of experts;
+    - ``norm``: ``layer`` (weight and bias) or ``rms`` (weight only; and saved as
+      transformers' RMSNorm saves it: its fp32 input and normalized values and an fp32
+      rsqrt per token, ``8·h + 4``); ``tied_embeddings``: the head shares the
+      embedding's matrix.
     """
 
     layers: int
@@ -58,16 +81,91 @@ class TransformerSpec:
     #: GPU's and a compiled CPU model's (where ``fp8-block`` and ``mxfp8`` take the
     #: sync-free block route with its tile-padded wgrad buffer)
     experts_route: Literal["loop", "grouped"] = "loop"
+    #: K and V heads (grouped-query attention; default ``heads``)
+    kv_heads: int | None = None
+    #: each head's width (default ``hidden / heads``)
+    head_dim: int | None = None
+    #: the dense MLP's width (default ``ffn_mult·hidden``)
+    ffn_hidden: int | None = None
+    #: a gated MLP (SwiGLU: gate, up and down Linears), not a GELU MLP
+    gated: bool = False
+    #: routed experts per MoE layer (0: a dense model)
+    experts: int = 0
+    #: experts each token is routed to
+    top_k: int = 1
+    #: each expert's width (default ``ffn_hidden``)
+    expert_ffn_hidden: int | None = None
+    #: the width of the dense gated MLP beside the experts (shared experts; 0: none)
+    shared_ffn_hidden: int = 0
+    #: layers (among ``layers``) with a dense MLP instead of experts
+    dense_layers: int = 0
+    #: ``layer`` (LayerNorm: weight and bias) or ``rms`` (transformers' RMSNorm: weight;
+    #: saves fp32 values)
+    norm: Literal["layer", "rms"] = "layer"
+    #: the head shares the embedding's matrix (counted once)
+    tied_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "seq_len", "micro_batch", "top_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"TransformerSpec {name}={v!r}: an integer >= 1")
+        kv = self.kv_heads
+        if kv is not None and (not isinstance(kv, int) or kv < 1 or self.heads % kv):
+            raise ValueError(f"TransformerSpec kv_heads={kv!r}: an integer >= 1 that "
+                             f"divides heads={self.heads} (grouped-query attention)")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"TransformerSpec top_k={self.top_k!r}: between 1 and "
+                             f"experts={self.experts}")
+        if not 0 <= self.dense_layers <= self.layers:
+            raise ValueError(f"TransformerSpec dense_layers={self.dense_layers!r}: "
+                             f"between 0 and layers={self.layers}")
+
+    @property
+    def dims(self) -> tuple[int, int, int, int, int]:
+        """``(Q width, K and V width each, dense MLP width, expert width, MoE
+        layers)``."""
+        d = self.head_dim or self.hidden // self.heads
+        ffn = self.ffn_hidden or self.ffn_mult * self.hidden
+        moe = self.layers - self.dense_layers if self.experts else 0
+        return (self.heads * d, (self.kv_heads or self.heads) * d, ffn,
+                self.expert_ffn_hidden or ffn, moe)
+
+
+def _mlp_saved(spec: TransformerSpec, width: int, v: float, li: float,
+               tp: int) -> tuple[float, float]:
+    """``(kept whole, split over tensor-parallel ranks)`` values a dense MLP of
+    ``width`` saves per token: its input's casts, and its hidden values."""
+    f = width / spec.hidden
+    if spec.gated:  # gate and up each cast the input; gate, up, SiLU out; down's input
+        return (2 if li < 4 else 1) * li, (3 * f * v + f * li) / tp
+    return li, (f * v + f * li) / tp  # fc output (GELU's input), GELU output
+
+
+def _moe_saved(spec: TransformerSpec, v: float, li: float, tp: int) -> float:
+    """Values (in ``hidden`` units) an MoE layer's experts and router save per token."""
+    h, k, e = spec.hidden, spec.top_k, spec.experts
+    inner = spec.dims[3] / h
+    up = 3 * inner * v if spec.gated else inner * v
+    # per routed row: the gathered input's cast, the hidden values, the down output,
+    # three int64 indices and an fp32 routing weight
+    rows = k * (li + (up + inner * li) / tp + v + 28 / h)
+    router = v + (4 * e + 12 * k + 4) / h
+    shared = sum(_mlp_saved(spec, spec.shared_ffn_hidden, v, li, tp)) if \
+        spec.shared_ffn_hidden else 0.0
+    return rows + router + shared
 
 
 def activation_bytes(spec: TransformerSpec, bytes_per_value: float = 2.0,
                      linear_input_bytes: float | None = None) -> float:
     """Bytes saved for backward by one forward pass (see TransformerSpec)."""
-    s, b, h, a, f = spec.seq_len, spec.micro_batch, spec.hidden, spec.heads, spec.ffn_mult
+    s, b, h, a = spec.seq_len, spec.micro_batch, spec.hidden, spec.heads
     v = bytes_per_value
     li = v if linear_input_bytes is None else linear_input_bytes
     sbh = s * b * h
     norm = 4.0 if spec.fp32_norms else v
+    if spec.norm == "rms":  # transformers' RMSNorm: fp32 input and normalized values
+        norm = 8.0 + 4.0 / h
     total_extra = 0.0
     if spec.vocab:
         total_extra = (norm + li) * sbh + 4.0 * s * b * spec.vocab
@@ -79,15 +177,19 @@ def activation_bytes(spec: TransformerSpec, bytes_per_value: float = 2.0,
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor_parallel={tp!r}: the number of tensor-parallel ranks, "
                          "an integer >= 1")
-    split = 3 * v + v + f * v + f * li  # Q/K/V, attention output, fc and GELU outputs
+    qw, kw, _, _, moe = spec.dims
+    q, kv = qw / h, kw / h
+    split = (q + 2 * kv) * v + q * v  # Q, K, V, the attention output
     if li != v:
-        split += li  # fp8: the projection saves its own fp8 copy of the attention output
+        split += q * li  # fp8: the projection saves its own fp8 copy of the attention output
     if spec.qkv_linears not in (1, 3):
         raise ValueError(f"qkv_linears={spec.qkv_linears!r}: 1 (a fused QKV Linear) or 3 "
                          "(separate q, k and v Linears)")
     # separate q, k, v Linears each keep their own cast of the input (none in fp32)
     copies = spec.qkv_linears if li < 4 else 1
-    per = (2 * norm + copies * li + li + split / tp) * sbh
+    per = (2 * norm + copies * li + split / tp) * sbh
+    dense = sum(_mlp_saved(spec, spec.dims[2], v, li, tp)) * sbh
+    experts = _moe_saved(spec, v, li, tp) * sbh if moe else 0.0
     if spec.dropout:
         per += 2 * sbh
     if spec.recompute == "none":
@@ -96,4 +198,5 @@ def activation_bytes(spec: TransformerSpec, bytes_per_value: float = 2.0,
         else:
             soft = (4.0 + v) if spec.fp32_softmax else v
             per += a * s * s * b * (soft + (1 + v if spec.dropout else 0)) / tp
-    return spec.layers * per + total_extra
+    return (spec.layers * per + (spec.layers - moe) * dense + moe * experts
+            + total_extra)
