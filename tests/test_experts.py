@@ -297,3 +297,30 @@ def test_fp32_weights_leave_the_experts_scaling_state_out():
     engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8")
     assert set(engine.fp32_state_dict()) == {"w"}
     assert "w_fmt.fp8_amax_history" in model.state_dict()
+
+
+@pytest.mark.parametrize("route", ["loop", "grouped", "auto"])
+@pytest.mark.parametrize("recipe", FORMATS)
+def test_a_dispatch_that_reaches_no_expert_gives_zeros(recipe, route):
+    """No token at all, or every token routed past the last expert (as expert
+    parallelism leaves a rank): the output and the input's gradient are zero rows, every
+    expert's weight gradient zero. The CUDA routes are checked in
+    ``test_experts_cuda_layouts`` (routings "all elsewhere" and "no tokens")."""
+    for t in (0, 3):
+        x = torch.randn(t, K, requires_grad=True)
+        w = torch.randn(len(COUNTS), N, K, requires_grad=True)
+        y = grouped_mm(x, w, torch.zeros(len(COUNTS), dtype=torch.int64),
+                       ExpertsFormat(recipe), route=route)
+        y.backward(torch.ones_like(y))
+        assert y.shape == (t, N) and torch.equal(y, torch.zeros(t, N))
+        assert torch.equal(x.grad, torch.zeros(t, K))
+        assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+def test_the_scaled_grouped_forward_of_no_token_passes_the_meta_kernel():
+    fmt = ExpertsFormat("fp8-current", device="meta")
+    x = torch.empty(0, K, device="meta")
+    w = torch.empty(len(COUNTS), N, K, device="meta")
+    y = grouped_mm(x, w, torch.zeros(len(COUNTS), dtype=torch.int32), fmt,
+                   route="scaled_grouped", out_dtype=torch.bfloat16)
+    assert y.shape == (0, N) and y.dtype == torch.bfloat16
