@@ -18,6 +18,7 @@ from cuda_grouped_model import CudaCheckError, CudaGroupedModel
 from mixprec.experts import ExpertsFormat, grouped_mm
 from mixprec.experts import grouped as gr
 from mixprec.experts import scaled_grouped as sg
+from mixprec.experts.gather_casts import ExpertsCasts, _send_experts
 
 K, N = 64, 48
 CODES = ["fp8", "fp8-current", "fp8-rowwise"]  # the formats on CUDA's grouped kernels
@@ -164,3 +165,37 @@ def test_the_block_and_int8_formats_pass_no_grouped_kernel_on_cuda(sm90, recipe)
         _, w, y = _run(recipe, "auto", counts, tail, dtype=torch.float32)
         assert y.isfinite().all() and w.grad.isfinite().all()
     assert sm90.calls == []
+
+
+def test_rowwise_casts_gathered_by_fsdp_take_the_cuda_route_bit_for_bit(sm90, monkeypatch):
+    """An experts weight FSDP2 gathered as each expert's rowwise casts (2 ranks'
+    inputs, an expert without tokens) on the CUDA route: its stacked casts give the
+    output and the input's gradient of the same GEMM on the weight itself, bit for bit,
+    without dequantizing the casts; the route passes torch's CUDA checks."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(3, N, K, generator=gen) * torch.logspace(-2, 2, K)
+    x = torch.randn(10, K, generator=gen).bfloat16()
+    offsets = torch.tensor([3, 3, 10], dtype=torch.int32)
+
+    def run(weight, fmt):
+        xx = x.clone().requires_grad_()
+        y = grouped_mm(xx, weight, offsets, fmt, route="grouped")
+        y.backward(torch.linspace(-2, 2, y.numel()).view_as(y).bfloat16())
+        return y, xx.grad
+
+    plain = torch.nn.Parameter(w.clone())
+    want = run(plain, ExpertsFormat("fp8-rowwise"))
+    fmt = ExpertsFormat("fp8-rowwise")
+    ranks = [_send_experts(fmt.quantizer, shard, 2) for shard in (w[:2], w[2:])]
+    parts = [torch.cat(col) for col in zip(*(inputs for inputs, _ in ranks))]
+    gathered = ExpertsCasts(parts, ranks[0][1], torch.Size([4, N, K]), torch.float32)
+    cut = torch.nn.Parameter(torch.as_strided(gathered, (3, N, K), (N * K, K, 1), 0))
+
+    def refuse(self):
+        raise AssertionError("a gathered experts weight was dequantized")
+
+    monkeypatch.setattr(ExpertsCasts, "dequantize", refuse)
+    got = run(cut, fmt)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    assert torch.equal(plain.grad, cut.grad)
+    assert len(sm90.calls) == 6 and all(c.fast for c in sm90.calls)

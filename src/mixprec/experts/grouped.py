@@ -31,21 +31,29 @@ Routes (``route=``):
   On a GPU, whose grouped kernel takes bf16 only, the per-tensor and rowwise formats
   pass their codes widened to bf16 and apply the scales after the GEMM
   (``mixprec.experts.codes_grouped``: the ``dequant`` route's rounding; K and N
-  multiples of 8); the block formats take ``loop`` there (said once);
-- ``scaled_grouped``: the forward on ``torch._scaled_grouped_mm`` (CUDA sm90+, e4m3
-  codes with per-tensor or rowwise scales, bf16 output), the backward on ``grouped``;
+  multiples of 8), casts and GEMMs on the device without a host read, in the layouts
+  torch's CUDA kernel takes for any routing; the block formats, NVFP4 and int8 take
+  ``loop`` there (said once where asked for);
+- ``scaled_grouped``: the forward on ``torch._scaled_grouped_mm`` (CUDA compute
+  capability 9.x and 10.x, e4m3 codes with per-tensor or rowwise scales, bf16
+  output), the backward on ``grouped``;
 - ``auto``: ``scaled_grouped`` where it applies, else ``grouped`` on a GPU (``loop``
   for the block formats), ``loop`` on
   a CPU (where the casts dominate and ``grouped``'s extra dequantize pass measured
   slower: ``benchmarks/grouped_gemm.py``); under ``torch.compile``, ``grouped`` for the
   formats above on a CPU too (the loop reads the counts on the host).
 
-The other routes (``loop``; a GPU's ``grouped`` and ``scaled_grouped``) read the token
-counts to the host once per call (as transformers' own fallback reads them): each
-expert's casts are sized by them, and ``torch.compile`` breaks the graph there. NVFP4's
+An explicit route that cannot apply (``scaled_grouped`` off sm90/sm100 or on a block
+format, ``grouped`` with K or N off 16-byte strides) warns once, saying why, and takes
+the route ``auto`` would. The ``loop`` route (and ``grouped`` on a CPU for a weight
+FSDP2 gathered as its casts) reads the token counts to the host once per call (as
+transformers' own fallback reads them): each expert's casts are sized by them, and
+``torch.compile`` breaks the graph there. NVFP4's
 stochastic rounding draws each gradient element's number by its place in one counter
 stream per backward on the ``grouped`` route, eager and compiled, with or without the
-host read (``segments_nvfp4.stream_keys``); the ``loop`` draws as a Linear does.
+host read (``segments_nvfp4.stream_keys``); the ``loop`` draws as a Linear does. A
+dispatch that reaches no expert (no token, or every token past the last expert) gives
+zero rows and zero weight gradients on every route.
 """
 
 from __future__ import annotations
