@@ -30,9 +30,10 @@ ROUTINGS = {"predicted": (PREDICTED, 0), "odd": ([5, 0, 9, 3], 1), "one token": 
             "all elsewhere": ([0, 0, 0], 3), "no tokens": ([0, 0, 0, 0], 0)}
 
 
-def _old_wgrad_operands(counts, n, k):
-    """The weight-gradient operands as the grouped route passed them before: the
-    gradient's codes as a row-major (N, tokens) tensor, tokens padded to 8."""
+def _row_major_wgrad_operands(counts, n, k):
+    """The weight-gradient operands in the row-major layout (the grouped route's
+    before it passed the transpose): the gradient's codes as a row-major (N, tokens)
+    tensor, the tokens padded to 8."""
     t = sum(counts)
     tp = t + (-t) % 8
     g = torch.zeros(n, tp, dtype=torch.bfloat16)
@@ -41,16 +42,16 @@ def _old_wgrad_operands(counts, n, k):
     return g, x, offs
 
 
-def test_the_model_refuses_the_old_weight_gradient_layout_on_the_predicted_routing():
+def test_the_model_refuses_a_row_major_weight_gradient_on_the_predicted_routing():
     """The row-major (N, tokens) gradient with jagged K: expert 0's 28 tokens move the
     next group's A by 56 bytes, so the kernel asserts (torch 2.13); the older kernel
     refuses expert 1's empty group too."""
-    g, x, offs = _old_wgrad_operands(PREDICTED, N, K)
+    g, x, offs = _row_major_wgrad_operands(PREDICTED, N, K)
     for strict in (False, True):
         with pytest.raises(CudaCheckError, match="byte size to be non-negative multiple "
                                                  "of 16 \\(group 0 of 28 rows\\)"):
             CudaGroupedModel((9, 0), strict_empty=strict).grouped_mm(g, x, offs=offs)
-    aligned, _, offs8 = _old_wgrad_operands([8, 0, 16], N, K)
+    aligned, _, offs8 = _row_major_wgrad_operands([8, 0, 16], N, K)
     x8 = torch.zeros(24, K, dtype=torch.bfloat16)
     assert CudaGroupedModel((9, 0), strict_empty=False).grouped_mm(aligned, x8, offs=offs8
                                                                     ).shape == (3, N, K)
