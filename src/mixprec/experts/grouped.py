@@ -115,8 +115,9 @@ def _route(route: str, fmt: ExpertsFormat, device: torch.device, k: int, n: int,
         why_grouped = (f"K={k} and N={n} must be multiples of {stride} (16-byte strides "
                        f"of the {'bf16' if stride == 8 else 'fp32'} operands)")
     elif bf16_only(device) and not codes_apply(fmt):
-        why_grouped = ("torch's grouped GEMM there takes bf16 operands only and this "
-                       "format's block-scaled values are not bf16 values")
+        why_grouped = ("torch's grouped GEMM there takes bf16 operands only, and only "
+                       "the per-tensor and rowwise fp8 formats pass it theirs (fp8 codes "
+                       "widened to bf16, the scales applied after)")
     else:
         why_grouped = None
     if why_grouped is not None or (route == "auto" and device.type == "meta"):
