@@ -169,3 +169,30 @@ def test_fp4_tables_reach_a_device_once(monkeypatch):
     cpu = values.repeat(3, 1).to(torch.float8_e4m3fn)  # an odd number of columns
     back = gather_casts.unpack_fp4(gather_casts.pack_fp4(cpu), cpu.shape[1])
     assert torch.equal(back.float(), cpu.float())
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8-current", "fp8-rowwise"])
+def test_the_gpu_grouped_route_compiles_as_one_graph(monkeypatch, recipe):
+    """Nothing read on the host, nothing to break a graph: the GPU form of ``grouped``
+    (bf16 codes on ``torch._grouped_mm``, here its CPU kernel) compiles with
+    ``fullgraph=True`` (AOT autograd, the backward too) and equals eager bit for bit."""
+    monkeypatch.setattr(gr, "bf16_only", lambda device: True)
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(30, 64, generator=gen).bfloat16()
+    w0 = torch.randn(4, 48, 64, generator=gen)
+    offs = torch.tensor([5, 0, 12, 29], dtype=torch.int32)
+
+    def run(compiled):
+        fmt = ExpertsFormat(recipe)
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+
+        def loss(x, w):
+            return grouped_mm(x, w, offs, fmt, route="grouped").float().square().sum()
+
+        fn = torch.compile(loss, backend="aot_eager", fullgraph=True) if compiled else loss
+        fn(x, w).backward()
+        return x.grad, w.grad
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
