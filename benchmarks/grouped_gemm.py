@@ -8,7 +8,8 @@ Tokens are routed to the experts unevenly (one expert gets none). Baselines: the
 grouped GEMM (``torch._grouped_mm`` on bf16 operands) and a bf16 per-expert loop of
 ``torch.mm``; then ``mixprec.experts.grouped_mm`` for each linear format on its
 ``loop`` route (the exact reference), its ``grouped`` route and, where the format and
-device allow it (``scaled_grouped_applies``: CUDA sm90+, per-tensor or rowwise e4m3),
+device allow it (``scaled_grouped_applies``: CUDA compute capability 9.x or 10.x,
+per-tensor or rowwise e4m3),
 its ``scaled_grouped`` route. The ``route`` column is the route that ran (a block
 format's ``grouped`` on a GPU runs the loop). Each case's output and both gradients are
 checked against the loop route of its format (``vs loop``: the largest of the three
@@ -30,6 +31,7 @@ import json
 import platform
 import statistics
 import time
+import warnings
 
 import torch
 
@@ -97,7 +99,9 @@ def _cases(formats, device, k, n):
         twin = (ExpertsFormat(f"{name},nvfp4_sr=false", device=device)
                 if fmt.quantizer.stochastic_grads else fmt)
         for route in routes:
-            ran = _route(route, fmt, device, k, n)
+            with warnings.catch_warnings():  # the label says what ran instead
+                warnings.simplefilter("ignore")
+                ran = _route(route, fmt, device, k, n)
             label = route if ran == route else f"{route}->{ran}"
             cases[(name, label)] = (_mixprec(fmt, route), _mixprec(twin, route))
     return cases

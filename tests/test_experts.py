@@ -201,7 +201,8 @@ def test_auto_route_per_device(monkeypatch):
     fmt = ExpertsFormat("mxfp8")
     assert _route("auto", fmt, torch.device("cpu"), 64, 32) == "loop"
     assert _route("grouped", fmt, torch.device("cpu"), 64, 32) == "grouped"
-    assert _route("grouped", fmt, torch.device("cpu"), 64, 30) == "loop"  # strides
+    with pytest.warns(UserWarning, match="N=30 must be multiples of 4"):  # strides
+        assert _route("grouped", fmt, torch.device("cpu"), 64, 30) == "loop"
     # on CUDA the grouped kernel takes bf16 only: block formats loop, and K, N need 8
     with pytest.warns(UserWarning, match="bf16 operands only"):
         assert _route("grouped", fmt, torch.device("cuda"), 64, 32) == "loop"
@@ -222,9 +223,38 @@ def test_scaled_grouped_applies_only_where_torch_has_the_kernel(monkeypatch):
     assert sg.scaled_grouped_applies(ExpertsFormat("fp8-rowwise"), "cuda", 64, 32)
     assert not sg.scaled_grouped_applies(ExpertsFormat("fp8-rowwise"), "cuda", 64, 24)
     assert not sg.scaled_grouped_applies(ExpertsFormat("mxfp8"), "cuda", 64, 32)
+    assert sg.scaled_grouped_applies(ExpertsFormat("fp8"), "cuda", 64, 32)
+    # torch builds the kernel for majors 9 and 10 only (GroupedBlas.cpp's
+    # _scaled_mm_allowed_device(sm90_only, sm100_only)): sm89 and sm120 fall back
+    for cap, ok in [((8, 9), False), ((9, 0), True), ((10, 0), True), ((10, 3), True),
+                    ((12, 0), False), ((11, 0), False)]:
+        monkeypatch.setattr(sg, "_capability", lambda d, cap=cap: cap)
+        assert sg.scaled_grouped_applies(ExpertsFormat("fp8"), "cuda", 64, 32) is ok, cap
+    monkeypatch.setattr(sg, "_capability", lambda d: (12, 0))
+    assert "9.x and 10.x only, not compute capability 12.0" in sg.scaled_grouped_refusal(
+        ExpertsFormat("fp8"), "cuda", 64, 32)
+    monkeypatch.undo()
+    assert sg._capability(torch.device("cpu")) is None  # off CUDA: no capability
     assert not sg.scaled_grouped_applies(ExpertsFormat("fp8"), "cpu", 64, 32)
-    monkeypatch.setattr(sg, "_capability", lambda d: (8, 9))
-    assert not sg.scaled_grouped_applies(ExpertsFormat("fp8"), "cuda", 64, 32)
+
+
+def test_sm120_falls_back_to_the_grouped_route(monkeypatch):
+    """On compute capability 12.0, where torch refuses its fp8 grouped kernel, ``auto``
+    takes ``grouped``; an explicit ``scaled_grouped`` says why, once, and does too."""
+    import warnings
+
+    from mixprec.experts.grouped import _route
+
+    monkeypatch.setattr(sg, "_capability", lambda d: (12, 0))
+    monkeypatch.setattr(ExpertsFormat, "backend", lambda self, d: "scaled_mm")
+    fmt = ExpertsFormat("fp8-current")
+    assert _route("auto", fmt, torch.device("cuda"), 64, 32) == "grouped"
+    with pytest.warns(UserWarning, match="scaled_grouped.*cannot apply.*12.0.*the "
+                                         "grouped route runs instead"):
+        assert _route("scaled_grouped", fmt, torch.device("cuda"), 64, 48) == "grouped"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the second call says nothing
+        assert _route("scaled_grouped", fmt, torch.device("cuda"), 64, 48) == "grouped"
 
 
 def test_the_guides_own_moe_example_runs_and_trains_under_the_engine():
@@ -267,3 +297,30 @@ def test_fp32_weights_leave_the_experts_scaling_state_out():
     engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8")
     assert set(engine.fp32_state_dict()) == {"w"}
     assert "w_fmt.fp8_amax_history" in model.state_dict()
+
+
+@pytest.mark.parametrize("route", ["loop", "grouped", "auto"])
+@pytest.mark.parametrize("recipe", FORMATS)
+def test_a_dispatch_that_reaches_no_expert_gives_zeros(recipe, route):
+    """No token at all, or every token routed past the last expert (as expert
+    parallelism leaves a rank): the output and the input's gradient are zero rows, every
+    expert's weight gradient zero. The CUDA routes are checked in
+    ``test_experts_cuda_layouts`` (routings "all elsewhere" and "no tokens")."""
+    for t in (0, 3):
+        x = torch.randn(t, K, requires_grad=True)
+        w = torch.randn(len(COUNTS), N, K, requires_grad=True)
+        y = grouped_mm(x, w, torch.zeros(len(COUNTS), dtype=torch.int64),
+                       ExpertsFormat(recipe), route=route)
+        y.backward(torch.ones_like(y))
+        assert y.shape == (t, N) and torch.equal(y, torch.zeros(t, N))
+        assert torch.equal(x.grad, torch.zeros(t, K))
+        assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+def test_the_scaled_grouped_forward_of_no_token_passes_the_meta_kernel():
+    fmt = ExpertsFormat("fp8-current", device="meta")
+    x = torch.empty(0, K, device="meta")
+    w = torch.empty(len(COUNTS), N, K, device="meta")
+    y = grouped_mm(x, w, torch.zeros(len(COUNTS), dtype=torch.int32), fmt,
+                   route="scaled_grouped", out_dtype=torch.bfloat16)
+    assert y.shape == (0, N) and y.dtype == torch.bfloat16

@@ -2,6 +2,7 @@
 
 ``format`` (ExpertsFormat: one projection's format and scaling state), ``grouped``
 (``grouped_mm``: the grouped GEMM, forward and backward, on three routes),
+``codes_grouped`` (the GPU routes: bf16 codes, scales after, no host read),
 ``scaled_grouped`` (torch's fp8 grouped kernel), ``adapter`` (the calls into the
 quantizer interface), ``hook`` (transformers' experts modules run ``grouped_mm``
 through their own ``ExpertsInterface``).

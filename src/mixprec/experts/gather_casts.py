@@ -12,7 +12,8 @@ The projection gets an ``ExpertsCasts``: ``w[e]`` is expert e's ``CastWeight``, 
 casts the grouped GEMM takes (``mixprec.experts.adapter.cast``) without casting again:
 bit for bit the casts of the weight FSDP would have gathered (the shard first rounded
 to the dtype FSDP sends). The grouped GEMM takes its host-read routes on such a weight
-(under ``torch.compile``: a graph break).
+(under ``torch.compile``: a graph break), but for rowwise on a GPU, whose route stacks
+the experts' casts on the device (``mixprec.experts.codes_grouped``).
 """
 
 from __future__ import annotations

@@ -31,21 +31,29 @@ Routes (``route=``):
   On a GPU, whose grouped kernel takes bf16 only, the per-tensor and rowwise formats
   pass their codes widened to bf16 and apply the scales after the GEMM
   (``mixprec.experts.codes_grouped``: the ``dequant`` route's rounding; K and N
-  multiples of 8); the block formats take ``loop`` there (said once);
-- ``scaled_grouped``: the forward on ``torch._scaled_grouped_mm`` (CUDA sm90+, e4m3
-  codes with per-tensor or rowwise scales, bf16 output), the backward on ``grouped``;
+  multiples of 8), casts and GEMMs on the device without a host read, in the layouts
+  torch's CUDA kernel takes for any routing; the block formats, NVFP4 and int8 take
+  ``loop`` there (said once where asked for);
+- ``scaled_grouped``: the forward on ``torch._scaled_grouped_mm`` (CUDA compute
+  capability 9.x and 10.x, e4m3 codes with per-tensor or rowwise scales, bf16
+  output), the backward on ``grouped``;
 - ``auto``: ``scaled_grouped`` where it applies, else ``grouped`` on a GPU (``loop``
   for the block formats), ``loop`` on
   a CPU (where the casts dominate and ``grouped``'s extra dequantize pass measured
   slower: ``benchmarks/grouped_gemm.py``); under ``torch.compile``, ``grouped`` for the
   formats above on a CPU too (the loop reads the counts on the host).
 
-The other routes (``loop``; a GPU's ``grouped`` and ``scaled_grouped``) read the token
-counts to the host once per call (as transformers' own fallback reads them): each
-expert's casts are sized by them, and ``torch.compile`` breaks the graph there. NVFP4's
+An explicit route that cannot apply (``scaled_grouped`` off sm90/sm100 or on a block
+format, ``grouped`` with K or N off 16-byte strides) warns once, saying why, and takes
+the route ``auto`` would. The ``loop`` route (and ``grouped`` on a CPU for a weight
+FSDP2 gathered as its casts) reads the token counts to the host once per call (as
+transformers' own fallback reads them): each expert's casts are sized by them, and
+``torch.compile`` breaks the graph there. NVFP4's
 stochastic rounding draws each gradient element's number by its place in one counter
 stream per backward on the ``grouped`` route, eager and compiled, with or without the
-host read (``segments_nvfp4.stream_keys``); the ``loop`` draws as a Linear does.
+host read (``segments_nvfp4.stream_keys``); the ``loop`` draws as a Linear does. A
+dispatch that reaches no expert (no token, or every token past the last expert) gives
+zero rows and zero weight gradients on every route.
 """
 
 from __future__ import annotations
@@ -55,10 +63,10 @@ import warnings
 import torch
 
 from mixprec.experts import adapter
-from mixprec.experts.codes_grouped import bf16_only, codes_apply, rows_mm, wgrad_mm
+from mixprec.experts.codes_grouped import bf16_only, codes_apply, codes_grouped_mm
 from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.gather_casts import ExpertsCasts
-from mixprec.experts.scaled_grouped import scaled_grouped_applies, scaled_grouped_forward
+from mixprec.experts.scaled_grouped import scaled_grouped_refusal
 from mixprec.experts.segments import segmented_mm, wgrad_product
 from mixprec.experts.segments_blocks import blocks_apply, segmented_blocks_mm
 from mixprec.experts.segments_int8 import int8_applies, segmented_int8_mm
@@ -88,42 +96,60 @@ def group_bounds(offsets: torch.Tensor | list[int], rows: int) -> list[tuple[int
 def _route(route: str, fmt: ExpertsFormat, device: torch.device, k: int, n: int,
            compiling: bool = False) -> str:
     """The route a call takes (see the module doc); ``compiling``: under
-    ``torch.compile``, where ``auto`` prefers a route without a host read."""
+    ``torch.compile``, where ``auto`` prefers a route without a host read. An explicit
+    route that cannot apply warns once (per format, device kind and cause) and takes
+    the route ``auto`` would."""
     if route not in ROUTES:
         raise ValueError(f"route={route!r}; valid: {', '.join(ROUTES)}")
     device = torch.device(device)
-    if route in ("auto", "scaled_grouped") and scaled_grouped_applies(fmt, device, k, n):
+    if route == "loop":
+        return "loop"
+    why = scaled_grouped_refusal(fmt, device, k, n)
+    if why is None and route in ("auto", "scaled_grouped"):
         return "scaled_grouped"
-    has_grouped = hasattr(torch, "_grouped_mm") and (device.type != "meta"
-                                                     or route == "grouped")
+    asked, route = route, "auto" if route == "scaled_grouped" else route
     stride = 8 if bf16_only(device) else 4  # 16-byte strides: bf16 or fp32 operands
-    if not (has_grouped and k % stride == 0 and n % stride == 0) or route == "loop":
-        return "loop"
-    if bf16_only(device) and not codes_apply(fmt):
-        if route == "grouped":
-            _say_once(fmt, device)
-        return "loop"
-    # auto on a CPU: the per-expert casts dominate, and the grouped route's extra
-    # dequantize-and-stack pass made it slower than the loop on every format measured
-    # (benchmarks/grouped_gemm.py); on a GPU one launch replaces one per expert
-    sync_free = compiling and (fmt.quantizer.per_tensor or rowwise_applies(fmt)
-                               or blocks_apply(fmt) or int8_applies(fmt)
-                               or nvfp4_applies(fmt))
-    return "grouped" if route != "auto" or device.type == "cuda" or sync_free else "loop"
+    if not hasattr(torch, "_grouped_mm"):
+        why_grouped = f"torch {torch.__version__} has no torch._grouped_mm"
+    elif k % stride or n % stride:
+        why_grouped = (f"K={k} and N={n} must be multiples of {stride} (16-byte strides "
+                       f"of the {'bf16' if stride == 8 else 'fp32'} operands)")
+    elif bf16_only(device) and not codes_apply(fmt):
+        why_grouped = ("torch's grouped GEMM there takes bf16 operands only, and only "
+                       "the per-tensor and rowwise fp8 formats pass it theirs (fp8 codes "
+                       "widened to bf16, the scales applied after)")
+    else:
+        why_grouped = None
+    if why_grouped is not None or (route == "auto" and device.type == "meta"):
+        chosen = "loop"
+    elif route == "grouped":
+        chosen = "grouped"
+    else:
+        # auto on a CPU: the per-expert casts dominate, and the grouped route's extra
+        # dequantize-and-stack pass made it slower than the loop on every format
+        # measured (benchmarks/grouped_gemm.py); on a GPU one launch replaces one per
+        # expert, and reads nothing on the host
+        sync_free = compiling and (fmt.quantizer.per_tensor or rowwise_applies(fmt)
+                                   or blocks_apply(fmt) or int8_applies(fmt)
+                                   or nvfp4_applies(fmt))
+        chosen = "grouped" if bf16_only(device) or sync_free else "loop"
+    if asked == "scaled_grouped":
+        _say_once(fmt, device, asked, why, chosen)
+    elif asked == "grouped" and chosen != "grouped":
+        _say_once(fmt, device, asked, why_grouped, chosen)
+    return chosen
 
 
-_SAID: set[tuple[str, str]] = set()
+_SAID: set[tuple[str, str, str, str]] = set()
 
 
-def _say_once(fmt, device) -> None:
-    key = (fmt.format_name, torch.device(device).type)
+def _say_once(fmt, device, asked: str, why: str, chosen: str) -> None:
+    key = (fmt.format_name, torch.device(device).type, asked, why)
     if key not in _SAID:
         _SAID.add(key)
-        warnings.warn(f"route='grouped' with {fmt.format_name} on {key[1]}: torch's "
-                      "grouped GEMM there takes bf16 operands only and this format's "
-                      "block-scaled values are not bf16 values; the exact loop route "
-                      "runs instead (route='loop' says so without this warning)",
-                      stacklevel=4)
+        warnings.warn(f"route={asked!r} with {fmt.format_name} on {key[1]} cannot apply: "
+                      f"{why}; the {chosen} route runs instead (route={chosen!r} "
+                      "chooses it without this warning)", stacklevel=4)
 
 
 def _dequant_rows(casts, cols: int, device, least: int = 0
@@ -146,13 +172,9 @@ def _dequant_rows(casts, cols: int, device, least: int = 0
     return out, offs
 
 
-def _device(casts) -> torch.device:
-    return next(c.data.device for c in casts if c is not None)
-
-
-def _stack(casts, shape, transpose: bool) -> torch.Tensor:
+def _stack(casts, shape, transpose: bool, device) -> torch.Tensor:
     """Per-expert weight casts dequantized into one (E, *shape) fp32 tensor."""
-    out = torch.zeros(len(casts), *shape, device=_device(casts))
+    out = torch.zeros(len(casts), *shape, device=device)
     for e, c in enumerate(casts):
         if c is not None:
             out[e] = c.dequant().t() if transpose else c.dequant()
@@ -160,13 +182,13 @@ def _stack(casts, shape, transpose: bool) -> torch.Tensor:
 
 
 class _GroupedQuantizedMM(torch.autograd.Function):
-    """The grouped GEMM and its two backward GEMMs on ``fmt``'s casts, per expert."""
+    """The grouped GEMM and its two backward GEMMs on ``fmt``'s casts, per expert (the
+    ``loop`` route; ``grouped`` on a CPU for a weight gathered as its casts)."""
 
     @staticmethod
     def forward(ctx, x, w, offsets, fmt, out_dtype, record, route):
         t, n = x.shape[0], w.shape[1]
         bounds = group_bounds(offsets, t)
-        route = _route(route, fmt, x.device, x.shape[1], n)
         need_dx, need_dw = ctx.needs_input_grad[:2]
         hp_wgrad = "wgrad" not in fmt.quantizer.quantized_gemms  # wgrad on x as it came
         xq, wq, xw, wd = [], [], [], []
@@ -186,14 +208,15 @@ class _GroupedQuantizedMM(torch.autograd.Function):
             y = _forward(route, fmt, xq, wq, bounds, x, n, out_dtype)
         tensors, ctx.casts = adapter.pack(xw + wd)
         # wgrad's operand in the output's dtype (bf16 under autocast), as a Linear saves it
-        ctx.save_for_backward(*tensors, x.to(out_dtype) if need_dw and hp_wgrad else None)
+        ctx.save_for_backward(*tensors, x.to(out_dtype) if need_dw and hp_wgrad else None,
+                              offsets.to(torch.int32))
         ctx.fmt, ctx.bounds, ctx.route = fmt, bounds, route
         ctx.x_dtype, ctx.w_dtype, ctx.shape = x.dtype, w.dtype, (t, n, x.shape[1])
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        *saved, x_hp = ctx.saved_tensors
+        *saved, x_hp, offs = ctx.saved_tensors
         casts = adapter.unpack(saved, ctx.casts)
         fmt, bounds = ctx.fmt, ctx.bounds
         xw, wd = casts[:len(bounds)], casts[len(bounds):]
@@ -211,11 +234,10 @@ class _GroupedQuantizedMM(torch.autograd.Function):
                 g1 = [None if s == e else adapter.cast(fmt, gy[s:e], "grad_output", 1,
                                                        True, key)
                       for key, (s, e) in zip(keys, bounds)]
-                if grouped and bf16_only(gy.device):
-                    dx = rows_mm(g1, wd, bounds, t, n, k, gy.device)
-                elif grouped:
-                    a, offs = _dequant_rows(g1, n, gy.device, t)
-                    dx = torch._grouped_mm(a, _stack(wd, (n, k), False), offs=offs)[:t]
+                if grouped:
+                    a, offs_c = _dequant_rows(g1, n, gy.device, t)
+                    dx = torch._grouped_mm(a, _stack(wd, (n, k), False, gy.device),
+                                           offs=offs_c)[:t]
                 else:
                     dx = gy.new_zeros(t, k, dtype=dx_dtype)
                     for c, w_e, (s, e) in zip(g1, wd, bounds):
@@ -223,8 +245,7 @@ class _GroupedQuantizedMM(torch.autograd.Function):
                             dx[s:e] = adapter.mm(fmt, c, w_e, dx_dtype)
                 dx = _zero_tail(dx, bounds).to(ctx.x_dtype)
             if ctx.needs_input_grad[1] and x_hp is not None and grouped:  # gy's 16 bits
-                offs = torch.tensor([end for _, end in bounds], device=gy.device)
-                dw = wgrad_product(gy, x_hp.to(gy.dtype), offs.to(torch.int32), ctx.w_dtype)
+                dw = wgrad_product(gy, x_hp.to(gy.dtype), offs, ctx.w_dtype)
             elif ctx.needs_input_grad[1] and x_hp is not None:
                 dw = gy.new_zeros(len(bounds), n, k, dtype=ctx.w_dtype)
                 for e, (s, end) in enumerate(bounds):
@@ -235,12 +256,10 @@ class _GroupedQuantizedMM(torch.autograd.Function):
                 g0 = [None if s == e else c if c is not None and reuse
                       else adapter.cast(fmt, gy[s:e], "grad_output", 0, c is None, key)
                       for c, key, (s, e) in zip(g1, wkeys, bounds)]
-                if grouped and bf16_only(gy.device):
-                    dw = _zero_empty(wgrad_mm(g0, xw, bounds, t, k, n, gy.device), bounds)
-                elif grouped:
-                    a, offs = _dequant_rows(g0, n, gy.device)
+                if grouped:
+                    a, offs_c = _dequant_rows(g0, n, gy.device)
                     b, _ = _dequant_rows(xw, k, gy.device)
-                    dw = torch._grouped_mm(a.t().contiguous(), b, offs=offs)
+                    dw = torch._grouped_mm(a.t().contiguous(), b, offs=offs_c)
                     dw = _zero_empty(dw, bounds)
                 else:
                     dw = gy.new_zeros(len(bounds), n, k, dtype=torch.float32)
@@ -253,15 +272,9 @@ class _GroupedQuantizedMM(torch.autograd.Function):
 
 def _forward(route, fmt, xq, wq, bounds, x, n, out_dtype) -> torch.Tensor:
     t, k = x.shape
-    if route == "scaled_grouped":
-        return _zero_tail(scaled_grouped_forward(xq, wq, bounds, t, n), bounds).to(out_dtype)
-    if route == "grouped" and bf16_only(x.device):
-        y = rows_mm(xq, [c.t() if c is not None else None for c in wq], bounds, t, k, n,
-                    x.device)
-        return _zero_tail(y, bounds).to(out_dtype)
     if route == "grouped":
         a, offs = _dequant_rows(xq, k, x.device, t)
-        y = torch._grouped_mm(a, _stack(wq, (k, n), True), offs=offs)[:t]
+        y = torch._grouped_mm(a, _stack(wq, (k, n), True, x.device), offs=offs)[:t]
         return _zero_tail(y, bounds).to(out_dtype)
     y = x.new_zeros(t, n, dtype=out_dtype)
     for a, b, (s, e) in zip(xq, wq, bounds):
@@ -315,8 +328,11 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                      and torch.is_autocast_enabled(dev) else x.dtype)
     route = _route(route, fmt, x.device, x.shape[1], weight.shape[1],
                    torch.compiler.is_compiling())
-    if route == "grouped" and not bf16_only(x.device) and not isinstance(weight,
-                                                                          ExpertsCasts):
+    record = torch.is_grad_enabled()
+    if route == "scaled_grouped" or route == "grouped" and bf16_only(x.device):
+        return codes_grouped_mm(x, weight, offsets.to(x.device), fmt, out_dtype, record,
+                                route == "scaled_grouped")
+    if route == "grouped" and not isinstance(weight, ExpertsCasts):
         if fmt.quantizer.per_tensor:
             return segmented_mm(x, weight, offsets, fmt, out_dtype, torch.is_grad_enabled())
         if rowwise_applies(fmt):

@@ -1,12 +1,14 @@
-"""The experts' forward on ``torch._scaled_grouped_mm`` (CUDA sm90+).
+"""The experts' forward on ``torch._scaled_grouped_mm`` (CUDA sm90 and sm100).
 
 torch's fp8 grouped GEMM takes e4m3 codes with one inverse scale per row of the tokens
 (T,) and per output column of each expert's weight (E, N), the weights column-major.
 A per-tensor scale is that row or column scale repeated; rowwise casts are it already.
-The kernel writes bf16 and needs K and N multiples of 16. The block formats (block, MX,
-NVFP4) have no such grouped kernel in torch: they take the ``grouped`` route. The shapes
-and scale layouts here are checked against torch's meta kernel on any machine
-(``device="meta"``).
+The kernel writes bf16 and needs K and N multiples of 16; torch builds it for compute
+capabilities 9.x and 10.x only (``_scaled_mm_allowed_device(sm90_only, sm100_only)``
+in ``aten/src/ATen/native/cuda/GroupedBlas.cpp``: an sm120 GPU is refused). The block
+formats (block, MX, NVFP4) have no such kernel here: they take the ``loop`` route on
+a GPU. The shapes and scale layouts are checked against torch's meta kernel on any
+machine (``device="meta"``).
 """
 
 from __future__ import annotations
@@ -18,54 +20,62 @@ import torch
 if TYPE_CHECKING:
     from mixprec.experts.format import ExpertsFormat
 
-__all__ = ["scaled_grouped_applies", "scaled_grouped_forward"]
+__all__ = ["scaled_grouped_applies", "scaled_grouped_refusal", "scaled_grouped_forward"]
 
 _E4M3 = torch.float8_e4m3fn
+#: the compute capability majors torch's fp8 grouped kernel is built for
+MAJORS = (9, 10)
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
-    """The CUDA device's compute capability (one function tests can monkeypatch)."""
-    return torch.cuda.get_device_capability(device)
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The device's CUDA compute capability, None off CUDA (one function tests
+    monkeypatch to stand a CPU in for a GPU)."""
+    device = torch.device(device)
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def scaled_grouped_refusal(fmt: ExpertsFormat, device: torch.device, k: int = 16,
+                           n: int = 16) -> str | None:
+    """Why ``fmt``'s forward cannot run on ``torch._scaled_grouped_mm`` on ``device``
+    with K = ``k`` and N = ``n`` (None: it can): it needs a per-tensor or rowwise
+    format with e4m3 forward codes whose route is ``scaled_mm``, on a GPU of compute
+    capability 9.x or 10.x, with K and N multiples of 16 (``device="meta"`` passes
+    the device checks, for shapes)."""
+    device = torch.device(device)
+    q = fmt.quantizer
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    if not q.takes_tensor_route or q.kernel is None or q.kernel.scales != "tensor":
+        return (f"{fmt.format_name} is not a per-tensor or rowwise fp8 format (torch's "
+                "fp8 grouped kernel takes one scale per row and column)")
+    if q.dtype("input") != _E4M3 or q.dtype("weight") != _E4M3:
+        return f"{fmt.format_name}'s forward codes are not e4m3"
+    if k % 16 or n % 16:
+        return f"K={k} and N={n} must be multiples of 16"
+    if device.type == "meta":
+        return None
+    cap = _capability(device)
+    if cap is None or cap[0] not in MAJORS:
+        where = "a CPU" if cap is None else f"compute capability {cap[0]}.{cap[1]}"
+        return (f"torch builds the kernel for CUDA compute capability 9.x and 10.x only, "
+                f"not {where} ({device})")
+    if fmt.backend(device) != "scaled_mm":
+        return f"{fmt.format_name}'s GEMM route on {device} is {fmt.backend(device)!r}"
+    return None
 
 
 def scaled_grouped_applies(fmt: ExpertsFormat, device: torch.device, k: int = 16,
                            n: int = 16) -> bool:
-    """Whether ``fmt``'s forward can run on ``torch._scaled_grouped_mm`` on ``device``:
-    a per-tensor or rowwise format whose route is ``scaled_mm`` on an sm90+ GPU, with
-    K and N multiples of 16 (``device="meta"`` passes the device check, for shapes)."""
-    device = torch.device(device)
-    if not fmt.quantizer.takes_tensor_route or not hasattr(torch, "_scaled_grouped_mm"):
-        return False
-    if k % 16 or n % 16:
-        return False
-    if device.type == "meta":
-        return True
-    return (device.type == "cuda" and _capability(device) >= (9, 0)
-            and fmt.backend(device) == "scaled_mm")
+    """Whether ``fmt``'s forward can run on ``torch._scaled_grouped_mm`` on ``device``
+    (``scaled_grouped_refusal`` says why not)."""
+    return scaled_grouped_refusal(fmt, device, k, n) is None
 
 
-def _rows(inv: torch.Tensor, count: int) -> torch.Tensor:
-    """Per-row inverse scales: a scalar repeated, or a (count, 1) / (1, count) vector."""
-    return inv.float().reshape(-1).expand(count) if inv.numel() == 1 else inv.float().reshape(-1)
-
-
-def scaled_grouped_forward(xq: list, wq: list, bounds: list[tuple[int, int]], t: int,
-                           n: int) -> torch.Tensor:
-    """The forward product from per-expert casts (None for an expert with no token):
-    ``xq[e]`` (rows, K) cast along K, ``wq[e]`` (N, K) cast along K; (t, n) bf16."""
-    some = next(c for c in xq if c is not None)
-    dev, k = some.data.device, some.data.shape[1]
-    a = torch.zeros(t, k, dtype=_E4M3, device=dev)
-    scale_a = torch.ones(t, device=dev)
-    b = torch.zeros(len(wq), n, k, dtype=_E4M3, device=dev)
-    scale_b = torch.ones(len(wq), n, device=dev)
-    for e, (x_e, w_e, (s, end)) in enumerate(zip(xq, wq, bounds)):
-        if x_e is None:
-            continue
-        a[s:end] = x_e.codes
-        scale_a[s:end] = _rows(x_e.inv, end - s)
-        b[e] = w_e.codes
-        scale_b[e] = _rows(w_e.inv, n)
-    offs = torch.tensor([e for _, e in bounds], dtype=torch.int32, device=dev)
-    return torch._scaled_grouped_mm(a, b.transpose(1, 2), scale_a, scale_b, offs=offs,
-                                    out_dtype=torch.bfloat16)
+def scaled_grouped_forward(x_codes: torch.Tensor, x_inv: torch.Tensor,
+                           w_codes: torch.Tensor, w_inv: torch.Tensor,
+                           offs: torch.Tensor) -> torch.Tensor:
+    """Each expert's rows of ``x_codes`` (T × K, e4m3, inverse scales ``x_inv`` (T,))
+    times its ``w_codes[e]ᵀ`` (E × N × K, inverse scales ``w_inv`` (E × N)) over the
+    int32 cumulative counts ``offs``: (T × N) bf16; rows past ``offs[-1]`` unwritten."""
+    return torch._scaled_grouped_mm(x_codes, w_codes.transpose(1, 2), x_inv.float(),
+                                    w_inv.float(), offs=offs, out_dtype=torch.bfloat16)

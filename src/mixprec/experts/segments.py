@@ -26,7 +26,7 @@ from mixprec.fp8.gather import Fp8Weight
 if TYPE_CHECKING:
     from mixprec.experts.format import ExpertsFormat
 
-__all__ = ["segmented_mm", "segment_ids", "grouped_mm_fp32", "expert_rows",
+__all__ = ["segmented_mm", "segment_ids", "expert_scales", "grouped_mm_fp32", "expert_rows",
            "rows_product", "wgrad_product"]
 
 
@@ -52,14 +52,21 @@ def segment_ids(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(offsets.contiguous(), pos, right=True)
 
 
-def _rows_cast(fmt, t, ids, n_groups, role, record):
-    """``t`` (rows × cols) cast with its expert's per-tensor scale on each row: the codes
-    and each row's inverse scale (rows × 1; rows past the last expert: 1)."""
+def expert_scales(fmt: ExpertsFormat, t: torch.Tensor, ids: torch.Tensor, n_groups: int,
+                  role: str, record: bool) -> torch.Tensor:
+    """Each expert's per-tensor scale of ``t``'s rows (``ids``: each row's expert), then
+    1 for the rows past the last expert's: (E + 1,)."""
     amax = t.detach().abs().amax(dim=1).float()
     seg = torch.zeros(n_groups + 1, device=t.device).scatter_reduce(
         0, ids, amax, "amax", include_self=True)[:n_groups]
     scale = adapter.segment_scales(fmt, seg, role, record)  # (E,)
-    scale = torch.cat([scale, scale.new_ones(1)])[ids].unsqueeze(1)
+    return torch.cat([scale, scale.new_ones(1)])
+
+
+def _rows_cast(fmt, t, ids, n_groups, role, record):
+    """``t`` (rows × cols) cast with its expert's per-tensor scale on each row: the codes
+    and each row's inverse scale (rows × 1; rows past the last expert: 1)."""
+    scale = expert_scales(fmt, t, ids, n_groups, role, record)[ids].unsqueeze(1)
     return adapter.cast_scaled(fmt, t, scale, role), torch.reciprocal(scale)
 
 

@@ -24,6 +24,7 @@ input of a padded (last) shard to have the shard's padded shape, which scales ca
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CastWeight", "install_cast_gather", "plain_gather_hooks", "why_not_gathered",
            "send_shard", "parts_hooks",
-           "pack_fp4", "unpack_fp4"]
+           "pack_fp4", "unpack_fp4", "fp4_tables"]
 
 _U8 = torch.uint8
 _E4M3 = torch.float8_e4m3fn
@@ -52,17 +53,31 @@ _ENCODE = torch.zeros(256, dtype=_U8)  # e4m3 byte -> nibble
 _ENCODE[_DECODE.long()] = torch.arange(16, dtype=_U8)
 
 
+@functools.cache
+def _tables_on(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ENCODE.to(device), _DECODE.to(device)
+
+
+def fp4_tables(device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (encode, decode) lookup tables on ``device``, copied there once per device
+    (read-only: callers must not modify them); under ``torch.compile`` the CPU tables,
+    which a graph keeps as constants."""
+    if torch.compiler.is_compiling():
+        return _ENCODE.to(device), _DECODE.to(device)
+    return _tables_on(torch.device(device))
+
+
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     """e2m1 values held as e4m3 bytes (``cast_nvfp4``'s codes), two to a byte (an odd
     last column padded with 0)."""
-    n = _ENCODE.to(codes.device)[codes.view(_U8).long()]
+    n = fp4_tables(codes.device)[0][codes.view(_U8).long()]
     n = torch.nn.functional.pad(n, (0, n.shape[1] % 2))
     return n[:, 0::2] | (n[:, 1::2] << 4)
 
 
 def unpack_fp4(packed: torch.Tensor, cols: int) -> torch.Tensor:
     """``pack_fp4``'s inverse: ``cols`` e4m3 codes per row."""
-    lut = _DECODE.to(packed.device)
+    lut = fp4_tables(packed.device)[1]
     both = torch.stack([lut[(packed & 15).long()], lut[(packed >> 4).long()]], dim=-1)
     return both.reshape(packed.shape[0], -1)[:, :cols].view(_E4M3)
 
@@ -163,8 +178,7 @@ class CastWeight(torch.Tensor):
                 inv = scales.to(torch.float32, copy=True)
                 if w.fp4:  # a block holding an inf or NaN: its codes are NaN
                     bad = expand_blocks(inv.isnan(), w.rows, w.cols, codes.shape)
-                    codes = torch.where(bad, torch.tensor(float("nan"), dtype=_E4M3,
-                                                          device=codes.device), codes)
+                    codes = torch.where(bad, codes.new_full((), float("nan")), codes)
                 return Quantized(codes, inv, w.rows, w.cols, outer=w.outer)
             i += n
         raise RuntimeError(f"the weight was gathered as its casts along dims "
