@@ -17,6 +17,8 @@ CODES: dict[str, str] = {
     "nonfinite": "non-finite gradients that no module produced: the data or the loss",
     "grad-underflow": "gradient elements that flush to zero in fp16 at the loss scale",
     "update-vanish": "weight updates lost in the weights' rounding",
+    "loss-diverging": "a loss that grew step over step: the learning rate, not the format",
+    "update-ratio": "steps that move the weights by far more than the usual ~1e-3",
     "master-dtype": "the optimizer updates 16-bit weights, not fp32 masters",
     "optimizer-state-dtype": "optimizer states stored in 16 bits",
     "param-dtype": "parameters not in the recipe's working dtype",
