@@ -151,7 +151,7 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
         {**asdict(v), "share": v.share} for v in vanished]
     findings += audit_vanished_updates(vanished)
     facts["time_shares"] = time_shares(
-        lambda: _measured_step(engine, model, batch_fn, 0)(lambda: None), 2)
+        lambda: _measured_step(engine, model, batch_fn, 0)(lambda: None), 3)
     findings += audit_time_shares(facts["time_shares"], str(r))
     order = {"error": 0, "warning": 1, "info": 2}
     findings.sort(key=lambda f: order[f.severity])

@@ -34,6 +34,7 @@ CODES: dict[str, str] = {
     "kernel-better-dtype": "the other 16-bit format is much faster here",
     "kernel-noisy": "the machine was too busy to measure matmul speeds",
     "time-share": "matmuls are a small share of the step, bounding any speed-up",
+    "timing-noisy": "timed rounds that disagree: no speed advice drawn from them",
     "step-slow": "a recipe's step takes several times fp32's",
     "engine": "the recipe cannot run on this model",
     "plan-floor": "a planned fp8/fp4 layer whose SQNR fell below the plan's floor",
