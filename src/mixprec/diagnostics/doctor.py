@@ -10,22 +10,26 @@ which makes the doctor work on any model and data.
 Checks, each turned into a finding with evidence and advice:
 
 1. kernel speed of this device in fp32/bf16/fp16 (measured);
-2. non-finite steps: the first module whose output or gradient went inf/NaN (tracer);
-3. gradient underflow: a fp32 pass measures how many gradient elements would flush to
+2. the training dynamics at the given learning rate: a diverging loss, updates far
+   above ~1e-3 of the weights per step (``dynamics.py``);
+3. non-finite steps: the first module whose output or gradient went inf/NaN (tracer),
+   and whether the dynamics (the loss grew before) or the format's range caused it;
+4. gradient underflow: a fp32 pass measures how many gradient elements would flush to
    zero in fp16 at the recipe's loss scale; for fp8 recipes, how many elements of each
    fp8 Linear's input and output gradient its casts flush to zero, per tensor against
    rowwise (``fp8range.py``);
-4. dtype audit of what the optimizer updates, its states and the gradient buffers;
-5. the loss-scale history (the run's own, or one you pass);
-6. the recipe against fp32, layer by layer (gradient cosine and norm ratio);
-7. low-precision coverage of the matmul FLOPs;
-8. where a step's time goes: the share in matmuls bounds what lower precision can gain
-   (Amdahl), and the biggest other ops are named (``timeshare.py``);
-9. whether updates reach the weights: one step, the share of elements with a non-zero
-   gradient whose stored value did not move (``updates.py``);
-10. communication: what a low-precision format sent in 16 bits instead, and why
+5. dtype audit of what the optimizer updates, its states and the gradient buffers;
+6. the loss-scale history (the run's own, or one you pass);
+7. the recipe against fp32, layer by layer (gradient cosine and norm ratio);
+8. low-precision coverage of the matmul FLOPs;
+9. where a step's time goes: the share in matmuls bounds what lower precision can gain
+   (Amdahl), and the biggest other ops are named (``timeshare.py``); no bound where the
+   profiled rounds disagree (``noise.py``);
+10. whether updates reach the weights: one step, the share of elements with a non-zero
+    gradient whose stored value did not move (``updates.py``);
+11. communication: what a low-precision format sent in 16 bits instead, and why
     (``engine.comm_stats.fallbacks``; ``audit.audit_comm``);
-11. given a plan (``mixprec.plan``'s ``Plan``, or its JSON file) in place of the recipe:
+12. given a plan (``mixprec.plan``'s ``Plan``, or its JSON file) in place of the recipe:
     training runs under the plan's recipe, and each fp8/fp4 Linear's SQNR against bf16,
     measured as the planner does on the trained weights and the run's batches, is held
     to the plan's floor (``mixprec.planner.check``, imported only for a plan).
