@@ -189,3 +189,14 @@ def test_ctrl_c_keeps_the_finished_recipes_and_exits_130(tmp_path, monkeypatch, 
     (line,) = [x for x in err.splitlines() if "interrupted" in x]
     assert line.startswith("mixprec compare: interrupted during bf16's training")
     assert "Traceback" not in err and out.splitlines()[1].startswith("fp32")
+
+
+def test_ctrl_c_ends_train_with_one_line_and_130(tmp_path, monkeypatch, capsys):
+    def train(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_mod, "train", train)
+    code = main(["train", "--size", "tiny", "--steps", "2", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 130 and "Traceback" not in err
+    assert err.strip() == (f"mixprec train: interrupted; the last checkpoint in {tmp_path} "
+                           "(written every 50 steps) continues with --resume")

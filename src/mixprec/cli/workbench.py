@@ -35,7 +35,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """``mixprec train``: one recipe on the workbench GPT, with checkpoints and resume."""
+    """``mixprec train``: one recipe on the workbench GPT, with checkpoints and resume.
+    Ctrl-C ends it with one line saying how to resume, and exit code 130."""
     from mixprec.workbench.train import TrainConfig, train, train_device
 
     cfg = TrainConfig(recipe=args.recipe, steps=args.steps, size=args.size, batch=args.batch,
@@ -59,6 +60,10 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         res = train(cfg, args.out, resume=args.resume, progress=not args.no_progress and None,
                     parallel=args.parallel, device=device)
+    except KeyboardInterrupt:  # the checkpoints written so far are complete (atomic)
+        print(f"mixprec train: interrupted; the last checkpoint in {args.out} (written every "
+              f"{args.ckpt_every} steps) continues with --resume", file=sys.stderr)
+        return 130
     finally:
         if dist_started:
             import torch.distributed as dist
