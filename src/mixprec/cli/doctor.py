@@ -24,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="steps of the layer-by-layer comparison against fp32 (0: skip)")
     p.add_argument("--lr", type=float, default=1e-3,
                    help="learning rate of the doctor's optimizer (default 1e-3): give your "
-                        "run's, since whether updates vanish into the weights depends on it")
+                        "run's, since whether updates vanish into the weights, and whether "
+                        "the loss diverges, depend on it")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                    help="the doctor's optimizer (default adamw, torch's defaults)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 __all__ = ["add_train_arguments", "run_train", "add_compare_arguments", "run_compare"]
 
@@ -34,7 +35,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """``mixprec train``: one recipe on the workbench GPT, with checkpoints and resume."""
+    """``mixprec train``: one recipe on the workbench GPT, with checkpoints and resume.
+    Ctrl-C ends it with one line saying how to resume, and exit code 130."""
     from mixprec.workbench.train import TrainConfig, train, train_device
 
     cfg = TrainConfig(recipe=args.recipe, steps=args.steps, size=args.size, batch=args.batch,
@@ -58,6 +60,10 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         res = train(cfg, args.out, resume=args.resume, progress=not args.no_progress and None,
                     parallel=args.parallel, device=device)
+    except KeyboardInterrupt:  # the checkpoints written so far are complete (atomic)
+        print(f"mixprec train: interrupted; the last checkpoint in {args.out} (written every "
+              f"{args.ckpt_every} steps) continues with --resume", file=sys.stderr)
+        return 130
     finally:
         if dist_started:
             import torch.distributed as dist
@@ -83,28 +89,51 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    """``mixprec compare``: several recipes on the same data, one HTML/JSON report."""
-    from mixprec.workbench.compare import compare
+    """``mixprec compare``: several recipes on the same data, one HTML/JSON report.
+    Ctrl-C keeps what finished: the report of those recipes is written and printed,
+    with one line saying what was interrupted, and the exit code is 130."""
+    from mixprec.workbench.compare import CompareInterrupted, compare
 
     recipes = None
     if args.recipes:
         sep = ";" if (";" in args.recipes or "=" in args.recipes) else ","
         recipes = [r.strip() for r in args.recipes.split(sep) if r.strip()]
-    report = compare(recipes, steps=args.steps, size=args.size, batch=args.batch,
-                     seq=args.seq, lr=args.lr, seed=args.seed, out=args.out,
-                     scenario=args.scenario, progress=False if args.no_progress else None)
+    try:
+        report = compare(recipes, steps=args.steps, size=args.size, batch=args.batch,
+                         seq=args.seq, lr=args.lr, seed=args.seed, out=args.out,
+                         scenario=args.scenario,
+                         progress=False if args.no_progress else None)
+    except CompareInterrupted as stop:
+        if stop.report is not None:
+            _print_summary(stop.report, args.out)
+        kept = ("no recipe had finished: nothing written" if stop.report is None else
+                "the report holds the recipes that finished: " +
+                ", ".join(r["recipe"] for r in stop.report["summary"]))
+        print(f"mixprec compare: interrupted during {stop.during}; {kept}", file=sys.stderr)
+        return 130
+    _print_summary(report, args.out)
+    return 0
+
+
+def _print_summary(report: dict, out: str) -> None:
+    """The summary table, the timings that disagree, and where the report is."""
     print(f"{'recipe':<22}{'val loss':>10}{'vs fp32':>9}{'tokens/s':>11}{'speed-up':>9}"
           f"{'skipped':>8}{'low-prec':>9}")
+    noisy = bool(report.get("timing_noise")) and any(
+        r["recipe"] == "fp32" for r in report["summary"])
     for r in report["summary"]:
         vs = r["val_loss_vs_fp32"]
         sp = r["speedup_vs_fp32"]
+        speed = f"{sp:.2f}x" if sp else "noisy" if noisy and r["recipe"] != "fp32" else "–"
         print(f"{r['recipe']:<22}{r['final_val_loss']:>10.4f}"
               f"{(f'{vs * 100:+.2f}%' if vs is not None else '–'):>9}"
-              f"{r['tokens_per_s']:>11,.0f}{(f'{sp:.2f}x' if sp else '–'):>9}"
+              f"{r['tokens_per_s']:>11,.0f}{speed:>9}"
               f"{r['skipped_steps']:>8}{_share(r['matmul_weights_low_precision']):>9}")
     print("low-prec: the share of the matmul weights in an fp8/fp4 format")
-    print(f"report: {os.path.join(args.out, 'report.html')}")
-    return 0
+    for note in report.get("timing_noise", []):
+        print(f"timings disagree: {note}; no speed-up or speed advice is given from them "
+              "(rerun on an idle machine)")
+    print(f"report: {os.path.join(out, 'report.html')}")
 
 
 def _share(v) -> str:

@@ -9,6 +9,7 @@ from mixprec.diagnostics.audit import (
     matmul_coverage,
 )
 from mixprec.diagnostics.doctor import doctor
+from mixprec.diagnostics.dynamics import WeightWatch, audit_dynamics, divergence
 from mixprec.diagnostics.findings import Finding, Report
 from mixprec.diagnostics.fp8range import audit_fp8_ranges, fp8_ranges
 from mixprec.diagnostics.monitor import NumericsMonitor
@@ -20,4 +21,5 @@ from mixprec.diagnostics.updates import audit_vanished_updates, vanished_updates
 __all__ = ["doctor", "Finding", "Report", "NumericsMonitor", "trace_nonfinite",
            "compare_to_fp32", "audit_dtypes", "audit_scale_history", "matmul_coverage",
            "audit_kernel_speed", "fp8_ranges", "audit_fp8_ranges", "time_shares",
-           "audit_time_shares", "vanished_updates", "audit_vanished_updates", "audit_comm"]
+           "audit_time_shares", "vanished_updates", "audit_vanished_updates", "audit_comm",
+           "WeightWatch", "divergence", "audit_dynamics"]

@@ -10,22 +10,26 @@ which makes the doctor work on any model and data.
 Checks, each turned into a finding with evidence and advice:
 
 1. kernel speed of this device in fp32/bf16/fp16 (measured);
-2. non-finite steps: the first module whose output or gradient went inf/NaN (tracer);
-3. gradient underflow: a fp32 pass measures how many gradient elements would flush to
+2. the training dynamics at the given learning rate: a diverging loss, updates far
+   above ~1e-3 of the weights per step (``dynamics.py``);
+3. non-finite steps: the first module whose output or gradient went inf/NaN (tracer),
+   and whether the dynamics (the loss grew before) or the format's range caused it;
+4. gradient underflow: a fp32 pass measures how many gradient elements would flush to
    zero in fp16 at the recipe's loss scale; for fp8 recipes, how many elements of each
    fp8 Linear's input and output gradient its casts flush to zero, per tensor against
    rowwise (``fp8range.py``);
-4. dtype audit of what the optimizer updates, its states and the gradient buffers;
-5. the loss-scale history (the run's own, or one you pass);
-6. the recipe against fp32, layer by layer (gradient cosine and norm ratio);
-7. low-precision coverage of the matmul FLOPs;
-8. where a step's time goes: the share in matmuls bounds what lower precision can gain
-   (Amdahl), and the biggest other ops are named (``timeshare.py``);
-9. whether updates reach the weights: one step, the share of elements with a non-zero
-   gradient whose stored value did not move (``updates.py``);
-10. communication: what a low-precision format sent in 16 bits instead, and why
+5. dtype audit of what the optimizer updates, its states and the gradient buffers;
+6. the loss-scale history (the run's own, or one you pass);
+7. the recipe against fp32, layer by layer (gradient cosine and norm ratio);
+8. low-precision coverage of the matmul FLOPs;
+9. where a step's time goes: the share in matmuls bounds what lower precision can gain
+   (Amdahl), and the biggest other ops are named (``timeshare.py``); no bound where the
+   profiled rounds disagree (``noise.py``);
+10. whether updates reach the weights: one step, the share of elements with a non-zero
+    gradient whose stored value did not move (``updates.py``);
+11. communication: what a low-precision format sent in 16 bits instead, and why
     (``engine.comm_stats.fallbacks``; ``audit.audit_comm``);
-11. given a plan (``mixprec.plan``'s ``Plan``, or its JSON file) in place of the recipe:
+12. given a plan (``mixprec.plan``'s ``Plan``, or its JSON file) in place of the recipe:
     training runs under the plan's recipe, and each fp8/fp4 Linear's SQNR against bf16,
     measured as the planner does on the trained weights and the run's batches, is held
     to the plan's floor (``mixprec.planner.check``, imported only for a plan).
@@ -33,6 +37,7 @@ Checks, each turned into a finding with evidence and advice:
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -50,6 +55,13 @@ from mixprec.diagnostics.audit import (
     audit_kernel_speed,
     audit_scale_history,
     matmul_coverage,
+)
+from mixprec.diagnostics.dynamics import (
+    Divergence,
+    WeightWatch,
+    audit_dynamics,
+    divergence,
+    grew_before,
 )
 from mixprec.diagnostics.findings import Finding, Report
 from mixprec.diagnostics.fp8range import audit_fp8_ranges
@@ -115,12 +127,17 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
             "error", "engine", "the recipe cannot run on this model", error,
             "see the message", {})]
         return Report(str(r), findings, {**facts, "engine_error": error})
-    scales, losses, skipped_at = _train(engine, model, batch_fn, steps)
-    facts.update(losses=losses, scales=scales, skipped=skipped_at)
+    watch = WeightWatch(engine.param_state.opt_params)
+    scales, losses, skipped_at, grad_norms = _train(engine, model, batch_fn, steps, watch)
+    dyn = divergence(losses, watch.ratios, watch.norms, watch.final_norm, grad_norms, lr)
+    facts.update(losses=losses, scales=scales, skipped=skipped_at, grad_norms=grad_norms,
+                 update_ratios=watch.ratios, weight_norms=[*watch.norms, watch.final_norm])
+    findings += audit_dynamics(dyn)
     if plan is not None:
         findings += _plan_floor(plan, model_factory, engine, batch_fn, steps, facts)
     if skipped_at:
-        findings.append(_trace_first_skip(engine, model, batch_fn, r, skipped_at, steps))
+        findings.append(_trace_first_skip(engine, model, batch_fn, r, skipped_at, steps,
+                                          dyn))
     findings += _underflow(model_factory, batch_fn, r)
     if r.linear is not None:
         f8, ranges = audit_fp8_ranges(model_factory(), lambda m: batch_fn(m, 0), r)
@@ -138,7 +155,7 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
         {**asdict(v), "share": v.share} for v in vanished]
     findings += audit_vanished_updates(vanished)
     facts["time_shares"] = time_shares(
-        lambda: _measured_step(engine, model, batch_fn, 0)(lambda: None), 2)
+        lambda: _measured_step(engine, model, batch_fn, 0)(lambda: None), 3)
     findings += audit_time_shares(facts["time_shares"], str(r))
     order = {"error": 0, "warning": 1, "info": 2}
     findings.sort(key=lambda f: order[f.severity])
@@ -204,23 +221,27 @@ def _optimizer(model: nn.Module, r: Recipe, optimizer: str, lr: float):
     return opt
 
 
-def _train(engine, model, batch_fn, steps: int):
-    """``steps`` training steps: the scale after each, the losses, the skipped steps."""
-    scales, losses, skipped_at = [], [], []
+def _train(engine, model, batch_fn, steps: int, watch: WeightWatch):
+    """``steps`` training steps: the scale after each, the losses, the skipped steps,
+    the gradient norms; ``watch`` sees the optimizer's tensors around each step."""
+    scales, losses, skipped_at, grad_norms = [], [], [], []
     for step in range(steps):
         with engine.autocast():
             loss = batch_fn(model, step)
         engine.backward(loss)
+        watch.before()
         res = engine.step()
+        watch.after(bool(res.skipped))
         scales.append(float(res.scale))
         losses.append(loss.item())
+        grad_norms.append(math.nan if res.grad_norm is None else float(res.grad_norm))
         if bool(res.skipped):
             skipped_at.append(step)
-    return scales, losses, skipped_at
+    return scales, losses, skipped_at, grad_norms
 
 
 def _trace_first_skip(engine, model, batch_fn, r: Recipe, skipped_at: list[int],
-                      steps: int) -> Finding:
+                      steps: int, dyn: Divergence) -> Finding:
     """Re-run the first skipped step with the non-finite tracer on."""
     step = skipped_at[0]
 
@@ -233,7 +254,7 @@ def _trace_first_skip(engine, model, batch_fn, r: Recipe, skipped_at: list[int],
     for p in model.parameters():
         p.grad = None
     engine.zero_grad()
-    return _nonfinite_finding(r, origin, len(skipped_at), steps)
+    return _nonfinite_finding(r, origin, len(skipped_at), steps, dyn, step)
 
 
 def _reference(model_factory, batch_fn, r: Recipe, steps: int, lr: float,
@@ -296,24 +317,42 @@ def _forward(engine, model, batch_fn):
         batch_fn(model, 0)
 
 
-def _nonfinite_finding(r: Recipe, origin, n: int, steps: int) -> Finding:
+def _nonfinite_finding(r: Recipe, origin, n: int, steps: int, dyn: Divergence,
+                       first: int) -> Finding:
+    """Where the inf/NaN of the first skipped step (``first``) came from, and its cause:
+    the dynamics where the loss or the updates grew before it (``grew_before``), else
+    the format's range (or the data, where no module produced it)."""
+    dynamics = grew_before(dyn, first)
+    cause = {"cause": "dynamics" if dynamics else "range"}
+    before = [v for v in dyn.losses[:first] if math.isfinite(v)]
+    grown = (f"; before step {first} the loss went {dyn.losses[0]:.3g} → {max(before, key=abs):.3g}"
+             if before else "")
+    lr_advice = (f"the overflow follows from the training dynamics, not the format's range: "
+                 f"the learning rate ({dyn.lr:g}) is too large (see loss-diverging / "
+                 "update-ratio); lower it, warm it up, clip the gradient norm")
     if origin is None:
         return Finding("warning", "nonfinite", f"{n} of {steps} steps had non-finite gradients",
                        "the tracer found no module output or gradient that was non-finite "
-                       "on a re-run: the loss or the data itself may be non-finite",
-                       "check the batch for NaN/inf and the loss for log(0) or 0/0", {})
+                       "on a re-run: the loss or the data itself may be non-finite" + grown,
+                       lr_advice if dynamics else
+                       "check the batch for NaN/inf and the loss for log(0) or 0/0", cause)
     fmt = {"fp16": "fp16", "bf16": "bf16"}.get(r.compute, "fp16")
     limit = formats.get(fmt).max
     overflow = origin.phase == "forward"
-    advice = (f"{origin.module} overflows {fmt} (max {limit:g}): use bf16 (fp32's range), or "
-              f"keep {origin.module} in fp32" if r.compute == "fp16" else
-              f"keep {origin.module} in fp32 and check its inputs")
+    if dynamics:
+        advice = lr_advice
+    elif r.compute == "fp16":
+        advice = (f"{origin.module} overflows {fmt} (max {limit:g}) at a modest loss: the "
+                  f"format's range is the cause. Use bf16 (fp32's range), or keep "
+                  f"{origin.module} in fp32")
+    else:
+        advice = f"keep {origin.module} in fp32 and check its inputs"
     return Finding(
         "error", "nonfinite-origin",
         f"{n} of {steps} steps skipped; inf/NaN first appears in {origin.module}",
-        origin.describe(), advice,
+        origin.describe() + grown, advice,
         {"module": origin.module, "phase": origin.phase, "op": origin.op,
-         "forward_overflow": overflow})
+         "forward_overflow": overflow, **cause})
 
 
 def _underflow(model_factory, batch_fn, r: Recipe) -> list[Finding]:

@@ -7,7 +7,9 @@ infinitely fast matmuls leave ``1 - m`` of the step, so the whole step gets at m
 ``1 / (1 - m)`` times faster. With ``m`` = 40%, that is 1.67x.
 
 ``time_shares(step, steps)`` profiles ``step()`` with torch.profiler (self time per op,
-CPU and CUDA kernels) and sorts each op into ``matmul``, ``attention`` or ``other``.
+CPU and CUDA kernels), one round per call, and sorts each op into ``matmul``,
+``attention`` or ``other``. Rounds whose totals disagree (``diagnostics.noise``) give
+no bound: ``audit_time_shares`` then says they disagree, and by how much.
 ``audit_time_shares`` turns a small matmul share into an ``info`` finding that names the
 biggest other ops, with the bound for matmuls alone and with attention kernels too
 (fused attention is matmul work that low precision speeds up on GPUs; on this
@@ -25,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from mixprec.diagnostics.findings import Finding
+from mixprec.diagnostics.noise import agreement
 
 __all__ = ["MATMUL_OPS", "classify", "time_shares", "audit_time_shares", "MATMUL_FLAG"]
 
@@ -76,37 +79,62 @@ def _without_profiler_chatter():
                 os.write(fd, b"".join(kept))
 
 
-def time_shares(step: Callable[[], None], steps: int = 2) -> dict:
-    """Profile ``steps`` calls of ``step``: total milliseconds per step, the share of
-    each class, and every op's self time per step (ms), largest first."""
+def _profile(step: Callable[[], None]) -> dict[str, float]:
+    """One call of ``step`` under torch.profiler: each aten op's self time in ms
+    (device time where the op ran a kernel, else host time)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(ProfilerActivity.CUDA)
-    with _without_profiler_chatter(), profile(activities=acts) as prof:
-        for _ in range(steps):
-            step()
+    with profile(activities=acts) as prof:
+        step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     per_op: dict[str, float] = {}
     for e in prof.key_averages():
-        # device time where the op ran a kernel, else host time (CPU ops)
         us = getattr(e, "self_device_time_total", 0) or e.self_cpu_time_total
         if e.key.startswith("aten::") and us > 0:
-            per_op[e.key] = per_op.get(e.key, 0.0) + us / 1e3 / steps
+            per_op[e.key] = per_op.get(e.key, 0.0) + us / 1e3
+    return per_op
+
+
+def time_shares(step: Callable[[], None], steps: int = 3) -> dict:
+    """Profile ``steps`` calls of ``step``, each its own round: total milliseconds per
+    step, the share of each class, every op's self time per step (ms), largest first,
+    and whether the rounds agree (``mixprec.diagnostics.noise``: ``rounds_ms``, the
+    rounds' ``spread`` and ``noisy``)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    with _without_profiler_chatter():
+        rounds = [_profile(step) for _ in range(steps)]
+    per_op: dict[str, float] = {}
+    for r in rounds:
+        for op, ms in r.items():
+            per_op[op] = per_op.get(op, 0.0) + ms / steps
     total = sum(per_op.values()) or 1.0
     shares = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
     for op, ms in per_op.items():
         shares[classify(op)] += ms / total
     ops = sorted(per_op.items(), key=lambda kv: -kv[1])
-    return {"total_ms": total, "shares": shares, "ops": ops}
+    agreed = agreement("the profiled steps' time", [sum(r.values()) for r in rounds], "ms")
+    return {"total_ms": total, "shares": shares, "ops": ops,
+            "rounds_ms": list(agreed.values), "spread": agreed.spread,
+            "noisy": agreed.noisy}
 
 
 def audit_time_shares(facts: dict, recipe_name: str) -> list[Finding]:
     """An ``info`` finding when matmuls take less than ``MATMUL_FLAG`` of the step: the
     Amdahl bound on what a lower-precision recipe can gain, and the biggest other ops."""
     share = facts["shares"]["matmul"]
+    if facts.get("noisy"):
+        agreed = agreement("the profiled steps' time", facts["rounds_ms"], "ms")
+        return [Finding(
+            "info", "timing-noisy",
+            f"the profiled steps under {recipe_name} disagree: no speed-up bound is drawn "
+            "from them", str(agreed),
+            "the machine was busy (other processes held the cores): rerun on an idle "
+            "machine to see where a step's time goes", {"spread": agreed.spread})]
     if share >= MATMUL_FLAG:
         return []
     bound = 1 / (1 - share) if share < 1 else float("inf")

@@ -13,7 +13,10 @@ recipe is timed in its own phase, interleaved step by step with its hand-written
   fp32 (plain), bf16 and fp16 (``torch.autocast`` + ``torch.amp.GradScaler`` for fp16),
   as the median of per-round paired ratios with its quartiles (``paired_overhead``);
 - bytes held (``memory.measure``) and, on CUDA, the allocator's peak over the phase;
-- the GEMM route each fp8 Linear took.
+- the GEMM route each fp8 Linear took;
+- whether the recipe's timed steps agree (``mixprec.diagnostics.noise``: their
+  interquartile range over their median, at most 25%). Where the recipe's or fp32's
+  disagree, no speed-up is given and the table says by how much they disagree.
 
 Each recipe's models are built on the device, timed and freed before the next recipe's
 are built, so the memory a run needs is its largest recipe's, not the sum of all.
@@ -33,14 +36,15 @@ import contextlib
 import gc
 import json
 import statistics
-import time
 import warnings
 from collections.abc import Iterable
+from time import perf_counter  # the step timer (tests replace it with a fake clock)
 
 import torch
 from torch import nn
 
 from mixprec.context import make_emulation_mode
+from mixprec.diagnostics.noise import agreement
 from mixprec.engine import MixedPrecision
 from mixprec.optim import adamw_for
 from mixprec.recipe import Recipe
@@ -92,12 +96,14 @@ def bench(recipes: Iterable[str] = ("fp32", "bf16", "bf16-master", "fp16", "fp8"
                                 steps, compile, memo))
         _release(dev, compile)
     base = next((x for x in rows if x["recipe"] == "fp32"), None)
-    for x in rows:
-        x["speedup_vs_fp32"] = base["step_ms"] / x["step_ms"] if base else None
+    for x in rows:  # no speed-up from steps that disagree (``diagnostics.noise``)
+        x["speedup_vs_fp32"] = (base["step_ms"] / x["step_ms"] if base and not (
+            base["timing"]["noisy"] or x["timing"]["noisy"]) else None)
     return {"model": model, "size": size, "batch": batch, "seq": seq, "device": device,
             "steps": steps, "compile": compile, "torch": torch.__version__,
             "threads": torch.get_num_threads(),
-            "flops_per_step": flops_per_step, "rows": rows}
+            "flops_per_step": flops_per_step, "rows": rows,
+            "timing_noise": [x["timing_note"] for x in rows if x["timing"]["noisy"]]}
 
 
 def _recipe_row(r: str, build, loss_of, dev: torch.device, tokens: int,
@@ -128,6 +134,7 @@ def _recipe_row(r: str, build, loss_of, dev: torch.device, tokens: int,
     held = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
     del twins, step
     med = statistics.median(times[r])
+    agreed = agreement(f"{r}'s step time", [t * 1e3 for t in times[r]], "ms")
     parts = peak_parts(str(dev), r, e.kernels, m, tokens, flops_per_step,
                        {} if memo is None else memo)
     peak = combined_peak(parts)
@@ -143,6 +150,7 @@ def _recipe_row(r: str, build, loss_of, dev: torch.device, tokens: int,
                            "share": p["flops"] / flops_per_step} for p in parts],
            "overhead_vs_hand": over, "overhead_iqr": (q25, q75),
            "model_state_bytes": measure(m, e).total, "max_memory_allocated": held,
+           "timing": agreed.as_dict(), "timing_note": str(agreed),
            "emulated": e.emulating, "kernels": e.kernels.describe(),
            "kernel_choices": e.kernels.as_dict(), "fp8_routes": routes}
     if compile:
@@ -285,7 +293,7 @@ def _time_phases(loops: dict, twins: dict[str, dict], dev: torch.device, warmup:
                 if k not in fns:
                     continue
                 sync()
-                t = time.perf_counter()
+                t = perf_counter()
                 try:
                     fns[k]()
                 except Exception as e:
@@ -296,7 +304,7 @@ def _time_phases(loops: dict, twins: dict[str, dict], dev: torch.device, warmup:
                     continue
                 sync()
                 if i >= warmup:
-                    times[k].append(time.perf_counter() - t)
+                    times[k].append(perf_counter() - t)
     return times
 
 
@@ -342,17 +350,21 @@ def _aligned(head: list[str], rows: list[list[str]]) -> list[str]:
 
 def format_table(result: dict) -> str:
     """The result as a text table ("–" where a figure has no baseline: no fp32 row for
-    the speed-up, no hand-written twin for the overhead)."""
+    the speed-up, no hand-written twin for the overhead; "noisy" where the steps behind
+    a speed-up disagree, with a line saying by how much)."""
     lines = [f"# mixprec bench: {result['model']} {result['size']}, batch {result['batch']}x"
              f"{result['seq']}, {result['device']}, torch {result['torch']}, "
              f"{result['threads']} threads, median of {result['steps']} interleaved steps"]
     rows = []
+    base = next((x for x in result["rows"] if x["recipe"] == "fp32"), None)
     for x in result["rows"]:
         ov, sp = x["overhead_vs_hand"], x["speedup_vs_fp32"]
         iqr = ("–" if ov is None else
                f"{x['overhead_iqr'][0] * 100:+.1f}..{x['overhead_iqr'][1] * 100:+.1f}%")
+        noisy = _noisy(x) or _noisy(base)
         rows.append([x["recipe"], f"{x['step_ms']:.1f}", f"{x['tokens_per_s']:,.0f}",
-                     f"{sp:.2f}x" if sp is not None else "–", f"{x['gflops']:.0f}",
+                     "noisy" if noisy and base else f"{sp:.2f}x" if sp is not None else "–",
+                     f"{x['gflops']:.0f}",
                      f"{x['peak_gflops']:.0f}", f"{x['mfu'] * 100:.0f}%",
                      f"{ov * 100:+.1f}%" if ov is not None else "–", iqr,
                      f"{x['model_state_bytes'] / 2**20:.1f}"])
@@ -360,6 +372,8 @@ def format_table(result: dict) -> str:
                        "overhead", "(IQR)", "state MiB"], rows)
     lines.append("overhead: median over rounds of (engine step / hand-written step) - 1, "
                  "each round timing the two back to back; IQR: its quartiles")
+    lines += [f"timings disagree: {note}; no speed-up is given from them (rerun on an "
+              "idle machine)" for note in result.get("timing_noise", [])]
     if result.get("compile"):
         rows = []
         for x in result["rows"]:
@@ -384,6 +398,10 @@ def format_table(result: dict) -> str:
         for x in result["rows"] if len(x.get("peak_parts", ())) > 1 or any(
             "error" in p for p in x.get("peak_parts", ()))]
     return "\n".join(lines)
+
+
+def _noisy(row: dict | None) -> bool:
+    return bool(row) and bool(row.get("timing", {}).get("noisy"))
 
 
 def add_arguments(p) -> None:

@@ -26,14 +26,15 @@ import math
 import os
 import statistics
 import sys
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from time import perf_counter  # the step timer (tests replace it with a fake clock)
 
 import torch
 
 from mixprec.checkpoint import CheckpointError, load_checkpoint, save_atomic
+from mixprec.diagnostics.noise import Agreement, agreement
 from mixprec.engine import MixedPrecision
 from mixprec.optim import adamw_for
 from mixprec.recipe import Recipe
@@ -106,6 +107,13 @@ class TrainResult:
         """Median training throughput, leaving out the first fifth of steps (warm-up)."""
         tps = [s["tokens_per_s"] for s in self.steps[len(self.steps) // 5:]]
         return statistics.median(tps) if tps else math.nan
+
+    @property
+    def timing(self) -> Agreement:
+        """Whether the steps behind ``tokens_per_s`` agree (``diagnostics.noise``): their
+        per-step tokens/s, spread and range."""
+        tps = [s["tokens_per_s"] for s in self.steps[len(self.steps) // 5:]]
+        return agreement(f"{self.config.recipe}'s per-step tokens/s", tps)
 
     @property
     def skipped(self) -> int:
@@ -205,6 +213,8 @@ def train(cfg: TrainConfig, out: str | Path | None = None, *, resume: bool = Fal
 
     ``stop_after=n`` returns after step n (the schedule still spans ``cfg.steps``), as a
     run that is interrupted and later resumed would. ``device``: see ``train_device``.
+    ``progress``: None or True shows it on stderr (a rich bar on a terminal, else a
+    line per tenth of the run), False shows nothing.
     """
     out = Path(out) if out is not None else None
     if out is not None:
@@ -227,7 +237,7 @@ def train(cfg: TrainConfig, out: str | Path | None = None, *, resume: bool = Fal
         start = state["step"]
     mf, tb = _open_logs(out if rank == 0 else None, cfg, resume, start, result)
     vals = val_batches(corpus.val, cfg.batch, cfg.seq_len, cfg.eval_batches)
-    show = (sys.stderr.isatty() if progress is None else progress) and rank == 0
+    show = progress is not False and rank == 0
     bar = _Progress(cfg, start, show)
     try:
         end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
@@ -318,14 +328,14 @@ def _train_step(cfg: TrainConfig, engine, opt, corpus, g, step: int,
             group["lr"] = _lr_at(cfg, step)
     x, y = sample_batch(corpus.train, cfg.batch, cfg.seq_len, g)
     x, y = x.to(device), y.to(device)
-    t0 = time.perf_counter()
+    t0 = perf_counter()
     with engine.autocast():
         loss = engine.model(x, y)
     engine.backward(loss * cfg.loss_multiplier)
     res = engine.step()
     if x.is_cuda:
         torch.cuda.synchronize(x.device)
-    dt = time.perf_counter() - t0
+    dt = perf_counter() - t0
     return {"step": step, "loss": loss.item(), "scale": float(res.scale),
             "skipped": bool(res.skipped), "grad_norm": float(res.grad_norm),
             "tokens_per_s": cfg.batch * cfg.seq_len / dt, "lr": _lr_at(cfg, step)}
@@ -370,29 +380,40 @@ def _tensorboard(out: Path):
 
 
 class _Progress:
-    """A rich progress bar with loss, tokens/s, loss scale and skipped steps."""
+    """Where the run is, on stderr: on a terminal a rich bar with loss, tokens/s, loss
+    scale and skipped steps; elsewhere (a pipe, a log file, CI) the same figures as one
+    plain line per step-group (a tenth of the run), so a run that is not watched on a
+    terminal still shows it is alive. ``show`` False: nothing."""
 
     def __init__(self, cfg: TrainConfig, start: int, show: bool) -> None:
         self.bar = None
-        if not show:
+        self.cfg, self.every = cfg, max(1, -(-cfg.steps // 10))
+        self.lines = show and not sys.stderr.isatty()
+        if not show or self.lines:
             return
         try:
+            from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-        except ImportError:  # the library without its cli extra: no bar, no failure
+        except ImportError:  # the library without its cli extra: plain lines instead
+            self.lines = True
             return
 
         self.bar = Progress(TextColumn(f"[bold]{cfg.recipe}[/]"), BarColumn(),
                             TextColumn("{task.completed}/{task.total}"),
-                            TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+                            TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
+                            console=Console(stderr=True))
         self.bar.start()
         self.task = self.bar.add_task("train", total=cfg.steps, completed=start, info="")
 
     def update(self, rec: dict, result: TrainResult) -> None:
-        if self.bar is None:
-            return
         info = (f"loss {rec['loss']:.3f}  {rec['tokens_per_s']:,.0f} tok/s  "
                 f"scale {rec['scale']:g}  skipped {result.skipped}")
-        self.bar.update(self.task, advance=1, info=info)
+        done = rec["step"] + 1
+        if self.lines and (done % self.every == 0 or done == self.cfg.steps):
+            print(f"{self.cfg.recipe}: step {done}/{self.cfg.steps}  {info}",
+                  file=sys.stderr, flush=True)
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, info=info)
 
     def close(self) -> None:
         if self.bar is not None:
