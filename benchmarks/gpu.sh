@@ -1,97 +1,108 @@
 #!/usr/bin/env bash
-# One-shot run on a lent NVIDIA H100/H200, in at most 7 minutes (a second run fits in
-# one 10-minute call of the device tool), that cannot lose its results:
+# One-shot run on a lent NVIDIA H100/H200, in at most 7 minutes, that cannot lose its
+# results:
 #   bash benchmarks/gpu.sh              # results in $OUT (or ./gpu-results)
 #   bash benchmarks/gpu.sh --dry-run    # the same steps on a CPU, tiny sizes
 #                                       # (also MIXPREC_GPU_SH_DRY_RUN=1)
-# Steps, in this order, each in its own time box (SIGINT at the box's end, so pytest and
-# the Python steps write what they have; SIGKILL 5 s later), all within the 7 minutes
-# (a step that no longer fits is recorded as skipped):
-#   env        nvidia-smi, versions (rest.tar.gz: env.txt)
-#   preflight  benchmarks/gpu_preflight.py: each kernel check in its own process
-#   tests      the CUDA-marked tests (-m cuda), one time box per test, JUnit XML
-#   compile    the CUDA compile test, last of the tests
-#   grouped    benchmarks/grouped_gemm.py: the experts' grouped GEMM per format and
-#              route (bf16 torch._grouped_mm, loop, grouped, scaled_grouped), each
-#              checked against the loop route, one JSON line per case in bench.jsonl
-#   bench:R    benchmarks/gpu_bench.py: one process per recipe R, one JSON line each,
-#              fast recipes first, the dequantizing ones (fp8-block, mxfp8, nvfp4) last
-#   plan       benchmarks/plan.py: the planner's predictions against measurement
+#   bash benchmarks/gpu.sh --plan       # print the plan (step, time box) and exit
+# The plan: each step in its own time box (SIGINT at the box's end, so the Python steps
+# write what they have; SIGKILL 5 s later); the boxes add up to the budget less the
+# summary's reserve (tests/test_gpu_script.py checks), the most valuable figures first:
+#   env          nvidia-smi, versions (rest.tar.gz: env.txt)
+#   preflight    benchmarks/gpu_preflight.py: each kernel check in its own process
+#   gemm         benchmarks/gpu_gemm.py: bf16 against each format's GEMM, per shape
+#   bench:R      benchmarks/gpu_bench.py: the workbench GPT, eager, one process per recipe
+#   moe:R        the same on a config-built transformers Qwen3-MoE (fp8-current, mxfp8)
+#   grouped      benchmarks/gpu_grouped.py: each grouped GEMM case in its own process
+#   tests        the CUDA-marked tests (-m cuda), one time box per test, JUnit XML
+#   compile:R    gpu_bench.py --compile: compiled against eager (GPT base; Qwen3-MoE)
+# A step that no longer fits is recorded as skipped. summary.txt names what one GPU
+# cannot run (TP, FSDP, DDP over NCCL: "not run: needs 2 GPUs").
 # Files in $OUT, 8 at most: summary.txt (each step's exit code and wall time, written as
-# each ends), preflight.jsonl, tests.xml, tests.log, bench.jsonl, plan.txt,
-# nvidia-smi.csv (sampled every second), rest.tar.gz (every other log, repacked after
-# each step). On SIGTERM/SIGINT/SIGHUP the running step gets SIGINT and summary.txt
-# names what did not run.
-# Environment: PY (python3), OUT; MIXPREC_GPU_SH_RECIPES="a;b" runs these recipes;
-# for tests of this script: MIXPREC_GPU_SH_FAIL=step[,step] crashes those steps
-# (SIGSEGV; "bench" covers every bench:R), MIXPREC_GPU_SH_KILL=step sends this script
-# SIGTERM as that step starts.
+# each ends), tables.md (bench.jsonl as Markdown tables), preflight.jsonl, tests.xml,
+# tests.log, bench.jsonl, nvidia-smi.csv (sampled every second), rest.tar.gz (every
+# other log, repacked after each step). On SIGTERM/SIGINT/SIGHUP the running step gets
+# SIGINT and summary.txt names what did not run.
+# Environment: PY (python3), OUT; MIXPREC_GPU_SH_RECIPES="a;b" runs these bench:R
+# recipes; MIXPREC_GPU_SH_BOX_SCALE multiplies every box and the budget (default 1;
+# 6 in a dry run: a shared CPU is slow); for tests of this script:
+# MIXPREC_GPU_SH_FAIL=step[,step] crashes those steps (SIGSEGV; "bench" covers every
+# bench:R), MIXPREC_GPU_SH_KILL=step sends this script SIGTERM as that step starts.
 set -uo pipefail
 export LC_ALL=C
 cd "$(dirname "$0")/.."
 
-DRY=${MIXPREC_GPU_SH_DRY_RUN:-0}
+DRY=${MIXPREC_GPU_SH_DRY_RUN:-0} PLAN_ONLY=0
 for arg in "$@"; do
   case $arg in
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
-    *) echo "gpu.sh: unknown argument '$arg'; valid: --dry-run, --help" >&2; exit 2 ;;
+    --plan) PLAN_ONLY=1 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    *) echo "gpu.sh: unknown argument '$arg'; valid: --dry-run, --plan, --help" >&2; exit 2 ;;
   esac
 done
 PY=${PY:-python3}
-OUT=${OUT:-gpu-results}
-BUDGET=420   # seconds for the whole run, summary and packing included
-GRACE=5      # seconds between a step's SIGINT and its SIGKILL
-export PYTHONFAULTHANDLER=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-  PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-KEEP="summary.txt preflight.jsonl tests.xml tests.log bench.jsonl plan.txt nvidia-smi.csv rest.tar.gz"
-for f in $KEEP; do rm -f "$OUT/$f"; done
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/mixprec-gpu.XXXXXX")
+SCALE=${MIXPREC_GPU_SH_BOX_SCALE:-$([ "$DRY" = 1 ] && echo 6 || echo 1)}
+BUDGET=$((420 * SCALE))   # seconds for the whole run
+SUMMARY=10                # of which the summary, the tables and the packing at the end
+GRACE=5                   # seconds between a step's SIGINT and its SIGKILL
+
+# ---- the plan: step names and boxes (seconds), in order -----------------------------
+RECIPES=(bf16-master fp8-current fp8-rowwise int8-rowwise fp8-block mxfp8 nvfp4)
+if [ -n "${MIXPREC_GPU_SH_RECIPES:-}" ]; then
+  IFS=';' read -ra RECIPES <<< "$MIXPREC_GPU_SH_RECIPES"
+fi
+NAMES=(env preflight gemm) BOXES=(10 34 25)
+for r in "${RECIPES[@]}"; do NAMES+=("bench:$r"); BOXES+=(18); done
+NAMES+=(moe:fp8-current moe:mxfp8 grouped tests) BOXES+=(25 25 50 25)
+NAMES+=(compile:bf16-master compile:fp8-current compile:moe:fp8-current) BOXES+=(30 30 30)
+for i in "${!BOXES[@]}"; do BOXES[i]=$((BOXES[i] * SCALE)); done
+
+if [ "$PLAN_ONLY" = 1 ]; then
+  echo "# budget $BUDGET s, summary $SUMMARY s, grace $GRACE s, scale $SCALE"
+  for i in "${!NAMES[@]}"; do printf '%s\t%s\n' "${NAMES[i]}" "${BOXES[i]}"; done
+  exit 0
+fi
 
 if [ "$DRY" = 1 ]; then
   DEV=cpu
-  BENCH_ARGS=(--device cpu --size tiny --batch 2 --seq 32 --steps 1 --warmup 0)
-  PLAN_ARGS=(--device cpu --models gpt --size tiny --batch 2 --steps 1 --seconds 0.02)
-  GROUPED_ARGS=(--device cpu --tokens 64 --experts 4 --k 64 --n 128 --repeats 1)
-  TEST_BOX=60 COMPILE_BOX=60 PER_TEST=45 PLAN_BOX=30 RECIPE_BOX=60 GROUPED_BOX=60
+  GPT_ARGS=(--size tiny --batch 2 --seq 32 --steps 1 --warmup 0)
+  MOE_ARGS=(--model qwen3_moe --hidden 64 --experts 4 --vocab 128 --seq 32 --batch 2
+            --steps 1 --warmup 0)
+  # the plumbing under aot_eager (dynamo and AOTAutograd), not inductor's C++ builds
+  COMPILE_ARGS=(--size tiny --batch 2 --seq 32 --steps 1 --warmup 1
+                --compile-backend aot_eager)
+  COMPILE_MOE_ARGS=("${MOE_ARGS[@]}" --compile-backend aot_eager)
+  GEMM_ARGS=(--shapes 64x96x80,40x200x136 --repeats 1)
+  GROUPED_ARGS=(--tokens 64 --experts 4 --k 64 --n 128 --repeats 1
+                --formats fp8-current,mxfp8 --timeout 9999)
+  PER_TEST=45 PF_TIMEOUT=9999  # a process, per check or case: no limit but the box
 else
   DEV=cuda
-  BENCH_ARGS=(--device cuda --size large --batch 4 --steps 4 --warmup 1)
-  PLAN_ARGS=(--device cuda --models gpt --size medium --batch 32 --steps 5)
-  GROUPED_ARGS=(--device cuda --tokens 4096 --experts 8,64 --k 2048 --n 4096 --repeats 5)
-  TEST_BOX=75 COMPILE_BOX=60 PER_TEST=45 PLAN_BOX=60 RECIPE_BOX= GROUPED_BOX=45
+  GPT_ARGS=(--size large --batch 4 --steps 4 --warmup 1)
+  MOE_ARGS=(--model qwen3_moe --hidden 1024 --experts 16 --vocab 4096 --seq 1024
+            --batch 8 --steps 4 --warmup 1)
+  COMPILE_ARGS=(--size base --batch 16 --steps 4 --warmup 1)
+  COMPILE_MOE_ARGS=("${MOE_ARGS[@]}")
+  GEMM_ARGS=(--shapes 4096x4096x4096,8192x8192x8192,8192x2048x8192 --repeats 10)
+  GROUPED_ARGS=(--tokens 4096 --experts 8,64 --k 2048 --n 4096 --repeats 5 --timeout 25)
+  PER_TEST=20 PF_TIMEOUT=25
 fi
-
-# ---- the plan: step names and boxes, in order ------------------------------------
-NAMES=(env preflight tests compile grouped)
-BOXES=(15 60 "$TEST_BOX" "$COMPILE_BOX" "$GROUPED_BOX")
-declare -A RECIPE_OF=()
-RECIPES=()
-listed=$("$PY" benchmarks/gpu_bench.py --list 2>"$WORK/recipes.err")
-declare -A LISTED_BOX=()
-while IFS=$'\t' read -r r box; do
-  [ -n "$r" ] && LISTED_BOX[$r]=$box
-done <<< "$listed"
-if [ -n "${MIXPREC_GPU_SH_RECIPES:-}" ]; then
-  IFS=';' read -ra RECIPES <<< "$MIXPREC_GPU_SH_RECIPES"
-else
-  mapfile -t RECIPES < <(cut -f1 <<< "$listed" | sed '/^$/d')
-fi
-for r in "${RECIPES[@]}"; do
-  NAMES+=("bench:$r")
-  BOXES+=("${RECIPE_BOX:-${LISTED_BOX[$r]:-45}}")
-  RECIPE_OF[bench:$r]=$r
-done
-NAMES+=(plan)
-BOXES+=("$PLAN_BOX")
+export PYTHONFAULTHANDLER=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+  PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-gpu-results}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+KEEP="summary.txt tables.md preflight.jsonl tests.xml tests.log bench.jsonl nvidia-smi.csv rest.tar.gz"
+for f in $KEEP; do rm -f "$OUT/$f"; done
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/mixprec-gpu.XXXXXX")
+box_of() { local i; for i in "${!NAMES[@]}"; do [ "${NAMES[i]}" = "$1" ] && echo "${BOXES[i]}"; done; }
 
 # ---- bookkeeping ---------------------------------------------------------------------
 now() { echo "${EPOCHREALTIME:-$(date +%s.%N)}"; }
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
 T0=$(now)
 declare -A DONE=()
-CUR="" CUR_PID="" CUR_T0="" CUR_BOX="" SAMPLER="" STOP=""
+CUR="" CUR_PID="" CUR_T0="" CUR_LINES="" SAMPLER="" STOP=""
 {
   echo "# mixprec benchmarks/gpu.sh: $(date -u +%Y-%m-%dT%H:%M:%SZ), device $DEV," \
        "dry run $([ "$DRY" = 1 ] && echo yes || echo no), budget ${BUDGET} s," \
@@ -105,17 +116,25 @@ record() {  # record NAME EXIT WALL NOTE: one summary line, as the step ends
   printf '[%5.0fs] %-28s exit %-5s %6ss  %s\n' "$(since "$T0")" "$1" "$2" "$3" "$4"
 }
 
+# what one GPU cannot run, named first so that even an interrupted run says it
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+for what in "tp:tensor parallelism (parallelize_module) over NCCL" \
+            "fsdp:FSDP and FSDP x TP over NCCL" "ddp:DDP over NCCL"; do
+  printf '%s\tnone\t0\tnot run: needs 2 GPUs (%s; this machine has %s)\n' \
+    "${what%%:*}" "${what#*:}" "${GPUS:-0}" >> "$OUT/summary.txt"
+done
+
 pack() {  # every other log into rest.tar.gz (written aside, then moved in)
   tar -czf "$WORK.tgz" -C "$WORK" . 2>/dev/null && mv -f "$WORK.tgz" "$OUT/rest.tar.gz"
 }
 
-bench_line() {  # bench_line NAME EXIT NOTE [LINES]: a recipe's line where its process
-  local r=${RECIPE_OF[$1]:-} before=${4:-}  # wrote none (bench.jsonl had LINES before)
-  [ -z "$r" ] && return
+bench_line() {  # bench_line NAME EXIT NOTE [LINES]: the line of a one-recipe step whose
+  local r=${1#*:} before=${4:-}  # process wrote none (bench.jsonl had LINES before)
+  case $1 in bench:*|moe:*|compile:*) ;; *) return ;; esac
   if [ -n "$before" ] && [ "$(wc -l 2>/dev/null < "$OUT/bench.jsonl" || echo 0)" -gt "$before" ]
   then return; fi
-  printf '{"recipe": "%s", "status": "%s", "error": "%s", "exit": "%s"}\n' \
-    "$r" "$([ "$2" = skip ] || [ "$2" = none ] && echo skipped || echo error)" \
+  printf '{"step": "%s", "recipe": "%s", "status": "%s", "error": "%s", "exit": "%s"}\n' \
+    "$1" "${r#moe:}" "$([ "$2" = skip ] || [ "$2" = none ] && echo skipped || echo error)" \
     "$3" "$2" >> "$OUT/bench.jsonl"
 }
 
@@ -128,15 +147,15 @@ failing() {  # is step $1 named in MIXPREC_GPU_SH_FAIL (itself, or its prefix be
   return 1
 }
 
-step() {  # step INDEX LOG CMD...: CMD in its time box, output appended to LOG
-  local i=$1 log=$2
+step() {  # step NAME LOG CMD...: CMD in NAME's time box, output appended to LOG
+  local name=$1 log=$2
   shift 2
-  local name=${NAMES[$i]} box=${BOXES[$i]}
-  local left=$((BUDGET - 5 - SECONDS - GRACE))
-  local lines
+  local box left lines
+  box=$(box_of "$name")
+  left=$((BUDGET - SUMMARY - SECONDS - GRACE))
   lines=$(wc -l 2>/dev/null < "$OUT/bench.jsonl" || echo 0)
   if [ "$left" -lt "$box" ]; then box=$left; fi
-  if [ "$box" -lt 10 ]; then
+  if [ "$box" -lt 5 ]; then
     record "$name" skip 0 "skipped: out of time (${left} s left of the ${BUDGET} s run)"
     bench_line "$name" skip "skipped: out of time"
     return
@@ -145,7 +164,7 @@ step() {  # step INDEX LOG CMD...: CMD in its time box, output appended to LOG
     set -- "$PY" -c "import ctypes; ctypes.string_at(0)"
   fi
   echo "### $name: $* (box ${box} s)" >> "$log"
-  CUR=$name CUR_T0=$(now) CUR_BOX=$box CUR_LINES=$lines
+  CUR=$name CUR_T0=$(now) CUR_LINES=$lines
   timeout -s INT -k "$GRACE" "$box" "$@" >> "$log" 2>&1 &
   CUR_PID=$!
   if [ "${MIXPREC_GPU_SH_KILL:-}" = "$name" ]; then kill -TERM $$; fi
@@ -185,6 +204,7 @@ finish() {
       bench_line "$name" none "not run: ${STOP:-the script ended early}"
     fi
   done
+  timeout 5 "$PY" benchmarks/gpu_tables.py "$OUT" > "$OUT/tables.md" 2>> "$WORK/tables.err"
   echo "# total $(since "$T0") s; ${STOP:-finished}" >> "$OUT/summary.txt"
   pack
   rm -rf "$WORK" "$WORK.tgz"
@@ -213,42 +233,49 @@ fi
 JOBS=$(( $(nproc) > 3 ? ($(nproc) - 2 < 12 ? $(nproc) - 2 : 12) : 2 ))
 case $mode in *Exclusive*) JOBS=1 ;; esac  # one CUDA context at a time
 
-# ---- the steps -------------------------------------------------------------------------
-step 0 "$WORK/env.txt" bash -c '
+# ---- the steps, in the plan's order ---------------------------------------------------
+step env "$WORK/env.txt" bash -c '
   date -u; uname -a; nvidia-smi || echo "no nvidia-smi"
   nvidia-smi --query-gpu=name,compute_mode,driver_version,memory.total --format=csv 2>&1
   "$0" -c "import sys, torch, mixprec; print(sys.version); print(\"torch\", torch.__version__,
 torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else \"no CUDA\")"
   "$0" -m pip list 2>/dev/null | grep -iE "^(torch|triton|transformers|numpy|nvidia-c)" ' "$PY"
 
-PF_BUDGET=52
-step 1 "$WORK/preflight.log" "$PY" benchmarks/gpu_preflight.py --device "$DEV" \
-  --out "$OUT/preflight.jsonl" --budget "$PF_BUDGET" --jobs "$JOBS" \
-  --timeout "$([ "$DRY" = 1 ] && echo $PF_BUDGET || echo 30)"
+PF=$(($(box_of preflight) - 4))  # the preflight's own budget, inside its box
+step preflight "$WORK/preflight.log" "$PY" benchmarks/gpu_preflight.py --device "$DEV" \
+  --out "$OUT/preflight.jsonl" --budget "$PF" --jobs "$JOBS" \
+  --timeout "$((PF_TIMEOUT < PF ? PF_TIMEOUT : PF))"
 
-mapfile -t CUDA_FILES < <(grep -l "mark\.cuda" tests/test_*.py)
-PYTEST=(env PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" "$PY" -m pytest -q -rA -m cuda
-        --continue-on-collection-errors
-        -p no:cacheprovider -p pytest_time_box --time-box "$PER_TEST"
-        -o faulthandler_timeout="$((PER_TEST - 5))")
-if [ "${#CUDA_FILES[@]}" -gt 0 ]; then
-  step 2 "$OUT/tests.log" "${PYTEST[@]}" -k "not compile" --junitxml "$OUT/tests.xml" \
-    "${CUDA_FILES[@]}"
-  step 3 "$OUT/tests.log" "${PYTEST[@]}" -k compile --junitxml "$WORK/compile.xml" \
-    "${CUDA_FILES[@]}"
-else
-  record tests none 0 "no CUDA-marked test file found"
-  record compile none 0 "no CUDA-marked test file found"
-fi
-
-step 4 "$WORK/grouped.log" "$PY" benchmarks/grouped_gemm.py "${GROUPED_ARGS[@]}" \
+step gemm "$WORK/gemm.log" "$PY" benchmarks/gpu_gemm.py --device "$DEV" "${GEMM_ARGS[@]}" \
   --out "$OUT/bench.jsonl"
 
-i=5
 for r in "${RECIPES[@]}"; do
-  step "$i" "$WORK/bench-${r//[^A-Za-z0-9._-]/_}.log" "$PY" benchmarks/gpu_bench.py \
-    --recipe "$r" "${BENCH_ARGS[@]}" --out "$OUT/bench.jsonl"
-  i=$((i + 1))
+  step "bench:$r" "$WORK/bench-${r//[^A-Za-z0-9._-]/_}.log" "$PY" benchmarks/gpu_bench.py \
+    --recipe "$r" --device "$DEV" "${GPT_ARGS[@]}" --out "$OUT/bench.jsonl"
 done
 
-step "$i" "$OUT/plan.txt" "$PY" benchmarks/plan.py "${PLAN_ARGS[@]}"
+for r in fp8-current mxfp8; do
+  step "moe:$r" "$WORK/moe-$r.log" "$PY" benchmarks/gpu_bench.py --recipe "$r" \
+    --device "$DEV" "${MOE_ARGS[@]}" --out "$OUT/bench.jsonl"
+done
+
+step grouped "$WORK/grouped.log" "$PY" benchmarks/gpu_grouped.py --device "$DEV" \
+  "${GROUPED_ARGS[@]}" --budget "$(($(box_of grouped) - 3))" --out "$OUT/bench.jsonl"
+
+mapfile -t CUDA_FILES < <(grep -l "mark\.cuda" tests/test_*.py)
+if [ "${#CUDA_FILES[@]}" -gt 0 ]; then
+  step tests "$OUT/tests.log" env PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" "$PY" -m pytest \
+    -q -rA -m cuda --continue-on-collection-errors -p no:cacheprovider \
+    -p pytest_time_box --time-box "$PER_TEST" -o faulthandler_timeout="$((PER_TEST - 5))" \
+    --junitxml "$OUT/tests.xml" "${CUDA_FILES[@]}"
+else
+  record tests none 0 "no CUDA-marked test file found"
+fi
+
+for r in bf16-master fp8-current; do
+  step "compile:$r" "$WORK/compile-$r.log" "$PY" benchmarks/gpu_bench.py --recipe "$r" \
+    --device "$DEV" --compile "${COMPILE_ARGS[@]}" --out "$OUT/bench.jsonl"
+done
+step compile:moe:fp8-current "$WORK/compile-moe.log" "$PY" benchmarks/gpu_bench.py \
+  --recipe fp8-current --device "$DEV" --compile "${COMPILE_MOE_ARGS[@]}" \
+  --out "$OUT/bench.jsonl"

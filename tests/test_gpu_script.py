@@ -26,8 +26,9 @@ from mixprec.workbench import GPT
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = {"summary.txt", "preflight.jsonl", "tests.xml", "tests.log", "bench.jsonl",
-         "plan.txt", "nvidia-smi.csv", "rest.tar.gz"}
+FILES = {"summary.txt", "tables.md", "preflight.jsonl", "tests.xml", "tests.log",
+         "bench.jsonl", "nvidia-smi.csv", "rest.tar.gz"}
+NEEDS_TWO = ["tp", "fsdp", "ddp"]
 
 
 def gpu_sh(out: Path, **env) -> tuple[subprocess.CompletedProcess, float]:
@@ -35,7 +36,7 @@ def gpu_sh(out: Path, **env) -> tuple[subprocess.CompletedProcess, float]:
     t = time.monotonic()
     run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run"],
                          env={**os.environ, "OUT": str(out), "PY": sys.executable, **env},
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=2520)  # the dry budget
     return run, time.monotonic() - t
 
 
@@ -51,93 +52,162 @@ def summary(out: Path) -> tuple[dict[str, tuple[str, float, str]], list[str]]:
     return steps, notes
 
 
-@pytest.mark.long  # every step of the GPU script, dry: about 40 s on a 2-core CPU
+def plan(*args: str) -> tuple[dict[str, int], list[tuple[str, int]]]:
+    """``gpu.sh --plan``: its header's numbers and its (step, box) lines, in order."""
+    run = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--plan", *args],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    head, *rest = run.stdout.splitlines()
+    words = head.lstrip("# ").replace(",", "").split()
+    nums = {words[i]: int(words[i + 1]) for i in range(0, len(words) - 1, 3)}
+    return nums, [(n, int(b)) for n, b in (x.split("\t") for x in rest)]
+
+
+def test_the_plan_fits_its_budget_with_the_most_valuable_figures_first():
+    """The GPU plan: boxes that add up to at most the 7 minutes less the summary's
+    reserve, the steps in the order of their value, compile last; the dry run's plan
+    is the same steps, every box and the budget scaled alike."""
+    nums, steps = plan()
+    names, boxes = [n for n, _ in steps], [b for _, b in steps]
+    assert nums["budget"] == 420 and nums["scale"] == 1
+    assert sum(boxes) <= nums["budget"] - nums["summary"]
+    assert min(boxes) >= 10 and len(set(names)) == len(names)
+    assert names[:3] == ["env", "preflight", "gemm"]
+    bench = [n for n in names if n.startswith("bench:")]
+    assert names[3:3 + len(bench)] == bench
+    recipes = [Recipe.coerce(n[6:]) for n in bench]
+    assert str(recipes[0]) == "bf16-master" and {"fp8-current", "int8-rowwise", "mxfp8"} <= {
+        n[6:] for n in bench}
+    assert [r.block_scaled for r in recipes] == sorted(r.block_scaled for r in recipes)
+    rest = names[3 + len(bench):]
+    assert rest[:4] == ["moe:fp8-current", "moe:mxfp8", "grouped", "tests"]
+    assert rest[4:] and all(n.startswith("compile:") for n in rest[4:])
+    dry_nums, dry = plan("--dry-run")
+    assert [n for n, _ in dry] == names and dry_nums["scale"] > 1
+    assert [b for _, b in dry] == [b * dry_nums["scale"] for b in boxes]
+    assert dry_nums["budget"] == nums["budget"] * dry_nums["scale"]
+
+
+def test_the_script_runs_its_steps_in_the_plans_order():
+    """Each step the script runs is a step of the plan, in the plan's order (the plan
+    is what the boxes test reads)."""
+    text = (ROOT / "benchmarks" / "gpu.sh").read_text()
+    body = text[text.index("# ---- the steps"):]
+    import re
+
+    called = re.findall(r'^\s*step "?([a-z0-9:$-]+)', body, flags=re.M)
+    expanded = []
+    for c in called:
+        if c == "bench:$r":
+            expanded.append("bench:*")
+        elif c in ("moe:$r", "compile:$r"):
+            expanded += [c.replace("$r", r) for r in (("fp8-current", "mxfp8")
+                         if c.startswith("moe") else ("bf16-master", "fp8-current"))]
+        else:
+            expanded.append(c)
+    names = ["bench:*" if n.startswith("bench:") else n for n, _ in plan()[1]]
+    assert expanded == [n for i, n in enumerate(names) if n != "bench:*"
+                        or names[i - 1] != "bench:*"]
+
+
+@pytest.mark.long  # every step of the GPU script, dry: 5-15 min on a shared 2-core CPU
 def test_dry_run_writes_every_file_and_a_crashed_step_costs_only_its_own(tmp_path):
     """The whole run on this CPU, bench's first recipe crashing (SIGSEGV): every result
-    file is there, 8 at most; every step has its exit code and wall time; the other
-    recipe's line, the preflight's lines and the JUnit file are complete."""
+    file is there, 8 at most; every step ran within its box with its exit code; the
+    other lines (recipes, the MoE steps, the GEMM table, the grouped cases, the
+    compiled steps), the preflight's lines and the JUnit file are complete; the summary
+    names what one GPU cannot run."""
     pf = benchmark("gpu_preflight")
-    run, took = gpu_sh(tmp_path, MIXPREC_GPU_SH_RECIPES="bf16;mxfp8",
-                       MIXPREC_GPU_SH_FAIL="bench:bf16")
+    run, took = gpu_sh(tmp_path, MIXPREC_GPU_SH_RECIPES="bf16-master;mxfp8",
+                       MIXPREC_GPU_SH_FAIL="bench:bf16-master")
     assert run.returncode == 0, run.stderr[-3000:]
     assert {p.name for p in tmp_path.iterdir()} == FILES
     steps, notes = summary(tmp_path)
-    assert list(steps) == ["env", "preflight", "tests", "compile", "grouped",
-                           "bench:bf16", "bench:mxfp8", "plan"]
-    assert steps["bench:bf16"][0] == "139"  # 128 + SIGSEGV
-    for name in ("env", "preflight", "tests", "compile", "grouped", "bench:mxfp8"):
-        assert steps[name][0] == "0", (name, steps[name], run.stdout[-2000:])
-    # the planner's survey may outrun its 30 s box on a loaded 2-core host: then SIGINT
-    assert steps["plan"][0] in ("0", "124") and (tmp_path / "plan.txt").stat().st_size
-    assert all(0 <= wall <= 70 for _, wall, _ in steps.values())  # boxes of 60 s at most
-    assert notes[-1].endswith("finished") and took < 420
+    nums, planned = plan("--dry-run")
+    assert list(steps) == NEEDS_TWO + [n for n, _ in planned if not n.startswith("bench:")
+                                       or n[6:] in ("bf16-master", "mxfp8")]
+    for n in NEEDS_TWO:
+        assert steps[n][0] == "none" and steps[n][2].startswith("not run: needs 2 GPUs")
+    assert steps["bench:bf16-master"][0] == "139"  # 128 + SIGSEGV
+    box = dict(planned)
+    for name, (rc, wall, _) in steps.items():
+        if name in NEEDS_TWO or name == "bench:bf16-master":
+            continue
+        assert rc == "0", (name, steps[name], run.stdout[-2000:])
+        assert wall <= box[name] + 6  # within its box (and the grace)
+    assert notes[-1].endswith("finished") and took < nums["budget"]
 
     lines = [json.loads(x) for x in (tmp_path / "bench.jsonl").read_text().splitlines()]
-    bench = [b for b in lines if b.get("bench") != "grouped_gemm"]
-    assert [b["recipe"] for b in bench] == ["bf16", "mxfp8"]
-    # the grouped GEMM: both baselines and every format's loop and grouped routes, each
-    # checked against its loop route (on a CPU the grouped route's products are the
-    # loop's, so the gradients agree to an fp32 rounding; NVFP4 checked in its
-    # round-to-nearest twin: the routes draw their random numbers differently)
-    grouped = {(g["format"], g["route"]): g for g in lines if g.get("bench") == "grouped_gemm"}
-    assert len(grouped) == 2 + 2 * 6 and all(g["status"] == "ok" for g in grouped.values())
-    assert all(g["vs_loop"] < 2e-2 and g["ms"] > 0 for g in grouped.values()
-               if g["format"] != "bf16")
-    assert bench[0]["status"] == "error" and "exit 139" in bench[0]["error"]
-    ok = bench[1]
-    assert ok["status"] == "ok" and ok["step_ms"] > 0 and ok["tokens_per_s"] > 0
+    gpt = [b for b in lines if "recipe" in b and b.get("model") == "gpt"
+           and not b.get("compile")]
+    assert [b["recipe"] for b in lines if b.get("step") == "bench:bf16-master"] == [
+        "bf16-master"]
+    crashed = next(b for b in lines if b.get("step") == "bench:bf16-master")
+    assert crashed["status"] == "error" and "exit 139" in crashed["error"]
+    (ok,) = gpt
+    assert ok["recipe"] == "mxfp8" and ok["status"] == "ok" and ok["step_ms"] > 0
     assert ok["fp8_routes"] == {"dequant_fp32": 8}  # 2 blocks x qkv, proj, fc, out
     assert ok["max_memory_allocated"] is None and ok["probe_route"] == "dequant_fp32"
+    moe = {b["recipe"]: b for b in lines if b.get("model") == "qwen3_moe"
+           and not b.get("compile")}
+    assert set(moe) == {"fp8-current", "mxfp8"}
+    for r, b in moe.items():  # 2 layers x (gate-up, down): every experts GEMM converted
+        assert b["status"] == "ok" and b["finite"], b
+        assert sum(b["experts_formats"].values()) == 4
+        assert all(f.startswith(r) for f in b["experts_formats"])
+    compiled = {(b["model"], b["recipe"]): b for b in lines if b.get("compile")}
+    assert set(compiled) == {("gpt", "bf16-master"), ("gpt", "fp8-current"),
+                             ("qwen3_moe", "fp8-current")}
+    assert all(b["status"] == "ok" and b["compiled_step_ms"] > 0 for b in compiled.values())
+    gemm = [b for b in lines if b.get("bench") == "gemm"]
+    assert len(gemm) == 2 * 7 and all(b["status"] == "ok" for b in gemm)
+    grouped = {b["case"]: b for b in lines if b.get("bench") == "grouped_gemm"}
+    assert set(grouped) == {"4:bf16", "4:fp8-current:grouped", "4:mxfp8:grouped"}
+    assert all(b["status"] == "ok" for b in grouped.values()), grouped
+    # on a CPU the grouped route's products are the loop's: equal to fp32 roundings
+    assert all(b["vs_loop"] < 2e-2 for c, b in grouped.items() if c != "4:bf16")
+    tables = (tmp_path / "tables.md").read_text()
+    for title in ("## GEMMs", "## Workbench GPT, eager", "## Qwen3-MoE", "## Grouped GEMM",
+                  "## Compiled against eager", "## Steps without a line of their own"):
+        assert title in tables
 
     lines = [json.loads(x) for x in (tmp_path / "preflight.jsonl").read_text().splitlines()]
     assert sorted(x["check"] for x in lines) == sorted(pf.checks())
     for x in lines:
         left_out = x["check"].split(":")[0] in pf.CUDA_ONLY or x["check"] in pf.CPU_SKIP
         assert x["status"] == ("skipped" if left_out else "ok"), x
-    assert {x["check"] for x in lines if x["status"] == "ok"} == {
-        "env", "engine:mxfp8", "tf32-legacy:allow_tf32", "tf32-legacy:high"}
     env = next(x for x in lines if x["check"] == "env")
     assert env["torch"] == torch.__version__ and "fp32_precision_state" in env
-
-    cases = ET.parse(tmp_path / "tests.xml").getroot().iter("testcase")
-    names = [c.get("name") for c in cases]
-    assert names and not any("compile" in n for n in names)
+    assert ET.parse(tmp_path / "tests.xml").getroot().iter("testcase")
     with tarfile.open(tmp_path / "rest.tar.gz") as tar:
         packed = {Path(n).name for n in tar.getnames()}
-    assert {"env.txt", "preflight.log", "grouped.log", "bench-bf16.log",
-            "bench-mxfp8.log", "compile.xml"} <= packed
+    assert {"env.txt", "preflight.log", "gemm.log", "grouped.log", "bench-bf16-master.log",
+            "bench-mxfp8.log", "moe-mxfp8.log", "compile-moe.log"} <= packed
 
 
 def test_sigterm_mid_run_leaves_the_summary_and_names_what_did_not_run(tmp_path):
     """The script told to stop as the preflight starts: the step is interrupted, the
-    steps after it are listed as not run, each recipe has its line, the logs are
-    packed, and the script exits with SIGTERM's status."""
+    steps after it are listed as not run, each one-recipe step has its line, the logs
+    are packed, and the script exits with SIGTERM's status."""
     run, _ = gpu_sh(tmp_path, MIXPREC_GPU_SH_RECIPES="bf16;mxfp8",
                     MIXPREC_GPU_SH_KILL="preflight")
     assert run.returncode == 143, run.stderr[-2000:]
     steps, notes = summary(tmp_path)
     assert steps["env"][0] == "0"
     assert steps["preflight"][2] == "interrupted: the script got SIGTERM"
-    for name in ("tests", "compile", "grouped", "bench:bf16", "bench:mxfp8", "plan"):
+    later = [n for n, _ in plan()[1]][3:]
+    later = [n for n in later if not n.startswith("bench:")]
+    for name in ("gemm", "bench:bf16", "bench:mxfp8", *later):
         assert steps[name][:1] == ("none",) and "not run" in steps[name][2]
     assert notes[-1].endswith("interrupted by SIGTERM")
     names = {p.name for p in tmp_path.iterdir()}
     assert len(names) <= 8 and {"summary.txt", "rest.tar.gz", "bench.jsonl"} <= names
     bench = [json.loads(x) for x in (tmp_path / "bench.jsonl").read_text().splitlines()]
-    assert [(b["recipe"], b["status"]) for b in bench] == [("bf16", "skipped"),
-                                                           ("mxfp8", "skipped")]
+    assert [(b["step"], b["status"]) for b in bench] == [
+        (n, "skipped") for n in ("bench:bf16", "bench:mxfp8", "moe:fp8-current",
+                                 "moe:mxfp8", *(n for n in later if n.startswith("compile")))]
     with tarfile.open(tmp_path / "rest.tar.gz") as tar:
         assert "env.txt" in {Path(n).name for n in tar.getnames()}
-
-
-def test_gpu_recipes_parse_and_the_dequantizing_ones_come_last():
-    listed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"),
-                             "--list"], capture_output=True, text=True, timeout=60)
-    rows = [line.split("\t") for line in listed.stdout.splitlines()]
-    recipes = [Recipe.coerce(r) for r, _ in rows]
-    assert len(recipes) == 11 and all(int(box) >= 20 for _, box in rows)
-    block = [r.block_scaled for r in recipes]
-    assert block == [False] * 8 + [True] * 3
 
 
 def test_gpu_bench_writes_its_line_when_the_recipe_fails_or_is_interrupted(
@@ -312,3 +382,78 @@ def test_grouped_gemm_bench_reports_a_failing_route_and_goes_on(monkeypatch):
     # e4m3 against float64: a few percent; the bf16 baselines far closer
     assert 1e-2 < rows[("fp8", "loop")]["vs_fp64"] < 0.1
     assert rows[("bf16", "loop")]["vs_fp64"] < 1e-2
+
+
+def test_grouped_cases_run_one_per_process_and_a_crash_costs_its_line(tmp_path,
+                                                                       monkeypatch):
+    """The parent lists the cases in a child, runs each in its own, and writes each
+    line as the case ends: a case whose process dies (SIGSEGV, as after a device-side
+    assert) gets an error line and the next case still runs; the cases left when the
+    budget ends are skipped lines; times are put over the bf16 grouped GEMM's."""
+    mod = benchmark("gpu_grouped")
+    calls, clock = [], [0.0]
+    answers = {"8:bf16": (0, {"case": "8:bf16", "status": "ok", "ms": 2.0}),
+               "8:fp8-current:grouped": (-11, None),
+               "8:mxfp8:grouped": (0, {"case": "8:mxfp8:grouped", "status": "ok",
+                                       "ms": 5.0})}
+
+    def run(cmd, **kw):
+        calls.append(cmd[cmd.index("--one") + 1] if "--one" in cmd else "--list")
+        clock[0] += 10
+        if "--list" in cmd:
+            return subprocess.CompletedProcess(cmd, 0, "\n".join([*answers, "8:nvfp4:grouped"]),
+                                               "")
+        rc, line = answers[calls[-1]]
+        return subprocess.CompletedProcess(cmd, rc, json.dumps(line) if line else "",
+                                           "Fatal Python error: Segmentation fault")
+
+    monkeypatch.setattr(mod.subprocess, "run", run)
+    monkeypatch.setattr(mod.time, "monotonic", lambda: clock[0])
+    out = tmp_path / "bench.jsonl"
+    args = mod.argparse.Namespace(budget=39, timeout=30, out=str(out))
+    assert mod.run_all(args, ["--device", "cuda"]) == 1
+    assert calls == ["--list", "8:bf16", "8:fp8-current:grouped", "8:mxfp8:grouped"]
+    lines = {x["case"]: x for x in map(json.loads, out.read_text().splitlines())}
+    assert list(lines) == [*answers, "8:nvfp4:grouped"]
+    assert lines["8:fp8-current:grouped"]["error"].endswith("exit -11 (SIGSEGV)")
+    assert "Segmentation" in lines["8:fp8-current:grouped"]["stderr"]
+    assert lines["8:mxfp8:grouped"]["vs_bf16_grouped"] == 2.5
+    assert lines["8:nvfp4:grouped"]["status"] == "skipped"
+    assert mod._without(["--out", "x", "--budget=3", "--k", "64"], ("--out", "--budget")) == [
+        "--k", "64"]
+
+
+@pytest.mark.parametrize("fmt,lo,hi", [(None, 0, 1e-2), ("fp8-current", 1e-2, 0.1),
+                                       ("int8-rowwise", 1e-3, 3e-2), ("mxfp8", 1e-2, 0.1)])
+def test_gemm_table_row_checks_each_format_against_float64(fmt, lo, hi):
+    """A row of the GEMM table on this CPU: the format's GEMM against the float64
+    product of the unquantized operands: bf16's error under 1%, e4m3's a few percent
+    (so the format did apply), int8's in between; times and rates positive."""
+    mod = benchmark("gpu_gemm")
+    row = mod.row(fmt, 40, 200, 136, torch.device("cpu"), repeats=1)
+    assert lo < row["vs_fp64"] < hi, row
+    assert row["gemm_ms"] > 0 and row["with_casts_tflops"] > 0
+    assert row["format"] == (fmt or "bf16") and (fmt is None) == (row["route"] == "torch.mm")
+
+
+def test_tables_read_every_kind_of_line(tmp_path):
+    (tmp_path / "bench.jsonl").write_text("\n".join(json.dumps(x) for x in [
+        {"bench": "gemm", "format": "bf16", "m": 8, "k": 8, "n": 8, "status": "ok",
+         "route": "torch.mm", "gemm_ms": 1.0, "with_casts_ms": 1.0, "vs_bf16": 1.0},
+        {"bench": "gemm", "format": "nvfp4", "m": 8, "k": 8, "n": 8, "status": "error",
+         "error": "RuntimeError: boom"},
+        {"recipe": "fp8-current", "model": "gpt", "status": "ok", "step_ms": 12.5,
+         "fp8_routes": {"scaled_mm": 48}},
+        {"recipe": "mxfp8", "model": "qwen3_moe", "compile": True, "status": "ok",
+         "step_ms": 3.0, "compiled_step_ms": 2.0},
+        {"step": "moe:mxfp8", "recipe": "mxfp8", "status": "skipped", "error": "not run"},
+        {"bench": "grouped_gemm", "case": "8:fp8:grouped", "status": "ok", "ms": 4.0,
+         "vs_bf16_grouped": 1.5}]) + "\nnot json\n")
+    (tmp_path / "preflight.jsonl").write_text(json.dumps(
+        {"check": "mx:fwd:bf16:M=1", "status": "error", "error": "illegal address"}))
+    text = "\n".join(benchmark("gpu_tables").tables(tmp_path))
+    assert "| 8×8×8 | nvfp4 | RuntimeError: boom |" in text
+    assert "| fp8-current | gpt | 12.5 | – |" in text and '{"scaled_mm": 48}' in text
+    assert "## Compiled against eager" in text and "| 3.0 | 2.0 |" in text
+    assert "| mxfp8 | moe:mxfp8 |" in text and "| 8:fp8:grouped |" in text
+    assert "| 1.50x |" in text and "| mx:fwd:bf16:M=1 | error | illegal address |" in text
