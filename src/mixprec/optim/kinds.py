@@ -27,7 +27,8 @@ import warnings
 from collections.abc import Hashable
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+
+from mixprec.optim.sharding import is_dtensor
 
 __all__ = ["kind_of", "kinds_of", "as_kind", "splits_by_kind", "step_by_kind",
            "fuses_over_dtensors", "unfuse_over_dtensors"]
@@ -39,7 +40,7 @@ _FUSED_KERNELS = {"Adam": "_fused_adam_", "AdamW": "_fused_adamw_", "SGD": "_fus
 
 def kind_of(p: torch.Tensor) -> Hashable:
     """A parameter's kind: ``None`` for a plain tensor, its ``DeviceMesh`` for a DTensor."""
-    return p.device_mesh if isinstance(p, DTensor) else None
+    return p.device_mesh if is_dtensor(p) else None
 
 
 def kinds_of(opt: torch.optim.Optimizer) -> list[Hashable]:
@@ -56,8 +57,10 @@ def as_kind(t: torch.Tensor | None, kind: Hashable) -> torch.Tensor | None:
     as the parameters of ``kind`` take it: itself for plain tensors, a DTensor
     replicated on the mesh for DTensors (the same value on every rank: the skip was
     agreed across ranks)."""
-    if t is None or kind is None or isinstance(t, DTensor):
+    if t is None or kind is None or is_dtensor(t):
         return t
+    from torch.distributed.tensor import DTensor, Replicate  # DTensors exist: loaded
+
     return DTensor.from_local(t, kind, [Replicate()] * kind.ndim, run_check=False)
 
 
@@ -103,6 +106,8 @@ def _same(a: Hashable, b: Hashable) -> bool:
 def _has_dtensor_rule(kernel: str) -> bool:
     """Whether DTensor has a sharding rule for ``aten.<kernel>.default`` (its
     propagator's registry; where that cannot be read, torch's documented pair)."""
+    from torch.distributed.tensor import DTensor
+
     op = getattr(torch.ops.aten, kernel).default
     try:
         prop = DTensor._op_dispatcher.sharding_propagator
@@ -115,7 +120,7 @@ def fuses_over_dtensors(opt: torch.optim.Optimizer) -> bool:
     """Whether ``opt``'s fused kernel runs over its parameters: True where none is a
     DTensor, or where DTensor has a rule for the kernel (torch's Adam and AdamW); False
     for another optimizer (its kernel unknown) over DTensors."""
-    if not any(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]):
+    if not any(is_dtensor(p) for g in opt.param_groups for p in g["params"]):
         return True
     kernel = _FUSED_KERNELS.get(type(opt).__name__) if _torch_own(opt) else None
     return kernel is not None and _has_dtensor_rule(kernel)
