@@ -14,7 +14,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import optim_dtensor_workers as w
-from mixprec.optim.kinds import as_kind, kind_of, kinds_of, splits_by_kind, step_by_kind
+from mixprec import checks
+from mixprec.optim.kinds import (
+    as_kind,
+    fuses_over_dtensors,
+    kind_of,
+    kinds_of,
+    splits_by_kind,
+    step_by_kind,
+    unfuse_over_dtensors,
+)
 from test_tensor_parallel import _max_rel, spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -90,17 +99,42 @@ def test_every_optimizer_and_recipe_trains_dtensors_like_one_process(layout, wor
             _check(rank[layout, recipe, how], ref, recipe, how)
 
 
-def test_step_by_kind_hands_each_kind_its_own_found_inf(tmp_path):
+def test_step_by_kind_hands_each_kind_its_own_found_inf(tmp_path, monkeypatch):
     """Parameters of two kinds (a DTensor on a one-rank mesh, a plain tensor): the
     optimizer steps once per kind, each call seeing only that kind's parameters and a
     ``found_inf`` of the same kind; the groups are restored; the update equals
-    torch's fused AdamW on plain copies, a skipped step included."""
+    torch's fused AdamW on plain copies, a skipped step included. Fused SGD over a
+    DTensor steps unfused (below)."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
                             world_size=1)
     try:
         _two_kinds()
+        _sgd_over_dtensors(monkeypatch)
     finally:
         dist.destroy_process_group()
+
+
+def _sgd_over_dtensors(monkeypatch) -> None:
+    """torch has a DTensor rule for fused Adam/AdamW's kernel, none for fused SGD's
+    (DTensor's own registry, read independently here): an ``SGD(fused=True)`` over a
+    DTensor is switched to its unfused step with one warning, and on CUDA the engine
+    leaves a default SGD over DTensors unfused, a default AdamW fused."""
+    from torch.distributed.tensor import DTensor as DT
+
+    mesh = init_device_mesh("cpu", (1,))
+    registry = DT._op_dispatcher.sharding_propagator.op_single_dim_strategy_funcs
+    assert torch.ops.aten._fused_adamw_.default in registry
+    assert torch.ops.aten._fused_sgd_.default not in registry
+    p = torch.nn.Parameter(DT.from_local(torch.ones(3), mesh, run_check=False))
+    sgd, adamw = torch.optim.SGD([p], lr=0.1, fused=True), torch.optim.AdamW([p], fused=True)
+    assert not fuses_over_dtensors(sgd) and fuses_over_dtensors(adamw)
+    with pytest.warns(UserWarning, match="no DTensor rule for aten._fused_sgd_") as said:
+        assert unfuse_over_dtensors([adamw, sgd]) == [1]
+    assert len(said) == 1 and sgd.param_groups[0]["fused"] is False
+    assert not checks.takes_found_inf(sgd) and checks.takes_found_inf(adamw)
+    defaults = [torch.optim.SGD([p], lr=0.1), torch.optim.AdamW([p])]
+    monkeypatch.setattr(checks, "param_device_types", lambda opt: {"cuda"})
+    assert checks.fuse_default_optimizers(defaults) == [1]
 
 
 def _two_kinds() -> None:
