@@ -105,10 +105,10 @@ def test_inductors_cuda_graph_check_finds_the_record_op_in_a_compiled_graph(monk
     graph): inductor's own check, ``get_first_incompatible_cudagraph_node`` on the
     post-grad graph (whose ``is_cudagraph_unsafe_fx_node`` is also where graph
     partitions cut, torch's default), returns the ``record_comm`` node, so the op
-    runs outside CUDA graphs and the rest is captured. Untagged, inductor did not find
-    it (the check never returned it): the op's mutated CPU counter then dropped CUDA
-    graphs for its partition, and a captured op would not have counted on replay. The
-    count is made as eager makes it."""
+    runs outside CUDA graphs and the rest is captured. Untagged, the check returned
+    None, leaving the op's mutated CPU counter to inductor's mutation and device checks
+    and a captured op to replays that do not count. The count is made as eager makes
+    it."""
     import torch._inductor.compile_fx as compile_fx
 
     found = []
@@ -127,7 +127,9 @@ def test_inductors_cuda_graph_check_finds_the_record_op_in_a_compiled_graph(monk
 
     torch._dynamo.reset()
     stats = CommStats()
-    with torch._inductor.config.patch({"graph_partition": False, "triton.cudagraphs": True}):
+    # caches off: a cached graph is loaded without being checked again
+    with torch._inductor.config.patch({"graph_partition": False, "triton.cudagraphs": True,
+                                       "force_disable_caches": True}):
         f = torch.compile(step, backend="inductor")
         f(torch.randn(4, 3), stats)
     torch._dynamo.reset()
