@@ -97,3 +97,43 @@ def test_compiled_code_records_each_run_without_recompiling(backend):
     f(x, twin).backward()
     torch._dynamo.reset()
     assert twin.calls == 12 and compiled.calls == 10
+
+
+def test_inductors_cuda_graph_check_finds_the_record_op_in_a_compiled_graph(monkeypatch):
+    """A forward that records a collective, compiled by inductor with CUDA graphs on
+    and graph partitions off (the setting in which inductor asks this of the whole
+    graph): inductor's own check, ``get_first_incompatible_cudagraph_node`` on the
+    post-grad graph (whose ``is_cudagraph_unsafe_fx_node`` is also where graph
+    partitions cut, torch's default), returns the ``record_comm`` node, so the op
+    runs outside CUDA graphs and the rest is captured. Untagged, the check returned
+    None, leaving the op's mutated CPU counter to inductor's mutation and device checks
+    and a captured op to replays that do not count. The count is made as eager makes
+    it."""
+    import torch._inductor.compile_fx as compile_fx
+
+    found = []
+    check = compile_fx.get_first_incompatible_cudagraph_node
+
+    def spy(gm):
+        node = check(gm)
+        found.append(node)
+        return node
+
+    monkeypatch.setattr(compile_fx, "get_first_incompatible_cudagraph_node", spy)
+
+    def step(x, stats):
+        stats.record(x, op="all_gather", what="activations")
+        return x * 2
+
+    torch._dynamo.reset()
+    stats = CommStats()
+    # caches off: a cached graph is loaded without being checked again
+    with torch._inductor.config.patch({"graph_partition": False, "triton.cudagraphs": True,
+                                       "force_disable_caches": True}):
+        f = torch.compile(step, backend="inductor")
+        f(torch.randn(4, 3), stats)
+    torch._dynamo.reset()
+    assert stats.records == [CommRecord("all_gather", "activations", torch.float32, 48)]
+    assert len(found) == 1 and found[0] is not None
+    assert found[0].target is torch.ops.mixprec.record_comm.default
+    assert torch.Tag.cudagraph_unsafe in torch.ops.mixprec.record_comm.default.tags

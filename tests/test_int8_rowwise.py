@@ -209,6 +209,34 @@ def test_the_linear_quantizes_forward_and_dgrad_and_keeps_wgrad_in_16_bits():
     assert np.abs(x.grad.double().numpy() - dx_ref).max() / np.abs(dx_ref).max() < 0.05
 
 
+def test_int8_linears_are_shown_as_int8_in_reprs_and_reports(tmp_path):
+    """An int8 recipe's Linears are ``Int8Linear`` (still ``Float8Linear`` instances,
+    which the engine and its tools test for) and say their gradient's cast is int8, the
+    format's own dtype; the conversion report names their format, not fp8. A saved
+    model loads back as the same class; fp8 Linears stay ``Float8Linear``."""
+    from mixprec.fp8 import Int8Linear
+    from mixprec.fp8.linear import fp8_modules
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters()),
+                                        "int8-rowwise")
+    mods = fp8_modules(engine.model)
+    assert sorted(mods) == ["0", "2"]
+    assert all(type(m) is Int8Linear and isinstance(m, Float8Linear) for m in mods.values())
+    assert quantizer_for(Recipe.parse("int8-rowwise")).dtype("grad_output") == torch.int8
+    assert repr(mods["0"]).startswith("Int8Linear(in_features=64, out_features=64")
+    assert "grad=int8" in repr(mods["0"]) and "Float8Linear" not in repr(engine.model)
+    report = str(engine.fp8_report)
+    assert "  conv  0: int8-rowwise" in report and "fp8" not in report
+    torch.save(engine.model, tmp_path / "m.pt")
+    assert type(torch.load(tmp_path / "m.pt", weights_only=False)[0]) is Int8Linear
+    f8 = Float8Linear.from_linear(nn.Linear(64, 64), "fp8-current")
+    assert type(f8) is Float8Linear and "grad=e5m2" in repr(f8)
+
+
 def test_recipe_bytes_and_saved_tensors():
     r = Recipe.parse("int8-rowwise")
     assert (r.compute, r.linear.name, r.fp8_name, str(r)) == ("fp8", "int8", "int8-rowwise",

@@ -95,7 +95,7 @@ def test_rules_pick_each_linears_format_first_match_wins():
     assert set(report.converted) == {n for n, f in WANT.items() if f != "bf16"}
     assert dict(report.skipped) == {"out": "rule layer:out=bf16",
                                     "head": "output head: the last Linear"}
-    assert "  fp8   blocks.1.fc: mxfp8" in str(report)
+    assert "  conv  blocks.1.fc: mxfp8" in str(report)
     assert "kept  out: rule layer:out=bf16" in str(report)
     # each layer's recipe is the recipe's, with its rule's scaling and element format
     assert model.blocks[1].fc.fp8_recipe == Recipe.parse("mxfp8")

@@ -17,6 +17,7 @@ from torch import nn
 
 from mixprec.context import check_wgrad, device_supports
 from mixprec.master import ParamState, updated_dtype
+from mixprec.optim.kinds import fuses_over_dtensors
 from mixprec.recipe import PRESETS, Recipe
 
 __all__ = ["warn_low_precision_loss", "check_model", "check_device", "check_optimizers",
@@ -138,6 +139,8 @@ def fuses_by_default(opt: torch.optim.Optimizer) -> bool:
     if type(opt) not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
         return False
     if param_device_types(opt) != {"cuda"}:
+        return False
+    if not fuses_over_dtensors(opt):  # SGD over DTensors: no DTensor rule for its kernel
         return False
     return all(g.get("fused", False) is None and g.get("foreach", False) is None
                and not g.get("differentiable", False) for g in opt.param_groups)

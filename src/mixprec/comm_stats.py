@@ -2,7 +2,9 @@
 operation, purpose, dtype and bytes, and every place where a format that asked for
 8-bit (or 4-bit) communication sent 16 bits instead (said once per cause, kept for the
 doctor). Compiled code records too: ``CommStats.record`` there calls the op
-``mixprec::record_comm``, which the graph keeps and which counts when the graph runs."""
+``mixprec::record_comm``, which the graph keeps and which counts when the graph runs;
+under CUDA graphs inductor runs it between the captured partitions (the op is tagged
+``cudagraph_unsafe``)."""
 
 from __future__ import annotations
 
@@ -120,11 +122,20 @@ class CommStats:
                           f"low-precision communication: {why}", stacklevel=3)
 
 
-@torch.library.custom_op("mixprec::record_comm", mutates_args=("ticks",))
+@torch.library.custom_op("mixprec::record_comm", mutates_args=("ticks",),
+                         tags=(torch.Tag.cudagraph_unsafe,))
 def record_comm(ticks: torch.Tensor, key: int, op: str, what: str, dtype: torch.dtype,
                 nbytes: int) -> None:
     """``CommStats.record`` from compiled code: counts one collective of ``nbytes`` in
-    the CommStats keyed ``key`` (if it is alive) and bumps ``ticks``."""
+    the CommStats keyed ``key`` (if it is alive) and bumps ``ticks``.
+
+    The count is Python on the host, which a CUDA graph's replay would not run, and
+    ``ticks`` is a CPU tensor: the op is tagged ``cudagraph_unsafe``, so inductor's
+    graph partitions (torch's default) run it between CUDA graphs and capture the rest
+    of the graph, where an untagged op left whole partitions out of CUDA graphs (a
+    mutated CPU input) or would have been replayed without counting. Without graph
+    partitions (``torch._inductor.config.graph_partition = False``) inductor skips CUDA
+    graphs for a graph that records, and says so."""
     ticks.add_(1)
     stats = _LIVE.get(key)
     if stats is not None:

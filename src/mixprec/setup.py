@@ -38,6 +38,7 @@ from mixprec.layer_rules import owner_of
 from mixprec.master import ParamState
 from mixprec.optim import recipe_settings
 from mixprec.optim.base import EngineBinding, LowPrecisionOptimizer
+from mixprec.optim.kinds import unfuse_over_dtensors
 from mixprec.parallel import (
     Parallel,
     check_parallel_recipe,
@@ -253,6 +254,7 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
         emu_mode.tag(state.working)  # bf16 values in fp32 tensors
     _repoint(optimizers, state)
     _hand_over(optimizers, state, fp32_init)
+    unfuse_over_dtensors(optimizers)  # fused SGD over DTensors: torch has no rule
     if not par.sharded:  # torch's default Adam/AdamW/SGD on CUDA: fused, no host sync
         fuse_default_optimizers(optimizers)
     module, model = model, par.wrap(model, state)

@@ -46,6 +46,7 @@ import torch
 
 from mixprec.checks import param_counts, takes_found_inf
 from mixprec.gradnorm import clip_coef, global_norm, torch_norm
+from mixprec.optim.kinds import step_by_kind
 from mixprec.watch import HostMirror, SkipWatch
 
 __all__ = ["Counters", "Step", "StepResult", "check_setup_unchanged"]
@@ -228,14 +229,10 @@ class Step:
                 _mul_(grads, factor)
         self.param_state.hand_to_optimizer()
         for opt, fused in zip(self.optimizers, self.fused):
-            if fused:
-                opt.found_inf, opt.grad_scale = found_inf, grad_scale
-                try:
-                    opt.step()
-                finally:
-                    del opt.found_inf, opt.grad_scale
+            if fused:  # found_inf, grad_scale of each parameter kind's (optim.kinds)
+                step_by_kind(opt, found_inf, grad_scale)
             elif not found_inf.item():  # one host sync: this optimizer cannot skip itself
-                opt.step()
+                step_by_kind(opt)
         self.after(found_inf)
         return found_inf, norm
 

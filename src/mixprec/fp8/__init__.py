@@ -9,7 +9,7 @@ tensor-parallel shards (``tensor_parallel``; the sequence-parallel plan ``tp_pla
 from mixprec.fp8.convert import ConvertReport, convert, layer_formats
 from mixprec.fp8.formats import FORMATS, Int8Rowwise, LinearFormat
 from mixprec.fp8.gemm import fp8_gemm
-from mixprec.fp8.linear import Float8Linear, QuantizedLinear
+from mixprec.fp8.linear import Float8Linear, Int8Linear, QuantizedLinear
 from mixprec.fp8.mm import quantized_mm
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.quantizers import QUANTIZERS, Quantizer, quantizer_for
@@ -21,7 +21,7 @@ from mixprec.fp8.scaling import (
     update_delayed_scales,
 )
 
-__all__ = ["QuantizedLinear", "Float8Linear", "quantized_mm", "convert", "ConvertReport",
-           "layer_formats", "fp8_gemm", "gemm_route", "LinearFormat", "FORMATS",
+__all__ = ["QuantizedLinear", "Float8Linear", "Int8Linear", "quantized_mm", "convert",
+           "ConvertReport", "layer_formats", "fp8_gemm", "gemm_route", "LinearFormat", "FORMATS",
            "Quantizer", "Quantized", "QUANTIZERS", "quantizer_for", "Int8Rowwise",
            "amax_to_scale", "cast_to_fp8", "cast_rowwise", "update_delayed_scales"]

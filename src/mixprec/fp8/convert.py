@@ -61,9 +61,9 @@ class ConvertReport:
     formats: Mapping[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        lines = [f"fp8: converted {len(self.converted)} Linear(s), left "
-                 f"{len(self.skipped)} in higher precision"]
-        lines += [f"  fp8   {fqn}" + (f": {self.formats[fqn]}" if fqn in self.formats
+        lines = [f"converted {len(self.converted)} Linear(s) to their low-precision "
+                 f"format, left {len(self.skipped)} in higher precision"]
+        lines += [f"  conv  {fqn}" + (f": {self.formats[fqn]}" if fqn in self.formats
                                       else "") for fqn in self.converted]
         lines += [f"  kept  {fqn}: {why}" for fqn, why in self.skipped]
         return "\n".join(lines)

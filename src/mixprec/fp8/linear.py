@@ -31,7 +31,7 @@ def _coerce(recipe: Recipe | str) -> Recipe:
 
     return Recipe.coerce(recipe)
 
-__all__ = ["QuantizedLinear", "Float8Linear", "fp8_modules", "scaling_buffers",
+__all__ = ["Int8Linear", "QuantizedLinear", "Float8Linear", "fp8_modules", "scaling_buffers",
            "legacy_scaling_keys"]
 
 
@@ -64,6 +64,8 @@ class Float8Linear(nn.Linear):
     def _configure(self, r: Recipe, seed: int = 0) -> None:
         self.fp8_recipe = r
         self.quantizer = quantizer_for(r)
+        if type(self) in _NAMED.values():  # named for its format (a user's subclass stays)
+            self.__class__ = _NAMED.get(self.quantizer.linear_name, Float8Linear)
         self.gemm_choice = self.quantizer.fp8_gemm
         state = self.quantizer.buffers(self.weight.device, seed)
         for name, (t, persistent) in state.items():
@@ -253,11 +255,25 @@ class Float8Linear(nn.Linear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        """Linear's repr plus the scaling, the weight layout and the gradient format."""
+        """Linear's repr plus the scaling, the weight layout and the gradient's cast
+        (the format's dtype for it: ``e5m2``, ``e4m3``, ``int8``)."""
         layout = "weight=(in, out), " if self.transposed else ""
+        grad = str(self.quantizer.dtype("grad_output")).removeprefix("torch.")
         return (f"{super().extra_repr()}, scaling={self.scaling}, {layout}"
-                f"grad={'e5m2' if self.grad_dtype == torch.float8_e5m2 else 'e4m3'}, "
+                f"grad={grad.removeprefix('float8_').removesuffix('fn')}, "
                 f"gemm={self.gemm_choice}")
+
+
+class Int8Linear(Float8Linear):
+    """A ``Float8Linear`` whose format is int8 (its format's ``linear_name``): the same
+    module, shown as what it computes in reprs and reports (``type(m).__name__``);
+    ``isinstance(m, Float8Linear)`` holds. ``Float8Linear.from_linear`` and
+    ``convert`` build it for an int8 recipe."""
+
+
+#: the Linear classes by the name a format gives them (``LinearFormat.linear_name``)
+_NAMED: dict[str, type[Float8Linear]] = {"Float8Linear": Float8Linear,
+                                         "Int8Linear": Int8Linear}
 
 
 #: a module's hooks that ``from_linear`` carries over (``parallelize_module``'s input and

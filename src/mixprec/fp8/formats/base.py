@@ -93,6 +93,9 @@ class LinearFormat:
 
     #: the name a recipe string gives it (``fp8_scaling=NAME``)
     name: ClassVar[str]
+    #: the class name a Linear in this format shows in reprs and reports (the class is
+    #: ``mixprec.fp8.linear.Float8Linear`` or its subclass of this name)
+    linear_name: ClassVar[str] = "Float8Linear"
     #: the forward's casts serve the backward GEMMs (a per-tensor scale has no axis)
     reused_roles: ClassVar[tuple[str, ...]] = ()
     #: one scale per tensor: FSDP2's all-gather sends the weight's e4m3 codes with a
