@@ -126,7 +126,6 @@ def test_doctor_finds_nothing_wrong_at_a_sane_learning_rate():
     assert ratios[0] == pytest.approx(ref_ratio, rel=0.02)
 
 
-@pytest.mark.long
 def test_doctor_cli_on_the_workbench_gpt_at_lr_10(tmp_path):
     out = _cli("doctor", "--recipe", "bf16-master", "--lr", "10", "--json",
                "--reference-steps", "0", cwd=tmp_path)
