@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import ml_dtypes
@@ -32,7 +33,6 @@ SRC = str(ROOT / "src")
 
 
 def _run(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run a command as a user would, stdout and stderr piped, this checkout's sources."""
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -236,9 +236,18 @@ def test_estimate_prices_a_config_per_item_under_zero3():
     for item, per_param in (("params", 2), ("grads", 4), ("master", 4), ("optimizer", 8)):
         assert items[item] == pytest.approx(per_param * n / 64, rel=1e-9), item
     assert items["activations"] > 0
+    # fp8 under ZeRO-3: each rank holds every Linear's whole cast, 1 byte an element of
+    # the layers' Linears and experts, 2 for the bf16 copies of routers and head
+    c, h = _configs()["mixtral-8x7b"], 4096
+    layer = 2 * h * h + 2 * h * 1024 + 8 * 3 * h * c.intermediate_size
+    casts = c.num_hidden_layers * layer + 2 * (c.num_hidden_layers * h * 8 + c.vocab_size * h)
+    spec = spec_from_config(c, seq_len=4096, attention="flash", dropout=False)
+    fp8 = estimate(spec, "fp8", zero_stage=3, world_size=64).items
+    assert fp8["weight_casts"] == casts
+    assert fp8["params"] == pytest.approx(4 * _hand_count(c) / 64, rel=1e-9)
 
 
-@pytest.mark.parametrize("name", ["llama", "mixtral-8x7b"])
+@pytest.mark.parametrize("name", ["llama-3-70b", "mixtral-8x7b"])
 def test_memory_cli_reads_a_config_json(tmp_path, name):
     config = _configs()[name]
     config.save_pretrained(tmp_path / name)
@@ -310,19 +319,9 @@ def test_recipe_fp32_is_plain_torch_training():
         ref_opt.step()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(engine.export_state_dict()[k], v, rtol=1e-6, atol=1e-7)
-
-
-def test_bf16_sr_needs_mixprecs_optimizer_and_says_so():
-    model = nn.Linear(8, 8)
-    with pytest.raises(Exception, match=r"torch's AdamW cannot .* mixprec\.optim"):
-        MixedPrecision(model, torch.optim.AdamW(model.parameters()), "bf16-sr")
-    opt = mixprec.optim.adamw_for("bf16-sr", model.named_parameters(), lr=1e-3)
-    engine = MixedPrecision(model, opt, "bf16-sr")
-    with engine.autocast():
-        loss = model(torch.randn(4, 8)).float().square().mean()
-    engine.backward(loss)
-    engine.step()
-    assert model.weight.dtype == torch.bfloat16                 # no masters: bf16 weights
+    # bf16-sr writes weights itself: torch's AdamW is refused, naming mixprec's optimizer
+    with pytest.raises(ValueError, match=r"torch's AdamW cannot .* mixprec\.optim\.AdamW"):
+        MixedPrecision(ref, torch.optim.AdamW(ref.parameters()), "bf16-sr")
 
 
 def _table_row(text: str, name: str) -> list[float]:
@@ -478,3 +477,21 @@ def test_moe_guide_coverage_block_is_what_its_example_prints(tmp_path):
     # 2 layers: q, o 64x64; k, v 64x32; 4 experts of 3 x 64x64; a 64x4 router; head 128x64
     layer = 2 * 64 * 64 + 2 * 64 * 32 + 4 * 3 * 64 * 64 + 64 * 4
     assert f"of {2 * layer + 128 * 64:,} matmul weight" in printed
+
+
+def test_a_recipe_leaving_most_weights_in_16_bits_warns_once():
+    torch.manual_seed(0)
+    net = Net()
+    kept = ("wide", "narrow", "inp", "out")                 # the head is kept by default
+    high = sum(WEIGHTS[k] for k in kept) / sum(WEIGHTS.values())
+    assert high > 0.5                                       # more than half: the guide warns
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = MixedPrecision(net, torch.optim.AdamW(net.parameters()),
+                                "fp8-current,layer:wide=bf16,layer:narrow=bf16,layer:inp=bf16")
+        str(engine.coverage)
+    said = [str(w.message) for w in caught if "low precision" in str(w.message)]
+    assert len(said) == 1, said
+    assert f"only {round(100 * (1 - high))}%" in said[0]
+    assert all(f"{k} (49,152 parameters)" in said[0] for k in ("wide", "narrow"))
+    assert engine.coverage.high_precision_share == pytest.approx(high)
