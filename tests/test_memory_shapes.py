@@ -118,15 +118,15 @@ def _tiny(kind: str):
 
 @pytest.mark.parametrize("kind", ["llama", "mixtral", "qwen3_moe"])
 def test_the_count_is_the_models_own(kind):
-    """A small model built from the same config: the same count (Qwen3's per-head
-    q and k norms, 2·head_dim a layer, are the only parameters the count leaves out)."""
+    """A small model built from the same config: the same count, Qwen3's per-head q and
+    k norms (2·head_dim a layer) included."""
     cfg, cls = _tiny(kind)
     torch.manual_seed(0)
     model = cls(cfg)
     own = sum(p.numel() for p in model.parameters())
     spec = spec_from_config(cfg, seq_len=16)
-    left_out = 2 * 32 * 2 if kind == "qwen3_moe" else 0
-    assert param_count(spec) == own - left_out
+    assert param_count(spec) == own
+    assert spec.qk_norm == (kind == "qwen3_moe")
     if kind == "qwen3_moe":  # one dense layer (mlp_only_layers), one of 4 experts of 32
         assert (spec.dense_layers, spec.expert_ffn_hidden, spec.head_dim) == (1, 32, 32)
 

@@ -208,18 +208,13 @@ def _real_count(config) -> int:
 def test_param_count_from_a_config_equals_the_model_built_from_it(name):
     config = _configs()[name]
     counted = param_count(spec_from_config(config, seq_len=128))
-    if not name.startswith("qwen3"):       # Qwen3's q/k norms: the xfail below
-        assert counted == _real_count(config) == _hand_count(config)
+    qk_norm = name.startswith("qwen3")     # Qwen3's per-head q/k norms
+    assert counted == _real_count(config) == _hand_count(config, qk_norm=qk_norm)
     if name in PUBLISHED:
         value, half_digit = PUBLISHED[name]
         assert abs(counted - value) <= half_digit
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "param_count(spec_from_config(Qwen3MoeConfig)) leaves out Qwen3's per-head q_norm and "
-    "k_norm RMSNorm weights (2 x head_dim a layer): 192 short on the small model "
-    "(456,288 against transformers' 456,480), 12,288 short on Qwen3-30B-A3B "
-    "(30,532,110,336 against 30,532,122,624); the docstring says it counts the norms"))
 @pytest.mark.parametrize("name", ["qwen3-moe", "qwen3-30b-a3b"])
 def test_param_count_of_qwen3_moe_includes_its_qk_norms(name):
     config = _configs()[name]

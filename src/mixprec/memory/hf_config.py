@@ -40,6 +40,7 @@ from mixprec.memory.spec import TransformerSpec
 __all__ = ["spec_from_config", "read_config"]
 
 _GPT_STYLE = ("gpt2", "gpt_bigcode", "openai-gpt")  # a fused QKV Linear (Conv1D)
+_QK_NORM = ("qwen3",)  # an RMSNorm of head_dim on each head's queries and keys
 
 
 def read_config(config: Any) -> dict[str, Any]:
@@ -129,6 +130,7 @@ def spec_from_config(config: Any, seq_len: int, micro_batch: int = 1,
         "tied_embeddings": bool(_first(cfg, "tie_word_embeddings", default=True)),
         "norm": "rms" if cfg.get("rms_norm_eps") is not None else "layer",
         "qkv_linears": 1 if kind in _GPT_STYLE else 3,
+        "qk_norm": kind.startswith(_QK_NORM),
         "seq_len": seq_len, "micro_batch": micro_batch,
     }
     if experts:

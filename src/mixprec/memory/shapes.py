@@ -12,8 +12,9 @@ Per layer (``h`` hidden, ``q = heads·head_dim``, ``kv = kv_heads·head_dim``, M
 - two norms of ``h`` (RMSNorm) or ``2·h`` (LayerNorm, with bias).
 
 Plus the embedding (``V·h``), the head (``h·V``, unless tied to the embedding) and the
-final norm. Biases, position embeddings and per-head norms are left out (each under
-0.1% of today's models).
+final norm, and ``2·head_dim`` a layer for per-head query and key norms (``qk_norm``,
+Qwen3). Biases and position embeddings are left out (each under 0.1% of today's
+models).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def param_count(spec: TransformerSpec) -> int:
     h = spec.hidden
     norm = h if spec.norm == "rms" else 2 * h
     total = linear_params(spec) + (2 * spec.layers + 1) * norm
+    if spec.qk_norm:
+        total += 2 * spec.layers * (spec.head_dim or h // spec.heads)
     if spec.vocab and not spec.tied_embeddings:  # a tied head is the embedding
         total += spec.vocab * h
     return total

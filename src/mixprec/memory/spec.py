@@ -104,6 +104,8 @@ class TransformerSpec:
     norm: Literal["layer", "rms"] = "layer"
     #: the head shares the embedding's matrix (counted once)
     tied_embeddings: bool = True
+    #: per-head RMSNorms on the queries and keys (Qwen3): ``head_dim`` weights each
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq_len", "micro_batch", "top_k"):
