@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import mixprec
 import mixprec.planner.survey as survey_mod
 import mixprec.planner.timing as timing
-from mixprec.cli.plan import PlainProgress
+from mixprec.cli.plan import PlainProgress, _duration
 from mixprec.planner.choose import Baselines
 from mixprec.planner.progress import Progress, Tracker
 from mixprec.planner.steps import call_loss, default_loss, measure_step
@@ -102,6 +102,12 @@ def test_plain_progress_prints_a_line_every_few_seconds_while_one_unit_runs():
                          "plan: timing Linear shapes: 1/4"]
     beats = [x for x in lines[3:] if x.startswith("plan: timing Linear shapes: 1/4, ")]
     assert len(beats) >= 2 and all("elapsed, about " in x for x in beats)
+
+
+@pytest.mark.parametrize("seconds, text", [(419.6, "7 min 00 s"), (3.2, "3 s"),
+                                           (89.6, "1 min 30 s"), (-2.0, "0 s")])
+def test_a_duration_reads_in_minutes_and_seconds_never_60_of_them(seconds, text):
+    assert _duration(seconds) == text
 
 
 def test_measuring_a_step_and_a_shape_prints_no_profiler_lines(capfd):

@@ -23,9 +23,10 @@ EPILOG = ("The table's columns:\n" + columns_help() + "\nUnder it: the recipe, t
           "matmul FLOPs the plan runs below 16 bits. Progress goes to stderr.")
 
 
-def _duration(s: float) -> str:
-    s = max(0.0, s)
-    return f"{s:.0f} s" if s < 90 else f"{int(s // 60)} min {s % 60:02.0f} s"
+def _duration(seconds: float) -> str:
+    """``42 s`` or ``3 min 05 s``."""
+    s = round(max(0.0, seconds))
+    return f"{s} s" if s < 90 else f"{s // 60} min {s % 60:02d} s"
 
 
 class PlainProgress:

@@ -252,7 +252,9 @@ def _fastest(layers: dict[str, Layer], units: dict[str, StateUnit],
         fp8 = [o for o in layer.options.values() if o.fmt != BF16]
         if best.fmt != BF16 and layer.noisy:
             cfg.layers[name] = BF16
-            cfg.reasons[name] = (f"bf16: its timings disagree ({'; '.join(layer.noisy)}): "
+            said = "; ".join(layer.noisy[:2]) + (f"; {len(layer.noisy) - 2} more"
+                                                  if len(layer.noisy) > 2 else "")
+            cfg.reasons[name] = (f"bf16: its timings disagree ({said}): "
                                  f"no speed advice from them ({best.fmt} timed "
                                  f"{bf.seconds / best.seconds:.2f}x bf16's speed); plan "
                                  "again on a quieter machine")

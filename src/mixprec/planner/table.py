@@ -125,6 +125,8 @@ def coverage_line(plan: Plan) -> str:
 
 def kept_because(reason: str) -> str:
     """Why a layer stays in bf16, as a category, from its row's reason."""
+    if "timings disagree" in reason:
+        return "its timings disagree (no speed advice from them)"
     if "SQNR" in reason:
         return "below the SQNR floor"
     if "calibration loss" in reason:
