@@ -4,7 +4,10 @@ explains the accounting)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,7 +19,45 @@ from mixprec.wgrad import WEIGHT_CAST_TAG
 if TYPE_CHECKING:
     from mixprec.engine import MixedPrecision
 
-__all__ = ["measure", "high_water"]
+__all__ = ["measure", "high_water", "quiet_profiler"]
+
+#: what torch's profiler (kineto) writes to stderr at every start and stop, from C++
+_CHATTER = b"USDT:"
+
+
+def _chatter(line: bytes) -> bool:
+    """A line the profiler wrote about itself: kineto's start/stop, or a C++ warning
+    about what it could not record (a block allocated before it started)."""
+    return line.startswith(_CHATTER) or (line.startswith(b"[W") and b"profil" in line)
+
+
+@contextlib.contextmanager
+def quiet_profiler() -> Iterator[None]:
+    """Hold file descriptor 2 (stderr, where kineto writes from C++ whatever
+    ``sys.stderr`` is) in a temporary file while the profiler runs, then write back
+    every line but the profiler's own (``_chatter``: kineto's ``USDT: ...
+    profiler_start/stop``, which no setting silences, two for every step measured)."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr at all
+        yield
+        return
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        sys.stderr.flush()
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(AttributeError, OSError, ValueError):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().splitlines(keepends=True)
+                    if not _chatter(line)]
+            if kept:
+                os.write(2, b"".join(kept))
 
 _CPU_DEVICE = torch.autograd.DeviceType.CPU
 
@@ -173,7 +214,8 @@ def _cpu_high_water(fn: Callable[[], None]) -> int:
     its highest (torch.profiler's memory events, in time order)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU],
+                                   profile_memory=True) as prof:
         fn()
     results = getattr(prof.profiler, "kineto_results", None)
     if results is None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from mixprec.planner.timing import BF16
 
 __all__ = ["Option", "Layer", "StateUnit", "Baselines", "Config", "predict", "choose",
-           "NoPlanFits", "STATE_ORDER", "fit_scale"]
+           "NoPlanFits", "STATE_ORDER", "fit_scale", "StepParts", "step_parts"]
 
 #: state formats from the most bytes to the fewest
 STATE_ORDER = ("fp32", "bf16", "int8", "int4")
@@ -65,6 +65,9 @@ class Layer:
     name: str
     shape: tuple[int, int]
     options: dict[str, Option]
+    #: why its timings still disagree after being measured again (empty: they agree);
+    #: no speed advice is taken from them
+    noisy: tuple[str, ...] = ()
 
     def allowed(self) -> list[Option]:
         """The options that pass the numerics, bf16 first."""
@@ -139,31 +142,69 @@ def _stored(fmt: str, shape) -> str:
     return stored_format(fmt, tuple(shape))
 
 
+@dataclass(frozen=True)
+class StepParts:
+    """A predicted step, term by term, each in seconds: the 16-bit recipe's measured
+    step (``base``); what the fp8 recipe adds around its Linears (``shell``: its
+    measured step with no Linear converted less ``base``; 0 with no fp8 Linear); each
+    Linear's time in its format over its time in bf16 (``layers``, scaled as
+    ``predict`` scales it; 0 in bf16); the optimizer states' step over torch's fused
+    AdamW (``states``). The prediction is their sum (``total``)."""
+
+    base: float
+    shell: float
+    layers: dict[str, float]
+    states: float
+
+    @property
+    def total(self) -> float:
+        """The predicted step: every term added up."""
+        return self.base + self.shell + sum(self.layers.values()) + self.states
+
+
+def step_parts(cfg: Config, layers: dict[str, Layer], units: dict[str, StateUnit],
+               base: Baselines) -> StepParts:
+    """The terms of ``cfg``'s predicted step (``StepParts``; the module docstring's
+    model)."""
+    scales = _Scales(layers, units, base)
+    fp8 = cfg.any_fp8
+    per = {name: (scales.layer(f) * (layers[name].options[f].seconds
+                                    - layers[name].options[BF16].seconds)
+                  if fp8 and f != BF16 else 0.0)
+           for name, f in cfg.layers.items()}
+    states = 0.0
+    if any(f != "fp32" for f in cfg.states.values()):
+        # every parameter then steps in mixprec.optim.AdamW rather than torch's fused one
+        k = scales.states(fp8)
+        for name, f in cfg.states.items():
+            for shape in units[name].shapes:
+                stored = _stored(f, shape)
+                states += k * (_step_cost(base, stored, shape)
+                               - _step_cost(base, "fused", shape))
+    return StepParts(base.step_16, base.step_shell - base.step_16 if fp8 else 0.0, per,
+                     states)
+
+
 def predict(cfg: Config, layers: dict[str, Layer], units: dict[str, StateUnit],
             base: Baselines) -> tuple[float, float]:
-    """(seconds per step, peak bytes) of ``cfg`` (the module docstring's model)."""
-    scales = _Scales(layers, units, base)
+    """(seconds per step, peak bytes) of ``cfg`` (the module docstring's model): the
+    step is ``step_parts(...).total``."""
     if cfg.any_fp8:
-        t, peak = base.step_shell, base.peak_shell
+        peak = base.peak_shell
         for name, f in cfg.layers.items():
             opts = layers[name].options
-            t += scales.layer(f) * (opts[f].seconds - opts[BF16].seconds)
             peak += opts[f].saved_bytes - opts[BF16].saved_bytes
         # the backward's peak holds the widest Linear's working set on top
         peak += (max(layers[n].options[f].working_bytes for n, f in cfg.layers.items())
                  - max(lay.options[BF16].working_bytes for lay in layers.values()))
     else:
-        t, peak = base.step_16, base.peak_16
-    if any(f != "fp32" for f in cfg.states.values()):
-        # every parameter then steps in mixprec.optim.AdamW rather than torch's fused one
-        k = scales.states(cfg.any_fp8)
-        for name, f in cfg.states.items():
+        peak = base.peak_16
+    for name, f in cfg.states.items():
+        if f != "fp32":
             for shape in units[name].shapes:
-                stored = _stored(f, shape)
-                t += k * (_step_cost(base, stored, shape) - _step_cost(base, "fused", shape))
-                peak += base.n_states * (_state_bytes(stored, shape)
+                peak += base.n_states * (_state_bytes(_stored(f, shape), shape)
                                          - _state_bytes("fp32", shape))
-    return t, peak
+    return step_parts(cfg, layers, units, base).total, peak
 
 
 def fit_scale(layers: dict[str, Layer], units: dict[str, StateUnit], base: Baselines,
@@ -209,7 +250,15 @@ def _fastest(layers: dict[str, Layer], units: dict[str, StateUnit],
         cfg.layers[name] = best.fmt
         bf = layer.options[BF16]
         fp8 = [o for o in layer.options.values() if o.fmt != BF16]
-        if best.fmt != BF16:
+        if best.fmt != BF16 and layer.noisy:
+            cfg.layers[name] = BF16
+            said = "; ".join(layer.noisy[:2]) + (f"; {len(layer.noisy) - 2} more"
+                                                  if len(layer.noisy) > 2 else "")
+            cfg.reasons[name] = (f"bf16: its timings disagree ({said}): "
+                                 f"no speed advice from them ({best.fmt} timed "
+                                 f"{bf.seconds / best.seconds:.2f}x bf16's speed); plan "
+                                 "again on a quieter machine")
+        elif best.fmt != BF16:
             cfg.reasons[name] = (f"fastest allowed: {bf.seconds / best.seconds:.2f}x "
                                  "bf16's speed")
         elif not fp8:

@@ -42,8 +42,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.planner.choose import STATE_ORDER, Config, Layer, choose
+from mixprec.planner.choose import STATE_ORDER, Config, Layer, choose, step_parts
+from mixprec.planner.progress import LOSS_STAGE, ProgressFn, Tracker
 from mixprec.planner.survey import Survey, forward_loss, survey
+from mixprec.planner.table import kept_because, render
 from mixprec.planner.timing import BF16, device_key
 from mixprec.recipe import LINEAR_PRESETS, Recipe
 
@@ -72,6 +74,9 @@ class PlanRow:
     sqnr: float | None
     saved_bytes: float
     reason: str
+    #: the seconds it adds to the predicted step in its format (negative: it saves),
+    #: as the prediction adds it up (``choose.step_parts``; 0 in bf16)
+    delta_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,12 @@ class Plan:
     timings that still disagreed beyond their noise after being measured again, one
     line each (empty where they agreed); the predictions then rest on noisy figures.
     ``not_planned``: modules the planner chose no format for, and why (empty: every
-    Linear and transformers experts module has a row)."""
+    Linear and transformers experts module has a row). ``step_terms``: the predicted
+    step's terms other than the rows' ``delta_s`` (``base``: the 16-bit recipe's
+    measured step, ``shell``: what the fp8 recipe adds around its Linears, ``states``:
+    the optimizer states'), so that ``predicted_step_s`` is their sum plus the rows'.
+    ``low_precision_share``: the share of the model's matmul FLOPs the plan runs below
+    16 bits; ``kept_flops``: the FLOPs left in bf16, by why (``table.kept_because``)."""
 
     recipe: Recipe
     rows: tuple[PlanRow, ...]
@@ -97,32 +107,14 @@ class Plan:
     state_reasons: dict[str, str] = field(default_factory=dict)
     timing_noise: tuple[str, ...] = ()
     not_planned: dict[str, str] = field(default_factory=dict)
+    step_terms: dict[str, float] = field(default_factory=dict)
+    low_precision_share: float | None = None
+    kept_flops: dict[str, float] = field(default_factory=dict)
 
     def table(self) -> str:
-        """The plan as a text table, one Linear a line, with the totals under it."""
-        head = (f"{'layer':<28}{'shape':>12}  {'choice':<12}{'states':<7}{'speed-up':>9}"
-                f"{'SQNR dB':>9}{'saved MB':>10}  reason")
-        lines = [head]
-        for r in self.rows:
-            sq = "-" if r.sqnr is None else f"{r.sqnr:.1f}"
-            lines.append(f"{r.layer:<28}{r.shape[0]:>5}x{r.shape[1]:<6}  {r.choice:<12}"
-                         f"{r.states:<7}{r.speedup:>8.2f}x{sq:>9}"
-                         f"{r.saved_bytes / 1e6:>10.2f}  {r.reason}")
-        for name, why in self.state_reasons.items():
-            lines.append(f"  {name}: {why}")
-        for name, why in self.not_planned.items():
-            lines.append(f"  not planned: {name}: {why}")
-        b16 = self.baseline["16-bit"]
-        lines.append(f"recipe: {self.recipe}")
-        lines.append(f"predicted step {self.predicted_step_s * 1e3:.1f} ms (16-bit recipe "
-                     f"measured {b16['step_s'] * 1e3:.1f} ms), peak "
-                     f"{self.predicted_peak / 1e6:.1f} MB (16-bit {b16['peak'] / 1e6:.1f} "
-                     f"MB) on {self.device}")
-        if self.loss_delta is not None:
-            lines.append(f"calibration loss vs the 16-bit recipe: {self.loss_delta:+.3%}")
-        if self.timing_noise:
-            lines.append("timings noisy: " + "; ".join(self.timing_noise))
-        return "\n".join(lines)
+        """The plan as a text table, one Linear a line, with the summary under it
+        (``planner.table``: every column explained in ``table.COLUMNS``)."""
+        return render(self)
 
     def __str__(self) -> str:
         return self.table()
@@ -172,7 +164,7 @@ def plan(model: nn.Module, sample_batch: Any, *, goal: str = "fastest",
          state_formats: Iterable[str] = ("fp32", "bf16", "int8"),
          max_step: float | None = None, loss_fn: Callable | None = None,
          calibration: Iterable[Any] | None = None, cache_file: str | Path | None = None,
-         seconds: float = 0.25) -> Plan:
+         seconds: float = 0.25, progress: ProgressFn | None = None) -> Plan:
     """A per-layer precision plan for ``model`` (the module docstring says how).
 
     Args:
@@ -193,6 +185,9 @@ def plan(model: nn.Module, sample_batch: Any, *, goal: str = "fastest",
         calibration: batches for the numerics (default: ``[sample_batch]``).
         cache_file: a JSON file that keeps the measured speeds across processes.
         seconds: about how long each shape's timing runs.
+        progress: called with a ``planner.progress.Progress`` at every unit of work
+            done: the stage, how far it is, and the estimate of the whole plan (from
+            one training step and the first Linear shape, measured).
     """
     from mixprec.memory.units import parse_bytes
 
@@ -202,16 +197,19 @@ def plan(model: nn.Module, sample_batch: Any, *, goal: str = "fastest",
     _check_args(b, goal, formats, state_formats, max_loss, min_sqnr)
     budget = None if memory is None else parse_bytes(memory, "plan: memory")
     batches = list(calibration) if calibration is not None else [sample_batch]
+    tracker = Tracker(progress)
+    if max_loss is not None:  # a forward over the batches: about a third of a step each
+        tracker.add(LOSS_STAGE, 2, len(batches) / 3)
     sv = survey(model, sample_batch, base=b, formats=formats, state_formats=state_formats,
                 min_sqnr=min_sqnr, loss_fn=loss_fn, batches=batches,
-                cache_file=cache_file, seconds=seconds)
+                cache_file=cache_file, seconds=seconds, tracker=tracker)
     if goal == "smallest":
         max_step = sv.baselines.step_16 * (1.0 if max_step is None else max_step)
     cfg = choose(sv.layers, sv.units, sv.baselines, goal=goal, memory=budget,
                  max_step=max_step, state_formats=state_formats)
     delta = None
     if max_loss is not None:
-        cfg, delta = _hold_loss(model, sv, cfg, batches, loss_fn, max_loss)
+        cfg, delta = _hold_loss(model, sv, cfg, batches, loss_fn, max_loss, tracker)
     return plan_from(sv, cfg, goal=goal, max_loss=max_loss, memory=budget,
                      loss_delta=delta, device=next(model.parameters()).device)
 
@@ -223,14 +221,44 @@ def plan_from(sv: Survey, cfg: Config, *, goal: str = "fastest",
     """The ``Plan`` of configuration ``cfg`` on survey ``sv``: its recipe, table and
     predictions."""
     t, peak = sv.predict(cfg)
-    rows = tuple(_row(sv.layers[n], cfg, sv.quality, sv.owner.get(n, n)) for n in sv.names)
+    parts = step_parts(cfg, sv.layers, sv.units, sv.baselines)
+    rows = tuple(_row(sv.layers[n], cfg, sv.quality, sv.owner.get(n, n),
+                      parts.layers.get(n, 0.0)) for n in sv.names)
+    share, kept = _coverage(sv, rows)
     b = sv.baselines
     return Plan(sv.recipe(cfg), rows, goal, sv.min_sqnr, t, peak,
                 {"16-bit": {"step_s": b.step_16, "peak": b.peak_16},
                  "fp8-shell": {"step_s": b.step_shell, "peak": b.peak_shell}},
                 device_key(device), max_loss, memory, loss_delta,
                 {k: v for k, v in cfg.reasons.items() if k.startswith("states:")},
-                tuple(sv.noise))
+                tuple(sv.noise),
+                step_terms={"base": parts.base, "shell": parts.shell,
+                            "states": parts.states},
+                low_precision_share=share, kept_flops=kept)
+
+
+def _coverage(sv: Survey, rows: tuple[PlanRow, ...]
+              ) -> tuple[float | None, dict[str, float]]:
+    """The share of the model's matmul FLOPs (``Survey.flops``) the rows run below 16
+    bits, and the FLOPs left in bf16 by why (None, {}: no FLOPs counted)."""
+    total = sum(sv.flops.values())
+    if total <= 0:
+        return None, {}
+    low, kept, counted = 0.0, {}, set()
+    for r in rows:
+        names = [n for n in sv.flops if n == r.layer or n.startswith(r.layer + ".")
+                 and r.layer in sv.experts]
+        counted.update(names)
+        f = sum(sv.flops[n] for n in names)
+        if r.choice != BF16:
+            low += f
+        else:
+            why = kept_because(r.reason)
+            kept[why] = kept.get(why, 0.0) + f
+    rest = sum(v for n, v in sv.flops.items() if n not in counted)
+    if rest > 0:  # routers, and anything else no plan row is for
+        kept["not a planned layer (routers, ...)"] = rest
+    return low / total, kept
 
 
 def _check_args(b: Recipe, goal, formats, state_formats, max_loss, min_sqnr) -> None:
@@ -255,14 +283,18 @@ def _check_args(b: Recipe, goal, formats, state_formats, max_loss, min_sqnr) -> 
         raise ValueError(f"plan: min_sqnr={min_sqnr!r}; a finite number of dB (20)")
 
 
-def _hold_loss(model, sv: Survey, cfg: Config, batches, loss_fn, max_loss):
+def _hold_loss(model, sv: Survey, cfg: Config, batches, loss_fn, max_loss,
+               tracker: Tracker):
     """Move the lowest-SQNR fp8 Linear back to bf16 while the plan's calibration loss
     is more than ``max_loss`` above the 16-bit recipe's; returns the relative change."""
+    tracker.start(LOSS_STAGE)
     ref = forward_loss(model, sv.base, batches, loss_fn)
+    tracker.done(LOSS_STAGE)
     while True:
         if not cfg.any_fp8:
             return cfg, 0.0
         got = forward_loss(model, sv.layer_recipe(cfg), batches, loss_fn)
+        tracker.done(LOSS_STAGE)
         delta = (got - ref) / abs(ref) if ref else 0.0
         if delta <= max_loss:
             return cfg, delta
@@ -275,7 +307,7 @@ def _hold_loss(model, sv: Survey, cfg: Config, batches, loss_fn, max_loss):
         cfg.layers[worst] = BF16
 
 
-def _row(layer: Layer, cfg: Config, quality, owner: str) -> PlanRow:
+def _row(layer: Layer, cfg: Config, quality, owner: str, delta_s: float) -> PlanRow:
     f = cfg.layers[layer.name]
     o, bf = layer.options[f], layer.options[BF16]
     q = quality.get((layer.name, f))
@@ -283,4 +315,4 @@ def _row(layer: Layer, cfg: Config, quality, owner: str) -> PlanRow:
     return PlanRow(layer.name, layer.shape, f, st,
                    bf.seconds / o.seconds if o.seconds > 0 else 1.0,
                    None if f == BF16 or q is None else round(q.sqnr, 2),
-                   float(o.saved_bytes), cfg.reasons.get(layer.name, ""))
+                   float(o.saved_bytes), cfg.reasons.get(layer.name, ""), delta_s)

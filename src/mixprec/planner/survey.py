@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.coverage import coverage, step_flops
 from mixprec.layer_rules import LayerRule
 from mixprec.planner.choose import (
     Baselines,
@@ -50,15 +51,32 @@ from mixprec.planner.experts import (
     widths,
 )
 from mixprec.planner.numerics import LayerNumerics, layer_numerics, linear_names
-from mixprec.planner.steps import call_loss, measure_step, measure_steps, step_engine
+from mixprec.planner.progress import (
+    EXPERTS_STAGE,
+    NUMERICS_STAGE,
+    SHAPES_STAGE,
+    STEP_STAGE,
+    STEPS_STAGE,
+    Tracker,
+)
+from mixprec.planner.steps import (
+    call_loss,
+    each_step,
+    first_step,
+    measure_step,
+    measure_steps,
+    step_engine,
+)
 from mixprec.planner.timing import (
     BF16,
     MAX_MEASUREMENTS,
+    disagreements,
     layer_costs,
     max_speedup,
     noise_report,
     recipe_for_format,
     state_step_costs,
+    uncached,
 )
 from mixprec.recipe import Recipe
 from mixprec.recipe.presets import SHELL_PRESET
@@ -86,6 +104,9 @@ class Survey:
     noise: list[str] = dataclasses.field(default_factory=list)
     #: the model's transformers experts modules (candidates too: in ``names``, ``layers``)
     experts: list[str] = dataclasses.field(default_factory=list)
+    #: forward matmul FLOPs on the sample batch of every module whose weight feeds a
+    #: matmul (``coverage.step_flops``: Linears, routers, experts projections), by name
+    flops: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def predict(self, cfg: Config) -> tuple[float, float]:
         """(seconds per step, peak bytes) predicted for ``cfg``."""
@@ -145,9 +166,10 @@ def compress(choice: dict[str, str], universe: list[str], default: str | None
 def survey(model: nn.Module, sample_batch: Any, *, base: Recipe, formats: tuple[str, ...],
            state_formats: tuple[str, ...], min_sqnr: float, loss_fn: Callable | None,
            batches: list, cache_file: str | Path | None = None,
-           seconds: float = 0.25) -> Survey:
+           seconds: float = 0.25, tracker: Tracker | None = None) -> Survey:
     """Measure ``model`` for the planner (module docstring; ``mixprec.plan``'s
-    arguments)."""
+    arguments). ``tracker`` hears of every unit of work done (``planner.progress``)."""
+    tr = tracker if tracker is not None else Tracker()
     shell = recipe_for_format(base, SHELL_PRESET)
     device = next(model.parameters()).device
     names = linear_names(model)
@@ -159,16 +181,40 @@ def survey(model: nn.Module, sample_batch: Any, *, base: Recipe, formats: tuple[
                          "Linear)")
     shapes = _shapes(model, names, sample_batch, loss_fn)
     fixed = _fixed_reasons(model)
-    costs = layer_costs(set(shapes.values()), formats, shell, device, seconds=seconds,
-                        cache_file=cache_file)
-    quality = layer_numerics(model, batches, lambda m, bt: call_loss(m, bt, loss_fn),
-                             [f for f in formats if f != BF16], shell)
+    fmts8 = [f for f in formats if f != BF16]
+    todo = uncached(set(shapes.values()), formats, shell, device, cache_file)
+    tr.add(STEP_STAGE, 1, 1.0)
+    tr.add(SHAPES_STAGE, len(todo))
+    tr.add(NUMERICS_STAGE, len(fmts8), len(batches))  # a unit: one format
+    tr.add(STEPS_STAGE, BASELINE_STEPS + len(fmts8) * 2 * (1 + PAIR_STEPS), 1.0)
+    tr.start(STEP_STAGE)
+    tr.set_step(first_step(model, base, sample_batch, loss_fn))
+    tr.done(STEP_STAGE)
+    quality: dict = {}
+
+    def numerics(fmts: list[str]) -> None:  # the first format alone prices the rest
+        if fmts:
+            tr.start(NUMERICS_STAGE)
+            quality.update(layer_numerics(model, batches,
+                                          lambda m, bt: call_loss(m, bt, loss_fn),
+                                          fmts, shell))
+            tr.done(NUMERICS_STAGE, len(fmts))
+    numerics(fmts8[:1])
+    # the estimate is whole once the first shape is timed (``planner.progress``)
+    costs = tr.each(SHAPES_STAGE, todo, lambda one: layer_costs(
+        [one], formats, shell, device, seconds=seconds, cache_file=cache_file))
+    done = set(shapes.values()) - set(todo)
+    if done:
+        costs.update(layer_costs(done, formats, shell, device, seconds=seconds,
+                                 cache_file=cache_file))
+    numerics(fmts8[1:])
     noise = noise_report(costs, shell, device)
     layers = {n: _layer(n, shapes[n][:2], lambda f, n=n: costs[(shapes[n], f)],
-                        quality, formats, shell, device, fixed.get(n), min_sqnr)
+                        quality, formats, shell, device, fixed.get(n), min_sqnr,
+                        shapes[n])
               for n in names}
     experts = _experts(model, sample_batch, loss_fn, batches, formats, shell, device,
-                       min_sqnr, quality, noise, seconds, cache_file)
+                       min_sqnr, quality, noise, seconds, cache_file, tr)
     layers.update(experts)
     units = _state_units(model)
     first = {}
@@ -178,25 +224,42 @@ def survey(model: nn.Module, sample_batch: Any, *, base: Recipe, formats: tuple[
     owner.update({n: n for n in experts})
     # the fp8 recipe's step with nothing converted: its experts modules kept in bf16 too
     kept = kept_in_bf16(shell, experts)
-    base_m = _baselines(model, base, kept, sample_batch, loss_fn, state_formats, device)
-    base_m = dataclasses.replace(base_m, time_scale=_time_scales(
-        model, kept, sample_batch, loss_fn, layers, fixed, base_m, noise))
+    tr.start(STEPS_STAGE)
+    with each_step(lambda: tr.done(STEPS_STAGE)):
+        base_m = _baselines(model, base, kept, sample_batch, loss_fn, state_formats,
+                            device)
+        base_m = dataclasses.replace(base_m, time_scale=_time_scales(
+            model, kept, sample_batch, loss_fn, layers, fixed, base_m, noise))
     for fp8, parts, step in ((True, "the Linears and the optimizer", "the fp8 recipe's"),
                              (False, "the optimizer", "the 16-bit recipe's")):
         k = fit_scale(layers, units, base_m, fp8)
         if k < 1:
             noise.append(f"{parts} timed alone add up to {1 / k:.2f}x {step} whole "
                          "step: scaled down to fit in it")
+    flops = _matmul_flops(model, base, sample_batch, loss_fn)
     return Survey(base, shell, names + list(experts), layers, units, base_m, quality,
-                  float(min_sqnr), owner, noise, list(experts))
+                  float(min_sqnr), owner, noise, list(experts), flops)
+
+
+def _matmul_flops(model: nn.Module, base: Recipe, batch, loss_fn) -> dict[str, float]:
+    """Forward matmul FLOPs on ``batch`` of every module whose weight feeds a matmul
+    (``coverage.step_flops``: Linears, routers, experts projections), by name."""
+    cov = coverage(model, base)
+    with torch.no_grad():
+        got = step_flops(model, cov, lambda: call_loss(model, batch, loss_fn))
+    return {r.name: float(got.get(r.name, 0)) for r in cov.rows}
 
 
 def _layer(name: str, shape: tuple[int, int], cost: Callable[[str], Any], quality,
-           formats, shell: Recipe, device, fixed: str | None, min_sqnr: float) -> Layer:
+           formats, shell: Recipe, device, fixed: str | None, min_sqnr: float,
+           key: Any) -> Layer:
     """One candidate (a Linear or an experts module) with its option per format:
-    ``cost(format)`` its measured ``LayerCost``, never faster than its route allows."""
+    ``cost(format)`` its measured ``LayerCost``, never faster than its route allows;
+    ``key`` its timed shape, whose timings' disagreements it keeps (``Layer.noisy``)."""
     opts = {}
     bf = cost(BF16).seconds
+    noisy = tuple(disagreements(key, {f: cost(f) for f in formats}, shell,
+                                device))
     for f in formats:
         c = cost(f)
         q = quality.get((name, f))
@@ -205,11 +268,12 @@ def _layer(name: str, shape: tuple[int, int], cost: Callable[[str], Any], qualit
                          math.inf if q is None else q.sqnr,
                          None if f == BF16 else _refusal(fixed, q, min_sqnr),
                          c.working_bytes, c.route, most)
-    return Layer(name, shape, opts)
+    return Layer(name, shape, opts, noisy)
 
 
 def _experts(model, batch, loss_fn, batches, formats, shell, device, min_sqnr,
-             quality: dict, noise: list[str], seconds, cache_file) -> dict[str, Layer]:
+             quality: dict, noise: list[str], seconds, cache_file,
+             tr: Tracker) -> dict[str, Layer]:
     """The experts modules as candidates (``planner.experts``): timed at the tokens
     the router sends each expert on ``batch``, scored on ``batches``; their numerics
     go into ``quality``, their timings' disagreements into ``noise``."""
@@ -217,14 +281,18 @@ def _experts(model, batch, loss_fn, batches, formats, shell, device, min_sqnr,
     if not shapes:
         return {}
     mods = {s: model.get_submodule(n) for n, s in reversed(shapes.items())}
-    costs = experts_costs(mods, formats, shell, device, seconds=seconds,
-                          cache_file=cache_file)
+    fmts8 = [f for f in formats if f != BF16]
+    tr.add(EXPERTS_STAGE, len(mods), like=SHAPES_STAGE)
+    tr.add(NUMERICS_STAGE, len(fmts8))
+    costs = tr.each(EXPERTS_STAGE, list(mods), lambda one: experts_costs(
+        {one: mods[one]}, formats, shell, device, seconds=seconds, cache_file=cache_file))
+    tr.start(NUMERICS_STAGE)
     quality.update(experts_numerics(model, batches,
-                                    lambda m, bt: call_loss(m, bt, loss_fn),
-                                    [f for f in formats if f != BF16], shell))
+                                    lambda m, bt: call_loss(m, bt, loss_fn), fmts8, shell))
+    tr.done(NUMERICS_STAGE, len(fmts8))
     noise += noise_report(costs, shell, device)
     return {n: _layer(n, widths(model.get_submodule(n)), lambda f, s=s: costs[(s, f)],
-                      quality, formats, shell, device, None, min_sqnr)
+                      quality, formats, shell, device, None, min_sqnr, s)
             for n, s in shapes.items()}
 
 
@@ -308,6 +376,10 @@ def _baselines(model, b, shell, batch, loss_fn, state_formats, device) -> Baseli
 #: timed steps of each of ``_time_scales``' two copies, stepped in turn (4 in all, as
 #: one ``measure_step``)
 PAIR_STEPS = 2
+#: the whole-model steps ``_baselines`` takes: the warm-up's (one untimed and
+#: ``WARMUP_STEPS - 1`` timed), one untimed and 4 timed of each of its two copies, and
+#: one peak measured on each
+BASELINE_STEPS = WARMUP_STEPS + 2 * (1 + 4) + 2
 #: the share of the whole step two step timings are not told apart within, at least
 STEP_TOLERANCE = 0.05
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LayerCost", "Shape", "layer_costs", "state_step_costs", "device_key", "clear_cache",
            "recipe_for_format", "BF16", "max_speedup", "disagreements", "noise_report",
-           "NOISY_SPREAD", "MAX_MEASUREMENTS", "saved_bytes", "timed_step"]
+           "NOISY_SPREAD", "MAX_MEASUREMENTS", "saved_bytes", "timed_step", "uncached"]
 
 #: the format name of a Linear kept in the recipe's high precision
 BF16 = "bf16"
@@ -187,6 +187,17 @@ def noise_report(costs: dict[tuple[Shape, str], LayerCost], recipe: Recipe,
 
 def _key(shape: Shape, fmt: str, recipe: Recipe, device) -> str:
     return json.dumps([device_key(device), list(shape), fmt, str(recipe.base)])
+
+
+def uncached(shapes: Iterable[Shape], formats: Iterable[str], recipe: Recipe,
+             device: torch.device | str = "cpu",
+             cache_file: str | Path | None = None) -> list[Shape]:
+    """The shapes of ``shapes`` that ``layer_costs`` would measure (a format of theirs
+    in neither this process's cache nor ``cache_file``), in order."""
+    formats, disk = list(formats), _read(cache_file)
+    return [s for s in dict.fromkeys(tuple(s) for s in shapes)
+            if any(_key(s, f, recipe, device) not in _CACHE
+                   and _key(s, f, recipe, device) not in disk for f in formats)]
 
 
 def layer_costs(shapes: Iterable[Shape], formats: Iterable[str], recipe: Recipe,
