@@ -218,3 +218,14 @@ def test_mixprec_plan_piped_prints_progress_and_its_estimate(tmp_path):
     assert "(estimated " in took
     assert "USDT" not in run.stderr + run.stdout
     assert out.exists() and "predicted step" in run.stdout
+
+
+def test_plan_refuses_an_engines_16_bit_working_copy():
+    """A model an engine already holds in bf16 working copies is refused with the fix (it
+    failed inside the first forward on a dtype mismatch)."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mixprec.MixedPrecision(model, opt, recipe="bf16-master,emulate=false")
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with pytest.raises(ValueError, match="bfloat16, not fp32.*before building its engine"):
+        mixprec.plan(model, (x, y))

@@ -1,12 +1,12 @@
 """Do repeated timings agree? The one rule every reported speed figure is held to.
 
 A figure timed over several rounds (steps, profiled steps, interleaved phases) is only
-as good as its rounds' agreement. The rule is the planner's (``planner.timing``): the
-rounds' interquartile range over their median, ``spread``; above ``NOISY_SPREAD``
-(25%) the rounds disagree, the machine was too busy (other processes held the cores)
-and no speed advice may be drawn from them. On a shared 2-core host one recipe's
-per-step tokens/s once ranged from 1,210 to 62,806: a ratio of two such medians read
-bf16 at 0.03x fp32 where bf16's kernels ran 4.3x faster.
+as good as its rounds' agreement. The planner, the workbench's reports and the doctor's
+time share all hold to it: the rounds' interquartile range over their median,
+``spread``; above ``NOISY_SPREAD`` (25%) the rounds disagree, the machine was too busy
+(other processes held the cores) and no speed advice may be drawn from them. On a
+shared 2-core host one recipe's per-step tokens/s once ranged from 1,210 to 62,806: a
+ratio of two such medians read bf16 at 0.03x fp32 where bf16's kernels ran 4.3x faster.
 
 ``agreement(what, values, unit)`` measures a list of rounds and says, for a report,
 whether they disagree and by how much (``str(agreement)``).
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 __all__ = ["NOISY_SPREAD", "spread", "Agreement", "agreement"]
 
 #: rounds whose interquartile range exceeds this share of their median disagree (the
-#: planner's ``planner.timing.NOISY_SPREAD``)
+#: planner's timings, the workbench's reports and the doctor's time share alike)
 NOISY_SPREAD = 0.25
 
 

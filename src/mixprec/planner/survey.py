@@ -179,6 +179,14 @@ def survey(model: nn.Module, sample_batch: Any, *, base: Recipe, formats: tuple[
     if BF16 not in formats:
         raise ValueError("plan: formats must include 'bf16' (the fallback of every "
                          "Linear)")
+    low = sorted({str(p.dtype) for p in model.parameters()
+                  if p.is_floating_point() and p.element_size() < 4})
+    if low:
+        raise ValueError(f"plan: the model's parameters are {', '.join(low)}, not fp32 (a "
+                         "MixedPrecision engine's working copy, or a model cast to 16 bits); "
+                         "the planner measures from fp32 weights: plan the model before "
+                         "building its engine, or load engine.export_state_dict() into a "
+                         "fresh fp32 model and plan that")
     shapes = _shapes(model, names, sample_batch, loss_fn)
     fixed = _fixed_reasons(model)
     fmts8 = [f for f in formats if f != BF16]

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from mixprec.diagnostics.noise import NOISY_SPREAD, spread
 from mixprec.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -52,8 +53,6 @@ BF16 = "bf16"
 #: (in_features, out_features, tokens, has_bias)
 Shape = tuple[int, int, int, bool]
 
-#: timing rounds whose interquartile range exceeds this share of their median are noisy
-NOISY_SPREAD = 0.25
 #: at most this many measurements of one shape: the first and the measurements again
 MAX_MEASUREMENTS = 3
 #: two timings closer than this share are not told apart, whatever their rounds' spread
@@ -343,12 +342,6 @@ def _agreeing(shape: Shape, formats: list[str], recipe: Recipe, device,
     return {f: dataclasses.replace(c, measurements=n) for f, c in best.items()}
 
 
-def _spread(times: list[float]) -> float:
-    """The interquartile range of ``times`` over their median."""
-    q1, q2, q3 = statistics.quantiles(times, n=4, method="inclusive")
-    return (q3 - q1) / q2 if q2 > 0 else 0.0
-
-
 def _measure(shape: Shape, formats: list[str], recipe: Recipe, device,
              seconds: float, build: Callable | None = None) -> dict[str, LayerCost]:
     build = build or _one_linear
@@ -372,7 +365,7 @@ def _measure(shape: Shape, formats: list[str], recipe: Recipe, device,
     for f, (_, saved, high, route) in runs.items():
         kept = saved()  # the step's high-water mark beyond what backward keeps
         out[f] = LayerCost(statistics.median(times[f]), kept, route, max(0, high() - kept),
-                           _spread(times[f]))
+                           spread(times[f]))
     return out
 
 
