@@ -13,7 +13,8 @@ from mixprec import formats
 from mixprec.fp8.tp_agree import Agreement, agreed_amax
 
 __all__ = ["ROLES", "amax_to_scale", "cast_to_fp8", "cast_rowwise", "rowwise_scale",
-           "nan_if_not_finite", "update_delayed_scales", "FP8_MAX", "fp8_max_tensor"]
+           "nan_if_not_finite", "update_delayed_scales", "FP8_MAX", "fp8_max_tensor",
+           "abs_max"]
 
 ROLES = ("input", "weight", "grad_output")
 FP8_MAX = {
@@ -26,6 +27,17 @@ def fp8_max_tensor(dtype: torch.dtype, device: torch.device | str) -> torch.Tens
     """``dtype``'s largest value as a 0-d fp32 tensor: ``max / amax`` then divides
     tensors (``448.0 / a`` would be ``reciprocal(a) * 448``, one ulp off)."""
     return torch.full((), FP8_MAX[dtype], device=device)
+
+
+def abs_max(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``t.abs().amax()`` (over ``dim``, kept, where given), in ``t``'s dtype, in one
+    pass without the ``|t|`` copy: the larger of ``-min`` and ``max`` from
+    ``torch.aminmax``. Bit for bit the same for finite and infinite values (the final
+    ``abs`` makes a zero +0, as ``|t|``'s is); a NaN anywhere gives a NaN, as amax does
+    (its payload may differ: every cast turns a NaN amax into a fresh NaN scale)."""
+    t = t.detach()
+    lo, hi = torch.aminmax(t) if dim is None else torch.aminmax(t, dim=dim, keepdim=True)
+    return torch.maximum(lo.neg_(), hi).abs_()
 
 
 def amax_to_scale(amax: torch.Tensor, fp8_max: torch.Tensor | float, margin: int,
@@ -62,7 +74,7 @@ def cast_rowwise(t: torch.Tensor, dim: int, dtype: torch.dtype, margin: int = 0,
     scales, where they are known already (a row shard's columns, agreed over ranks);
     ``agree``: else ``t`` is a tensor-parallel shard whose amaxes are agreed now."""
     if amax is None:
-        amax = agreed_amax(t.detach().abs().amax(dim=dim, keepdim=True).float(), dim, agree)
+        amax = agreed_amax(abs_max(t, dim).float(), dim, agree)
     scale = rowwise_scale(amax, dtype, margin)
     return cast_to_fp8(t, scale, dtype), torch.reciprocal(scale)
 
