@@ -52,7 +52,7 @@ def test_a_format_with_history_needs_its_state():
 @pytest.mark.parametrize("code_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_dequant_routes_upcast_is_torchs_conversion_bit_for_bit(code_dtype, dtype):
-    """``gemm.upcast`` (a table lookup for e4m3, fp16's top byte for e5m2) gives every
+    """``gemm.upcast`` (a table lookup for e4m3 to bf16, torch's ``to`` otherwise) gives every
     one of the 256 codes the bits torch's own ``to`` gives, NaNs included, in the same
     memory layout for row-major and transposed codes."""
     from mixprec.fp8.gemm import upcast

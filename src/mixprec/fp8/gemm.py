@@ -66,29 +66,26 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch
     return (y.float() * (inv_a * inv_b)).to(out_dtype)
 
 
-_TABLES: dict[tuple, torch.Tensor] = {}
+_TABLES: dict[torch.dtype, torch.Tensor] = {}
 
 
 def upcast(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``codes.to(dtype)`` for fp8 ``codes``, bit for bit and in the same memory layout.
-    On a CPU, e4m3 codes are looked up in a 256-entry table of torch's own conversion
-    (its element-by-element e4m3 conversion ran 5x slower than the lookup here; it was
-    a third of an fp8 step on the dequant routes), e5m2 codes become the fp16 values
-    they are the top byte of. A layout other than row-major or its transpose, or another
-    device, converts with ``to``."""
+    On a CPU, e4m3 codes going to bf16 (the ``dequant`` route's operands) are looked up
+    in a 256-entry table of torch's own conversion: torch converts them element by
+    element, 5-6x slower than the lookup (``benchmarks/fp8_upcast.py``), and that was
+    a third of an fp8 step. Other pairs, layouts other than row-major or its transpose,
+    and other devices convert with ``to`` (a lookup gained nothing there)."""
     if (codes.device.type != "cpu" or codes.dim() != 2 or not codes.numel()
-            or codes.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2)):
+            or codes.dtype != torch.float8_e4m3fn or dtype != torch.bfloat16):
         return codes.to(dtype)
     if not codes.is_contiguous():
         return upcast(codes.t(), dtype).t() if codes.t().is_contiguous() else codes.to(dtype)
-    byte = codes.view(torch.uint8)
-    if codes.dtype == torch.float8_e5m2:  # fp16's top byte: shift it into place
-        return (byte.to(torch.int16) << 8).view(torch.float16).to(dtype)
-    key = (codes.dtype, dtype)
-    table = _TABLES.get(key)
+    table = _TABLES.get(dtype)
     if table is None:
-        table = _TABLES[key] = torch.arange(256, dtype=torch.uint8).view(codes.dtype).to(dtype)
-    return table.index_select(0, byte.reshape(-1).int()).view(codes.shape)
+        table = _TABLES[dtype] = torch.arange(256, dtype=torch.uint8).view(
+            torch.float8_e4m3fn).to(dtype)
+    return table.index_select(0, codes.view(torch.uint8).reshape(-1).int()).view(codes.shape)
 
 
 def _scaled(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,
