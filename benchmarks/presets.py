@@ -1,6 +1,7 @@
 """Every preset's default step against the fp32 engine step, on this CPU, as chosen.
 
     python benchmarks/presets.py [--steps 6] [--batch 8] [--skip-torchao]
+    python benchmarks/presets.py --recipes fp8,fp8-current --skip-torchao --steps 12
 
 The workbench GPT at the compare default size (4 layers, d=256, seq 128), AdamW fused,
 each preset as ``emulate=auto`` and ``fp8_gemm=auto`` decide here (the kernel choices are
@@ -67,15 +68,21 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--skip-torchao", action="store_true")
+    ap.add_argument("--recipes", default=None,
+                    help="comma-separated presets to run (fp32 always runs), e.g. fp8")
     args = ap.parse_args()
     cfg = SIZES["medium"]
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.vocab, (args.batch, cfg.seq_len + 1), generator=g)
     batch = (idx[:, :-1], idx[:, 1:])
     runs, kernels = {}, {}
+    wanted = None if args.recipes is None else {"fp32", *args.recipes.split(",")}
+    unknown = sorted((wanted or set()) - set(preset_names()))
+    if unknown:
+        ap.error(f"--recipes {','.join(unknown)}: valid: {', '.join(preset_names())}")
     for r in preset_names():
-        if r == "tf32":
-            continue  # the same kernels as fp32 on a CPU
+        if r == "tf32" or wanted is not None and r not in wanted:
+            continue  # tf32: the same kernels as fp32 on a CPU
         runs[r], kernels[r] = _engine_step(r, cfg, batch)
     if not args.skip_torchao:
         try:

@@ -47,3 +47,38 @@ def test_the_function_is_the_linears_gemm_and_the_product_of_the_casts(name):
 def test_a_format_with_history_needs_its_state():
     with pytest.raises(ValueError, match="needs its state; pass state="):
         quantized_mm(torch.randn(4, 16), torch.randn(16, 16), DelayedScaling())
+
+
+@pytest.mark.parametrize("code_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_dequant_routes_upcast_is_torchs_conversion_bit_for_bit(code_dtype, dtype):
+    """``gemm.upcast`` (a table lookup for e4m3 to bf16, torch's ``to`` otherwise) gives every
+    one of the 256 codes the bits torch's own ``to`` gives, NaNs included, in the same
+    memory layout for row-major and transposed codes."""
+    from mixprec.fp8.gemm import upcast
+
+    codes = torch.arange(256, dtype=torch.uint8).repeat(3, 1).view(code_dtype)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for c in (codes, codes.t(), codes[:, ::3]):
+        want, got = c.to(dtype), upcast(c, dtype)
+        assert got.stride() == want.stride()
+        assert torch.equal(got.view(bits), want.view(bits))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_casts_amax_is_abs_amax_bit_for_bit(dtype):
+    """``scaling.abs_max`` (aminmax, no |t| copy) against ``t.abs().amax()``: the same
+    bits, with an infinity, and for an all-zero tensor holding -0.0; a NaN gives a
+    NaN."""
+    from mixprec.fp8.scaling import abs_max
+
+    t = torch.randn(9, 40, generator=torch.Generator().manual_seed(0)).to(dtype)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    zeros = torch.zeros(3, 5, dtype=dtype)
+    zeros[1, 2] = -0.0
+    for case in (t, -t, zeros):
+        assert torch.equal(abs_max(case).view(bits), case.abs().amax().view(bits))
+    t[1, 3] = -float("inf")
+    assert torch.equal(abs_max(t).view(bits), t.abs().amax().view(bits))
+    t[4, 4] = float("nan")
+    assert abs_max(t).isnan()

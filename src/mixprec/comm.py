@@ -41,11 +41,24 @@ and a worker still freeing a tensor's Python object needs the GIL: a hang, seen 
 then in this project's tests. ``wrap_ddp`` moves ``process_group`` to the end of the DDP
 module's ``__dict__`` (CPython frees an object's attributes in order), so the Python
 reference goes last and the group is destroyed with the GIL released.
+
+**Exit.** The hook's reduction finishes in a Python callback (``Future.then``), which a
+gloo (or NCCL) thread runs and then drops, taking the GIL to do so, after DDP's wait
+has already returned. A main thread that reached interpreter finalization first (the
+last backward, a step and a print are a few milliseconds; a loaded host can keep that
+thread off the CPU longer) made the thread's GIL request end the thread in the middle of
+a C++ destructor: "terminate called without an active exception", SIGABRT, now and then
+at the end of a two-rank run. The callbacks are counted while a thread holds them
+(``_Handed``), and an ``atexit`` handler, registered with the first hook, waits (GIL
+released, at most ``EXIT_WAIT_S``) until none is left, before finalization begins.
 """
 
 from __future__ import annotations
 
+import atexit
 import math
+import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -134,7 +147,40 @@ def ddp_comm_hook(state: _HookState, bucket):
         gs.receive(params, [r.view_as(b) for r, b in zip(parts, bufs)], replace=True)
         return bucket.buffer()  # left as it is: accumulate() drops these .grad unread
 
-    return fut.then(done)
+    return fut.then(_HANDED.track(done))
+
+
+class _Handed:
+    """The Python callbacks handed to the process group's threads that a thread still
+    holds (weakly: each leaves the set when its thread drops it), and the exit wait on
+    them (the module doc's Exit)."""
+
+    def __init__(self) -> None:
+        self.live: weakref.WeakSet = weakref.WeakSet()
+        self.registered = False
+
+    def track(self, fn):
+        """``fn``, counted until it is freed; the first call registers the exit wait."""
+        if not self.registered:
+            atexit.register(self.wait)
+            self.registered = True
+        self.live.add(fn)
+        return fn
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Sleep (the GIL free for the threads) until every tracked callback is dropped
+        or ``timeout`` s pass (default ``EXIT_WAIT_S``); the callbacks still held."""
+        end = time.monotonic() + (EXIT_WAIT_S if timeout is None else timeout)
+        while len(self.live) and time.monotonic() < end:
+            time.sleep(0.001)
+        return len(self.live)
+
+
+#: the longest the exit waits for the threads to drop the hook's callbacks (a callback
+#: whose collective never completes, a peer gone, is not waited for longer)
+EXIT_WAIT_S = 10.0
+
+_HANDED = _Handed()
 
 
 # DDP checks the hook's return annotation as an object (postponed annotations are strings)

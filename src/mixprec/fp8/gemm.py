@@ -22,7 +22,7 @@ from mixprec.fp8.padding import TENSOR_KERNEL, run_or_fall_back
 from mixprec.fp8.quantized import pad_to
 from mixprec.fp32_precision import ieee_fp32_matmul
 
-__all__ = ["fp8_gemm", "SCALED_MM_MULTIPLE"]
+__all__ = ["fp8_gemm", "SCALED_MM_MULTIPLE", "upcast"]
 
 
 #: torch._scaled_mm needs the contraction dim and the output's columns divisible by 16
@@ -59,11 +59,33 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch
                          "dequant_fp32, auto")
     fp32 = out_dtype == torch.float32 or backend == "dequant_fp32"
     if not fp32:
-        y = torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16))
+        y = torch.mm(upcast(a, torch.bfloat16), upcast(b, torch.bfloat16))
     else:
         with ieee_fp32_matmul():
-            y = torch.mm(a.float(), b.float())
+            y = torch.mm(upcast(a, torch.float32), upcast(b, torch.float32))
     return (y.float() * (inv_a * inv_b)).to(out_dtype)
+
+
+_TABLES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def upcast(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``codes.to(dtype)`` for fp8 ``codes``, bit for bit and in the same memory layout.
+    On a CPU, e4m3 codes going to bf16 (the ``dequant`` route's operands) are looked up
+    in a 256-entry table of torch's own conversion: torch converts them element by
+    element, 5-6x slower than the lookup (``benchmarks/fp8_upcast.py``), and that was
+    a third of an fp8 step. Other pairs, layouts other than row-major or its transpose,
+    and other devices convert with ``to`` (a lookup gained nothing there)."""
+    if (codes.device.type != "cpu" or codes.dim() != 2 or not codes.numel()
+            or codes.dtype != torch.float8_e4m3fn or dtype != torch.bfloat16):
+        return codes.to(dtype)
+    if not codes.is_contiguous():
+        return upcast(codes.t(), dtype).t() if codes.t().is_contiguous() else codes.to(dtype)
+    table = _TABLES.get(dtype)
+    if table is None:
+        table = _TABLES[dtype] = torch.arange(256, dtype=torch.uint8).view(
+            torch.float8_e4m3fn).to(dtype)
+    return table.index_select(0, codes.view(torch.uint8).reshape(-1).int()).view(codes.shape)
 
 
 def _scaled(a: torch.Tensor, b: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor,

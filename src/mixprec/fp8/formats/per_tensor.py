@@ -12,7 +12,7 @@ from mixprec.fp8.formats.base import Margined
 from mixprec.fp8.gather import Fp8Weight
 from mixprec.fp8.gemm import fp8_gemm
 from mixprec.fp8.quantized import Quantized
-from mixprec.fp8.scaling import ROLES, cast_to_fp8, nan_if_not_finite
+from mixprec.fp8.scaling import ROLES, abs_max, cast_to_fp8, nan_if_not_finite
 from mixprec.fp8.tp_agree import Agreement, agreed_amax
 
 __all__ = ["PerTensor"]
@@ -50,7 +50,7 @@ class PerTensor(Margined):
             if record:
                 self._record(state, role, t._amax)
             return Quantized(t._codes.clone(), torch.reciprocal(t._scale))
-        amax = agreed_amax(t.detach().abs().amax().float(), agree=agree)  # a TP shard: the whole's
+        amax = agreed_amax(abs_max(t).float(), agree=agree)  # a TP shard: the whole's
         scale = self._scale(amax, role, state, record)
         scale = nan_if_not_finite(scale, amax)  # an inf must not saturate to a finite max
         return Quantized(cast_to_fp8(t, scale, self.dtype(role)), torch.reciprocal(scale))
