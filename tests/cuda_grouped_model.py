@@ -36,7 +36,10 @@ import dataclasses
 
 import torch
 
-__all__ = ["CudaCheckError", "CudaGroupedModel", "Call"]
+from mixprec.experts import grouped as gr
+from mixprec.experts import scaled_grouped as sg
+
+__all__ = ["CudaCheckError", "CudaGroupedModel", "Call", "stand_in"]
 
 _REAL_GROUPED = torch._grouped_mm
 _REAL_SCALED = torch._scaled_grouped_mm
@@ -271,3 +274,16 @@ class CudaGroupedModel:
                 if s == e:
                     out[g] = float("nan")
         return out
+
+
+def stand_in(monkeypatch, capability: tuple[int, int] = (9, 0),
+             strict_empty: bool = True) -> CudaGroupedModel:
+    """The CPU standing in for a GPU of ``capability``: the experts take their GPU routes
+    (``bf16_only``, the capability monkeypatched) and torch's grouped kernels are
+    replaced by the model of their CUDA checks, which is returned."""
+    model = CudaGroupedModel(capability, strict_empty=strict_empty)
+    monkeypatch.setattr(gr, "bf16_only", lambda device: True)
+    monkeypatch.setattr(sg, "_capability", lambda device: capability)
+    monkeypatch.setattr(torch, "_grouped_mm", model.grouped_mm)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", model.scaled_grouped_mm)
+    return model

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import sys
 import warnings
 
@@ -18,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+from host_reads import MIXPREC, reads_replaced
 from mixprec import MixedPrecision
 from optim_dtensor_workers import _cuda_fusing, make_opt
 from tp_fp8_workers import PLAN, SeqMLP, make_data, make_model, sp_plan
@@ -25,15 +25,9 @@ from tp_workers import _init, _save
 
 warnings.simplefilter("ignore")
 
-_READS = ["item", "__bool__", "__float__", "__int__", "tolist"]
-_MIXPREC = f"{os.sep}mixprec{os.sep}"
 
-
-@contextlib.contextmanager
 def counted_reads(found: list):
     """Each value read appended to ``found`` as ``(name, file:line)`` of its caller."""
-    saved = {n: getattr(torch.Tensor, n) for n in _READS}
-
     def wrap(name, original):
         def f(self, *a, **k):
             code = sys._getframe(1)
@@ -41,13 +35,7 @@ def counted_reads(found: list):
             return original(self, *a, **k)
         return f
 
-    for n in _READS:
-        setattr(torch.Tensor, n, wrap(n, saved[n]))
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
+    return reads_replaced(wrap)
 
 
 def _engine(layout: str, recipe: str, how: str, world: int):
@@ -95,8 +83,8 @@ def run(rank, world, tmp, runs, steps):
                 r = engine.step()
             skipped.append(r.skipped)
         out[layout, recipe, how] = {
-            "mixprec": [f for f in found if _MIXPREC in f[1]],
-            "other": [f for f in found if _MIXPREC not in f[1]],
+            "mixprec": [f for f in found if MIXPREC in f[1]],
+            "other": [f for f in found if MIXPREC not in f[1]],
             "skipped": [bool(s) for s in skipped],
             "totals": engine.comm_stats.totals(),
         }

@@ -14,10 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_grouped_model import CudaCheckError, CudaGroupedModel
+from cuda_grouped_model import CudaCheckError, CudaGroupedModel, stand_in
 from mixprec.experts import ExpertsFormat, grouped_mm
-from mixprec.experts import grouped as gr
-from mixprec.experts import scaled_grouped as sg
 from mixprec.experts.gather_casts import ExpertsCasts, _send_experts
 
 K, N = 64, 48
@@ -112,12 +110,7 @@ def test_the_models_host_checks_agree_with_torchs_meta_kernels():
 @pytest.fixture
 def sm90(monkeypatch):
     """A CPU standing in for an sm90 GPU, torch's grouped kernels replaced by the model."""
-    model = CudaGroupedModel((9, 0), strict_empty=True)
-    monkeypatch.setattr(gr, "bf16_only", lambda device: True)
-    monkeypatch.setattr(sg, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(torch, "_grouped_mm", model.grouped_mm)
-    monkeypatch.setattr(torch, "_scaled_grouped_mm", model.scaled_grouped_mm)
-    return model
+    return stand_in(monkeypatch)
 
 
 def _run(recipe, route, counts, tail, dtype=torch.bfloat16, seed=0):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import tiny_gpt
+from host_reads import reads_replaced
 from mixprec import MixedPrecision, checks
 from mixprec.watch import HostMirror
 
@@ -27,29 +28,13 @@ RECIPES = ["bf16", "bf16-master", "bf16-master,wgrad=fp32", "fp16", "fp16-master
            "fp8", "fp8-current", "fp8-rowwise"]
 
 
-_READS = ["item", "__bool__", "__float__", "__int__", "tolist"]
-
-
-@contextlib.contextmanager
-def _host_reads_replaced(wrap):
-    """Each of torch.Tensor's value reads replaced by ``wrap(name, original)``."""
-    saved = {n: getattr(torch.Tensor, n) for n in _READS}
-    for n in _READS:
-        setattr(torch.Tensor, n, wrap(n, saved[n]))
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
-
-
 def no_host_reads():
     def trap(name, original):
         def f(self, *a, **k):
             raise AssertionError(f"host sync: Tensor.{name} called inside the hot path")
         return f
 
-    return _host_reads_replaced(trap)
+    return reads_replaced(trap)
 
 
 def _run(recipe, device, guard):
@@ -124,7 +109,7 @@ def counted_host_reads(counts):
             return original(self, *a, **k)
         return f
 
-    return _host_reads_replaced(counter)
+    return reads_replaced(counter)
 
 
 BAD = 2  # the skipped step of five

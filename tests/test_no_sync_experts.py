@@ -14,36 +14,30 @@ docs/guides/moe.md says."""
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 
 import pytest
 import torch
 
 import moe_helpers
-from cuda_grouped_model import CudaGroupedModel
+from cuda_grouped_model import stand_in
+from host_reads import MIXPREC, reads_replaced
 from mixprec.experts import ExpertsFormat, grouped_mm
 from mixprec.experts import grouped as gr
-from mixprec.experts import scaled_grouped as sg
 from mixprec.experts.hook import convert_experts
 from mixprec.fp8 import gather_casts
 
 _READS = ["item", "__bool__", "__float__", "__int__", "__index__", "tolist", "nonzero",
           "cpu", "numpy"]
-_MIXPREC = f"{os.sep}mixprec{os.sep}"
 
 
 def _from_mixprec() -> bool:
-    return _MIXPREC in sys._getframe(2).f_code.co_filename
+    return MIXPREC in sys._getframe(2).f_code.co_filename
 
 
-@contextlib.contextmanager
 def counted_host_reads(counts: list[str]):
     """Each of mixprec's reads of a tensor's value, and each tensor it builds from
     Python values, appended to ``counts`` by name."""
-    saved = {n: getattr(torch.Tensor, n) for n in _READS}
-    real_tensor, real_nonzero = torch.tensor, torch.nonzero
-
     def wrap(name, original):
         def f(*a, **k):
             if _from_mixprec():
@@ -51,15 +45,7 @@ def counted_host_reads(counts: list[str]):
             return original(*a, **k)
         return f
 
-    for n in _READS:
-        setattr(torch.Tensor, n, wrap(n, saved[n]))
-    torch.tensor, torch.nonzero = wrap("tensor", real_tensor), wrap("nonzero", real_nonzero)
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
-        torch.tensor, torch.nonzero = real_tensor, real_nonzero
+    return reads_replaced(wrap, _READS, ("tensor", "nonzero"))
 
 
 def test_the_counter_sees_a_read_and_a_built_tensor():
@@ -74,12 +60,8 @@ def test_the_counter_sees_a_read_and_a_built_tensor():
 
 @pytest.fixture
 def sm90(monkeypatch):
-    model = CudaGroupedModel((9, 0), strict_empty=True)
-    monkeypatch.setattr(gr, "bf16_only", lambda device: True)
-    monkeypatch.setattr(sg, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(torch, "_grouped_mm", model.grouped_mm)
-    monkeypatch.setattr(torch, "_scaled_grouped_mm", model.scaled_grouped_mm)
-    return model
+    """A CPU standing in for an sm90 GPU, torch's grouped kernels replaced by the model."""
+    return stand_in(monkeypatch)
 
 
 def _step(recipe, route, counts_per_expert, reads):
