@@ -75,8 +75,11 @@ def upcast(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     in a 256-entry table of torch's own conversion: torch converts them element by
     element, 5-6x slower than the lookup (``benchmarks/fp8_upcast.py``), and that was
     a third of an fp8 step. Other pairs, layouts other than row-major or its transpose,
-    and other devices convert with ``to`` (a lookup gained nothing there)."""
-    if (codes.device.type != "cpu" or codes.dim() != 2 or not codes.numel()
+    and other devices convert with ``to`` (a lookup gained nothing there); so does a
+    compiled graph (inductor fuses the conversion into its neighbours) and a call under
+    a dispatch mode (the coverage counters read an upcast of fp8 as ``to``'s copy)."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or codes.device.type != "cpu" or codes.dim() != 2 or not codes.numel()
             or codes.dtype != torch.float8_e4m3fn or dtype != torch.bfloat16):
         return codes.to(dtype)
     if not codes.is_contiguous():
