@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec import MixedPrecision
+from mixprec.kernels import EMULATE_ENV
 
 warnings.simplefilter("ignore")
 
@@ -57,6 +58,9 @@ def fsdp_casts(rank: int, world: int, tmp: str, recipes: list[str]) -> None:
     from mixprec.memory import TransformerSpec, estimate, measure
     from mixprec.workbench import GPT, GPTConfig
 
+    # the real 16-bit kernels' copies (emulated, the layers around fp8 stay fp32 and the
+    # head keeps no bf16 copy)
+    os.environ[EMULATE_ENV] = "off"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
                             world_size=world)

@@ -241,14 +241,17 @@ def test_gqa_and_swiglu_activations_within_10_percent_of_a_measured_forward(reci
 
 @pytest.mark.parametrize("kind,recipe", [(k, r) for k in ("llama", "mixtral")
                                          for r in ("fp32", "bf16-master", "fp8")])
-def test_a_spec_read_off_a_config_prices_the_transformers_models_activations(kind, recipe):
+def test_a_spec_read_off_a_config_prices_the_transformers_models_activations(kind, recipe,
+                                                                            monkeypatch):
     """A small transformers Llama and Mixtral (hidden 128, 8 heads, 2 K and V heads,
     intermediate 256; Mixtral 4 experts, top-2): the bare spec of their config against
     the bytes one forward saves (transformers' RMSNorm keeps its fp32 input and
     normalized values)."""
     from mixprec import MixedPrecision
+    from mixprec.kernels import EMULATE_ENV
     from mixprec.memory import measure
 
+    monkeypatch.setenv(EMULATE_ENV, "off")  # the spec prices the real 16-bit kernels' bytes
     base = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=8,
                 num_key_value_heads=2, intermediate_size=256, vocab_size=256)
     if kind == "llama":
