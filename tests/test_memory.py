@@ -237,3 +237,17 @@ def test_measure_equals_estimate_for_each_optimizer(name, make, recipe):
     got = measure(model, engine)["optimizer"]
     assert got == predicted["optimizer"], (got, predicted["optimizer"])
     assert (got > 0) == (name != "sgd")
+
+
+def test_the_ledger_holds_what_it_counted_so_a_freed_address_is_not_skipped_later():
+    """A temporary counted early and then freed must not lend its address to a later
+    tensor: the pointer check would skip the later one (one fp8 weight cast went
+    uncounted under FSDP this way)."""
+    from mixprec.memory.ledger import _Ledger
+
+    for n in (256, 6912, 65536, 1 << 20):  # the allocator reuses some of these sizes
+        led = _Ledger()
+        led.add("gradients", [torch.empty(n)])  # dropped by the caller at once
+        later = [torch.empty(n) for _ in range(8)]  # the allocator's next blocks
+        led.add("weight_casts", later)
+        assert led.items["weight_casts"] == 8 * n * 4, n

@@ -69,9 +69,15 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
 
 
 class _Ledger:
+    """Bytes by item, each storage counted once. The ledger holds every storage it has
+    counted until it is dropped: a temporary counted early (a gradient view, a buffer
+    made on access) freed before the forward would otherwise hand its address to a
+    later weight cast, which the pointer check would then skip."""
+
     def __init__(self) -> None:
         self.seen: set[int] = set()
         self.items: dict[str, float] = {}
+        self._held: list = []
 
     def add(self, item: str, tensors: Iterable[torch.Tensor | None]) -> None:
         for t in tensors:
@@ -81,6 +87,7 @@ class _Ledger:
             if ptr == 0 and nbytes == 0 or ptr in self.seen:
                 continue
             self.seen.add(ptr)
+            self._held.append(getattr(t, "_local_tensor", t).untyped_storage())
             self.items[item] = self.items.get(item, 0.0) + nbytes
 
 

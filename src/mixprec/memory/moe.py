@@ -114,11 +114,11 @@ def activation_saved(m: nn.Module, width: int) -> float:
     ``1.5·width``, GPT-OSS's clamped sigmoid gate ``3·width``)."""
     import torch
 
-    seen: dict[int, int] = {}
+    seen: dict = {}
 
     def pack(t):
         st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
+        seen[st.data_ptr()] = st  # held: a freed address is not reused
         return t
 
     x = torch.randn(4, width, requires_grad=True)
@@ -128,7 +128,7 @@ def activation_saved(m: nn.Module, width: int) -> float:
             (m._apply_gate if m.has_gate else m.act_fn)(x)
     except Exception:  # an activation that needs more than its input: SwiGLU's count
         return 1.5 * width if m.has_gate else 2.0 * width
-    return sum(seen.values()) / 4 / x.element_size()
+    return sum(st.nbytes() for st in seen.values()) / 4 / x.element_size()
 
 
 def moe_saved_bytes(model: nn.Module, tokens: int, linear_formats: dict[str, Any],

@@ -313,14 +313,14 @@ def saved_bytes(engine: MixedPrecision, model: nn.Module, *inputs: torch.Tensor)
     def pack(t):
         if id(t) not in skip and t.device.type != "meta":
             st = t.untyped_storage()
-            seen[(st.data_ptr(), st.device)] = st.nbytes()
+            seen[(st.data_ptr(), st.device)] = st  # held: a freed address is not reused
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with engine.autocast():
             y = model(*inputs)
     del y
-    return int(sum(seen.values()))
+    return int(sum(st.nbytes() for st in seen.values()))
 
 
 def _agreeing(shape: Shape, formats: list[str], recipe: Recipe, device,
