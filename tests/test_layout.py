@@ -102,11 +102,13 @@ def test_the_step_rooms_stay_below_the_engine():
     """The engine sits on parallel, setup and step; none of them (nor what they import)
     reaches back up to it, and the user's ``distributed.prepare`` sits above it."""
     graph, _ = _graph()
-    for room in ("mixprec.parallel", "mixprec.comm", "mixprec.setup", "mixprec.step",
-                 "mixprec.master", "mixprec.scaler", "mixprec.checkpoint"):
-        assert not {"mixprec.engine", "mixprec.distributed"} & _reach(graph, room), room
-    assert "mixprec.engine" in graph["mixprec.distributed"]
-    assert "mixprec.distributed" not in _reach(graph, "mixprec.engine")
+    for room in ("mixprec.parallel.layouts", "mixprec.parallel.comm", "mixprec.engine.build",
+                 "mixprec.engine.step", "mixprec.engine.param_state", "mixprec.engine.scaler",
+                 "mixprec.checkpoint.core"):
+        top = {"mixprec.engine.facade", "mixprec.parallel.distributed"}
+        assert not top & _reach(graph, room), room
+    assert "mixprec.engine.facade" in graph["mixprec.parallel.distributed"]
+    assert "mixprec.parallel.distributed" not in _reach(graph, "mixprec.engine.facade")
 
 
 def test_the_walk_sees_imports_inside_functions():
@@ -125,3 +127,57 @@ def test_importing_mixprec_does_not_load_torch_dynamo():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "False"
+
+
+#: the floors of the picture in docs/development.md: a room imports its own floor or below
+FLOORS = {"formats": 0, "optim": 1, "recipe": 2, "fp8": 3, "experts": 4, "engine": 5,
+          "parallel": 5, "checkpoint": 6, "memory": 8, "diagnostics": 8, "planner": 9,
+          "integrations": 9, "workbench": 10, "cli": 10, "__main__": 10, "_moved": 0}
+#: rooms above their package's floor: the step's rooms on the lower engine and parallel,
+#: and the facades over checkpoints
+ROOM_FLOORS = {"mixprec.engine.build": 5.5, "mixprec.engine.step": 5.5,
+               "mixprec.engine.facade": 7, "mixprec.parallel.distributed": 7}
+#: the downward-pointing exceptions that remain, each an edge of the core's package knot
+#: (docs/development.md says which step removes it); a new one fails, and so does one
+#: that is gone but still listed
+KNOWN_UPWARD = {
+    ("optim", "recipe"),        # a state rule's recipe default, imported in a function
+    ("recipe", "fp8"),          # the Linear formats' registry and fields
+    ("fp8", "engine"),          # fp32_precision pins the dequant GEMMs' fp32
+    ("fp8", "experts"),         # the module swap finds transformers' experts
+    ("fp8", "parallel"),        # FSDP gathers and TP shards record their collectives
+    ("diagnostics", "planner"),  # the doctor's advice names a plan
+}
+
+
+def _floor(module: str) -> float:
+    if module in ROOM_FLOORS:
+        return ROOM_FLOORS[module]
+    return FLOORS.get(module.split(".")[1], 0) if module.count(".") else 0
+
+
+def test_no_room_imports_a_floor_above_it_beyond_the_known_knot():
+    graph, _ = _graph()
+    upward = {(m.split(".")[1], d.split(".")[1]) for m, deps in graph.items()
+              if m.count(".") for d in deps if d.count(".")
+              and m.split(".")[1] != d.split(".")[1] and _floor(d) > _floor(m)}
+    assert upward == KNOWN_UPWARD, (f"new: {sorted(upward - KNOWN_UPWARD)}; "
+                                    f"gone, strike them: {sorted(KNOWN_UPWARD - upward)}")
+
+
+#: function-level imports of mixprec modules today; each shrink lowers it (the aim is 20,
+#: each with its reason on the line)
+FUNCTION_LEVEL_IMPORTS = 139
+
+
+def test_function_level_imports_do_not_grow():
+    count = 0
+    for path in SRC.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top:
+                names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                         else [a.name for a in node.names])
+                count += any(n.startswith("mixprec") for n in names)
+    assert count <= FUNCTION_LEVEL_IMPORTS, count
