@@ -132,7 +132,7 @@ def test_importing_mixprec_does_not_load_torch_dynamo():
 #: the floors of the picture in docs/development.md: a room imports its own floor or below
 FLOORS = {"formats": 0, "optim": 1, "recipe": 2, "fp8": 3, "experts": 4, "engine": 5,
           "parallel": 5, "checkpoint": 6, "memory": 8, "diagnostics": 8, "planner": 9,
-          "integrations": 9, "workbench": 10, "cli": 10, "__main__": 10, "_moved": 0}
+          "integrations": 9, "workbench": 10, "cli": 10, "__main__": 10, "_imports": 0}
 #: rooms above their package's floor: the step's rooms on the lower engine and parallel,
 #: and the facades over checkpoints
 ROOM_FLOORS = {"mixprec.engine.build": 5.5, "mixprec.engine.step": 5.5,

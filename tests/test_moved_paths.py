@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import mixprec
-from mixprec._moved import MOVED
+from mixprec._imports import MOVED
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))

@@ -7,7 +7,7 @@ precision each part of training uses), ``MixedPrecision`` (the training engine),
 
 import sys
 
-from mixprec import _moved, formats, fp8
+from mixprec import _imports, formats, fp8
 from mixprec.diagnostics import doctor
 from mixprec.engine.context import precision_context
 from mixprec.engine.facade import MixedPrecision, StepResult
@@ -22,6 +22,6 @@ __all__ = ["distributed", "formats", "fp8", "Recipe", "PRESETS", "MixedPrecision
            "plan", "Plan",
            "__version__"]
 __version__ = "0.2.0"
-_moved.install()
+_imports.install()
 # the user's entry keeps its short path, as a public name rather than a deprecated one
 sys.modules.setdefault("mixprec.distributed", distributed)

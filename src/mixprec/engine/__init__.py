@@ -4,7 +4,7 @@ weights and the one owner of every gradient), ``scaler``, ``context`` (autocast 
 fp32 islands), ``emulate`` and ``devices`` (measured device choices), ``step``,
 ``checks``, ``gradnorm``, ``wgrad``, ``attention``, ``coverage`` and ``watch``."""
 
-import importlib
+from mixprec._imports import lazy_exports
 
 #: public name -> the submodule that defines it
 _EXPORTS = {
@@ -16,13 +16,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    """The public names, imported on first use: the package's own submodules are imported
-    by rooms below the facade, which must not pull the facade in with them."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

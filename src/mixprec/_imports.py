@@ -1,6 +1,8 @@
-"""Old import paths of modules that moved into packages: ``import mixprec.scaler`` still
-works, returns the module at its new path (the same object, so monkeypatching it patches
-the code) and warns once with the new path. Installed by ``mixprec/__init__``."""
+"""How mixprec's modules are reached: old import paths of modules that moved into
+packages (``import mixprec.scaler`` still works, returns the module at its new path, the
+same object, so monkeypatching it patches the code, and warns once with the new path;
+installed by ``mixprec/__init__``), and the packages' public names, imported on first
+use (``lazy_exports``)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import importlib.util
 import sys
 import warnings
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "install", "lazy_exports"]
 
 #: old module path -> new module path (removed in the release after 0.3)
 MOVED = {
@@ -69,3 +71,20 @@ def install() -> None:
     """Put the finder on ``sys.meta_path`` (once)."""
     if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
         sys.meta_path.append(_MovedFinder())
+
+
+def lazy_exports(package: str, exports: dict[str, str]):
+    """A package's ``__getattr__`` and ``__dir__`` for its public names, each imported from
+    its submodule (``exports``: name -> submodule) on first use: the package's own
+    submodules are imported by rooms below the one that defines the names, which must not
+    pull it in with them."""
+
+    def __getattr__(name: str):
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
+
+    def __dir__() -> list[str]:
+        return sorted([*vars(sys.modules[package]), *exports])
+
+    return __getattr__, __dir__
