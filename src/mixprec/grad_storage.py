@@ -149,6 +149,7 @@ class DirectGrads(GradStorage):
         self._dtensors = dtensors
 
     def grads(self) -> tuple[torch.Tensor | None, ...]:
+        """Each optimizer parameter's ``.grad``."""
         return tuple(q.grad for q in self.opt_params)
 
     def accumulate(self, state) -> None:
@@ -168,6 +169,7 @@ class DirectGrads(GradStorage):
             super().drop_stray(fresh)
 
     def zero(self) -> None:
+        """Each ``.grad`` set to None (torch's ``zero_grad(set_to_none=True)``)."""
         for q in self.opt_params:
             q.grad = None
 
@@ -224,6 +226,7 @@ class BufferGrads(GradStorage):
         self.settled: set[int] = set()
 
     def grads(self) -> tuple[torch.Tensor | None, ...]:
+        """The buffers."""
         return tuple(self.buffers)
 
     def accumulate(self, state) -> None:
@@ -267,6 +270,7 @@ class BufferGrads(GradStorage):
             torch._foreach_add_(bufs, grads)
 
     def takes_fp32(self, i: int | None) -> bool:
+        """Whether parameter ``i`` is a trained one with an fp32 buffer."""
         return i is not None and self.buffers[i].dtype == torch.float32
 
     def hand_to_optimizer(self) -> None:
@@ -282,6 +286,7 @@ class BufferGrads(GradStorage):
                 q.grad = b
 
     def zero(self) -> None:
+        """The buffers and compensations zeroed in place; ``.grad`` copies dropped."""
         self.settled = set()
         torch._foreach_zero_([local_shard(b) for b in self.buffers])
         if self.compensations:
