@@ -9,15 +9,16 @@ them is one of two strategies behind the same methods:
   ``.grad`` on the working parameters is harvested and dropped after each backward.
 - ``DirectGrads`` (``"direct"``): no buffers. The optimizer parameters' own ``.grad``,
   written by autograd, DDP's reducer or FSDP's reduce-scatter, is the accumulator
-  (fp32 parameters with fp32 gradients and plain accumulation: ``bf16``, ``fp32``, the
-  fp8 family, where the parameter itself is what the optimizer steps).
+  (fp32 parameters with fp32 gradients and plain accumulation: ``bf16``, ``fp16``,
+  ``fp32``, the fp8 family, where the parameter itself is what the optimizer steps).
 
 Each strategy answers the same moments: the harvest after a backward (``accumulate``),
 the accumulation's marker (``sentinel``), stray gradients (``drop_stray``), the view out
 (``grads``), the hand-over to the optimizer, clearing (``zero``), DDP's bucket and a
 whole reduction outside DDP (``bucket``, ``reduce``), and the record of partial-sum
-gradients' sums (``record_sums``). The rest of the engine calls ``ParamState``, which
-calls these; nothing outside the two touches ``.grad`` or the buffers.
+gradients' sums (``record_sums``). The rest of the engine (the step, the comm hook, the
+engine's ``zero_grad``) calls ``ParamState``, which calls these: no other module of the
+step writes ``.grad`` or the buffers (the optimizers read ``.grad``, as torch's do).
 """
 
 from __future__ import annotations
