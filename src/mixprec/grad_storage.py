@@ -1,6 +1,6 @@
 """Where the parameter state keeps the accumulated gradients: one interface, two storages.
 
-``ParamState`` (``mixprec.master``) owns the gradients in every recipe; how it stores
+``ParamState`` (``mixprec.engine.param_state``) owns the gradients in every recipe; how it stores
 them is one of two strategies behind the same methods:
 
 - ``BufferGrads`` (``"buffer"``): accumulation buffers in the recipe's ``grads`` dtype,

@@ -59,7 +59,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mixprec.emulate import round_
+from mixprec.engine.emulate import round_
 from mixprec.grad_storage import BufferGrads, DirectGrads, GradStorage, local_shard
 from mixprec.recipe import Recipe
 
@@ -261,7 +261,7 @@ class ParamState:
         idx = [i if isinstance(i, int) else self.index[id(i)] for i in where]
         self.storage.add(idx, grads, replace)
 
-    # --- the reductions (mixprec.comm), through the storage -------------------------
+    # --- the reductions (mixprec.parallel.comm), through the storage -------------------------
 
     def bucket_reduction(self, bucket) -> tuple[torch.Tensor, Callable]:
         """For DDP's comm hook: ``(send, done)``, this rank's sums of the bucket's
@@ -277,7 +277,7 @@ class ParamState:
         ``direct`` mode a parameter without ``.grad`` sends zeros, as DDP does)."""
         self.storage.reduce(self, mean)
 
-    # --- the sink for wgrad=fp32 (mixprec.wgrad), during backward -------------------
+    # --- the sink for wgrad=fp32 (mixprec.engine.wgrad), during backward -------------------
 
     def wants_fp32_grad(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is a low-precision working parameter with an fp32 buffer
