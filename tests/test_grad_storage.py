@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+from mixprec.engine.grad_storage import BufferGrads, DirectGrads
 from mixprec.engine.param_state import ParamState
-from mixprec.grad_storage import BufferGrads, DirectGrads
 from mixprec.recipe import Recipe
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mixprec"

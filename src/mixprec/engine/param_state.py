@@ -18,7 +18,7 @@ Plain fp32 accumulation of n equal terms has a relative error that grows like nÂ
 buffer per parameter, and is worth it only for very long accumulations.
 
 **One owner of the gradients.** Every recipe's gradients are the parameter state's:
-it decides where they add up (``storage``, ``mixprec.grad_storage``: accumulation
+it decides where they add up (``storage``, ``mixprec.engine.grad_storage``: accumulation
 ``buffers``, or in ``direct`` mode the optimizer parameters' own ``.grad``) and the rest
 of the engine reaches them only through its methods, the same in both modes:
 
@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from mixprec.engine.emulate import round_
-from mixprec.grad_storage import BufferGrads, DirectGrads, GradStorage, local_shard
+from mixprec.engine.grad_storage import BufferGrads, DirectGrads, GradStorage, local_shard
 from mixprec.recipe import Recipe
 
 __all__ = ["ParamState", "updated_format", "updated_dtype", "grads_in_place", "pieces"]
@@ -175,7 +175,7 @@ class ParamState:
         self.announce_grads = announce_grads
         # every trained parameter was cast to ``pdt`` above
         self.direct = grads_in_place(recipe, emulate)
-        #: where the gradients add up (``mixprec.grad_storage``): "direct" or "buffer"
+        #: where the gradients add up (``mixprec.engine.grad_storage``): "direct" or "buffer"
         self.storage: GradStorage = (
             DirectGrads(self.working, self.opt_params, self._dtensors) if self.direct
             else BufferGrads(self.working, self.opt_params, gdt, self.has_master,
