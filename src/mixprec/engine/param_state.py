@@ -17,13 +17,25 @@ Plain fp32 accumulation of n equal terms has a relative error that grows like nÂ
 7e-6 for 4096 terms. Compensated, it stays at one rounding, ~1e-8. It costs one more
 buffer per parameter, and is worth it only for very long accumulations.
 
-**One door in.** Every writer adds to the buffers through ``receive``, which knows
-the buffer's dtype and the Kahan compensation: the harvest of autograd's ``.grad`` after
-each backward (``accumulate``, FSDP's sharded gradients included), the ``wgrad=fp32``
-sink during backward (``add_fp32_grad``: the fp32 weight gradients of low-precision
-working parameters skip ``.grad``, so no bf16 rounding happens between the GEMM and the
-buffer), and DDP's comm hook, which replaces a bucket's sums with their all-reduced
-mean (``replace=True``; ``accumulate`` then leaves those parameters' ``.grad`` out).
+**One owner of the gradients.** Every recipe's gradients are the parameter state's:
+it decides where they add up (``storage``, ``mixprec.engine.grad_storage``: accumulation
+``buffers``, or in ``direct`` mode the optimizer parameters' own ``.grad``) and the rest
+of the engine reaches them only through its methods, the same in both modes:
+
+- in: ``accumulate`` after each backward, ``add_fp32_grad`` during it, the reductions
+  (``bucket_reduction`` for DDP's comm hook, ``reduce`` for a window DDP did not reduce);
+- the step: ``gradients`` (the non-finite check's and the norm's input), ``unscale_``
+  (unscale and clip, in place), ``hand_to_optimizer`` / ``lend_grads``;
+- clearing: ``zero`` after an update, ``zero_grad`` for the user's, ``drop_stray_grads``.
+
+**One door in.** Where there are buffers, every writer adds to them through ``receive``,
+which knows the buffer's dtype and the Kahan compensation: the harvest of autograd's
+``.grad`` after each backward (``accumulate``, FSDP's sharded gradients included), the
+``wgrad=fp32`` sink during backward (``add_fp32_grad``: the fp32 weight gradients of
+low-precision working parameters skip ``.grad``, so no bf16 rounding happens between
+the GEMM and the buffer), and DDP's comm hook, which replaces a bucket's sums with
+their all-reduced mean (``replace=True``; ``accumulate`` then leaves those parameters'
+``.grad`` out).
 
 **One view out.** ``grads``: the accumulated gradient of each optimizer parameter,
 aligned with ``opt_params``. The step checks, unscales and clips it in place (it is the
@@ -33,8 +45,8 @@ reads it as a mapping (``lend_grads``), and the frameworks' clip calls reach it 
 the engine's ``clip_grad_norm_``.
 
 When autograd can accumulate in place (fp32 params, fp32 grads, plain accumulation),
-there are no buffers. ``.grad`` is the fp32 accumulator, written by autograd, DDP's
-reducer or FSDP's reduce-scatter, and ``grads`` reads it.
+the storage is ``direct``: no buffers, ``.grad`` is the fp32 accumulator, written by
+autograd, DDP's reducer or FSDP's reduce-scatter, and ``grads`` reads it.
 
 ``updated_format`` / ``updated_dtype`` are the one rule for what the optimizer updates;
 the checks, the memory planner and the diagnostics ask them.
@@ -42,12 +54,13 @@ the checks, the memory planner and the diagnostics ask them.
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from mixprec.engine.emulate import round_
+from mixprec.engine.grad_storage import BufferGrads, DirectGrads, GradStorage, local_shard
 from mixprec.recipe import Recipe
 
 __all__ = ["ParamState", "updated_format", "updated_dtype", "grads_in_place", "pieces"]
@@ -92,41 +105,6 @@ def grads_in_place(recipe: Recipe, emulate: bool = False) -> bool:
     stored = torch.float32 if emulate else recipe.param_dtype
     return (recipe.master != "fp32" and recipe.grad_accum != "kahan"
             and stored == recipe.grad_dtype)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a view that writes through), or ``t`` itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _placed_like(grad: torch.Tensor, like: torch.Tensor, stats=None) -> torch.Tensor:
-    """``grad`` placed as ``like`` (its parameter or buffer): a partial-sum DTensor
-    gradient, which a replicated parameter gets where it met sharded activations
-    (sequence parallelism's norms), is summed across its mesh (an all-reduce by
-    DTensor, per partial mesh dim, each recorded in ``stats``, a ``CommStats``, where
-    given). Any other gradient is returned as it is."""
-    placements = getattr(grad, "placements", ())
-    if not any(pl.is_partial() for pl in placements):
-        return grad
-    if stats is not None:
-        _record_sum(grad, like, stats)
-    return grad.redistribute(grad.device_mesh, like.placements)
-
-
-def _record_sum(grad: torch.Tensor, like: torch.Tensor, stats) -> None:
-    """Record in ``stats`` the collective per partial mesh dim that places ``grad`` as
-    ``like``: an all-reduce where ``like`` is replicated, else a reduce-scatter."""
-    for pl, want in zip(getattr(grad, "placements", ()), like.placements):
-        if pl.is_partial():
-            op = "all_reduce" if want.is_replicate() else "reduce_scatter"
-            stats.record(grad.to_local(), op=op, what="grads")
-
-
-def _note_added_sum(p: torch.Tensor, stats, grad: torch.Tensor) -> None:
-    """A DTensor parameter's gradient hook (``direct`` mode): a partial-sum gradient that
-    autograd adds into an existing ``.grad`` is summed by DTensor there; recorded."""
-    if p.grad is not None:
-        _record_sum(grad, p, stats)
 
 
 def _cast_(p: nn.Parameter, dtype: torch.dtype) -> None:
@@ -195,26 +173,13 @@ class ParamState:
         self.comm_stats = None
         self.kahan = recipe.grad_accum == "kahan"
         self.announce_grads = announce_grads
-        #: the optimizers read ``grads`` themselves (``lend_grads``): 16-bit weights then
-        #: get no 16-bit copy of their gradient in ``.grad``
-        self._lent = False
-        #: parameters whose buffer holds this backward's reduced sum already (DDP's
-        #: hook): ``accumulate`` drops their ``.grad`` instead of adding it
-        self._settled: set[int] = set()
         # every trained parameter was cast to ``pdt`` above
         self.direct = grads_in_place(recipe, emulate)
-        self.buffers: list[torch.Tensor] = []
-        self.compensations: list[torch.Tensor] = []
-        if not self.direct:
-            for q in self.opt_params:
-                b = torch.zeros_like(q, dtype=gdt, memory_format=torch.preserve_format)
-                if self.has_master and b.dtype == q.dtype:
-                    q.grad = b  # the optimizer reads the buffer directly
-                self.buffers.append(b)
-            if self.kahan:
-                self.compensations = [torch.zeros_like(b) for b in self.buffers]
-        # True where the buffer already is the optimizer parameter's .grad
-        self._same = [q.grad is b for b, q in zip(self.buffers, self.opt_params)]
+        #: where the gradients add up (``mixprec.engine.grad_storage``): "direct" or "buffer"
+        self.storage: GradStorage = (
+            DirectGrads(self.working, self.opt_params, self._dtensors) if self.direct
+            else BufferGrads(self.working, self.opt_params, gdt, self.has_master,
+                             self.kahan))
         self._sentinel = None
         self.mark_working()
 
@@ -232,44 +197,37 @@ class ParamState:
                 "(before model.half() / .to(torch.bfloat16)), or load fp32 weights."
             )
 
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The accumulation buffers, aligned with ``opt_params`` (empty when direct)."""
+        return self.storage.buffers
+
+    @property
+    def compensations(self) -> list[torch.Tensor]:
+        """The Kahan compensations of the buffers (empty without ``grad_accum=kahan``)."""
+        return self.storage.compensations
+
     def record_sums(self, stats) -> None:
         """Record each partial-sum gradient's sum across the mesh in ``stats`` (a
         ``CommStats``) as it enters. In ``direct`` mode autograd adds a later
         micro-batch's partial sum into ``.grad`` itself (DTensor sums it there): a hook
         on each DTensor parameter records those."""
         self.comm_stats = stats
-        if stats is not None and self.direct:
-            for p in self._dtensors:
-                p.register_hook(functools.partial(_note_added_sum, p, stats))
+        self.storage.record_sums(stats)
 
     # --- after each backward ------------------------------------------------------
 
     def accumulate(self) -> None:
         """After each backward: the working params' fresh ``.grad`` through the door
-        into the buffers (no-op when direct). Parameters the DDP hook settled give
-        theirs up unread: their buffers hold the reduced sum already."""
-        if self.direct:
-            for p in self._dtensors:  # sequence parallelism's partial sums, summed
-                if p.grad is not None:
-                    p.grad = _placed_like(p.grad, p, self.comm_stats)
-            return
-        settled, self._settled = self._settled, set()
-        idx = [i for i, p in enumerate(self.working)
-               if p.grad is not None and i not in settled]
-        if idx:
-            self.receive(idx, [self.working[i].grad for i in idx])
-        for p in self.working:
-            if p.grad is not None:
-                p.grad = None
+        into the buffers (when direct: only partial sums summed, ``.grad`` stays).
+        Parameters the DDP hook settled give theirs up unread: their buffers hold the
+        reduced sum already."""
+        self.storage.accumulate(self)
 
     def mark_accumulated(self) -> None:
         """After a micro-batch: remember one accumulator (the first ``.grad`` in
         ``direct`` mode, else the first buffer) and its version counter."""
-        if self.direct:
-            p = next((p for p in self.opt_params if p.grad is not None), None)
-            self._sentinel = None if p is None else (p, p.grad, p.grad._version)
-        else:
-            self._sentinel = (None, self.buffers[0], self.buffers[0]._version)
+        self._sentinel = self.storage.sentinel()
 
     def accumulation_cleared(self) -> bool:
         """Whether something outside the engine cleared the accumulated gradients since
@@ -287,11 +245,7 @@ class ParamState:
         ``.grad`` is always empty between backwards, so anything there is stray; in
         ``direct`` mode ``.grad`` is the accumulator, so only a ``fresh`` accumulation
         (the first micro-batch) can tell."""
-        if self.direct and not fresh:
-            return
-        for p in self.working:
-            if p.grad is not None:
-                p.grad = None
+        self.storage.drop_stray(fresh)
 
     # --- the one door in ----------------------------------------------------------
 
@@ -305,26 +259,23 @@ class ParamState:
         compensation is reset; ``accumulate`` then leaves those parameters' ``.grad``
         out of this backward."""
         idx = [i if isinstance(i, int) else self.index[id(i)] for i in where]
-        # FSDP's shards: their local tensors (DTensor has no rule for _foreach_copy_)
-        bufs = [_local(self.buffers[i]) for i in idx]
-        grads = [_local(_placed_like(g, self.buffers[i], self.comm_stats))
-                 for g, i in zip(grads, idx)]
-        if replace:
-            torch._foreach_copy_(bufs, grads)
-            if self.kahan:
-                torch._foreach_zero_([_local(self.compensations[i]) for i in idx])
-            self._settled.update(idx)
-        elif self.kahan:
-            # Kahan: y = g - c; t = s + y; c = (t - s) - y; s = t   (all in buffer dtype)
-            comps = [_local(self.compensations[i]) for i in idx]
-            y = torch._foreach_sub([g.to(b.dtype) for g, b in zip(grads, bufs)], comps)
-            t = torch._foreach_add(bufs, y)
-            diff = torch._foreach_sub(t, bufs)
-            torch._foreach_sub_(diff, y)
-            torch._foreach_copy_(comps, diff)
-            torch._foreach_copy_(bufs, t)
-        else:
-            torch._foreach_add_(bufs, grads)
+        self.storage.add(idx, grads, replace)
+
+    # --- the reductions (mixprec.parallel.comm), through the storage -------------------------
+
+    def bucket_reduction(self, bucket) -> tuple[torch.Tensor, Callable]:
+        """For DDP's comm hook: ``(send, done)``, this rank's sums of the bucket's
+        parameters (fp32 buffers plus the last micro-batch, or DDP's flat bucket of
+        ``.grad`` when direct) and ``done(mean)``, which puts the reduced mean in place
+        (through ``receive``) and returns what DDP writes into its bucket."""
+        return self.storage.bucket(self, bucket)
+
+    def reduce(self, mean: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Reduce every accumulated gradient outside DDP's reducer (a window that
+        ended early): all of them flattened into one tensor through ``mean`` (a
+        collective: this rank's sums in, the mean over ranks out), and put back (in
+        ``direct`` mode a parameter without ``.grad`` sends zeros, as DDP does)."""
+        self.storage.reduce(self, mean)
 
     # --- the sink for wgrad=fp32 (mixprec.engine.wgrad), during backward -------------------
 
@@ -332,8 +283,7 @@ class ParamState:
         """Whether ``p`` is a low-precision working parameter with an fp32 buffer
         (under emulation low-precision parameters are fp32 tensors: ``round_to``)."""
         low = p.dtype != torch.float32 or self.round_to is not None
-        return (not self.direct and low and id(p) in self.index
-                and self.buffers[self.index[id(p)]].dtype == torch.float32)
+        return low and self.storage.takes_fp32(self.index.get(id(p)))
 
     def add_fp32_grad(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
         """Add an fp32 gradient of working parameter ``p`` straight into its buffer.
@@ -354,9 +304,7 @@ class ParamState:
         index by index with ``opt_params``, ``working`` and ``names`` (None for one that
         got no gradient). Scaled by the loss scale until the step's unscale pass, the
         true gradient after it. Read it; write only through ``receive``."""
-        if self.direct:
-            return tuple(q.grad for q in self.opt_params)
-        return tuple(self.buffers)
+        return self.storage.grads()
 
     def gradients(self) -> list[torch.Tensor]:
         """``grads`` without the Nones: what the step checks, unscales and clips."""
@@ -370,7 +318,7 @@ class ParamState:
         """``grads`` as a mapping ``id(optimizer parameter) -> gradient``, for
         optimizers that read it in place of ``.grad`` (``mixprec.optim``): from then on
         ``hand_to_optimizer`` puts no 16-bit copy of an fp32 buffer in ``.grad``."""
-        self._lent = True
+        self.storage.lent = True
         return {id(q): g for q, g in zip(self.opt_params, self.grads) if g is not None}
 
     def hand_to_optimizer(self) -> None:
@@ -378,15 +326,20 @@ class ParamState:
 
         Where a buffer *is* the master's ``.grad`` it is re-attached if something
         dropped it: the user's ``optimizer.zero_grad()`` sets the masters' ``.grad`` to
-        None, and the optimizer would then silently skip every parameter."""
-        if self.direct:
-            return
-        for q, b, same in zip(self.opt_params, self.buffers, self._same):
-            if not same:
-                if not self._lent:
-                    q.grad = b.to(q.dtype)
-            elif q.grad is not b:
-                q.grad = b
+        None, and the optimizer would then silently skip every parameter. Nothing
+        to do when direct: ``.grad`` holds them."""
+        self.storage.hand_to_optimizer()
+
+    def unscale_(self, factor: torch.Tensor) -> None:
+        """Multiply every accumulated gradient by ``factor`` in place (a device tensor:
+        the loss scale's inverse, a clip coefficient, or their product; the step's one
+        pass), one foreach kernel per device, DTensors through their local shards."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in self.gradients():
+            g = local_shard(g)
+            by_device.setdefault(g.device, []).append(g)
+        for dev, gs in by_device.items():
+            torch._foreach_mul_(gs, factor.to(dev))
 
     @torch.no_grad()
     def refresh_working(self) -> None:
@@ -397,8 +350,8 @@ class ParamState:
         tensors themselves: they are rounded to the format, as a real bf16 weight stores
         its update (to nearest), so updates below half an ulp vanish as they do there."""
         if self.has_master:  # DTensor shards (TP, FSDP): through their local tensors
-            torch._foreach_copy_([_local(p) for p in self.working],
-                                 [_local(m) for m in self.masters])
+            torch._foreach_copy_([local_shard(p) for p in self.working],
+                                 [local_shard(m) for m in self.masters])
         if self.round_to is not None:  # in pieces: no whole-tensor 16-bit copy
             round_([q for p in self.working for q in pieces(p)], self.round_to)
         if self.has_master:
@@ -418,15 +371,13 @@ class ParamState:
         return [p for p, v in zip(self.working, self._versions) if p._version != v]
 
     def zero(self) -> None:
-        """Clear the accumulated gradients after an optimizer step."""
-        self._settled = set()
-        if self.direct:
-            for q in self.opt_params:
-                q.grad = None
-            return
-        torch._foreach_zero_([_local(b) for b in self.buffers])
-        if self.compensations:
-            torch._foreach_zero_([_local(c) for c in self.compensations])
-        for q, same in zip(self.opt_params, self._same):
-            if not same:
-                q.grad = None
+        """Clear the accumulated gradients after an optimizer step: buffers zeroed in
+        place (their ``.grad`` copies dropped), or when direct ``.grad`` set to None."""
+        self.storage.zero()
+
+    def zero_grad(self) -> None:
+        """Drop every gradient (``set_to_none`` on the working parameters' ``.grad``,
+        strays included) and clear the accumulation: a fresh window."""
+        for p in self.working:
+            p.grad = None
+        self.zero()

@@ -181,18 +181,19 @@ class Step:
         return found_inf, (norm_scaled / self.scaler.scale if self.scaler.scaled
                            else norm_scaled)
 
-    def grad_scale(self, grads: list[torch.Tensor], norm: torch.Tensor,
+    def grad_scale(self, norm: torch.Tensor,
                    max_norm: float | None) -> torch.Tensor | None:
         """What fused optimizers divide each gradient by: the loss scale over the clip
         coefficient (None: nothing to divide). Without a loss scale, fp32 ``grads`` are
         clipped here instead, multiplied as torch's ``clip_grad_norm_`` multiplies them
-        (``g * c`` and ``g / (1 / c)`` round differently); 16-bit ones are left to the
-        kernel, which divides in fp32 (a multiply in place would round them again)."""
+        (``g * c`` and ``g / (1 / c)`` round differently), by the parameter state;
+        16-bit ones are left to the kernel, which divides in fp32 (a multiply in place
+        would round them again)."""
         scaled = self.scaler.scaled
         if max_norm is None:
             return self.scaler.scale if scaled else None
         if not scaled and self._fp32_grads:
-            torch._foreach_mul_(grads, clip_coef(norm, max_norm))
+            self.param_state.unscale_(clip_coef(norm, max_norm))
             return None
         return (self.scaler.scale if scaled else 1.0) / clip_coef(norm, max_norm)
 
@@ -214,19 +215,18 @@ class Step:
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the step; returns ``(found_inf, grad_norm)`` as device tensors."""
         self.settle()  # the last step's scheduler advance, before this update's LR
-        grads = self.parallel.local(self.param_state.gradients())
         checked, self._checked = self._checked, None
         max_norm = self._clip_once if self._clip_once is not None else self.max_grad_norm
         self._clip_once = None
-        found_inf, norm = (checked if checked is not None
-                           else self.check(grads, as_torch=max_norm is not None))
+        found_inf, norm = (checked if checked is not None else self.check(
+            self.parallel.local(self.param_state.gradients()), as_torch=max_norm is not None))
         if self.in_kernel:
-            grad_scale = self.grad_scale(grads, norm, max_norm)
+            grad_scale = self.grad_scale(norm, max_norm)
         else:  # the norm decided the skip: one pass unscales and clips
             grad_scale = None
             factor = self.unscale_factor(norm, max_norm)
             if factor is not None:
-                _mul_(grads, factor)
+                self.param_state.unscale_(factor)
         self.param_state.hand_to_optimizer()
         for opt, fused in zip(self.optimizers, self.fused):
             if fused:  # found_inf, grad_scale of each parameter kind's (optim.kinds)
@@ -261,15 +261,6 @@ class Step:
         if seen is not None and not seen[0]:
             for s in self.schedulers:
                 s.step()
-
-
-def _mul_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
-    """``g *= factor`` for every gradient, one foreach kernel per device."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    for dev, gs in by_device.items():
-        torch._foreach_mul_(gs, factor.to(dev))
 
 
 def check_setup_unchanged(optimizers: list, counts: list[int], param_state,
