@@ -267,10 +267,8 @@ class MixedPrecision:
 
     def zero_grad(self) -> None:
         """Drop any accumulated gradients and start a fresh accumulation."""
-        for p in self.param_state.working:
-            p.grad = None
         self._step.forget()
-        self.param_state.zero()
+        self.param_state.zero_grad()
         self.counters.clear()
 
     # --- introspection ----------------------------------------------------------------

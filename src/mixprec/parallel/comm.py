@@ -124,29 +124,16 @@ class _HookState:
 
 
 def ddp_comm_hook(state: _HookState, bucket):
-    """All-reduce a DDP bucket in the comm dtype (see the module docstring)."""
-    gs = state.param_state
-    if gs.direct:
-        flat = bucket.buffer()
-        send = flat.to(state.comm_dtype)
-    else:  # the last micro-batch joins the rank's buffers in fp32 (no rounding to the
-        # buffers' dtype before the reduction); the mean goes back through the door
-        params = bucket.parameters()
-        index, grads = gs.index, gs.grads
-        bufs = [grads[index[id(p)]] for p in params]
-        send = torch.cat([(b.float() + g.float()).flatten()
-                          for b, g in zip(bufs, bucket.gradients())]).to(state.comm_dtype)
+    """All-reduce a DDP bucket in the comm dtype (see the module docstring). What the
+    rank sends and where the mean goes are the parameter state's (``bucket_reduction``)."""
+    send, finish = state.param_state.bucket_reduction(bucket)
+    send = send.to(state.comm_dtype)
     send.div_(state.world)  # pre-divide: the mean cannot overflow where the inputs did not
     state.stats.record(send)
     fut = dist.all_reduce(send, async_op=True).get_future()
 
     def done(f):
-        reduced = f.value()[0]
-        if gs.direct:
-            return reduced.to(bucket.buffer().dtype)
-        parts = reduced.split([b.numel() for b in bufs])
-        gs.receive(params, [r.view_as(b) for r, b in zip(parts, bufs)], replace=True)
-        return bucket.buffer()  # left as it is: accumulate() drops these .grad unread
+        return finish(f.value()[0])
 
     return fut.then(_HANDED.track(done))
 
@@ -190,27 +177,19 @@ ddp_comm_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 def reduce_grads_(param_state, comm_dtype: torch.dtype, stats: CommStats) -> None:
     """All-reduce this rank's accumulated gradients outside DDP's reducer, as the hook
-    does (comm dtype, pre-divided), and put the mean back through ``receive``: for a
-    window that ended earlier than its forward expected. In ``direct`` mode the
-    ``.grad`` are reduced in place, a parameter without one as zeros (as DDP does)."""
-    gs, world = param_state, dist.get_world_size()
-    if gs.direct:
-        for p in gs.working:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        bufs = [p.grad for p in gs.working]
-    else:
-        bufs = list(gs.grads)
-    send = torch.cat([b.flatten() for b in bufs]).to(comm_dtype)
-    send.div_(world)
-    stats.record(send)
-    dist.all_reduce(send)
-    parts = [r.view_as(b) for r, b in zip(send.split([b.numel() for b in bufs]), bufs)]
-    if gs.direct:
-        torch._foreach_copy_(bufs, parts)
-    else:
-        gs.receive(list(range(len(bufs))), parts, replace=True)
-        gs.accumulate()  # the .grad are empty: this only closes the reduction's account
+    does (comm dtype, pre-divided), and let the parameter state put the mean back
+    (``ParamState.reduce``): for a window that ended earlier than its forward
+    expected."""
+    world = dist.get_world_size()
+
+    def mean(flat: torch.Tensor) -> torch.Tensor:
+        send = flat.to(comm_dtype)
+        send.div_(world)
+        stats.record(send)
+        dist.all_reduce(send)
+        return send
+
+    param_state.reduce(mean)
 
 
 def wrap_ddp(param_state, model: nn.Module, recipe, **ddp_kwargs):
