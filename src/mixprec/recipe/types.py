@@ -354,4 +354,7 @@ PRESETS: dict[str, Recipe] = {
     name: _from_flat(preset_flat(name), set(), ()) for name in PRESET_FIELDS}
 
 Recipe.__module__ = "mixprec.recipe"
-torch.serialization.add_safe_globals([Recipe, LayerRule, from_string])
+# LayerRule also by its module before the packages (mixprec.layer_rules), which
+# checkpoints of 0.3 name
+torch.serialization.add_safe_globals([Recipe, LayerRule, from_string,
+                                      (LayerRule, "mixprec.layer_rules.LayerRule")])
