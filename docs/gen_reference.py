@@ -36,7 +36,10 @@ def recipes_page() -> str:
              "A recipe is `Recipe.parse(\"preset,field=value,...\")`: a preset name, then "
              "fields that override it. In Python it is composed of small configs "
              "(`r.precision`, `r.loss`, `r.optim`) and a Linear format object "
-             "(`r.linear`, or None); `str(r)` writes it back as the short string.\n"]
+             "(`r.linear`, or None); `str(r)` writes it back as the short string. Each "
+             "config field is also a read-only convenience on the recipe (`r.compute` is "
+             "`r.precision.compute`, `r.loss_scale` is `r.loss.kind`), for users; "
+             "mixprec's own code reads the composed path.\n"]
     for title, cls, key in (("Precision (`r.precision`)", Precision, {}),
                             ("Loss scale (`r.loss`)", LossScale, {"kind": "loss_scale"}),
                             ("Optimizer states (`r.optim`)", OptimStates, {})):

@@ -397,7 +397,7 @@ def _run_settings(state: dict, recipe, emulating: bool) -> None:
     saved = state.get("recipe")
     if saved is not None and not isinstance(saved, Recipe):
         saved = Recipe.coerce(saved)
-    if saved is None or saved.replace(emulate=recipe.emulate) != recipe:
+    if saved is None or saved.replace(emulate=recipe.precision.emulate) != recipe:
         raise ValueError(
             f"checkpoint was saved with recipe {str(saved)!r} but this engine runs "
             f"{str(recipe)!r}; build the engine with the checkpoint's recipe")
@@ -406,16 +406,17 @@ def _run_settings(state: dict, recipe, emulating: bool) -> None:
         return
     on = {True: "on", False: "off"}
     how = "mixprec emulates it" if emulating else "this device's kernels do"
-    if recipe.emulate is not None:
+    if recipe.precision.emulate is not None:
         raise ValueError(
             f"checkpoint was trained with emulation {on[was]} but this recipe pins "
-            f"emulate={str(recipe.emulate).lower()}; set emulate={str(was).lower()} to "
+            f"emulate={str(recipe.precision.emulate).lower()}; set emulate={str(was).lower()} to "
             "resume with the same numerics, or leave emulate to auto to resume with this "
             "device's kernels")
     warnings.warn(
         f"checkpoint was trained with emulation {on[was]}; on this device emulate=auto "
         f"resolves to {on[emulating]}. The weights and optimizer states are in the same "
-        f"formats and resume as saved; from here on {recipe.compute} rounds as {how}. Set "
+        f"formats and resume as saved; from here on {recipe.precision.compute} rounds as "
+        f"{how}. Set "
         f"emulate={str(was).lower()} in the recipe to keep the saved numerics.",
         stacklevel=4)
 

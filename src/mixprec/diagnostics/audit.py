@@ -55,7 +55,7 @@ def audit_dtypes(model: nn.Module, optimizer_or_engine: torch.optim.Optimizer | 
     states = Counter(_name(v.dtype) for o in opts for st in o.state.values()
                      for k, v in st.items()
                      if isinstance(v, torch.Tensor) and v.dim() > 0 and v.dtype in _HALF)
-    if states and r.master == "fp32":
+    if states and r.precision.master == "fp32":
         out.append(Finding("warning", "optimizer-state-dtype",
                            "optimizer states are stored in 16 bits",
                            f"state tensors by dtype: {dict(states)}",
@@ -63,18 +63,18 @@ def audit_dtypes(model: nn.Module, optimizer_or_engine: torch.optim.Optimizer | 
                            "underflow in fp16 and lose precision in bf16", {}))
     want = r.param_dtype
     model_dt = Counter(_name(p.dtype) for p in model.parameters())
-    if engine is not None and not engine.emulating and r.params != "fp32" and \
+    if engine is not None and not engine.emulating and r.precision.params != "fp32" and \
             _name(want) not in model_dt:
         out.append(Finding("warning", "param-dtype", "model parameters are not in the "
                            "recipe's working dtype", f"found {dict(model_dt)}, recipe says "
-                           f"{r.params}", "let MixedPrecision cast the model (pass the fp32 "
-                           "model to it)", {}))
+                           f"{r.precision.params}", "let MixedPrecision cast the model "
+                           "(pass the fp32 model to it)", {}))
     if engine is not None and engine.param_state.buffers:
-        bad = {_name(b.dtype) for b in engine.param_state.buffers} - {r.grads}
-        bad -= {"float32"} if r.grads == "fp32" else set()
+        bad = {_name(b.dtype) for b in engine.param_state.buffers} - {r.precision.grads}
+        bad -= {"float32"} if r.precision.grads == "fp32" else set()
         if bad:
             out.append(Finding("warning", "grad-dtype", "gradient buffers differ from the "
-                               "recipe", f"buffers in {bad}, recipe grads={r.grads}",
+                               "recipe", f"buffers in {bad}, recipe grads={r.precision.grads}",
                                "accumulate gradients in fp32 (grads=fp32)", {}))
     return out
 
@@ -83,18 +83,18 @@ def audit_scale_history(history: list[float], recipe: Recipe | str) -> list[Find
     """A scale that never moves means overflow handling is not wired (or the scale is
     pinned at a bound). Frequent backoffs mean instability."""
     r = Recipe.coerce(recipe)
-    if r.loss_scale != "dynamic" or len(history) < 2:
+    if r.loss.kind != "dynamic" or len(history) < 2:
         return []
     out = []
     n = len(history)
-    if n >= 2 * r.growth_interval and len(set(history)) == 1:
+    if n >= 2 * r.loss.growth_interval and len(set(history)) == 1:
         s = history[0]
-        pinned = (" — pinned at max_scale" if s >= r.max_scale else
-                  " — pinned at min_scale" if s <= r.min_scale else "")
+        pinned = (" — pinned at max_scale" if s >= r.loss.max_scale else
+                  " — pinned at min_scale" if s <= r.loss.min_scale else "")
         out.append(Finding(
             "warning", "scale-constant",
             f"the loss scale never changed over {n} steps{pinned}",
-            f"scale {s:g} for all {n} steps with growth_interval={r.growth_interval}: a "
+            f"scale {s:g} for all {n} steps with growth_interval={r.loss.growth_interval}: a "
             "dynamic scale grows after every clean interval and backs off on overflow",
             "check that the scaled loss is what backward() runs on and that step() sees "
             "the gradients (a flat scale means the overflow detection is not wired). If "
@@ -110,9 +110,9 @@ def audit_scale_history(history: list[float], recipe: Recipe | str) -> list[Find
             "learning rate, check for NaN in the data, keep the overflowing layer in fp32 "
             "(the tracer names it), or use bf16",
             {"backoffs": backoffs, "steps": n}))
-    if n >= 10 and all(h <= r.min_scale for h in history[-10:]):
+    if n >= 10 and all(h <= r.loss.min_scale for h in history[-10:]):
         out.append(Finding("error", "scale-at-min", "the loss scale is stuck at min_scale",
-                           f"the last 10 scales are {r.min_scale:g}",
+                           f"the last 10 scales are {r.loss.min_scale:g}",
                            "the gradients overflow even unscaled: see the non-finite "
                            "tracer; use bf16", {}))
     return out
@@ -196,21 +196,21 @@ def audit_kernel_speed(device: torch.device, recipe: Recipe | str
             "fp32 (faster and more exact here)", k.describe(),
             "nothing to change: on a device with fast bf16 they run in bf16", {})]
             if k.fp8_rest == "fp32" else []), facts
-    if r.compute not in ("bf16", "fp16"):
+    if r.precision.compute not in ("bf16", "fp16"):
         return [], facts
-    mine = read[r.compute]
-    other = read["bf16" if r.compute == "fp16" else "fp16"]
+    mine = read[r.precision.compute]
+    other = read["bf16" if r.precision.compute == "fp16" else "fp16"]
     rel = {n: v.ratio for n, v in read.items()}
     if k.emulate:
         why = (f"is pinned to the emulated path by {k.source}" if k.source != "measured"
-               else "has emulate=true" if r.emulate else
+               else "has emulate=true" if r.precision.emulate else
                f"has no fast kernel on {dev} ({mine})")
         return [Finding(
             "info", "kernel-emulated",
-            f"{r.compute} {why}: mixprec emulates it exactly on fp32 kernels",
+            f"{r.precision.compute} {why}: mixprec emulates it exactly on fp32 kernels",
             k.describe(),
             "nothing to change: the numerics are the format's; on a device with "
-            f"{r.compute} units the real kernels run", {"relative": rel})], facts
+            f"{r.precision.compute} units the real kernels run", {"relative": rel})], facts
     found = []
     noisy = [v for v in (mine, other) if v.noisy]
     if noisy:
@@ -223,16 +223,16 @@ def audit_kernel_speed(device: torch.device, recipe: Recipe | str
     if not mine.noisy and mine.ratio < 0.5:
         found.append(Finding(
             "warning", "kernel-slow",
-            f"{r.compute} matmuls are {1 / mine.ratio:.0f}x slower than fp32 on {dev}",
+            f"{r.precision.compute} matmuls are {1 / mine.ratio:.0f}x slower than fp32 on {dev}",
             f"{mine}; {other}",
             (f"use {other.name} if it is fast here ({other}), or " if not other.noisy
-             and other.ratio >= 0.5 else "") + f"emulate {r.compute} exactly on fp32 "
+             and other.ratio >= 0.5 else "") + f"emulate {r.precision.compute} exactly on fp32 "
             "kernels (emulate=true, or leave emulate at auto)", {"relative": rel}))
     elif not noisy and other.ratio > 1.5 * mine.ratio:
         found.append(Finding(
             "warning", "kernel-better-dtype",
             f"{other.name} matmuls are {other.ratio / mine.ratio:.1f}x faster than "
-            f"{r.compute} on {dev}", f"{mine}; {other}",
+            f"{r.precision.compute} on {dev}", f"{mine}; {other}",
             f"use the {other.name} recipe here" + (" (no loss scaling needed: fp32's "
                                                   "range)" if other.name == "bf16" else ""),
             {"relative": rel}))

@@ -145,7 +145,7 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
         facts["fp8_ranges"] = [asdict(x) for x in ranges]
     findings += audit_dtypes(model, engine, r) + audit_comm(engine)
     findings += audit_scale_history(scale_history if scale_history is not None else scales, r)
-    if reference_steps and r.compute != "fp32":
+    if reference_steps and r.precision.compute != "fp32":
         findings += _reference(model_factory, batch_fn, r, reference_steps, lr, facts)
     if r.uses_autocast:
         findings += _coverage(engine, model, batch_fn, facts)
@@ -336,12 +336,12 @@ def _nonfinite_finding(r: Recipe, origin, n: int, steps: int, dyn: Divergence,
                        "on a re-run: the loss or the data itself may be non-finite" + grown,
                        lr_advice if dynamics else
                        "check the batch for NaN/inf and the loss for log(0) or 0/0", cause)
-    fmt = {"fp16": "fp16", "bf16": "bf16"}.get(r.compute, "fp16")
+    fmt = {"fp16": "fp16", "bf16": "bf16"}.get(r.precision.compute, "fp16")
     limit = formats.get(fmt).max
     overflow = origin.phase == "forward"
     if dynamics:
         advice = lr_advice
-    elif r.compute == "fp16":
+    elif r.precision.compute == "fp16":
         advice = (f"{origin.module} overflows {fmt} (max {limit:g}) at a modest loss: the "
                   f"format's range is the cause. Use bf16 (fp32's range), or keep "
                   f"{origin.module} in fp32")
@@ -358,10 +358,10 @@ def _nonfinite_finding(r: Recipe, origin, n: int, steps: int, dyn: Divergence,
 def _underflow(model_factory, batch_fn, r: Recipe) -> list[Finding]:
     """fp32 pass at the recipe's loss scale: share of gradient elements that would flush
     to zero in fp16 (when compute, params or grads are fp16)."""
-    if "fp16" not in (r.compute, r.grads, r.params):
+    if "fp16" not in (r.precision.compute, r.precision.grads, r.precision.params):
         return []  # bf16 has fp32's range; fp8's casts are scaled (fp8range.py)
     fmt = "fp16"
-    scale = r.init_scale if r.loss_scale != "none" else 1.0
+    scale = r.loss.init_scale if r.loss.kind != "none" else 1.0
     model = model_factory()
     mon = NumericsMonitor(model)
     with mon.sample(0):
@@ -378,7 +378,7 @@ def _underflow(model_factory, batch_fn, r: Recipe) -> list[Finding]:
     if share < 0.05:
         return []
     sev = "error" if share > 0.5 else "warning"
-    fix = ("enable dynamic loss scaling (preset 'fp16') or use bf16" if r.loss_scale == "none"
+    fix = ("enable dynamic loss scaling (preset 'fp16') or use bf16" if r.loss.kind == "none"
            else "raise init_scale, or use bf16")
     return [Finding(sev, "grad-underflow",
                     f"{share:.0%} of gradient elements underflow to zero in {fmt}",

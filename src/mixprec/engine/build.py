@@ -259,7 +259,7 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
         fuse_default_optimizers(optimizers)
     module, model = model, par.wrap(model, state)
     scaler = LossScaler.from_recipe(r, device) if loss_scaler is None else loss_scaler
-    undo_norms = (wrap_fp32_modules(fp32_island_modules(module, r.keep_fp32), device.type)
+    undo_norms = (wrap_fp32_modules(fp32_island_modules(module, r.precision.keep_fp32), device.type)
                   if r.has_fp32_islands else (lambda: None))
 
     def undo() -> None:  # the norms' patches and the experts' implementation
@@ -274,14 +274,14 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
 
 def warn_kernel_choices(r: Recipe, kernels: KernelChoices, device: torch.device) -> None:
     """Say where an ``auto`` choice left the format's own kernels (measured)."""
-    if kernels.emulate and r.emulate is None and kernels.source != "measured":
+    if kernels.emulate and r.precision.emulate is None and kernels.source != "measured":
         warnings.warn(
-            f"{r.compute} is emulated exactly on fp32 kernels: {kernels.source} pins the "
+            f"{r.precision.compute} is emulated exactly on fp32 kernels: {kernels.source} pins the "
             "emulated path. Set emulate=false in the recipe to run the real kernels.",
             stacklevel=3)
-    elif kernels.emulate and r.emulate is None:
+    elif kernels.emulate and r.precision.emulate is None:
         warnings.warn(
-            f"{r.compute} has no fast kernels on {device.type}: mixprec emulates "
+            f"{r.precision.compute} has no fast kernels on {device.type}: mixprec emulates "
             f"it exactly on fp32 kernels ({kernels.describe()}). Set emulate=false to run "
             "the real kernels.", stacklevel=3)
     elif kernels.fp8_rest == "fp32" and r.linear is not None:
@@ -289,8 +289,9 @@ def warn_kernel_choices(r: Recipe, kernels: KernelChoices, device: torch.device)
             f"bf16 has no fast kernels on {device.type}: the layers around the fp8 "
             f"Linears compute in fp32 instead of bf16, faster and more exact here "
             f"({kernels.describe()}).", stacklevel=3)
-    elif r.emulate is False and r.emulatable and not has_fast_kernels(device, r.compute):
+    elif r.precision.emulate is False and r.emulatable and \
+            not has_fast_kernels(device, r.precision.compute):
         warnings.warn(
-            f"{r.compute} compute with emulate=false on {device.type}: this device "
+            f"{r.precision.compute} compute with emulate=false on {device.type}: this device "
             "has no fast kernel for it (measured); emulate=auto would run it exactly "
             "on fp32 kernels instead.", stacklevel=3)

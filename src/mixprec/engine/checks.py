@@ -322,7 +322,7 @@ def warn_low_precision_loss(loss: torch.Tensor, recipe) -> bool:
     the scale drops below 65504."""
     if loss.dtype not in (torch.float16, torch.bfloat16):
         return False
-    fp16_scaled = loss.dtype == torch.float16 and recipe.loss_scale != "none"
+    fp16_scaled = loss.dtype == torch.float16 and recipe.loss.kind != "none"
     scaled = (" Under loss scaling its scaled gradient overflows fp16, so the first "
               "steps are skipped." if fp16_scaled else "")
     warnings.warn(

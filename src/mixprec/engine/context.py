@@ -95,10 +95,10 @@ def check_wgrad(recipe: Recipe, emulate: bool) -> None:
     Under fp16/bf16 emulation the weight-gradient GEMM runs ``unrounded`` (the emulated
     ``mm(out_dtype=fp32)``). An MX weight-gradient GEMM would also need its operands
     block-quantized along the token dimension, which the routed backward does not do."""
-    if recipe.wgrad == "fp32" and recipe.is_mx:
+    if recipe.precision.wgrad == "fp32" and recipe.is_mx:
         raise NotImplementedError(
             f"recipe {str(recipe)!r}: wgrad=fp32 with the MX compute format "
-            f"{recipe.compute} is not supported (its weight-gradient GEMM would need "
+            f"{recipe.precision.compute} is not supported (its weight-gradient GEMM would need "
             "block-quantized operands); drop wgrad, or use compute=bf16 or fp16")
 
 
@@ -317,22 +317,22 @@ def make_emulation_mode(recipe: Recipe) -> EmulationMode | None:
     if not recipe.emulatable:
         return None
     if recipe.is_mx:
-        return EmulationMode("bf16", torch.bfloat16, mx=recipe.compute)
-    return EmulationMode(recipe.compute, recipe.compute_dtype)
+        return EmulationMode("bf16", torch.bfloat16, mx=recipe.precision.compute)
+    return EmulationMode(recipe.precision.compute, recipe.compute_dtype)
 
 
 def _function_modes(stack: contextlib.ExitStack, r: Recipe, dev: torch.device,
                     sink: GradSink | None, in_backward: bool) -> None:
     """Enter the FP32 islands, the CPU promote rule and the wgrad=fp32 routing."""
     compile_safe()  # under torch.compile, the routed Functions run eagerly
-    wgrad = r.wgrad == "fp32" and r.uses_autocast
+    wgrad = r.precision.wgrad == "fp32" and r.uses_autocast
     promote = r.uses_autocast and dev.type == "cpu"
-    cpu_attention = promote and "attention_backward" in r.keep_fp32
-    keep = r.keep_fp32 if r.has_fp32_islands else ()
+    cpu_attention = promote and "attention_backward" in r.precision.keep_fp32
+    keep = r.precision.keep_fp32 if r.has_fp32_islands else ()
     if keep or promote or wgrad:
         stack.enter_context(PrecisionMode(
             dev.type, keep, promote=promote, wgrad=wgrad, attention=cpu_attention,
-            sink=sink if r.wgrad == "fp32" else None,  # only wgrad=fp32 skips .grad
+            sink=sink if r.precision.wgrad == "fp32" else None,  # only wgrad=fp32 skips .grad
             only_under_autocast=in_backward))
 
 
@@ -357,7 +357,7 @@ def precision_context(recipe: Recipe | str, device: torch.device | str,
     dev = torch.device(device)
     emulate = emulating(r, dev) if emulate is None else emulate  # measured outside autocast
     with contextlib.ExitStack() as stack:
-        if r.compute == "tf32":
+        if r.precision.compute == "tf32":
             stack.enter_context(tf32())
         dtype = autocast_dtype(r, dev, rest)
         if dtype is not None:

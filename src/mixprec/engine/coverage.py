@@ -193,7 +193,7 @@ def coverage(model: nn.Module, recipe: Recipe | str,
     """The coverage of ``model`` as it stands under ``recipe``; ``skipped``: the reason
     each Linear the fp8 swap left alone has (``ConvertReport.skipped``)."""
     r = Recipe.coerce(recipe)
-    high = "bf16" if low_precision(r) else r.compute
+    high = "bf16" if low_precision(r) else r.precision.compute
     skipped = dict(skipped or {})
     lp = low_precision(r)
     linears = [n for n, m in model.named_modules()

@@ -237,10 +237,10 @@ def emulating(recipe: Recipe, device: torch.device | str) -> bool:
     """Resolve ``recipe.emulate`` (None = auto) for ``device``. fp8 recipes are exact
     already (their Linears round with the fp8 casts); their other layers follow
     ``fp8_rest``."""
-    if recipe.emulate is not None:
-        return recipe.emulate
-    return (recipe.linear is None and recipe.compute not in ("fp32", "tf32")
-            and not has_fast_kernels(device, recipe.compute))
+    if recipe.precision.emulate is not None:
+        return recipe.precision.emulate
+    return (recipe.linear is None and recipe.precision.compute not in ("fp32", "tf32")
+            and not has_fast_kernels(device, recipe.precision.compute))
 
 
 def fp8_rest(recipe: Recipe, device: torch.device | str) -> str:
@@ -249,7 +249,7 @@ def fp8_rest(recipe: Recipe, device: torch.device | str) -> str:
     faster (~45x on an AVX2 CPU) and more exact, and ops with no bf16 CPU kernel at all
     (oneDNN's LSTM on AVX2) keep working. Working weights stored in bf16 (``params=bf16``)
     need bf16 autocast to meet their inputs, so they keep it."""
-    if recipe.params != "fp32" or has_fast_kernels(device, "bf16"):
+    if recipe.precision.params != "fp32" or has_fast_kernels(device, "bf16"):
         return "bf16"
     return "fp32"
 
@@ -391,7 +391,7 @@ def choices(recipe: Recipe, device: torch.device | str) -> KernelChoices:
     pinned = pinned_emulation()
     source = "measured" if pinned is None else f"{EMULATE_ENV}={'on' if pinned else 'off'}"
     speeds: dict[str, SpeedReading] = {}
-    if dev.type == "cpu" and pinned is None and (recipe.uses_autocast or recipe.emulate):
+    if dev.type == "cpu" and pinned is None and (recipe.uses_autocast or recipe.precision.emulate):
         for dt in (torch.bfloat16, torch.float16):
             reading = speed_reading(dev, dt)
             speeds[reading.name] = reading
@@ -400,7 +400,8 @@ def choices(recipe: Recipe, device: torch.device | str) -> KernelChoices:
     # layer: rules may put Linears on other scalings, whose GEMMs take other routes
     own = _scaling_recipes(recipe)
     routes = {s: _fp8_route(r, dev) for s, r in own.items()}
-    if dev.type == "cpu" and recipe.linear.fp8_gemm == "auto" and not recipe.emulate and any(
+    if dev.type == "cpu" and recipe.linear.fp8_gemm == "auto" and \
+            not recipe.precision.emulate and any(
             r.linear.takes_tensor_route for r in own.values()):  # the route took a reading
         speeds["scaled_mm"] = route_reading(
             dev, "dequant" if has_fast_kernels(dev, "bf16") else "dequant_fp32")
@@ -424,7 +425,7 @@ def _fp8_route(recipe: Recipe, dev: torch.device) -> str:
     Emulation's ``auto`` takes the bf16 dequant route of the per-tensor scalings."""
     q = recipe.linear
     choice = q.fp8_gemm
-    if recipe.emulate and choice == "auto" and q.takes_tensor_route:
+    if recipe.precision.emulate and choice == "auto" and q.takes_tensor_route:
         choice = "dequant"
     return q.route(dev, choice)
 

@@ -64,7 +64,7 @@ class MixedPrecision:
     ...     loss = model(torch.randn(8, 4)).square().mean()
     >>> engine.backward(loss)
     >>> result = engine.step()
-    >>> bool(result.skipped), engine.recipe.params, engine.master_params[0].dtype
+    >>> bool(result.skipped), engine.recipe.precision.params, engine.master_params[0].dtype
     (False, 'bf16', torch.float32)
 
     (``model.weight`` is then bf16: a real bf16 tensor, or under emulation, on a CPU

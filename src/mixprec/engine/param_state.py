@@ -71,9 +71,9 @@ def updated_format(recipe: Recipe, sharded: bool = False) -> str:
     under FSDP (its fp32 shards are the masters), else the recipe's working format. A
     write rule (``write=stochastic|kahan|remainder``: no master) under FSDP updates
     16-bit shards."""
-    if recipe.master == "fp32" or (sharded and recipe.write == "nearest"):
+    if recipe.precision.master == "fp32" or (sharded and recipe.optim.write == "nearest"):
         return "fp32"
-    return recipe.params
+    return recipe.precision.params
 
 
 def updated_dtype(recipe: Recipe, emulate: bool = False,
@@ -103,7 +103,7 @@ def grads_in_place(recipe: Recipe, emulate: bool = False) -> bool:
     in the ``grads`` dtype (fp32 tensors under emulation). Such gradients are made
     afresh each backward and freed by ``zero_grad``."""
     stored = torch.float32 if emulate else recipe.param_dtype
-    return (recipe.master != "fp32" and recipe.grad_accum != "kahan"
+    return (recipe.precision.master != "fp32" and recipe.precision.grad_accum != "kahan"
             and stored == recipe.grad_dtype)
 
 
@@ -137,7 +137,7 @@ class ParamState:
                  sharded: bool = False, announce_grads: bool = False) -> None:
         if names is not None and len(names) != len(params):
             raise ValueError(f"{len(names)} names for {len(params)} parameters")
-        if sharded and recipe.write == "nearest":
+        if sharded and recipe.optim.write == "nearest":
             recipe = recipe.replace(params="fp32", master="none", grads="fp32")
         elif sharded:  # a write rule: the 16-bit shards are the weights, no master
             recipe = recipe.replace(grads="fp32")
@@ -145,11 +145,12 @@ class ParamState:
         self.names = list(names) if names is not None else [f"param {i}"
                                                             for i in range(len(params))]
         #: under emulation: the format the working copy's fp32 tensors hold
-        self.round_to = recipe.params if emulate and recipe.params != "fp32" else None
+        self.round_to = (recipe.precision.params
+                         if emulate and recipe.precision.params != "fp32" else None)
         #: the format of the values the optimizer updates (``updated_format``)
         self.updated_format = updated_format(recipe)
         self.working = params
-        self.has_master = recipe.master == "fp32"
+        self.has_master = recipe.precision.master == "fp32"
         pdt, gdt = recipe.param_dtype, recipe.grad_dtype
         if emulate:
             pdt = torch.float32  # gradient buffers stay real: adds are cheap everywhere
@@ -171,7 +172,7 @@ class ParamState:
         self._dtensors = [p for p in params if hasattr(p, "to_local")]
         #: where the sums of partial-sum gradients are recorded (``record_sums``)
         self.comm_stats = None
-        self.kahan = recipe.grad_accum == "kahan"
+        self.kahan = recipe.precision.grad_accum == "kahan"
         self.announce_grads = announce_grads
         # every trained parameter was cast to ``pdt`` above
         self.direct = grads_in_place(recipe, emulate)
@@ -186,7 +187,7 @@ class ParamState:
     @staticmethod
     def check_masterable(params: list[nn.Parameter], recipe: Recipe) -> None:
         """Raise unless fp32 masters can be built from ``params`` (they must be fp32)."""
-        if recipe.master != "fp32":
+        if recipe.precision.master != "fp32":
             return
         half = [p for p in params if p.dtype != torch.float32]
         if half:

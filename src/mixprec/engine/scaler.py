@@ -107,11 +107,11 @@ class LossScaler:
     @classmethod
     def from_recipe(cls, recipe: Recipe, device: torch.device | str = "cpu") -> LossScaler:
         """The recipe's policy with its settings."""
-        r = recipe
-        return LossScaler(r.loss_scale, init_scale=r.init_scale, growth_factor=r.growth_factor,
-                          backoff_factor=r.backoff_factor, growth_interval=r.growth_interval,
-                          hysteresis=r.hysteresis, min_scale=r.min_scale,
-                          max_scale=r.max_scale, device=device)
+        c = recipe.loss
+        return LossScaler(c.kind, init_scale=c.init_scale, growth_factor=c.growth_factor,
+                          backoff_factor=c.backoff_factor, growth_interval=c.growth_interval,
+                          hysteresis=c.hysteresis, min_scale=c.min_scale,
+                          max_scale=c.max_scale, device=device)
 
     @property
     def device(self) -> torch.device:

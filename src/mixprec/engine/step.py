@@ -129,7 +129,7 @@ class Step:
         self.in_kernel = all(self.fused) and one_device
         # the norm reads fp32 CPU tensors for the engine's whole life (fp32 buffers, or
         # direct fp32 .grad): its method is decided once
-        self._fp32_grads = param_state.recipe.grads == "fp32"
+        self._fp32_grads = param_state.recipe.precision.grads == "fp32"
         self._cpu_fp32 = device.type == "cpu" and self._fp32_grads
         self.skips = SkipWatch(device)
         #: the last step's found_inf on its way to the host, for the schedulers; on

@@ -70,7 +70,7 @@ class SkipWatch:
     def check(self, scaler: LossScaler, recipe: Recipe) -> None:
         """Look at the skip streak one step late (no sync); warn or raise
         ``SkipLimitError`` per ``recipe.on_skip_limit`` once it reaches ``skip_limit``."""
-        limit = recipe.skip_limit
+        limit = recipe.loss.skip_limit
         if not limit:
             return
         seen = self._mirror.read()
@@ -91,6 +91,6 @@ class SkipWatch:
                f"now {scale:g}, recipe {str(recipe)!r}): the weights have not moved. "
                "Look for NaN/inf in the data or loss, lower the learning rate, or keep "
                "the overflowing layer in fp32 / use bf16.")
-        if recipe.on_skip_limit == "raise":
+        if recipe.loss.on_skip_limit == "raise":
             raise SkipLimitError(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=4)  # at the caller of step()

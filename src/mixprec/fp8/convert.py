@@ -171,7 +171,7 @@ def layer_formats(model: nn.Module, recipe: Recipe | str,
     done = any(isinstance(m, Float8Linear) for m in model.modules())
     decided = ({fqn: fmt for fqn, _, fmt, _ in _decide(model, r, filter)}
                if r.linear is not None and not done else {})
-    rest = "bf16" if r.linear is not None else r.compute
+    rest = "bf16" if r.linear is not None else r.precision.compute
     out = {}
     for fqn, m in model.named_modules():
         if isinstance(m, Float8Linear):

@@ -33,6 +33,7 @@ def quantizer_for(recipe: Recipe | str) -> LinearFormat:
 
     r = Recipe.coerce(recipe)
     if r.linear is None:
-        raise ValueError(f"recipe {str(r)!r} has no Linear format (compute={r.compute!r}); "
+        raise ValueError(f"recipe {str(r)!r} has no Linear format "
+                         f"(compute={r.precision.compute!r}); "
                          "use an fp8 recipe (e.g. 'fp8-current')")
     return r.linear

@@ -55,7 +55,7 @@ def fsdp_held_recipe(r: Recipe) -> Recipe:
     """The recipe the engine's sharded parameter state holds (``ParamState``): fp32
     shards that are the masters, fp32 gradients; under a write rule 16-bit shards and
     fp32 gradient buffers."""
-    if r.write == "nearest":
+    if r.optim.write == "nearest":
         return r.replace(params="fp32", master="none", grads="fp32")
     return r.replace(grads="fp32")
 
@@ -67,7 +67,7 @@ def fsdp_gathered_bytes(model: nn.Module, r: Recipe, emulated: bool, dp: int) ->
     units = fsdp_units(model)
     if not units:
         return 0.0
-    gathered = 2 if r.master == "fp32" and not emulated else None
+    gathered = 2 if r.precision.master == "fp32" and not emulated else None
     sizes = []
     for u in units:
         inner = {id(p) for v in units if v is not u and _within(v, u)

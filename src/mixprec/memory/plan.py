@@ -104,16 +104,16 @@ def estimate(
     if isinstance(params, nn.Module):
         dev = next(params.parameters()).device
     on_model = isinstance(params, nn.Module)
-    emulated = emulating(r, dev) if on_model else bool(r.emulate)
+    emulated = emulating(r, dev) if on_model else bool(r.precision.emulate)
     # what the model's low-precision activations are stored in: fp32 tensors under
     # emulation, and around fp8 Linears where this device runs those layers in fp32
     act_fp32 = emulated or (r.linear is not None and on_model and fp8_rest(r, dev) == "fp32")
     # a module FSDP2 sharded: its counts are per rank, its items the engine's shards'
     fsdp = on_model and fsdp_sharded(params, zero_stage)
     held = fsdp_held_recipe(r) if fsdp else r
-    param_bytes = 4 if emulated else _BYTES[held.params]
-    if emulated and r.params != "fp32":
-        notes.append(f"emulated {r.params}: the working copy is stored in fp32 tensors")
+    param_bytes = 4 if emulated else _BYTES[held.precision.params]
+    if emulated and r.precision.params != "fp32":
+        notes.append(f"emulated {r.precision.params}: the working copy is stored in fp32 tensors")
     if isinstance(params, nn.Module):
         frozen_n, n_tensors, frozen_bytes, fp8_bytes, buffers = _module_counts(params, r)
         n -= frozen_n
@@ -128,11 +128,11 @@ def estimate(
             notes.append("fp8 scaling state needs the module to count its Linears (~0)")
     shard = {k: (world_size if zero_stage >= lvl and not fsdp else 1)
              for k, lvl in (("optimizer", 1), ("grads", 2), ("params", 3))}
-    grads_per = _BYTES[held.grads] * (2 if r.grad_accum == "kahan" else 1)
+    grads_per = _BYTES[held.precision.grads] * (2 if r.precision.grad_accum == "kahan" else 1)
     items = {
         "params": (n * param_bytes + frozen_bytes) / shard["params"],
         "grads": n * grads_per / shard["grads"],
-        "master": (n * 4 if held.master == "fp32" else 0) / shard["optimizer"],
+        "master": (n * 4 if held.precision.master == "fp32" else 0) / shard["optimizer"],
         "optimizer": (_optimizer_bytes(held, opt, n, sizes, emulated, notes, formats)
                       + 4 * n_tensors * _STATES[opt][1]) / shard["optimizer"],
         "fp8": fp8_bytes,
@@ -144,7 +144,7 @@ def estimate(
                  and r.linear is not None else 1.0)
         items["activations"] = _activation_item(activations, r, act_fp32, notes, emulated,
                                                 share)
-        act_bytes = 4.0 if act_fp32 or r.compute in ("fp32", "tf32") else 2.0
+        act_bytes = 4.0 if act_fp32 or r.precision.compute in ("fp32", "tf32") else 2.0
         shapes, expert_shapes = _linear_routes(params, activations, r, emulated, act_fp32)
         items["weight_casts"] = _held_casts(activations, shapes, expert_shapes, on_model)
         if zero_stage == 3 and items["weight_casts"]:
@@ -197,11 +197,11 @@ def _linear_routes(params, spec: TransformerSpec, r: Recipe, emulated: bool,
     priced by ``mixprec.memory.moe``), or a transformer's from ``spec``
     (``mixprec.memory.shapes.spec_linears``: the head and the router at the rest's
     route)."""
-    if r.compute in ("fp32", "tf32") or (r.linear is not None and act_fp32):
+    if r.precision.compute in ("fp32", "tf32") or (r.linear is not None and act_fp32):
         rest = "fp32"  # also the layers around fp8 Linears where this device runs fp32
     elif emulated:
         rest = "autocast_emulated"  # each weight's rounded copy, in an fp32 tensor
-    elif r.master == "fp32" or r.params != "fp32":
+    elif r.precision.master == "fp32" or r.precision.params != "fp32":
         rest = "weights16"
     else:
         rest = "autocast16"
@@ -262,7 +262,7 @@ def _optimizer_bytes(r: Recipe, opt: str, n: int, sizes: list | None,
                          f"apply them (a bare count is priced at states={states})")
     if formats is None:
         formats = [states] * len(sizes)
-    weights16 = r.params != "fp32" and r.master == "none"
+    weights16 = r.precision.params != "fp32" and r.precision.master == "none"
     weight_bytes = 4 if emulated else 2  # emulated 16-bit weights live in fp32 tensors
     total = 0
     for k, fmt in zip(sizes, formats):  # a shape, or a bare count
@@ -296,12 +296,14 @@ def _activation_item(spec: TransformerSpec, r: Recipe, act_fp32: bool,
     layer). Under fp8, ``fp8_share`` of the Linears' inputs
     (``mixprec.memory.layers.fp8_share``) are saved as 1-byte codes and the rest at
     the compute width."""
-    per = 4 if act_fp32 else {"fp32": 4, "tf32": 4}.get(r.compute, 2)
+    per = 4 if act_fp32 else {"fp32": 4, "tf32": 4}.get(r.precision.compute, 2)
     islands = r.has_fp32_islands
     if spec.fp32_norms is None:
-        spec = dataclasses.replace(spec, fp32_norms=islands and "layer_norm" in r.keep_fp32)
+        spec = dataclasses.replace(
+            spec, fp32_norms=islands and "layer_norm" in r.precision.keep_fp32)
     if spec.fp32_softmax is None:
-        spec = dataclasses.replace(spec, fp32_softmax=islands and "softmax" in r.keep_fp32)
+        spec = dataclasses.replace(
+            spec, fp32_softmax=islands and "softmax" in r.precision.keep_fp32)
     notes.append(f"activations: Korthikanti et al. 2022, attention={spec.attention}, "
                  f"recompute={spec.recompute}, {per}-byte values")
     # a format that leaves wgrad in 16 bits saves the Linears' inputs unquantized

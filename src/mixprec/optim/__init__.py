@@ -50,7 +50,7 @@ def recipe_settings(recipe: Recipe) -> dict[str, str]:
     >>> recipe_settings(Recipe.parse("bf16-lean"))
     {'states': 'int8', 'write': 'stochastic'}
     """
-    return {"states": recipe.states, "write": recipe.write}
+    return {"states": recipe.optim.states, "write": recipe.optim.write}
 
 
 def adamw_for(recipe: Recipe | str, params: ParamsT, **kwargs: Any) -> torch.optim.Optimizer:

@@ -262,7 +262,7 @@ def shard_fsdp(model: nn.Module, recipe, optimizers, units=None, emulate: bool =
 def sixteen_bit_shards(recipe, emulate: bool) -> bool:
     """Whether FSDP's shards are stored in the recipe's 16-bit ``params`` dtype: under a
     write rule with real 16-bit kernels (emulation keeps 16-bit values in fp32)."""
-    return (recipe.write != "nearest" and not emulate
+    return (recipe.optim.write != "nearest" and not emulate
             and recipe.param_dtype != torch.float32)
 
 
@@ -332,7 +332,7 @@ def fsdp_policy(recipe, emulate: bool = False):
     uses (a norm's weight) see the fp32 value, not its bf16 rounding."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    param_dtype = recipe.param_dtype if recipe.master == "fp32" and not emulate else None
+    param_dtype = recipe.param_dtype if recipe.precision.master == "fp32" and not emulate else None
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=recipe.comm_dtype)
 
 

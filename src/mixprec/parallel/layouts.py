@@ -374,9 +374,9 @@ def check_parallel_recipe(parallel: str | None, recipe: Recipe,
     """What a mode cannot do with a recipe, before anything is built
     (``tensor_parallel``: the model's parameters are DTensors)."""
     tp = parallel == "tp" or tensor_parallel
-    if tp and recipe.compute not in _TP_COMPUTE and recipe.linear is None:
+    if tp and recipe.precision.compute not in _TP_COMPUTE and recipe.linear is None:
         raise NotImplementedError(
-            f"recipe {str(recipe)!r} with tensor parallelism: its {recipe.compute} "
+            f"recipe {str(recipe)!r} with tensor parallelism: its {recipe.precision.compute} "
             "compute does not take DTensor weights. Tensor parallelism runs the 16-bit "
             "recipes (fp32, tf32, bf16, fp16 and their variants) and the Linear formats "
             f"({tp_formats()}): pick one of those.")
@@ -392,7 +392,7 @@ def check_parallel_recipe(parallel: str | None, recipe: Recipe,
             "gathering the weights as their casts) is not built for tensor-parallel "
             f"shards. Tensor parallelism runs the Linear formats ({tp_formats()}) with "
             "FSDP gathering 16-bit shards, which the Linears cast: drop fp8_all_gather.")
-    if recipe.wgrad == "fp32" and parallel == "fsdp":
+    if recipe.precision.wgrad == "fp32" and parallel == "fsdp":
         raise NotImplementedError(
             f"recipe {str(recipe)!r}: wgrad=fp32 with parallel='fsdp' is not "
             "supported: FSDP reduce-scatters the gradients of its unsharded "

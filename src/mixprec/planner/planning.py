@@ -266,7 +266,7 @@ def _check_args(b: Recipe, goal, formats, state_formats, max_loss, min_sqnr) -> 
 
     if goal not in ("fastest", "smallest"):
         raise ValueError(f"plan: goal={goal!r}; valid: fastest, smallest")
-    if b.compute not in ("bf16",) or b.layers:
+    if b.precision.compute not in ("bf16",) or b.layers:
         raise ValueError(f"plan: base={str(b)!r}; the plan departs from a bf16 recipe "
                          "without rules (bf16, bf16-master, bf16-lean...)")
     bad = [f for f in formats if f not in LAYER_FORMATS]

@@ -126,7 +126,7 @@ class Survey:
         recipe's."""
         r = self.layer_recipe(cfg) if cfg.any_fp8 else self.base
         states = tuple(LayerRule("states", p, v) for p, v in
-                       compress(cfg.states, list(self.units), r.states))
+                       compress(cfg.states, list(self.units), r.optim.states))
         return r.replace(layers=r.layers + states) if states else r
 
     def layer_recipe(self, cfg: Config) -> Recipe:

@@ -41,60 +41,63 @@ def check_loss_numbers(r) -> None:
 
 def refuse_impossible(r) -> None:
     """Combinations that cannot train, or that mixprec cannot run: an error each."""
-    if r.linear is not None and r.params == "fp16":
+    if r.linear is not None and r.precision.params == "fp16":
         raise ValueError(
             "recipe: compute='fp8' with params='fp16' is not supported: fp8 runs the "
             "rest of the model under bf16 autocast. Use params=fp32 or params=bf16."
         )
-    if r.params == "fp16" and r.master == "none" and r.loss_scale == "none":
+    if r.precision.params == "fp16" and r.precision.master == "none" and r.loss.kind == "none":
         raise ValueError(
             "recipe: params='fp16' with master='none' and loss_scale='none' cannot train: "
             "fp16 gradients underflow and fp16 weights swallow small updates. "
             "Set master=fp32 and loss_scale=dynamic (preset 'fp16-master'), or use bf16."
         )
-    if r.grads == "fp16" and r.loss_scale == "none":
+    if r.precision.grads == "fp16" and r.loss.kind == "none":
         raise ValueError(
             "recipe: grads='fp16' with loss_scale='none' loses every gradient below "
             "6e-8. Set loss_scale=dynamic, or grads=fp32 (the default)."
         )
-    if r.write != "nearest" and (r.params == "fp32" or r.master == "fp32"):
+    if r.optim.write != "nearest" and (r.precision.params == "fp32"
+                                       or r.precision.master == "fp32"):
         raise ValueError(
-            f"recipe: write={r.write!r} with params={r.params!r}, master={r.master!r}: "
+            f"recipe: write={r.optim.write!r} with params={r.precision.params!r}, "
+            f"master={r.precision.master!r}: "
             "write rules are for 16-bit weights without an fp32 master (with a master "
             "or fp32 weights every update is kept already). Use params=bf16 (or fp16) "
             "with master=none, or drop write.")
-    if r.write == "remainder" and r.params != "bf16":
+    if r.optim.write == "remainder" and r.precision.params != "bf16":
         raise ValueError(
-            f"recipe: write='remainder' with params={r.params!r}: the int16 remainder "
+            f"recipe: write='remainder' with params={r.precision.params!r}: the int16 remainder "
             "completes a bf16 weight to fp32. Use params=bf16, or write=kahan / "
             "stochastic for fp16 weights.")
-    if r.wgrad == "fp32" and r.grads != "fp32":
+    if r.precision.wgrad == "fp32" and r.precision.grads != "fp32":
         raise ValueError(
-            f"recipe: wgrad='fp32' with grads={r.grads!r}: fp32 weight gradients need "
+            f"recipe: wgrad='fp32' with grads={r.precision.grads!r}: fp32 weight gradients need "
             "fp32 buffers to land in. Set grads=fp32 (the default), or drop wgrad.")
 
 def warn_useless(r) -> None:
     """Combinations that run but buy nothing (or cost something): a warning each."""
-    if r.wgrad == "fp32" and not r.uses_autocast:
+    if r.precision.wgrad == "fp32" and not r.uses_autocast:
         warnings.warn(
-            f"recipe: wgrad='fp32' with compute={r.compute!r}: weight gradients are "
+            f"recipe: wgrad='fp32' with compute={r.precision.compute!r}: weight gradients are "
             "fp32 already. It is harmless; drop wgrad.", stacklevel=3)
-    if r.loss_scale != "none" and "fp16" not in (r.compute, r.params, r.grads) \
+    if r.loss.kind != "none" and "fp16" not in (r.precision.compute, r.precision.params,
+                                                r.precision.grads) \
             and not r.is_mx:
         warnings.warn(
-            f"recipe: loss_scale={r.loss_scale!r} with compute={r.compute!r}: "
+            f"recipe: loss_scale={r.loss.kind!r} with compute={r.precision.compute!r}: "
             "nothing is stored in fp16, so scaling buys nothing (bf16 has fp32's "
             "range). It is harmless; set loss_scale=none to drop it.",
             stacklevel=3,
         )
-    if r.params == "fp16" and r.master == "none" and r.write == "nearest":
+    if r.precision.params == "fp16" and r.precision.master == "none" and r.optim.write == "nearest":
         warnings.warn(
             "recipe: params='fp16' with master='none' keeps the optimizer's states in "
             "fp16 too: Adam's second moment underflows there and its updates blow up, "
             "and updates below half an fp16 ulp vanish. Prefer 'fp16-master'.",
             stacklevel=3,
         )
-    if r.master == "fp32" and r.params == "fp32":
+    if r.precision.master == "fp32" and r.precision.params == "fp32":
         warnings.warn(
             "recipe: master='fp32' with params='fp32' keeps a second fp32 copy of "
             "every weight for nothing; set master=none.",

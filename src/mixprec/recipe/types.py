@@ -48,7 +48,9 @@ class Recipe:
 
     Everything in mixprec that takes a recipe accepts a ``Recipe`` or such a string
     (``Recipe.coerce``). Read-only conveniences name the configs' fields (``r.compute``,
-    ``r.params``, ``r.loss_scale`` for ``r.loss.kind``, ``r.init_scale``, ``r.states``).
+    ``r.params``, ``r.loss_scale`` for ``r.loss.kind``, ``r.init_scale``, ``r.states``):
+    a public shorthand for users; mixprec's own code reads the composed path
+    (``r.precision.compute``, ``r.loss.kind``, ``r.optim.states``).
     """
 
     #: what each part of a step computes or is stored in
@@ -73,9 +75,9 @@ class Recipe:
             raise ValueError(f"recipe field 'linear': {self.linear!r} is not a Linear "
                              f"format; use one of mixprec.fp8.formats ({', '.join(FORMATS)}"
                              ") or None")
-        if (self.compute == LINEAR_COMPUTE) != (self.linear is not None):
+        if (self.precision.compute == LINEAR_COMPUTE) != (self.linear is not None):
             raise ValueError(
-                f"recipe: compute={self.compute!r} with linear={self.linear!r}: a Linear "
+                f"recipe: compute={self.precision.compute!r} with linear={self.linear!r}: a Linear "
                 "format runs under compute='fp8' and compute='fp8' needs one. Pass both "
                 "(Precision(compute='fp8'), linear=CurrentScaling()) or neither.")
         _check_layers(self)
@@ -143,32 +145,32 @@ class Recipe:
     def compute_dtype(self) -> torch.dtype:
         """torch dtype of the autocast region (fp8 recipes: bf16 around the fp8 Linears)."""
         return {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
-                "fp16": torch.float16}.get(self.compute, torch.bfloat16)
+                "fp16": torch.float16}.get(self.precision.compute, torch.bfloat16)
 
     @property
     def param_dtype(self) -> torch.dtype:
         """torch dtype of the working parameters (``params``)."""
-        return _TORCH[self.params]
+        return _TORCH[self.precision.params]
 
     @property
     def grad_dtype(self) -> torch.dtype:
         """torch dtype of the gradient accumulation buffers (``grads``)."""
-        return _TORCH[self.grads]
+        return _TORCH[self.precision.grads]
 
     @property
     def comm_dtype(self) -> torch.dtype:
         """torch dtype gradients travel in between ranks (``comm``)."""
-        return _TORCH[self.comm]
+        return _TORCH[self.precision.comm]
 
     @property
     def uses_autocast(self) -> bool:
         """Whether the forward runs under torch.autocast (every compute but fp32/tf32)."""
-        return self.compute not in ("fp32", "tf32")
+        return self.precision.compute not in ("fp32", "tf32")
 
     @property
     def is_mx(self) -> bool:
         """Whether ``compute`` is an OCP MX block-scaled format (emulated only)."""
-        return self.compute in MX_COMPUTE
+        return self.precision.compute in MX_COMPUTE
 
     @property
     def block_scaled(self) -> bool:
@@ -180,13 +182,14 @@ class Recipe:
     def needs_mixprec_optim(self) -> bool:
         """Whether the optimizer must be ``mixprec.optim``'s: the states are stored below
         fp32, or updates land in 16-bit weights by a rule (torch's do neither)."""
-        return (self.states != "fp32" or self.write != "nearest"
+        return (self.optim.states != "fp32" or self.optim.write != "nearest"
                 or any(r.kind == "states" and r.value != "fp32" for r in self.layers))
 
     @property
     def has_fp32_islands(self) -> bool:
         """Whether ``keep_fp32`` applies: something runs or is stored in low precision."""
-        return bool(self.keep_fp32) and (self.uses_autocast or self.params != "fp32")
+        return bool(self.precision.keep_fp32) and (self.uses_autocast
+                                                   or self.precision.params != "fp32")
 
     @property
     def emulatable(self) -> bool:
@@ -225,7 +228,7 @@ class Recipe:
         rule = first_match(self.layers, "layer", module_name)
         if rule is not None:
             return rule.value
-        return self.fp8_name or self.compute
+        return self.fp8_name or self.precision.compute
 
     def for_layer(self, module_name: str) -> Recipe:
         """The recipe a Linear named ``module_name`` runs with: this one, with the
@@ -253,7 +256,7 @@ class Recipe:
         """The format of the optimizer states of the parameter named ``param_name``:
         the first ``states:`` rule matching the module that owns it, else ``states``."""
         rule = first_match(self.layers, "states", owner_of(param_name))
-        return rule.value if rule is not None else self.states
+        return rule.value if rule is not None else self.optim.states
 
 
 _FIELDS = {f.name for f in fields(Recipe)}
@@ -267,7 +270,8 @@ def _convenience(config: str, cls: type, name: str, attr: str | None = None) -> 
         return getattr(getattr(self, config), attr)
 
     get.__annotations__["return"] = ftype
-    get.__doc__ = f"``{config}.{attr}`` (read-only)."
+    get.__doc__ = (f"``{config}.{attr}`` (read-only convenience for users; mixprec's own "
+                   f"code reads ``{config}.{attr}``).")
     return property(get)
 
 
@@ -335,7 +339,7 @@ def _check_layers(r: Recipe) -> None:
     layer = [str(x) for x in r.layers if x.kind == "layer"]
     if layer and r.linear is None:
         raise ValueError(
-            f"recipe rules {', '.join(layer)} with compute={r.compute!r}: layer rules "
+            f"recipe rules {', '.join(layer)} with compute={r.precision.compute!r}: layer rules "
             "choose among fp8 formats and bf16 inside an fp8 recipe, which runs the rest "
             "of the model under bf16. Start from an fp8 preset (e.g. 'fp8-current,"
             f"{layer[0]}') or drop them.")
@@ -350,4 +354,7 @@ PRESETS: dict[str, Recipe] = {
     name: _from_flat(preset_flat(name), set(), ()) for name in PRESET_FIELDS}
 
 Recipe.__module__ = "mixprec.recipe"
-torch.serialization.add_safe_globals([Recipe, LayerRule, from_string])
+# LayerRule also by its module before the packages (mixprec.layer_rules), which
+# checkpoints of 0.3 name
+torch.serialization.add_safe_globals([Recipe, LayerRule, from_string,
+                                      (LayerRule, "mixprec.layer_rules.LayerRule")])

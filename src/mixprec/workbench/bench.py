@@ -122,7 +122,7 @@ def _recipe_row(r: str, build, loss_of, dev: torch.device, tokens: int,
         torch.cuda.reset_peak_memory_stats(dev)
     m, e, step = _engine_loop(build, rec, loss_of)
     twins = {}
-    if rec.compute in ("fp32", "bf16", "fp16") and rec.params == "fp32":
+    if rec.precision.compute in ("fp32", "bf16", "fp16") and rec.precision.params == "fp32":
         twins[f"hand:{r}"] = _hand_loop(build(), rec, dev, loss_of, e.emulating)
     if compile:
         twins[f"compiled:{r}"] = _engine_loop(build, rec, loss_of, compiled=True)[2]
@@ -314,15 +314,15 @@ def _hand_loop(model, rec: Recipe, dev, loss_of, emulate: bool = False):
     opt = torch.optim.AdamW(model.parameters(), fused=True)
     mode = make_emulation_mode(rec) if emulate else None
     emu = mode if mode is not None else contextlib.nullcontext()
-    if rec.compute == "fp32":
+    if rec.precision.compute == "fp32":
         def step():
             loss = loss_of(model)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         return step
-    dtype = torch.bfloat16 if rec.compute == "bf16" else torch.float16
-    scaler = torch.amp.GradScaler(dev.type) if rec.compute == "fp16" else None
+    dtype = torch.bfloat16 if rec.precision.compute == "bf16" else torch.float16
+    scaler = torch.amp.GradScaler(dev.type) if rec.precision.compute == "fp16" else None
 
     def step():
         with torch.autocast(dev.type, dtype=dtype), emu:

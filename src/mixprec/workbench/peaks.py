@@ -50,7 +50,8 @@ def dense_kind(recipe: Recipe | str, kernels: KernelChoices | None = None) -> st
     if r.linear is not None:
         rest = kernels.fp8_rest if kernels is not None else "bf16"
         return "bf16" if rest == "bf16" else "fp32"
-    return r.compute if r.compute in ("fp32", "tf32", "bf16", "fp16") else "ieee"
+    compute = r.precision.compute
+    return compute if compute in ("fp32", "tf32", "bf16", "fp16") else "ieee"
 
 
 def _size(dev: torch.device) -> int:
