@@ -14,7 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from mixprec.experts import ExpertsFormat, grouped, grouped_mm
 from mixprec.experts.grouped import _GroupedQuantizedMM
 from mixprec.experts.segments import segment_ids
-from mixprec.experts.segments_blocks import tile_aligned_rows
+from mixprec.fp8.formats.segments import tile_aligned_rows
 from mixprec.fp8.nvfp4 import counter_key, counter_uniform
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -5,11 +5,12 @@ A cast of a (rows, cols) operand costs a byte per code and an fp32 scale per ten
 or tile (``cast_bytes``). On the ``loop`` route (a CPU's eager choice) each expert's
 slice is cast on its own. On the sync-free ``grouped`` route (a CPU's choice under
 ``torch.compile``; ``sync_free_route`` names it) each operand is cast whole
-(``mixprec.experts.segments*``): per tensor, rowwise and INT8 rowwise keep the
-token-dim cast of all ``R`` rows (INT8's wgrad runs in 16 bits on the rows' 16-bit
-copy), the tile formats (``fp8-block``, MX fp8, NVFP4) one cast of a buffer of
-``padded_rows`` rows where every expert starts on a whole tile; every route keeps each
-row's int64 expert id (and the tile routes its place in the buffer).
+(``mixprec.experts.segments``, the format's ``segment_cast``): per tensor, rowwise
+and INT8 rowwise keep the token-dim cast of all ``R`` rows (INT8's wgrad runs in 16
+bits on the rows' 16-bit copy), the tile formats (``fp8-block``, MX fp8, NVFP4) one
+cast of a buffer of ``padded_rows`` rows where every expert starts on a whole tile;
+every route keeps each row's int64 expert id (and the tile routes its place in the
+buffer).
 
 Its backward (``sync_free_backward``), per projection of ``I`` inputs and ``O`` outputs
 over ``R`` rows, holds beyond the arriving gradient, the input gradient ``dx`` and the
@@ -29,16 +30,14 @@ block formats: ``blocks_backward``).
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 from typing import Any
 
 __all__ = ["ROUTES", "cast_bytes", "saved_cast", "token_casts", "sync_free_route", "padded_rows",
            "sync_free_forward", "blocks_backward", "sync_free_backward"]
 
 
-#: the sync-free kernels (``mixprec.experts.grouped``'s functions), by what they cast
-TENSOR, ROWS, TILES = "segmented_mm", "segmented_rowwise_mm", "segmented_blocks_mm"
-INT8, FP4 = "segmented_int8_mm", "segmented_nvfp4_mm"
+#: the sync-free routes, by what their casts hold (a format's ``segment_kind``)
+TENSOR, ROWS, TILES, INT8, FP4 = "tensor", "rows", "tiles", "int8", "fp4"
 ROUTES = (TENSOR, ROWS, TILES, INT8, FP4)
 
 
@@ -76,23 +75,14 @@ def saved_cast(q: Any, rows: int, cols: int, role: str) -> float:
 
 
 def sync_free_route(q: Any, experts_route: str, device: str) -> str | None:
-    """The sync-free kernel experts in quantizer ``q``'s format run on (the name of its
-    function in ``mixprec.experts.grouped``: ``segmented_mm``, ``segmented_rowwise_mm``,
-    ``segmented_blocks_mm``, ``segmented_int8_mm``, ``segmented_nvfp4_mm``), as
+    """The sync-free route experts in quantizer ``q``'s format run on (its
+    ``segment_kind``: ``tensor``, ``rows``, ``tiles``, ``int8``, ``fp4``), as
     ``grouped_mm`` picks it on a CPU's ``grouped`` route; None on the ``loop`` route,
     off a CPU, or for a format that takes the host-read path there (rowwise or tile
-    fp8 with wgrad in 16 bits)."""
-    if experts_route != "grouped" or device != "cpu":
+    fp8 with wgrad in 16 bits: ``segments_apply``)."""
+    if experts_route != "grouped" or device != "cpu" or not q.segments_apply():
         return None
-    from mixprec.experts.segments_blocks import blocks_apply
-    from mixprec.experts.segments_int8 import int8_applies
-    from mixprec.experts.segments_nvfp4 import nvfp4_applies
-    from mixprec.experts.segments_rowwise import rowwise_applies
-
-    fmt = SimpleNamespace(quantizer=q)  # the predicates read the quantizer only
-    routes = ((TENSOR, lambda f: f.quantizer.per_tensor), (ROWS, rowwise_applies),
-              (TILES, blocks_apply), (INT8, int8_applies), (FP4, nvfp4_applies))
-    return next((name for name, applies in routes if applies(fmt)), None)
+    return q.segment_kind
 
 
 def padded_rows(q: Any, rows: int, experts: int) -> int:
