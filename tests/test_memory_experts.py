@@ -31,7 +31,7 @@ def test_the_named_sync_free_route_is_the_one_grouped_mm_runs(name, monkeypatch)
     class Spy(grouped.Segmented):
         def bind(self, *args):
             ran.append(self.fmt.segment_kind)
-            super().bind(*args)
+            return super().bind(*args)
 
     monkeypatch.setattr(grouped, "Segmented", Spy)
     x, w = torch.randn(64, 32), torch.randn(4, 16, 32)

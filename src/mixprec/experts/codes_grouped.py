@@ -87,25 +87,24 @@ class Codes(GemmLayout):
     """The experts' GEMMs on bf16 codes, the scales after each GEMM (``scaled``: the
     forward on torch's fp8 grouped kernel); ``site``: the ``ExpertsFormat``."""
 
-    def __init__(self, site: ExpertsFormat, scaled: bool) -> None:
+    def __init__(self, site: ExpertsFormat, scaled: bool, seg: Segments | None = None
+                 ) -> None:
         super().__init__(site)
-        self.scaled = scaled
+        self.scaled, self.seg = scaled, seg
 
-    def bind(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
+    def bind(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> Codes:
         """Each row's expert and which experts have rows, on the device."""
-        self.seg = Segments.of(offsets, x.shape[0])
-        self.seg.has_rows  # noqa: B018 (made now: the backward's wgrad reads it)
+        seg = Segments.of(offsets, x.shape[0])
+        seg.has_rows  # noqa: B018 (made now: the backward's wgrad reads it)
+        return Codes(self.site, self.scaled, seg)
 
     def saved(self) -> tuple[object, list[torch.Tensor]]:
         """The counts, the row ids and which experts have rows."""
-        names, tensors = self.seg.saved()
-        return (names, self.seg.rows), [self.seg.offs, self.seg.ids, *tensors]
+        return self.seg.saved()
 
-    def restore(self, meta: object, tensors: list[torch.Tensor]) -> None:
+    def restore(self, meta: object, tensors: list[torch.Tensor]) -> Codes:
         """The segments the forward read."""
-        (names, rows), (offs, ids, *made) = meta, tensors
-        self.seg = Segments(offs, ids, rows)
-        self.seg.restore(names, made)
+        return Codes(self.site, self.scaled, Segments.saved_again(meta, tensors))
 
     def grad_keys(self, gy: torch.Tensor) -> tuple[object, object]:
         """Round to nearest (the formats here have no stochastic rounding)."""

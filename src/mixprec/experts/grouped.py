@@ -199,23 +199,26 @@ class PerExpert(GemmLayout):
     casts dequantized and multiplied by ``torch._grouped_mm`` (``grouped`` on a CPU
     for a weight gathered as its casts). ``site``: the ``ExpertsFormat``."""
 
-    def __init__(self, site, route: str) -> None:
+    def __init__(self, site, route: str, bounds: list | None = None,
+                 shape: tuple = (), offs: torch.Tensor | None = None, device=None) -> None:
         super().__init__(site)
-        self.route = route
+        self.route, self.bounds, self.shape = route, bounds, shape
+        self.offs, self.device = offs, device
 
-    def bind(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
+    def bind(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> PerExpert:
         """Each expert's rows (one host read) and the GEMM's sizes."""
-        self.bounds = group_bounds(offsets, x.shape[0])
-        self.shape = (x.shape[0], w.shape[1], x.shape[1])
-        self.offs, self.device = offsets.to(torch.int32), x.device
+        return PerExpert(self.site, self.route, group_bounds(offsets, x.shape[0]),
+                         (x.shape[0], w.shape[1], x.shape[1]), offsets.to(torch.int32),
+                         x.device)
 
     def saved(self) -> tuple[object, list[torch.Tensor]]:
         """The offsets (the 16-bit wgrad's grouped kernel takes them)."""
         return None, [self.offs]
 
-    def restore(self, meta: object, tensors: list[torch.Tensor]) -> None:
+    def restore(self, meta: object, tensors: list[torch.Tensor]) -> PerExpert:
         """The offsets back."""
-        self.offs = tensors[0]
+        return PerExpert(self.site, self.route, self.bounds, self.shape, tensors[0],
+                         self.device)
 
     def grad_keys(self, gy: torch.Tensor) -> tuple[object, object]:
         """The loop draws as Linears do (eager: a generator, each cast in turn); the

@@ -75,22 +75,21 @@ class Segmented(GemmLayout):
     counter stream of this backward's key (``ExpertsFormat._sr_key``) by place: dgrad's
     cast from 0, wgrad's from ``T·N`` on."""
 
-    seg: Segments
+    def __init__(self, site, seg: Segments | None = None) -> None:
+        super().__init__(site)
+        self.seg = seg
 
-    def bind(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
+    def bind(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> Segmented:
         """Each row's expert, from the counts on the device."""
-        self.seg = Segments.of(offsets, x.shape[0])
+        return Segmented(self.site, Segments.of(offsets, x.shape[0]))
 
     def saved(self) -> tuple[object, list[torch.Tensor]]:
         """The counts, the row ids and the layouts the casts derived from them."""
-        names, tensors = self.seg.saved()
-        return (names, self.seg.rows), [self.seg.offs, self.seg.ids, *tensors]
+        return self.seg.saved()
 
-    def restore(self, meta: object, tensors: list[torch.Tensor]) -> None:
+    def restore(self, meta: object, tensors: list[torch.Tensor]) -> Segmented:
         """The segments the forward read."""
-        (names, rows), (offs, ids, *made) = meta, tensors
-        self.seg = Segments(offs, ids, rows)
-        self.seg.restore(names, made)
+        return Segmented(self.site, Segments.saved_again(meta, tensors))
 
     def grad_keys(self, gy: torch.Tensor) -> tuple[object, object]:
         """This backward's key, and wgrad's ``T·N`` numbers on."""

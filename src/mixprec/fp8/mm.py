@@ -77,15 +77,19 @@ class GemmLayout:
         self.site = site
         self.fmt: LinearFormat = site.quantizer
 
-    def bind(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None) -> None:
-        """Before the forward's casts: what the layout reads of its operands."""
+    def bind(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None
+             ) -> GemmLayout:
+        """Before the forward's casts: this layout with what it reads of this call's
+        operands (a new object: ``torch.compile`` traces no mutation of an argument)."""
+        return self
 
     def saved(self) -> tuple[object, list[torch.Tensor]]:
         """What the backward needs besides the casts: metadata and tensors."""
         return None, []
 
-    def restore(self, meta: object, tensors: list[torch.Tensor]) -> None:
-        """In the backward: take back ``saved``'s tensors."""
+    def restore(self, meta: object, tensors: list[torch.Tensor]) -> GemmLayout:
+        """In the backward: the bound layout again, from ``saved``'s tensors."""
+        return self
 
     def keep(self, cast: object) -> object:
         """What the backward keeps of a cast (default: all of it)."""
@@ -147,7 +151,7 @@ class Dense(GemmLayout):
         return torch.mm(gy.t(), x_hp.to(gy.dtype)).to(w_dtype)
 
 
-class QuantizedGemm(torch.autograd.Function):
+class _QuantizedMatmul(torch.autograd.Function):
     """``y = x @ wᵀ`` and its two backward GEMMs on the format's casts: every quantized
     GEMM's one autograd Function (a Linear's, a tensor-parallel shard's, the experts'
     on each route), the ``layout`` placing the casts and GEMMs (default ``Dense``).
@@ -166,12 +170,11 @@ class QuantizedGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, site, out_dtype, record, grad_dtype=None, offsets=None,
                 layout=None):
-        lay = layout if layout is not None else Dense(site)
+        lay = (layout if layout is not None else Dense(site)).bind(x2d, weight, offsets)
         q = lay.fmt
         need_dx, need_dw = ctx.needs_input_grad[:2]
         hp_wgrad = "wgrad" not in q.quantized_gemms  # wgrad on the input as it came
         with _no_autocast(x2d), q.gemm_context():
-            lay.bind(x2d, weight, offsets)
             xq = lay.cast_x(x2d, "input", 1, record)
             wq = lay.cast_w(weight, 1, record)
             y = lay.forward_mm(xq, wq, out_dtype)
@@ -197,7 +200,7 @@ class QuantizedGemm(torch.autograd.Function):
         n, lay = ctx.n_casts, ctx.layout
         x_hp = saved[n]
         xw, wd = _unpack(ctx.casts, iter(saved[:n]))
-        lay.restore(ctx.layout_meta, list(saved[n + 1:]))
+        lay = lay.restore(ctx.layout_meta, list(saved[n + 1:]))
         if ctx.grad_dtype is not None:  # 16-bit values in fp32: exact
             gy = gy.to(ctx.grad_dtype)
         q, dx, dw = lay.fmt, None, None
@@ -216,8 +219,9 @@ class QuantizedGemm(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None
 
 
-#: the name a Linear and a tensor-parallel shard call it by
-_QuantizedMatmul = QuantizedGemm
+#: the one autograd Function of the quantized GEMMs (its backward nodes keep the
+#: private name ``_QuantizedMatmulBackward``)
+QuantizedGemm = _QuantizedMatmul
 
 
 class GemmSite:

@@ -120,24 +120,26 @@ def sync_free_forward(route: str, q: Any, r: int, e: int, k: int, n: int, b: flo
     tokens' dequantized cast (``4·R·K``; NVFP4's cast itself holds ``20·R·K``) beside
     the experts' fp32 weights (``4·E·N·K``, INT8's transposed copy too) and the grouped
     kernel's fp32 product with the rows past the last expert zeroed (``8·R·N``; per
-    tensor, the tokens and weights are freed first); then wgrad's cast along the tokens
-    (rowwise: the magnitudes, gathered scales, scaled values and codes, ``13·R·K``; the tile
-    routes: the ``padded_rows`` buffer and its cast's fp32 passes, ``12·P·K``, NVFP4's
+    tensor and rowwise, the tokens' codes too); then wgrad's cast along the tokens
+    (rowwise: the magnitudes, gathered scales, scaled values and codes, ``13·R·K``; the
+    tile routes: the forward's token cast, the ``padded_rows`` buffer and its cast's
+    fp32 passes, ``12·P·K``, NVFP4's
     Hadamard transform and rounding passes over the 16-row aligned buffer ``28·P·K``),
     each route's int64 row ids held throughout."""
     rk, w = r * k, e * n * k
     ids = 16 * r if route in (TILES, FP4) else 8 * r
     wq = 0 if route == INT8 else saved_cast(q, n, k, "weight")  # the forward's codes
     stages = [4 * rk + wq + (8 if route == INT8 else 4) * w + 8 * r * n]
-    if route == TENSOR:
-        stages = [rk + wq + max(4 * rk + 4 * w + 4 * r * n, 8 * r * n)]
-    elif route == ROWS:  # the forward's token codes, dgrad's weight cast
-        stages = [rk + s for s in stages] + [14 * rk + wq + saved_cast(q, n, k, "weight")]
+    if route in (TENSOR, ROWS):  # the forward's token codes held beside the product
+        stages = [rk + s for s in stages]
+    if route == ROWS:  # dgrad's weight cast
+        stages += [14 * rk + wq + saved_cast(q, n, k, "weight")]
     elif route in (TILES, FP4):
         p = padded_rows(q, r, e)
         if route == FP4:
             p += (-p) % q.token_multiple
-        stages += [4 * rk + wq + (28 if route == FP4 else 12) * p * k]
+        codes = rk + 4 * rk / q.kernel.tile  # the forward's token cast, still held
+        stages += [codes + wq + (28 if route == FP4 else 12) * p * k]
         stages += [20 * rk] if route == FP4 else []
     saved = token_casts(q, [r / e] * e, k, b, route) + e * saved_cast(q, n, k, "weight")
     return ids + max(stages) - saved
@@ -145,11 +147,11 @@ def sync_free_forward(route: str, q: Any, r: int, e: int, k: int, n: int, b: flo
 
 def blocks_backward(q: Any, r: int, e: int, i: int, o: int, b: float) -> float:
     """The sync-free block route's backward scratch for one projection beyond the
-    arriving gradient, ``dx`` and ``dw``: the gradient's fp32 dequantized tile cast
-    (``4·R·O``) and every expert's fp32 weights (``4·E·O·I``) held while wgrad runs,
-    then the largest of the padded gradient's cast along the tokens (the buffer at
-    ``b`` bytes, the cast's fp32 copy of a 16-bit one and its tile scales and scaled
-    values, ``(b + 12)·P·O`` over ``P = padded_rows``, ``12·P·O`` in fp32), that cast's
+    arriving gradient, ``dx`` and ``dw``: the largest of the padded gradient's cast
+    along the tokens beside dgrad's tile cast of the gradient, freed once it is made
+    (its codes and tile scales, ``(1 + 4/tile)·R·O``; the buffer at ``b`` bytes, the
+    cast's fp32 copy of a 16-bit one and its tile scales and scaled values,
+    ``(b + 12)·P·O`` over ``P = padded_rows``, ``12·P·O`` in fp32), that cast's
     dequantization (its codes, their fp32 copy, tile scales and values, ``13·P·O``: the
     peak where the gradient is fp32, as on a CPU without bf16 units), the saved input's
     (the gradient's codes and gathered fp32 rows beside the input's ``12·P·I``) and the
@@ -157,9 +159,9 @@ def blocks_backward(q: Any, r: int, e: int, i: int, o: int, b: float) -> float:
     the transposed gradient)."""
     p = padded_rows(q, r, e)
     cast = b + 8 + (4 if b < 4 else 0)
-    return 4 * r * o + 4 * e * o * i + max(cast * p * o, 13 * p * o,
-                                           p * o + 4 * r * o + 12 * p * i,
-                                           5 * p * o + 8 * r * o + 4 * p * i + 4 * r * i)
+    dgrad_cast = (1 + 4 / q.kernel.tile) * r * o
+    return max(dgrad_cast + cast * p * o, 13 * p * o, p * o + 4 * r * o + 12 * p * i,
+               5 * p * o + 8 * r * o + 4 * p * i + 4 * r * i)
 
 
 def sync_free_backward(route: str, q: Any, r: int, e: int, i: int, o: int, b: float,
@@ -170,15 +172,16 @@ def sync_free_backward(route: str, q: Any, r: int, e: int, i: int, o: int, b: fl
     if route == TILES:
         return blocks_backward(q, r, e, i, o, b)
     ro, ri, w, dx = r * o, r * i, e * o * i, dx_bytes * r * i
-    # the dgrad GEMM: its fp32 product and zeroed rows (and dx's own copy below fp32),
-    # beside the route's fp32 weights (rowwise and NVFP4: one stack, INT8: two)
-    held_w = {TENSOR: 0, INT8: 8 * w}.get(route, 4 * w)
-    stages = [9 * ro, 4 * ro + 8 * ri + held_w + (dx if dx_bytes < 4 else 0)]
-    if route == TENSOR:
-        stages += [8 * ro + 8 * ri + dx, 8 * ro + 4 * ri + 4 * w + dx, 4 * ro + 8 * w + dx]
-    elif route == ROWS:
-        stages += [20 * ro + dx, 9 * ro + 12 * ri + dx, 13 * ro + 4 * ri + 4 * w + dx,
-                   9 * ro + 4 * ri + 8 * w + dx]
+    # the dgrad GEMM: the gradient's codes and fp32 values, the route's fp32 weights
+    # (INT8: two), the fp32 product and its zeroed rows (and dx's own copy below fp32)
+    held_w = 8 * w if route == INT8 else 4 * w
+    lean = route in (TENSOR, ROWS)  # the gradient's codes held, not its values
+    stages = [9 * ro, (5 if lean else 4) * ro + 8 * ri + held_w
+              + (dx if dx_bytes < 4 else 0)]
+    if route == TENSOR:  # wgrad on dgrad's cast: its values, the input's, the product
+        stages += [5 * ro + 8 * ri + dx, 9 * ro + 4 * ri + 4 * w + dx]
+    elif route == ROWS:  # wgrad's per-(expert, column) casts beside dgrad's codes
+        stages += [17 * ro + dx, 5 * ro + 12 * ri + dx, 9 * ro + 4 * ri + 4 * w + dx]
     elif route == INT8:  # wgrad on the 16-bit gradient and input copy
         stages += [4 * ro + dx + max(b * ro + b * w, 6 * w)]
     elif route == FP4:
@@ -190,4 +193,5 @@ def sync_free_backward(route: str, q: Any, r: int, e: int, i: int, o: int, b: fl
             stages[-1] += 8 * ro + 4 * ri
     else:
         raise ValueError(f"route={route!r}; valid: " + ", ".join(ROUTES))
-    return max(stages) - dx - 4 * w
+    rows = 4 * r if lean else 0  # the gradient's inverse scale per row
+    return max(stages) + rows - dx - 4 * w

@@ -110,11 +110,17 @@ class Segments:
             long_ends, torch.arange(0, bound, tile, device=self.offs.device), right=True))
         return long_ends.to(torch.int32), blocks
 
-    def saved(self) -> tuple[list[str], list[torch.Tensor]]:
-        """The derived layouts made so far, by name (to save for the backward)."""
+    def saved(self) -> tuple[tuple, list[torch.Tensor]]:
+        """What the backward needs to make these segments again (``saved_again``):
+        metadata, and the counts, row ids and derived layouts made so far."""
         names = [n for n, t in self._made.items() if t is not None]
-        return names, [self._made[n] for n in names]
+        return ((tuple(names), self.rows),
+                [self.offs, self.ids, *(self._made[n] for n in names)])
 
-    def restore(self, names: list[str], tensors: list[torch.Tensor]) -> None:
-        """Take back the layouts ``saved`` gave."""
-        self._made.update(zip(names, tensors))
+    @classmethod
+    def saved_again(cls, meta: tuple, tensors: list[torch.Tensor]) -> Segments:
+        """The segments ``saved`` gave ``meta`` and ``tensors`` of."""
+        (names, rows), (offs, ids, *made) = meta, tensors
+        seg = cls(offs, ids, rows)
+        seg._made.update(zip(names, made))
+        return seg
