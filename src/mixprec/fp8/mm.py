@@ -2,6 +2,13 @@
 casts, as a function of (operands, format, route) that a Linear, a grouped expert GEMM
 or a tensor-parallel shard can all call.
 
+``QuantizedGemm`` is the one autograd Function of them all: it owns the skeleton (the
+forward's casts and GEMM, what the backward saves, which casts serve the backward, the
+gradient's casts, dgrad and wgrad, and the GEMMs the format leaves out of its
+``quantized_gemms``); a ``GemmLayout`` places the casts and GEMMs (``Dense`` here; the
+experts' ``PerExpert``, ``Segmented`` and ``Codes`` in ``mixprec.experts``), and the
+format makes every cast.
+
     >>> import torch
     >>> from mixprec.fp8 import quantized_mm
     >>> from mixprec.fp8.formats import CurrentScaling
@@ -100,23 +107,34 @@ class GemmLayout:
         gen = self.site._sr_generator(gy.device)
         return gen, gen
 
-    def cast_x(self, t, role, dim, record=False, key=None):  # noqa: D102 (see Dense)
-        raise NotImplementedError
+    def cast_x(self, t: torch.Tensor, role: str, dim: int, record: bool = False,
+               key: object = None) -> object:
+        """The tokens (``input``) or the output's gradient (``grad_output``) cast by the
+        format along ``dim`` (1: the hidden dim; 0: the tokens, wgrad's); ``key``: the
+        gradient's stochastic rounding (``grad_keys``)."""
+        raise NotImplementedError(type(self).__name__)
 
-    def cast_w(self, w, dim, record=False):  # noqa: D102
-        raise NotImplementedError
+    def cast_w(self, w: torch.Tensor, dim: int, record: bool = False) -> object:
+        """The weight cast by the format along ``dim`` (1: the forward's, 0: dgrad's)."""
+        raise NotImplementedError(type(self).__name__)
 
-    def forward_mm(self, xq, wq, out_dtype):  # noqa: D102
-        raise NotImplementedError
+    def forward_mm(self, xq: object, wq: object, out_dtype: torch.dtype) -> torch.Tensor:
+        """``x @ wᵀ`` on the casts, in ``out_dtype``."""
+        raise NotImplementedError(type(self).__name__)
 
-    def dgrad_mm(self, g, wd, x_dtype):  # noqa: D102
-        raise NotImplementedError
+    def dgrad_mm(self, g: object, wd: object, x_dtype: torch.dtype) -> torch.Tensor:
+        """``g @ w`` on the casts, in the input's dtype."""
+        raise NotImplementedError(type(self).__name__)
 
-    def wgrad_mm(self, g, xw, w_dtype):  # noqa: D102
-        raise NotImplementedError
+    def wgrad_mm(self, g: object, xw: object, w_dtype: torch.dtype) -> torch.Tensor:
+        """``gᵀ @ x`` on the casts along the tokens, in the weight's dtype."""
+        raise NotImplementedError(type(self).__name__)
 
-    def hp_wgrad(self, gy, x_hp, w_dtype):  # noqa: D102
-        raise NotImplementedError
+    def hp_wgrad(self, gy: torch.Tensor, x_hp: torch.Tensor, w_dtype: torch.dtype
+                 ) -> torch.Tensor:
+        """``gᵀ @ x`` in the gradient's 16 bits on the input as it came (a format that
+        leaves wgrad out of its ``quantized_gemms``)."""
+        raise NotImplementedError(type(self).__name__)
 
 
 class Dense(GemmLayout):

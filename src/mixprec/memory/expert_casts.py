@@ -15,13 +15,14 @@ buffer).
 Its backward (``sync_free_backward``), per projection of ``I`` inputs and ``O`` outputs
 over ``R`` rows, holds beyond the arriving gradient, the input gradient ``dx`` and the
 fp32 weight gradient ``dw`` the largest of its stages' live tensors, read off the
-autograd functions: the gradient's dgrad cast (``9·R·O``: its fp32 copy and scaled
-values, then its codes, their fp32 copy and the dequantized values), the dgrad GEMM
-(the dequantized gradient ``4·R·O``, its fp32 product and the rows past the last
-expert zeroed, ``8·R·I``, and the route's fp32 weights), and wgrad's operands and
-product (per tensor: the gradient's values and their transposed copy, the input's
-codes upcast and dequantized; rowwise: the gradient's per-(expert, column) cast with
-its magnitudes, gathered scales and scaled values, ``20·R·O``; INT8: the 16-bit
+layouts of ``mixprec.fp8.mm.QuantizedGemm``: the gradient's dgrad cast (``9·R·O``: its
+fp32 copy and scaled values, then its codes, their fp32 copy and the dequantized
+values), the dgrad GEMM (the dequantized gradient ``4·R·O`` beside its codes (per
+tensor, rowwise), its fp32 product and the rows past the last expert zeroed, ``8·R·I``,
+and the route's fp32 weights), and wgrad's operands and product (per tensor: dgrad's
+cast, its values and their transposed copy, the input's codes upcast and dequantized;
+rowwise: the gradient's per-(expert, column) cast with its magnitudes, gathered scales,
+fp32 copy and scaled values beside dgrad's codes, ``17·R·O``; INT8: the 16-bit
 product; NVFP4: the buffer's Hadamard transform and its cast's fp32 and int64
 stochastic-rounding passes, ``57`` bytes per element of the 16-row aligned buffer; the
 block formats: ``blocks_backward``).
