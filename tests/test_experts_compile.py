@@ -12,9 +12,10 @@ import torch._dynamo as dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from mixprec.experts import ExpertsFormat, grouped, grouped_mm
-from mixprec.experts.grouped import _GroupedQuantizedMM
+from mixprec.experts.grouped import PerExpert
 from mixprec.experts.segments import segment_ids
-from mixprec.experts.segments_blocks import tile_aligned_rows
+from mixprec.fp8.formats.segments import tile_aligned_rows
+from mixprec.fp8.mm import QuantizedGemm
 from mixprec.fp8.nvfp4 import counter_key, counter_uniform
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -78,7 +79,8 @@ def _long_operands(dtype=torch.float32):
 
 def _host_read(x, w, offs, fmt):
     """The grouped route as it reads the token counts on the host (per-expert casts)."""
-    return _GroupedQuantizedMM.apply(x, w, offs, fmt, x.dtype, True, "grouped")
+    return QuantizedGemm.apply(x, w, fmt, x.dtype, True, None, offs,
+                               PerExpert(fmt, "grouped"))
 
 
 def _sync_free(monkeypatch):

@@ -18,20 +18,22 @@ from mixprec.memory.expert_casts import (
     token_casts,
 )
 
-_ROUTES = {"fp8": "segmented_mm", "fp8-current": "segmented_mm",
-           "fp8-rowwise": "segmented_rowwise_mm", "fp8-block": "segmented_blocks_mm",
-           "mxfp8": "segmented_blocks_mm", "int8-rowwise": "segmented_int8_mm",
-           "nvfp4": "segmented_nvfp4_mm"}
+#: the kind of whole-operand casts each format's sync-free route runs
+_ROUTES = {"fp8": "tensor", "fp8-current": "tensor", "fp8-rowwise": "rows",
+           "fp8-block": "tiles", "mxfp8": "tiles", "int8-rowwise": "int8", "nvfp4": "fp4"}
 
 
 @pytest.mark.parametrize("name", list(_ROUTES))
 def test_the_named_sync_free_route_is_the_one_grouped_mm_runs(name, monkeypatch):
     q = ExpertsFormat(name).quantizer
     ran = []
-    for fn in set(_ROUTES.values()):
-        inner = getattr(grouped, fn)
-        monkeypatch.setattr(grouped, fn, lambda *a, _r=fn, _f=inner: ran.append(_r)
-                            or _f(*a))
+
+    class Spy(grouped.Segmented):
+        def bind(self, *args):
+            ran.append(self.fmt.segment_kind)
+            return super().bind(*args)
+
+    monkeypatch.setattr(grouped, "Segmented", Spy)
     x, w = torch.randn(64, 32), torch.randn(4, 16, 32)
     grouped_mm(x, w, torch.tensor([16, 32, 48, 64]), ExpertsFormat(name), route="grouped")
     assert ran == [_ROUTES[name]] == [sync_free_route(q, "grouped", "cpu")]

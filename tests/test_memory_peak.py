@@ -160,7 +160,7 @@ def test_the_sync_free_block_route_is_priced_with_its_padded_wgrad_buffer(kind, 
     from mixprec.engine.devices import EMULATE_ENV
 
     monkeypatch.setenv(EMULATE_ENV, emulate)
-    from mixprec.experts.segments_blocks import tile_aligned_rows
+    from mixprec.fp8.formats.segments import tile_aligned_rows
     from mixprec.fp8.quantizers import quantizer_for
     from mixprec.memory.expert_casts import padded_rows
     from mixprec.recipe import Recipe
@@ -181,8 +181,8 @@ def test_the_sync_free_block_route_is_priced_with_its_padded_wgrad_buffer(kind, 
     pytest.param("mixtral", "nvfp4", marks=_LONG)])
 def test_the_other_sync_free_routes_are_priced_as_they_run(kind, recipe, monkeypatch):
     """Per tensor, rowwise, INT8 and NVFP4 on the CPU's ``grouped`` route cast each
-    operand whole (``mixprec.experts.segments``, ``segments_rowwise``, ``segments_int8``,
-    ``segments_nvfp4``): their backward holds whole-operand fp32 casts (NVFP4's
+    operand whole (``mixprec.experts.segments``, each format's ``segment_cast``): their
+    backward holds whole-operand fp32 casts (NVFP4's
     stochastic rounding of the 16-row aligned wgrad buffer: int64 passes over it), and
     INT8's forward peaks in the last gate-up GEMM's fp32 product. Priced as the loop,
     they read 0.84, 0.68, 0.79 and 0.44 of the measured peak (Qwen3-MoE); now within

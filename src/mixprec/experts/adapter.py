@@ -3,8 +3,9 @@
 A grouped GEMM casts each expert's operands and multiplies them as a converted Linear
 does (``mixprec.fp8.linear``): ``cast`` a 2-D tensor for a role along the contracted
 dim, ``mm`` two casts on the format's route, ``reuses`` (a forward cast serves the
-backward), ``pack``/``unpack`` (casts through ``save_for_backward``). Keeping these
-calls here means a reshaped quantizer interface changes this module only.
+backward), the per-expert scales of a per-tensor format (``segment_scales``, as FSDP2's
+gather of the experts' codes takes them). Keeping these calls here means a reshaped
+quantizer interface changes this module only.
 """
 
 from __future__ import annotations
@@ -14,15 +15,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from mixprec.fp8.gather_casts import CastWeight
-from mixprec.fp8.mm import _no_autocast, _pack, _unpack
+from mixprec.fp8.mm import _no_autocast
 from mixprec.fp8.quantized import Quantized
-from mixprec.fp8.scaling import cast_to_fp8, nan_if_not_finite, rowwise_scale
+from mixprec.fp8.scaling import cast_to_fp8
 
 if TYPE_CHECKING:
     from mixprec.experts.format import ExpertsFormat
 
-__all__ = ["cast", "mm", "reuses", "pack", "unpack", "no_autocast", "segment_scales",
-           "cast_scaled", "rowwise_scales"]
+__all__ = ["cast", "mm", "reuses", "no_autocast", "segment_scales", "cast_scaled"]
 
 #: autocast off around the GEMMs, which pick their own dtypes (as in a Float8Linear)
 no_autocast = _no_autocast
@@ -49,33 +49,12 @@ def reuses(fmt: ExpertsFormat, role: str) -> bool:
     return fmt.quantizer.reuses(role)
 
 
-def pack(casts: list[Quantized | None]) -> tuple[list, list]:
-    """Casts (or None) as tensors to save and the metadata that rebuilds them."""
-    return _pack(casts)
-
-
-def unpack(tensors: list[torch.Tensor], meta: list) -> list[Quantized | None]:
-    """The casts ``pack`` saved."""
-    return _unpack(tensors, meta)
-
-
 def segment_scales(fmt: ExpertsFormat, amax: torch.Tensor, role: str, record: bool = False,
                    mask: torch.Tensor | None = None) -> torch.Tensor:
     """The per-tensor scales of ``fmt``'s quantizer for a vector of per-expert amaxes
     (NaN where an amax is not finite, as a cast makes it); with ``record``, delayed
     scaling records the max of the amaxes (of those ``mask`` keeps)."""
-    q, state = fmt.quantizer, fmt.scaling_state()
-    if record and q.has_history:
-        kept = amax if mask is None else torch.where(mask, amax, 0)
-        q._record(state, role, kept.amax())
-    scale = q._scale(amax, role, state, False).expand_as(amax)
-    return nan_if_not_finite(scale, amax)
-
-
-def rowwise_scales(fmt: ExpertsFormat, amax: torch.Tensor, role: str) -> torch.Tensor:
-    """The scales of ``fmt``'s rowwise casts for ``role`` from each slice's ``amax``
-    (elementwise, as the quantizer's ``cast`` scales one slice)."""
-    return rowwise_scale(amax, fmt.quantizer.dtype(role), fmt.quantizer.margin)
+    return fmt.quantizer.expert_scales(amax, role, fmt.scaling_state(), record, mask)
 
 
 def cast_scaled(fmt: ExpertsFormat, t: torch.Tensor, scale: torch.Tensor, role: str

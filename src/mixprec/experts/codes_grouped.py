@@ -11,10 +11,11 @@ column's inverse scales, as the ``dequant`` GEMM route does
 (``mixprec.fp8.gemm.fp8_gemm``). On ``scaled_grouped`` the forward's e4m3 codes and
 their scales go to ``torch._scaled_grouped_mm`` instead (``mixprec.experts.scaled_grouped``).
 
-Every cast is taken on the device from the cumulative counts (``segments``,
-``segments_rowwise``: each row's expert by ``searchsorted``, per-expert amaxes by
-segment reductions), bit for bit the per-expert casts; each GEMM is one launch for
-all the experts, and nothing reads a tensor's value on the host.
+Every cast is taken on the device from the cumulative counts by the format
+(``LinearFormat.segment_cast``: each row's expert by ``searchsorted``, per-expert
+amaxes by segment reductions), bit for bit the per-expert casts; each GEMM is one
+launch for all the experts, and nothing reads a tensor's value on the host. ``Codes``
+is the layout ``mixprec.fp8.mm.QuantizedGemm`` runs it in.
 
 The layouts are the ones torch's CUDA kernel takes for any routing
 (``aten/src/ATen/native/cuda/GroupMMCommon.cuh``): forward and dgrad pass the tokens
@@ -36,13 +37,14 @@ import torch
 from mixprec.experts import adapter
 from mixprec.experts.gather_casts import ExpertsCasts
 from mixprec.experts.scaled_grouped import scaled_grouped_forward
-from mixprec.experts.segments import _weights_cast, expert_rows, expert_scales
-from mixprec.experts.segments_rowwise import _amax, _cast, _columns_cast
+from mixprec.fp8.formats.segments import Segments
+from mixprec.fp8.mm import GemmLayout
+from mixprec.fp8.quantized import Quantized
 
 if TYPE_CHECKING:
     from mixprec.experts.format import ExpertsFormat
 
-__all__ = ["bf16_only", "codes_apply", "codes_grouped_mm"]
+__all__ = ["bf16_only", "codes_apply", "Codes"]
 
 _BF16 = torch.bfloat16
 
@@ -57,29 +59,6 @@ def codes_apply(fmt: ExpertsFormat) -> bool:
     """Whether ``fmt``'s scales factor out of each GEMM (per-tensor and rowwise fp8)."""
     kernel = fmt.quantizer.kernel  # a KernelSpec (mixprec.fp8.padding); int8: None
     return kernel is not None and kernel.scales == "tensor"
-
-
-def _tokens(fmt, t, ids, e, role, record):
-    """The tokens ``t`` cast along their hidden dim (one scale per expert, or per row):
-    codes, each row's inverse scale (T × 1) and, per tensor, each expert's ((E + 1),
-    the last for the rows past the last expert's; rowwise: None)."""
-    if not fmt.quantizer.per_tensor:
-        return (*_cast(fmt, t, _amax(t, 1), role), None)
-    scales = expert_scales(fmt, t, ids, e, role, record)
-    rows = scales[ids].unsqueeze(1)
-    return (adapter.cast_scaled(fmt, t, rows, role), torch.reciprocal(rows),
-            torch.reciprocal(scales))
-
-
-def _weights(fmt, w, has_rows, dim: int, record: bool):
-    """The experts' weights cast per expert along ``dim`` (1: K, forward; 0: N, dgrad):
-    codes (E × N × K) and inverse scales (E × 1 × 1, E × N × 1 or E × 1 × K)."""
-    if fmt.quantizer.per_tensor:
-        return _weights_cast(fmt, w, has_rows, "weight", record)
-    if isinstance(w, ExpertsCasts):  # each expert's casts, gathered: stacked
-        casts = [adapter.cast(fmt, w[i], "weight", dim) for i in range(w.shape[0])]
-        return torch.stack([c.codes for c in casts]), torch.stack([c.inv for c in casts])
-    return _cast(fmt, w, _amax(w, 2 if dim == 1 else 1), "weight")
 
 
 def _per_row(inv: torch.Tensor, ids: torch.Tensor, cols: int) -> torch.Tensor:
@@ -104,66 +83,81 @@ def _rows_mm(a, a_inv, b, b_inv, offs, ids) -> torch.Tensor:
                          b.shape[0])
 
 
-class _CodesGroupedMM(torch.autograd.Function):
-    """The grouped GEMM and its backward on bf16 codes, scales after each GEMM."""
+class Codes(GemmLayout):
+    """The experts' GEMMs on bf16 codes, the scales after each GEMM (``scaled``: the
+    forward on torch's fp8 grouped kernel); ``site``: the ``ExpertsFormat``."""
 
-    @staticmethod
-    def forward(ctx, x, w, offsets, fmt, out_dtype, record, scaled):
-        t, e = x.shape[0], w.shape[0]
-        offs, ids = expert_rows(offsets, t)
-        has_rows = torch.diff(offs, prepend=offs.new_zeros(1)) > 0
-        need_dx, need_dw = ctx.needs_input_grad[:2]
-        per_tensor = fmt.quantizer.per_tensor
-        with adapter.no_autocast(x):
-            xc, xi, x_experts = _tokens(fmt, x, ids, e, "input", record)
-            wc, wi = _weights(fmt, w, has_rows, 1, record)
-            if scaled:
-                cols = wi.reshape(e, -1).expand(e, w.shape[1]).contiguous()
-                y = _experts_only(scaled_grouped_forward(xc, xi.reshape(-1), wc, cols, offs),
-                                  ids, e)
-            else:
-                y = _rows_mm(xc, xi, wc.transpose(1, 2), wi.transpose(1, 2), offs, ids)
-            y = y.to(out_dtype)
-            wd = (None, None)
-            if need_dx:  # per tensor: the forward's cast serves (one scale per expert)
-                wd = (wc, wi) if per_tensor else _weights(fmt, w, has_rows, 0, False)
-            xw = (None, None)
-            if need_dw:
-                xw = ((xc, x_experts[:e]) if per_tensor
-                      else _columns_cast(fmt, x, ids, e, "input"))
-        ctx.save_for_backward(*wd, *xw, offs, ids, has_rows)
-        ctx.fmt, ctx.x_dtype, ctx.w_dtype = fmt, x.dtype, w.dtype
-        return y
+    def __init__(self, site: ExpertsFormat, scaled: bool, seg: Segments | None = None
+                 ) -> None:
+        super().__init__(site)
+        self.scaled, self.seg = scaled, seg
 
-    @staticmethod
-    def backward(ctx, gy):
-        wc, wi, xc, xi, offs, ids, has_rows = ctx.saved_tensors
-        fmt, e = ctx.fmt, has_rows.shape[0]
-        per_tensor = fmt.quantizer.per_tensor
-        dx = dw = None
-        with adapter.no_autocast(gy):
-            if per_tensor or ctx.needs_input_grad[0]:
-                gc, gi, g_experts = _tokens(fmt, gy, ids, e, "grad_output", True)
-            if ctx.needs_input_grad[0]:
-                dx = _rows_mm(gc, gi, wc, wi, offs, ids).to(ctx.x_dtype)
-            if ctx.needs_input_grad[1]:
-                if per_tensor:  # one scale per expert: the dgrad cast serves
-                    scales = (g_experts[:e] * xi).view(e, 1, 1)
-                else:  # along the tokens: one scale per (expert, column)
-                    gc, g_cols = _columns_cast(fmt, gy, ids, e, "grad_output")
-                    scales = g_cols[:e].unsqueeze(2) * xi[:e].unsqueeze(1)
-                # the gradient's transpose, column-major: an expert's first token moves
-                # it by whole columns of N elements (module doc)
-                dw = torch._grouped_mm(gc.to(_BF16).t(), xc.to(_BF16), offs=offs)
-                dw = torch.where(has_rows.view(-1, 1, 1), dw.float() * scales, 0)
-                dw = dw.to(ctx.w_dtype)
-        return dx, dw, None, None, None, None, None
+    def bind(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> Codes:
+        """Each row's expert and which experts have rows, on the device."""
+        seg = Segments.of(offsets, x.shape[0])
+        seg.has_rows  # noqa: B018 (made now: the backward's wgrad reads it)
+        return Codes(self.site, self.scaled, seg)
 
+    def saved(self) -> tuple[object, list[torch.Tensor]]:
+        """The counts, the row ids and which experts have rows."""
+        return self.seg.saved()
 
-def codes_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
-                     fmt: ExpertsFormat, out_dtype: torch.dtype, record: bool,
-                     scaled: bool = False) -> torch.Tensor:
-    """``grouped_mm``'s ``grouped`` route (``scaled``: ``scaled_grouped``, the forward on
-    torch's fp8 grouped kernel) on a device whose grouped kernel takes bf16 only, for
-    a format ``codes_apply`` accepts (see the module doc)."""
-    return _CodesGroupedMM.apply(x, w, offsets, fmt, out_dtype, record, scaled)
+    def restore(self, meta: object, tensors: list[torch.Tensor]) -> Codes:
+        """The segments the forward read."""
+        return Codes(self.site, self.scaled, Segments.saved_again(meta, tensors))
+
+    def grad_keys(self, gy: torch.Tensor) -> tuple[object, object]:
+        """Round to nearest (the formats here have no stochastic rounding)."""
+        return None, None
+
+    def keep(self, cast: object) -> object:
+        """A token cast without its rows' inverse scales (wgrad reads the groups')."""
+        if not isinstance(cast, tuple):
+            return cast
+        q, groups = cast
+        return q.like((q.data, None, q.outer)), groups
+
+    def cast_x(self, t, role, dim, record=False, key=None):
+        """The tokens (or the gradient) cast whole by the format."""
+        return self.fmt.segment_cast(t, role, dim, self.seg, self.site.scaling_state(),
+                                     record, key)
+
+    def cast_w(self, w, dim, record=False):
+        """The experts' weights cast per expert along ``dim`` (1: K, forward; 0: N,
+        dgrad): codes (E × N × K) and inverse scales (E × 1 × 1, E × N × 1 or
+        E × 1 × K); a weight gathered as each expert's casts, stacked."""
+        if isinstance(w, ExpertsCasts) and not self.fmt.per_tensor:
+            casts = [adapter.cast(self.site, w[i], "weight", dim) for i in range(w.shape[0])]
+            return Quantized(torch.stack([c.codes for c in casts]),
+                             torch.stack([c.inv for c in casts]))
+        return self.fmt.segment_weights(w, dim, self.seg, self.site.scaling_state(), record)
+
+    def forward_mm(self, xq, wq, out_dtype):
+        """Each expert's rows times its weight's transpose."""
+        xc, xi, _ = self.fmt.segment_codes(xq)
+        wc, wi, seg = wq.data, wq.scale_inv, self.seg
+        e = wc.shape[0]
+        if self.scaled:
+            cols = wi.reshape(e, -1).expand(e, wc.shape[1]).contiguous()
+            y = _experts_only(scaled_grouped_forward(xc, xi.reshape(-1), wc, cols, seg.offs),
+                              seg.ids, e)
+        else:
+            y = _rows_mm(xc, xi, wc.transpose(1, 2), wi.transpose(1, 2), seg.offs, seg.ids)
+        return y.to(out_dtype)
+
+    def dgrad_mm(self, g, wd, x_dtype):
+        """Each expert's gradient rows times its weight."""
+        gc, gi, _ = self.fmt.segment_codes(g)
+        return _rows_mm(gc, gi, wd.data, wd.scale_inv, self.seg.offs,
+                        self.seg.ids).to(x_dtype)
+
+    def wgrad_mm(self, g, xw, w_dtype):
+        """The gradient's transpose, column-major (an expert's first token moves it by
+        whole columns of N elements: the module doc), times the tokens, then each
+        (expert, row, column)'s inverse scales."""
+        gc, _, g_groups = self.fmt.segment_codes(g)
+        xc, _, x_groups = self.fmt.segment_codes(xw)
+        seg, e = self.seg, self.seg.experts
+        scales = g_groups[:e].reshape(e, -1, 1) * x_groups[:e].reshape(e, 1, -1)
+        dw = torch._grouped_mm(gc.to(_BF16).t(), xc.to(_BF16), offs=seg.offs)
+        return torch.where(seg.has_rows.view(-1, 1, 1), dw.float() * scales, 0).to(w_dtype)

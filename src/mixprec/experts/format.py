@@ -53,7 +53,7 @@ class ExpertsFormat(nn.Module):
     _sr_generator = Float8Linear._sr_generator
     _sr_stream_shift = Float8Linear._sr_stream_shift
     # the grouped routes' stream: every gradient element's number by its place
-    # (``segments_nvfp4.stream_keys``), eager and compiled alike
+    # (``grouped.stream_keys``), eager and compiled alike
     _sr_key = Float8Linear._sr_key
     _rng_host = None
 

@@ -22,12 +22,11 @@ Routes (``route=``):
   rounding per element where the scale is not a power of two; it needs K and N
   multiples of 4 (16-byte strides) and falls back to ``loop`` per call where they are
   not (``int8-rowwise``'s 16-bit wgrad: the same kernel on the 16-bit operands). For
-  every format it reads nothing on the host there (``mixprec.experts.segments``,
-  ``segments_rowwise``: per-expert scales by segment reductions; ``segments_blocks``,
-  ``segments_nvfp4``: wgrad's tiles aligned to each expert's first token in a
-  fixed-size buffer; ``segments_int8``: every int8 cast whole; bit for bit the
-  per-expert casts), so ``torch.compile`` traces it without a graph break; it does not
-  check the offsets.
+  every format it reads nothing on the host there (``mixprec.experts.segments``: each
+  operand cast whole by the format's ``segment_cast``, per-expert scales by segment
+  reductions, wgrad's tiles aligned to each expert's first token in a fixed-size
+  buffer; bit for bit the per-expert casts), so ``torch.compile`` traces it without a
+  graph break; it does not check the offsets.
   On a GPU, whose grouped kernel takes bf16 only, the per-tensor and rowwise formats
   pass their codes widened to bf16 and apply the scales after the GEMM
   (``mixprec.experts.codes_grouped``: the ``dequant`` route's rounding; K and N
@@ -51,7 +50,7 @@ transformers' own fallback reads them): each expert's casts are sized by them, a
 ``torch.compile`` breaks the graph there. NVFP4's
 stochastic rounding draws each gradient element's number by its place in one counter
 stream per backward on the ``grouped`` route, eager and compiled, with or without the
-host read (``segments_nvfp4.stream_keys``); the ``loop`` draws as a Linear does. A
+host read (``stream_keys``); the ``loop`` draws as a Linear does. A
 dispatch that reaches no expert (no token, or every token past the last expert) gives
 zero rows and zero weight gradients on every route.
 """
@@ -63,15 +62,13 @@ import warnings
 import torch
 
 from mixprec.experts import adapter
-from mixprec.experts.codes_grouped import bf16_only, codes_apply, codes_grouped_mm
+from mixprec.experts.codes_grouped import Codes, bf16_only, codes_apply
 from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.gather_casts import ExpertsCasts
 from mixprec.experts.scaled_grouped import scaled_grouped_refusal
-from mixprec.experts.segments import segmented_mm, wgrad_product
-from mixprec.experts.segments_blocks import blocks_apply, segmented_blocks_mm
-from mixprec.experts.segments_int8 import int8_applies, segmented_int8_mm
-from mixprec.experts.segments_nvfp4 import nvfp4_applies, segmented_nvfp4_mm, stream_keys
-from mixprec.experts.segments_rowwise import rowwise_applies, segmented_rowwise_mm
+from mixprec.experts.segments import Segmented, wgrad_product
+from mixprec.fp8.mm import GemmLayout, QuantizedGemm
+from mixprec.fp8.nvfp4 import NVFP4_BLOCK, counter_key
 
 __all__ = ["grouped_mm", "ROUTES", "group_bounds"]
 
@@ -129,9 +126,7 @@ def _route(route: str, fmt: ExpertsFormat, device: torch.device, k: int, n: int,
         # dequantize-and-stack pass made it slower than the loop on every format
         # measured (benchmarks/grouped_gemm.py); on a GPU one launch replaces one per
         # expert, and reads nothing on the host
-        sync_free = compiling and (fmt.quantizer.per_tensor or rowwise_applies(fmt)
-                                   or blocks_apply(fmt) or int8_applies(fmt)
-                                   or nvfp4_applies(fmt))
+        sync_free = compiling and fmt.quantizer.segments_apply()
         chosen = "grouped" if bf16_only(device) or sync_free else "loop"
     if asked == "scaled_grouped":
         _say_once(fmt, device, asked, why, chosen)
@@ -181,105 +176,125 @@ def _stack(casts, shape, transpose: bool, device) -> torch.Tensor:
     return out
 
 
-class _GroupedQuantizedMM(torch.autograd.Function):
-    """The grouped GEMM and its two backward GEMMs on ``fmt``'s casts, per expert (the
-    ``loop`` route; ``grouped`` on a CPU for a weight gathered as its casts)."""
-
-    @staticmethod
-    def forward(ctx, x, w, offsets, fmt, out_dtype, record, route):
-        t, n = x.shape[0], w.shape[1]
-        bounds = group_bounds(offsets, t)
-        need_dx, need_dw = ctx.needs_input_grad[:2]
-        hp_wgrad = "wgrad" not in fmt.quantizer.quantized_gemms  # wgrad on x as it came
-        xq, wq, xw, wd = [], [], [], []
-        with adapter.no_autocast(x), fmt.quantizer.gemm_context():
-            for e, (s, end) in enumerate(bounds):
-                if s == end:
-                    xq.append(None), wq.append(None), xw.append(None), wd.append(None)
-                    continue
-                a = adapter.cast(fmt, x[s:end], "input", 1, record)
-                b = adapter.cast(fmt, w[e], "weight", 1, record)
-                xq.append(a), wq.append(b)
-                wd.append(None if not need_dx else b if adapter.reuses(fmt, "weight")
-                          else adapter.cast(fmt, w[e], "weight", 0))
-                xw.append(None if not need_dw or hp_wgrad else a
-                          if adapter.reuses(fmt, "input")
-                          else adapter.cast(fmt, x[s:end], "input", 0))
-            y = _forward(route, fmt, xq, wq, bounds, x, n, out_dtype)
-        tensors, ctx.casts = adapter.pack(xw + wd)
-        # wgrad's operand in the output's dtype (bf16 under autocast), as a Linear saves it
-        ctx.save_for_backward(*tensors, x.to(out_dtype) if need_dw and hp_wgrad else None,
-                              offsets.to(torch.int32))
-        ctx.fmt, ctx.bounds, ctx.route = fmt, bounds, route
-        ctx.x_dtype, ctx.w_dtype, ctx.shape = x.dtype, w.dtype, (t, n, x.shape[1])
-        return y
-
-    @staticmethod
-    def backward(ctx, gy):
-        *saved, x_hp, offs = ctx.saved_tensors
-        casts = adapter.unpack(saved, ctx.casts)
-        fmt, bounds = ctx.fmt, ctx.bounds
-        xw, wd = casts[:len(bounds)], casts[len(bounds):]
-        t, n, k = ctx.shape
-        grouped = ctx.route != "loop"
-        # the loop draws as Linears do (eager: a generator, each cast in turn); the
-        # grouped route by place in the counter stream, as its sync-free form does
-        gen = (fmt._sr_generator if ctx.route == "loop" else fmt._sr_key)(gy.device)
-        keys, wkeys = stream_keys(gen, bounds, t, n)
-        dx = dw = None
-        with adapter.no_autocast(gy), fmt.quantizer.gemm_context():
-            g1 = [None] * len(bounds)
-            if ctx.needs_input_grad[0]:
-                dx_dtype = ctx.x_dtype if ctx.x_dtype == torch.bfloat16 else torch.float32
-                g1 = [None if s == e else adapter.cast(fmt, gy[s:e], "grad_output", 1,
-                                                       True, key)
-                      for key, (s, e) in zip(keys, bounds)]
-                if grouped:
-                    a, offs_c = _dequant_rows(g1, n, gy.device, t)
-                    dx = torch._grouped_mm(a, _stack(wd, (n, k), False, gy.device),
-                                           offs=offs_c)[:t]
-                else:
-                    dx = gy.new_zeros(t, k, dtype=dx_dtype)
-                    for c, w_e, (s, e) in zip(g1, wd, bounds):
-                        if c is not None:
-                            dx[s:e] = adapter.mm(fmt, c, w_e, dx_dtype)
-                dx = _zero_tail(dx, bounds).to(ctx.x_dtype)
-            if ctx.needs_input_grad[1] and x_hp is not None and grouped:  # gy's 16 bits
-                dw = wgrad_product(gy, x_hp.to(gy.dtype), offs, ctx.w_dtype)
-            elif ctx.needs_input_grad[1] and x_hp is not None:
-                dw = gy.new_zeros(len(bounds), n, k, dtype=ctx.w_dtype)
-                for e, (s, end) in enumerate(bounds):
-                    if s != end:
-                        dw[e] = torch.mm(gy[s:end].t(), x_hp[s:end].to(gy.dtype))
-            elif ctx.needs_input_grad[1]:
-                reuse = adapter.reuses(fmt, "grad_output")
-                g0 = [None if s == e else c if c is not None and reuse
-                      else adapter.cast(fmt, gy[s:e], "grad_output", 0, c is None, key)
-                      for c, key, (s, e) in zip(g1, wkeys, bounds)]
-                if grouped:
-                    a, offs_c = _dequant_rows(g0, n, gy.device)
-                    b, _ = _dequant_rows(xw, k, gy.device)
-                    dw = torch._grouped_mm(a.t().contiguous(), b, offs=offs_c)
-                    dw = _zero_empty(dw, bounds)
-                else:
-                    dw = gy.new_zeros(len(bounds), n, k, dtype=torch.float32)
-                    for e, (c, x_e) in enumerate(zip(g0, xw)):
-                        if c is not None:
-                            dw[e] = adapter.mm(fmt, c.t(), x_e, torch.float32)
-                dw = dw.to(ctx.w_dtype)
-        return dx, dw, None, None, None, None, None
+def stream_keys(key: torch.Tensor | torch.Generator | None, bounds: list[tuple[int, int]],
+                t: int, n: int) -> tuple[list, list]:
+    """Each expert's keys (dgrad's cast, wgrad's) in the counter stream of ``key`` for
+    a (``t`` × ``n``) gradient: dgrad's from its first row, wgrad's from ``t`` rows on
+    plus its first row in the 16-aligned layout (as NVFP4's whole-operand casts draw
+    them). A generator (drawn from in turn) or None (no stochastic rounding) serves
+    every cast as it is."""
+    if not isinstance(key, torch.Tensor):
+        return [key] * len(bounds), [key] * len(bounds)
+    dgrad, wgrad, start = [], [], 0
+    for s, end in bounds:
+        dgrad.append(counter_key(key, s * n))
+        wgrad.append(counter_key(key, (t + start) * n))
+        start += -(-(end - s) // NVFP4_BLOCK) * NVFP4_BLOCK
+    return dgrad, wgrad
 
 
-def _forward(route, fmt, xq, wq, bounds, x, n, out_dtype) -> torch.Tensor:
-    t, k = x.shape
-    if route == "grouped":
-        a, offs = _dequant_rows(xq, k, x.device, t)
-        y = torch._grouped_mm(a, _stack(wq, (k, n), True, x.device), offs=offs)[:t]
+class PerExpert(GemmLayout):
+    """The experts' GEMMs on each expert's own casts (lists, None for an expert
+    without tokens): one GEMM per expert on the format's route (``loop``), or the
+    casts dequantized and multiplied by ``torch._grouped_mm`` (``grouped`` on a CPU
+    for a weight gathered as its casts). ``site``: the ``ExpertsFormat``."""
+
+    def __init__(self, site, route: str, bounds: list | None = None,
+                 shape: tuple = (), offs: torch.Tensor | None = None, device=None) -> None:
+        super().__init__(site)
+        self.route, self.bounds, self.shape = route, bounds, shape
+        self.offs, self.device = offs, device
+
+    def bind(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> PerExpert:
+        """Each expert's rows (one host read) and the GEMM's sizes."""
+        return PerExpert(self.site, self.route, group_bounds(offsets, x.shape[0]),
+                         (x.shape[0], w.shape[1], x.shape[1]), offsets.to(torch.int32),
+                         x.device)
+
+    def saved(self) -> tuple[object, list[torch.Tensor]]:
+        """The offsets (the 16-bit wgrad's grouped kernel takes them)."""
+        return None, [self.offs]
+
+    def restore(self, meta: object, tensors: list[torch.Tensor]) -> PerExpert:
+        """The offsets back."""
+        return PerExpert(self.site, self.route, self.bounds, self.shape, tensors[0],
+                         self.device)
+
+    def grad_keys(self, gy: torch.Tensor) -> tuple[object, object]:
+        """The loop draws as Linears do (eager: a generator, each cast in turn); the
+        grouped route by place in the counter stream, as its sync-free form does."""
+        gen = (self.site._sr_generator if self.route == "loop"
+               else self.site._sr_key)(gy.device)
+        t, n, _ = self.shape
+        return stream_keys(gen, self.bounds, t, n)
+
+    def cast_x(self, t, role, dim, record=False, key=None):
+        """Each expert's rows cast on their own (``key``: one per expert)."""
+        keys = key if isinstance(key, list) else [key] * len(self.bounds)
+        return [None if s == e else adapter.cast(self.site, t[s:e], role, dim, record, k)
+                for k, (s, e) in zip(keys, self.bounds)]
+
+    def cast_w(self, w, dim, record=False):
+        """Each expert's weight with tokens cast on its own."""
+        return [None if s == end else adapter.cast(self.site, w[e], "weight", dim, record)
+                for e, (s, end) in enumerate(self.bounds)]
+
+    def forward_mm(self, xq, wq, out_dtype):
+        """Each expert's rows times its weight's transpose."""
+        return _forward(self.route, self.site, xq, wq, self.bounds, self.shape, out_dtype,
+                        self.device)
+
+    def dgrad_mm(self, g1, wd, x_dtype):
+        """Each expert's gradient rows times its weight."""
+        (t, n, k), dev = self.shape, self.device
+        if self.route != "loop":
+            a, offs_c = _dequant_rows(g1, n, dev, t)
+            dx = torch._grouped_mm(a, _stack(wd, (n, k), False, dev), offs=offs_c)[:t]
+        else:
+            dx_dtype = x_dtype if x_dtype == torch.bfloat16 else torch.float32
+            dx = torch.zeros(t, k, dtype=dx_dtype, device=dev)
+            for c, w_e, (s, e) in zip(g1, wd, self.bounds):
+                if c is not None:
+                    dx[s:e] = adapter.mm(self.site, c, w_e, dx_dtype)
+        return _zero_tail(dx, self.bounds).to(x_dtype)
+
+    def wgrad_mm(self, g0, xw, w_dtype):
+        """Each expert's gradient rows, transposed, times its input rows."""
+        (_, n, k), dev = self.shape, self.device
+        if self.route != "loop":
+            a, offs_c = _dequant_rows(g0, n, dev)
+            b, _ = _dequant_rows(xw, k, dev)
+            dw = _zero_empty(torch._grouped_mm(a.t().contiguous(), b, offs=offs_c),
+                             self.bounds)
+        else:
+            dw = torch.zeros(len(self.bounds), n, k, device=dev)
+            for e, (c, x_e) in enumerate(zip(g0, xw)):
+                if c is not None:
+                    dw[e] = adapter.mm(self.site, c.t(), x_e, torch.float32)
+        return dw.to(w_dtype)
+
+    def hp_wgrad(self, gy, x_hp, w_dtype):
+        """wgrad in the gradient's 16 bits on the input as it came."""
+        if self.route != "loop":
+            return wgrad_product(gy, x_hp.to(gy.dtype), self.offs, w_dtype)
+        t, n, k = self.shape
+        dw = gy.new_zeros(len(self.bounds), n, k, dtype=w_dtype)
+        for e, (s, end) in enumerate(self.bounds):
+            if s != end:
+                dw[e] = torch.mm(gy[s:end].t(), x_hp[s:end].to(gy.dtype))
+        return dw
+
+
+def _forward(route, site, xq, wq, bounds, shape, out_dtype, dev) -> torch.Tensor:
+    t, n, k = shape
+    if route != "loop":
+        a, offs = _dequant_rows(xq, k, dev, t)
+        y = torch._grouped_mm(a, _stack(wq, (k, n), True, dev), offs=offs)[:t]
         return _zero_tail(y, bounds).to(out_dtype)
-    y = x.new_zeros(t, n, dtype=out_dtype)
+    y = torch.zeros(t, n, dtype=out_dtype, device=dev)
     for a, b, (s, e) in zip(xq, wq, bounds):
         if a is not None:
-            y[s:e] = adapter.mm(fmt, a, b.t(), out_dtype)
+            y[s:e] = adapter.mm(site, a, b.t(), out_dtype)
     return y
 
 
@@ -328,20 +343,12 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                      and torch.is_autocast_enabled(dev) else x.dtype)
     route = _route(route, fmt, x.device, x.shape[1], weight.shape[1],
                    torch.compiler.is_compiling())
-    record = torch.is_grad_enabled()
     if route == "scaled_grouped" or route == "grouped" and bf16_only(x.device):
-        return codes_grouped_mm(x, weight, offsets.to(x.device), fmt, out_dtype, record,
-                                route == "scaled_grouped")
-    if route == "grouped" and not isinstance(weight, ExpertsCasts):
-        if fmt.quantizer.per_tensor:
-            return segmented_mm(x, weight, offsets, fmt, out_dtype, torch.is_grad_enabled())
-        if rowwise_applies(fmt):
-            return segmented_rowwise_mm(x, weight, offsets, fmt, out_dtype)
-        if blocks_apply(fmt):
-            return segmented_blocks_mm(x, weight, offsets, fmt, out_dtype)
-        if int8_applies(fmt):
-            return segmented_int8_mm(x, weight, offsets, fmt, out_dtype)
-        if nvfp4_applies(fmt):
-            return segmented_nvfp4_mm(x, weight, offsets, fmt, out_dtype)
-    return _GroupedQuantizedMM.apply(x, weight, offsets, fmt, out_dtype,
-                                     torch.is_grad_enabled(), route)
+        layout, offsets = Codes(fmt, route == "scaled_grouped"), offsets.to(x.device)
+    elif (route == "grouped" and not isinstance(weight, ExpertsCasts)
+          and fmt.quantizer.segments_apply()):
+        layout = Segmented(fmt)
+    else:
+        layout = PerExpert(fmt, route)
+    return QuantizedGemm.apply(x, weight, fmt, out_dtype, torch.is_grad_enabled(), None,
+                               offsets, layout)

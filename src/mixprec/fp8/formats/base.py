@@ -21,6 +21,7 @@ import torch
 
 from mixprec.engine.fp32_precision import ieee_fp32_matmul
 from mixprec.fp8.blocks import TILE
+from mixprec.fp8.formats.segments import Segments, spread
 from mixprec.fp8.padding import TENSOR_KERNEL, KernelSpec, backward_padding_bytes, run_or_fall_back
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.route import GEMM_CHOICES, gemm_route
@@ -136,6 +137,10 @@ class LinearFormat:
     #: torchao's float8 training recipe of the same scaling, if it has one (the bench
     #: runs it as a peer)
     torchao_recipe: ClassVar[str | None] = None
+    #: what the experts' whole-operand casts (``segment_cast``) keep and hold, as the
+    #: memory planner prices them (``mixprec.memory.expert_casts``): ``tensor``,
+    #: ``rows``, ``tiles``, ``int8`` or ``fp4``; None: no such casts
+    segment_kind: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -230,6 +235,51 @@ class LinearFormat:
                                     a.data.device)
         return exact()
 
+    # -- the experts' grouped GEMM without a host read (``mixprec.experts.segmented``) --
+
+    def segments_apply(self) -> bool:
+        """Whether this format casts an experts operand whole (``segment_cast``), every
+        expert's rows as the cast of that expert's slice gives them."""
+        return False
+
+    def segment_cast(self, t: torch.Tensor, role: str, dim: int, seg: Segments,
+                     state: dict, record: bool = False, key: Any = None) -> Any:
+        """``t`` (the tokens sorted by expert × cols) cast for ``role`` along ``dim``
+        (1: the hidden dim; 0: the tokens, wgrad's) with each expert's rows (``seg``)
+        scaled, clamped and rounded as a cast of that expert's slice does; ``key``: the
+        gradient's stochastic rounding (a counter key, or None). A ``Quantized`` or a
+        tuple of them and tensors (what the backward saves)."""
+        raise NotImplementedError(f"{type(self).__name__} has no grouped casts")
+
+    def segment_weights(self, w: torch.Tensor, dim: int, seg: Segments, state: dict,
+                        record: bool = False) -> Any:
+        """The experts' weights ``w`` (E × N × K) cast per expert along ``dim`` of each
+        (1: K, the forward's; 0: N, dgrad's): a list of per-expert casts by default."""
+        return [self.cast(w[i], "weight", dim, state) for i in range(w.shape[0])]
+
+    def segment_values(self, c: Any, seg: Segments) -> torch.Tensor:
+        """The fp32 values of a ``segment_cast`` along the hidden dim (rows × cols)."""
+        return c.dequant()
+
+    def segment_weight_values(self, c: Any, seg: Segments, transposed: bool
+                              ) -> torch.Tensor:
+        """The fp32 values of ``segment_weights``' cast, E × N × K (``transposed``:
+        E × K × N, contiguous)."""
+        return torch.stack([q.dequant().t() if transposed else q.dequant() for q in c])
+
+    def segment_wgrad(self, g: Any, x: Any, seg: Segments
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """wgrad's operands from the gradient's and the input's casts along the tokens:
+        their fp32 rows and the cumulative counts that group them."""
+        raise NotImplementedError(f"{type(self).__name__} has no grouped casts")
+
+    def segment_codes(self, c: Any) -> tuple[torch.Tensor, torch.Tensor | None,
+                                             torch.Tensor | None]:
+        """A ``segment_cast`` as the grouped GEMM on codes takes it (formats whose
+        scales factor out of the GEMM, ``kernel.scales == "tensor"``): the codes, each
+        row's inverse scale (None: per group only) and each group's (None: per row)."""
+        raise NotImplementedError(f"{type(self).__name__} has no grouped codes")
+
     def update(self, state: dict, found_inf: torch.Tensor | None = None) -> None:
         """Once per optimizer step (delayed scaling's history); nothing by default."""
 
@@ -268,6 +318,7 @@ class TileScaled:
     takes_tensor_route: ClassVar[bool] = False
     exact_fp32: ClassVar[bool] = True
     flush_view: ClassVar[str] = "per block"
+    segment_kind: ClassVar[str | None] = "tiles"
 
     def backward_bytes(self, t: int, i: int, o: int, act_bytes: float, route: str
                        ) -> float:
@@ -281,6 +332,27 @@ class TileScaled:
     def flushed(cls, per_tensor: float, rowwise: float, blockwise: float) -> float:
         """A scale per tile: the blockwise share."""
         return blockwise
+
+    def segments_apply(self) -> bool:
+        """Grouped casts where every GEMM is quantized (wgrad's tiles start at each
+        expert's first token)."""
+        return "wgrad" in self.quantized_gemms
+
+    def segment_cast(self, t: torch.Tensor, role: str, dim: int, seg: Segments,
+                     state: dict, record: bool = False, key: Any = None) -> Quantized:
+        """Along the hidden dim the tiles lie in one row: the whole operand is cast.
+        Along the tokens (wgrad) each expert's rows are copied into a buffer where
+        every expert starts on a whole tile (``Segments.aligned``, its tail padded with
+        zeros as a cast of its slice pads it), which is cast."""
+        if dim == 0:
+            t = spread(t, *seg.aligned(self.tile))
+        return self.cast(t, role, dim, state, record, key)
+
+    def segment_wgrad(self, g: Quantized, x: Quantized, seg: Segments
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The aligned casts dequantized and their rows gathered back in place."""
+        dest, _ = seg.aligned(self.tile)
+        return g.dequant()[dest], x.dequant()[dest], seg.offs
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -44,6 +44,7 @@ import torch
 
 from mixprec.engine.fp32_precision import ieee_fp32_matmul
 from mixprec.fp8.formats.base import LinearFormat
+from mixprec.fp8.formats.segments import Segments
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.route import GEMM_CHOICES
 from mixprec.fp8.scaling import nan_if_not_finite
@@ -188,6 +189,7 @@ class Int8Rowwise(LinearFormat):
     kernel: ClassVar[None] = None
     #: ``fp8_all_gather`` is refused: FSDP2 gathers its weights in 16 bits
     gathers_casts: ClassVar[bool] = False
+    segment_kind: ClassVar[str | None] = "int8"
 
     def dtype(self, role: str) -> torch.dtype:
         """int8, every role."""
@@ -265,3 +267,31 @@ class Int8Rowwise(LinearFormat):
             ca.device, ca.shape[0], ca.shape[1], cb.shape[1])
         return int8_gemm(ca, cb, a.inv, b.inv, out_dtype, use)
 
+
+    def segments_apply(self) -> bool:
+        """Every int8 cast scales one slice along its contracted dim, and none crosses
+        an expert's rows: each operand is cast whole (wgrad runs in 16 bits)."""
+        return True
+
+    def segment_cast(self, t: torch.Tensor, role: str, dim: int, seg: Segments,
+                     state: dict, record: bool = False, key: object = None) -> Quantized:
+        """The tokens cast as they come (a scale per token along the hidden dim)."""
+        return self.cast(t, role, dim, state, record, key)
+
+    def segment_weights(self, w: torch.Tensor, dim: int, seg: Segments, state: dict,
+                        record: bool = False) -> Quantized:
+        """The E × N × K weights cast per expert along ``dim`` of each (1: K, per output
+        channel, as one (E·N) × K tensor; 0: N, per input channel, as one N × (E·K))."""
+        e, n, k = w.shape
+        if dim == 1:
+            return self.cast(w.reshape(e * n, k), "weight", 1, state)
+        return self.cast(w.transpose(0, 1).reshape(n, e * k), "weight", 0, state)
+
+    def segment_weight_values(self, c: Quantized, seg: Segments, transposed: bool
+                              ) -> torch.Tensor:
+        """``segment_weights``' forward cast (``transposed``: E × K × N) or dgrad's
+        (E × N × K) dequantized, contiguous."""
+        v, e = c.dequant(), seg.experts
+        if transposed:
+            return v.view(e, v.shape[0] // e, v.shape[1]).transpose(1, 2).contiguous()
+        return v.view(v.shape[0], e, v.shape[1] // e).transpose(0, 1).contiguous()

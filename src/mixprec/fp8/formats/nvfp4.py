@@ -1,6 +1,21 @@
 """NVFP4 (NVIDIA's pretraining recipe, Transformer Engine's ``NVFP4BlockScaling``):
 e2m1 elements in 1×16 (weights 16×16) blocks with e4m3 scales and an fp32 scale per
-tensor (the casts: ``mixprec.fp8.nvfp4``)."""
+tensor (the casts: ``mixprec.fp8.nvfp4``).
+
+The experts' grouped casts (``segment_cast``): an expert's slice has one fp32 descale
+(from its amax) and e4m3 scales per 16 elements along the contracted dim. Along the
+hidden dim each row is cast whole, its descale from its expert's amax (a segment
+reduction; the rows past the last expert reduce into a slot of their own). wgrad
+contracts over the tokens: its 16-token blocks, and the random Hadamard transform over
+16 tokens that precedes them, start at each expert's first token, as the per-expert
+casts (zero padded to 16 tokens) have them: each expert's rows are copied into a
+buffer of ``T + (E + 1)·15`` rows where every expert starts on a multiple of 16
+(``Segments.aligned``), which is transformed and cast with each block's descale from
+its expert's amax; the experts' padded rows are multiplied as the per-expert casts
+stack them (without the transform, the rows are gathered back in place). Stochastic
+rounding draws by place in the counter stream of the key it is given, so every element
+meets the number the per-expert cast gives it.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +25,7 @@ from typing import ClassVar
 import torch
 
 from mixprec.fp8.formats.base import LinearFormat
+from mixprec.fp8.formats.segments import Segments, segment_amax, spread
 from mixprec.fp8.nvfp4 import NVFP4_BLOCK, apply_hadamard, cast_nvfp4, hadamard_16
 from mixprec.fp8.padding import KernelSpec
 from mixprec.fp8.quantized import Quantized
@@ -43,6 +59,7 @@ class NVFP4Scaling(LinearFormat):
     token_multiple: ClassVar[int] = NVFP4_BLOCK  # the Hadamard transform's blocks
     takes_tensor_route: ClassVar[bool] = False
     flush_view: ClassVar[str] = ""
+    segment_kind: ClassVar[str | None] = "fp4"
 
     def backward_bytes(self, t: int, i: int, o: int, act_bytes: float, route: str
                        ) -> float:
@@ -93,3 +110,37 @@ class NVFP4Scaling(LinearFormat):
             t = apply_hadamard(t, hadamard_16(0, t.device))
         return cast_nvfp4(t, dim, generator=generator if role == "grad_output" else None,
                           agree=agree)
+
+    def segments_apply(self) -> bool:
+        """NVFP4 casts an experts operand whole."""
+        return True
+
+    def segment_cast(self, t: torch.Tensor, role: str, dim: int, seg: Segments,
+                     state: dict, record: bool = False, key: object = None) -> Quantized:
+        """Along the hidden dim each row with its expert's descale; along the tokens the
+        16-aligned buffer (transformed under ``nvfp4_rht``), each 16-row block with its
+        expert's descale (the module doc), rounded with ``key``."""
+        groups = seg.experts + 1
+        if dim == 1:
+            amax = segment_amax(t.detach().float().abs().amax(dim=1), seg.ids, groups)
+            return cast_nvfp4(t, 1, generator=key, amax=amax[seg.ids].unsqueeze(1))
+        buf = spread(t, *seg.aligned(NVFP4_BLOCK))
+        _, blocks = seg.aligned_ends(NVFP4_BLOCK)
+        if self.nvfp4_rht:
+            buf = apply_hadamard(buf, hadamard_16(0, buf.device))
+        buf = buf.float()
+        rows = buf.shape[0] + (-buf.shape[0]) % NVFP4_BLOCK
+        padded = torch.nn.functional.pad(buf, (0, 0, 0, rows - buf.shape[0]))
+        amax = padded.detach().abs().view(-1, NVFP4_BLOCK * buf.shape[1]).amax(dim=1)
+        amax = segment_amax(amax, blocks, groups)
+        return cast_nvfp4(buf, 0, generator=key, amax=amax[blocks].unsqueeze(1))
+
+    def segment_wgrad(self, g: Quantized, x: Quantized, seg: Segments
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The aligned casts' values: with the transform, every padded row (grouped by
+        each expert's padded end); without, the rows gathered back in place."""
+        gv, xv = g.dequant(), x.dequant()
+        if self.nvfp4_rht:  # the transform's padded rows are multiplied
+            return gv, xv, seg.aligned_ends(NVFP4_BLOCK)[0]
+        dest, _ = seg.aligned(NVFP4_BLOCK)
+        return gv[dest], xv[dest], seg.offs

@@ -1,5 +1,13 @@
 """Rowwise fp8: one scale per row along the GEMM's contracted dim (torchao's rowwise);
-the GEMMs take the per-tensor routes with broadcast inverse scales."""
+the GEMMs take the per-tensor routes with broadcast inverse scales.
+
+The experts' grouped casts (``segment_cast``): a rowwise cast scales each slice along
+the contracted dim on its own, so the forward's and dgrad's casts (a scale per token;
+per output or input channel of each expert's weight) are taken whole. wgrad contracts
+over the tokens: its casts take one scale per (expert, column), each column's amax over
+the expert's rows a segment reduction, gathered back per row. Every element meets the
+scale, clamp and rounding of the cast of its expert's slice, bit for bit.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +17,10 @@ from typing import ClassVar
 import torch
 
 from mixprec.fp8.formats.base import Margined
+from mixprec.fp8.formats.segments import Segments, segment_amax, stacked_values
 from mixprec.fp8.gemm import fp8_gemm
 from mixprec.fp8.quantized import Quantized
-from mixprec.fp8.scaling import cast_rowwise
+from mixprec.fp8.scaling import cast_rowwise, cast_to_fp8, rowwise_scale
 from mixprec.fp8.tp_agree import Agreement
 
 __all__ = ["RowwiseScaling"]
@@ -25,6 +34,7 @@ class RowwiseScaling(Margined):
     name: ClassVar[str] = "rowwise"
     flush_view: ClassVar[str] = "rowwise"
     torchao_recipe: ClassVar[str | None] = "rowwise"
+    segment_kind: ClassVar[str | None] = "rows"
 
     @classmethod
     def flushed(cls, per_tensor: float, rowwise: float, blockwise: float) -> float:
@@ -56,3 +66,55 @@ class RowwiseScaling(Margined):
            ) -> torch.Tensor:
         """``fp8_gemm`` with one inverse scale per row of ``a`` and column of ``b``."""
         return fp8_gemm(a.codes, b.codes, a.inv, b.inv, out_dtype, backend)
+
+    def _scaled(self, t: torch.Tensor, amax: torch.Tensor, role: str) -> Quantized:
+        """``t`` cast under the rowwise scales of ``amax`` (broadcast over ``t``)."""
+        scale = rowwise_scale(amax, self.dtype(role), self.margin)
+        return Quantized(cast_to_fp8(t, scale, self.dtype(role)), torch.reciprocal(scale))
+
+    def segments_apply(self) -> bool:
+        """Grouped casts where every GEMM is quantized."""
+        return "wgrad" in self.quantized_gemms
+
+    def segment_cast(self, t: torch.Tensor, role: str, dim: int, seg: Segments,
+                     state: dict, record: bool = False, key: object = None
+                     ) -> tuple[Quantized, torch.Tensor | None]:
+        """Along the hidden dim: the cast (a scale per row) and None. Along the tokens:
+        the codes (no row scale) and the inverse scales of each (expert, column),
+        (E + 1) × cols, row E for the rows past the last expert's."""
+        if dim == 1:
+            return self._scaled(t, t.detach().abs().amax(dim=1, keepdim=True).float(),
+                                role), None
+        src = t.detach().abs().float()
+        scale = rowwise_scale(segment_amax(src, seg.ids, seg.experts + 1),
+                              self.dtype(role), self.margin)
+        codes = cast_to_fp8(t, scale[seg.ids], self.dtype(role))
+        return Quantized(codes, None), torch.reciprocal(scale)
+
+    def segment_weights(self, w: torch.Tensor, dim: int, seg: Segments, state: dict,
+                        record: bool = False) -> Quantized:
+        """Each expert's weight per output channel (``dim=1``) or input channel
+        (``dim=0``), cast as one E × N × K tensor."""
+        return self._scaled(w, w.detach().abs().amax(dim=2 if dim == 1 else 1,
+                                                      keepdim=True).float(), "weight")
+
+    def segment_values(self, c: tuple, seg: Segments) -> torch.Tensor:
+        """Each code times its row's inverse scale, fp32."""
+        return c[0].dequant()
+
+    def segment_weight_values(self, c: Quantized, seg: Segments, transposed: bool
+                              ) -> torch.Tensor:
+        """The weights' codes times their channel's inverse scale, fp32."""
+        return stacked_values(c, transposed)
+
+    def segment_wgrad(self, g: tuple, x: tuple, seg: Segments
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each code times its (expert, column)'s inverse scale, fp32."""
+        return (g[0].data.float() * g[1][seg.ids], x[0].data.float() * x[1][seg.ids],
+                seg.offs)
+
+    def segment_codes(self, c: tuple
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The codes, each row's inverse scale (along the hidden dim) and each
+        (expert, column)'s (along the tokens)."""
+        return c[0].data, c[0].scale_inv, c[1]
