@@ -6,6 +6,7 @@ the stored tensors' own ``nbytes``, and the lists that name state formats."""
 from __future__ import annotations
 
 import math
+import typing
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from mixprec import Recipe
 from mixprec.layer_rules import STATE_RULE_FORMATS, LayerRule
 from mixprec.optim import state_formats
 from mixprec.optim.state_formats import MIN_NUMEL, STATE_CODECS, lookup, state_bytes
-from mixprec.optim.states import STATE_FORMATS
+from mixprec.optim.states import STATE_FORMATS, StateFormat
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -175,6 +176,7 @@ def test_the_memory_estimate_prices_states_at_the_stored_bytes():
 def test_every_list_of_state_formats_is_the_registrys():
     assert STATE_FORMATS == STATE_RULE_FORMATS == state_formats.names() == tuple(STATE_CODECS)
     assert state_formats.names() == ("fp32", "bf16", "fp8", "int8", "int4")
+    assert typing.get_args(StateFormat) == state_formats.names()  # the type hint agrees
     valid = ", ".join(STATE_CODECS)
     with pytest.raises(ValueError, match=f"'int2'; valid: {valid}"):
         lookup("int2")

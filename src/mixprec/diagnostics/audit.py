@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from mixprec import formats
 from mixprec.diagnostics.findings import Finding
 from mixprec.master import updated_format
 from mixprec.recipe import Recipe
@@ -185,8 +186,7 @@ def audit_kernel_speed(device: torch.device, recipe: Recipe | str
     r = Recipe.coerce(recipe)
     dev = str(torch.device(device))
     k = choices(r, dev)
-    read = {n: speed_reading(dev, dt) for n, dt in
-            (("bf16", torch.bfloat16), ("fp16", torch.float16))}
+    read = {n: speed_reading(dev, formats.dtype_of(n)) for n in ("bf16", "fp16")}
     facts = {"matmul_speed": {n: v.as_dict() for n, v in read.items()},
              "kernels": k.describe()}
     if r.linear is not None:
