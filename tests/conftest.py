@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.kernels import EMULATE_ENV
+from mixprec.engine.devices import EMULATE_ENV
 from mixprec.workbench import GPT, GPTConfig
 
 # Tests that need other processes (distributed ranks, runs killed with SIGKILL) fork them
@@ -44,7 +44,7 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    from mixprec.kernels import has_fast_kernels
+    from mixprec.engine.devices import has_fast_kernels
 
     pinned = os.environ.get(EMULATE_ENV)
     real = has_fast_kernels("cpu", "bf16")
@@ -84,7 +84,7 @@ def measured(monkeypatch):
 
 @pytest.fixture
 def gemm_timer(monkeypatch):
-    """``gemm_timer(one_thread, loaded)``: the matmul timer of ``mixprec.kernels`` reads
+    """``gemm_timer(one_thread, loaded)``: the matmul timer of ``mixprec.engine.devices`` reads
     GFLOP/s by torch dtype, ``one_thread[dtype]`` on one thread and ``loaded[dtype]`` on
     two, as a multi-threaded GEMM does on a host whose other core is busy (it waits at
     its barriers). For bf16/fp16, ``one_thread`` may give a list of (rate, fp32's rate)
@@ -92,7 +92,7 @@ def gemm_timer(monkeypatch):
     No path is pinned; the readings' caches are emptied before and after."""
     import itertools
 
-    import mixprec.kernels as k
+    import mixprec.engine.devices as k
 
     def clear():
         for cached in (k.matmul_gflops, k._speed_reading, k._route_reading):
@@ -132,10 +132,10 @@ EPYC_LOADED = {torch.float32: 1.4, torch.bfloat16: 2.8, torch.float16: 2.3}
 
 def set_speeds(monkeypatch, rates: dict | None = None, scaled_mm: float = 0.0,
                bf16: float = 1.0, fp16: float = 1.0) -> None:
-    """Make every reading of ``mixprec.kernels`` (each round alike) see these rates:
+    """Make every reading of ``mixprec.engine.devices`` (each round alike) see these rates:
     GFLOP/s by torch dtype (fp32, bf16, fp16; else ``bf16`` and ``fp16`` against fp32's
     1.0) and ``torch._scaled_mm``'s."""
-    import mixprec.kernels as k
+    import mixprec.engine.devices as k
 
     rates = rates or {torch.float32: 1.0, torch.bfloat16: bf16, torch.float16: fp16}
     names = {torch.bfloat16: "bf16", torch.float16: "fp16"}

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mixprec import MixedPrecision
-from mixprec.coverage import coverage
+from mixprec.engine.coverage import coverage
 
 
 class _Wide(nn.Module):

@@ -1,4 +1,4 @@
-"""One name-to-dtype table: ``mixprec.formats`` (``dtype_of``, ``name_of``), and no other
+"""One name-to-dtype table: ``mixprec.formats.elements`` (``dtype_of``, ``name_of``), and no other
 module of the package builds one."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mixprec
-from mixprec import formats
+from mixprec.formats import elements as formats
 
 SRC = Path(mixprec.__file__).parent
 #: the element table, where it lives now and where the formats package will hold it
@@ -25,7 +25,7 @@ def _is_dtype(node: ast.AST) -> bool:
 
 
 def _is_format_name(node: ast.AST) -> bool:
-    """A string ``mixprec.formats.get`` reads as a format (a name or an alias)."""
+    """A string ``mixprec.formats.elements.get`` reads as a format (a name or an alias)."""
     if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
         return False
     try:
@@ -64,7 +64,7 @@ def test_no_module_but_the_element_table_pairs_format_names_with_dtypes():
         lines = _name_dtype_tables(ast.parse(path.read_text(), str(path)))
         if lines:
             found[str(path.relative_to(SRC))] = lines
-    assert not found, ("name-to-dtype tables outside mixprec.formats (use "
+    assert not found, ("name-to-dtype tables outside mixprec.formats.elements (use "
                        f"formats.dtype_of / formats.name_of): {found}")
 
 

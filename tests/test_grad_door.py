@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 
 import dist_workers as w
 from mixprec import MixedPrecision
-from mixprec.step import Counters
+from mixprec.engine.step import Counters
 from test_distributed import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

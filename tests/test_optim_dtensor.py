@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import optim_dtensor_workers as w
-from mixprec import checks
+from mixprec.engine import checks
 from mixprec.optim.kinds import (
     as_kind,
     fuses_over_dtensors,

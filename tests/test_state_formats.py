@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from mixprec import Recipe
-from mixprec.layer_rules import STATE_RULE_FORMATS, LayerRule
 from mixprec.optim import state_formats
 from mixprec.optim.state_formats import MIN_NUMEL, STATE_CODECS, lookup, state_bytes
 from mixprec.optim.states import STATE_FORMATS, StateFormat
+from mixprec.recipe.layer_rules import STATE_RULE_FORMATS, LayerRule
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 

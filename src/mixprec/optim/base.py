@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from mixprec import formats
+from mixprec.formats import elements as formats
 from mixprec.optim.per_param import StateFormats
 from mixprec.optim.pieces import PieceLoop, commit
 from mixprec.optim.sharding import ShardedUpdate, is_dtensor, shard_like

@@ -20,7 +20,7 @@ format     codes (``y = |x| / a``, ``z = v / a``)                          bytes
 =========  =============================================================  ==========
 
 Each format is a ``StateCodec`` in ``STATE_CODECS`` (``lookup(name)``): its element
-format (``mixprec.formats``; None for integer codes), its bytes per element with the
+format (``mixprec.formats.elements``; None for integer codes), its bytes per element with the
 scales counted, ``nbytes(shape)`` exact, and its ``encode`` / ``decode``. Everything
 that lists or prices state formats (the optimizers, ``states:`` rules, the recipe's
 ``states`` field, the memory estimate and the planner) reads this registry.
@@ -77,7 +77,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mixprec import formats
+from mixprec.formats import elements as formats
 
 __all__ = ["StateCodec", "STATE_CODECS", "BLOCK", "BLOCK4", "MIN_NUMEL", "names", "lookup",
            "state_bytes"]
@@ -187,7 +187,7 @@ class StateCodec:
 
     #: the name optimizers, recipes and ``states:`` rules use (``"int8"``)
     name: str
-    #: the element format of the codes (``mixprec.formats``); None: integer codes
+    #: the element format of the codes (``mixprec.formats.elements``); None: integer codes
     element: formats.Format | None
     #: bits per stored code
     code_bits: int
