@@ -14,6 +14,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from mixprec.diagnostics.findings import Finding
 from mixprec.engine.param_state import updated_format
+from mixprec.formats import elements as formats
 from mixprec.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -185,8 +186,7 @@ def audit_kernel_speed(device: torch.device, recipe: Recipe | str
     r = Recipe.coerce(recipe)
     dev = str(torch.device(device))
     k = choices(r, dev)
-    read = {n: speed_reading(dev, dt) for n, dt in
-            (("bf16", torch.bfloat16), ("fp16", torch.float16))}
+    read = {n: speed_reading(dev, formats.dtype_of(n)) for n in ("bf16", "fp16")}
     facts = {"matmul_speed": {n: v.as_dict() for n, v in read.items()},
              "kernels": k.describe()}
     if r.linear is not None:

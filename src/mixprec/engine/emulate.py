@@ -130,7 +130,7 @@ _EXACT = {getattr(aten, n) for n in (
     "slice_backward", "new_zeros", "zero") if hasattr(aten, n)}
 
 
-_FAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_FAST = ("fp16", "bf16")  # rounded by a round trip through their torch dtype
 # Kernels that round inside, replaced by a model of where they round.
 _FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -153,13 +153,13 @@ def _round(t: torch.Tensor, f: Format) -> torch.Tensor:
     (the same bits: torch's casts round to nearest-even with IEEE overflow, which
     tests/test_formats.py checks against quantize on 10^6 values)."""
     t = t if t.dtype == torch.float32 else t.float()
-    fast = _FAST.get(f.name)
+    fast = f.torch_dtype if f.name in _FAST else None
     return t.to(fast).float() if fast is not None else formats.quantize(t, f)
 
 
 def _round_(t: torch.Tensor, f: Format) -> torch.Tensor:
     """``_round`` into ``t`` itself (fp32): no second fp32 tensor is allocated."""
-    fast = _FAST.get(f.name)
+    fast = f.torch_dtype if f.name in _FAST else None
     with torch.no_grad():
         t.copy_(t.to(fast) if fast is not None else formats.quantize(t, f))
     return t

@@ -5,11 +5,14 @@ from mixprec.formats.elements import (
     FORMATS,
     Format,
     bits,
+    dtype_of,
     get,
+    name_of,
     names,
     quantize,
     survival_bound,
     ulp,
 )
 
-__all__ = ["Format", "FORMATS", "get", "names", "quantize", "ulp", "survival_bound", "bits"]
+__all__ = ["Format", "FORMATS", "get", "names", "dtype_of", "name_of", "quantize", "ulp",
+           "survival_bound", "bits"]

@@ -38,6 +38,8 @@ __all__ = [
     "FORMATS",
     "get",
     "names",
+    "dtype_of",
+    "name_of",
     "quantize",
     "ulp",
     "survival_bound",
@@ -190,6 +192,32 @@ def get(fmt: str | torch.dtype | Format) -> Format:
             f"unknown format {fmt!r}; known formats: {', '.join(names())} "
             "(aliases such as 'bfloat16', 'e4m3', 'half' and torch dtypes work too)"
         ) from None
+
+
+def dtype_of(fmt: str | torch.dtype | Format) -> torch.dtype:
+    """The torch dtype that holds ``fmt``'s values, looked up as ``get`` does: the one
+    name-to-dtype table in mixprec.
+
+    >>> dtype_of("bf16") is torch.bfloat16
+    True
+    """
+    f = get(fmt)
+    if f.torch_dtype is None:
+        have = ", ".join(n for n, g in FORMATS.items() if g.torch_dtype is not None)
+        raise ValueError(f"format {f.name!r} has no torch dtype; formats with one: {have} "
+                         "(round into the others with quantize(x, fmt))")
+    return f.torch_dtype
+
+
+def name_of(dtype: torch.dtype) -> str | None:
+    """The canonical name of the format torch's ``dtype`` holds; None for a dtype that
+    holds none of them (float64, the integer types).
+
+    >>> name_of(torch.float16), name_of(torch.float64)
+    ('fp16', None)
+    """
+    f = _LOOKUP.get(dtype) if isinstance(dtype, torch.dtype) else None
+    return f.name if f is not None else None
 
 
 # --- exact rounding -------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from mixprec.engine.param_state import grads_in_place, updated_dtype
+from mixprec.formats.elements import dtype_of
 from mixprec.memory.breakdown import Breakdown
 from mixprec.memory.fsdp import FSDP_NOTE, fsdp_gathered_bytes, fsdp_held_recipe, fsdp_sharded
 from mixprec.memory.layers import fp8_share, layer_recipes
@@ -29,7 +30,6 @@ from mixprec.recipe import Recipe
 
 __all__ = ["estimate"]
 
-_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # torch optimizer -> (parameter-sized states, 0-dim fp32 tensors per parameter such as
 # the step count), for torch's defaults (no amsgrad, no RMSprop momentum/centering)
 _STATES = {"adamw": (2, 1), "adam": (2, 1), "sgd_momentum": (1, 0), "sgd": (0, 0),
@@ -111,9 +111,10 @@ def estimate(
     # a module FSDP2 sharded: its counts are per rank, its items the engine's shards'
     fsdp = on_model and fsdp_sharded(params, zero_stage)
     held = fsdp_held_recipe(r) if fsdp else r
-    param_bytes = 4 if emulated else _BYTES[held.precision.params]
+    param_bytes = 4 if emulated else dtype_of(held.precision.params).itemsize
     if emulated and r.precision.params != "fp32":
-        notes.append(f"emulated {r.precision.params}: the working copy is stored in fp32 tensors")
+        notes.append(f"emulated {r.precision.params}: the working copy is stored in fp32 "
+                     "tensors")
     if isinstance(params, nn.Module):
         frozen_n, n_tensors, frozen_bytes, fp8_bytes, buffers = _module_counts(params, r)
         n -= frozen_n
@@ -128,7 +129,8 @@ def estimate(
             notes.append("fp8 scaling state needs the module to count its Linears (~0)")
     shard = {k: (world_size if zero_stage >= lvl and not fsdp else 1)
              for k, lvl in (("optimizer", 1), ("grads", 2), ("params", 3))}
-    grads_per = _BYTES[held.precision.grads] * (2 if r.precision.grad_accum == "kahan" else 1)
+    grads_per = (dtype_of(held.precision.grads).itemsize
+                 * (2 if r.precision.grad_accum == "kahan" else 1))
     items = {
         "params": (n * param_bytes + frozen_bytes) / shard["params"],
         "grads": n * grads_per / shard["grads"],
@@ -248,7 +250,7 @@ def _optimizer_bytes(r: Recipe, opt: str, n: int, sizes: list | None,
         raise ValueError(f"recipe {str(r)!r} needs a mixprec.optim optimizer (adamw, adam, "
                          f"sgd_momentum or sgd), not {opt!r}")
     from mixprec.optim import recipe_settings
-    from mixprec.optim.states import state_bytes
+    from mixprec.optim.state_formats import state_bytes
     from mixprec.optim.writes import write_bytes
 
     settings = recipe_settings(r)

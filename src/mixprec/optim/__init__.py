@@ -3,8 +3,8 @@
 ``mixprec.optim.AdamW`` / ``Adam`` / ``SGD`` take torch's arguments plus:
 
 - ``states``: ``"fp32"`` (torch's result, bit for bit), ``"bf16"``, ``"fp8"``,
-  ``"int8"`` or ``"int4"`` (``mixprec.optim.states``: how each is quantized, and why small tensors
-  stay fp32);
+  ``"int8"`` or ``"int4"`` (``mixprec.optim.state_formats``: how each is quantized, and
+  why small tensors stay fp32);
 - ``write``: how an update lands in a bf16/fp16 weight that has no fp32 master:
   ``"nearest"``, ``"stochastic"``, ``"kahan"`` or ``"remainder"``
   (``mixprec.optim.writes``);

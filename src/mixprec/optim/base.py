@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from mixprec.formats import elements as formats
 from mixprec.optim.per_param import StateFormats
 from mixprec.optim.pieces import PieceLoop, commit
 from mixprec.optim.sharding import ShardedUpdate, is_dtensor, shard_like
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LowPrecisionOptimizer", "EngineBinding"]
 
-_HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_HALF = ("bf16", "fp16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,7 +256,8 @@ class LowPrecisionOptimizer(StateFormats, PieceLoop, ShardedUpdate, Checkpoints,
         """``fp32`` for fp32 weights (updated in place), else the 16-bit format."""
         if p.dtype == torch.float32:
             return self._binding.emulated_format or "fp32"
-        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(p.dtype, "other")
+        name = formats.name_of(p.dtype)
+        return name if name in _HALF else "other"
 
     def _init_state(self, p, state, fmt) -> None:
         """Empty state, plus the write rule's buffers for a 16-bit weight."""
@@ -297,7 +299,7 @@ class LowPrecisionOptimizer(StateFormats, PieceLoop, ShardedUpdate, Checkpoints,
         if self.rule.draws_bits:
             index = self._index.get(id(p) if key is None else key, 0)
             stream = Stream(self.seed, index, self._sr_step(p.device), offset)
-        new, buffers = self.rule.land(w, _HALF[fmt], state, stream)
+        new, buffers = self.rule.land(w, formats.dtype_of(fmt), state, stream)
         for name, value in buffers.items():
             commit(state[name], value.to(state[name].dtype), skip)
         commit(p.data, new.to(p.dtype), skip)

@@ -43,11 +43,13 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from mixprec.optim import state_formats
+
 __all__ = ["LayerRule", "STATE_RULE_FORMATS", "RULE_KINDS",
            "parse_rule", "first_match", "owner_of", "layer_formats"]
 
-#: what a ``states:`` rule may set (``mixprec.optim.STATE_FORMATS``)
-STATE_RULE_FORMATS = ("fp32", "bf16", "fp8", "int8", "int4")
+#: what a ``states:`` rule may set (``mixprec.optim.state_formats``' registry)
+STATE_RULE_FORMATS = state_formats.names()
 RULE_KINDS = ("layer", "states")
 
 RuleKind = Literal["layer", "states"]

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mixprec.formats import elements as formats
 from mixprec.fp8.formats import FORMATS, LinearFormat, format_class
 from mixprec.recipe.configs import (
     LINEAR_COMPUTE,
@@ -33,7 +34,9 @@ __all__ = ["Recipe", "PRESETS", "from_string"]
 _PRECISION = tuple(f.name for f in fields(Precision))
 _LOSS = tuple(f.name for f in fields(LossScale) if f.name != "kind")
 _OPTIM = tuple(f.name for f in fields(OptimStates))
-_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: the computes whose own dtype autocast (or fp32) runs in; tf32 stores fp32, fp8 and
+#: fp4 run the rest of the model in bf16
+_OWN_DTYPE = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,23 +147,25 @@ class Recipe:
     @property
     def compute_dtype(self) -> torch.dtype:
         """torch dtype of the autocast region (fp8 recipes: bf16 around the fp8 Linears)."""
-        return {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
-                "fp16": torch.float16}.get(self.precision.compute, torch.bfloat16)
+        compute = self.precision.compute
+        if compute == "tf32":
+            return torch.float32
+        return formats.dtype_of(compute) if compute in _OWN_DTYPE else torch.bfloat16
 
     @property
     def param_dtype(self) -> torch.dtype:
         """torch dtype of the working parameters (``params``)."""
-        return _TORCH[self.precision.params]
+        return formats.dtype_of(self.precision.params)
 
     @property
     def grad_dtype(self) -> torch.dtype:
         """torch dtype of the gradient accumulation buffers (``grads``)."""
-        return _TORCH[self.precision.grads]
+        return formats.dtype_of(self.precision.grads)
 
     @property
     def comm_dtype(self) -> torch.dtype:
         """torch dtype gradients travel in between ranks (``comm``)."""
-        return _TORCH[self.precision.comm]
+        return formats.dtype_of(self.precision.comm)
 
     @property
     def uses_autocast(self) -> bool:

@@ -29,6 +29,7 @@ from torch import nn
 
 from mixprec.engine.devices import best_time, matmul_gflops
 from mixprec.engine.fp32_precision import ieee_fp32_matmul, tf32
+from mixprec.formats import elements as formats
 from mixprec.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["peak_gflops", "peak_parts", "combined_peak", "dense_kind", "dense_gflops",
            "fp8_gflops"]
 
-_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_HALF = ("bf16", "fp16")
 
 
 def dense_kind(recipe: Recipe | str, kernels: KernelChoices | None = None) -> str:
@@ -64,9 +65,9 @@ def dense_gflops(device: str, kind: str) -> float:
     dev = torch.device(device)
     pin = (ieee_fp32_matmul() if kind == "ieee" else tf32() if kind == "tf32"
            else contextlib.nullcontext())
+    dtype = formats.dtype_of(kind) if kind in _HALF else torch.float32
     with pin:  # uncached: the cache's key does not hold the precision setting
-        return matmul_gflops.__wrapped__(str(dev), _DTYPE.get(kind, torch.float32),
-                                         _size(dev), 0.5)
+        return matmul_gflops.__wrapped__(str(dev), dtype, _size(dev), 0.5)
 
 
 def fp8_gflops(device: str, quantizer: Quantizer, route: str, out_dtype: torch.dtype
