@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-import mixprec.optim.states as states
+import mixprec.optim.state_formats as state_formats
 import mixprec.planner.timing as timing
 from mixprec.optim import AdamW
 
@@ -24,7 +24,7 @@ def _near_tie(y: torch.Tensor, k: int) -> torch.Tensor:
 
 def test_state_timings_step_on_new_gradients_as_training_does(monkeypatch):
     grads, ties = [], []
-    real_step, real_root = AdamW.step, states._root4_times
+    real_step, real_root = AdamW.step, state_formats._root4_times
 
     def step(self, *args, **kwargs):
         grads.append(torch.cat([p.grad.flatten() for g in self.param_groups
@@ -39,7 +39,7 @@ def test_state_timings_step_on_new_gradients_as_training_does(monkeypatch):
         return real_root(y, k)
 
     monkeypatch.setattr(AdamW, "step", step)
-    monkeypatch.setattr(states, "_root4_times", root)
+    monkeypatch.setattr(state_formats, "_root4_times", root)
     timing.clear_cache()
     got = timing.state_step_costs([SHAPE], ["int8"], seconds=0.0)
     assert got[("int8", SHAPE)] > 0 and got[("fused", SHAPE)] > 0

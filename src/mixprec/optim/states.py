@@ -15,8 +15,6 @@ the whole parameter's shape (a DTensor's global shape), never on a shard's.
 
 from __future__ import annotations
 
-import sys
-import types
 from collections.abc import Sequence
 from typing import Literal
 
@@ -64,21 +62,3 @@ def decode(stored: dict[str, torch.Tensor], fmt: str, like: torch.Tensor,
            signed: bool = True) -> torch.Tensor:
     """The fp32 state ``encode`` stored, shaped like ``like``."""
     return lookup(fmt).decode(stored, like, signed)
-
-
-#: the maps' helpers read here and set in ``state_formats`` (where the encoders call them)
-_SHARED = ("_root4_times",)
-_root4_times = state_formats._root4_times
-
-
-class _Module(types.ModuleType):
-    """This module; setting one of ``_SHARED`` (a test's instrument) sets it where the
-    encoders look it up too."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _SHARED:
-            setattr(state_formats, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Module
