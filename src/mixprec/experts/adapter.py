@@ -9,17 +9,13 @@ calls here means a reshaped quantizer interface changes this module only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from mixprec.experts.format import ExpertsFormat
 from mixprec.fp8.gather_casts import CastWeight
 from mixprec.fp8.mm import _no_autocast, _pack, _unpack
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.scaling import cast_to_fp8, nan_if_not_finite, rowwise_scale
-
-if TYPE_CHECKING:
-    from mixprec.experts.format import ExpertsFormat
 
 __all__ = ["cast", "mm", "reuses", "pack", "unpack", "no_autocast", "segment_scales",
            "cast_scaled", "rowwise_scales"]

@@ -29,18 +29,14 @@ last is a multiple of 8.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from mixprec.experts import adapter
+from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.gather_casts import ExpertsCasts
 from mixprec.experts.scaled_grouped import scaled_grouped_forward
 from mixprec.experts.segments import _weights_cast, expert_rows, expert_scales
 from mixprec.experts.segments_rowwise import _amax, _cast, _columns_cast
-
-if TYPE_CHECKING:
-    from mixprec.experts.format import ExpertsFormat
 
 __all__ = ["bf16_only", "codes_apply", "codes_grouped_mm"]
 

@@ -16,15 +16,11 @@ per-expert casts record one by one); an evaluation records nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from mixprec.experts import adapter
+from mixprec.experts.format import ExpertsFormat
 from mixprec.fp8.gather import Fp8Weight
-
-if TYPE_CHECKING:
-    from mixprec.experts.format import ExpertsFormat
 
 __all__ = ["segmented_mm", "segment_ids", "expert_scales", "grouped_mm_fp32", "expert_rows",
            "rows_product", "wgrad_product"]

@@ -16,16 +16,12 @@ reads a tensor's value on the host, so ``torch.compile`` traces it as one graph.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from mixprec.experts import adapter
+from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.segments import expert_rows, rows_product, segment_ids, wgrad_product
 from mixprec.fp8.formats import BlockScaling, MXScaling
-
-if TYPE_CHECKING:
-    from mixprec.experts.format import ExpertsFormat
 
 __all__ = ["segmented_blocks_mm", "blocks_apply", "tile_aligned_rows", "weight_casts"]
 

@@ -16,16 +16,12 @@ path (``segments.wgrad_product``). Nothing reads a tensor's value on the host, s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from mixprec.experts import adapter
+from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.segments import expert_rows, rows_product, wgrad_product
 from mixprec.fp8.formats.int8 import Int8Rowwise
-
-if TYPE_CHECKING:
-    from mixprec.experts.format import ExpertsFormat
 
 __all__ = ["segmented_int8_mm", "int8_applies"]
 

@@ -29,18 +29,14 @@ so ``torch.compile`` traces it as one graph.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from mixprec.experts import adapter
+from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.segments import expert_rows, rows_product, wgrad_product
 from mixprec.experts.segments_blocks import _spread, tile_aligned_rows, weight_casts
 from mixprec.fp8.formats.nvfp4 import NVFP4Scaling
 from mixprec.fp8.nvfp4 import NVFP4_BLOCK, apply_hadamard, cast_nvfp4, counter_key, hadamard_16
-
-if TYPE_CHECKING:
-    from mixprec.experts.format import ExpertsFormat
 
 __all__ = ["segmented_nvfp4_mm", "nvfp4_applies", "stream_keys"]
 

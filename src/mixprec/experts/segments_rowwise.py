@@ -17,16 +17,12 @@ graph.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from mixprec.experts import adapter
+from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.segments import _values, expert_rows, rows_product, wgrad_product
 from mixprec.fp8.formats import RowwiseScaling
-
-if TYPE_CHECKING:
-    from mixprec.experts.format import ExpertsFormat
 
 __all__ = ["segmented_rowwise_mm", "rowwise_applies"]
 

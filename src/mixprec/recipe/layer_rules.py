@@ -43,6 +43,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from mixprec.recipe.presets import LINEAR_PRESETS
+
 __all__ = ["LayerRule", "STATE_RULE_FORMATS", "RULE_KINDS",
            "parse_rule", "first_match", "owner_of", "layer_formats"]
 
@@ -90,8 +92,6 @@ class LayerRule:
 
 def layer_formats() -> tuple[str, ...]:
     """What a ``layer:`` rule may set: ``bf16``, or a preset with a Linear format."""
-    from mixprec.recipe.presets import LINEAR_PRESETS  # the recipe package imports this
-
     return ("bf16", *LINEAR_PRESETS)
 
 
