@@ -32,6 +32,11 @@ import math
 from types import SimpleNamespace
 from typing import Any
 
+from mixprec.experts.segments_blocks import blocks_apply
+from mixprec.experts.segments_int8 import int8_applies
+from mixprec.experts.segments_nvfp4 import nvfp4_applies
+from mixprec.experts.segments_rowwise import rowwise_applies
+
 __all__ = ["ROUTES", "cast_bytes", "saved_cast", "token_casts", "sync_free_route", "padded_rows",
            "sync_free_forward", "blocks_backward", "sync_free_backward"]
 
@@ -84,11 +89,6 @@ def sync_free_route(q: Any, experts_route: str, device: str) -> str | None:
     fp8 with wgrad in 16 bits)."""
     if experts_route != "grouped" or device != "cpu":
         return None
-    from mixprec.experts.segments_blocks import blocks_apply
-    from mixprec.experts.segments_int8 import int8_applies
-    from mixprec.experts.segments_nvfp4 import nvfp4_applies
-    from mixprec.experts.segments_rowwise import rowwise_applies
-
     fmt = SimpleNamespace(quantizer=q)  # the predicates read the quantizer only
     routes = ((TENSOR, lambda f: f.quantizer.per_tensor), (ROWS, rowwise_applies),
               (TILES, blocks_apply), (INT8, int8_applies), (FP4, nvfp4_applies))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from mixprec.optim.states import state_bytes, stored_format
 from mixprec.planner.timing import BF16
 
 __all__ = ["Option", "Layer", "StateUnit", "Baselines", "Config", "predict", "choose",
@@ -131,14 +132,10 @@ def _size(n: float) -> str:
 
 
 def _state_bytes(fmt: str, shape) -> float:
-    from mixprec.optim.states import state_bytes
-
     return float(state_bytes(fmt, tuple(shape)))
 
 
 def _stored(fmt: str, shape) -> str:
-    from mixprec.optim.states import stored_format
-
     return stored_format(fmt, tuple(shape))
 
 
