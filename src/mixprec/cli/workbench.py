@@ -6,6 +6,9 @@ import argparse
 import os
 import sys
 
+from mixprec.workbench.compare import CompareInterrupted, compare
+from mixprec.workbench.train import TrainConfig, train, train_device
+
 __all__ = ["add_train_arguments", "run_train", "add_compare_arguments", "run_compare"]
 
 
@@ -37,8 +40,6 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace) -> int:
     """``mixprec train``: one recipe on the workbench GPT, with checkpoints and resume.
     Ctrl-C ends it with one line saying how to resume, and exit code 130."""
-    from mixprec.workbench.train import TrainConfig, train, train_device
-
     cfg = TrainConfig(recipe=args.recipe, steps=args.steps, size=args.size, batch=args.batch,
                       seq=args.seq, lr=args.lr, seed=args.seed, ckpt_every=args.ckpt_every,
                       eval_every=args.eval_every)
@@ -92,8 +93,6 @@ def run_compare(args: argparse.Namespace) -> int:
     """``mixprec compare``: several recipes on the same data, one HTML/JSON report.
     Ctrl-C keeps what finished: the report of those recipes is written and printed,
     with one line saying what was interrupted, and the exit code is 130."""
-    from mixprec.workbench.compare import CompareInterrupted, compare
-
     recipes = None
     if args.recipes:
         sep = ";" if (";" in args.recipes or "=" in args.recipes) else ","
