@@ -29,7 +29,7 @@ from torch import nn
 
 from mixprec.diagnostics.findings import Finding
 from mixprec.formats import elements as formats
-from mixprec.fp8.convert import plan
+from mixprec.fp8.convert import plan as convert_plan
 from mixprec.fp8.formats import FORMATS
 from mixprec.fp8.linear import fp8_modules
 from mixprec.recipe import Recipe
@@ -94,7 +94,7 @@ def fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor],
             seen.append(Fp8Range(name, kind, fmt, pt, rw, spread, bw, lr.linear.name))
 
     # each Linear with the recipe it runs (its layer: rule's scaling, or its own)
-    mods = [(n, m, r.for_layer(n)) for n, m, why in plan(model, rules=r.layer_rules)
+    mods = [(n, m, r.for_layer(n)) for n, m, why in convert_plan(model, rules=r.layer_rules)
             if why is None]
     mods += [(n, m, m.fp8_recipe) for n, m in fp8_modules(model).items()]
     for name, mod, lr in mods:
