@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from mixprec.diagnostics.findings import Finding
-from mixprec.engine.devices import choices, speed_reading
+from mixprec.engine import devices
 from mixprec.engine.emulate import active_mode
 from mixprec.engine.facade import MixedPrecision
 from mixprec.engine.param_state import updated_format
@@ -180,8 +180,8 @@ def audit_kernel_speed(device: torch.device, recipe: Recipe | str
     measure). Never advice to turn on what is already on."""
     r = Recipe.coerce(recipe)
     dev = str(torch.device(device))
-    k = choices(r, dev)
-    read = {n: speed_reading(dev, dt) for n, dt in
+    k = devices.choices(r, dev)
+    read = {n: devices.speed_reading(dev, dt) for n, dt in
             (("bf16", torch.bfloat16), ("fp16", torch.float16))}
     facts = {"matmul_speed": {n: v.as_dict() for n, v in read.items()},
              "kernels": k.describe()}

@@ -28,8 +28,7 @@ from mixprec.memory.transient import (
     tp_local,
 )
 from mixprec.memory.units import parse_count, rank_local
-from mixprec.optim import recipe_settings
-from mixprec.optim.pieces import CHUNK
+from mixprec.optim import pieces, recipe_settings
 from mixprec.optim.states import state_bytes
 from mixprec.optim.writes import write_bytes
 from mixprec.recipe import Recipe
@@ -184,7 +183,7 @@ def estimate(
         largest = (max((rank_local(p).numel() for p in params.parameters()), default=0)
                    if on_model
                    else max(i * o for i, o, _, _ in spec_linears(activations)))
-        after = steady + (step_scratch(largest, CHUNK) if r.needs_mixprec_optim else 0.0)
+        after = steady + (step_scratch(largest, pieces.CHUNK) if r.needs_mixprec_optim else 0.0)
         peak = max(backward, after)
         notes.append("peak: steady state + activations + saved weight copies + the "
                      "widest Linear's backward working set (mixprec.memory.transient)")

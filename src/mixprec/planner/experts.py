@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from mixprec.engine.facade import MixedPrecision
-from mixprec.experts import adapter
+from mixprec.experts import adapter, grouped
 from mixprec.experts.format import ExpertsFormat
-from mixprec.experts.grouped import _route, grouped_mm
+from mixprec.experts.grouped import grouped_mm
 from mixprec.experts.hook import _projections, experts_modules
 from mixprec.planner.numerics import (
     LayerNumerics,
@@ -184,7 +184,7 @@ def _one_experts(shape: ExpertsShape, module: nn.Module, fmt: str, recipe: Recip
     if isinstance(f8, ExpertsFormat):
         w = m.down_proj
         n, k = (w.shape[2], w.shape[1]) if m.is_transposed else (w.shape[1], w.shape[2])
-        route = _route("auto", f8, torch.device(device), k, n)
+        route = grouped._route("auto", f8, torch.device(device), k, n)
         route = f8.backend(device) if route == "loop" else route
 
     return (*timed_step(engine, model, (x, index, weights), dy, device), route)
