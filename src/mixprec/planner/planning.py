@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.memory.units import parse_bytes
 from mixprec.planner.choose import STATE_ORDER, Config, Layer, choose, step_parts
 from mixprec.planner.progress import LOSS_STAGE, ProgressFn, Tracker
 from mixprec.planner.survey import Survey, forward_loss, survey
@@ -190,8 +191,6 @@ def plan(model: nn.Module, sample_batch: Any, *, goal: str = "fastest",
             done: the stage, how far it is, and the estimate of the whole plan (from
             one training step and the first Linear shape, measured).
     """
-    from mixprec.memory.units import parse_bytes  # mixprec.memory: 75 ms more import time
-
     b = Recipe.coerce(base)
     formats = tuple(dict.fromkeys(formats))
     state_formats = tuple(state_formats)

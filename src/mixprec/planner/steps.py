@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.engine.facade import MixedPrecision
+from mixprec.memory import measure
 from mixprec.optim import adamw_for
 from mixprec.recipe import Recipe
 
@@ -148,8 +149,6 @@ def measure_steps(model: nn.Module, runs: Sequence[tuple[Recipe, Callable | None
     one copy of ``model`` per run, each stepped once untimed, then ``steps`` rounds of
     one timed step of each copy, the copies' order reversed every round. The median
     step of each copy, and its peak measured after the rounds (``measure_step``)."""
-    from mixprec.memory import measure  # mixprec.memory: 75 ms more import time
-
     if steps < 1:
         raise ValueError(f"measure_steps: steps={steps!r} times nothing; pass steps >= 1")
     copies = []

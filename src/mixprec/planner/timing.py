@@ -40,6 +40,7 @@ from mixprec.diagnostics.noise import NOISY_SPREAD, spread
 from mixprec.engine import devices as kernels
 from mixprec.engine.facade import MixedPrecision
 from mixprec.fp8.linear import fp8_modules
+from mixprec.memory.ledger import high_water
 from mixprec.optim import AdamW
 from mixprec.recipe import Recipe
 
@@ -292,8 +293,6 @@ def timed_step(engine: MixedPrecision, model: nn.Module, inputs: tuple, dy: torc
             p.grad = None
 
     def high() -> int:
-        from mixprec.memory.ledger import high_water  # mixprec.memory: 75 ms more import time
-
         return high_water(step, device)
 
     return step, lambda: saved_bytes(engine, model, *inputs), high
