@@ -18,7 +18,7 @@ NAMES = {"delayed", "current", "rowwise", "block", "mx", "nvfp4", "int8", "mxfp8
          "per-tensor"}
 #: ``"int8"`` is also an optimizer-state format (``mixprec.optim.STATE_FORMATS``), which
 #: is all these modules mean by it
-STATE_FORMAT_MODULES = {"optim/states.py", "optim/state_formats.py", "optim/compat.py",
+STATE_FORMAT_MODULES = {"optim/states.py", "formats/state_formats.py", "optim/compat.py",
                         "recipe/layer_rules.py", "cli/plan.py", "planner/choose.py",
                         "planner/planning.py"}
 

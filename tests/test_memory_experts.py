@@ -20,7 +20,7 @@ from mixprec.memory.expert_casts import (
 
 #: the kind of whole-operand casts each format's sync-free route runs
 _ROUTES = {"fp8": "tensor", "fp8-current": "tensor", "fp8-rowwise": "rows",
-           "fp8-block": "tiles", "mxfp8": "tiles", "int8-rowwise": "int8", "nvfp4": "fp4"}
+           "fp8-block": "tiles", "mxfp8": "tiles", "int8-rowwise": "int8-rows", "nvfp4": "fp4"}
 
 
 @pytest.mark.parametrize("name", list(_ROUTES))

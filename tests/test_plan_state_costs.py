@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-import mixprec.optim.state_formats as state_formats
+import mixprec.formats.state_formats as state_formats
 import mixprec.planner.timing as timing
 from mixprec.optim import AdamW
 

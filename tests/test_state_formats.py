@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from mixprec import Recipe
-from mixprec.optim import state_formats
-from mixprec.optim.state_formats import MIN_NUMEL, STATE_CODECS, lookup, state_bytes
+from mixprec.formats import state_formats
+from mixprec.formats.state_formats import MIN_NUMEL, STATE_CODECS, lookup, state_bytes
 from mixprec.optim.states import STATE_FORMATS, StateFormat
 from mixprec.recipe.layer_rules import STATE_RULE_FORMATS, LayerRule
 

@@ -22,6 +22,8 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from mixprec.fp8.linear import legacy_scaling_keys
+
 __all__ = ["saved_layout", "stale_model_keys", "warn_no_random_streams"]
 
 
@@ -33,8 +35,6 @@ def saved_layout(state: dict) -> str:
 def stale_model_keys(module: nn.Module, keys: Iterable[str]) -> set[str]:
     """The model keys among ``keys`` that name mixprec 0.2's scaling buffers which
     ``module``'s Float8Linears no longer hold (left out of the model check)."""
-    from mixprec.fp8.linear import legacy_scaling_keys
-
     return legacy_scaling_keys(module, dict.fromkeys(keys))
 
 

@@ -32,18 +32,19 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec.checkpoint import rng
 from mixprec.checkpoint.compat import saved_layout, stale_model_keys, warn_no_random_streams
+from mixprec.engine.param_state import ParamState
+from mixprec.experts import experts_formats
+from mixprec.fp8.linear import fp8_modules, scaling_buffers
 from mixprec.parallel.comm import gather_full
-
-if TYPE_CHECKING:
-    from mixprec.engine.param_state import ParamState
-    from mixprec.recipe import Recipe
+from mixprec.parallel.layouts import has_dtensor_params
+from mixprec.recipe import Recipe
 
 # the ``engine`` arguments below are a ``mixprec.engine.facade.MixedPrecision``, typed ``Any``:
 # this module sits below the engine and imports nothing of it, not even for types
@@ -157,9 +158,6 @@ def fp32_weights(module: nn.Module, param_state: ParamState) -> dict[str, torch.
     """``module``'s state in fp32 with each working parameter replaced by its fp32
     master (``param_state``: the engine's ``ParamState``), other floating tensors
     upcast exactly, and the fp8 scaling buffers left out."""
-    from mixprec.experts import experts_formats
-    from mixprec.fp8.linear import fp8_modules, scaling_buffers
-
     master_of = ({id(w): m for w, m in zip(param_state.working, param_state.masters)}
                  if param_state.has_master else {})
     scaled = {**fp8_modules(module), **experts_formats(module)}
@@ -362,8 +360,6 @@ def restore_engine(engine: Any, state: dict) -> None:
     if ps.has_master and masters is None:
         # saved under FSDP, whose fp32 parameters were the masters
         masters = [state["model"][n] for n in ps.names]
-    from mixprec.parallel.layouts import has_dtensor_params
-
     if saved_layout(state) == "full" and (engine.parallelism.sharded
                                           or has_dtensor_params(engine.module)):
         state = shard_full_state({**state, "masters": masters}, engine.module,
@@ -392,8 +388,6 @@ def _run_settings(state: dict, recipe, emulating: bool) -> None:
     values), so a run saved where ``emulate=auto`` resolved one way resumes where it
     resolves the other, with one warning (from there on the kernels round as this
     device's do). Only a recipe that pins ``emulate`` to the other value is refused."""
-    from mixprec.recipe import Recipe
-
     saved = state.get("recipe")
     if saved is not None and not isinstance(saved, Recipe):
         saved = Recipe.coerce(saved)

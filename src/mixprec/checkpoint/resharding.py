@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mixprec.checkpoint.compat import stale_model_keys
 from mixprec.checkpoint.core import (
     _not_mid_accumulation,
     _on_rank0,
@@ -26,6 +27,7 @@ from mixprec.checkpoint.core import (
     rng_entry,
     save_atomic,
 )
+from mixprec.checkpoint.tensor_parallel import check_tp_savable, load_tp_state, tp_layout, tp_state
 
 __all__ = ["save_resharding", "restore_resharding", "is_resharding"]
 
@@ -65,8 +67,6 @@ def save_resharding(engine: Any, path: str | os.PathLike[str], extra: dict,
 
     _require_fsdp(engine, "save(path, reshardable=True)")
     if _tensor_parallel(engine):
-        from mixprec.checkpoint.tensor_parallel import check_tp_savable
-
         check_tp_savable(engine)
     _not_mid_accumulation(engine)
     if any(not o.state for o in engine.optimizers):
@@ -84,8 +84,6 @@ def save_resharding(engine: Any, path: str | os.PathLike[str], extra: dict,
     streams = rng_entry(engine, gather=True) if rng_state else None
     tp = _tensor_parallel(engine)
     if tp:
-        from mixprec.checkpoint.tensor_parallel import tp_layout, tp_state
-
         dcp.save(tp_state(engine), checkpoint_id=str(partial))
     else:
         model_sd, optim_sd = get_state_dict(engine.module, engine.optimizers)
@@ -169,8 +167,6 @@ def restore_resharding(engine: Any, path: str | os.PathLike[str],
 def _restore_tp(engine: Any, path: Path, saved: dict, rng_state: bool) -> dict:
     """The load of a directory a tensor-parallel engine without FSDP wrote
     (``checkpoint_tp``), at any tensor-parallel degree or in one process."""
-    from mixprec.checkpoint.tensor_parallel import load_tp_state
-
     meta = saved["engine"]
     _same_model_as(engine, path)
     load_tp_state(engine, str(path), meta["tp_layout"])
@@ -184,8 +180,6 @@ def _same_model_as(engine: Any, path: Path) -> dict:
     """Raise unless the directory's model entries match ``engine``'s keys and shapes
     (entries a newer layout dropped aside); returns the directory's metadata."""
     import torch.distributed.checkpoint as dcp
-
-    from mixprec.checkpoint.compat import stale_model_keys
 
     md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     have = {f"model.{k}": tuple(v.shape) for k, v in engine.module.state_dict().items()}

@@ -12,6 +12,9 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 
+from mixprec import __version__
+from mixprec.formats import elements as formats
+
 __all__ = ["main", "build_parser"]
 
 
@@ -28,7 +31,6 @@ def _num(v: float) -> str:
 
 
 def cmd_formats(args: argparse.Namespace) -> int:
-    from mixprec.formats import elements as formats
 
     names = args.formats.split(",") if args.formats else formats.names()
     fmts = [formats.get(n) for n in names]
@@ -83,7 +85,6 @@ def _value_table(args, fmts):
     import torch
     from rich.table import Table
 
-    from mixprec.formats import elements as formats
 
     x = torch.tensor([args.value], dtype=torch.float64)
     title = f"{args.value!r} in each format"
@@ -116,7 +117,6 @@ def _value_table(args, fmts):
 
 def _bound(f, update: float) -> str:
     """``formats.survival_bound`` as the table shows it: "never" when no w keeps it."""
-    from mixprec.formats import elements as formats
 
     b = formats.survival_bound(update, f)
     return "[red]never[/red]" if b == 0 else "every w" if b == math.inf else _num(b)
@@ -130,7 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     import torch
 
-    from mixprec import __version__
 
     p.add_argument("--version", action="version",
                    version=f"mixprec {__version__} (torch {torch.__version__})")
@@ -148,30 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _memory_args(p):
-    from mixprec.cli.memory import add_arguments
-
-    add_arguments(p)
-
-
-def _memory_run(args):
-    from mixprec.cli.memory import run
-
-    return run(args)
-
-
-def _doctor_args(p):
-    from mixprec.cli.doctor import add_arguments
-
-    add_arguments(p)
-
-
-def _doctor_run(args):
-    from mixprec.cli.doctor import run
-
-    return run(args)
-
-
 def _lazy(module: str, name: str):
     def f(*a):
         import importlib
@@ -182,10 +157,10 @@ def _lazy(module: str, name: str):
 
 # name -> (help, add_arguments(parser), run(args) -> int); other rooms register here.
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
-    "memory": ("bytes per rank of each item a recipe costs (planner)", _memory_args,
-               _memory_run),
+    "memory": ("bytes per rank of each item a recipe costs (planner)",
+               _lazy("mixprec.cli.memory", "add_arguments"), _lazy("mixprec.cli.memory", "run")),
     "doctor": ("diagnose a recipe: overflow origins, underflow, dtypes, kernel speed",
-               _doctor_args, _doctor_run),
+               _lazy("mixprec.cli.doctor", "add_arguments"), _lazy("mixprec.cli.doctor", "run")),
     "train": ("train the workbench GPT under a recipe (checkpoints, --resume, --parallel)",
               _lazy("mixprec.cli.workbench", "add_train_arguments"),
               _lazy("mixprec.cli.workbench", "run_train")),

@@ -7,6 +7,10 @@ import importlib
 
 import torch
 
+from mixprec.diagnostics.doctor import doctor
+from mixprec.workbench import GPT, GPTConfig
+from mixprec.workbench.data import load_corpus, sample_batch
+
 __all__ = ["add_arguments", "run", "load_target"]
 
 
@@ -35,9 +39,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def load_target(spec: str):
     """(model_factory, batch_fn) for 'workbench' or 'package.module:factory'."""
     if spec == "workbench":
-        from mixprec.workbench import GPT, GPTConfig
-        from mixprec.workbench.data import load_corpus, sample_batch
-
         corpus = load_corpus(max_bytes=500_000)
         cfg = GPTConfig(n_layers=2, d_model=64, n_heads=4, seq_len=64)
         g = torch.Generator().manual_seed(0)
@@ -70,8 +71,6 @@ def load_target(spec: str):
 
 def run(args: argparse.Namespace) -> int:
     """``mixprec doctor``: diagnose a recipe on a model and print the findings."""
-    from mixprec.diagnostics.doctor import doctor
-
     factory, batch_fn = load_target(args.model)
     report = doctor(factory, batch_fn, args.recipe, steps=args.steps, lr=args.lr,
                     optimizer=args.optimizer, reference_steps=args.reference_steps,

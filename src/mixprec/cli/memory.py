@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from mixprec.memory import GB, ITEMS, Breakdown, TransformerSpec, estimate
+from mixprec.memory import parse_bytes as parse
 from mixprec.memory.hf_config import spec_from_config
 from mixprec.memory.shapes import param_count
 
@@ -14,8 +15,6 @@ __all__ = ["add_arguments", "run", "plot_breakdowns", "parse_bytes"]
 
 def parse_bytes(text: str) -> float:
     """``80GB``, ``80G``, ``141e9``, ``24GiB`` -> bytes (``mixprec.memory.parse_bytes``)."""
-    from mixprec.memory import parse_bytes as parse
-
     return parse(text, "--device-memory")
 
 

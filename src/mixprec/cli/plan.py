@@ -12,8 +12,10 @@ import threading
 import time
 from typing import IO, Any
 
+from mixprec.planner import CANDIDATES, DEFAULT_MIN_SQNR
 from mixprec.planner.progress import Progress
 from mixprec.planner.table import columns_help
+from mixprec.workbench.planning import plan_workbench
 
 __all__ = ["add_arguments", "run", "parse_share", "PlainProgress", "EPILOG"]
 
@@ -149,8 +151,6 @@ def _names(text: str) -> tuple[str, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``mixprec plan``."""
-    from mixprec.planner import CANDIDATES, DEFAULT_MIN_SQNR
-
     p.add_argument("--size", default="medium", help="tiny | small | medium | base "
                    "(default medium, as mixprec compare)")
     p.add_argument("--batch", type=int, default=16)
@@ -187,8 +187,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``mixprec plan``: plan the workbench GPT, print the table, write the JSON."""
-    from mixprec.workbench.planning import plan_workbench
-
     shown = progress_for()
     t0 = time.monotonic()
     try:

@@ -6,6 +6,9 @@ import argparse
 import os
 import sys
 
+from mixprec.workbench import train as train_mod
+from mixprec.workbench.compare import CompareInterrupted, compare
+
 __all__ = ["add_train_arguments", "run_train", "add_compare_arguments", "run_compare"]
 
 
@@ -37,17 +40,15 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace) -> int:
     """``mixprec train``: one recipe on the workbench GPT, with checkpoints and resume.
     Ctrl-C ends it with one line saying how to resume, and exit code 130."""
-    from mixprec.workbench.train import TrainConfig, train, train_device
-
-    cfg = TrainConfig(recipe=args.recipe, steps=args.steps, size=args.size, batch=args.batch,
-                      seq=args.seq, lr=args.lr, seed=args.seed, ckpt_every=args.ckpt_every,
-                      eval_every=args.eval_every)
+    cfg = train_mod.TrainConfig(recipe=args.recipe, steps=args.steps, size=args.size,
+                                batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed,
+                                ckpt_every=args.ckpt_every, eval_every=args.eval_every)
     dist_started = False
     if args.parallel and "RANK" not in os.environ:
         raise ValueError("--parallel needs torchrun: torchrun --nproc-per-node 2 -m "
                          f"mixprec train --parallel {args.parallel} ...")
     # the rank's GPU is made current before the process group: NCCL binds it
-    device = train_device(args.parallel, args.device)
+    device = train_mod.train_device(args.parallel, args.device)
     if args.parallel:
         import torch.distributed as dist
 
@@ -58,8 +59,9 @@ def run_train(args: argparse.Namespace) -> int:
                 dist.init_process_group("gloo")
             dist_started = True
     try:
-        res = train(cfg, args.out, resume=args.resume, progress=not args.no_progress and None,
-                    parallel=args.parallel, device=device)
+        res = train_mod.train(cfg, args.out, resume=args.resume,
+                              progress=not args.no_progress and None,
+                              parallel=args.parallel, device=device)
     except KeyboardInterrupt:  # the checkpoints written so far are complete (atomic)
         print(f"mixprec train: interrupted; the last checkpoint in {args.out} (written every "
               f"{args.ckpt_every} steps) continues with --resume", file=sys.stderr)
@@ -92,8 +94,6 @@ def run_compare(args: argparse.Namespace) -> int:
     """``mixprec compare``: several recipes on the same data, one HTML/JSON report.
     Ctrl-C keeps what finished: the report of those recipes is written and printed,
     with one line saying what was interrupted, and the exit code is 130."""
-    from mixprec.workbench.compare import CompareInterrupted, compare
-
     recipes = None
     if args.recipes:
         sep = ";" if (";" in args.recipes or "=" in args.recipes) else ","

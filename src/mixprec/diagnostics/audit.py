@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,12 +13,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from mixprec.diagnostics.findings import Finding
+from mixprec.engine import devices
+from mixprec.engine.emulate import active_mode
+from mixprec.engine.facade import MixedPrecision
 from mixprec.engine.param_state import updated_format
 from mixprec.formats import elements as formats
 from mixprec.recipe import Recipe
-
-if TYPE_CHECKING:
-    from mixprec.engine.facade import MixedPrecision
 
 __all__ = ["audit_dtypes", "audit_scale_history", "matmul_coverage", "audit_kernel_speed",
            "audit_comm"]
@@ -122,8 +122,6 @@ def audit_scale_history(history: list[float], recipe: Recipe | str) -> list[Find
 def _dtype(t: torch.Tensor) -> torch.dtype:
     """A tensor's dtype as the run computes it: under emulation, fp32 tensors holding a
     16-bit format's values count as that format."""
-    from mixprec.engine.emulate import active_mode
-
     mode = active_mode()
     return mode.carrier if mode is not None and t in mode.virtual else t.dtype
 
@@ -181,12 +179,10 @@ def audit_kernel_speed(device: torch.device, recipe: Recipe | str
     slow (``emulate=false``) or the other 16-bit format is much faster, and an info
     finding instead of a ratio where the rounds disagree (the machine was too busy to
     measure). Never advice to turn on what is already on."""
-    from mixprec.engine.devices import choices, speed_reading
-
     r = Recipe.coerce(recipe)
     dev = str(torch.device(device))
-    k = choices(r, dev)
-    read = {n: speed_reading(dev, formats.dtype_of(n)) for n in ("bf16", "fp16")}
+    k = devices.choices(r, dev)
+    read = {n: devices.speed_reading(dev, formats.dtype_of(n)) for n in ("bf16", "fp16")}
     facts = {"matmul_speed": {n: v.as_dict() for n, v in read.items()},
              "kernels": k.describe()}
     if r.linear is not None:

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import mixprec.optim as mo
 from mixprec.diagnostics.audit import (
     audit_comm,
     audit_dtypes,
@@ -65,11 +66,14 @@ from mixprec.diagnostics.dynamics import (
 from mixprec.diagnostics.findings import Finding, Report
 from mixprec.diagnostics.fp8range import audit_fp8_ranges
 from mixprec.diagnostics.monitor import NumericsMonitor
+from mixprec.diagnostics.plots import draw_plots
 from mixprec.diagnostics.reference import compare_to_fp32
 from mixprec.diagnostics.timeshare import audit_time_shares, time_shares
 from mixprec.diagnostics.trace import trace_nonfinite
 from mixprec.diagnostics.updates import audit_vanished_updates, vanished_updates
+from mixprec.engine.facade import MixedPrecision
 from mixprec.formats import elements as formats
+from mixprec.planner.check import as_plan, audit_plan, check_layers
 from mixprec.recipe import Recipe
 
 __all__ = ["doctor", "COSINE_FLAG", "RATIO_FLAG"]
@@ -98,8 +102,6 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
     """
     plan = None
     if _is_plan(recipe):  # the planner sits above the diagnostics: imported only here
-        from mixprec.planner.check import as_plan
-
         plan = as_plan(recipe)
         recipe = plan.recipe
     r = Recipe.coerce(recipe)
@@ -116,8 +118,6 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
     facts: dict = {"steps": steps}
     model = model_factory()
     if plan is not None:
-        from mixprec.planner.check import check_layers
-
         check_layers(plan, model)
     findings, kfacts = audit_kernel_speed(next(model.parameters()).device, r)
     facts.update(kfacts)
@@ -161,8 +161,6 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
     findings.sort(key=lambda f: order[f.severity])
     report = Report(str(r), findings, facts)
     if plots:
-        from mixprec.diagnostics.plots import draw_plots
-
         facts["plots"] = draw_plots(model_factory, batch_fn, r, scales, Path(plots))
     return report
 
@@ -180,8 +178,6 @@ def _plan_floor(plan, model_factory, engine, batch_fn, steps: int,
     """``plan-floor`` findings: the plan's fp8/fp4 Linears measured on the trained
     weights (fp32, plain Linears: a fresh model with the engine's fp32 weights) and
     the run's last few batches."""
-    from mixprec.planner.check import audit_plan
-
     fresh = model_factory()
     fresh.load_state_dict(engine.fp32_state_dict())
     batches = list(range(max(0, steps - 3), steps))
@@ -193,8 +189,6 @@ def _plan_floor(plan, model_factory, engine, batch_fn, steps: int,
 def _engine(model: nn.Module, r: Recipe, optimizer: str, lr: float):
     """``(engine, optimizer, None)``, or ``(None, optimizer, why)`` where the engine
     refuses the model."""
-    from mixprec.engine.facade import MixedPrecision
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         opt = _optimizer(model, r, optimizer, lr)
@@ -211,8 +205,6 @@ def _optimizer(model: nn.Module, r: Recipe, optimizer: str, lr: float):
     if not r.needs_mixprec_optim:
         cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
         return cls(model.parameters(), lr=lr)
-    import mixprec.optim as mo
-
     cls = mo.AdamW if optimizer == "adamw" else mo.SGD
     opt = cls(model.parameters(), lr=lr, **mo.recipe_settings(r))
     if r.state_rules:

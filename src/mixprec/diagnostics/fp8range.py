@@ -29,6 +29,9 @@ from torch import nn
 
 from mixprec.diagnostics.findings import Finding
 from mixprec.formats import elements as formats
+from mixprec.fp8.convert import plan as convert_plan
+from mixprec.fp8.formats import FORMATS
+from mixprec.fp8.linear import fp8_modules
 from mixprec.recipe import Recipe
 
 __all__ = ["Fp8Range", "fp8_ranges", "audit_fp8_ranges", "FLUSH_FLAG"]
@@ -81,9 +84,6 @@ def fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor],
     """One fp32 forward and backward of ``loss_fn(model)`` with hooks on the Linears that
     ``mixprec.fp8.convert`` would convert (and any Float8Linear already there); the
     model's gradients are left as they were."""
-    from mixprec.fp8.convert import plan
-    from mixprec.fp8.linear import fp8_modules
-
     r = Recipe.coerce(recipe)
     seen: list[Fp8Range] = []
     handles = []
@@ -94,7 +94,7 @@ def fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor],
             seen.append(Fp8Range(name, kind, fmt, pt, rw, spread, bw, lr.linear.name))
 
     # each Linear with the recipe it runs (its layer: rule's scaling, or its own)
-    mods = [(n, m, r.for_layer(n)) for n, m, why in plan(model, rules=r.layer_rules)
+    mods = [(n, m, r.for_layer(n)) for n, m, why in convert_plan(model, rules=r.layer_rules)
             if why is None]
     mods += [(n, m, m.fp8_recipe) for n, m in fp8_modules(model).items()]
     for name, mod, lr in mods:
@@ -123,8 +123,6 @@ def audit_fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tens
     scaling where that keeps them, else keeping the layer out of fp8."""
     r = Recipe.coerce(recipe)
     ranges = fp8_ranges(model, loss_fn, r)
-    from mixprec.fp8.formats import FORMATS
-
     def fmt(x: Fp8Range):  # each layer is judged by its own format
         return FORMATS.get(x.scaling, type(r.linear))
 

@@ -10,12 +10,11 @@ from typing import TYPE_CHECKING
 from mixprec.diagnostics.monitor import NumericsMonitor
 from mixprec.diagnostics.stats import HIST_EDGES, WATCHED
 from mixprec.formats import elements as formats
+from mixprec.recipe import Recipe
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-    from mixprec.recipe import Recipe
 
 __all__ = ["draw_plots"]
 

@@ -25,14 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from mixprec.diagnostics.findings import Finding
-
-if TYPE_CHECKING:
-    from mixprec.engine.facade import MixedPrecision
+from mixprec.engine.facade import MixedPrecision
 
 __all__ = ["Vanished", "vanished_updates", "audit_vanished_updates", "VANISH_FLAG"]
 

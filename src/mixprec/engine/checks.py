@@ -17,6 +17,10 @@ from torch import nn
 
 from mixprec.engine.context import check_wgrad, device_supports
 from mixprec.engine.param_state import ParamState, updated_dtype
+from mixprec.fp8.convert import layer_formats
+from mixprec.fp8.linear import Float8Linear, fp8_modules
+from mixprec.optim import recipe_settings
+from mixprec.optim.base import LowPrecisionOptimizer
 from mixprec.optim.kinds import fuses_over_dtensors
 from mixprec.recipe import PRESETS, Recipe
 
@@ -170,9 +174,6 @@ def check_optimizer_precision(optimizers: list, r: Recipe, parallel: str | None)
     ``states:`` rule's for some parameters) or writes 16-bit weights by a rule needs
     ``mixprec.optim`` optimizers built with the same settings (the engine applies the
     rules to them)."""
-    from mixprec.optim import recipe_settings
-    from mixprec.optim.base import LowPrecisionOptimizer
-
     lean = r.needs_mixprec_optim
     want = recipe_settings(r)
     for i, o in enumerate(optimizers):
@@ -252,8 +253,6 @@ def check_fp8_filter(fp8_filter, recipe, model: nn.Module) -> None:
     if not callable(fp8_filter):
         raise TypeError(f"fp8_filter must be a callable (module, fqn) -> bool, got "
                         f"{type(fp8_filter).__name__}")
-    from mixprec.fp8.linear import fp8_modules
-
     done = list(fp8_modules(model))
     if done:
         raise ValueError(f"fp8_filter given, but the model holds Float8Linears already "
@@ -267,9 +266,6 @@ def check_fp8_all_gather(recipe, model: nn.Module, fp8_filter=None) -> None:
     whose casts cannot be gathered."""
     if recipe.linear is None or not recipe.linear.fp8_all_gather or not recipe.layer_rules:
         return
-    from mixprec.fp8.convert import layer_formats
-    from mixprec.fp8.linear import fp8_modules
-
     if fp8_modules(model):
         return  # converted by hand: the engine converts nothing
     formats = layer_formats(model, recipe, fp8_filter)
@@ -299,8 +295,6 @@ def check_fsdp_units(parallel: str | None, units, model: nn.Module):
             isinstance(u, type) and issubclass(u, nn.Module) for u in units):
         found = {type(m) for m in model.modules()}
         if nn.Linear in found:  # fp8 recipes swap Linears for Float8Linears before FSDP
-            from mixprec.fp8.linear import Float8Linear
-
             found.add(Float8Linear)
         if not any(issubclass(t, units) for t in found):
             raise ValueError(

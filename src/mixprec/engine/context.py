@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from mixprec.engine import attention
 from mixprec.engine.devices import emulating, fp8_rest, has_fast_kernels
-from mixprec.engine.emulate import leave_low_precision
+from mixprec.engine.emulate import EmulationMode, leave_low_precision
 from mixprec.engine.fp32_precision import tf32
 from mixprec.engine.wgrad import (
     NOT_ROUTED,
@@ -50,9 +49,6 @@ from mixprec.engine.wgrad import (
     upcast_param,
 )
 from mixprec.recipe import Recipe
-
-if TYPE_CHECKING:
-    from mixprec.engine.emulate import EmulationMode
 
 __all__ = ["precision_context", "recompute_context", "run_backward", "PrecisionMode",
            "device_supports", "fp32_island_modules", "wrap_fp32_modules", "has_fast_kernels",
@@ -312,8 +308,6 @@ def autocast_dtype(recipe: Recipe, device: torch.device | str,
 def make_emulation_mode(recipe: Recipe) -> EmulationMode | None:
     """The EmulationMode for a recipe (one per engine, so backward sees forward's tags),
     or None when emulation has nothing to do for it."""
-    from mixprec.engine.emulate import EmulationMode
-
     if not recipe.emulatable:
         return None
     if recipe.is_mx:

@@ -57,8 +57,11 @@ from functools import cache
 import torch
 
 from mixprec.engine.fp32_precision import ieee_fp32_matmul  # the exact routes import it from here
+from mixprec.formats.elements import get
 from mixprec.fp8 import route as _route
+from mixprec.fp8.formats import FORMATS
 from mixprec.fp8.formats import int8 as _int8
+from mixprec.fp8.route import gemm_route
 from mixprec.recipe import MX_COMPUTE, Recipe
 
 __all__ = ["matmul_gflops", "relative_speed", "FAST_ENOUGH", "has_fast_kernels",
@@ -203,8 +206,6 @@ def speed_reading(device: torch.device | str, dtype: torch.dtype) -> SpeedReadin
 
 @cache
 def _speed_reading(dev: str, dtype: torch.dtype) -> SpeedReading:
-    from mixprec.formats.elements import get
-
     return _alternate(get(dtype).name, "fp32",
                       lambda: matmul_gflops.__wrapped__(dev, dtype, 256, 0.01),
                       lambda: matmul_gflops.__wrapped__(dev, torch.float32, 256, 0.01),
@@ -328,9 +329,6 @@ def fp8_gemm_route(device: torch.device | str, choice: str = "auto") -> str:
     """The route of the per-tensor and rowwise fp8 GEMMs on ``device`` for ``fp8_gemm``
     ``choice``: ``mixprec.fp8.route.gemm_route``'s answer for those scalings, for
     callers without a quantizer (the memory planner, ``benchmarks/cpu_kernels.py``)."""
-    from mixprec.fp8.formats import FORMATS
-    from mixprec.fp8.route import gemm_route
-
     per_tensor = next(f for f in FORMATS.values() if f.per_tensor)
     return gemm_route(device, per_tensor(), choice)
 
@@ -437,5 +435,5 @@ def _measured_tensor_route(dev: torch.device) -> str:
     return "scaled_mm" if route_reading(dev, dequant).ratio > SCALED_MM_MARGIN else dequant
 
 
-_route.measured_route = _measured_tensor_route
-_int8.measured_int8 = _measured_int8
+_route.register_measured_route(_measured_tensor_route)
+_int8.register_measured_int8(_measured_int8)

@@ -9,13 +9,11 @@ After ``recipe.skip_limit`` consecutive skipped steps it warns or raises
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from mixprec.engine.scaler import LossScaler
-    from mixprec.recipe import Recipe
+from mixprec.engine.scaler import LossScaler
+from mixprec.recipe import Recipe
 
 __all__ = ["SkipLimitError", "SkipWatch", "HostMirror"]
 

@@ -10,17 +10,13 @@ quantizer interface changes this module only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from mixprec.experts.format import ExpertsFormat
 from mixprec.fp8.gather_casts import CastWeight
 from mixprec.fp8.mm import _no_autocast
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.scaling import cast_to_fp8
-
-if TYPE_CHECKING:
-    from mixprec.experts.format import ExpertsFormat
 
 __all__ = ["cast", "mm", "reuses", "no_autocast", "segment_scales", "cast_scaled"]
 

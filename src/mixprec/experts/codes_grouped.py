@@ -30,19 +30,15 @@ last is a multiple of 8.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from mixprec.experts import adapter
+from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.gather_casts import ExpertsCasts
 from mixprec.experts.scaled_grouped import scaled_grouped_forward
 from mixprec.fp8.formats.segments import Segments
 from mixprec.fp8.mm import GemmLayout
 from mixprec.fp8.quantized import Quantized
-
-if TYPE_CHECKING:
-    from mixprec.experts.format import ExpertsFormat
 
 __all__ = ["bf16_only", "codes_apply", "Codes"]
 

@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import warnings
 import zlib
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.grouped import grouped_mm
-
-if TYPE_CHECKING:
-    from mixprec.recipe import Recipe
+from mixprec.recipe import Recipe
 
 __all__ = ["IMPLEMENTATION", "is_experts", "experts_modules", "convert_experts",
            "restore_experts", "experts_forward"]
@@ -72,8 +69,6 @@ def convert_experts(model: nn.Module, recipe: Recipe, *,
     ``layer:`` rule's, matched on the experts module's name: ``layer:*.experts=mxfp8``,
     ``layer:*.experts=bf16``); returns each one's format by name (``bf16``: kept).
     ``routes``: the fp8 GEMM route per ``fp8_scaling`` the engine measured."""
-    from mixprec.recipe import Recipe
-
     r = Recipe.coerce(recipe)
     found = experts_modules(model)
     if not found or r.linear is None:

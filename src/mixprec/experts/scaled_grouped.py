@@ -13,12 +13,9 @@ machine (``device="meta"``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from mixprec.experts.format import ExpertsFormat
+from mixprec.experts.format import ExpertsFormat
 
 __all__ = ["scaled_grouped_applies", "scaled_grouped_refusal", "scaled_grouped_forward"]
 

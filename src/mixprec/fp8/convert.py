@@ -28,23 +28,18 @@ import warnings
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from torch import nn
 
 from mixprec.experts.hook import is_experts
 from mixprec.fp8.linear import Float8Linear, is_conv1d
 from mixprec.fp8.tensor_parallel import is_dtensor, tp_refusal
+from mixprec.recipe import Recipe
 from mixprec.recipe.layer_rules import LayerRule, first_match
-
-if TYPE_CHECKING:
-    from mixprec.recipe import Recipe
 
 
 def _coerce(recipe: Recipe | str) -> Recipe:
-    """``Recipe.coerce`` (imported here: the recipe imports the formats of this package)."""
-    from mixprec.recipe import Recipe
-
+    """``Recipe.coerce``."""
     return Recipe.coerce(recipe)
 
 __all__ = ["convert", "plan", "layer_formats", "ConvertReport"]

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from mixprec.fp8.gather_casts import install_cast_gather
 from mixprec.fp8.scaling import amax_to_scale, cast_to_fp8, fp8_max_tensor, nan_if_not_finite
 from mixprec.parallel.comm_stats import CommStats
 
@@ -181,8 +182,6 @@ def install_fp8_all_gather(modules: list[nn.Module] | dict[str, nn.Module],
     gets a ``fp8_gather_scale`` buffer, not saved: it follows from the weights, filled
     by ``refresh_gather_scales_``); the others by ``gather_casts.install_cast_gather``,
     which notes each weight it leaves in 16 bits (``sent``) in ``stats``."""
-    from mixprec.fp8.gather_casts import install_cast_gather
-
     named = modules if isinstance(modules, dict) else {str(i): m for i, m in
                                                        enumerate(modules)}
     done = install_cast_gather(named, stats, sent)

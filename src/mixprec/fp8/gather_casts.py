@@ -38,7 +38,7 @@ from mixprec.fp8.quantized import Quantized, expand_blocks
 from mixprec.parallel.comm_stats import CommStats
 
 if TYPE_CHECKING:
-    from mixprec.fp8.formats.base import LinearFormat
+    from mixprec.fp8.formats.base import LinearFormat  # fp8.formats imports this module
 
 __all__ = ["CastWeight", "install_cast_gather", "plain_gather_hooks", "why_not_gathered",
            "send_shard", "parts_hooks",

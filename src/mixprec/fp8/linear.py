@@ -9,8 +9,6 @@ surrounding autocast dtype, else the input's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
@@ -20,15 +18,11 @@ from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.quantizers import quantizer_for
 from mixprec.fp8.tensor_parallel import is_dtensor, read_layout, tp_linear, watch_sums
 from mixprec.fp8.tp_agree import STREAM_STRIDE, agreement, sr_stream
-
-if TYPE_CHECKING:
-    from mixprec.recipe import Recipe
+from mixprec.recipe import Recipe
 
 
 def _coerce(recipe: Recipe | str) -> Recipe:
-    """``Recipe.coerce`` (imported here: the recipe imports the formats of this package)."""
-    from mixprec.recipe import Recipe
-
+    """``Recipe.coerce``."""
     return Recipe.coerce(recipe)
 
 __all__ = ["Int8Linear", "QuantizedLinear", "Float8Linear", "fp8_modules", "scaling_buffers",

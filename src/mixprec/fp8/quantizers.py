@@ -3,8 +3,6 @@ they were called quantizers (``Quantizer``, ``QUANTIZERS``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from mixprec.fp8.formats import (
     FORMATS,
     BlockScaling,
@@ -15,9 +13,7 @@ from mixprec.fp8.formats import (
     NVFP4Scaling,
     RowwiseScaling,
 )
-
-if TYPE_CHECKING:
-    from mixprec.recipe import Recipe
+from mixprec.recipe import Recipe
 
 __all__ = ["Quantizer", "DelayedScaling", "CurrentScaling", "RowwiseScaling",
            "BlockScaling", "MXScaling", "NVFP4Scaling", "QUANTIZERS", "quantizer_for"]
@@ -29,8 +25,6 @@ QUANTIZERS = FORMATS
 def quantizer_for(recipe: Recipe | str) -> LinearFormat:
     """``recipe``'s Linear format (``recipe.linear``); ``ValueError`` for a recipe
     without one."""
-    from mixprec.recipe import Recipe
-
     r = Recipe.coerce(recipe)
     if r.linear is None:
         raise ValueError(f"recipe {str(r)!r} has no Linear format "

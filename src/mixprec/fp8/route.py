@@ -20,7 +20,7 @@ import torch
 
 from mixprec.fp8 import scaled_mm
 
-__all__ = ["gemm_route", "kernel_missing", "GEMM_CHOICES"]
+__all__ = ["gemm_route", "kernel_missing", "register_measured_route", "GEMM_CHOICES"]
 
 #: the values of a recipe's ``fp8_gemm``
 GEMM_CHOICES = ("auto", "scaled_mm", "dequant", "dequant_fp32")
@@ -123,8 +123,9 @@ _route._dynamo_marked_constant = True
 
 
 #: ``auto`` for the per-tensor routes off CUDA, ``device -> route``: the measured choice,
-#: which ``mixprec.engine.devices`` (where the readings live, above this module) sets when it is
-#: imported: the dequant route in the format this device multiplies fast (``dequant``
+#: which ``mixprec.engine.devices`` (where the readings live, above this module) registers
+#: when it is imported (``register_measured_route``): the dequant route in the format this
+#: device multiplies fast (``dequant``
 #: where bf16 is fast, else ``dequant_fp32``: the one bf16 decision ``fp8_rest`` and
 #: emulation follow too, or ``MIXPREC_EMULATE``); ``scaled_mm`` only where
 #: ``route_reading`` finds it ``SCALED_MM_MARGIN`` faster. The same one-thread
@@ -133,8 +134,15 @@ _route._dynamo_marked_constant = True
 measured_route: Callable[[torch.device], str] | None = None
 
 
+def register_measured_route(fn: Callable[[torch.device], str]) -> None:
+    """Make ``fn`` (``device -> route``) the measured ``auto`` of the per-tensor routes off
+    CUDA (``measured_route``)."""
+    global measured_route
+    measured_route = fn
+
+
 def _measured(dev: torch.device) -> str:
-    if measured_route is None:  # importing mixprec imports mixprec.engine.devices, which sets it
+    if measured_route is None:  # importing mixprec imports mixprec.engine.devices: it registers
         raise RuntimeError("mixprec.fp8.route.measured_route is unset: import mixprec")
     return measured_route(dev)
 

@@ -39,13 +39,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from mixprec.fp8.formats.base import LinearFormat
+from mixprec.fp8.mm import _QuantizedMatmul
+from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.tp_agree import agreement
 from mixprec.parallel.comm_stats import CommStats
 
 if TYPE_CHECKING:
     from torch import nn
-
-    from mixprec.fp8.formats.base import LinearFormat
 
 __all__ = ["TPLayout", "tp_layout", "layout_of", "read_layout",
            "tp_refusal", "tp_linear", "attach_comm_stats",
@@ -187,8 +188,6 @@ def tp_linear(mod: nn.Module, x: torch.Tensor, w: torch.Tensor,
     redistributes, and ``mod``'s rounding hook (``_round_sum``) then finishes."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    from mixprec.fp8.mm import _QuantizedMatmul
-
     lay = layout_of(mod, w)
     mesh = lay.mesh
     want = [Replicate()] if lay.sharded == 0 else [Shard(x.dim() - 1)]
@@ -313,8 +312,6 @@ def _stats_of(mod):
     if mod.tp_comm_stats is not None:
         return mod.tp_comm_stats
     if not _LOOSE_STATS:
-        from mixprec.parallel.comm_stats import CommStats
-
         _LOOSE_STATS.append(CommStats())
     return _LOOSE_STATS[0]
 
@@ -327,8 +324,6 @@ def _gather_input(mod, x, lay: TPLayout) -> torch.Tensor:
     for wgrad, from its high-precision values, so those are gathered (a ``CommStats.fallback``).
     Each gather is recorded as ``("all_gather", "activations")``."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    from mixprec.fp8.quantized import Quantized
 
     stats, dim, q = _stats_of(mod), x.placements[0].dim % x.dim(), mod.quantizer
     name = getattr(mod, "tp_name", None) or f"Linear({mod.in_features}, {mod.out_features})"

@@ -38,7 +38,7 @@ __all__ = ["ROUTES", "cast_bytes", "saved_cast", "token_casts", "sync_free_route
 
 
 #: the sync-free routes, by what their casts hold (a format's ``segment_kind``)
-TENSOR, ROWS, TILES, INT8, FP4 = "tensor", "rows", "tiles", "int8", "fp4"
+TENSOR, ROWS, TILES, INT8, FP4 = "tensor", "rows", "tiles", "int8-rows", "fp4"
 ROUTES = (TENSOR, ROWS, TILES, INT8, FP4)
 
 

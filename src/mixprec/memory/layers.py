@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from mixprec.fp8.convert import layer_formats
+from mixprec.fp8.linear import Float8Linear
 from mixprec.memory.transient import linear_shapes
 from mixprec.recipe import Recipe
 
@@ -16,9 +18,6 @@ def layer_recipes(model: nn.Module, r: Recipe) -> dict[str, Recipe | None]:
     """Each Linear's fp8 recipe under recipe ``r`` (None: kept in high precision), as
     ``mixprec.fp8.convert.layer_formats`` decides and ``Recipe.for_layer`` gives it: its
     ``layer:`` rule's preset, or ``r``'s own, or a hand-converted Float8Linear's."""
-    from mixprec.fp8.convert import layer_formats
-    from mixprec.fp8.linear import Float8Linear
-
     out: dict[str, Recipe | None] = {}
     for fqn, fmt in layer_formats(model, r).items():
         m = model.get_submodule(fqn) if fqn else model

@@ -8,16 +8,15 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from mixprec.engine.facade import MixedPrecision
 from mixprec.engine.wgrad import WEIGHT_CAST_TAG
+from mixprec.fp8.linear import fp8_modules, scaling_buffers
 from mixprec.memory.breakdown import ITEMS, Breakdown
-
-if TYPE_CHECKING:
-    from mixprec.engine.facade import MixedPrecision
 
 __all__ = ["measure", "high_water", "quiet_profiler"]
 
@@ -117,8 +116,6 @@ def measure(model: nn.Module,
     step is undone afterwards: the engine's (or model's and optimizer's) state is
     restored from a copy taken before it, so measuring trains nothing.
     """
-    from mixprec.fp8.linear import fp8_modules, scaling_buffers
-
     engine = engine_or_optimizer if hasattr(engine_or_optimizer, "param_state") else None
     optimizers = (engine.optimizers if engine is not None else
                   [engine_or_optimizer] if engine_or_optimizer is not None else [])

@@ -48,6 +48,8 @@ from typing import Any
 
 from torch import nn
 
+from mixprec.experts.hook import experts_modules
+from mixprec.fp8.quantizers import quantizer_for
 from mixprec.memory.attention import (
     PRICED_ATTENTION,
     attention_impl,
@@ -63,6 +65,7 @@ from mixprec.memory.expert_casts import (
     sync_free_route,
     token_casts,
 )
+from mixprec.memory.layers import layer_recipes
 from mixprec.memory.transient import linear_shapes
 
 __all__ = ["moe_experts", "activation_saved", "moe_saved_bytes", "experts_forward",
@@ -72,8 +75,6 @@ __all__ = ["moe_experts", "activation_saved", "moe_saved_bytes", "experts_forwar
 
 def moe_experts(model: nn.Module) -> dict[str, nn.Module]:
     """The model's transformers experts modules by name (empty: not an MoE model)."""
-    from mixprec.experts.hook import experts_modules
-
     return experts_modules(model)
 
 
@@ -373,9 +374,6 @@ def moe_terms(model: nn.Module, r: Any, tokens: int, act_bytes: float, route: st
     projection's backward (``route``: the fp8 GEMM route of one expert's GEMMs;
     ``rows``: each experts module's rows per expert, ``routed_rows``; ``experts_route``:
     the experts' grouped route, ``loop`` or ``grouped``)."""
-    from mixprec.fp8.quantizers import quantizer_for
-    from mixprec.memory.layers import layer_recipes
-
     if experts_route not in ("loop", "grouped"):
         raise ValueError(f"experts_route={experts_route!r}; valid: loop (a CPU's eager "
                          "route), grouped (a GPU's, and a compiled CPU model's)")

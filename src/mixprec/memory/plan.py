@@ -10,8 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.engine.devices import emulating, fp8_gemm_route, fp8_rest
 from mixprec.engine.param_state import grads_in_place, updated_dtype
 from mixprec.formats.elements import dtype_of
+from mixprec.fp8.linear import fp8_modules, scaling_buffers
+from mixprec.fp8.quantizers import quantizer_for
 from mixprec.memory.breakdown import Breakdown
 from mixprec.memory.fsdp import FSDP_NOTE, fsdp_gathered_bytes, fsdp_held_recipe, fsdp_sharded
 from mixprec.memory.layers import fp8_share, layer_recipes
@@ -26,6 +29,9 @@ from mixprec.memory.transient import (
     tp_local,
 )
 from mixprec.memory.units import parse_count, rank_local
+from mixprec.optim import pieces, recipe_settings
+from mixprec.optim.states import state_bytes
+from mixprec.optim.writes import write_bytes
 from mixprec.recipe import Recipe
 
 __all__ = ["estimate"]
@@ -98,8 +104,6 @@ def estimate(
         params = param_count(params)
     n = parse_count(params)
     notes = []
-    from mixprec.engine.devices import emulating, fp8_gemm_route, fp8_rest
-
     dev = torch.device("cpu")
     if isinstance(params, nn.Module):
         dev = next(params.parameters()).device
@@ -181,9 +185,7 @@ def estimate(
         largest = (max((rank_local(p).numel() for p in params.parameters()), default=0)
                    if on_model
                    else max(i * o for i, o, _, _ in spec_linears(activations)))
-        from mixprec.optim.pieces import CHUNK
-
-        after = steady + (step_scratch(largest, CHUNK) if r.needs_mixprec_optim else 0.0)
+        after = steady + (step_scratch(largest, pieces.CHUNK) if r.needs_mixprec_optim else 0.0)
         peak = max(backward, after)
         notes.append("peak: steady state + activations + saved weight copies + the "
                      "widest Linear's backward working set (mixprec.memory.transient)")
@@ -249,10 +251,6 @@ def _optimizer_bytes(r: Recipe, opt: str, n: int, sizes: list | None,
     if opt not in ("adamw", "adam", "sgd_momentum", "sgd"):
         raise ValueError(f"recipe {str(r)!r} needs a mixprec.optim optimizer (adamw, adam, "
                          f"sgd_momentum or sgd), not {opt!r}")
-    from mixprec.optim import recipe_settings
-    from mixprec.optim.state_formats import state_bytes
-    from mixprec.optim.writes import write_bytes
-
     settings = recipe_settings(r)
     states, write = settings["states"], settings["write"]
     if sizes is None:
@@ -322,9 +320,6 @@ def _activation_item(spec: TransformerSpec, r: Recipe, act_fp32: bool,
 
 
 def _fp8_state_bytes(model: nn.Module, r: Recipe) -> tuple[float, set[int]]:
-    from mixprec.fp8.linear import fp8_modules, scaling_buffers
-    from mixprec.fp8.quantizers import quantizer_for
-
     existing = list(fp8_modules(model).values())
     bufs = [b for m in existing for b in scaling_buffers(m).values()]
     ids = {id(b) for b in bufs}

@@ -20,6 +20,8 @@ from typing import Any
 
 from torch import nn
 
+from mixprec.fp8.linear import is_conv1d
+
 __all__ = ["linear_shapes", "tp_local", "saved_weight_bytes", "backward_transient",
            "STEP_SCRATCH_PER_ELEMENT", "step_scratch"]
 
@@ -31,8 +33,6 @@ STEP_SCRATCH_PER_ELEMENT = 66
 def linear_shapes(model: nn.Module) -> list[tuple[str, int, int]]:
     """``(qualified name, in_features, out_features)`` of each Linear (``nn.Linear``,
     mixprec's Float8Linear, a GPT-2 ``Conv1D``) of ``model``."""
-    from mixprec.fp8.linear import is_conv1d
-
     out = []
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):

@@ -3,7 +3,7 @@
 ``mixprec.optim.AdamW`` / ``Adam`` / ``SGD`` take torch's arguments plus:
 
 - ``states``: ``"fp32"`` (torch's result, bit for bit), ``"bf16"``, ``"fp8"``,
-  ``"int8"`` or ``"int4"`` (``mixprec.optim.state_formats``: how each is quantized, and
+  ``"int8"`` or ``"int4"`` (``mixprec.formats.state_formats``: how each is quantized, and
   why small tensors stay fp32);
 - ``write``: how an update lands in a bf16/fp16 weight that has no fp32 master:
   ``"nearest"``, ``"stochastic"``, ``"kahan"`` or ``"remainder"``
@@ -32,11 +32,10 @@ from mixprec.optim.base import EngineBinding, LowPrecisionOptimizer
 from mixprec.optim.sgd import SGD
 from mixprec.optim.states import STATE_FORMATS
 from mixprec.optim.writes import WRITE_RULES
+from mixprec.recipe import Recipe
 
 if TYPE_CHECKING:
     from torch.optim.optimizer import ParamsT
-
-    from mixprec.recipe import Recipe
 
 __all__ = ["Adam", "AdamW", "SGD", "LowPrecisionOptimizer", "EngineBinding", "STATE_FORMATS",
            "WRITE_RULES", "adamw_for", "recipe_settings"]
@@ -73,8 +72,6 @@ def adamw_for(recipe: Recipe | str, params: ParamsT, **kwargs: Any) -> torch.opt
     >>> opt.state_format(m[0].weight), opt.state_format(m[1].weight)
     ('int8', 'fp32')
     """
-    from mixprec.recipe import Recipe
-
     r = Recipe.coerce(recipe)
     params, names = _split_names(params)
     if not r.needs_mixprec_optim:

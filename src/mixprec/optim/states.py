@@ -2,7 +2,7 @@
 the storage layout, by name.
 
 Each format (``fp32``, ``bf16``, ``fp8``, ``int8``, ``int4``) is an object in
-``mixprec.optim.state_formats``, which gives its codes, its maps and why, its blocks
+``mixprec.formats.state_formats``, which gives its codes, its maps and why, its blocks
 along rows and its bytes. The functions here take a format's name and ask that
 registry; ``STATE_FORMATS`` is its list of names.
 
@@ -20,15 +20,15 @@ from typing import Literal
 
 import torch
 
-from mixprec.optim import state_formats
-from mixprec.optim.state_formats import BLOCK, BLOCK4, MIN_NUMEL, lookup, state_bytes
+from mixprec.formats import state_formats
+from mixprec.formats.state_formats import BLOCK, BLOCK4, MIN_NUMEL, lookup, state_bytes
 
 __all__ = ["StateFormat", "STATE_FORMATS", "BLOCK", "BLOCK4", "MIN_NUMEL", "LAYOUT",
            "stored_format", "block_width", "num_blocks", "encode", "decode",
            "state_bytes"]
 
 StateFormat = Literal["fp32", "bf16", "fp8", "int8", "int4"]
-#: every optimizer-state format's name (``mixprec.optim.state_formats.STATE_CODECS``)
+#: every optimizer-state format's name (``mixprec.formats.state_formats.STATE_CODECS``)
 STATE_FORMATS = state_formats.names()
 #: the storage layout this version writes
 LAYOUT = 2
@@ -54,7 +54,7 @@ def num_blocks(cols: int, fmt: str = "int8") -> int:
 def encode(x: torch.Tensor, fmt: str, signed: bool = True) -> dict[str, torch.Tensor]:
     """The stored form of the fp32 state ``x``: ``{"v": x}`` for fp32, else the codes
     (``"q"``) and, for block formats, one fp32 scale per block (``"s"``). ``signed``:
-    False for a non-negative state (``mixprec.optim.state_formats`` gives each map)."""
+    False for a non-negative state (``mixprec.formats.state_formats`` gives each map)."""
     return lookup(fmt).encode(x, signed)
 
 

@@ -40,6 +40,8 @@ from typing import ClassVar, Literal
 
 import torch
 
+from mixprec.formats.elements import quantize
+
 __all__ = ["WriteName", "WriteRule", "Stream", "RULES", "WRITE_RULES", "write_rule",
            "stochastic_round", "counter_bits", "stream_key", "split_remainder",
            "join_remainder", "write_bytes"]
@@ -111,8 +113,6 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype,
     integers come from ``bits`` (``counter_bits``: 16 bits for bf16, 24 for fp16,
     whose uniform is bits / 2^24) or, without them, from ``generator``."""
     if dtype == torch.float16:
-        from mixprec.formats.elements import quantize
-
         noise = None if bits is None else bits.to(torch.float32) * 2.0**-24
         return quantize(x, "fp16", rounding="stochastic", generator=generator,
                         noise=noise).to(dtype)

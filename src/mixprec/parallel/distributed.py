@@ -13,7 +13,7 @@ sits above the engine, so that the engine never imports it.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,9 +30,7 @@ from mixprec.parallel.comm import (
     shard_fsdp,
     wrap_ddp,
 )
-
-if TYPE_CHECKING:
-    from mixprec.recipe import Recipe
+from mixprec.recipe import Recipe
 
 __all__ = ["CommStats", "require_process_group", "ddp_comm_hook", "fsdp_policy", "prepare",
            "all_reduce_max_", "broadcast_module_", "wrap_ddp", "shard_fsdp", "agree_amax_"]

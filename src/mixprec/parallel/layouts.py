@@ -45,13 +45,18 @@ from torch import nn
 from mixprec.engine.checks import check_fsdp_units, check_parallel_kwargs
 from mixprec.engine.devices import KernelChoices
 from mixprec.engine.gradnorm import fp32_norms
+from mixprec.experts.gather import install_experts_gather
+from mixprec.fp8.formats import FORMATS
 from mixprec.fp8.gather import agree_amaxes_, install_fp8_all_gather, refresh_gather_scales_
+from mixprec.fp8.linear import fp8_modules
+from mixprec.fp8.tensor_parallel import attach_comm_stats
 from mixprec.parallel.comm import (
     CommStats,
     agree_amax_,
     all_reduce_max_,
     broadcast_module_,
     broadcast_object,
+    fsdp_policy,
     gather_full,
     reduce_grads_,
     require_process_group,
@@ -61,6 +66,8 @@ from mixprec.parallel.comm import (
     wrap_ddp,
 )
 from mixprec.recipe import Recipe
+from mixprec.recipe.presets import LINEAR_PRESETS
+from mixprec.recipe.syntax import preset_flat
 
 __all__ = ["Parallel", "SingleProcess", "DDP", "FSDP", "TP", "make_parallel",
            "check_parallel_recipe", "resolve_parallel", "has_dtensor_params", "tp_formats"]
@@ -202,12 +209,7 @@ class FSDP(_Replicated):
         model = shard_fsdp(model, self.recipe, optimizers, self.units, emulate=emulate,
                            **self.kwargs)
         if self.recipe.linear is not None and self.recipe.linear.fp8_all_gather:
-            from mixprec.fp8.linear import fp8_modules
-            from mixprec.parallel.comm import fsdp_policy
-
             sent = fsdp_policy(self.recipe, emulate).param_dtype  # None: the weight's
-            from mixprec.experts.gather import install_experts_gather
-
             mods = install_fp8_all_gather(fp8_modules(model), self.comm_stats, sent)
             mods += install_experts_gather(model, self.comm_stats, sent)
             refresh_gather_scales_(mods, all_reduce_max_)
@@ -261,9 +263,6 @@ class FSDP(_Replicated):
 def _attach_stats(model: nn.Module, stats: CommStats) -> None:
     """Tensor parallelism: the quantized Linears' amax all-reduces, and the collectives
     of the modules mixprec's plans took (``fp8.tp_plans``), go to ``stats``."""
-    from mixprec.fp8.linear import fp8_modules
-    from mixprec.fp8.tensor_parallel import attach_comm_stats
-
     attach_comm_stats(fp8_modules(model), stats)
     for m in model.modules():
         if getattr(m, "tp_records_plan", False):
@@ -325,10 +324,6 @@ _TP_COMPUTE = ("fp32", "tf32", "bf16", "fp16")
 def _format_names() -> dict[str, list[str]]:
     """Each registered Linear format's name -> the presets that pick it (or
     ``fp8_scaling=NAME`` where none does)."""
-    from mixprec.fp8.formats import FORMATS
-    from mixprec.recipe.presets import LINEAR_PRESETS
-    from mixprec.recipe.syntax import preset_flat
-
     return {name: [p for p in LINEAR_PRESETS if preset_flat(p)["fp8_scaling"] == name]
             or [f"fp8_scaling={name}"] for name in FORMATS}
 
@@ -336,8 +331,6 @@ def _format_names() -> dict[str, list[str]]:
 def tp_formats() -> str:
     """The Linear formats that run on tensor-parallel shards, as an error message lists
     them: every registered format without a ``tp_unsupported`` reason, by its presets."""
-    from mixprec.fp8.formats import FORMATS
-
     names = _format_names()
     ok = [n for n, cls in FORMATS.items() if cls.tp_unsupported is None]
     blocks = [p for n in ok if FORMATS[n].block_scaled for p in names[n]]

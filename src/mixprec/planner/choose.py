@@ -9,7 +9,7 @@ deltas: with at least one fp8 Linear, the step of the fp8 recipe with no Linear
 converted (the rest of the model as the fp8 recipe runs it) plus each Linear's time in
 its format less its time in bf16 there; with none, the measured step of the 16-bit
 recipe itself. Saved activation bytes move the peak the same way, and each state format
-moves it by its exact bytes (``mixprec.optim.state_formats.state_bytes``, two states for
+moves it by its exact bytes (``mixprec.formats.state_formats.state_bytes``, two states for
 AdamW). What a configuration takes out of a measured step (its Linears' bf16 time,
 torch's fused AdamW) is scaled to fit in that step (``fit_scale``), so a prediction is
 never negative however noisy the timings it adds up.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from mixprec.optim.states import state_bytes, stored_format
 from mixprec.planner.timing import BF16
 
 __all__ = ["Option", "Layer", "StateUnit", "Baselines", "Config", "predict", "choose",
@@ -131,14 +132,10 @@ def _size(n: float) -> str:
 
 
 def _state_bytes(fmt: str, shape) -> float:
-    from mixprec.optim.state_formats import state_bytes
-
     return float(state_bytes(fmt, tuple(shape)))
 
 
 def _stored(fmt: str, shape) -> str:
-    from mixprec.optim.states import stored_format
-
     return stored_format(fmt, tuple(shape))
 
 

@@ -34,7 +34,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from mixprec.experts import adapter
+from mixprec.engine.facade import MixedPrecision
+from mixprec.experts import adapter, grouped
 from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.grouped import grouped_mm
 from mixprec.experts.hook import _projections, experts_modules
@@ -164,8 +165,6 @@ def _one_experts(shape: ExpertsShape, module: nn.Module, fmt: str, recipe: Recip
                  device):
     """A copy of ``module`` in ``fmt`` behind a real engine on routing with the
     shape's counts, and the step to time (``timing.layer_costs``' ``build``)."""
-    from mixprec.engine.facade import MixedPrecision
-
     m = copy.deepcopy(module).float().to(device)
     for proj in _projections(m):
         m.__dict__.pop(f"{proj}_fp8", None)
@@ -183,11 +182,9 @@ def _one_experts(shape: ExpertsShape, module: nn.Module, fmt: str, recipe: Recip
     route = "native"
     f8 = getattr(m, "down_proj_fp8", None)
     if isinstance(f8, ExpertsFormat):
-        from mixprec.experts.grouped import _route
-
         w = m.down_proj
         n, k = (w.shape[2], w.shape[1]) if m.is_transposed else (w.shape[1], w.shape[2])
-        route = _route("auto", f8, torch.device(device), k, n)
+        route = grouped._route("auto", f8, torch.device(device), k, n)
         route = f8.backend(device) if route == "loop" else route
 
     return (*timed_step(engine, model, (x, index, weights), dy, device), route)

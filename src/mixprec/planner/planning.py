@@ -42,12 +42,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.memory.units import parse_bytes
 from mixprec.planner.choose import STATE_ORDER, Config, Layer, choose, step_parts
 from mixprec.planner.progress import LOSS_STAGE, ProgressFn, Tracker
 from mixprec.planner.survey import Survey, forward_loss, survey
 from mixprec.planner.table import kept_because, render
 from mixprec.planner.timing import BF16, device_key
 from mixprec.recipe import LINEAR_PRESETS, Recipe
+from mixprec.recipe.layer_rules import LAYER_FORMATS
 
 __all__ = ["plan", "plan_from", "Plan", "PlanRow", "CANDIDATES", "DEFAULT_MIN_SQNR"]
 
@@ -189,8 +191,6 @@ def plan(model: nn.Module, sample_batch: Any, *, goal: str = "fastest",
             done: the stage, how far it is, and the estimate of the whole plan (from
             one training step and the first Linear shape, measured).
     """
-    from mixprec.memory.units import parse_bytes
-
     b = Recipe.coerce(base)
     formats = tuple(dict.fromkeys(formats))
     state_formats = tuple(state_formats)
@@ -262,8 +262,6 @@ def _coverage(sv: Survey, rows: tuple[PlanRow, ...]
 
 
 def _check_args(b: Recipe, goal, formats, state_formats, max_loss, min_sqnr) -> None:
-    from mixprec.recipe.layer_rules import LAYER_FORMATS
-
     if goal not in ("fastest", "smallest"):
         raise ValueError(f"plan: goal={goal!r}; valid: fastest, smallest")
     if b.precision.compute not in ("bf16",) or b.layers:

@@ -18,16 +18,16 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixprec.engine.facade import MixedPrecision
+from mixprec.memory import measure
+from mixprec.optim import adamw_for
 from mixprec.recipe import Recipe
-
-if TYPE_CHECKING:
-    from mixprec.engine.facade import MixedPrecision
 
 __all__ = ["call_loss", "default_loss", "measure_step", "measure_steps", "step_engine",
            "each_step", "first_step"]
@@ -124,9 +124,6 @@ def step_engine(model: nn.Module, recipe: Recipe, fp8_filter: Callable | None = 
     """A ``MixedPrecision`` engine on ``model`` under ``recipe`` with the recipe's
     AdamW (its warnings silenced); ``fp8_filter`` picks the Linears an fp8 recipe
     converts."""
-    from mixprec.engine.facade import MixedPrecision
-    from mixprec.optim import adamw_for
-
     opt = adamw_for(recipe, list(model.named_parameters()), lr=lr)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -152,8 +149,6 @@ def measure_steps(model: nn.Module, runs: Sequence[tuple[Recipe, Callable | None
     one copy of ``model`` per run, each stepped once untimed, then ``steps`` rounds of
     one timed step of each copy, the copies' order reversed every round. The median
     step of each copy, and its peak measured after the rounds (``measure_step``)."""
-    from mixprec.memory import measure
-
     if steps < 1:
         raise ValueError(f"measure_steps: steps={steps!r} times nothing; pass steps >= 1")
     copies = []

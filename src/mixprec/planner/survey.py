@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from mixprec.engine.coverage import coverage, step_flops
+from mixprec.fp8.convert import plan as convert_plan
 from mixprec.planner.choose import (
     Baselines,
     Config,
@@ -344,8 +345,6 @@ def _shapes(model, names, batch, loss_fn) -> dict[str, tuple[int, int, int, bool
 
 def _fixed_reasons(model) -> dict[str, str]:
     """The Linears no fp8 format can take (dims, subclasses), with the reason."""
-    from mixprec.fp8.convert import plan as convert_plan
-
     return {fqn: why for fqn, _, why in convert_plan(model, filter=lambda m, n: True)
             if why is not None}
 

@@ -32,16 +32,17 @@ import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from mixprec.diagnostics.noise import NOISY_SPREAD, spread
+from mixprec.engine import devices as kernels
+from mixprec.engine.facade import MixedPrecision
+from mixprec.fp8.linear import fp8_modules
+from mixprec.memory.ledger import high_water
+from mixprec.optim import AdamW
 from mixprec.recipe import Recipe
-
-if TYPE_CHECKING:
-    from mixprec.engine.facade import MixedPrecision
 
 __all__ = ["LayerCost", "Shape", "layer_costs", "state_step_costs", "device_key", "clear_cache",
            "recipe_for_format", "BF16", "max_speedup", "disagreements", "noise_report",
@@ -116,8 +117,6 @@ def max_speedup(route: str, recipe: Recipe, device: torch.device | str) -> float
     they are the same GEMM, else their measured throughput ratio
     (``mixprec.engine.devices.relative_speed``), and never below 1. Other routes (fp8 tensor
     cores, ``scaled_mm``) have no such bound: inf."""
-    from mixprec.engine import devices as kernels
-
     gemm = _ROUTE_GEMM.get(route)
     if gemm is None:
         return math.inf
@@ -259,9 +258,6 @@ def _write(path, costs: dict[str, LayerCost]) -> None:
 
 def _one_linear(shape: Shape, fmt: str, recipe: Recipe, device):
     """A one-Linear model in ``fmt`` behind a real engine, and the step to time."""
-    from mixprec.engine.facade import MixedPrecision
-    from mixprec.fp8.linear import fp8_modules
-
     d_in, d_out, tokens, bias = shape
     g = torch.Generator().manual_seed(0)
     lin = nn.Linear(d_in, d_out, bias=bias)
@@ -297,8 +293,6 @@ def timed_step(engine: MixedPrecision, model: nn.Module, inputs: tuple, dy: torc
             p.grad = None
 
     def high() -> int:
-        from mixprec.memory.ledger import high_water
-
         return high_water(step, device)
 
     return step, lambda: saved_bytes(engine, model, *inputs), high
@@ -385,8 +379,6 @@ def state_step_costs(shapes: Iterable[tuple[int, ...]], formats: Iterable[str],
     re-rounding of codes near a tie (``mixprec.optim.states``) finds nothing after
     the first step and skips its work, and such a step timed 20% faster than the
     model's own."""
-    from mixprec.optim import AdamW
-
     dev = torch.device(device)
     names = ["fused", *dict.fromkeys(formats)]
     out: dict[tuple[str, tuple[int, ...]], float] = {}

@@ -43,12 +43,13 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from mixprec.optim import state_formats
+from mixprec.formats import state_formats
+from mixprec.recipe.presets import LINEAR_PRESETS
 
 __all__ = ["LayerRule", "STATE_RULE_FORMATS", "RULE_KINDS",
            "parse_rule", "first_match", "owner_of", "layer_formats"]
 
-#: what a ``states:`` rule may set (``mixprec.optim.state_formats``' registry)
+#: what a ``states:`` rule may set (``mixprec.formats.state_formats``' registry)
 STATE_RULE_FORMATS = state_formats.names()
 RULE_KINDS = ("layer", "states")
 
@@ -92,8 +93,6 @@ class LayerRule:
 
 def layer_formats() -> tuple[str, ...]:
     """What a ``layer:`` rule may set: ``bf16``, or a preset with a Linear format."""
-    from mixprec.recipe.presets import LINEAR_PRESETS  # the recipe package imports this
-
     return ("bf16", *LINEAR_PRESETS)
 
 

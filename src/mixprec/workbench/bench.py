@@ -44,8 +44,10 @@ import torch
 from torch import nn
 
 from mixprec.diagnostics.noise import agreement
-from mixprec.engine.context import make_emulation_mode
+from mixprec.engine.context import autocast_dtype, make_emulation_mode
 from mixprec.engine.facade import MixedPrecision
+from mixprec.fp8.linear import fp8_modules
+from mixprec.memory import measure
 from mixprec.optim import adamw_for
 from mixprec.recipe import Recipe
 from mixprec.workbench.model import GPT, SIZES
@@ -114,9 +116,6 @@ def _recipe_row(r: str, build, loss_of, dev: torch.device, tokens: int,
     allocator's peak over the phase (None on the CPU); ``fp8_routes``: how many fp8
     Linears took each GEMM route (``Float8Linear.backend``); ``peak_parts``: the GEMMs
     the peak is measured on (``workbench.peaks``), each measured once per ``memo``."""
-    from mixprec.fp8.linear import fp8_modules
-    from mixprec.memory import measure
-
     rec = Recipe.coerce(r)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -201,8 +200,6 @@ def _torchao_loop(model: nn.Module, converted: nn.Module, engine: MixedPrecision
     ``converted``, the autocast ``engine`` runs the other layers in, torch's fused
     AdamW."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    from mixprec.engine.context import autocast_dtype
 
     names = {n for n, mod in converted.named_modules() if type(mod).__name__ == "Float8Linear"}
     with warnings.catch_warnings():

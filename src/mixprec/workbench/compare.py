@@ -31,8 +31,12 @@ from pathlib import Path
 
 import torch
 
+from mixprec.diagnostics import doctor
 from mixprec.diagnostics.findings import Finding
 from mixprec.recipe import Recipe
+from mixprec.workbench.data import load_corpus, sample_batch
+from mixprec.workbench.model import GPT, SIZES
+from mixprec.workbench.planning import resolve_entry
 from mixprec.workbench.report import write_report
 from mixprec.workbench.train import TrainConfig, TrainResult, train
 
@@ -137,8 +141,6 @@ def _finish(entries: dict, results: dict, walls: dict, findings: dict, scenario,
 def _entries(recipes: list[str], size, batch, seq, seed) -> dict:
     """``{label: (recipe string, plan or None)}``; every recipe is checked and every
     plan made or loaded before any training."""
-    from mixprec.workbench.planning import resolve_entry
-
     out: dict = {}
     for entry in recipes:
         label, r, p = resolve_entry(entry, size=size, batch=batch, seq=seq, seed=seed)
@@ -156,10 +158,6 @@ def _slug(recipe: str) -> str:
 def _doctor(label: str, results: dict, steps: int, plan=None) -> list[dict]:
     """The doctor's findings on ``label``'s recipe (or its plan), on a fresh model of
     the run's size and the run's data, and ``slow_step_findings`` against fp32."""
-    from mixprec.diagnostics import doctor
-    from mixprec.workbench.data import load_corpus, sample_batch
-    from mixprec.workbench.model import GPT, SIZES
-
     cfg = results[label].config
     mcfg = dataclasses.replace(SIZES[cfg.size], seq_len=cfg.seq_len)
     corpus = load_corpus(max_bytes=200_000, seed=cfg.seed)

@@ -22,19 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from mixprec.engine.devices import best_time, matmul_gflops
+from mixprec.engine.devices import KernelChoices, best_time, matmul_gflops
 from mixprec.engine.fp32_precision import ieee_fp32_matmul, tf32
 from mixprec.formats import elements as formats
+from mixprec.fp8.linear import fp8_modules
+from mixprec.fp8.quantizers import Quantizer, quantizer_for
 from mixprec.recipe import Recipe
-
-if TYPE_CHECKING:
-    from mixprec.engine.devices import KernelChoices
-    from mixprec.fp8.quantizers import Quantizer
 
 __all__ = ["peak_gflops", "peak_parts", "combined_peak", "dense_kind", "dense_gflops",
            "fp8_gflops"]
@@ -96,9 +93,6 @@ def peak_parts(device: str, recipe: Recipe | str, kernels: KernelChoices | None 
     between rows. A route whose GEMM raises when timed (a kernel this device lacks,
     reported as taken) reads NaN GFLOP/s with its ``"error"``, so the row shows it
     instead of the benchmark losing every row."""
-    from mixprec.fp8.linear import fp8_modules
-    from mixprec.fp8.quantizers import quantizer_for
-
     r = Recipe.coerce(recipe)
     if model is not None and not (tokens > 0 and flops > 0):
         raise ValueError(f"peak of a model's step: tokens={tokens} and flops={flops} must "

@@ -36,6 +36,7 @@ import torch
 from mixprec.checkpoint.core import CheckpointError, load_checkpoint, save_atomic
 from mixprec.diagnostics.noise import Agreement, agreement
 from mixprec.engine.facade import MixedPrecision
+from mixprec.memory import measure
 from mixprec.optim import adamw_for
 from mixprec.recipe import Recipe
 from mixprec.workbench.data import load_corpus, sample_batch, val_batches
@@ -261,8 +262,6 @@ def train(cfg: TrainConfig, out: str | Path | None = None, *, resume: bool = Fal
             if sink is not None:
                 sink.close()
     if measure_memory:
-        from mixprec.memory import measure
-
         x, y = sample_batch(corpus.train, cfg.batch, cfg.seq_len,
                             torch.Generator().manual_seed(12345))
         result.memory = measure(model, engine, (x.to(dev), y.to(dev))).items

@@ -51,7 +51,8 @@ from mixprec.fp8.scaling import nan_if_not_finite
 from mixprec.fp8.tp_agree import Agreement, agreed_amax
 
 __all__ = ["Int8Rowwise", "cast_int8_rowwise", "int8_gemm", "int_mm_refusal",
-           "shape_class", "INT8_MAX", "EXACT_CHUNK", "INT8_CAPABILITY"]
+           "shape_class", "register_measured_int8", "INT8_MAX", "EXACT_CHUNK",
+           "INT8_CAPABILITY"]
 
 #: the largest code: symmetric, so -128 is never used
 INT8_MAX = 127
@@ -152,13 +153,20 @@ def shape_class(m: int, k: int, n: int) -> tuple[int, int, int]:
 
 
 #: ``auto`` on a CPU, ``(device, shape class) -> bool``: whether ``torch._int_mm`` is
-#: faster there than the exact route. ``mixprec.engine.devices`` (above this module) sets it
-#: when imported, from its readings (``int8_reading``).
+#: faster there than the exact route. ``mixprec.engine.devices`` (above this module)
+#: registers it when imported, from its readings (``int8_reading``).
 measured_int8: Callable[[torch.device, tuple[int, int, int]], bool] | None = None
 
 
+def register_measured_int8(fn: Callable[[torch.device, tuple[int, int, int]], bool]) -> None:
+    """Make ``fn`` (``(device, shape class) -> bool``) the measured ``auto`` of the int8
+    GEMM on a CPU (``measured_int8``)."""
+    global measured_int8
+    measured_int8 = fn
+
+
 def _faster(dev: torch.device, m: int, k: int, n: int) -> bool:
-    if measured_int8 is None:  # importing mixprec imports mixprec.engine.devices, which sets it
+    if measured_int8 is None:  # importing mixprec imports mixprec.engine.devices: it registers
         raise RuntimeError("mixprec.fp8.formats.int8.measured_int8 is unset: "
                            "import mixprec")
     return measured_int8(dev, shape_class(m, k, n))
@@ -189,7 +197,7 @@ class Int8Rowwise(LinearFormat):
     kernel: ClassVar[None] = None
     #: ``fp8_all_gather`` is refused: FSDP2 gathers its weights in 16 bits
     gathers_casts: ClassVar[bool] = False
-    segment_kind: ClassVar[str | None] = "int8"
+    segment_kind: ClassVar[str | None] = "int8-rows"
 
     def dtype(self, role: str) -> torch.dtype:
         """int8, every role."""
