@@ -262,7 +262,7 @@ done
 step grouped "$WORK/grouped.log" "$PY" benchmarks/gpu_grouped.py --device "$DEV" \
   "${GROUPED_ARGS[@]}" --budget "$(($(box_of grouped) - 3))" --out "$OUT/bench.jsonl"
 
-mapfile -t CUDA_FILES < <(grep -l "mark\.cuda" tests/test_*.py)
+mapfile -t CUDA_FILES < <(grep -rl --include="test_*.py" "mark\.cuda" tests | sort)
 if [ "${#CUDA_FILES[@]}" -gt 0 ]; then
   step tests "$OUT/tests.log" env PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" "$PY" -m pytest \
     -q -rA -m cuda --continue-on-collection-errors -p no:cacheprovider \

@@ -17,7 +17,8 @@ accelerate = pytest.importorskip("accelerate")
 
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
-from conftest import free_port  # noqa: E402
+from helpers.launch import free_port  # noqa: E402
+from helpers.paths import ROOT  # noqa: E402
 from mixprec import MixedPrecision  # noqa: E402
 from mixprec.integrations.accelerate import prepare  # noqa: E402
 from mixprec.workbench import GPT, GPTConfig  # noqa: E402
@@ -25,7 +26,6 @@ from mixprec.workbench import GPT, GPTConfig  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 CFG = GPTConfig(vocab=64, seq_len=32, n_layers=2, d_model=64, n_heads=4)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)

@@ -6,14 +6,14 @@ import importlib
 import inspect
 from collections.abc import Callable, Iterator
 
-from test_docs_site import _modules_with_all
+from helpers.source import modules_with_all
 
 
 def _public_functions() -> Iterator[tuple[str, Callable]]:
     """``(qualified name, function)`` for each public function of the public modules
     (``__all__``) and each non-underscore method, property and ``__init__`` of their
     public classes; only objects defined in the module itself, not re-exports."""
-    for m in _modules_with_all():
+    for m in modules_with_all():
         mod = importlib.import_module(m)
         for n in mod.__all__:
             obj = getattr(mod, n)

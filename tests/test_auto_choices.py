@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import mixprec.kernels as k
-from conftest import mlp, set_speeds, tiny_gpt
+from helpers.models import mlp, tiny_gpt
+from helpers.speeds import set_speeds
 from mixprec import MixedPrecision, Recipe
 from mixprec.diagnostics import doctor
 from mixprec.fp8.linear import Float8Linear

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dist_workers as w
-from test_distributed import spawn
+from helpers import dist_workers as w
+from helpers.ranks import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import mlp, set_speeds
+from helpers.models import mlp
+from helpers.speeds import set_speeds
 from mixprec import MixedPrecision
 from mixprec.checkpoint import (
     CheckpointError,

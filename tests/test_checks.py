@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import mlp
+from helpers.models import mlp
 from mixprec.checks import (
     check_backward,
     check_fp8_filter,

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import mlp, tiny_gpt
+from helpers.models import mlp, tiny_gpt
 from mixprec import MixedPrecision, Recipe
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

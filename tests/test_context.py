@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import LlamaRMSNorm, set_speeds
+from helpers.models import LlamaRMSNorm
+from helpers.speeds import set_speeds
 from mixprec import precision_context
 from mixprec.context import fp32_island_modules, wrap_fp32_modules
 

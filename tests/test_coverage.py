@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import re
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from helpers.paths import ROOT
 from mixprec import MixedPrecision
 from mixprec.coverage import coverage
 
@@ -76,7 +76,10 @@ def test_coverage_by_flops_weights_experts_by_their_routed_tokens():
     and router ``2 · 64 · params``, each experts projection ``2 · 128 pairs · its
     params per expert``."""
     pytest.importorskip("transformers")
-    from test_experts_plan import TOKENS, _batch, _model, _skew
+    from helpers.moe_models import SKEWED_TOKENS as TOKENS
+    from helpers.moe_models import skewed_batch as _batch
+    from helpers.moe_models import skewed_model as _model
+    from helpers.moe_models import skewed_routing as _skew
 
     model = _model("mixtral")
     _skew(model)
@@ -153,7 +156,7 @@ def test_a_long_kept_list_says_how_many_more_it_leaves_out():
 
 def test_the_guides_coverage_example_prints_what_the_guide_shows(capsys):
     """docs/guides/your-loop.md: its example's block, run, prints its text block."""
-    page = (Path(__file__).resolve().parents[1] / "docs/guides/your-loop.md").read_text()
+    page = (ROOT / "docs/guides/your-loop.md").read_text()
     code, shown = re.search(r"```python\n(net = .*?)```\n\n```text\n(.*?)```", page, re.S).groups()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the low-coverage warning, which the guide names

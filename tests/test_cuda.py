@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import pattern_losses
+from helpers.models import pattern_losses
 from mixprec import MixedPrecision, formats
 from mixprec.fp8 import Float8Linear, fp8_gemm
 from mixprec.fp8.scaling import cast_to_fp8

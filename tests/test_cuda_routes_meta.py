@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers.meta_linear import meta_linear_step
 from mixprec.fp8 import Float8Linear
 from mixprec.fp8.gemm import fp8_gemm
 
@@ -82,21 +83,6 @@ def test_block_scaled_linear_passes_the_meta_kernels(recipe, tokens, shape):
     strides (1×128: outer-dim-major; 128×128: (L4, N/128)) and swizzled sizes of
     every GEMM: K and N not multiples of 128, tokens of 1, 30 and 1000."""
     meta_linear_step(recipe, shape, tokens)
-
-
-def meta_linear_step(recipe: str, shape: tuple[int, int], tokens: int) -> Float8Linear:
-    """A Float8Linear of ``shape`` (in, out) on meta tensors on the ``scaled_mm`` route:
-    forward and backward of ``tokens`` tokens, every output's shape and dtype checked."""
-    d_in, d_out = shape
-    f8 = Float8Linear.from_linear(nn.Linear(d_in, d_out), recipe).to("meta")
-    assert f8.backend == "scaled_mm"
-    x = torch.empty(tokens, d_in, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    y = f8(x)
-    y.sum().backward()
-    assert (y.shape, y.dtype) == ((tokens, d_out), torch.bfloat16)
-    assert (x.grad.shape, x.grad.dtype) == ((tokens, d_in), torch.bfloat16)
-    assert (f8.weight.grad.shape, f8.weight.grad.dtype) == ((d_out, d_in), torch.float32)
-    return f8
 
 
 @pytest.mark.parametrize("tokens", [1, 30, 1000])

@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import EPYC_LOADED, EPYC_ONE_THREAD, set_speeds, tiny_gpt
+from helpers.doctor_models import Scale, batches, mlp_factory
+from helpers.models import tiny_gpt
+from helpers.speeds import EPYC_LOADED, EPYC_ONE_THREAD, set_speeds
 from mixprec.diagnostics import (
     NumericsMonitor,
     audit_dtypes,
@@ -21,15 +23,6 @@ from mixprec.diagnostics import (
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-class Scale(nn.Module):
-    def __init__(self, k: float) -> None:
-        super().__init__()
-        self.k = k
-
-    def forward(self, x):
-        return x * self.k
-
-
 class Offset(nn.Module):
     def __init__(self, c: float = 300.0) -> None:
         super().__init__()
@@ -37,28 +30,6 @@ class Offset(nn.Module):
 
     def forward(self, x):
         return x + self.c
-
-
-def mlp_factory(middle: nn.Module | None = None, d: int = 64):
-    def make():
-        torch.manual_seed(0)
-        layers = [nn.Linear(16, d), nn.GELU()]
-        if middle is not None:
-            layers.append(middle)
-        layers.append(nn.Linear(d, 4))
-        return nn.Sequential(*layers)
-    return make
-
-
-def batches(scale: float = 1.0):
-    g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))
-            for _ in range(20)]
-
-    def fn(model, step):
-        x, y = data[step % len(data)]
-        return F.cross_entropy(model(x), y) * scale
-    return fn
 
 
 def test_a_overflowing_layer_is_named_as_the_origin():

@@ -3,37 +3,18 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-import dist_workers as w
+from helpers import dist_workers as w
+from helpers.paths import ROOT
+from helpers.ranks import spawn
 from mixprec import MixedPrecision
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def spawn(fn, *args, world=2):
-    tmp = tempfile.mkdtemp(prefix="mixprec-dist-")
-    mp.start_processes(fn, args=(world, tmp, *args), nprocs=world, join=True,
-                       start_method="forkserver")  # preloaded: see conftest.py
-    name = {"equivalence": "equivalence", "rank_local_inf": "inf", "fp8_outlier": "fp8",
-            "fp16_comm": "fp16", "resume": "resume", "frozen_stateful": "frozen",
-            "unused_head": "unused", "gpt_fsdp": "gpt", "freed": "freed",
-            "reshard": "reshard", "fsdp_units": "units",
-            "reshardable_save": "reshardable", "reshardable_load": "reshardable",
-            "lean_ddp": "lean", "lean_fsdp": "leanfsdp",
-            "sharded_optimizer": "shardopt", "fp8_gather": "fp8gather",
-            "gpt_fp8_gather": "gptfp8", "disagreeing_choices": "choices",
-            "cast_gather": "castgather",
-            "resume_dropout": "dropout", "door_writers": "door",
-            "accum_windows": "windows"}[fn.__name__]
-    return [torch.load(os.path.join(tmp, f"{name}_rank{r}.pt"), weights_only=False)
-            for r in range(world)]
 
 
 def _max_rel(a, b):
@@ -344,7 +325,7 @@ def test_example_script_resumes_across_world_sizes_and_layouts(tmp_path):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     ckpt = str(tmp_path / "ck.pt")
     outputs = []
     for nproc, parallel in ((2, "ddp"), (2, "fsdp"), (1, "ddp")):

@@ -10,11 +10,11 @@ import importlib
 import inspect
 import pkgutil
 import re
-from pathlib import Path
 
 import pytest
 
 import mixprec
+from helpers.paths import ROOT
 
 MODULES = sorted(m.name for m in pkgutil.walk_packages(mixprec.__path__, "mixprec.")
                  if not m.name.endswith("__main__"))
@@ -59,7 +59,6 @@ def test_docstring_examples_exist_on_the_entry_points():
 
 # --- the pages agree: what one page documents as working, no page calls refused or missing
 
-ROOT = Path(__file__).resolve().parents[1]
 #: the pages a reader meets (the changelog is history: what an old version lacked)
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")
                               if p.name != "changelog.md")]

@@ -12,25 +12,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs"
-# implementation rooms: public to the code's structure, not to users (the API page
-# documents what users call; these are reached through it)
-INTERNAL = {"mixprec.checks", "mixprec.comm", "mixprec.master", "mixprec.parallel",
-            "mixprec.setup", "mixprec.step", "mixprec.recipe_rules",
-            "mixprec.integrations._proxies"}
-
-
-def _modules_with_all() -> list[str]:
-    out = []
-    for p in sorted((ROOT / "src" / "mixprec").rglob("*.py")):
-        if "__all__" not in p.read_text():
-            continue
-        parts = p.relative_to(ROOT / "src").with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        if not name.startswith("mixprec.cli") and name not in INTERNAL:
-            out.append(name)
-    return out
+from helpers.paths import DOCS, ROOT
+from helpers.source import modules_with_all
 
 
 def _api_modules() -> list[str]:
@@ -51,7 +34,7 @@ def test_generated_reference_pages_match_the_code():
 
 def test_every_public_module_is_on_the_api_page():
     listed = set(_api_modules())
-    missing = [m for m in _modules_with_all() if m not in listed]
+    missing = [m for m in modules_with_all() if m not in listed]
     assert not missing, f"add '::: NAME' to docs/reference/api.md for {missing}"
 
 

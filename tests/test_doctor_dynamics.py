@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers.doctor_models import Scale, batches, mlp_factory
 from mixprec.diagnostics import doctor
 from mixprec.diagnostics.dynamics import (
     DIVERGE_FACTOR,
@@ -18,7 +19,6 @@ from mixprec.diagnostics.dynamics import (
     audit_dynamics,
     divergence,
 )
-from test_diagnostics import Scale, batches, mlp_factory
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

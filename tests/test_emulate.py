@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import cnn, pattern_losses, require_cpu_scaled_mm, tiny_gpt
+from helpers.models import cnn, pattern_losses, tiny_gpt
+from helpers.speeds import require_cpu_scaled_mm
 from mixprec import MixedPrecision, formats, precision_context
 from mixprec.emulate import EmulationMode, mx_quantize, mx_scales
 from mixprec.fp8 import fp8_gemm

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec.optim
-from conftest import TiedLM, cnn, mlp, pattern_losses, set_speeds, tiny_gpt
+from helpers.models import TiedLM, cnn, mlp, pattern_losses, tiny_gpt
+from helpers.speeds import set_speeds
 from mixprec import PRESETS, MixedPrecision, Recipe, SkipLimitError
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 compute on the CPU:UserWarning",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.paths import ROOT
 from mixprec.experts import ExpertsFormat, grouped_mm
 from mixprec.experts import scaled_grouped as sg
 from mixprec.fp8.linear import Float8Linear
@@ -261,11 +262,10 @@ def test_the_guides_own_moe_example_runs_and_trains_under_the_engine():
     """docs/guides/moe.md's module, as a user copies it, under an engine whose step
     updates its delayed scaling like a Float8Linear's."""
     import re
-    from pathlib import Path
 
     from mixprec import MixedPrecision
 
-    page = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "moe.md").read_text()
+    page = (ROOT / "docs" / "guides" / "moe.md").read_text()
     code = next(b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "class MoE" in b)
     ns: dict = {}
     exec(code, ns)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_grouped_model import CudaCheckError, CudaGroupedModel, stand_in
+from helpers.cuda_grouped_model import CudaCheckError, CudaGroupedModel, stand_in
 from mixprec.experts import ExpertsFormat, grouped_mm
 from mixprec.experts.gather_casts import ExpertsCasts, _send_experts
 

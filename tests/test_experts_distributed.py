@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import moe_dist_workers as w
+from helpers import moe_dist_workers as w
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.long, pytest.mark.filterwarnings("ignore")]

@@ -27,8 +27,8 @@ def one_rank_group():
 def _one_step(recipe):
     """One FSDP2 step of a tiny Mixtral on one rank: the model, the engine, the
     warnings, the weights' all-gather bytes by dtype and the trained weights."""
+    from helpers.moe_models import model
     from mixprec import MixedPrecision
-    from moe_helpers import model
 
     m = model("mixtral")
     with warnings.catch_warnings(record=True) as caught:
@@ -213,7 +213,7 @@ def _refuse(self):
 def _spawn(world, cases):
     import torch.multiprocessing as mp
 
-    import moe_dist_workers as w
+    from helpers import moe_dist_workers as w
 
     tmp = tempfile.mkdtemp(prefix="mixprec-moe-gather-")
     mp.start_processes(w.gathered, args=(world, tmp, cases), nprocs=world, join=True,
@@ -260,7 +260,7 @@ def test_ranks_gathering_experts_codes_train_as_without_fp8_all_gather(world, ca
     bit those without ``fp8_all_gather``; a checkpoint of FSDP's shards resumes the
     last step bit for bit in an engine built from other weights. GPT-OSS's in × out
     experts in MXFP8 are gathered whole instead: warned once, recorded, and the same."""
-    import moe_dist_workers as w
+    from helpers import moe_dist_workers as w
 
     ranks = _spawn(world, [(k, r + _ON) for k, r in cases] + cases)
     per = -(-4 // world)  # experts a rank sends (the tiny models have 4)

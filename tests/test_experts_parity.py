@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-import moe_helpers
+from helpers import moe_models
 from mixprec import MixedPrecision
 from mixprec.experts import experts_formats
 
@@ -23,11 +23,11 @@ STEPS, LR = 50, 3e-3
 
 @functools.cache
 def _losses(kind: str, recipe: str) -> tuple[float, ...]:
-    model = moe_helpers.model(kind)
+    model = moe_models.model(kind)
     engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=LR), recipe)
     if recipe != "bf16-master":
         assert len(experts_formats(model)) == 4  # the experts run in the format
-    return tuple(moe_helpers.train(model, engine, moe_helpers.markov_batches(STEPS)))
+    return tuple(moe_models.train(model, engine, moe_models.markov_batches(STEPS)))
 
 
 # measured (AMD EPYC, torch 2.13 CPU): fp8-current -0.55%, nvfp4 -0.10%; every family and
@@ -36,5 +36,5 @@ def _losses(kind: str, recipe: str) -> tuple[float, ...]:
 def test_fifty_steps_end_within_2_percent_of_bf16_master(kind, recipe):
     ref, got = _losses(kind, "bf16-master"), _losses(kind, recipe)
     tail_ref, tail = sum(ref[-5:]) / 5, sum(got[-5:]) / 5
-    assert tail_ref < 0.75 * math.log(moe_helpers.VOCAB)  # it learned the chain (floor ln 4 = 1.39)
+    assert tail_ref < 0.75 * math.log(moe_models.VOCAB)  # it learned the chain (floor ln 4 = 1.39)
     assert abs(tail - tail_ref) <= 0.02 * tail_ref, (tail, tail_ref)

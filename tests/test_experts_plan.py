@@ -11,6 +11,11 @@ import pytest
 import torch
 
 import mixprec
+from helpers.moe_models import SKEWED_TOKENS as TOKENS
+from helpers.moe_models import skewed_batch as _batch
+from helpers.moe_models import skewed_model as _model
+from helpers.moe_models import skewed_routing as _skew
+from helpers.plan_timing import fixed_timing
 from mixprec.experts import hook as experts_hook
 from mixprec.experts.hook import convert_experts, experts_modules
 from mixprec.optim import adamw_for
@@ -18,40 +23,13 @@ from mixprec.planner import experts as planner_experts
 from mixprec.planner import survey as planner_survey
 from mixprec.planner.planning import Plan
 from mixprec.planner.timing import BF16, LayerCost, clear_cache
-from plan_helpers import fixed_timing
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-TOKENS = 64  # 4 sequences of 16
 #: the forced routing below sends expert 0 every token, expert 1 five in eight,
 #: expert 2 two in eight, expert 3 one in eight: counted by hand
 SKEWED = (64, 40, 16, 8)
-
-
-def _model(kind: str):
-    from test_experts_transformers import _model as build
-
-    return build(kind)
-
-
-def _skew(model) -> None:
-    """Every router picks experts 0 and 1 + (0, 0, 0, 0, 0, 1, 1, 2)[token % 8]."""
-    second = torch.tensor([1, 1, 1, 1, 1, 2, 2, 3]).repeat(TOKENS // 8)
-    index = torch.stack([torch.zeros(TOKENS, dtype=torch.long), second], dim=1)
-
-    def force(mod, args, out):
-        logits, scores, _ = out
-        return logits, scores, index
-
-    for name, m in model.named_modules():
-        if name.endswith("mlp.gate"):
-            m.register_forward_hook(force)
-
-
-def _batch():
-    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
-    return {"input_ids": ids, "labels": ids}
 
 
 def _loss(m, b):

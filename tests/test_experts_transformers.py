@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-import moe_helpers
+from helpers import moe_models
 from mixprec import MixedPrecision
 from mixprec.experts import experts_formats
 from mixprec.experts.hook import IMPLEMENTATION, convert_experts
@@ -23,12 +23,12 @@ from mixprec.experts.hook import IMPLEMENTATION, convert_experts
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-MODELS = list(moe_helpers.MODELS)
+MODELS = list(moe_models.MODELS)
 RECIPES = ["fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4"]
 
 
 def _model(kind: str, seed: int = 0):
-    return moe_helpers.model(kind, seed, experts_std=0.05)
+    return moe_models.model(kind, seed, experts_std=0.05)
 
 
 def _routing(tokens: int = 24, seed: int = 0):

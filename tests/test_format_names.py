@@ -5,9 +5,8 @@ the presets, no module of mixprec names a scaling or a Linear preset in code, no
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "mixprec"
+from helpers.paths import SRC
 
 #: where names may appear: each format's file and the registry, and the preset list
 ALLOWED = {*(p.relative_to(SRC).as_posix() for p in (SRC / "fp8" / "formats").glob("*.py")),

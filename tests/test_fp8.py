@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import TiedLM, require_cpu_scaled_mm, tiny_gpt
+from helpers.models import TiedLM, tiny_gpt
+from helpers.speeds import require_cpu_scaled_mm
 from mixprec import MixedPrecision, formats
 from mixprec.fp8 import Float8Linear, convert, fp8_gemm, update_delayed_scales
 from mixprec.fp8.scaling import cast_rowwise, cast_to_fp8

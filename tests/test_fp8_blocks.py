@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import pattern_losses, tiny_gpt
+from helpers.models import pattern_losses, tiny_gpt
 from mixprec import MixedPrecision, Recipe
 from mixprec.emulate import mx_quantize
 from mixprec.fp8 import Float8Linear

@@ -19,13 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import benchmark
+from helpers.paths import ROOT, benchmark
 from mixprec.recipe import Recipe
 from mixprec.workbench import GPT
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-ROOT = Path(__file__).resolve().parents[1]
 FILES = {"summary.txt", "tables.md", "preflight.jsonl", "tests.xml", "tests.log",
          "bench.jsonl", "nvidia-smi.csv", "rest.tar.gz"}
 NEEDS_TWO = ["tp", "fsdp", "ddp"]

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import dist_workers as w
+from helpers import dist_workers as w
+from helpers.ranks import spawn
 from mixprec import MixedPrecision
 from mixprec.step import Counters
-from test_distributed import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -12,7 +12,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers.Trainer needs it
 
-import hf_sharded  # noqa: E402  (tests/: the model and data both files train)
+from helpers import hf_sharded  # noqa: E402  (the model and data its torchrun run trains)
+from helpers.paths import HELPERS  # noqa: E402
 from mixprec import MixedPrecision  # noqa: E402
 from mixprec.integrations.transformers import MixedPrecisionTrainer  # noqa: E402
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def _model():
-    """A GPT2LMHeadModel from a small config (the one tests/hf_sharded.py trains)."""
+    """A GPT2LMHeadModel from a small config (the one tests/helpers/hf_sharded.py trains)."""
     return hf_sharded.model()
 
 
@@ -155,7 +156,8 @@ def test_trainer_ddp_on_two_cpu_processes_agrees_on_skips_and_weights(tmp_path):
     gives from different data."""
     import sys
 
-    from conftest import EXAMPLES, free_port, two_rank_records
+    from helpers.launch import free_port, two_rank_records
+    from helpers.paths import EXAMPLES
 
     rec = tmp_path / "run.json"
     r0, r1 = two_rank_records(
@@ -318,17 +320,16 @@ def test_resume_from_checkpoint_true_takes_the_latest_checkpoint(tmp_path):
 
 @pytest.fixture(scope="module")
 def sharded_records(tmp_path_factory):
-    """tests/hf_sharded.py under ``torchrun --nproc-per-node 2`` (gloo):
+    """tests/helpers/hf_sharded.py under ``torchrun --nproc-per-node 2`` (gloo):
     ``TrainingArguments(fsdp="full_shard")``, every scenario's record (rank 0's)."""
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    from conftest import free_port
+    from helpers.launch import free_port
 
     out = tmp_path_factory.mktemp("hf-sharded")
-    script = Path(__file__).with_name("hf_sharded.py")
+    script = HELPERS / "hf_sharded.py"
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                           "2", "--master-port", str(free_port()), str(script), str(out)],
                          cwd=out, env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -349,7 +350,7 @@ def test_trainer_fsdp_on_two_ranks_trains_as_one_process(sharded_records, recipe
     where one process of 8 does, within FSDP's tolerance; Trainer logs the same LR and
     grad_norm sequences. Under fp16-master rank 1's loss is inf at step 2: both ranks
     skip it and the linear schedule holds for exactly that step."""
-    import hf_sharded
+    from helpers import hf_sharded
 
     records, _ = sharded_records
     two = records[recipe]

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from conftest import EPYC_LOADED, EPYC_ONE_THREAD, set_speeds
+from helpers.speeds import EPYC_LOADED, EPYC_ONE_THREAD, set_speeds
 from mixprec import Recipe
 from mixprec.kernels import matmul_gflops, relative_speed
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import set_speeds
+from helpers.speeds import set_speeds
 from mixprec import MixedPrecision, Recipe
 from mixprec.diagnostics import fp8_ranges
 from mixprec.fp8 import Float8Linear, convert, layer_formats

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import mixprec.optim as mo
-from conftest import tiny_gpt
+from helpers.models import tiny_gpt
 from mixprec import MixedPrecision, Recipe
 from mixprec.memory import TransformerSpec, estimate, measure
 from mixprec.optim.states import state_bytes, stored_format
@@ -324,7 +324,7 @@ def test_estimate_prices_each_parameter_at_its_format_as_measured(recipe):
     if isinstance(model, nn.Sequential):
         _train(engine, model, 1)
     else:
-        from conftest import pattern_losses
+        from helpers.models import pattern_losses
 
         pattern_losses(engine, model, 1)
     got = measure(model, engine)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "mixprec"
+from helpers.paths import SRC
+
 #: the rooms that sit on top: they may import anything, nothing in the core imports them
 TOP = ("mixprec.cli", "mixprec.workbench", "mixprec.integrations", "mixprec.__main__")
 FORBIDDEN = TOP + ("rich", "matplotlib")

@@ -11,6 +11,7 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
+from helpers.paths import HELPERS  # noqa: E402
 from mixprec import MixedPrecision  # noqa: E402
 from mixprec.integrations.lightning import MixedPrecisionPlugin  # noqa: E402
 from mixprec.workbench import GPT, GPTConfig  # noqa: E402
@@ -191,7 +192,8 @@ def test_lightning_ddp_on_two_cpu_processes_agrees_on_skips_and_weights(tmp_path
     fp32 weights (sha256), which only a gradient reduction gives from different data."""
     import sys
 
-    from conftest import EXAMPLES, two_rank_records
+    from helpers.launch import two_rank_records
+    from helpers.paths import EXAMPLES
 
     out = tmp_path / "run.json"
     r0, r1 = two_rank_records(
@@ -276,7 +278,8 @@ def test_fabric_ddp_on_two_cpu_processes_agrees_on_skips_and_weights(tmp_path):
     ranks skip it and end with the same fp32 weights (sha256)."""
     import sys
 
-    from conftest import EXAMPLES, two_rank_records
+    from helpers.launch import two_rank_records
+    from helpers.paths import EXAMPLES
 
     rec = tmp_path / "run.json"
     r0, r1 = two_rank_records(
@@ -484,15 +487,14 @@ def test_model_checkpoint_files_hold_the_fp32_masters(tmp_path):
 
 @pytest.fixture(scope="module")
 def sharded_records(tmp_path_factory):
-    """tests/lightning_sharded.py on 2 gloo processes under ModelParallelStrategy: every
+    """tests/helpers/lightning_sharded.py on 2 gloo processes under ModelParallelStrategy: every
     scenario's record (rank 0's), and the checkpoint directory."""
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     out = tmp_path_factory.mktemp("sharded")
-    script = Path(__file__).with_name("lightning_sharded.py")
+    script = HELPERS / "lightning_sharded.py"
     run = subprocess.run([sys.executable, str(script), str(out)], cwd=out,
                          env={**os.environ, "OMP_NUM_THREADS": "1"},
                          capture_output=True, text=True, timeout=300)
@@ -501,7 +503,7 @@ def sharded_records(tmp_path_factory):
 
 
 def _one_process(recipe, poison=None):
-    import lightning_sharded as s
+    from helpers import lightning_sharded as s
 
     return s.fit(1, recipe, 6, poison=poison)
 
@@ -547,7 +549,7 @@ def test_model_parallel_strategy_checkpoints_resume_bit_for_bit(sharded_records,
         assert {"__0_0.distcp", "__1_0.distcp"} <= set(records["distributed-layout"])
         return
     # the file's weights are the gathered fp32 masters, keyed as the plain module's
-    import lightning_sharded as s
+    from helpers import lightning_sharded as s
 
     saved = torch.load(out / "ck.ckpt", weights_only=False)["state_dict"]
     plain = s.ShardedGPT(1, [])
@@ -566,7 +568,7 @@ def test_model_parallel_strategy_refusals_name_the_fix():
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import fully_shard
 
-    import lightning_sharded as s
+    from helpers import lightning_sharded as s
 
     before = dict(os.environ)  # Lightning writes MASTER_PORT and the ranks there
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TiedLM
+from helpers.models import TiedLM
 from mixprec import MixedPrecision
 from mixprec.cli import main
 from mixprec.memory import TransformerSpec, activation_bytes, estimate, measure, parse_count

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import memory_workers as w
+from helpers import memory_workers as w
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import benchmark
+from helpers.paths import benchmark
 from mixprec import MixedPrecision
 from mixprec.memory import measure
 from mixprec.recipe import PRESETS

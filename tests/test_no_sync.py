@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from conftest import tiny_gpt
-from host_reads import reads_replaced
+from helpers.host_reads import reads_replaced
+from helpers.models import tiny_gpt
 from mixprec import MixedPrecision, checks
 from mixprec.watch import HostMirror
 

@@ -19,9 +19,9 @@ import sys
 import pytest
 import torch
 
-import moe_helpers
-from cuda_grouped_model import stand_in
-from host_reads import MIXPREC, reads_replaced
+from helpers import moe_models
+from helpers.cuda_grouped_model import stand_in
+from helpers.host_reads import MIXPREC, reads_replaced
 from mixprec.experts import ExpertsFormat, grouped_mm
 from mixprec.experts import grouped as gr
 from mixprec.experts.hook import convert_experts
@@ -115,15 +115,15 @@ def test_a_transformers_moe_step_reads_nothing_on_the_host_in_its_experts(
     forward and backward) on the CUDA stand-in: mixprec's code reads nothing."""
     pytest.importorskip("transformers")
     monkeypatch.setattr(ExpertsFormat, "backend", lambda self, d: "scaled_mm")
-    model = moe_helpers.model("qwen3_moe")
+    model = moe_models.model("qwen3_moe")
     assert convert_experts(model, recipe)
-    idx = torch.randint(0, moe_helpers.VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(0, moe_models.VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
     reads = []
     with counted_host_reads(reads), torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(input_ids=idx[:, :-1], labels=idx[:, 1:]).loss
         loss.backward()
     assert reads == []
-    layers = moe_helpers.config("qwen3_moe").num_hidden_layers
+    layers = moe_models.config("qwen3_moe").num_hidden_layers
     assert [c.op for c in sm90.calls].count("_scaled_grouped_mm") == 2 * layers
     assert len(sm90.calls) == 6 * layers and all(c.fast for c in sm90.calls)
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-import no_sync_workers as w
-from test_tensor_parallel import spawn
+from helpers import no_sync_workers as w
+from helpers.ranks import spawn_tp as spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 import mixprec.optim as mo
+from helpers.paths import DATA
 from mixprec.optim.compat import decode_layout1
 from mixprec.optim.states import LAYOUT, decode
-
-DATA = Path(__file__).parent / "data"
 
 
 def _fixture():

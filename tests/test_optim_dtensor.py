@@ -13,7 +13,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-import optim_dtensor_workers as w
+from helpers import optim_dtensor_workers as w
+from helpers.ranks import max_rel as _max_rel
+from helpers.ranks import spawn_tp as spawn
 from mixprec import checks
 from mixprec.optim.kinds import (
     as_kind,
@@ -24,7 +26,6 @@ from mixprec.optim.kinds import (
     step_by_kind,
     unfuse_over_dtensors,
 )
-from test_tensor_parallel import _max_rel, spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import mixprec.optim as mo
-from conftest import mlp, pattern_losses, tiny_gpt
+from helpers.models import mlp, pattern_losses, tiny_gpt
 from mixprec import MixedPrecision, Recipe
 from mixprec.memory import estimate, measure
 from mixprec.optim.writes import join_remainder
@@ -151,8 +151,8 @@ def test_the_doctor_knows_each_write_rule():
     """AdamW at lr 1e-4 on bf16 weights near 1: nearest writes lose most updates; Kahan
     and remainder keep them beside the weight (not vanished); stochastic writes keep
     them in expectation and are never counted as lost."""
+    from helpers.doctor_models import batches, mlp_factory
     from mixprec import doctor
-    from test_diagnostics import batches, mlp_factory
 
     shares = {}
     for recipe in ("bf16,params=bf16", "bf16-kahan", "bf16-remainder", "bf16-sr"):

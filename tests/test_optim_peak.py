@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import benchmark
+from helpers.paths import benchmark
 
 
 def _bench():

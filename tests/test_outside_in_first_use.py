@@ -25,10 +25,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
 import mixprec
+from helpers.paths import ROOT
 from mixprec import MixedPrecision
 from mixprec.memory import estimate, param_count, spec_from_config
 
-ROOT = Path(__file__).resolve().parents[1]
 SRC = str(ROOT / "src")
 
 

@@ -338,11 +338,11 @@ def test_hf_layer_rules_pick_the_experts_format_inside_the_trainer(tmp_path):
 def test_hf_other_moe_families_resume_bit_for_bit_and_reload_plainly(family, tmp_path):
     """DeepSeek-V3 (a shared expert, grouped routing) and GPT-OSS (in x out weights,
     biases per expert, interleaved gate-up) under mxfp8."""
-    import moe_helpers
+    from helpers import moe_models
 
     def run(out, resume=None):
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(moe_helpers.config(family))
+        model = transformers.AutoModelForCausalLM.from_config(moe_models.config(family))
         trainer = MixedPrecisionTrainer(
             model=model, args=_args(out, 4, save_strategy="steps", save_steps=2),
             train_dataset=_ds(16), recipe="mxfp8")

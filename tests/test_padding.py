@@ -104,7 +104,7 @@ def test_an_odd_linear_converts_and_trains_under_every_recipe(recipe, shape):
     loss (the other two Linears are kept by a filter, and are NVFP4's last two).
     ``fp8_gemm=scaled_mm``: the padded ``torch._scaled_mm`` on this CPU."""
     if "scaled_mm" in recipe:
-        from conftest import require_cpu_scaled_mm
+        from helpers.speeds import require_cpu_scaled_mm
 
         if shape == (1000, 1000):
             pytest.skip("the CPU _scaled_mm is a slow reference kernel")
@@ -162,7 +162,7 @@ def test_odd_linears_pass_the_meta_kernels_padded(recipe, shape, tokens, monkeyp
     to its multiples and the outputs are sliced back to the Linear's shapes."""
     import mixprec.fp8.gemm as gemm
     import mixprec.fp8.scaled_mm as route
-    from test_cuda_routes_meta import meta_linear_step
+    from helpers.meta_linear import meta_linear_step
 
     seen = []
     real_mm, real_block = torch._scaled_mm, route.F.scaled_mm

@@ -9,13 +9,13 @@ import json
 
 import pytest
 
+from helpers.plan_timing import FORMATS, TINY, fixed_timing, fixed_timing_ctx
 from mixprec.cli import main
 from mixprec.cli.plan import parse_share
 from mixprec.planner import Plan
 from mixprec.planner.numerics import linear_names
 from mixprec.recipe import Recipe
 from mixprec.workbench.planning import plan_workbench, workbench_model
-from plan_helpers import FORMATS, TINY, fixed_timing, fixed_timing_ctx
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
+from helpers.plan_timing import FORMATS, TINY, fixed_timing_ctx
 from mixprec.cli import main
 from mixprec.diagnostics import doctor
 from mixprec.planner.check import audit_plan, plan_sqnr
 from mixprec.workbench.planning import plan_workbench, workbench_batches, workbench_model
-from plan_helpers import FORMATS, TINY, fixed_timing_ctx
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -17,7 +17,7 @@ import mixprec.kernels as kernels
 import mixprec.planner.steps as steps_mod
 import mixprec.planner.survey as survey_mod
 import mixprec.planner.timing as timing
-from conftest import set_speeds
+from helpers.speeds import set_speeds
 from mixprec import Recipe
 from mixprec.planner import plan_from
 from mixprec.planner.choose import (

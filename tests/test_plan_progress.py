@@ -17,13 +17,13 @@ import torch.nn.functional as F
 import mixprec
 import mixprec.planner.survey as survey_mod
 import mixprec.planner.timing as timing
+from helpers.plan_timing import FORMATS, TINY, fixed_timing
 from mixprec.cli.plan import PlainProgress, _duration
 from mixprec.planner.choose import Baselines
 from mixprec.planner.progress import Progress, Tracker
 from mixprec.planner.steps import call_loss, default_loss, measure_step
 from mixprec.recipe import LINEAR_PRESETS, Recipe
 from mixprec.workbench.planning import plan_workbench
-from plan_helpers import FORMATS, TINY, fixed_timing
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 FP8 = LINEAR_PRESETS[0]

@@ -5,12 +5,13 @@ leaves a model mostly in 16 bits says so, with the share of the matmul FLOPs and
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 import mixprec
+from helpers.paths import ROOT
+from helpers.plan_timing import fixed_timing_ctx
 from mixprec.cli import main
 from mixprec.planner import plan_from
 from mixprec.planner.choose import STATE_ORDER, Baselines, Config, Layer, Option, StateUnit
@@ -20,9 +21,8 @@ from mixprec.planner.table import COLUMNS
 from mixprec.planner.timing import BF16, recipe_for_format
 from mixprec.recipe import LINEAR_PRESETS, Recipe
 from mixprec.recipe.presets import SHELL_PRESET
-from plan_helpers import fixed_timing_ctx
 
-GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "plan.md"
+GUIDE = ROOT / "docs" / "guides" / "plan.md"
 FP8 = LINEAR_PRESETS[0]
 TOKENS = 2048
 #: a medium GPT's Linears (in, out): one 256x256 moves to fp8 at 1.03x, the rest stay

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import mixprec
+from helpers.paths import DATA
 from mixprec.fp8 import quantizers as Q
 from mixprec.fp8.blocks import cast_blocks, cast_mx, cast_tiles
 from mixprec.fp8.linear import Float8Linear
@@ -19,7 +20,6 @@ from mixprec.fp8.nvfp4 import cast_nvfp4
 from mixprec.fp8.scaling import cast_rowwise
 from mixprec.recipe import Recipe
 
-DATA = Path(__file__).parent / "data"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 PRESETS = ("fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4")
 

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
+from helpers.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 #: the README, then the manual's pages in reading order; a page's blocks run in one
 #: namespace, in order (a later block uses what an earlier one defined)
 PAGES = ["README.md", "docs/index.md", "docs/getting-started.md", "docs/concepts/fp32.md",

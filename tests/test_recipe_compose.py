@@ -10,6 +10,7 @@ import pickle
 import pytest
 import torch
 
+from helpers.paths import DATA
 from mixprec.fp8.formats import FORMATS, CurrentScaling, MXScaling, NVFP4Scaling
 from mixprec.recipe import PRESETS, LossScale, Precision, Recipe
 
@@ -162,9 +163,8 @@ def test_new_pickles_are_the_string_and_load_with_weights_only(text):
 
 def test_recipes_pickled_flat_by_mixprec_0_3_load_as_the_same_recipes():
     """``tests/data/recipe_0_3.py`` wrote them with the flat 36-field Recipe."""
-    from pathlib import Path
 
-    saved = torch.load(Path(__file__).parent / "data" / "recipe_0_3.pt", weights_only=True)
+    saved = torch.load(DATA / "recipe_0_3.pt", weights_only=True)
     assert len(saved) == 9
     for text, r in saved.items():
         assert type(r) is Recipe and r == Recipe.parse(text) and str(r) == text

@@ -103,7 +103,7 @@ def test_a_new_loss_scale_policy_is_one_class_and_trains_through_the_engine():
     the state round-trips through a checkpoint, and the run learns."""
     import torch.nn.functional as F
 
-    from conftest import mlp
+    from helpers.models import mlp
     from mixprec import MixedPrecision
 
     class ScheduledScale(LossScaler):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ml_dtypes_formats
+from helpers.references import ml_dtypes_formats
 from mixprec import formats
 from mixprec.cli import main
 

@@ -4,30 +4,16 @@ under mixprec's engine: gloo ranks spawned by the tests themselves."""
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-import tp_loop_workers as loop
-import tp_workers as w
+from helpers import tp_loop_workers as loop
+from helpers import tp_workers as w
+from helpers.ranks import max_rel as _max_rel
+from helpers.ranks import spawn_tp as spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def spawn(fn, *args, world=2, name="tp"):
-    tmp = tempfile.mkdtemp(prefix="mixprec-tp-")
-    mp.start_processes(fn, args=(world, tmp, *args), nprocs=world, join=True,
-                       start_method="forkserver")  # preloaded: see conftest.py
-    return [torch.load(os.path.join(tmp, f"{name}_rank{r}.pt"), weights_only=False)
-            for r in range(world)]
-
-
-def _max_rel(a, b):
-    return max(((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
-               for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("kind", ["mlp", "block", "sp"])

@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-import tp_fp8_workers as w
-from test_tensor_parallel import _max_rel, spawn
+from helpers import tp_fp8_workers as w
+from helpers.ranks import max_rel as _max_rel
+from helpers.ranks import spawn_tp as spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

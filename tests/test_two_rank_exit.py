@@ -7,12 +7,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
+from helpers.paths import HELPERS, ROOT
 
 
 def _env() -> dict:
@@ -26,7 +24,7 @@ def test_a_callback_still_on_a_gloo_thread_at_exit_is_waited_for():
     returned. Without the exit wait the thread's GIL request during finalization
     ended it inside a C++ destructor: "terminate called without an active exception"
     and SIGABRT on both ranks in 11 of 11 runs here."""
-    run = subprocess.run([sys.executable, str(TESTS / "exit_workers.py")], env=_env(),
+    run = subprocess.run([sys.executable, str(HELPERS / "exit_workers.py")], env=_env(),
                          capture_output=True, text=True, timeout=240)
     assert "terminate called" not in run.stderr, run.stderr[-2000:]
     assert run.returncode == 0, run.stderr[-2000:]

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import mlp
+from helpers.models import mlp
 from mixprec import MixedPrecision
 
 X = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
@@ -249,7 +249,7 @@ def test_closure_optimizers_and_late_param_groups_are_refused():
 def test_fp32_state_dict_loads_into_a_fresh_fp32_model(recipe):
     """After training, the fp32 weights (the masters, not their bf16 rounding) load
     strictly into an unconverted fp32 copy of the model; tied weights stay tied."""
-    from conftest import TiedLM
+    from helpers.models import TiedLM
 
     torch.manual_seed(0)
     model = TiedLM(vocab=64, d=32)
@@ -424,7 +424,7 @@ def test_norm_modules_from_other_libraries_are_unpatched_when_the_engine_goes():
     model kept running that norm with autocast off. close() and collection undo it."""
     import gc
 
-    from conftest import LlamaRMSNorm
+    from helpers.models import LlamaRMSNorm
 
     model = nn.Sequential(nn.Linear(16, 16), LlamaRMSNorm(16))
     engine = MixedPrecision(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-master")

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import TiedLM, mlp, tiny_gpt
+from helpers.models import TiedLM, mlp, tiny_gpt
 from mixprec import MixedPrecision, Recipe
 from mixprec.wgrad import Fp32WeightGrads
 

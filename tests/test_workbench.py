@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import children
+from helpers import children
 from mixprec.cli import main
 from mixprec.workbench.compare import compare
 from mixprec.workbench.data import load_corpus, sample_batch

@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+from helpers.tp_workers import PLANS, _init, _save, full, make_data, make_model, make_opt
 from mixprec import MixedPrecision
-from tp_workers import PLANS, _init, _save, full, make_data, make_model, make_opt
 
 warnings.simplefilter("ignore")
 
@@ -114,7 +114,7 @@ def tp_plan_bytes(rank, world, tmp, recipe, steps):
     """A sequence-parallel norm, then ``QuantizedColwiseParallel`` on a Linear that
     ``recipe`` keeps in 16 bits (torch's behaviour: its input gathered): the engine's
     collectives, and the norm output's local shape and dtype (what that gather sends)."""
-    from tp_fp8_workers import SeqMLP, make_data, sp_plan
+    from helpers.tp_fp8_workers import SeqMLP, make_data, sp_plan
 
     _init(rank, world, tmp)
     mesh = init_device_mesh("cpu", (world,))
@@ -210,7 +210,7 @@ def tp_compiled_sr(rank, world, tmp, kind, recipes, steps):
     (``_sgd_run``); and one forward and backward of ``tp_fp8_workers.Pair`` under
     NVFP4 with stochastic rounding, compiled, on the shards and whole
     (``pair_grads``)."""
-    from tp_fp8_workers import NV, pair_grads
+    from helpers.tp_fp8_workers import NV, pair_grads
 
     _init(rank, world, tmp)
     mesh = init_device_mesh("cpu", (world,))

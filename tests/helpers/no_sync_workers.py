@@ -17,11 +17,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from host_reads import MIXPREC, reads_replaced
+from helpers.host_reads import MIXPREC, reads_replaced
+from helpers.optim_dtensor_workers import _cuda_fusing, make_opt
+from helpers.tp_fp8_workers import PLAN, SeqMLP, make_data, make_model, sp_plan
+from helpers.tp_workers import _init, _save
 from mixprec import MixedPrecision
-from optim_dtensor_workers import _cuda_fusing, make_opt
-from tp_fp8_workers import PLAN, SeqMLP, make_data, make_model, sp_plan
-from tp_workers import _init, _save
 
 warnings.simplefilter("ignore")
 

@@ -20,8 +20,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from helpers.tp_workers import Block, _init, _save, full, run_steps
 from mixprec import MixedPrecision
-from tp_workers import Block, _init, _save, full, run_steps
 
 warnings.simplefilter("ignore")
 

@@ -15,7 +15,8 @@ import contextlib
 import torch
 
 __all__ = ["MODELS", "VOCAB", "config", "model", "markov_batches", "train",
-           "count_experts_gemms"]
+           "count_experts_gemms", "SKEWED_TOKENS", "skewed_model", "skewed_routing",
+           "skewed_batch"]
 
 MODELS = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 VOCAB = 128
@@ -116,3 +117,34 @@ def count_experts_gemms():
         yield counted
     finally:
         hook.grouped_mm = counted.inner
+
+
+#: the tokens of ``skewed_batch``: 4 sequences of 16
+SKEWED_TOKENS = 64
+
+
+def skewed_model(kind: str) -> torch.nn.Module:
+    """Family ``kind``'s model (seed 0) with experts' weights of std 0.05."""
+    return model(kind, 0, experts_std=0.05)
+
+
+def skewed_routing(model) -> None:
+    """Every router picks experts 0 and 1 + (0, 0, 0, 0, 0, 1, 1, 2)[token % 8]: on
+    ``skewed_batch`` expert 0 gets every token, expert 1 five in eight, expert 2 two in
+    eight, expert 3 one in eight."""
+    second = torch.tensor([1, 1, 1, 1, 1, 2, 2, 3]).repeat(SKEWED_TOKENS // 8)
+    index = torch.stack([torch.zeros(SKEWED_TOKENS, dtype=torch.long), second], dim=1)
+
+    def force(mod, args, out):
+        logits, scores, _ = out
+        return logits, scores, index
+
+    for name, m in model.named_modules():
+        if name.endswith("mlp.gate"):
+            m.register_forward_hook(force)
+
+
+def skewed_batch() -> dict:
+    """4 sequences of 16 tokens (seed 1), as ``input_ids`` and ``labels``."""
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids}

@@ -17,10 +17,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import mixprec.checks
+from helpers.tp_fp8_workers import PLAN, make_data, make_model
+from helpers.tp_workers import _init, _save, full
 from mixprec import MixedPrecision
 from mixprec.optim import adamw_for
-from tp_fp8_workers import PLAN, make_data, make_model
-from tp_workers import _init, _save, full
 
 warnings.simplefilter("ignore")
 

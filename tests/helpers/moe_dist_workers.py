@@ -10,9 +10,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from helpers.moe_models import count_experts_gemms, markov_batches, model
 from mixprec import MixedPrecision
 from mixprec.experts import experts_formats
-from moe_helpers import count_experts_gemms, markov_batches, model
 
 warnings.simplefilter("ignore")
 

@@ -3,7 +3,7 @@ with ``TrainingArguments(fsdp="full_shard")``: the engine shards, Trainer drives
 tests/test_hf_trainer.py, under ``torchrun --nproc-per-node 2``; one launch runs every
 scenario and rank 0 writes their records to OUT_DIR/records.pt:
 
-    torchrun --nproc-per-node 2 tests/hf_sharded.py OUT_DIR
+    torchrun --nproc-per-node 2 tests/helpers/hf_sharded.py OUT_DIR
 
 ``train(fsdp=False, ...)`` on one process is the reference, run in the test's process."""
 

@@ -3,7 +3,7 @@ shards them, FSDP2), for tests/test_lightning.py. Lightning's launcher re-runs t
 on each rank; every later Trainer in it joins the same two processes, so one launch
 runs every scenario:
 
-    python tests/lightning_sharded.py OUT_DIR
+    python tests/helpers/lightning_sharded.py OUT_DIR
 
 Each rank holds the whole batch list and trains on its own slice of each batch. Rank 0
 writes one record per scenario (gathered fp32 weights, losses, LRs, skips) to OUT_DIR.

@@ -1,7 +1,7 @@
 """A two-rank gloo program whose last collective's Python callback is still on a gloo
 thread when the main thread returns, for tests/test_two_rank_exit.py:
 
-    python tests/exit_workers.py
+    python tests/helpers/exit_workers.py
 
 Ranks start with the ``spawn`` method, so each ends with a full interpreter exit (the
 forkserver's children leave by ``os._exit`` and never finalize). The callback is handed
