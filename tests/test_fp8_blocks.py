@@ -175,7 +175,7 @@ def test_an_outlier_token_costs_only_its_own_tiles(recipe):
 
 @pytest.mark.parametrize("recipe", ["fp8-block,block_scales=pow2", "mxfp8,mx_rounding=floor"])
 def test_block_recipe_variants_convert_and_step(recipe):
-    """The presets train a small GPT in tests/test_engine.py; here their variants convert
+    """The presets train a small GPT in tests/engine/test_engine.py; here their variants convert
     with their settings and take applied steps."""
     torch.manual_seed(0)
     model = tiny_gpt(d_model=128, n_heads=4)

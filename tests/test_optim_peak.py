@@ -59,7 +59,7 @@ def test_the_engines_step_on_an_embedding_stays_within_the_pieces_scratch():
     states it creates, on either 16-bit path. A whole-tensor fp32 temporary of this
     table is 24 MiB: the global norm upcast the bf16 gradient whole (steady steps read
     24 MiB), and the first step decoded and updated the table in one piece (370 to
-    390 MiB). (The emulated refresh's bf16 copy, 12 MiB here, is tests/test_master.py's.)"""
+    390 MiB). (The emulated refresh's bf16 copy, 12 MiB here, is tests/engine/test_master.py's.)"""
     bench = _bench()
     shape = (65536, 96)
     ((first, later),) = bench.run_engine(shape, ["bf16-lean"])

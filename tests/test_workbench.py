@@ -263,7 +263,7 @@ def test_bench_compile_times_each_recipe_compiled_and_torchaos_beside_fp8(capsys
     """``--compile``: each recipe's compiled twin and, beside ``fp8-current``, torchao's
     compiled float8 on the same Linears, interleaved in the recipe's phase. dynamo's
     ``eager`` backend stands in for inductor here (the plumbing, not the kernels:
-    tests/test_compile.py compiles every recipe with inductor)."""
+    tests/engine/test_compile.py compiles every recipe with inductor)."""
     import functools
 
     pytest.importorskip("torchao.float8")

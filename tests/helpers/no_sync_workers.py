@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_no_sync_parallel.py: every read of a tensor's value on
+"""Rank functions for tests/engine/test_no_sync_parallel.py: every read of a tensor's value on
 the host (``item``, ``bool``, ``float``, ``int``, ``tolist``) counted, with where it
 came from, while the quantized Linears cast on tensor-parallel shards and FSDP2
 gathers their weights as codes (gloo ranks, spawned by the tests)."""

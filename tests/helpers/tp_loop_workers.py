@@ -93,7 +93,7 @@ def accum_reference(kind, recipe, inf_at=-1):
 def tp_compiled(rank, world, tmp, kind, recipes, steps):
     """TP over every rank for each recipe, the engine's model called eagerly and then
     through ``torch.compile`` (``aot_eager``: dynamo and AOTAutograd, as
-    tests/test_compile.py): each run's losses, masters, the collectives its
+    tests/engine/test_compile.py): each run's losses, masters, the collectives its
     ``comm_stats`` recorded and the frames dynamo had compiled after each step."""
     from torch._dynamo.testing import CompileCounterWithBackend
 

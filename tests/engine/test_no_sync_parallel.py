@@ -3,7 +3,7 @@ Linears' casts on torch's tensor-parallel shards (their amax all-reduces, a
 sequence-parallel input gathered as fp8 codes) and FSDP2's gathers of weights as their
 casts, with the optimizer step after them.
 
-As in tests/test_no_sync.py, the CPU stands in for ``torch.cuda.set_sync_debug_mode``:
+As in tests/engine/test_no_sync.py, the CPU stands in for ``torch.cuda.set_sync_debug_mode``:
 every way a tensor's value reaches Python (``item``, ``bool``, ``float``, ``int``,
 ``tolist``) is counted, with its caller, while each rank runs forward, backward and
 ``step()`` (one step of three skipped by an inf in one rank's gradient). The casts and
@@ -27,7 +27,7 @@ FAST = [("tp", "fp8-current", "adamw_for"), ("tp", "mxfp8", "adamw_for"),
         ("sp", "fp8-current", "adamw_for"), ("tp", "bf16-master", "default-cuda"),
         ("fsdp", "fp8-current" + GATHER, "adamw_for"), ("fsdp", "mxfp8" + GATHER, "adamw_for"),
         # the control: torch's default AdamW on the CPU cannot skip a step itself, so the
-        # engine reads found_inf once per step (tests/test_no_sync.py)
+        # engine reads found_inf once per step (tests/engine/test_no_sync.py)
         ("tp", "bf16-master", "default")]
 #: the other formats, with their own casts and agreements
 LONG = [("tp", r, "adamw_for") for r in ("fp8", "fp8-rowwise", "fp8-block", "int8-rowwise",
