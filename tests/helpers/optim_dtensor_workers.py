@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_optim_dtensor.py: torch's fused, foreach and default
+"""Rank functions for tests/optim/test_optim_dtensor.py: torch's fused, foreach and default
 optimizers (and ``mixprec.optim.adamw_for``'s) over DTensor parameters, under torch's
 tensor-parallel plans, FSDP and FSDP x TP (gloo ranks, spawned by the tests)."""
 
