@@ -79,7 +79,7 @@ def _single_process_blocks() -> list[str]:
 
 
 #: pages whose examples their own tests run (the MoE module of one's own in
-#: tests/test_experts.py) or that need several processes (the tensor-parallel script)
+#: tests/experts/test_experts.py) or that need several processes (the tensor-parallel script)
 OWN_TESTS = ["docs/guides/moe.md", "docs/guides/tensor-parallel.md"]
 
 

@@ -1,4 +1,4 @@
-"""Rank function for tests/test_experts_distributed.py: a tiny Mixtral whose experts run
+"""Rank function for tests/experts/test_experts_distributed.py: a tiny Mixtral whose experts run
 in an fp8/fp4 format, trained under DDP or FSDP2 on gloo ranks (one spawn, several
 cases), and the one-process reference of the same micro-batches."""
 
