@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_distributed.py (spawned with torch.multiprocessing).
+"""Rank functions for tests/parallel/test_distributed.py (spawned with torch.multiprocessing).
 
 Each worker joins a gloo group through a file store in ``tmp`` and writes what it saw to
 ``tmp/<name>_rank<r>.pt`` for the test process to compare.

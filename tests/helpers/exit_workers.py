@@ -1,5 +1,5 @@
 """A two-rank gloo program whose last collective's Python callback is still on a gloo
-thread when the main thread returns, for tests/test_two_rank_exit.py:
+thread when the main thread returns, for tests/parallel/test_two_rank_exit.py:
 
     python tests/helpers/exit_workers.py
 

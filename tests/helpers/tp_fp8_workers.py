@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_tensor_parallel_fp8.py: the fp8 / fp4 Linear formats on
+"""Rank functions for tests/parallel/test_tensor_parallel_fp8.py: the fp8 / fp4 Linear formats on
 torch's tensor-parallel plans (gloo ranks, spawned by the tests; ``tp_workers`` holds
 the group setup and the GPT-style model)."""
 

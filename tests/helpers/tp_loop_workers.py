@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_tensor_parallel.py that run the engine's loop on
+"""Rank functions for tests/parallel/test_tensor_parallel.py that run the engine's loop on
 torch's tensor-parallel plans: accumulation windows, ``torch.compile``, and the
 collectives ``comm_stats`` records (``tp_workers`` holds the group setup, models and
 data)."""

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_tensor_parallel.py (spawned with torch.multiprocessing).
+"""Rank functions for tests/parallel/test_tensor_parallel.py (spawned with torch.multiprocessing).
 
 Each rank joins a gloo group through a file store in ``tmp``, builds its model with
 torch's ``parallelize_module`` plans on a ``DeviceMesh``, and writes what it saw to

@@ -53,7 +53,7 @@ def test_an_inf_on_one_tp_rank_skips_the_step_on_every_rank(recipe):
 
 
 #: (kind, recipe) -> the bound on the masters' distance from one process: fp32 1e-5,
-#: bf16-master 2e-2 (the bounds above), fp8 5e-2 (tests/test_tensor_parallel_fp8.py)
+#: bf16-master 2e-2 (the bounds above), fp8 5e-2 (tests/parallel/test_tensor_parallel_fp8.py)
 ACCUM_RUNS = {("sp", "fp32"): 1e-5, ("sp", "bf16-master"): 2e-2,
               ("block", "bf16-master"): 2e-2, ("block", "fp8-current"): 5e-2,
               ("block", "fp8"): 5e-2}
