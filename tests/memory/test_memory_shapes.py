@@ -147,7 +147,7 @@ def test_shared_experts_are_read_and_counted():
 
 
 def test_fp8_casts_under_zero_3_are_whole_per_rank_and_one_layer_under_recompute():
-    """The formula the 2-rank FSDP measurement checks (tests/test_memory_fsdp.py): every
+    """The formula the 2-rank FSDP measurement checks (tests/memory/test_memory_fsdp.py): every
     fp8 Linear's weight at 1 byte, the head's bf16 autocast copy at 2, whatever the
     number of ranks; under full recomputation one layer's."""
     spec = spec_from_config(_config("llama"), seq_len=4096)
@@ -209,7 +209,7 @@ class _LlamaBlock(torch.nn.Module):
 
 @pytest.mark.parametrize("recipe", ["fp32", "bf16-master", "fp8"])
 def test_gqa_and_swiglu_activations_within_10_percent_of_a_measured_forward(recipe):
-    """As the GPT's (tests/test_memory.py), on a model with 4 of 8 heads' K and V and a
+    """As the GPT's (tests/memory/test_memory.py), on a model with 4 of 8 heads' K and V and a
     SwiGLU MLP of width 3·hidden."""
     from mixprec import MixedPrecision
     from mixprec.memory import measure
