@@ -1,6 +1,6 @@
 """A GPT2LMHeadModel (a small config, nothing downloaded) under ``MixedPrecisionTrainer``
 with ``TrainingArguments(fsdp="full_shard")``: the engine shards, Trainer drives. For
-tests/test_hf_trainer.py, under ``torchrun --nproc-per-node 2``; one launch runs every
+tests/integrations/test_hf_trainer.py, under ``torchrun --nproc-per-node 2``; one launch runs every
 scenario and rank 0 writes their records to OUT_DIR/records.pt:
 
     torchrun --nproc-per-node 2 tests/helpers/hf_sharded.py OUT_DIR

@@ -1,5 +1,5 @@
 """LightningModules under Lightning's ``ModelParallelStrategy`` (the plugin's engine
-shards them, FSDP2), for tests/test_lightning.py. Lightning's launcher re-runs this file
+shards them, FSDP2), for tests/integrations/test_lightning.py. Lightning's launcher re-runs this file
 on each rank; every later Trainer in it joins the same two processes, so one launch
 runs every scenario:
 
