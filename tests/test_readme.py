@@ -202,7 +202,7 @@ ONE_LINERS = [s for s in _one_liners() if _self_contained(s)]
 RETURNS = {"mixprec.plan": lambda v: isinstance(v, mixprec.Plan),
            "mixprec.optim.adamw_for": lambda v: isinstance(v, torch.optim.Optimizer)}
 #: the planner measures for real (about a minute on 2 cores): CI's long pass runs it, and
-#: tests/test_plan_progress.py runs the same call on faked timings in the fast pass
+#: tests/planner/test_plan_progress.py runs the same call on faked timings in the fast pass
 PLAN_MEASURES = pytest.mark.long
 
 
