@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu.sh --plan       # print the plan (step, time box) and exit
 # The plan: each step in its own time box (SIGINT at the box's end, so the Python steps
 # write what they have; SIGKILL 5 s later); the boxes add up to the budget less the
-# summary's reserve (tests/test_gpu_script.py checks), the most valuable figures first:
+# summary's reserve (tests/workbench/test_gpu_script.py checks), the most valuable figures first:
 #   env          nvidia-smi, versions (rest.tar.gz: env.txt)
 #   preflight    benchmarks/gpu_preflight.py: each kernel check in its own process
 #   gemm         benchmarks/gpu_gemm.py: bf16 against each format's GEMM, per shape
