@@ -69,8 +69,9 @@ def _namespace() -> dict:
 
 def _trainer_block(b: str) -> bool:
     """A fragment for a trainer of the reader's own (a LightningModule and its loader, a
-    Hugging Face model and dataset): compiled, not run here; tests/integrations/test_lightning.py and
-    tests/integrations/test_hf_trainer.py run the integrations."""
+    Hugging Face model and dataset): compiled, not run here;
+    tests/integrations/test_lightning.py and tests/integrations/test_hf_trainer.py run
+    the integrations."""
     return "mixprec.integrations" in b
 
 

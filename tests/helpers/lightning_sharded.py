@@ -1,7 +1,7 @@
 """LightningModules under Lightning's ``ModelParallelStrategy`` (the plugin's engine
-shards them, FSDP2), for tests/integrations/test_lightning.py. Lightning's launcher re-runs this file
-on each rank; every later Trainer in it joins the same two processes, so one launch
-runs every scenario:
+shards them, FSDP2), for tests/integrations/test_lightning.py. Lightning's launcher
+re-runs this file on each rank; every later Trainer in it joins the same two processes,
+so one launch runs every scenario:
 
     python tests/helpers/lightning_sharded.py OUT_DIR
 
