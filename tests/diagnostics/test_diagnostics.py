@@ -340,6 +340,7 @@ def test_vanished_updates_in_bf16_weights_and_at_2048_in_fp32():
     assert all(v["share"] < 0.5 for v in fp32.facts["vanished_updates"][1:])
 
 
+@pytest.mark.long  # a second CLI doctor run (test_cli_doctor_json_and_plots runs one)
 def test_cli_doctor_takes_the_runs_learning_rate(capsys):
     """Whether updates vanish depends on the learning rate, so the CLI takes it."""
     from mixprec.cli import main

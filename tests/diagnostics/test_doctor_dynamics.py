@@ -93,7 +93,7 @@ def test_a_diverging_run_on_the_users_own_model_names_the_learning_rate(lr):
             assert "log(0)" not in g.advice and "use bf16" not in g.advice
 
 
-@pytest.mark.parametrize("lr", ["10", "1e4"])
+@pytest.mark.parametrize("lr", [pytest.param("10", marks=pytest.mark.long), "1e4"])
 def test_a_diverging_workbench_run_names_the_learning_rate(lr, capsys):
     from mixprec.cli import main
 

@@ -101,7 +101,8 @@ def _own_loop(recipe, batches, accum=1):
     return losses, engine
 
 
-@pytest.mark.parametrize("recipe", ["bf16-master", "fp16-master", "fp8"])
+@pytest.mark.parametrize("recipe", ["bf16-master", "fp16-master",
+                                    pytest.param("fp8", marks=pytest.mark.long)])
 def test_accelerate_loop_trains_as_mixprecs_own_loop_bit_for_bit(recipe):
     """7 micro-batches with gradient_accumulation_steps=2: windows of 2, 2, 2 and the
     short one Accelerate closes at the loader's end. Every loss and every fp32 weight
@@ -170,7 +171,7 @@ def test_what_prepare_refuses_names_the_fix():
         prepare(acc, gpt, opt, recipe="bf16", parallel="zero3")
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.long)])
 def test_accelerate_launch_two_cpu_processes_agree_on_skips_and_weights(tmp_path, parallel):
     """``accelerate launch --multi_gpu --num_processes 2`` with ACCELERATE_USE_CPU=1:
     torchrun underneath, gloo, 2 ranks. (``--cpu --num_processes 2`` starts a single

@@ -87,7 +87,8 @@ def _own_loop(recipe, steps, accum, n=32, decay=()):
     return losses
 
 
-@pytest.mark.parametrize("recipe", ["bf16-master", "fp16-master", "fp8"])
+@pytest.mark.parametrize("recipe", ["bf16-master", "fp16-master",
+                                    pytest.param("fp8", marks=pytest.mark.long)])
 def test_trainer_with_accumulation_4_trains_as_the_engine_bit_for_bit(recipe, tmp_path):
     t = _train(recipe, 3, 4, tmp_path)
     decay = set(t.get_decay_parameter_names(t.model))

@@ -230,7 +230,7 @@ def test_fsdp_shards_from_another_world_size_are_refused_and_whole_states_load()
     e.load_state_dict({**state, "world_size": 2, "parallel": "ddp"})  # DDP: whole
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "fp8-rowwise"])
+@pytest.mark.parametrize("recipe", ["fp8", pytest.param("fp8-rowwise", marks=pytest.mark.long)])
 def test_fp8_with_fsdp_trains_like_fp8_with_ddp(recipe):
     """FSDP2 shards the weights that Float8Linear casts: the swap to Float8Linear happens
     before fully_shard, so FSDP unshards the fp8 modules' own parameters."""
@@ -408,7 +408,9 @@ def _resumes_anywhere(recipe, ckpt, saved, tol):
 
 
 @pytest.mark.paths
-@pytest.mark.parametrize("recipe", ["bf16-sr", "bf16-kahan", "bf16-remainder", "bf16-lean"])
+@pytest.mark.parametrize("recipe", [
+    "bf16-sr", "bf16-lean",  # Kahan's and remainder's: one process resumes them (test_resume)
+    *(pytest.param(r, marks=pytest.mark.long) for r in ("bf16-kahan", "bf16-remainder"))])
 def test_write_rules_under_fsdp_shard_16_bit_weights_and_resume_anywhere(tmp_path, recipe):
     """A write rule (no fp32 master) under FSDP on 2 ranks: the shards are the 16-bit
     weights (bf16 tensors on real kernels, bf16 values in fp32 tensors under
@@ -499,7 +501,8 @@ def test_fsdp_fp8_all_gather_sends_a_quarter_of_the_bytes_and_trains_the_same(re
     assert fp8[0]["state_keys"] == plain[0]["state_keys"]  # nothing new in checkpoints
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["fp8", pytest.param("mxfp8", marks=pytest.mark.long),
+                                    "nvfp4"])
 def test_fp8_all_gather_on_a_gpt_whose_blocks_regather_for_the_backward(recipe):
     """The workbench GPT, each block an FSDP unit resharded after its forward: its
     weights are gathered as codes again for the backward, and every later gather

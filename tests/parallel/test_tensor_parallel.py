@@ -22,7 +22,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
     # 4.7e-3, 5.7e-3; emulated (a CPU without bf16 units) 9.0e-3, 5.6e-3, 1.4e-2
     ("fp32", 1e-5), ("bf16-master", 2e-2),
     # no master: each rank's bf16 rounding lands in the weights (FSDP's bound)
-    ("bf16-kahan", 5e-2), ("bf16-remainder", 5e-2)])
+    pytest.param("bf16-kahan", 5e-2, marks=pytest.mark.long),
+    pytest.param("bf16-remainder", 5e-2, marks=pytest.mark.long)])
 def test_two_tp_ranks_train_like_one_process(kind, recipe, tol):
     """TP=2 with torch's colwise/rowwise plans (and a sequence-parallel norm, whose
     replicated weights get partial-sum gradients) trains as one process does, to the
