@@ -101,7 +101,8 @@ def _own_loop(recipe, batches, steps, accum=1, clip=None, clip_call=False):
     return losses, engine
 
 
-@pytest.mark.parametrize("recipe", ["bf16-master", "fp16-master", "fp8"])
+@pytest.mark.parametrize("recipe", ["bf16-master", "fp16-master",
+                                    pytest.param("fp8", marks=pytest.mark.long)])
 def test_lightning_trains_as_mixprecs_own_loop_bit_for_bit(recipe):
     """Same seed and data, accumulation over 2 micro-batches (a power of two, so
     Lightning's loss / 2 then scale equals the engine's loss * scale / 2 exactly), and
@@ -238,7 +239,8 @@ def _fabric_loop(recipe, batches, accum=1, poison=(), ckpt=None, resume=None, st
     return losses, lrs, engine
 
 
-@pytest.mark.parametrize("recipe", ["bf16-master", "fp16-master", "fp8"])
+@pytest.mark.parametrize("recipe", ["bf16-master", "fp16-master",
+                                    pytest.param("fp8", marks=pytest.mark.long)])
 def test_fabric_loop_trains_as_mixprecs_own_loop_bit_for_bit(recipe):
     batches = _batches(8)
     losses, _, engine = _fabric_loop(recipe, batches, accum=2)
@@ -272,6 +274,7 @@ def test_setup_fabric_refuses_fabrics_own_precision():
                      torch.optim.AdamW(gpt.parameters()), recipe="bf16-master")
 
 
+@pytest.mark.long  # Lightning's Trainer launches the same 2-process DDP check above
 def test_fabric_ddp_on_two_cpu_processes_agrees_on_skips_and_weights(tmp_path):
     """``examples/fabric_train.py --devices 2``: Fabric's DDP launch (gloo), the
     engine's DDP, each rank on its own batches, rank 1's fp16 loss inf at step 3: both
@@ -512,7 +515,8 @@ def _rel(a, b):
     return max(((a[k] - b[k]).abs().max() / b[k].abs().max()).item() for k in b)
 
 
-@pytest.mark.parametrize("recipe,tol", [("fp32", 1e-5), ("fp16-master", 2e-2)])
+@pytest.mark.parametrize("recipe,tol", [
+    ("fp32", 1e-5), pytest.param("fp16-master", 2e-2, marks=pytest.mark.long)])
 def test_model_parallel_strategy_on_two_ranks_trains_as_one_process(sharded_records,
                                                                     recipe, tol):
     """Lightning's ModelParallelStrategy drives; the engine shards (FSDP2: each block,
