@@ -162,6 +162,7 @@ def test_unwritable_out_is_a_clear_error(tmp_path):
         train(TrainConfig(**TINY), blocker / "sub", progress=False)
 
 
+@pytest.mark.long  # 40 steps of four recipes
 def test_overflow_scenario_outcome_from_the_runs_own_metrics(tmp_path):
     rep = compare(steps=40, size="tiny", batch=8, out=tmp_path, scenario="overflow",
                   progress=False, doctor_steps=0)
