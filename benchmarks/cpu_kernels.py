@@ -22,7 +22,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from mixprec import MixedPrecision, kernels
+from mixprec import MixedPrecision
+from mixprec.engine import devices as kernels
 from mixprec.workbench.compare import cpu_name
 
 

@@ -26,7 +26,7 @@ import torch
 
 from gpt_args import add_gpt_arguments, gpt_config  # benchmarks/, next to this script
 from mixprec import MixedPrecision
-from mixprec.context import make_emulation_mode
+from mixprec.engine.context import make_emulation_mode
 from mixprec.workbench import GPT
 from mixprec.workbench.bench import paired_overhead
 from mixprec.workbench.compare import cpu_name

@@ -11,7 +11,7 @@
 2. per Linear ``tokens × in → out``: forward + backward of ``Float8Linear`` under
    ``int8-rowwise`` on each route (``fp8_gemm=scaled_mm``: ``_int_mm``; ``dequant_fp32``:
    the exact route) against ``nn.Linear``, both in what an fp8 recipe runs the rest of
-   the model in here (``mixprec.kernels.fp8_rest``: bf16 autocast where bf16 is fast,
+   the model in here (``mixprec.engine.devices.fp8_rest``: bf16 autocast where bf16 is fast,
    else fp32, where the int8 Linear's wgrad runs in fp32 too).
 
 ``--max-gflop`` skips shapes above that many GFLOP (a CPU without bf16 units runs a
@@ -33,7 +33,8 @@ import warnings
 import torch
 from torch import nn
 
-from mixprec import Recipe, kernels
+from mixprec import Recipe
+from mixprec.engine import devices as kernels
 from mixprec.fp8 import Float8Linear
 from mixprec.fp8.formats.int8 import cast_int8_rowwise, int8_gemm
 from mixprec.workbench.compare import cpu_name

@@ -22,7 +22,7 @@ import time
 import torch
 
 import mixprec.workbench.train as train_mod
-from mixprec.kernels import emulating
+from mixprec.engine.devices import emulating
 from mixprec.recipe import Recipe
 from mixprec.workbench.compare import cpu_name
 from mixprec.workbench.train import TrainConfig, train

@@ -160,7 +160,7 @@ def main() -> None:
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{torch.backends.cpu.get_cpu_capability()}")
     if args.engine:
-        from mixprec.kernels import has_fast_kernels, pinned_emulation
+        from mixprec.engine.devices import has_fast_kernels, pinned_emulation
 
         shape = tuple(int(x) for x in args.engine.split("x"))
         pinned = pinned_emulation()

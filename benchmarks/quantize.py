@@ -1,4 +1,4 @@
-"""Throughput of mixprec.formats.quantize per format (M elements/s), on this machine.
+"""Throughput of mixprec.formats.elements.quantize per format (M elements/s), on this machine.
 
     python benchmarks/quantize.py [--numel 4194304] [--repeats 9]
 
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from mixprec import formats
+from mixprec.formats import elements as formats
 
 
 def main() -> None:

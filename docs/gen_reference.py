@@ -93,7 +93,7 @@ def _field_docs(cls) -> dict[str, str]:
 
 def formats_page() -> str:
     """Every number format: bits, bias, range, and what it is for."""
-    from mixprec import formats
+    from mixprec.formats import elements as formats
 
     lines = [HEADER, "# Number formats\n",
              "Every format `mixprec.formats.get(name)` knows (`mixprec formats` prints "

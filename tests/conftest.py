@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from mixprec.kernels import EMULATE_ENV
+from mixprec.engine.devices import EMULATE_ENV
 
 # Tests that need other processes (distributed ranks, runs killed with SIGKILL) fork them
 # from a forkserver that has imported torch, mixprec and the child functions once. A
@@ -43,7 +43,7 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    from mixprec.kernels import has_fast_kernels
+    from mixprec.engine.devices import has_fast_kernels
 
     pinned = os.environ.get(EMULATE_ENV)
     real = has_fast_kernels("cpu", "bf16")
@@ -71,7 +71,7 @@ def measured(monkeypatch):
 
 @pytest.fixture
 def gemm_timer(monkeypatch):
-    """``gemm_timer(one_thread, loaded)``: the matmul timer of ``mixprec.kernels`` reads
+    """``gemm_timer(one_thread, loaded)``: the matmul timer of ``mixprec.engine.devices`` reads
     GFLOP/s by torch dtype, ``one_thread[dtype]`` on one thread and ``loaded[dtype]`` on
     two, as a multi-threaded GEMM does on a host whose other core is busy (it waits at
     its barriers). For bf16/fp16, ``one_thread`` may give a list of (rate, fp32's rate)
@@ -79,7 +79,7 @@ def gemm_timer(monkeypatch):
     No path is pinned; the readings' caches are emptied before and after."""
     import itertools
 
-    import mixprec.kernels as k
+    import mixprec.engine.devices as k
 
     def clear():
         for cached in (k.matmul_gflops, k._speed_reading, k._route_reading):

@@ -5,14 +5,16 @@ precision each part of training uses), ``MixedPrecision`` (the training engine),
 ``LossScaler`` and ``precision_context``.
 """
 
-from mixprec import distributed, formats, fp8
-from mixprec.context import precision_context
+from mixprec import fp8
 from mixprec.diagnostics import doctor
-from mixprec.engine import MixedPrecision, StepResult
+from mixprec.engine.context import precision_context
+from mixprec.engine.facade import MixedPrecision, StepResult
+from mixprec.engine.scaler import LossScaler
+from mixprec.engine.watch import SkipLimitError
+from mixprec.formats import elements as formats
+from mixprec.parallel import distributed
 from mixprec.planner import Plan, plan
 from mixprec.recipe import PRESETS, Recipe
-from mixprec.scaler import LossScaler
-from mixprec.watch import SkipLimitError
 
 __all__ = ["distributed", "formats", "fp8", "Recipe", "PRESETS", "MixedPrecision",
            "StepResult", "SkipLimitError", "LossScaler", "precision_context", "doctor",

@@ -1,4 +1,4 @@
-"""The checkpoint room on its own (``mixprec.checkpoint``): atomic files, readable
+"""The checkpoint room on its own (``mixprec.checkpoint.core``): atomic files, readable
 errors, and the checks that run before a state is loaded."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from torch import nn
 from helpers.models import mlp
 from helpers.speeds import set_speeds
 from mixprec import MixedPrecision
-from mixprec.checkpoint import (
+from mixprec.checkpoint.core import (
     CheckpointError,
     check_engine_state,
     fp32_weights,
     load_checkpoint,
     save_atomic,
 )
-from mixprec.master import ParamState
+from mixprec.engine.param_state import ParamState
 from mixprec.recipe import Recipe
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from mixprec import MixedPrecision
-from mixprec.checkpoint_compat import saved_layout
+from mixprec.checkpoint.compat import saved_layout
 
 
 def _engine():

@@ -51,5 +51,5 @@ def test_every_public_function_and_method_is_annotated():
 def test_the_walk_finds_the_public_api():
     """The check would pass on nothing if the walk found nothing."""
     names = {name for name, _ in _public_functions()}
-    assert "mixprec.engine.MixedPrecision.__init__" in names
-    assert "mixprec.checkpoint.save_atomic" in names
+    assert "mixprec.engine.facade.MixedPrecision.__init__" in names
+    assert "mixprec.checkpoint.core.save_atomic" in names

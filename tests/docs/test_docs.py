@@ -50,7 +50,7 @@ def test_every_public_name_has_a_docstring():
 def test_docstring_examples_exist_on_the_entry_points():
     """DESIGN.md: public entry points carry a short runnable example."""
     from mixprec import memory
-    from mixprec.context import precision_context
+    from mixprec.engine.context import precision_context
 
     for obj in (memory.estimate, precision_context, mixprec.Recipe, mixprec.MixedPrecision,
                 mixprec.LossScaler, mixprec.doctor):

@@ -103,11 +103,11 @@ def test_the_step_rooms_stay_below_the_engine():
     """The engine sits on parallel, setup and step; none of them (nor what they import)
     reaches back up to it, and the user's ``distributed.prepare`` sits above it."""
     graph, _ = _graph()
-    for room in ("mixprec.parallel", "mixprec.comm", "mixprec.setup", "mixprec.step",
-                 "mixprec.master", "mixprec.scaler", "mixprec.checkpoint"):
-        assert not {"mixprec.engine", "mixprec.distributed"} & _reach(graph, room), room
-    assert "mixprec.engine" in graph["mixprec.distributed"]
-    assert "mixprec.distributed" not in _reach(graph, "mixprec.engine")
+    for room in ("mixprec.parallel.layouts", "mixprec.parallel.comm", "mixprec.engine.build", "mixprec.engine.step",
+                 "mixprec.engine.param_state", "mixprec.engine.scaler", "mixprec.checkpoint.core"):
+        assert not {"mixprec.engine.facade", "mixprec.parallel.distributed"} & _reach(graph, room), room
+    assert "mixprec.engine.facade" in graph["mixprec.parallel.distributed"]
+    assert "mixprec.parallel.distributed" not in _reach(graph, "mixprec.engine.facade")
 
 
 def test_the_walk_sees_imports_inside_functions():

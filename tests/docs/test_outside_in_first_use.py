@@ -405,7 +405,7 @@ def _flops_by_module(net: nn.Module, x: torch.Tensor) -> dict[str, int]:
     return {name: sum(counts.get(f"Net.{name}", {}).values()) for name in WEIGHTS}
 
 
-def _engine(recipe: str) -> tuple[MixedPrecision, mixprec.coverage.Coverage, dict[str, int]]:
+def _engine(recipe: str) -> tuple[MixedPrecision, mixprec.engine.coverage.Coverage, dict[str, int]]:
     torch.manual_seed(0)
     net = Net()
     x = torch.randn(3, 5, 48)

@@ -139,7 +139,7 @@ def test_readme_data_parallel_example_runs_in_a_process_group():
         import torch, torch.nn.functional as F
         import torch.distributed as dist
         from torch import nn
-        import mixprec, mixprec.distributed
+        import mixprec, mixprec.parallel.distributed
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
         x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec import precision_context
-from mixprec.formats import ulp
+from mixprec.formats.elements import ulp
 
 KEEP = "keep_fp32=layer_norm+softmax+loss+attention_backward"
 
@@ -46,7 +46,7 @@ def test_fp32_backward_is_closer_to_float64_and_the_forward_is_unchanged():
 def test_emulation_reproduces_it(fmt):
     """Emulated (fp32 carrier) against real kernels: the backward is the same fp32 kernel
     on the same values, so what differs comes only from the forward's model
-    (mixprec.emulate_attention, >= 99% bit-identical): >= 99% of every gradient
+    (mixprec.engine.emulate_attention, >= 99% bit-identical): >= 99% of every gradient
     bit-identical here and >= 99.9% within 1 ulp (measured: 99.7% and 99.99%)."""
     q0, k0, v0, go = _qkv(200, seed=1)
     go = go.to(torch.bfloat16 if fmt == "bf16" else torch.float16).float()  # on the grid

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import mixprec.kernels as k
+import mixprec.engine.devices as k
 from helpers.models import mlp, tiny_gpt
 from helpers.speeds import set_speeds
 from mixprec import MixedPrecision, Recipe
@@ -30,7 +30,7 @@ NO_UNITS = {torch.float32: 45.0, torch.bfloat16: 0.5, torch.float16: 0.5}
 
 @pytest.fixture
 def chip(monkeypatch):
-    """``chip(rates, scaled_mm=...)`` makes mixprec.kernels measure those rates."""
+    """``chip(rates, scaled_mm=...)`` makes mixprec.engine.devices measure those rates."""
     def set_rates(rates, scaled_mm=0.1):
         set_speeds(monkeypatch, rates, scaled_mm)
     return set_rates

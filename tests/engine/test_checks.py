@@ -1,4 +1,4 @@
-"""The checks on their own (``mixprec.checks``): each refusal names the value and the
+"""The checks on their own (``mixprec.engine.checks``): each refusal names the value and the
 fix, and none of them touches the model."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from helpers.models import mlp
-from mixprec.checks import (
+from mixprec.engine.checks import (
     check_backward,
     check_fp8_filter,
     check_fsdp_units,
@@ -18,8 +18,8 @@ from mixprec.checks import (
     param_counts,
     takes_found_inf,
 )
-from mixprec.master import ParamState
-from mixprec.parallel import SingleProcess, make_parallel
+from mixprec.engine.param_state import ParamState
+from mixprec.parallel.layouts import SingleProcess, make_parallel
 from mixprec.recipe import Recipe
 
 
@@ -112,8 +112,8 @@ def test_write_rules_and_states_are_accepted_under_fsdp_with_16_bit_shards():
     """Under FSDP the shards are fp32 masters, except with a write rule (no master),
     where they are the 16-bit weights the rule writes."""
     import mixprec.optim as mo
-    from mixprec.checks import check_optimizer_precision
-    from mixprec.master import updated_format
+    from mixprec.engine.checks import check_optimizer_precision
+    from mixprec.engine.param_state import updated_format
 
     m = mlp()
     sr = Recipe.parse("bf16-sr")

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec import MixedPrecision
-from mixprec.gradnorm import BIG
+from mixprec.engine.gradnorm import BIG
 
 STEPS = 20
 BAD_STEP = 13  # the loss, and every gradient, is NaN there

@@ -70,7 +70,7 @@ def test_compiled_model_trains_like_eager_with_the_islands(recipe):
         assert FRAMES["frames"] == 0
     else:
         assert FRAMES["frames"] >= 1
-    from mixprec.context import autocast_dtype
+    from mixprec.engine.context import autocast_dtype
 
     if autocast_dtype(Recipe.parse(recipe), "cpu") is None:
         return  # fp8 on a chip without fast bf16: its other layers run in fp32, no islands
@@ -173,7 +173,7 @@ def test_compiled_exact_routes_warn_once_when_fp32_matmul_is_not_ieee(monkeypatc
     say, once, that compiled GEMMs follow it; under "highest" nothing is said."""
     import warnings
 
-    from mixprec import fp32_precision
+    from mixprec.engine import fp32_precision
     from mixprec.fp8.linear import Float8Linear
 
     monkeypatch.setattr(fp32_precision, "_WARNED_COMPILE", [])
@@ -204,7 +204,7 @@ def test_compile_under_emulation_warns_once_that_it_compiles_nothing(monkeypatch
     to wonder why the compiled model is no faster."""
     import warnings
 
-    from mixprec import emulate
+    from mixprec.engine import emulate
 
     monkeypatch.setattr(emulate, "_WARNED_COMPILE", [])
     from torch._dynamo.testing import CompileCounter

@@ -10,7 +10,7 @@ from torch import nn
 from helpers.models import LlamaRMSNorm
 from helpers.speeds import set_speeds
 from mixprec import precision_context
-from mixprec.context import fp32_island_modules, wrap_fp32_modules
+from mixprec.engine.context import fp32_island_modules, wrap_fp32_modules
 
 
 def test_cpu_autocast_leaves_norm_and_softmax_in_bf16_and_we_fix_it():
@@ -95,7 +95,7 @@ def test_matmuls_run_in_compute_dtype(recipe):
 
 
 def test_fp16_emulated_where_slow(monkeypatch, measured):
-    from mixprec import formats
+    from mixprec.formats import elements as formats
 
     set_speeds(monkeypatch, bf16=0.02, fp16=0.02)
     torch.manual_seed(0)
@@ -223,7 +223,7 @@ def test_fp16_lstm_runs_in_fp32_where_the_cpu_has_no_fp16_lstm(recipe):
     runs them in fp32 then, as CPU autocast already runs GRU and RNN: the output equals
     the fp32 LSTM on the same (rounded) weights."""
     from mixprec import MixedPrecision
-    from mixprec.context import _cpu_runs_fp16_lstm
+    from mixprec.engine.context import _cpu_runs_fp16_lstm
 
     torch.manual_seed(0)
     x = torch.randn(3, 5, 8)

@@ -13,7 +13,7 @@ from torch import nn
 
 from helpers.paths import ROOT
 from mixprec import MixedPrecision
-from mixprec.coverage import coverage
+from mixprec.engine.coverage import coverage
 
 
 class _Wide(nn.Module):

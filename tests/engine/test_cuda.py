@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from helpers.models import pattern_losses
-from mixprec import MixedPrecision, formats
+from mixprec import MixedPrecision
+from mixprec.formats import elements as formats
 from mixprec.fp8 import Float8Linear, fp8_gemm
 from mixprec.fp8.scaling import cast_to_fp8
 from mixprec.workbench import GPT, GPTConfig
@@ -118,7 +119,7 @@ def test_fp32_weight_grads_on_cuda():
     tensor cores", 2021), so the K / 16 = 256 additions may each lose up to an fp32 ulp
     of the running sum, 256 * 2^-23 = 2^-15 of it even if every loss had the same sign;
     2^-13 leaves 4x for running sums larger than the result, and stays 8x below bf16."""
-    from mixprec.wgrad import _mm_fp32
+    from mixprec.engine.wgrad import _mm_fp32
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(64, 4096, generator=g).bfloat16()

@@ -13,8 +13,9 @@ from torch import nn
 
 from helpers.models import cnn, pattern_losses, tiny_gpt
 from helpers.speeds import require_cpu_scaled_mm
-from mixprec import MixedPrecision, formats, precision_context
-from mixprec.emulate import EmulationMode, mx_quantize, mx_scales
+from mixprec import MixedPrecision, precision_context
+from mixprec.engine.emulate import EmulationMode, mx_quantize, mx_scales
+from mixprec.formats import elements as formats
 from mixprec.fp8 import fp8_gemm
 from mixprec.fp8.scaling import cast_to_fp8
 
@@ -86,7 +87,7 @@ def test_gradient_through_a_cast_down_is_fp32_again(fmt):
 def _hardware_kernels(fmt: str) -> bool:
     """Whether this CPU has units for ``fmt`` (measured: what a pinned path says of the
     16-bit kernels does not give a chip units)."""
-    from mixprec.kernels import FAST_ENOUGH, relative_speed
+    from mixprec.engine.devices import FAST_ENOUGH, relative_speed
 
     return relative_speed("cpu", DTYPES[fmt]) >= FAST_ENOUGH
 
@@ -100,7 +101,7 @@ def test_emulated_matches_real_kernels_within_one_ulp(name, fmt):
     benchmarks/cpu_kernels.py: 40.6% of bf16 dgrad elements correctly rounded), and
     ``test_emulated_ops_round_once_like_hardware`` checks emulation against float64."""
     if not _hardware_kernels(fmt):
-        pytest.skip(f"no {fmt} units on this CPU (mixprec.kernels measures it): its {fmt} "
+        pytest.skip(f"no {fmt} units on this CPU (mixprec.engine.devices measures it): its {fmt} "
                     "kernels are software fallbacks, not a hardware reference")
     make, inputs_of, loss_of = MODELS[name]
     torch.manual_seed(1)

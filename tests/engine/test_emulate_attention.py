@@ -8,13 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixprec import formats, precision_context
-from mixprec.emulate_attention import (
+from mixprec import precision_context
+from mixprec.engine.emulate_attention import (
     fast_exp,
     flash_attention_backward,
     flash_attention_forward,
     modelled,
 )
+from mixprec.formats import elements as formats
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 pytestmark = [

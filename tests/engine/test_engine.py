@@ -562,7 +562,7 @@ def test_model_already_half_with_master_recipe_raises():
 
 
 def test_device_that_cannot_run_the_recipe(monkeypatch):
-    import mixprec.checks as checks
+    import mixprec.engine.checks as checks
     monkeypatch.setattr(checks, "device_supports", lambda dev, dt: dt != torch.bfloat16)
     m = mlp()
     with pytest.raises(ValueError, match="needs torch.bfloat16 but device cpu"):
@@ -641,7 +641,7 @@ def test_pure_fp16_with_adam_warns_and_why():
 def test_fused_sgd_on_half_params_is_refused_when_torch_cannot_update_them():
     """torch 2.13's fused CPU SGD leaves fp16/bf16 parameters untouched; the engine probes
     for that and refuses, instead of a run that silently never learns."""
-    from mixprec.checks import fused_updates as _fused_updates
+    from mixprec.engine.checks import fused_updates as _fused_updates
 
     p = torch.nn.Parameter(torch.ones(32, dtype=torch.float16))
     p.grad = torch.ones_like(p)
@@ -696,7 +696,7 @@ def test_engine_keeps_no_reference_to_the_loss_or_its_graph():
 def test_a_refused_engine_leaves_the_model_untouched(recipe, make_opt, match):
     """Nothing lost on failure: every check runs before the model is converted to fp8,
     sharded or cast to its working dtype."""
-    from mixprec.checks import fused_updates as _fused_updates
+    from mixprec.engine.checks import fused_updates as _fused_updates
 
     if match == "does not update" and _fused_updates(torch.optim.SGD, torch.bfloat16, "cpu"):
         pytest.skip("this torch's fused SGD updates bf16 parameters")

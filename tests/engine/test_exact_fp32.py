@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from mixprec import MixedPrecision
+from mixprec.engine.devices import ieee_fp32_matmul
 from mixprec.fp8 import Float8Linear
-from mixprec.kernels import ieee_fp32_matmul
 
 
 def _knobs():

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 from helpers import dist_workers as w
 from helpers.ranks import spawn
 from mixprec import MixedPrecision
-from mixprec.step import Counters
+from mixprec.engine.step import Counters
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from mixprec.gradnorm import BIG, PIECE, clip_coef, global_norm, torch_norm
+from mixprec.engine.gradnorm import BIG, PIECE, clip_coef, global_norm, torch_norm
 from mixprec.memory import high_water
 
 

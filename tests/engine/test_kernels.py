@@ -7,7 +7,7 @@ import torch
 
 from helpers.speeds import EPYC_LOADED, EPYC_ONE_THREAD, set_speeds
 from mixprec import Recipe
-from mixprec.kernels import matmul_gflops, relative_speed
+from mixprec.engine.devices import matmul_gflops, relative_speed
 
 pytestmark = pytest.mark.usefixtures("measured")  # what auto decides, not a pinned path
 
@@ -21,7 +21,7 @@ def test_probe_measures_and_caches():
 def _scripted_probe(monkeypatch, rates: list[float]) -> list:
     """Replace the probe's timings by ``rates`` (GFLOP/s, in call order); returns the
     list the dtypes of the calls are appended to."""
-    import mixprec.kernels as k
+    import mixprec.engine.devices as k
 
     times, calls = iter(rates), []
 
@@ -36,7 +36,7 @@ def _scripted_probe(monkeypatch, rates: list[float]) -> list:
 
 def test_relative_speed_is_the_median_of_alternate_ratios(monkeypatch):
     # no timing asserted: the probe's timings are replaced by a scripted sequence
-    import mixprec.kernels as k
+    import mixprec.engine.devices as k
 
     calls = _scripted_probe(monkeypatch, [100.0, 50.0, 10.0, 50.0, 60.0, 50.0])
     try:
@@ -49,7 +49,7 @@ def test_relative_speed_is_the_median_of_alternate_ratios(monkeypatch):
 
 
 def test_a_clearly_slow_dtype_is_decided_by_one_round(monkeypatch):
-    import mixprec.kernels as k
+    import mixprec.engine.devices as k
 
     calls = _scripted_probe(monkeypatch, [1.0, 100.0])  # 1% of fp32: 4x below the line
     try:
@@ -63,7 +63,7 @@ def test_emulation_decision_is_recorded_and_checked_on_resume(monkeypatch):
     import pytest
     from torch import nn
 
-    import mixprec.kernels as k
+    import mixprec.engine.devices as k
     from mixprec import MixedPrecision
 
     def engine(speed):
@@ -89,7 +89,7 @@ class _nothing:
 def test_probe_ignores_the_callers_autocast():
     """The first auto decision may be taken inside a forward pass: under bf16 autocast the
     fp32 probe would run in bf16 and report the ratio as ~1 (then cached)."""
-    import mixprec.kernels as k
+    import mixprec.engine.devices as k
 
     seen = []
 
@@ -112,7 +112,7 @@ def test_describe_gives_the_reading_the_choice_took_not_a_stalled_rate(gemm_time
     and 131 in the next on a busy 2-core machine): ``describe`` printed such rates,
     fp16 faster than fp32 beside emulate=on. It gives the one-thread alternating
     reading that emulate=auto decided on, as ratios, on the decision's side."""
-    import mixprec.kernels as k
+    import mixprec.engine.devices as k
 
     gemm_timer(EPYC_ONE_THREAD, EPYC_LOADED)
     kc = k.choices(Recipe.parse("fp16"), "cpu")
@@ -128,7 +128,7 @@ def test_describe_gives_the_reading_the_choice_took_not_a_stalled_rate(gemm_time
 def test_rounds_that_disagree_are_reported_as_too_noisy(gemm_timer):
     """bf16's three rounds read 2x, 40x and 0.2x fp32: the choice takes the median (2x:
     real kernels), and describe says the machine was too noisy instead of a ratio."""
-    import mixprec.kernels as k
+    import mixprec.engine.devices as k
 
     gemm_timer({torch.float32: 100.0, torch.float16: 2.3,
                 torch.bfloat16: [(200.0, 100.0), (200.0, 5.0), (20.0, 100.0)]}, EPYC_LOADED)
@@ -142,7 +142,7 @@ def test_rounds_that_disagree_are_reported_as_too_noisy(gemm_timer):
 
 
 def test_a_reading_is_noisy_beyond_the_spread_bound():
-    from mixprec.kernels import NOISE_SPREAD, SpeedReading
+    from mixprec.engine.devices import NOISE_SPREAD, SpeedReading
 
     def r(*rounds):
         return SpeedReading(name="bf16", base="fp32", rounds=rounds)

@@ -1,4 +1,4 @@
-"""The parameter state on its own (``mixprec.master``), without an engine: casting,
+"""The parameter state on its own (``mixprec.engine.param_state``), without an engine: casting,
 masters, buffers, accumulation, refresh, and the one rule for what the optimizer
 updates."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.master import PIECE, ParamState, updated_dtype, updated_format
+from mixprec.engine.param_state import PIECE, ParamState, updated_dtype, updated_format
 from mixprec.memory import high_water
 from mixprec.recipe import Recipe
 

@@ -18,8 +18,9 @@ import torch
 
 from helpers.host_reads import reads_replaced
 from helpers.models import tiny_gpt
-from mixprec import MixedPrecision, checks
-from mixprec.watch import HostMirror
+from mixprec import MixedPrecision
+from mixprec.engine import checks
+from mixprec.engine.watch import HostMirror
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 compute on the CPU:UserWarning",
                                         "ignore:fp16 has no fast kernels:UserWarning")

@@ -85,7 +85,7 @@ def test_state_round_trip():
 
 
 def test_the_three_policies_are_classes_behind_one_constructor():
-    from mixprec.scaler import DynamicLossScale, NoLossScale, StaticLossScale
+    from mixprec.engine.scaler import DynamicLossScale, NoLossScale, StaticLossScale
 
     kinds = {"none": NoLossScale, "static": StaticLossScale, "dynamic": DynamicLossScale}
     for kind, cls in kinds.items():
@@ -140,7 +140,7 @@ def test_a_new_loss_scale_policy_is_one_class_and_trains_through_the_engine():
     fresh = engine_for(mlp())
     fresh.load_state_dict(engine.state_dict())
     assert float(fresh.scale) == 2.0**12 and int(fresh.scaler.growth_tracker) == 8
-    with pytest.raises(TypeError, match="loss_scaler must be a mixprec.scaler.LossScaler"):
+    with pytest.raises(TypeError, match="loss_scaler must be a mixprec.engine.scaler.LossScaler"):
         m = mlp()
         MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), "fp16",
                        loss_scaler=torch.amp.GradScaler("cpu"))

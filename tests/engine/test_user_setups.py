@@ -360,7 +360,7 @@ def test_a_gan_with_two_engines_trains_like_plain_torch(recipe):
 def test_save_and_load_are_atomic_and_resume_exactly(tmp_path):
     """engine.save / engine.load: resuming equals not stopping; a torn or foreign file
     raises before anything changes."""
-    from mixprec.checkpoint import CheckpointError
+    from mixprec.checkpoint.core import CheckpointError
 
     def run(model, engine, n):
         _train(model, engine, n)

@@ -11,7 +11,7 @@ from torch import nn
 
 from helpers.models import TiedLM, mlp, tiny_gpt
 from mixprec import MixedPrecision, Recipe
-from mixprec.wgrad import Fp32WeightGrads
+from mixprec.engine.wgrad import Fp32WeightGrads
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:

@@ -284,10 +284,10 @@ def test_block_scaled_kernels_match_the_dequantizing_gemm_on_cuda(recipe):
     IEEE fp32 pinned). The bound is norm-wise and loose on purpose: the fp8 tensor
     cores keep about 14 bits of the running sum between promotions (a few 2^-13 over
     K = 384) and the output is bf16 (2^-9); a wrong scale or layout is off by O(1)."""
+    from mixprec.engine.devices import ieee_fp32_matmul
     from mixprec.fp8.quantizers import quantizer_for
     from mixprec.fp8.route import kernel_missing
     from mixprec.fp8.scaled_mm import block_scaled_mm
-    from mixprec.kernels import ieee_fp32_matmul
 
     q = quantizer_for(recipe)
     why = kernel_missing("cuda", q)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers.references import ml_dtypes_formats
-from mixprec import formats
+from mixprec.formats import elements as formats
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in cast:RuntimeWarning")
 

@@ -15,7 +15,8 @@ from torch import nn
 
 from helpers.models import TiedLM, tiny_gpt
 from helpers.speeds import require_cpu_scaled_mm
-from mixprec import MixedPrecision, formats
+from mixprec import MixedPrecision
+from mixprec.formats import elements as formats
 from mixprec.fp8 import Float8Linear, convert, fp8_gemm, update_delayed_scales
 from mixprec.fp8.scaling import cast_rowwise, cast_to_fp8
 
@@ -484,7 +485,7 @@ def test_fp8_trains_close_to_bf16():
 
 
 def test_device_without_fp8_is_a_clear_error(monkeypatch):
-    import mixprec.checks as checks
+    import mixprec.engine.checks as checks
     monkeypatch.setattr(checks, "device_supports", lambda d, dt: dt != torch.float8_e4m3fn)
     model = tiny_gpt()
     with pytest.raises(ValueError, match="has no fp8 GEMM"):

@@ -13,7 +13,7 @@ from torch import nn
 
 from helpers.models import pattern_losses, tiny_gpt
 from mixprec import MixedPrecision, Recipe
-from mixprec.emulate import mx_quantize
+from mixprec.engine.emulate import mx_quantize
 from mixprec.fp8 import Float8Linear
 from mixprec.fp8.blocks import MX_ROUNDINGS, cast_blocks, cast_mx, cast_tiles
 
@@ -252,7 +252,7 @@ def test_nvfp4_element_rounding_equals_formats_e2m1_on_every_binade():
     ``formats.quantize``'s general rounding: every representable fp32 pattern in
     [0, 6] at a stride, the ties, ±0 and subnormals; and the stochastic path's
     probability is the distance to the lower neighbour, as the generic rounding's."""
-    from mixprec import formats
+    from mixprec.formats import elements as formats
     from mixprec.fp8.nvfp4 import _round_e2m1
 
     bits = torch.arange(0, 0x40C00001, 97, dtype=torch.int64).to(torch.int32)  # 0 .. 6
@@ -294,7 +294,7 @@ def test_mx_exponents_match_exact_arithmetic_down_to_fp32_subnormals():
 
     import numpy as np
 
-    from mixprec import formats
+    from mixprec.formats import elements as formats
     from mixprec.fp8.blocks import MX_ROUNDINGS, mx_exponents
 
     p2 = torch.exp2(torch.arange(-149, 128).float())

@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import kernels
+from mixprec.engine import devices as kernels
+from mixprec.engine.build import _swap_fp8
 from mixprec.fp8 import Float8Linear, quantizer_for, route, scaled_mm
 from mixprec.fp8.linear import fp8_modules
 from mixprec.recipe import Recipe
-from mixprec.setup import _swap_fp8
 
 PER_TENSOR = ["fp8", "fp8-current", "fp8-rowwise"]
 SCALING = {"fp8": "delayed", "fp8-current": "current", "fp8-rowwise": "rowwise",

@@ -15,7 +15,8 @@ from torch import nn
 import mixprec
 import mixprec.planner.survey as survey_mod
 import mixprec.planner.timing as timing
-from mixprec import Recipe, kernels
+from mixprec import Recipe
+from mixprec.engine import devices as kernels
 from mixprec.fp8 import Float8Linear
 from mixprec.fp8.formats import int8 as int8_rowwise
 from mixprec.fp8.formats.int8 import (

@@ -101,7 +101,7 @@ def test_checkpoints_of_mixprec_0_2_resume(old, recipe, monkeypatch):
     losses and weights. The record was written on a chip with fast bf16, where the
     layers around the fp8 Linears run under bf16 autocast; the real 16-bit path is
     pinned so a chip without bf16 units (which would run them in fp32) takes it too."""
-    from mixprec.kernels import EMULATE_ENV
+    from mixprec.engine.devices import EMULATE_ENV
 
     monkeypatch.setenv(EMULATE_ENV, "off")
     gen = _generator()
@@ -138,8 +138,8 @@ def test_state_exists_only_where_the_scaling_has_it():
 
 
 def test_ranks_all_reduce_amaxes_only_for_a_scaling_with_history(monkeypatch):
-    from mixprec import comm
     from mixprec.fp8.gather import agree_amaxes_
+    from mixprec.parallel import comm
 
     calls = []
     monkeypatch.setattr(comm, "all_reduce_max_", lambda t: calls.append(t.numel()) or t)

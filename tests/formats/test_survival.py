@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from helpers.references import ml_dtypes_formats
-from mixprec import formats
 from mixprec.cli import main
+from mixprec.formats import elements as formats
 
 ML = {k: v for k, v in ml_dtypes_formats().items() if k != "e8m0"}  # floats only
 

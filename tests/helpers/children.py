@@ -12,7 +12,7 @@ import torch
 def workbench_run(out: str, recipe: str, steps: int, resume: bool) -> None:
     """A tiny workbench run that checkpoints every 2 steps (tests/workbench/test_workbench.py kills
     it at random moments and resumes it)."""
-    from mixprec.engine import MixedPrecision
+    from mixprec.engine.facade import MixedPrecision
     from mixprec.workbench.train import TrainConfig, train
 
     warnings.simplefilter("ignore")

@@ -32,7 +32,7 @@ def _init(rank: int, world: int, tmp: str) -> None:
 def _teardown() -> None:
     """Free what still holds the process group (engines, FSDP modules, reference cycles)
     before destroying it, so the group is destroyed here, in order, and not at
-    interpreter exit (see ``mixprec.distributed``'s Teardown)."""
+    interpreter exit (see ``mixprec.parallel.distributed``'s Teardown)."""
     gc.collect()
     dist.destroy_process_group()
 
@@ -630,7 +630,7 @@ def sharded_steps(full_params, states, steps=5, world=None, write="nearest"):
     shards of them. A write rule other than nearest steps bf16 weights. Returns the
     whole weights and states after."""
     import mixprec.optim as mo
-    from mixprec.comm import gather_full
+    from mixprec.parallel.comm import gather_full
 
     out = []
     half = write != "nearest"
@@ -763,7 +763,7 @@ def gpt_fp8_gather(rank, world, tmp, recipe, steps=4):
 def disagreeing_choices(rank, world, tmp, recipe, parallel, fast_rank):
     """Each rank's measured speeds say the opposite (rank ``fast_rank`` has fast bf16
     units, the other none): every rank must still take rank 0's choices."""
-    from mixprec import kernels
+    from mixprec.engine import devices as kernels
 
     os.environ.pop(kernels.EMULATE_ENV, None)  # measured, not pinned
     fast = rank == fast_rank
@@ -818,7 +818,7 @@ class DoorSpy:
     def __enter__(self):
         import sys
 
-        from mixprec.master import ParamState
+        from mixprec.engine.param_state import ParamState
 
         self._cls, self._orig = ParamState, ParamState.receive
         spy = self
@@ -862,7 +862,7 @@ class ValueSpy:
         return n
 
     def __enter__(self):
-        from mixprec.master import ParamState
+        from mixprec.engine.param_state import ParamState
 
         self.last, self._orig, spy = self._snap(), ParamState.receive, self
 
@@ -875,7 +875,7 @@ class ValueSpy:
         return self
 
     def __exit__(self, *exc) -> None:
-        from mixprec.master import ParamState
+        from mixprec.engine.param_state import ParamState
 
         ParamState.receive = self._orig
         self.outside += self._changed()

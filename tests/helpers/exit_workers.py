@@ -5,7 +5,7 @@ thread when the main thread returns, for tests/parallel/test_two_rank_exit.py:
 
 Ranks start with the ``spawn`` method, so each ends with a full interpreter exit (the
 forkserver's children leave by ``os._exit`` and never finalize). The callback is handed
-over through the comm hook's tracker (``mixprec.comm``), which the exit waits on."""
+over through the comm hook's tracker (``mixprec.parallel.comm``), which the exit waits on."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mixprec import comm
+from mixprec.parallel import comm
 
 
 def rank_main(rank: int, world: int, tmp: str) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec import MixedPrecision
-from mixprec.kernels import EMULATE_ENV
+from mixprec.engine.devices import EMULATE_ENV
 
 warnings.simplefilter("ignore")
 

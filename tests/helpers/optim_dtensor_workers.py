@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-import mixprec.checks
+import mixprec.engine.checks
 from helpers.tp_fp8_workers import PLAN, make_data, make_model
 from helpers.tp_workers import _init, _save, full
 from mixprec import MixedPrecision
@@ -52,9 +52,9 @@ def _cuda_fusing(how: str):
     """``default-cuda``: the engine's check of the parameters' device answers CUDA, so
     it makes torch's default AdamW fused, as it does on a GPU."""
     if how != "default-cuda":
-        return mock.patch.object(mixprec.checks, "param_device_types",
-                                 mixprec.checks.param_device_types)
-    return mock.patch.object(mixprec.checks, "param_device_types", lambda opt: {"cuda"})
+        return mock.patch.object(mixprec.engine.checks, "param_device_types",
+                                 mixprec.engine.checks.param_device_types)
+    return mock.patch.object(mixprec.engine.checks, "param_device_types", lambda opt: {"cuda"})
 
 
 def train(model, how, recipe, data, inf_step=-1, inf_rank=0, **engine_kw) -> dict:

@@ -10,8 +10,8 @@ __all__ = ["INTERNAL", "modules_with_all"]
 
 # implementation rooms: public to the code's structure, not to users (the API page
 # documents what users call; these are reached through it)
-INTERNAL = {"mixprec.checks", "mixprec.comm", "mixprec.master", "mixprec.parallel",
-            "mixprec.setup", "mixprec.step", "mixprec.recipe_rules",
+INTERNAL = {"mixprec.engine.checks", "mixprec.parallel.comm", "mixprec.engine.param_state", "mixprec.parallel.layouts",
+            "mixprec.engine.build", "mixprec.engine.step", "mixprec.recipe.rules",
             "mixprec.integrations._proxies"}
 
 

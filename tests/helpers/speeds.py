@@ -1,4 +1,4 @@
-"""Readings that stand in for measured speeds (``mixprec.kernels``'s GFLOP/s per dtype
+"""Readings that stand in for measured speeds (``mixprec.engine.devices``'s GFLOP/s per dtype
 and ``torch._scaled_mm``'s), the figures read on the project's CPU, and a skip for CPUs
 where ``torch._scaled_mm`` does not run."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mixprec.kernels as k
+import mixprec.engine.devices as k
 
 __all__ = ["EPYC_ONE_THREAD", "EPYC_LOADED", "set_speeds", "require_cpu_scaled_mm"]
 
@@ -20,7 +20,7 @@ EPYC_LOADED = {torch.float32: 1.4, torch.bfloat16: 2.8, torch.float16: 2.3}
 
 def set_speeds(monkeypatch, rates: dict | None = None, scaled_mm: float = 0.0,
                bf16: float = 1.0, fp16: float = 1.0) -> None:
-    """Make every reading of ``mixprec.kernels`` (each round alike) see these rates:
+    """Make every reading of ``mixprec.engine.devices`` (each round alike) see these rates:
     GFLOP/s by torch dtype (fp32, bf16, fp16; else ``bf16`` and ``fp16`` against fp32's
     1.0) and ``torch._scaled_mm``'s."""
     rates = rates or {torch.float32: 1.0, torch.bfloat16: bf16, torch.float16: fp16}

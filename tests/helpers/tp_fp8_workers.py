@@ -149,9 +149,9 @@ def pair_bf16(recipe, mesh=None, split=False):
     output (this rank's tokens where ``split``: the rowwise Linear's output then
     reduce-scattered along the tokens), the input's gradient (both bf16), the rowwise
     Linear's bias gradient and the collectives the Linears recorded."""
-    from mixprec.comm_stats import CommStats
     from mixprec.fp8.linear import fp8_modules
     from mixprec.fp8.tensor_parallel import attach_comm_stats
+    from mixprec.parallel.comm_stats import CommStats
 
     down = RowwiseParallel(output_layouts=Shard(0)) if split and mesh is not None else None
     m, stats = _pair(recipe, mesh, down), CommStats()

@@ -302,7 +302,7 @@ def tp_peak(rank, world, tmp, recipes, dim, batch, seq, layers=1, emulate="off")
     backward (``measure`` runs after ``zero_grad``). Real 16-bit kernels on any CPU:
     the planner does not model the emulated path's extra saved tensors under tensor
     parallelism (docs/not-there-yet.md)."""
-    from mixprec.kernels import EMULATE_ENV
+    from mixprec.engine.devices import EMULATE_ENV
     from mixprec.memory import TransformerSpec, estimate, measure
 
     os.environ[EMULATE_ENV] = emulate  # this rank's process only

@@ -157,7 +157,7 @@ def test_the_sync_free_block_route_is_priced_with_its_padded_wgrad_buffer(kind, 
     copy and peaks in its dequantization instead; priced as a 16-bit one, it read
     1.05-1.07)."""
     pytest.importorskip("transformers")
-    from mixprec.kernels import EMULATE_ENV
+    from mixprec.engine.devices import EMULATE_ENV
 
     monkeypatch.setenv(EMULATE_ENV, emulate)
     from mixprec.experts.segments_blocks import tile_aligned_rows
@@ -188,7 +188,7 @@ def test_the_other_sync_free_routes_are_priced_as_they_run(kind, recipe, monkeyp
     they read 0.84, 0.68, 0.79 and 0.44 of the measured peak (Qwen3-MoE); now within
     5%, on real 16-bit kernels."""
     pytest.importorskip("transformers")
-    from mixprec.kernels import EMULATE_ENV
+    from mixprec.engine.devices import EMULATE_ENV
 
     monkeypatch.setenv(EMULATE_ENV, "off")
     steady, est, got = _bench().moe_peaks(kind, recipe, route="grouped")

@@ -248,7 +248,7 @@ def test_a_spec_read_off_a_config_prices_the_transformers_models_activations(kin
     the bytes one forward saves (transformers' RMSNorm keeps its fp32 input and
     normalized values)."""
     from mixprec import MixedPrecision
-    from mixprec.kernels import EMULATE_ENV
+    from mixprec.engine.devices import EMULATE_ENV
     from mixprec.memory import measure
 
     monkeypatch.setenv(EMULATE_ENV, "off")  # the spec prices the real 16-bit kernels' bytes

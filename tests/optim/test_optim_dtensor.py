@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from helpers import optim_dtensor_workers as w
 from helpers.ranks import max_rel as _max_rel
 from helpers.ranks import spawn_tp as spawn
-from mixprec import checks
+from mixprec.engine import checks
 from mixprec.optim.kinds import (
     as_kind,
     fuses_over_dtensors,

@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from mixprec import comm_stats
-from mixprec.comm_stats import CommFallback, CommRecord, CommStats
+from mixprec.parallel import comm_stats
+from mixprec.parallel.comm_stats import CommFallback, CommRecord, CommStats
 
 
 def test_records_sum_by_op_purpose_and_dtype():

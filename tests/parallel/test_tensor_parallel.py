@@ -281,7 +281,7 @@ def test_fp8_all_gather_and_ddp_over_a_tp_model_are_refused_with_the_fix():
 
 
 def _tp_refusal(recipe):
-    from mixprec.parallel import check_parallel_recipe
+    from mixprec.parallel.layouts import check_parallel_recipe
     from mixprec.recipe import Recipe
 
     try:
@@ -301,7 +301,7 @@ def test_every_registered_format_is_listed_for_tp_or_refused_with_its_reason(mon
 
     from mixprec.fp8.formats import FORMATS
     from mixprec.fp8.tensor_parallel import tp_refusal
-    from mixprec.parallel import tp_formats
+    from mixprec.parallel.layouts import tp_formats
     from mixprec.recipe import Recipe
 
     def parts():  # the listed presets, and the block-scaled ones with their condition

@@ -1,5 +1,5 @@
 """Two-rank programs end cleanly: nothing the comm hook handed to the process group's
-threads is still held there when the interpreter finalizes (``mixprec.comm``'s Exit)."""
+threads is still held there when the interpreter finalizes (``mixprec.parallel.comm``'s Exit)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_a_callback_still_on_a_gloo_thread_at_exit_is_waited_for():
 def test_the_exit_wait_returns_once_no_callback_is_held():
     """The tracker counts a callback until it is freed, and its wait returns the
     number still held (0 once freed; 1 after the timeout while one is)."""
-    from mixprec import comm
+    from mixprec.parallel import comm
 
     def cb(f):
         return f

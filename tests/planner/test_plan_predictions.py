@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-import mixprec.kernels as kernels
+import mixprec.engine.devices as kernels
 import mixprec.planner.steps as steps_mod
 import mixprec.planner.survey as survey_mod
 import mixprec.planner.timing as timing

@@ -13,8 +13,8 @@ import torch
 
 from mixprec import PRESETS, Recipe
 from mixprec.fp8.formats import DelayedScaling
-from mixprec.layer_rules import LAYER_FORMATS, LayerRule, parse_rule
 from mixprec.recipe import Precision
+from mixprec.recipe.layer_rules import LAYER_FORMATS, LayerRule, parse_rule
 
 TEXT = ("fp8-current,margin=1,layer:blocks.*.fc=mxfp8,layer:head=bf16,"
         "layer:blocks.1?.qkv=fp8-rowwise,states:*.emb=int8,states:blocks.*=bf16")

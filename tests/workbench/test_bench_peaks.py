@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mixprec.kernels as k
+import mixprec.engine.devices as k
+from mixprec.engine.devices import EMULATE_ENV, KernelChoices
 from mixprec.fp8.quantizers import quantizer_for
-from mixprec.kernels import EMULATE_ENV, KernelChoices
 from mixprec.workbench import peaks
 from mixprec.workbench.bench import bench, format_table
 from mixprec.workbench.model import SIZES

@@ -28,7 +28,7 @@ def _num(v: float) -> str:
 
 
 def cmd_formats(args: argparse.Namespace) -> int:
-    from mixprec import formats
+    from mixprec.formats import elements as formats
 
     names = args.formats.split(",") if args.formats else formats.names()
     fmts = [formats.get(n) for n in names]
@@ -47,7 +47,7 @@ def _formats_table(fmts):
     """Each format's layout and limits."""
     from rich.table import Table
 
-    t = Table(title="Floating-point formats (mixprec.formats)")
+    t = Table(title="Floating-point formats (mixprec.formats.elements)")
     for col in ("format", "bits s/e/m", "bias", "max", "min normal", "min subnormal",
                 "eps", "digits", "inf/NaN", "torch dtype"):
         t.add_column(col, justify="right" if col not in ("format", "inf/NaN") else "left")
@@ -83,7 +83,7 @@ def _value_table(args, fmts):
     import torch
     from rich.table import Table
 
-    from mixprec import formats
+    from mixprec.formats import elements as formats
 
     x = torch.tensor([args.value], dtype=torch.float64)
     title = f"{args.value!r} in each format"
@@ -116,7 +116,7 @@ def _value_table(args, fmts):
 
 def _bound(f, update: float) -> str:
     """``formats.survival_bound`` as the table shows it: "never" when no w keeps it."""
-    from mixprec import formats
+    from mixprec.formats import elements as formats
 
     b = formats.survival_bound(update, f)
     return "[red]never[/red]" if b == 0 else "every w" if b == math.inf else _num(b)

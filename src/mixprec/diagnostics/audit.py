@@ -13,11 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from mixprec.diagnostics.findings import Finding
-from mixprec.master import updated_format
+from mixprec.engine.param_state import updated_format
 from mixprec.recipe import Recipe
 
 if TYPE_CHECKING:
-    from mixprec.engine import MixedPrecision
+    from mixprec.engine.facade import MixedPrecision
 
 __all__ = ["audit_dtypes", "audit_scale_history", "matmul_coverage", "audit_kernel_speed",
            "audit_comm"]
@@ -121,7 +121,7 @@ def audit_scale_history(history: list[float], recipe: Recipe | str) -> list[Find
 def _dtype(t: torch.Tensor) -> torch.dtype:
     """A tensor's dtype as the run computes it: under emulation, fp32 tensors holding a
     16-bit format's values count as that format."""
-    from mixprec.emulate import active_mode
+    from mixprec.engine.emulate import active_mode
 
     mode = active_mode()
     return mode.carrier if mode is not None and t in mode.virtual else t.dtype
@@ -173,14 +173,14 @@ def matmul_coverage(run: Callable[[], Any]) -> dict[str, float]:
 def audit_kernel_speed(device: torch.device, recipe: Recipe | str
                        ) -> tuple[list[Finding], dict]:
     """Matmul speed in bf16 and fp16 against fp32 here, read as mixprec's ``auto``
-    choices read it (``mixprec.kernels.speed_reading``: alternating rounds on one
-    thread), and what those choices made of it (``mixprec.kernels.choices``): an info
+    choices read it (``mixprec.engine.devices.speed_reading``: alternating rounds on one
+    thread), and what those choices made of it (``mixprec.engine.devices.choices``): an info
     finding where a format has no fast kernel and mixprec already routes around it
     (emulation; fp8's other layers in fp32), a warning where the recipe's own kernels run
     slow (``emulate=false``) or the other 16-bit format is much faster, and an info
     finding instead of a ratio where the rounds disagree (the machine was too busy to
     measure). Never advice to turn on what is already on."""
-    from mixprec.kernels import choices, speed_reading
+    from mixprec.engine.devices import choices, speed_reading
 
     r = Recipe.coerce(recipe)
     dev = str(torch.device(device))

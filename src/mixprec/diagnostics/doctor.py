@@ -48,7 +48,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec import formats
 from mixprec.diagnostics.audit import (
     audit_comm,
     audit_dtypes,
@@ -70,6 +69,7 @@ from mixprec.diagnostics.reference import compare_to_fp32
 from mixprec.diagnostics.timeshare import audit_time_shares, time_shares
 from mixprec.diagnostics.trace import trace_nonfinite
 from mixprec.diagnostics.updates import audit_vanished_updates, vanished_updates
+from mixprec.formats import elements as formats
 from mixprec.recipe import Recipe
 
 __all__ = ["doctor", "COSINE_FLAG", "RATIO_FLAG"]
@@ -193,7 +193,7 @@ def _plan_floor(plan, model_factory, engine, batch_fn, steps: int,
 def _engine(model: nn.Module, r: Recipe, optimizer: str, lr: float):
     """``(engine, optimizer, None)``, or ``(None, optimizer, why)`` where the engine
     refuses the model."""
-    from mixprec.engine import MixedPrecision
+    from mixprec.engine.facade import MixedPrecision
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

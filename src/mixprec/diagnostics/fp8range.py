@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mixprec import formats
 from mixprec.diagnostics.findings import Finding
+from mixprec.formats import elements as formats
 from mixprec.recipe import Recipe
 
 __all__ = ["Fp8Range", "fp8_ranges", "audit_fp8_ranges", "FLUSH_FLAG"]

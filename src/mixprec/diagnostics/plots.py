@@ -7,9 +7,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mixprec import formats
 from mixprec.diagnostics.monitor import NumericsMonitor
 from mixprec.diagnostics.stats import HIST_EDGES, WATCHED
+from mixprec.formats import elements as formats
 
 if TYPE_CHECKING:
     import torch

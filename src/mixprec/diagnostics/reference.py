@@ -36,7 +36,7 @@ def compare_to_fp32(model_factory: Callable[[], nn.Module],
                     ) -> tuple[list[LayerComparison], list[float], list[float]]:
     """Train ``steps`` steps of ``recipe`` and of fp32 from the same factory and batches;
     return (per-layer comparisons sorted worst first, recipe losses, fp32 losses)."""
-    from mixprec.engine import MixedPrecision
+    from mixprec.engine.facade import MixedPrecision
 
     runs = {}
     for name, rec in (("fp32", Recipe.coerce("fp32")), ("recipe", Recipe.coerce(recipe))):

@@ -1,4 +1,4 @@
-"""Numeric statistics of a tensor against every format's limits (from mixprec.formats).
+"""Numeric statistics of a tensor against every format's limits (from mixprec.formats.elements).
 
 One exponent histogram answers every threshold question at once. ``frexp`` gives each
 element's binade, and ``bincount`` counts them. The underflow limits (smallest subnormal
@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from mixprec import formats
+from mixprec.formats import elements as formats
 
 __all__ = ["WATCHED", "tensor_stats", "HIST_EDGES", "EXP_MIN", "EXP_MAX", "SAMPLE"]
 

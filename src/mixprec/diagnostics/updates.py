@@ -32,7 +32,7 @@ import torch
 from mixprec.diagnostics.findings import Finding
 
 if TYPE_CHECKING:
-    from mixprec.engine import MixedPrecision
+    from mixprec.engine.facade import MixedPrecision
 
 __all__ = ["Vanished", "vanished_updates", "audit_vanished_updates", "VANISH_FLAG"]
 

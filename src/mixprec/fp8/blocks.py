@@ -2,8 +2,8 @@
 contracted dim, so an outlier costs precision in its own block only. DeepSeek-V3's 1×128
 tiles and 128×128 weight blocks (``cast_tiles``, ``cast_blocks``; a block serves the
 weight and its transpose), and OCP MX's 1×32 tiles with e8m0 scales (``cast_mx``, which
-also casts to the narrower MX element formats of ``mixprec.formats``: the MX emulation
-of ``mixprec.emulate`` is this cast). ``dim=1`` cuts each row every ``tile`` columns
+also casts to the narrower MX element formats of ``mixprec.formats.elements``: the MX emulation
+of ``mixprec.engine.emulate`` is this cast). ``dim=1`` cuts each row every ``tile`` columns
 (scales ``(M, ⌈K/tile⌉)``), ``dim=0`` each column. A last partial tile is scaled by its
 own amax; a tile holding an inf or NaN gets a NaN scale, so the step is skipped. Every
 cast returns a ``Quantized`` (codes and inverse scales per block).
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from mixprec import formats
-from mixprec.formats import _CONTAINERS, Format
+from mixprec.formats import elements as formats
+from mixprec.formats.elements import _CONTAINERS, Format
 from mixprec.fp8.quantized import Quantized, block_amax, expand_blocks
 from mixprec.fp8.scaling import FP8_MAX, amax_to_scale, nan_if_not_finite
 
@@ -121,7 +121,7 @@ def cast_mx(t: torch.Tensor, dim: int, dtype: torch.dtype | str | Format =
             ) -> Quantized:
     """``t`` (2-D) as MX: one e8m0 scale per ``tile`` elements along ``dim``, elements
     ``t / X`` saturated and rounded to nearest-even in ``dtype`` (an fp8 dtype, whose
-    codes are bytes, or any element format of ``mixprec.formats``, whose codes are its
+    codes are bytes, or any element format of ``mixprec.formats.elements``, whose codes are its
     values in fp32)."""
     rows, cols = (1, tile) if dim == 1 else (tile, 1)
     exp = mx_exponents(block_amax(t, rows, cols), dtype, rounding)

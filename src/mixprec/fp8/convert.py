@@ -13,7 +13,7 @@ costs the most accuracy there. ``filter(module, fqn) -> bool`` replaces the poli
 swap reuses the same Parameter objects, so an optimizer already built over the model
 keeps working.
 
-A recipe's ``layer:`` rules (``mixprec.layer_rules``) decide before the policy and the
+A recipe's ``layer:`` rules (``mixprec.recipe.layer_rules``) decide before the policy and the
 filter: a Linear matched by ``layer:PATTERN=bf16`` is kept, one matched by an fp8 preset
 (``layer:blocks.*.fc=mxfp8``) is converted with that preset's scaling
 (``Recipe.for_layer``), head or not. A Linear subclass, whose owner may use its weight
@@ -35,7 +35,7 @@ from torch import nn
 from mixprec.experts.hook import is_experts
 from mixprec.fp8.linear import Float8Linear, is_conv1d
 from mixprec.fp8.tensor_parallel import is_dtensor, tp_refusal
-from mixprec.layer_rules import LayerRule, first_match
+from mixprec.recipe.layer_rules import LayerRule, first_match
 
 if TYPE_CHECKING:
     from mixprec.recipe import Recipe

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from mixprec.comm_stats import CommStats
 from mixprec.fp8.scaling import amax_to_scale, cast_to_fp8, fp8_max_tensor, nan_if_not_finite
+from mixprec.parallel.comm_stats import CommStats
 
 __all__ = ["Fp8Weight", "install_fp8_all_gather", "gathers_fp8", "agree_amaxes_",
            "refresh_gather_scales_"]

@@ -34,8 +34,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from mixprec.comm_stats import CommStats
 from mixprec.fp8.quantized import Quantized, expand_blocks
+from mixprec.parallel.comm_stats import CommStats
 
 if TYPE_CHECKING:
     from mixprec.fp8.formats.base import LinearFormat

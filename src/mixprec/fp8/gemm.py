@@ -8,7 +8,7 @@
 - ``dequant``: the fp8 operands upcast exactly to bf16 (e4m3/e5m2 values are bf16
   values) and multiplied with fp32 accumulation; an fp32 output uses an fp32 GEMM;
 - ``dequant_fp32``: the same upcast, to fp32, and an fp32 GEMM for every output, with
-  full-precision fp32 matmul pinned (``mixprec.fp32_precision.ieee_fp32_matmul``).
+  full-precision fp32 matmul pinned (``mixprec.engine.fp32_precision.ieee_fp32_matmul``).
 
 The block-scaled quantizers (block, MX, NVFP4) multiply their dequantized operands in
 fp32 (``mixprec.fp8.quantizers``).
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from mixprec.engine.fp32_precision import ieee_fp32_matmul
 from mixprec.fp8.padding import TENSOR_KERNEL, run_or_fall_back
 from mixprec.fp8.quantized import pad_to
-from mixprec.fp32_precision import ieee_fp32_matmul
 
 __all__ = ["fp8_gemm", "SCALED_MM_MULTIPLE", "upcast"]
 

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from mixprec import formats
+from mixprec.formats import elements as formats
 from mixprec.fp8.quantized import Quantized, block_amax, expand_blocks
 from mixprec.fp8.tp_agree import Agreement, agreed_amax, draw_sliced, slice_of
 

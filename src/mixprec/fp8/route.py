@@ -7,7 +7,7 @@ dequantizing route). ``dequant*`` are taken as asked; ``scaled_mm`` raises where
 format's kernel is missing on the device (its ``kernel_capability``, ``kernel_refusal``),
 naming why and the fix; ``auto`` takes the kernel where the device has it (block-scaled
 ones after ``mixprec.fp8.scaled_mm``'s probe agreed), else warns once and takes the
-dequantizing route; on a CPU it measures the per-tensor routes (``mixprec.kernels``).
+dequantizing route; on a CPU it measures the per-tensor routes (``mixprec.engine.devices``).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ _route._dynamo_marked_constant = True
 
 
 #: ``auto`` for the per-tensor routes off CUDA, ``device -> route``: the measured choice,
-#: which ``mixprec.kernels`` (where the readings live, above this module) sets when it is
+#: which ``mixprec.engine.devices`` (where the readings live, above this module) sets when it is
 #: imported: the dequant route in the format this device multiplies fast (``dequant``
 #: where bf16 is fast, else ``dequant_fp32``: the one bf16 decision ``fp8_rest`` and
 #: emulation follow too, or ``MIXPREC_EMULATE``); ``scaled_mm`` only where
@@ -134,7 +134,7 @@ measured_route: Callable[[torch.device], str] | None = None
 
 
 def _measured(dev: torch.device) -> str:
-    if measured_route is None:  # importing mixprec imports mixprec.kernels, which sets it
+    if measured_route is None:  # importing mixprec imports mixprec.engine.devices, which sets it
         raise RuntimeError("mixprec.fp8.route.measured_route is unset: import mixprec")
     return measured_route(dev)
 

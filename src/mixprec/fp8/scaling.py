@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mixprec import formats
+from mixprec.formats import elements as formats
 from mixprec.fp8.tp_agree import Agreement, agreed_amax
 
 __all__ = ["ROLES", "amax_to_scale", "cast_to_fp8", "cast_rowwise", "rowwise_scale",

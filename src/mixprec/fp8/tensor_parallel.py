@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from mixprec.comm_stats import CommStats
 from mixprec.fp8.tp_agree import agreement
+from mixprec.parallel.comm_stats import CommStats
 
 if TYPE_CHECKING:
     from torch import nn
@@ -313,7 +313,7 @@ def _stats_of(mod):
     if mod.tp_comm_stats is not None:
         return mod.tp_comm_stats
     if not _LOOSE_STATS:
-        from mixprec.comm_stats import CommStats
+        from mixprec.parallel.comm_stats import CommStats
 
         _LOOSE_STATS.append(CommStats())
     return _LOOSE_STATS[0]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec.comm_stats import CommStats
+from mixprec.parallel.comm_stats import CommStats
 
 __all__ = ["Agreement", "agreement", "agreed_amax", "draw_sliced", "slice_of",
            "sr_stream", "STREAM_STRIDE"]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mixprec.engine import MixedPrecision
+from mixprec.engine.facade import MixedPrecision
 
 __all__ = ["EngineOptimizer", "EngineScheduler", "autocast_forward", "save_fp32_config"]
 

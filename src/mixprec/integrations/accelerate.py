@@ -63,7 +63,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch import nn
 
-from mixprec.engine import MixedPrecision
+from mixprec.engine.facade import MixedPrecision
 from mixprec.integrations._proxies import (
     EngineOptimizer,
     EngineScheduler,

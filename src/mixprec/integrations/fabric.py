@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mixprec.engine import MixedPrecision
+from mixprec.engine.facade import MixedPrecision
 from mixprec.integrations._proxies import EngineOptimizer, EngineScheduler, autocast_forward
 from mixprec.recipe import Recipe
 

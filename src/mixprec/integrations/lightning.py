@@ -59,7 +59,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
-from mixprec.engine import MixedPrecision
+from mixprec.engine.facade import MixedPrecision
 from mixprec.integrations.fabric import setup_fabric
 from mixprec.recipe import Recipe
 

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec.engine import MixedPrecision
+from mixprec.engine.facade import MixedPrecision
 from mixprec.integrations import quiet_peer_import
 from mixprec.integrations._proxies import EngineOptimizer, save_fp32_config
 from mixprec.recipe import Recipe

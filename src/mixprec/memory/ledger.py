@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from mixprec.engine.wgrad import WEIGHT_CAST_TAG
 from mixprec.memory.breakdown import ITEMS, Breakdown
-from mixprec.wgrad import WEIGHT_CAST_TAG
 
 if TYPE_CHECKING:
-    from mixprec.engine import MixedPrecision
+    from mixprec.engine.facade import MixedPrecision
 
 __all__ = ["measure", "high_water", "quiet_profiler"]
 
@@ -251,7 +251,7 @@ _VIEW_NODES = ("TBackward", "ViewBackward", "TransposeBackward", "PermuteBackwar
 
 
 def _is_weight_cast(t: torch.Tensor, param_ids: set[int], shapes: set) -> bool:
-    if getattr(t, WEIGHT_CAST_TAG, False):  # cast inside mixprec.wgrad's Linear
+    if getattr(t, WEIGHT_CAST_TAG, False):  # cast inside mixprec.engine.wgrad's Linear
         return True
     fn = t.grad_fn
     for _ in range(4):  # through views (t(), view, transpose) to the cast itself

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.master import grads_in_place, updated_dtype
+from mixprec.engine.param_state import grads_in_place, updated_dtype
 from mixprec.memory.breakdown import Breakdown
 from mixprec.memory.fsdp import FSDP_NOTE, fsdp_gathered_bytes, fsdp_held_recipe, fsdp_sharded
 from mixprec.memory.layers import fp8_share, layer_recipes
@@ -98,7 +98,7 @@ def estimate(
         params = param_count(params)
     n = parse_count(params)
     notes = []
-    from mixprec.kernels import emulating, fp8_gemm_route, fp8_rest
+    from mixprec.engine.devices import emulating, fp8_gemm_route, fp8_rest
 
     dev = torch.device("cpu")
     if isinstance(params, nn.Module):

@@ -5,7 +5,7 @@ torch's state dict holds the states as stored (codes and scales where a format c
 them); ``extra_state`` adds what torch's does not hold: the settings, each parameter's
 state format, the storage layout and the stochastic writes' step counter.
 ``torch.distributed.checkpoint`` drops that extra from ``state_dict()``, so reshardable
-checkpoints carry it beside (``mixprec.checkpoint_resharding``). Checkpoints of an
+checkpoints carry it beside (``mixprec.checkpoint.resharding``). Checkpoints of an
 older storage layout go through ``mixprec.optim.compat``.
 """
 

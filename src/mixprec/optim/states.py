@@ -72,7 +72,7 @@ from typing import Literal
 
 import torch
 
-from mixprec import formats
+from mixprec.formats import elements as formats
 
 __all__ = ["StateFormat", "STATE_FORMATS", "BLOCK", "BLOCK4", "MIN_NUMEL", "LAYOUT",
            "stored_format", "block_width", "num_blocks", "encode", "decode",

@@ -106,12 +106,12 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype,
 
     bf16: a uniform 16-bit integer is added to the fp32 bit pattern and the low 16 bits
     are dropped, which rounds the magnitude up with probability (dropped bits) / 2^16.
-    Non-finite values pass through. fp16: ``mixprec.formats.quantize`` with
+    Non-finite values pass through. fp16: ``mixprec.formats.elements.quantize`` with
     ``rounding="stochastic"`` (its subnormals and overflow included). The random
     integers come from ``bits`` (``counter_bits``: 16 bits for bf16, 24 for fp16,
     whose uniform is bits / 2^24) or, without them, from ``generator``."""
     if dtype == torch.float16:
-        from mixprec.formats import quantize
+        from mixprec.formats.elements import quantize
 
         noise = None if bits is None else bits.to(torch.float32) * 2.0**-24
         return quantize(x, "fp16", rounding="stochastic", generator=generator,

@@ -38,7 +38,6 @@ from mixprec.experts import adapter
 from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.grouped import grouped_mm
 from mixprec.experts.hook import _projections, experts_modules
-from mixprec.layer_rules import LayerRule
 from mixprec.planner.numerics import (
     LayerNumerics,
     _flushed,
@@ -54,6 +53,7 @@ from mixprec.planner.timing import (
     timed_step,
 )
 from mixprec.recipe import Recipe
+from mixprec.recipe.layer_rules import LayerRule
 
 __all__ = ["ExpertsShape", "experts_shapes", "experts_costs", "experts_numerics",
            "kept_in_bf16", "widths"]
@@ -164,7 +164,7 @@ def _one_experts(shape: ExpertsShape, module: nn.Module, fmt: str, recipe: Recip
                  device):
     """A copy of ``module`` in ``fmt`` behind a real engine on routing with the
     shape's counts, and the step to time (``timing.layer_costs``' ``build``)."""
-    from mixprec.engine import MixedPrecision
+    from mixprec.engine.facade import MixedPrecision
 
     m = copy.deepcopy(module).float().to(device)
     for proj in _projections(m):

@@ -262,7 +262,7 @@ def _coverage(sv: Survey, rows: tuple[PlanRow, ...]
 
 
 def _check_args(b: Recipe, goal, formats, state_formats, max_loss, min_sqnr) -> None:
-    from mixprec.layer_rules import LAYER_FORMATS
+    from mixprec.recipe.layer_rules import LAYER_FORMATS
 
     if goal not in ("fastest", "smallest"):
         raise ValueError(f"plan: goal={goal!r}; valid: fastest, smallest")

@@ -27,7 +27,7 @@ from torch import nn
 from mixprec.recipe import Recipe
 
 if TYPE_CHECKING:
-    from mixprec.engine import MixedPrecision
+    from mixprec.engine.facade import MixedPrecision
 
 __all__ = ["call_loss", "default_loss", "measure_step", "measure_steps", "step_engine",
            "each_step", "first_step"]
@@ -124,7 +124,7 @@ def step_engine(model: nn.Module, recipe: Recipe, fp8_filter: Callable | None = 
     """A ``MixedPrecision`` engine on ``model`` under ``recipe`` with the recipe's
     AdamW (its warnings silenced); ``fp8_filter`` picks the Linears an fp8 recipe
     converts."""
-    from mixprec.engine import MixedPrecision
+    from mixprec.engine.facade import MixedPrecision
     from mixprec.optim import adamw_for
 
     opt = adamw_for(recipe, list(model.named_parameters()), lr=lr)

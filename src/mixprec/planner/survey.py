@@ -32,8 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.coverage import coverage, step_flops
-from mixprec.layer_rules import LayerRule
+from mixprec.engine.coverage import coverage, step_flops
 from mixprec.planner.choose import (
     Baselines,
     Config,
@@ -79,6 +78,7 @@ from mixprec.planner.timing import (
     uncached,
 )
 from mixprec.recipe import Recipe
+from mixprec.recipe.layer_rules import LayerRule
 from mixprec.recipe.presets import SHELL_PRESET
 
 __all__ = ["Survey", "survey", "call_loss", "measure_step", "forward_loss"]

@@ -41,7 +41,7 @@ from mixprec.diagnostics.noise import NOISY_SPREAD, spread
 from mixprec.recipe import Recipe
 
 if TYPE_CHECKING:
-    from mixprec.engine import MixedPrecision
+    from mixprec.engine.facade import MixedPrecision
 
 __all__ = ["LayerCost", "Shape", "layer_costs", "state_step_costs", "device_key", "clear_cache",
            "recipe_for_format", "BF16", "max_speedup", "disagreements", "noise_report",
@@ -114,9 +114,9 @@ def max_speedup(route: str, recipe: Recipe, device: torch.device | str) -> float
     so it is at most as fast as that GEMM is against the one the bf16 Linear runs (bf16,
     or fp32 where the layers around fp8 Linears run in fp32 or are emulated): 1 where
     they are the same GEMM, else their measured throughput ratio
-    (``mixprec.kernels.relative_speed``), and never below 1. Other routes (fp8 tensor
+    (``mixprec.engine.devices.relative_speed``), and never below 1. Other routes (fp8 tensor
     cores, ``scaled_mm``) have no such bound: inf."""
-    from mixprec import kernels
+    from mixprec.engine import devices as kernels
 
     gemm = _ROUTE_GEMM.get(route)
     if gemm is None:
@@ -259,7 +259,7 @@ def _write(path, costs: dict[str, LayerCost]) -> None:
 
 def _one_linear(shape: Shape, fmt: str, recipe: Recipe, device):
     """A one-Linear model in ``fmt`` behind a real engine, and the step to time."""
-    from mixprec.engine import MixedPrecision
+    from mixprec.engine.facade import MixedPrecision
     from mixprec.fp8.linear import fp8_modules
 
     d_in, d_out, tokens, bias = shape

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal, get_args, get_origin, get_type_hints
 
-from mixprec.layer_rules import STATE_RULE_FORMATS
-from mixprec.recipe_rules import check_loss_numbers
+from mixprec.recipe.layer_rules import STATE_RULE_FORMATS
+from mixprec.recipe.rules import check_loss_numbers
 
 __all__ = ["Precision", "LossScale", "OptimStates", "KEEP_FP32_CHOICES",
            "DEFAULT_KEEP_FP32", "MX_COMPUTE", "LINEAR_COMPUTE"]
@@ -30,7 +30,7 @@ KEEP_FP32_CHOICES = (
     # torch.nn.utils.parametrize modules (spectral_norm, weight_norm, orthogonal): the
     # weight they compute from the stored one is computed in fp32
     "parametrizations",
-    # opt-in: SDPA's backward on the CPU in fp32 (mixprec.attention); slower, more exact
+    # opt-in: SDPA's backward on the CPU in fp32 (mixprec.engine.attention); slower, more exact
     "attention_backward",
 )
 DEFAULT_KEEP_FP32 = (
@@ -70,7 +70,7 @@ class Precision:
     #: ``plain`` additions or ``kahan`` (compensated) summation of the gradients
     grad_accum: Literal["plain", "kahan"] = "plain"
     #: the weight-gradient GEMM's output: ``compute`` (rounded as autocast does) or
-    #: ``fp32`` (added to the fp32 buffers unrounded; ``mixprec.wgrad``)
+    #: ``fp32`` (added to the fp32 buffers unrounded; ``mixprec.engine.wgrad``)
     wgrad: Literal["compute", "fp32"] = "compute"
     #: the dtype gradients are reduced in across data-parallel ranks
     comm: StoreDtype = "fp32"
@@ -136,7 +136,7 @@ class OptimStates:
     weights without a master; both need a ``mixprec.optim`` optimizer unless fp32 /
     nearest."""
 
-    #: the optimizer states' format (``mixprec.layer_rules.STATE_RULE_FORMATS``: fp32,
+    #: the optimizer states' format (``mixprec.recipe.layer_rules.STATE_RULE_FORMATS``: fp32,
     #: bf16, fp8, int8, int4)
     states: str = "fp32"
     #: ``nearest``, ``stochastic``, ``kahan`` or ``remainder``

@@ -9,8 +9,8 @@ import dataclasses
 from typing import Any
 
 from mixprec.fp8.formats import DEFAULT_FORMAT, FORMATS
-from mixprec.layer_rules import LayerRule, parse_rule
 from mixprec.recipe.configs import DEFAULT_KEEP_FP32
+from mixprec.recipe.layer_rules import LayerRule, parse_rule
 from mixprec.recipe.presets import PRESET_FIELDS, preset_names
 
 __all__ = ["FLAT_DEFAULTS", "parse_text", "format_text", "preset_flat"]

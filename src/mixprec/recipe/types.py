@@ -2,7 +2,7 @@
 
 ``precision`` (``Precision``), ``loss`` (``LossScale``), ``linear`` (the Linears' fp8 /
 fp4 format, an object of ``mixprec.fp8.formats``, or None), ``optim`` (``OptimStates``)
-and ``layers`` (per-module rules, ``mixprec.layer_rules``). A field that cannot apply
+and ``layers`` (per-module rules, ``mixprec.recipe.layer_rules``). A field that cannot apply
 does not exist; combinations that cannot train raise. The string form and ``str()``
 are ``mixprec.recipe.syntax``'s.
 """
@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from mixprec.fp8.formats import FORMATS, LinearFormat, format_class
-from mixprec.layer_rules import LayerRule, first_match, owner_of
 from mixprec.recipe.configs import (
     LINEAR_COMPUTE,
     MX_COMPUTE,
@@ -24,9 +23,10 @@ from mixprec.recipe.configs import (
     OptimStates,
     Precision,
 )
+from mixprec.recipe.layer_rules import LayerRule, first_match, owner_of
 from mixprec.recipe.presets import LINEAR_PRESETS, PRESET_FIELDS
+from mixprec.recipe.rules import refuse_impossible, warn_useless
 from mixprec.recipe.syntax import FLAT_DEFAULTS, format_text, parse_text, preset_flat
-from mixprec.recipe_rules import refuse_impossible, warn_useless
 
 __all__ = ["Recipe", "PRESETS", "from_string"]
 
@@ -194,7 +194,7 @@ class Recipe:
         (a Linear format rounds with its own casts)."""
         return self.uses_autocast and self.linear is None
 
-    # --- per-module rules (mixprec.layer_rules) -------------------------------------
+    # --- per-module rules (mixprec.recipe.layer_rules) -------------------------------------
 
     @property
     def layer_rules(self) -> tuple[LayerRule, ...]:
@@ -324,7 +324,7 @@ def _check_layers(r: Recipe) -> None:
     if not isinstance(r.layers, tuple) or not all(isinstance(x, LayerRule)
                                                   for x in r.layers):
         raise ValueError(f"recipe field 'layers': {r.layers!r} is not a tuple of "
-                         "mixprec.layer_rules.LayerRule; write rules as "
+                         "mixprec.recipe.layer_rules.LayerRule; write rules as "
                          "layer:PATTERN=FORMAT or states:PATTERN=FORMAT fragments")
     seen = set()
     for rule in r.layers:

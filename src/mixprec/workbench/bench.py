@@ -43,9 +43,9 @@ from time import perf_counter  # the step timer (tests replace it with a fake cl
 import torch
 from torch import nn
 
-from mixprec.context import make_emulation_mode
 from mixprec.diagnostics.noise import agreement
-from mixprec.engine import MixedPrecision
+from mixprec.engine.context import make_emulation_mode
+from mixprec.engine.facade import MixedPrecision
 from mixprec.optim import adamw_for
 from mixprec.recipe import Recipe
 from mixprec.workbench.model import GPT, SIZES
@@ -202,7 +202,7 @@ def _torchao_loop(model: nn.Module, converted: nn.Module, engine: MixedPrecision
     AdamW."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from mixprec.context import autocast_dtype
+    from mixprec.engine.context import autocast_dtype
 
     names = {n for n, mod in converted.named_modules() if type(mod).__name__ == "Float8Linear"}
     with warnings.catch_warnings():

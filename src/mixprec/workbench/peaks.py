@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from mixprec.fp32_precision import ieee_fp32_matmul, tf32
-from mixprec.kernels import best_time, matmul_gflops
+from mixprec.engine.devices import best_time, matmul_gflops
+from mixprec.engine.fp32_precision import ieee_fp32_matmul, tf32
 from mixprec.recipe import Recipe
 
 if TYPE_CHECKING:
+    from mixprec.engine.devices import KernelChoices
     from mixprec.fp8.quantizers import Quantizer
-    from mixprec.kernels import KernelChoices
 
 __all__ = ["peak_gflops", "peak_parts", "combined_peak", "dense_kind", "dense_gflops",
            "fp8_gflops"]

@@ -33,9 +33,9 @@ from time import perf_counter  # the step timer (tests replace it with a fake cl
 
 import torch
 
-from mixprec.checkpoint import CheckpointError, load_checkpoint, save_atomic
+from mixprec.checkpoint.core import CheckpointError, load_checkpoint, save_atomic
 from mixprec.diagnostics.noise import Agreement, agreement
-from mixprec.engine import MixedPrecision
+from mixprec.engine.facade import MixedPrecision
 from mixprec.optim import adamw_for
 from mixprec.recipe import Recipe
 from mixprec.workbench.data import load_corpus, sample_batch, val_batches

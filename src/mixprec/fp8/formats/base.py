@@ -19,13 +19,13 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from mixprec.engine.fp32_precision import ieee_fp32_matmul
 from mixprec.fp8.blocks import TILE
 from mixprec.fp8.padding import TENSOR_KERNEL, KernelSpec, backward_padding_bytes, run_or_fall_back
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.route import GEMM_CHOICES, gemm_route
 from mixprec.fp8.scaled_mm import block_scaled_mm
 from mixprec.fp8.tp_agree import Agreement
-from mixprec.fp32_precision import ieee_fp32_matmul
 
 __all__ = ["LinearFormat", "Fp8Elements", "Margined", "check_fields", "TileScaled"]
 
@@ -205,7 +205,7 @@ class LinearFormat:
 
     def gemm_context(self) -> contextlib.AbstractContextManager:
         """Around a Linear's casts and GEMMs: full-precision fp32 matmul for the
-        dequantizing formats (``mixprec.fp32_precision.ieee_fp32_matmul``)."""
+        dequantizing formats (``mixprec.engine.fp32_precision.ieee_fp32_matmul``)."""
         return ieee_fp32_matmul() if self.exact_fp32 else contextlib.nullcontext()
 
     def kernel_refusal(self) -> str | None:

@@ -28,7 +28,7 @@ rows first: ``(float(acc) · s_row) · s_col``. Two routes give that sum bit for
 ``fp8_gemm=auto`` takes ``_int_mm`` on a GPU with int8 tensor cores, the exact route on
 other devices, and on a CPU decides per GEMM shape class (each dim rounded up to a power
 of two), from a reading of ``_int_mm`` against the exact route's fp32 GEMM on that class
-(``measured_int8``, which ``mixprec.kernels`` sets: ``int8_reading``). The routes agree
+(``measured_int8``, which ``mixprec.engine.devices`` sets: ``int8_reading``). The routes agree
 bit for bit, so the choice changes speed only, never numerics.
 """
 
@@ -42,12 +42,12 @@ from typing import ClassVar
 
 import torch
 
+from mixprec.engine.fp32_precision import ieee_fp32_matmul
 from mixprec.fp8.formats.base import LinearFormat
 from mixprec.fp8.quantized import Quantized
 from mixprec.fp8.route import GEMM_CHOICES
 from mixprec.fp8.scaling import nan_if_not_finite
 from mixprec.fp8.tp_agree import Agreement, agreed_amax
-from mixprec.fp32_precision import ieee_fp32_matmul
 
 __all__ = ["Int8Rowwise", "cast_int8_rowwise", "int8_gemm", "int_mm_refusal",
            "shape_class", "INT8_MAX", "EXACT_CHUNK", "INT8_CAPABILITY"]
@@ -151,13 +151,13 @@ def shape_class(m: int, k: int, n: int) -> tuple[int, int, int]:
 
 
 #: ``auto`` on a CPU, ``(device, shape class) -> bool``: whether ``torch._int_mm`` is
-#: faster there than the exact route. ``mixprec.kernels`` (above this module) sets it
+#: faster there than the exact route. ``mixprec.engine.devices`` (above this module) sets it
 #: when imported, from its readings (``int8_reading``).
 measured_int8: Callable[[torch.device, tuple[int, int, int]], bool] | None = None
 
 
 def _faster(dev: torch.device, m: int, k: int, n: int) -> bool:
-    if measured_int8 is None:  # importing mixprec imports mixprec.kernels, which sets it
+    if measured_int8 is None:  # importing mixprec imports mixprec.engine.devices, which sets it
         raise RuntimeError("mixprec.fp8.formats.int8.measured_int8 is unset: "
                            "import mixprec")
     return measured_int8(dev, shape_class(m, k, n))

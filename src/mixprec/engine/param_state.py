@@ -47,7 +47,7 @@ import functools
 import torch
 from torch import nn
 
-from mixprec.emulate import round_
+from mixprec.engine.emulate import round_
 from mixprec.recipe import Recipe
 
 __all__ = ["ParamState", "updated_format", "updated_dtype", "grads_in_place", "pieces"]
@@ -326,7 +326,7 @@ class ParamState:
         else:
             torch._foreach_add_(bufs, grads)
 
-    # --- the sink for wgrad=fp32 (mixprec.wgrad), during backward -------------------
+    # --- the sink for wgrad=fp32 (mixprec.engine.wgrad), during backward -------------------
 
     def wants_fp32_grad(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is a low-precision working parameter with an fp32 buffer

@@ -5,8 +5,8 @@
 process group (``torchrun`` + ``init_process_group("gloo" | "nccl")``). Then call the
 wrapped module, ``engine.model``, for the forward pass. ``prepare()`` returns both.
 
-How each mode reduces, shards and agrees is in ``mixprec.comm`` (the collectives) and
-``mixprec.parallel`` (one interface over single process, DDP and FSDP2). This module
+How each mode reduces, shards and agrees is in ``mixprec.parallel.comm`` (the collectives) and
+``mixprec.parallel.layouts`` (one interface over single process, DDP and FSDP2). This module
 sits above the engine, so that the engine never imports it.
 """
 
@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mixprec.comm import (
+from mixprec.engine.facade import MixedPrecision
+from mixprec.parallel.comm import (
     CommStats,
     agree_amax_,
     all_reduce_max_,
@@ -29,7 +30,6 @@ from mixprec.comm import (
     shard_fsdp,
     wrap_ddp,
 )
-from mixprec.engine import MixedPrecision
 
 if TYPE_CHECKING:
     from mixprec.recipe import Recipe
@@ -49,7 +49,7 @@ def prepare(model: nn.Module,
         dist.init_process_group("gloo")
         model = MyModel()
         opt = torch.optim.AdamW(model.parameters(), fused=True)
-        ddp_model, engine = mixprec.distributed.prepare(model, opt, "bf16", "ddp")
+        ddp_model, engine = mixprec.parallel.distributed.prepare(model, opt, "bf16", "ddp")
         # extra MixedPrecision arguments pass through, e.g.
         # parallel_kwargs={"find_unused_parameters": True}
         with engine.autocast():

@@ -31,7 +31,7 @@ not as a ratio. From those readings this module decides, once per process:
 
 ``choices(recipe, device)`` reports the decisions with the readings behind them; the
 engine (``engine.kernels``), ``mixprec bench`` and the doctor show it. Under DDP and
-FSDP rank 0's choices are every rank's (``mixprec.parallel``), so all ranks run the
+FSDP rank 0's choices are every rank's (``mixprec.parallel.layouts``), so all ranks run the
 same numerics. Tests replace ``speed_reading`` / ``route_reading`` to cover both
 outcomes of every choice on any chip. No choice reads ``matmul_gflops`` (multi-threaded,
 best-of: the peak ``mixprec bench`` divides by).
@@ -56,9 +56,9 @@ from functools import cache
 
 import torch
 
+from mixprec.engine.fp32_precision import ieee_fp32_matmul  # the exact routes import it from here
 from mixprec.fp8 import route as _route
 from mixprec.fp8.formats import int8 as _int8
-from mixprec.fp32_precision import ieee_fp32_matmul  # the exact routes import it from here
 from mixprec.recipe import MX_COMPUTE, Recipe
 
 __all__ = ["matmul_gflops", "relative_speed", "FAST_ENOUGH", "has_fast_kernels",
@@ -203,7 +203,7 @@ def speed_reading(device: torch.device | str, dtype: torch.dtype) -> SpeedReadin
 
 @cache
 def _speed_reading(dev: str, dtype: torch.dtype) -> SpeedReading:
-    from mixprec.formats import get
+    from mixprec.formats.elements import get
 
     return _alternate(get(dtype).name, "fp32",
                       lambda: matmul_gflops.__wrapped__(dev, dtype, 256, 0.01),

@@ -98,7 +98,7 @@ def layer_formats() -> tuple[str, ...]:
 def __getattr__(name: str):
     if name == "LAYER_FORMATS":  # read from the presets when asked (``layer_formats``)
         return layer_formats()
-    raise AttributeError(f"module 'mixprec.layer_rules' has no attribute {name!r}")
+    raise AttributeError(f"module 'mixprec.recipe.layer_rules' has no attribute {name!r}")
 
 
 def parse_rule(fragment: str) -> LayerRule:

@@ -44,10 +44,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mixprec.checks import param_counts, takes_found_inf
-from mixprec.gradnorm import clip_coef, global_norm, torch_norm
+from mixprec.engine.checks import param_counts, takes_found_inf
+from mixprec.engine.gradnorm import clip_coef, global_norm, torch_norm
+from mixprec.engine.watch import HostMirror, SkipWatch
 from mixprec.optim.kinds import step_by_kind
-from mixprec.watch import HostMirror, SkipWatch
 
 __all__ = ["Counters", "Step", "StepResult", "check_setup_unchanged"]
 
@@ -164,7 +164,7 @@ class Step:
         ``as_torch`` (a framework's clip call, or a step that clips): in one process the
         norm is summed as ``torch.nn.utils.clip_grad_norm_`` sums it (per-tensor norms,
         then the norm of those), so in fp32 training the caller reads torch's value and
-        clips by torch's coefficient, to the bit. Otherwise it is ``mixprec.gradnorm``'s
+        clips by torch's coefficient, to the bit. Otherwise it is ``mixprec.engine.gradnorm``'s
         ``global_norm``, exact to fp32 on large tensors."""
         if self.parallel.norm_of is not None:  # DTensor shards: summed by placement
             norm_scaled = self.parallel.norm_of(grads, self.device)

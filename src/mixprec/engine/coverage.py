@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec import formats
 from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.hook import experts_modules
+from mixprec.formats import elements as formats
 from mixprec.fp8.linear import Float8Linear, is_conv1d
 from mixprec.recipe import Recipe
 

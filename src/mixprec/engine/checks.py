@@ -15,8 +15,8 @@ import warnings
 import torch
 from torch import nn
 
-from mixprec.context import check_wgrad, device_supports
-from mixprec.master import ParamState, updated_dtype
+from mixprec.engine.context import check_wgrad, device_supports
+from mixprec.engine.param_state import ParamState, updated_dtype
 from mixprec.optim.kinds import fuses_over_dtensors
 from mixprec.recipe import PRESETS, Recipe
 

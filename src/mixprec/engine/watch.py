@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from mixprec.engine.scaler import LossScaler
     from mixprec.recipe import Recipe
-    from mixprec.scaler import LossScaler
 
 __all__ = ["SkipLimitError", "SkipWatch", "HostMirror"]
 

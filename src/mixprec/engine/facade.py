@@ -15,7 +15,7 @@ Example::
         engine.backward(loss)
         result = engine.step()     # "accumulating" until 4 micro-batches went through
 
-``step()`` (``mixprec.step``): one check for inf/NaN -> clip on the true gradients ->
+``step()`` (``mixprec.engine.step``): one check for inf/NaN -> clip on the true gradients ->
 optimizer step on the fp32 parameters -> refresh the working copy -> update the loss
 scale -> zero the buffers. A skipped step leaves parameters, masters and optimizer
 state bit-identical. No host sync when every optimizer takes ``found_inf`` (torch's
@@ -36,15 +36,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mixprec import checkpoint, checkpoint_resharding
-from mixprec.checks import check_backward, warn_low_precision_loss
-from mixprec.context import precision_context, recompute_context, run_backward
-from mixprec.coverage import Coverage, step_flops, warn_low_coverage
+from mixprec.checkpoint import core as checkpoint
+from mixprec.checkpoint import resharding as checkpoint_resharding
+from mixprec.engine.build import as_optimizers, build, check_loop_args, warn_kernel_choices
+from mixprec.engine.checks import check_backward, warn_low_precision_loss
+from mixprec.engine.context import precision_context, recompute_context, run_backward
+from mixprec.engine.coverage import Coverage, step_flops, warn_low_coverage
+from mixprec.engine.scaler import LossScaler
+from mixprec.engine.step import Step, StepResult, check_setup_unchanged
+from mixprec.engine.watch import SkipLimitError
 from mixprec.recipe import Recipe
-from mixprec.scaler import LossScaler
-from mixprec.setup import as_optimizers, build, check_loop_args, warn_kernel_choices
-from mixprec.step import Step, StepResult, check_setup_unchanged
-from mixprec.watch import SkipLimitError
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -87,7 +88,7 @@ class MixedPrecision:
             (or call ``engine.settle()``), not through your own references, to see the
             last step counted.
         parallel: ``"ddp"``, ``"fsdp"`` or ``"tp"`` inside an initialised process group
-            (see ``mixprec.distributed``); call ``engine.model`` (the wrapped module)
+            (see ``mixprec.parallel.distributed``); call ``engine.model`` (the wrapped module)
             then. A model split by torch's ``parallelize_module`` (DTensor parameters)
             runs as ``"tp"`` when none is given; ``"fsdp"`` with
             ``parallel_kwargs={"mesh": mesh["dp"]}`` shards it on a 2-D mesh.
@@ -103,13 +104,13 @@ class MixedPrecision:
             become Float8Linears (``mixprec.fp8.convert``'s ``filter``; default: all but
             the output head). A model that already holds Float8Linears, converted by
             hand, is left as it is.
-        loss_scaler: a ``mixprec.scaler.LossScaler`` policy to use instead of the one the
+        loss_scaler: a ``mixprec.engine.scaler.LossScaler`` policy to use instead of the one the
             recipe names (its own subclass, say: a scale on a schedule). It must live on
             the model's device; checkpoints hold its state under its ``kind``.
 
-    The parts, for diagnostics and tools: ``param_state`` (``mixprec.master.ParamState``:
+    The parts, for diagnostics and tools: ``param_state`` (``mixprec.engine.param_state.ParamState``:
     names, working copy, masters, buffers, index by index), ``scaler``, ``parallelism``
-    (``mixprec.parallel``), ``kernels`` (``mixprec.kernels.KernelChoices``), ``counters``.
+    (``mixprec.parallel.layouts``), ``kernels`` (``mixprec.engine.devices.KernelChoices``), ``counters``.
     """
 
     def __init__(
@@ -143,7 +144,7 @@ class MixedPrecision:
         self.kernels = parts.kernels
         self.emulating = parts.kernels.emulate
         self.emulation_mode = parts.emulation_mode
-        #: the parallel mode (``mixprec.parallel``), and its name as given
+        #: the parallel mode (``mixprec.parallel.layouts``), and its name as given
         self.parallelism = parts.parallel
         self.parallel, self.world_size = parts.parallel.name, parts.parallel.world_size
         self.comm_stats = parts.parallel.comm_stats
@@ -154,7 +155,7 @@ class MixedPrecision:
         self._frozen, self._param_counts = parts.frozen, parts.param_counts
         self._step = Step(self.optimizers, self.param_state, self.scaler, self.parallelism,
                           self.fp8_modules, schedulers, max_grad_norm, self.device, r)
-        #: ``micro`` / ``seen`` / ``steps`` (``mixprec.step.Counters``)
+        #: ``micro`` / ``seen`` / ``steps`` (``mixprec.engine.step.Counters``)
         self.counters = self._step.counters
         # the patched forwards belong to this engine: undone by close() or when the
         # engine is collected (the finalizer holds the undo function, not the engine)
@@ -277,13 +278,13 @@ class MixedPrecision:
     def coverage(self) -> Coverage:
         """The share of the model's matmul weights in each format, per module kind
         (Linears, experts, attention, head, routers), and what stayed in 16 bits and
-        why (``mixprec.coverage``): ``print(engine.coverage)``."""
+        why (``mixprec.engine.coverage``): ``print(engine.coverage)``."""
         return self._coverage
 
     def coverage_flops(self, run: Callable[[], Any]) -> Coverage:
         """``coverage`` by the matmul FLOPs of ``run()``, a forward of a real batch
         (``lambda: model(x)``, under ``autocast()``): dense layers by their tokens,
-        experts by the tokens routed to them (``mixprec.coverage.step_flops``)."""
+        experts by the tokens routed to them (``mixprec.engine.coverage.step_flops``)."""
         return self._coverage.weighted(step_flops(self.module, self._coverage, run))
 
     @property
@@ -355,10 +356,10 @@ class MixedPrecision:
 
     def state_dict(self, full: bool = False) -> dict:
         """Everything to resume bit-identically but the random streams (``save`` adds
-        them; ``mixprec.rng.capture`` for a loop of your own); loads with
+        them; ``mixprec.checkpoint.rng.capture`` for a loop of your own); loads with
         ``weights_only=True``.
         Whole tensors (any world size), except under FSDP: this rank's shards, or with
-        ``full=True`` gathered (a collective). Layouts: ``mixprec.checkpoint``."""
+        ``full=True`` gathered (a collective). Layouts: ``mixprec.checkpoint.core``."""
         return checkpoint.engine_state(self, full)
 
     def save(self, path: str | os.PathLike[str], full: bool = False,

@@ -1,6 +1,6 @@
 """The collectives under data-parallel mixed precision: DDP's comm hook, FSDP2's policy
 and sharding, and the agreements every rank must reach. Built on torch.distributed;
-``mixprec.parallel`` drives it and ``mixprec.distributed`` is the user's entry point.
+``mixprec.parallel.layouts`` drives it and ``mixprec.parallel.distributed`` is the user's entry point.
 
 **DDP.** A communication hook reduces gradients in the recipe's ``comm`` dtype. Before
 a 16-bit all-reduce it divides by the world size: if every rank's value is within the
@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mixprec.comm_stats import CommStats
+from mixprec.parallel.comm_stats import CommStats
 
 __all__ = ["CommStats", "require_process_group", "ddp_comm_hook", "fsdp_policy",
            "all_reduce_max_", "broadcast_module_", "wrap_ddp", "shard_fsdp", "agree_amax_",

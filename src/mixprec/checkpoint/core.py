@@ -9,10 +9,10 @@ file into a ``CheckpointError`` that says nothing was changed. The engine's chec
 methods live here: ``engine_state`` (``state_dict``), ``save_engine`` (``save``),
 ``restore_engine`` (``load_state_dict``, after ``check_engine_state`` has checked
 everything it can before anything changes), and ``fp32_weights`` (``fp32_state_dict``).
-A file that ``save`` writes also holds the random streams (``mixprec.rng``) of the rank
+A file that ``save`` writes also holds the random streams (``mixprec.checkpoint.rng``) of the rank
 that wrote it, or of every rank where the save is a collective (``full=True`` under DDP
 or FSDP); ``load`` restores this rank's. What older versions' checkpoints lack is read by
-``mixprec.checkpoint_compat``.
+``mixprec.checkpoint.compat``.
 
 Layouts. A checkpoint of a single process or of DDP holds every tensor whole (layout
 ``"full"``): DDP's replicas are identical, so it loads at any world size, with or
@@ -21,7 +21,7 @@ only into FSDP at the same world size; ``state_dict(full=True)`` gathers the sha
 (``gather_full``) into a ``"full"`` checkpoint, and loading a full checkpoint under FSDP
 cuts each tensor to this rank's shard (``shard_full_state``). A third form, for FSDP,
 neither gathers nor stays tied to its world size: ``save(path, reshardable=True)``
-(``mixprec.checkpoint_resharding``).
+(``mixprec.checkpoint.resharding``).
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mixprec import rng
-from mixprec.checkpoint_compat import saved_layout, stale_model_keys, warn_no_random_streams
-from mixprec.comm import gather_full
+from mixprec.checkpoint import rng
+from mixprec.checkpoint.compat import saved_layout, stale_model_keys, warn_no_random_streams
+from mixprec.parallel.comm import gather_full
 
 if TYPE_CHECKING:
-    from mixprec.master import ParamState
+    from mixprec.engine.param_state import ParamState
     from mixprec.recipe import Recipe
 
-# the ``engine`` arguments below are a ``mixprec.engine.MixedPrecision``, typed ``Any``:
+# the ``engine`` arguments below are a ``mixprec.engine.facade.MixedPrecision``, typed ``Any``:
 # this module sits below the engine and imports nothing of it, not even for types
 
 __all__ = ["CheckpointError", "save_atomic", "load_checkpoint", "check_engine_state",
@@ -291,7 +291,7 @@ def save_engine(engine: Any, path: str | os.PathLike[str], full: bool,
 
 
 def rng_entry(engine: Any, gather: bool) -> dict:
-    """``{"world_size": W, "ranks": {rank: mixprec.rng.capture()}}``: this rank's streams,
+    """``{"world_size": W, "ranks": {rank: mixprec.checkpoint.rng.capture()}}``: this rank's streams,
     or with ``gather`` every rank's (a collective: every rank calls it)."""
     import torch.distributed as dist
 
@@ -339,7 +339,7 @@ def _on_rank0(write, path) -> None:
 
 def load_engine(engine: Any, path: str | os.PathLike[str], rng_state: bool = True) -> dict:
     """``MixedPrecision.load`` of a file ``save`` wrote (a ``reshardable`` directory:
-    ``mixprec.checkpoint_resharding``); restores this rank's random streams last
+    ``mixprec.checkpoint.resharding``); restores this rank's random streams last
     (unless ``rng_state`` is False) and returns the extras."""
     state = load_checkpoint(path)
     if not isinstance(state, dict) or "engine" not in state:
@@ -362,7 +362,7 @@ def restore_engine(engine: Any, state: dict) -> None:
     if ps.has_master and masters is None:
         # saved under FSDP, whose fp32 parameters were the masters
         masters = [state["model"][n] for n in ps.names]
-    from mixprec.parallel import has_dtensor_params
+    from mixprec.parallel.layouts import has_dtensor_params
 
     if saved_layout(state) == "full" and (engine.parallelism.sharded
                                           or has_dtensor_params(engine.module)):

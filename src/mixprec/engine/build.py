@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mixprec.checks import (
+from mixprec.engine.checks import (
     check_device,
     check_fp8_all_gather,
     check_fp8_filter,
@@ -26,20 +26,20 @@ from mixprec.checks import (
     fuse_default_optimizers,
     param_counts,
 )
-from mixprec.comm import shard_like
-from mixprec.context import fp32_island_modules, make_emulation_mode, wrap_fp32_modules
-from mixprec.coverage import coverage, low_precision
+from mixprec.engine.context import fp32_island_modules, make_emulation_mode, wrap_fp32_modules
+from mixprec.engine.coverage import coverage, low_precision
+from mixprec.engine.devices import KernelChoices, choices, has_fast_kernels
+from mixprec.engine.param_state import ParamState
+from mixprec.engine.scaler import LossScaler
 from mixprec.experts import experts_formats
 from mixprec.experts.hook import convert_experts, experts_modules, restore_experts
 from mixprec.fp8.convert import convert as fp8_convert
 from mixprec.fp8.linear import fp8_modules
-from mixprec.kernels import KernelChoices, choices, has_fast_kernels
-from mixprec.layer_rules import owner_of
-from mixprec.master import ParamState
 from mixprec.optim import recipe_settings
 from mixprec.optim.base import EngineBinding, LowPrecisionOptimizer
 from mixprec.optim.kinds import unfuse_over_dtensors
-from mixprec.parallel import (
+from mixprec.parallel.comm import shard_like
+from mixprec.parallel.layouts import (
     Parallel,
     check_parallel_recipe,
     has_dtensor_params,
@@ -47,7 +47,7 @@ from mixprec.parallel import (
     resolve_parallel,
 )
 from mixprec.recipe import Recipe
-from mixprec.scaler import LossScaler
+from mixprec.recipe.layer_rules import owner_of
 
 __all__ = ["Parts", "build", "as_optimizers", "check_loop_args"]
 
@@ -74,7 +74,7 @@ class Parts:
     #: undoes the FP32 islands' patches on third-party norm modules and points the
     #: experts configs back at their own implementation
     undo_islands: Callable[[], None]
-    #: the share of matmul weights in each format (``mixprec.coverage``)
+    #: the share of matmul weights in each format (``mixprec.engine.coverage``)
     coverage: object = None
 
 
@@ -97,7 +97,7 @@ def check_loop_args(model, grad_accum_steps, max_grad_norm, loss_scaler) -> None
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
     if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
-        raise TypeError(f"loss_scaler must be a mixprec.scaler.LossScaler (a subclass "
+        raise TypeError(f"loss_scaler must be a mixprec.engine.scaler.LossScaler (a subclass "
                         f"for a policy of your own), got {type(loss_scaler).__name__}")
 
 

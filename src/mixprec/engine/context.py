@@ -4,7 +4,7 @@
 
 - ``torch.autocast`` on the device with the recipe's compute dtype (bf16 / fp16; fp8
   recipes run everything but their Float8 Linears under bf16, or in fp32 where this
-  device has no fast bf16: ``mixprec.kernels.fp8_rest``);
+  device has no fast bf16: ``mixprec.engine.devices.fp8_rest``);
 - FP32 islands for what ``recipe.keep_fp32`` names. Norms (``F.layer_norm``,
   ``F.rms_norm``, ``F.group_norm``, ``F.batch_norm``, ``F.instance_norm``), softmax,
   log_softmax and the loss functions get their floating inputs (and weights) upcast to
@@ -15,11 +15,11 @@
   and your own code that calls ``F.layer_norm``. Modules from other libraries that
   compute a norm by hand (a ``LlamaRMSNorm``, say) are matched by class name and run
   whole in fp32;
-- for ``tf32``: TF32 matmuls and cuDNN convolutions (``mixprec.fp32_precision.tf32``:
+- for ``tf32``: TF32 matmuls and cuDNN convolutions (``mixprec.engine.fp32_precision.tf32``:
   torch's legacy and per-backend settings in step), the user's settings, set through
   either API, restored exactly on exit;
 - under emulation (``emulating(recipe, device)``): an ``EmulationMode`` that turns the
-  low-precision arithmetic into exact rounding on fp32 kernels (``mixprec.emulate``).
+  low-precision arithmetic into exact rounding on fp32 kernels (``mixprec.engine.emulate``).
 
 Hardware checks live in ``device_supports`` so tests can monkeypatch one function.
 """
@@ -37,12 +37,11 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
-from mixprec import attention
-from mixprec.emulate import leave_low_precision
-from mixprec.fp32_precision import tf32
-from mixprec.kernels import emulating, fp8_rest, has_fast_kernels
-from mixprec.recipe import Recipe
-from mixprec.wgrad import (
+from mixprec.engine import attention
+from mixprec.engine.devices import emulating, fp8_rest, has_fast_kernels
+from mixprec.engine.emulate import leave_low_precision
+from mixprec.engine.fp32_precision import tf32
+from mixprec.engine.wgrad import (
     NOT_ROUTED,
     ROUTED_FUNCS,
     GradSink,
@@ -50,9 +49,10 @@ from mixprec.wgrad import (
     route,
     upcast_param,
 )
+from mixprec.recipe import Recipe
 
 if TYPE_CHECKING:
-    from mixprec.emulate import EmulationMode
+    from mixprec.engine.emulate import EmulationMode
 
 __all__ = ["precision_context", "recompute_context", "run_backward", "PrecisionMode",
            "device_supports", "fp32_island_modules", "wrap_fp32_modules", "has_fast_kernels",
@@ -207,9 +207,9 @@ class PrecisionMode(TorchFunctionMode):
     - ``promote`` (the CPU): CUDA autocast's promote rule for ``_PROMOTE_FUNCS`` and
       its cast rule for ``_LOWER_FUNCS`` (mv, addmv, addr), which CPU autocast lacks;
       and fp16 LSTMs in fp32 where this CPU's oneDNN has no fp16 LSTM;
-    - ``wgrad``: ``mixprec.wgrad.route`` (fp32 weight gradients into ``sink``);
+    - ``wgrad``: ``mixprec.engine.wgrad.route`` (fp32 weight gradients into ``sink``);
     - ``attention`` (the CPU, ``keep_fp32`` with ``attention_backward``): SDPA's
-      backward in fp32 (``mixprec.attention``).
+      backward in fp32 (``mixprec.engine.attention``).
 
     ``only_under_autocast``: act only where autocast is on for ``device_type``, which
     during backward means inside an activation-checkpoint recomputation.
@@ -301,7 +301,7 @@ def autocast_dtype(recipe: Recipe, device: torch.device | str,
                    rest: str | None = None) -> torch.dtype | None:
     """The dtype the forward's autocast runs in, or None for no autocast: fp32/tf32
     recipes, and fp8 recipes whose other layers run in fp32 (``rest``, the engine's
-    agreed choice, or this device's ``mixprec.kernels.fp8_rest``)."""
+    agreed choice, or this device's ``mixprec.engine.devices.fp8_rest``)."""
     if not recipe.uses_autocast:
         return None
     if recipe.linear is not None and (rest or fp8_rest(recipe, device)) == "fp32":
@@ -312,7 +312,7 @@ def autocast_dtype(recipe: Recipe, device: torch.device | str,
 def make_emulation_mode(recipe: Recipe) -> EmulationMode | None:
     """The EmulationMode for a recipe (one per engine, so backward sees forward's tags),
     or None when emulation has nothing to do for it."""
-    from mixprec.emulate import EmulationMode
+    from mixprec.engine.emulate import EmulationMode
 
     if not recipe.emulatable:
         return None

@@ -2,7 +2,7 @@
 
 torch's CPU flash-attention kernel (``aten._scaled_dot_product_flash_attention_for_cpu``),
 run in bf16/fp16, accumulates dQ, dK and dV in buffers of that format, block by block
-(``mixprec.emulate_attention`` models it). Its fp32 instance accumulates in fp32. Upcasting
+(``mixprec.engine.emulate_attention`` models it). Its fp32 instance accumulates in fp32. Upcasting
 bf16 inputs to fp32 is exact, so running the backward in fp32 and rounding dQ, dK and dV
 once gives gradients as close as the format allows. Relative error against float64, for
 dQ / dK / dV of a causal head dim of 64, where rounding float64 to bf16 gives 1.7e-3:
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mixprec.emulate import leave_low_precision
+from mixprec.engine.emulate import leave_low_precision
 
 __all__ = ["ROUTED", "NOT_TAKEN", "route_attention"]
 

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mixprec.checkpoint import (
+from mixprec.checkpoint.core import (
     _not_mid_accumulation,
     _on_rank0,
     _restore_counters,
@@ -65,7 +65,7 @@ def save_resharding(engine: Any, path: str | os.PathLike[str], extra: dict,
 
     _require_fsdp(engine, "save(path, reshardable=True)")
     if _tensor_parallel(engine):
-        from mixprec.checkpoint_tp import check_tp_savable
+        from mixprec.checkpoint.tensor_parallel import check_tp_savable
 
         check_tp_savable(engine)
     _not_mid_accumulation(engine)
@@ -84,7 +84,7 @@ def save_resharding(engine: Any, path: str | os.PathLike[str], extra: dict,
     streams = rng_entry(engine, gather=True) if rng_state else None
     tp = _tensor_parallel(engine)
     if tp:
-        from mixprec.checkpoint_tp import tp_layout, tp_state
+        from mixprec.checkpoint.tensor_parallel import tp_layout, tp_state
 
         dcp.save(tp_state(engine), checkpoint_id=str(partial))
     else:
@@ -169,7 +169,7 @@ def restore_resharding(engine: Any, path: str | os.PathLike[str],
 def _restore_tp(engine: Any, path: Path, saved: dict, rng_state: bool) -> dict:
     """The load of a directory a tensor-parallel engine without FSDP wrote
     (``checkpoint_tp``), at any tensor-parallel degree or in one process."""
-    from mixprec.checkpoint_tp import load_tp_state
+    from mixprec.checkpoint.tensor_parallel import load_tp_state
 
     meta = saved["engine"]
     _same_model_as(engine, path)
@@ -185,7 +185,7 @@ def _same_model_as(engine: Any, path: Path) -> dict:
     (entries a newer layout dropped aside); returns the directory's metadata."""
     import torch.distributed.checkpoint as dcp
 
-    from mixprec.checkpoint_compat import stale_model_keys
+    from mixprec.checkpoint.compat import stale_model_keys
 
     md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     have = {f"model.{k}": tuple(v.shape) for k, v in engine.module.state_dict().items()}

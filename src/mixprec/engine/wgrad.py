@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mixprec.emulate import WEIGHT_CAST_TAG, unrounded
+from mixprec.engine.emulate import WEIGHT_CAST_TAG, unrounded
 
 __all__ = ["GradSink", "Fp32WeightGrads", "upcast_param", "route", "NOT_ROUTED",
            "compile_safe", "ROUTED_FUNCS", "WEIGHT_CAST_TAG"]

@@ -42,8 +42,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mixprec.checks import check_fsdp_units, check_parallel_kwargs
-from mixprec.comm import (
+from mixprec.engine.checks import check_fsdp_units, check_parallel_kwargs
+from mixprec.engine.devices import KernelChoices
+from mixprec.engine.gradnorm import fp32_norms
+from mixprec.fp8.gather import agree_amaxes_, install_fp8_all_gather, refresh_gather_scales_
+from mixprec.parallel.comm import (
     CommStats,
     agree_amax_,
     all_reduce_max_,
@@ -57,9 +60,6 @@ from mixprec.comm import (
     sum_over_shards_,
     wrap_ddp,
 )
-from mixprec.fp8.gather import agree_amaxes_, install_fp8_all_gather, refresh_gather_scales_
-from mixprec.gradnorm import fp32_norms
-from mixprec.kernels import KernelChoices
 from mixprec.recipe import Recipe
 
 __all__ = ["Parallel", "SingleProcess", "DDP", "FSDP", "TP", "make_parallel",
@@ -164,7 +164,7 @@ class _Replicated(Parallel):
 
 
 class DDP(_Replicated):
-    """DistributedDataParallel with mixprec's comm hook (``mixprec.comm``)."""
+    """DistributedDataParallel with mixprec's comm hook (``mixprec.parallel.comm``)."""
 
     name = "ddp"
     announces_grads = True
@@ -202,8 +202,8 @@ class FSDP(_Replicated):
         model = shard_fsdp(model, self.recipe, optimizers, self.units, emulate=emulate,
                            **self.kwargs)
         if self.recipe.linear is not None and self.recipe.linear.fp8_all_gather:
-            from mixprec.comm import fsdp_policy
             from mixprec.fp8.linear import fp8_modules
+            from mixprec.parallel.comm import fsdp_policy
 
             sent = fsdp_policy(self.recipe, emulate).param_dtype  # None: the weight's
             from mixprec.experts.gather import install_experts_gather

@@ -11,7 +11,7 @@ too computes in fp32 and rounds once. If any input is a real fp32 tensor, type p
 makes the result fp32, so it is left alone. As in torch, 0-dim tensors defer to
 dimensioned ones. fp16 arithmetic then costs fp32 speed plus the rounding passes.
 Kernels that round *inside* are replaced by a model of where they round: torch's CPU
-flash attention (``mixprec.emulate_attention``).
+flash attention (``mixprec.engine.emulate_attention``).
 
 Tensors under emulation report ``dtype=torch.float32``; their values are the format's.
 Backward must run under the same mode instance. ``MixedPrecision.backward`` does that,
@@ -46,11 +46,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from mixprec import emulate_attention, formats
-from mixprec.formats import Format
+from mixprec.engine import emulate_attention
+from mixprec.engine.fp32_precision import ieee_fp32_matmul
+from mixprec.formats import elements as formats
+from mixprec.formats.elements import Format
 from mixprec.fp8.blocks import MX_TILE, cast_mx, mx_exponents
 from mixprec.fp8.quantized import block_amax
-from mixprec.fp32_precision import ieee_fp32_matmul
 
 __all__ = ["EmulationMode", "mx_quantize", "mx_scales", "MX_BLOCK", "round_", "active_mode",
            "leave_low_precision", "unrounded"]
