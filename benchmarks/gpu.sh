@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu.sh --plan       # print the plan (step, time box) and exit
 # The plan: each step in its own time box (SIGINT at the box's end, so the Python steps
 # write what they have; SIGKILL 5 s later); the boxes add up to the budget less the
-# summary's reserve (tests/test_gpu_script.py checks), the most valuable figures first:
+# summary's reserve (tests/workbench/test_gpu_script.py checks), the most valuable figures first:
 #   env          nvidia-smi, versions (rest.tar.gz: env.txt)
 #   preflight    benchmarks/gpu_preflight.py: each kernel check in its own process
 #   gemm         benchmarks/gpu_gemm.py: bf16 against each format's GEMM, per shape
@@ -262,7 +262,7 @@ done
 step grouped "$WORK/grouped.log" "$PY" benchmarks/gpu_grouped.py --device "$DEV" \
   "${GROUPED_ARGS[@]}" --budget "$(($(box_of grouped) - 3))" --out "$OUT/bench.jsonl"
 
-mapfile -t CUDA_FILES < <(grep -l "mark\.cuda" tests/test_*.py)
+mapfile -t CUDA_FILES < <(grep -rl --include="test_*.py" "mark\.cuda" tests | sort)
 if [ "${#CUDA_FILES[@]}" -gt 0 ]; then
   step tests "$OUT/tests.log" env PYTHONPATH="$PWD/benchmarks:$PYTHONPATH" "$PY" -m pytest \
     -q -rA -m cuda --continue-on-collection-errors -p no:cacheprovider \

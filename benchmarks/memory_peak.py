@@ -19,7 +19,7 @@ batch's routing (``estimate(..., sample_batch=)``). The experts run on the CPU's
 ``fp8-rowwise``, ``int8-rowwise``, ``nvfp4``, ``fp8-block``, ``mxfp8``) also on the
 ``grouped`` route that ``torch.compile`` takes (``mixprec.experts.segments*``: whole
 operand casts, the tile formats' wgrad buffer padded to each expert's tiles), run
-eagerly. No figure is asserted here (tests/test_memory_peak.py asserts the bounds)."""
+eagerly. No figure is asserted here (tests/memory/test_memory_peak.py asserts the bounds)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
     python benchmarks/moe_parity.py [--models mixtral,gpt_oss] [--recipes fp8,nvfp4]
                                     [--steps 50]
 
-Each family (tests/moe_helpers.py: Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS; 2 layers,
+Each family (tests/helpers/moe_models.py: Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS; 2 layers,
 hidden 64, 4 experts, top-2) trains with AdamW (lr 3e-3) on a fresh batch of a Markov
 stream each step (8 × 16 tokens; loss floor ln 4 = 1.39), from the same initial weights
 and batches, under bf16-master and each fp8/fp4 recipe. For each recipe it checks that
@@ -27,11 +27,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from helpers.moe_models import (  # noqa: E402
+    MODELS,
+    VOCAB,
+    count_experts_gemms,
+    markov_batches,
+    model,
+    train,
+)
 from mixprec import MixedPrecision  # noqa: E402
 from mixprec.experts import experts_formats  # noqa: E402
 from mixprec.fp8.quantizers import quantizer_for  # noqa: E402
 from mixprec.recipe import Recipe  # noqa: E402
-from moe_helpers import MODELS, VOCAB, count_experts_gemms, markov_batches, model, train  # noqa: E402
 
 RECIPES = ("fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4",
            "int8-rowwise")

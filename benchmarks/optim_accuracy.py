@@ -96,8 +96,8 @@ class Bf16Storage(torch.optim.Optimizer):
 def _run(recipe: str, torchao_cls: str | None, args, seed: int = 0
          ) -> tuple[float, float, float, bool]:
     """(final val loss, model-state bytes per parameter, seconds, emulated). Bytes are
-    those of real 16-bit storage: the planner's (equal to measure(), tests/test_memory.py
-    and tests/test_optim_engine.py), and for torchao the state tensors it holds after
+    those of real 16-bit storage: the planner's (equal to measure(), tests/memory/test_memory.py
+    and tests/optim/test_optim_engine.py), and for torchao the state tensors it holds after
     the run."""
     from mixprec.memory import estimate
 

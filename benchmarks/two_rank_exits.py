@@ -33,13 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 ABORT = "terminate called"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
 
-# the rank functions of tests/dist_workers.py, as tests/test_distributed.py runs them but
+# the rank functions of tests/helpers/dist_workers.py, as the distributed tests run them,
 # started by "spawn": the forkserver's children leave by os._exit and never finalize
 SPAWN = """
 import sys, tempfile
 import torch.multiprocessing as mp
 sys.path.insert(0, {tests!r})
-import dist_workers as w
+from helpers import dist_workers as w
 fn = getattr(w, {fn!r})
 mp.start_processes(fn, args=(2, tempfile.mkdtemp(), *{args!r}), nprocs=2, join=True,
                    start_method="spawn")  # a full interpreter exit per rank
@@ -58,7 +58,7 @@ def _spawn(fn: str, *args) -> list[str]:
 
 def programs(out: str) -> dict[str, list[str]]:
     """Each program's command line; ``out`` is a fresh directory for its files."""
-    ex, tests = ROOT / "examples", ROOT / "tests"
+    ex, helpers = ROOT / "examples", ROOT / "tests" / "helpers"
     return {
         "fabric": [sys.executable, str(ex / "fabric_train.py"), "--devices", "2",
                    "--recipe", "fp16-master", "--steps", "6", "--inject-inf", "3:1",
@@ -77,9 +77,9 @@ def programs(out: str) -> dict[str, list[str]]:
         "hf_trainer": [*TORCHRUN, "--master-port", _port(), str(ex / "hf_trainer_train.py"),
                        "--steps", "6", "--inject-inf", "3:1", "--out",
                        os.path.join(out, "hf")],
-        "hf_sharded": [*TORCHRUN, "--master-port", _port(), str(tests / "hf_sharded.py"),
+        "hf_sharded": [*TORCHRUN, "--master-port", _port(), str(helpers / "hf_sharded.py"),
                        out],
-        "lightning_sharded": [sys.executable, str(tests / "lightning_sharded.py"), out],
+        "lightning_sharded": [sys.executable, str(helpers / "lightning_sharded.py"), out],
         "gloo_ddp": _spawn("rank_local_inf", "fp16-master", "ddp"),
         "gloo_fsdp": _spawn("gpt_fsdp", "bf16-master", 3),
     }

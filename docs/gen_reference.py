@@ -2,7 +2,7 @@
 
     python docs/gen_reference.py          # rewrites docs/reference/{recipes,cli,formats}.md
 
-tests/test_docs_site.py fails when a committed page differs from what this writes."""
+tests/docs/test_docs_site.py fails when a committed page differs from what this writes."""
 
 from __future__ import annotations
 

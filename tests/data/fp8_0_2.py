@@ -1,5 +1,5 @@
 """Writes ``fp8_0_2.pt``: fp8 casts, Float8Linear steps and engine checkpoints as
-mixprec 0.2.0 computed and wrote them. tests/test_quantizers.py checks that the current
+mixprec 0.2.0 computed and wrote them. tests/formats/test_quantizers.py checks that the current
 version casts bit for bit as 0.2.0 did and resumes its checkpoints (whose Float8Linears
 carried delayed-scaling buffers under every scaling). This file was run once with
 mixprec 0.2.0; run with a later version it records that version instead, so the

@@ -1,7 +1,7 @@
 """Writes ``optim_0_2.pt``: mixprec.optim checkpoints as mixprec 0.2.0 wrote them
 (block states in 0.2's layout: rows padded to 256-element blocks, linear int8 codes,
 fp8 second moments as square roots), with the gradients of the steps that follow and the
-weights 0.2.0 reached after them. tests/test_optim_checkpoints.py loads them with the
+weights 0.2.0 reached after them. tests/optim/test_optim_checkpoints.py loads them with the
 current version. This file was run once with mixprec 0.2.0; run with a later version
 it writes that version's format instead, so the committed .pt is the record.
 

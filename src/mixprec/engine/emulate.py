@@ -151,7 +151,7 @@ def _tensors(args) -> list[torch.Tensor]:
 def _round(t: torch.Tensor, f: Format) -> torch.Tensor:
     """quantize(t, f) in fp32; for fp16/bf16 via a round trip through the real dtype
     (the same bits: torch's casts round to nearest-even with IEEE overflow, which
-    tests/test_formats.py checks against quantize on 10^6 values)."""
+    tests/formats/test_formats.py checks against quantize on 10^6 values)."""
     t = t if t.dtype == torch.float32 else t.float()
     fast = f.torch_dtype if f.name in _FAST else None
     return t.to(fast).float() if fast is not None else formats.quantize(t, f)

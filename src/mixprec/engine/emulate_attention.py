@@ -23,7 +23,7 @@ an accurate exp. Its error is ~1e-4 relative (``fast_exp(0) = 0.99994659``), far
 fp32 rounding, so it decides where ``P`` rounds; without it only ~90% of outputs match
 exactly. Measured against torch 2.13's kernel on an AVX-512 CPU: >= 99% of outputs and
 gradients bit-identical, >= 99.5% within 1 ulp, bf16 and fp16, sequences of 40 to 1100
-(tests/test_emulate_attention.py). Other torch versions may round elsewhere.
+(tests/engine/test_emulate_attention.py). Other torch versions may round elsewhere.
 
 Modelled: causal or not, additive masks (bool masks reach the kernel as 0 / -inf).
 Dropout and unequal head counts (GQA) fall back to EmulationMode's generic rule

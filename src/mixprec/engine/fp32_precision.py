@@ -154,7 +154,7 @@ _WARNED_COMPILE: list[bool] = []
 
 # What ``torch.compiler.assume_constant_result`` marks (dynamo calls the function once
 # while tracing and keeps the answer as a constant), set here directly: the decorator
-# imports dynamo, which importing mixprec must not. tests/test_compile.py counts 0
+# imports dynamo, which importing mixprec must not. tests/engine/test_compile.py counts 0
 # graph breaks through these under inductor.
 fp32_matmul_is_ieee._dynamo_marked_constant = True
 _warn_inexact_under_compile._dynamo_marked_constant = True

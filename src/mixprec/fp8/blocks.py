@@ -28,7 +28,7 @@ MX_TILE = 32
 #: the e8m0 exponent rules, as torchao names them (``mx_exponents``). ``floor`` (the
 #: OCP spec's) puts a block's amax in [256, 512) × X for e4m3, so its largest elements
 #: saturate at 448: a Gaussian Linear's output reads 24.8 dB against 29.0 for ``rceil``
-#: (``tests/test_fp8_blocks.py``), hence ``rceil``, NVIDIA's rule, is the default
+#: (``tests/formats/test_fp8_blocks.py``), hence ``rceil``, NVIDIA's rule, is the default
 MX_ROUNDINGS = ("rceil", "floor", "ceil", "even")
 
 
