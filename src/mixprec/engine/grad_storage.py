@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,7 +41,7 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def placed_like(grad: torch.Tensor, like: torch.Tensor, stats=None) -> torch.Tensor:
+def placed_like(grad: torch.Tensor, like: torch.Tensor, stats: Any = None) -> torch.Tensor:
     """``grad`` placed as ``like`` (its parameter or buffer): a partial-sum DTensor
     gradient, which a replicated parameter gets where it met sharded activations
     (sequence parallelism's norms), is summed across its mesh (an all-reduce by
@@ -92,7 +93,7 @@ class GradStorage:
         """Each optimizer parameter's accumulated gradient (None: it got none)."""
         raise NotImplementedError
 
-    def accumulate(self, state) -> None:
+    def accumulate(self, state: Any) -> None:
         """After each backward: the fresh gradients join the accumulation."""
         raise NotImplementedError
 
@@ -123,17 +124,17 @@ class GradStorage:
         """Clear the accumulated gradients (after a step, or ``zero_grad``)."""
         raise NotImplementedError
 
-    def bucket(self, state, bucket) -> tuple[torch.Tensor, Finish]:
+    def bucket(self, state: Any, bucket: Any) -> tuple[torch.Tensor, Finish]:
         """DDP's bucket: ``(what this rank sends, done)``, ``done(mean)`` putting the
         reduced mean in place and returning what DDP writes into the bucket."""
         raise NotImplementedError
 
-    def reduce(self, state, mean: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def reduce(self, state: Any, mean: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Every accumulated gradient, flattened into one tensor, through ``mean``
         (this rank's sums in, the mean over ranks out), and put back."""
         raise NotImplementedError
 
-    def record_sums(self, stats) -> None:
+    def record_sums(self, stats: Any) -> None:
         """Record partial-sum gradients' sums in ``stats`` as they enter."""
         self.comm_stats = stats
 
@@ -153,7 +154,7 @@ class DirectGrads(GradStorage):
         """Each optimizer parameter's ``.grad``."""
         return tuple(q.grad for q in self.opt_params)
 
-    def accumulate(self, state) -> None:
+    def accumulate(self, state: Any) -> None:
         """Sequence parallelism's partial-sum gradients summed across their mesh."""
         for p in self._dtensors:
             if p.grad is not None:
@@ -174,7 +175,7 @@ class DirectGrads(GradStorage):
         for q in self.opt_params:
             q.grad = None
 
-    def bucket(self, state, bucket) -> tuple[torch.Tensor, Finish]:
+    def bucket(self, state: Any, bucket: Any) -> tuple[torch.Tensor, Finish]:
         """DDP's flat bucket (the ``.grad`` are its views); DDP writes the mean back."""
 
         def done(reduced: torch.Tensor) -> torch.Tensor:
@@ -182,7 +183,7 @@ class DirectGrads(GradStorage):
 
         return bucket.buffer(), done
 
-    def reduce(self, state, mean: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def reduce(self, state: Any, mean: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """The ``.grad`` reduced in place, a parameter without one as zeros (as DDP
         does)."""
         for p in self.working:
@@ -193,7 +194,7 @@ class DirectGrads(GradStorage):
         torch._foreach_copy_(grads, [r.view_as(g) for r, g in
                                      zip(out.split([g.numel() for g in grads]), grads)])
 
-    def record_sums(self, stats) -> None:
+    def record_sums(self, stats: Any) -> None:
         """Autograd adds a later micro-batch's partial sum into ``.grad`` itself
         (DTensor sums it there): a hook on each DTensor parameter records those."""
         super().record_sums(stats)
@@ -230,7 +231,7 @@ class BufferGrads(GradStorage):
         """The buffers."""
         return tuple(self.buffers)
 
-    def accumulate(self, state) -> None:
+    def accumulate(self, state: Any) -> None:
         """The working params' fresh ``.grad`` through the door into the buffers, then
         dropped. Parameters the DDP hook settled give theirs up unread."""
         settled, self.settled = self.settled, set()
@@ -296,7 +297,7 @@ class BufferGrads(GradStorage):
             if not same:
                 q.grad = None
 
-    def bucket(self, state, bucket) -> tuple[torch.Tensor, Finish]:
+    def bucket(self, state: Any, bucket: Any) -> tuple[torch.Tensor, Finish]:
         """The last micro-batch joins the rank's buffers in fp32 (no rounding to the
         buffers' dtype before the reduction); the mean goes back through the door and
         DDP's bucket is left as it is (``accumulate`` drops these ``.grad`` unread)."""
@@ -312,7 +313,7 @@ class BufferGrads(GradStorage):
 
         return send, done
 
-    def reduce(self, state, mean: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def reduce(self, state: Any, mean: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """The buffers' mean back through the door; the working ``.grad`` are empty,
         so the harvest after it only closes the reduction's account."""
         bufs = list(self.buffers)

@@ -30,6 +30,8 @@ last is a multiple of 8.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mixprec.experts import adapter
@@ -113,12 +115,13 @@ class Codes(GemmLayout):
         q, groups = cast
         return q.like((q.data, None, q.outer)), groups
 
-    def cast_x(self, t, role, dim, record=False, key=None):
+    def cast_x(self, t: torch.Tensor, role: str, dim: int, record: bool = False,
+               key: Any = None) -> Any:
         """The tokens (or the gradient) cast whole by the format."""
         return self.fmt.segment_cast(t, role, dim, self.seg, self.site.scaling_state(),
                                      record, key)
 
-    def cast_w(self, w, dim, record=False):
+    def cast_w(self, w: torch.Tensor, dim: int, record: bool = False) -> Any:
         """The experts' weights cast per expert along ``dim`` (1: K, forward; 0: N,
         dgrad): codes (E × N × K) and inverse scales (E × 1 × 1, E × N × 1 or
         E × 1 × K); a weight gathered as each expert's casts, stacked."""
@@ -128,7 +131,7 @@ class Codes(GemmLayout):
                              torch.stack([c.inv for c in casts]))
         return self.fmt.segment_weights(w, dim, self.seg, self.site.scaling_state(), record)
 
-    def forward_mm(self, xq, wq, out_dtype):
+    def forward_mm(self, xq: Any, wq: Any, out_dtype: torch.dtype) -> torch.Tensor:
         """Each expert's rows times its weight's transpose."""
         xc, xi, _ = self.fmt.segment_codes(xq)
         wc, wi, seg = wq.data, wq.scale_inv, self.seg
@@ -141,13 +144,13 @@ class Codes(GemmLayout):
             y = _rows_mm(xc, xi, wc.transpose(1, 2), wi.transpose(1, 2), seg.offs, seg.ids)
         return y.to(out_dtype)
 
-    def dgrad_mm(self, g, wd, x_dtype):
+    def dgrad_mm(self, g: Any, wd: Any, x_dtype: torch.dtype) -> torch.Tensor:
         """Each expert's gradient rows times its weight."""
         gc, gi, _ = self.fmt.segment_codes(g)
         return _rows_mm(gc, gi, wd.data, wd.scale_inv, self.seg.offs,
                         self.seg.ids).to(x_dtype)
 
-    def wgrad_mm(self, g, xw, w_dtype):
+    def wgrad_mm(self, g: Any, xw: Any, w_dtype: torch.dtype) -> torch.Tensor:
         """The gradient's transpose, column-major (an expert's first token moves it by
         whole columns of N elements: the module doc), times the tokens, then each
         (expert, row, column)'s inverse scales."""

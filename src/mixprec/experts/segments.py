@@ -14,6 +14,8 @@ so ``torch.compile`` traces it as one graph. ``Segmented`` is the layout
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mixprec.fp8.formats.segments import Segments, segment_ids
@@ -75,7 +77,7 @@ class Segmented(GemmLayout):
     counter stream of this backward's key (``ExpertsFormat._sr_key``) by place: dgrad's
     cast from 0, wgrad's from ``T·N`` on."""
 
-    def __init__(self, site, seg: Segments | None = None) -> None:
+    def __init__(self, site: Any, seg: Segments | None = None) -> None:
         super().__init__(site)
         self.seg = seg
 
@@ -96,34 +98,36 @@ class Segmented(GemmLayout):
         key = self.site._sr_key(gy.device)
         return key, None if key is None else counter_key(key, gy.numel())
 
-    def cast_x(self, t, role, dim, record=False, key=None):
+    def cast_x(self, t: torch.Tensor, role: str, dim: int, record: bool = False,
+               key: Any = None) -> Any:
         """The tokens (or the gradient) cast whole by the format."""
         return self.fmt.segment_cast(t, role, dim, self.seg, self.site.scaling_state(),
                                      record, key)
 
-    def cast_w(self, w, dim, record=False):
+    def cast_w(self, w: torch.Tensor, dim: int, record: bool = False) -> Any:
         """The experts' weights cast per expert by the format."""
         return self.fmt.segment_weights(w, dim, self.seg, self.site.scaling_state(), record)
 
-    def forward_mm(self, xq, wq, out_dtype):
+    def forward_mm(self, xq: Any, wq: Any, out_dtype: torch.dtype) -> torch.Tensor:
         """Each expert's rows times its weight's transpose."""
         seg = self.seg
         return rows_product(self.fmt.segment_values(xq, seg),
                             self.fmt.segment_weight_values(wq, seg, True), seg.offs,
                             seg.ids, out_dtype)
 
-    def dgrad_mm(self, g, wd, x_dtype):
+    def dgrad_mm(self, g: Any, wd: Any, x_dtype: torch.dtype) -> torch.Tensor:
         """Each expert's gradient rows times its weight."""
         seg = self.seg
         return rows_product(self.fmt.segment_values(g, seg),
                             self.fmt.segment_weight_values(wd, seg, False), seg.offs,
                             seg.ids, x_dtype)
 
-    def wgrad_mm(self, g, xw, w_dtype):
+    def wgrad_mm(self, g: Any, xw: Any, w_dtype: torch.dtype) -> torch.Tensor:
         """Each expert's gradient rows, transposed, times its input rows."""
         gv, xv, offs = self.fmt.segment_wgrad(g, xw, self.seg)
         return wgrad_product(gv, xv, offs, w_dtype)
 
-    def hp_wgrad(self, gy, x_hp, w_dtype):
+    def hp_wgrad(self, gy: torch.Tensor, x_hp: torch.Tensor, w_dtype: torch.dtype
+                 ) -> torch.Tensor:
         """wgrad in the gradient's 16 bits on the input as it came."""
         return wgrad_product(gy, x_hp.to(gy.dtype), self.seg.offs, w_dtype)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -80,7 +81,7 @@ class GemmLayout:
     the experts' per-expert GEMMs and grouped kernels (``mixprec.experts``). The
     format (``site.quantizer``) makes every cast; a layout only places them."""
 
-    def __init__(self, site) -> None:
+    def __init__(self, site: Any) -> None:
         self.site = site
         self.fmt: LinearFormat = site.quantizer
 
@@ -186,8 +187,10 @@ class _QuantizedMatmul(torch.autograd.Function):
     token counts."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, site, out_dtype, record, grad_dtype=None, offsets=None,
-                layout=None):
+    def forward(ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, site: Any,
+                out_dtype: torch.dtype, record: bool, grad_dtype: torch.dtype | None = None,
+                offsets: torch.Tensor | None = None,
+                layout: GemmLayout | None = None) -> torch.Tensor:
         lay = (layout if layout is not None else Dense(site)).bind(x2d, weight, offsets)
         q = lay.fmt
         need_dx, need_dw = ctx.needs_input_grad[:2]
@@ -213,7 +216,7 @@ class _QuantizedMatmul(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, gy):
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple:
         saved = ctx.saved_tensors
         n, lay = ctx.n_casts, ctx.layout
         x_hp = saved[n]

@@ -13,6 +13,8 @@ expert's slice gives them (``LinearFormat.segment_cast``), builds on these helpe
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = ["Segments", "segment_ids", "tile_aligned_rows", "spread", "segment_amax",
@@ -52,7 +54,7 @@ def segment_amax(amax: torch.Tensor, ids: torch.Tensor, groups: int) -> torch.Te
     return amax.new_zeros(shape).scatter_reduce(0, index, amax, "amax", include_self=True)
 
 
-def stacked_values(c, transposed: bool) -> torch.Tensor:
+def stacked_values(c: Any, transposed: bool) -> torch.Tensor:
     """The fp32 values of the experts' weights cast as one E × N × K ``Quantized``
     (``transposed``: E × K × N, contiguous)."""
     v = c.dequant()
