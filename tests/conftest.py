@@ -53,10 +53,45 @@ def pytest_report_header(config):
             f"{torch.backends.cpu.get_cpu_capability()})")
 
 
+#: slow tests whose behaviour a faster test of the default suite also shows (another
+#: recipe of the same check, a second compile, a second subprocess): CI's long pass runs
+#: them, so ``./dev test`` keeps within about ten minutes
+SLOW_DUPLICATES = {
+    *(f"tests/engine/test_compile.py::test_inductor_compiles_every_recipe_in_one_graph[{r}]"
+      for r in ("fp32", "bf16", "fp16", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8",
+                "nvfp4,nvfp4_sr=false")),
+    "tests/engine/test_compile.py::test_compiled_model_trains_like_eager_with_the_islands"
+    "[fp8-rowwise]",
+    "tests/engine/test_compile.py::test_wgrad_fp32_holds_under_compile",
+    "tests/engine/test_compile.py::test_compiled_nvfp4_rounds_gradients_stochastically_in_the"
+    "_graph",
+    "tests/experts/test_experts_compile.py::test_a_transformers_moe_model_compiles_as_one"
+    "_graph[fp8-current]",
+    "tests/parallel/test_distributed.py::test_example_script_resumes_across_world_sizes_and"
+    "_layouts",
+    "tests/optim/test_optim_peak.py::test_the_step_peak_is_at_most_one_byte_per_parameter",
+    "tests/optim/test_optim_peak.py::test_the_engines_step_on_an_embedding_stays_within_the"
+    "_pieces_scratch",
+    "tests/planner/test_plan_cli.py::test_compare_trains_a_plan_file_and_a_plan_made_now",
+    "tests/docs/test_quiet_import.py::test_torchao_comes_with_transformers_model_code_not_with"
+    "_mixprec",
+    "tests/workbench/test_gpu_script.py::test_sigterm_mid_run_leaves_the_summary_and_names"
+    "_what_did_not_run",
+    "tests/workbench/test_workbench.py::test_bench_compile_times_each_recipe_compiled_and"
+    "_torchaos_beside_fp8",
+    "tests/workbench/test_workbench.py::test_sigkill_at_random_moments_then_resume_is_bit"
+    "_identical[bf16]",
+    "tests/workbench/test_workbench.py::test_report_renders_in_headless_chromium",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects: ``-m long`` sees these marks
 def pytest_collection_modifyitems(config, items):
     long = pytest.mark.skip(reason="a long test: run with --long (CI's own pass)")
     cuda = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
     for item in items:
+        if item.nodeid in SLOW_DUPLICATES:
+            item.add_marker(pytest.mark.long)
         if "long" in item.keywords and not config.getoption("--long"):
             item.add_marker(long)
         if "cuda" in item.keywords and not torch.cuda.is_available():
