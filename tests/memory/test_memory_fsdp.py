@@ -35,7 +35,7 @@ def test_fp8_weight_casts_under_fsdp_are_held_whole_per_rank_as_estimated():
             assert r["module"] == pytest.approx(r["graph"], rel=0.05), recipe
             assert r["spec"] == pytest.approx(r["graph"], rel=0.05), recipe
             # measure() sees the same tensors, but on some runs (about one in three, by
-            # chance, on 2 gloo ranks) it counts one storage fewer: a weight cast the
-            # size of one Linear's or the head's copy. Until that is found, it is held to
-            # the estimates' 5%, which the whole count still meets
-            assert r["measured"] == pytest.approx(r["graph"], rel=0.05), recipe
+            # chance, on 2 gloo ranks) it counts one storage fewer: one weight cast, at
+            # most the largest Linear's (4·d² fp8 bytes). Until that is found, it is held
+            # to the graph's count less at most that one cast
+            assert r["graph"] - 4 * d * d <= r["measured"] <= r["graph"], recipe
