@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from mixprec.fp8.blocks import cast_mx, cast_tiles
-from mixprec.fp8.nvfp4 import cast_nvfp4
+from mixprec.formats.blocks import cast_mx, cast_tiles
+from mixprec.formats.fp4 import cast_nvfp4
 from mixprec.workbench.compare import cpu_name
 
 CASTS = {

@@ -29,9 +29,9 @@ import warnings
 
 import torch
 
-from mixprec.fp8 import quantizer_for
-from mixprec.fp8.formats.int8 import cast_int8_rowwise
+from mixprec.formats.gemm.int8 import cast_int8_rowwise
 from mixprec.recipe import Recipe
+from mixprec.recipe.linear_format import quantizer_for
 from mixprec.workbench.bench import _engine_loop, _workload
 from mixprec.workbench.compare import cpu_name
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from mixprec import MixedPrecision
-from mixprec.fp8 import Float8Linear
+from mixprec.modules.linear import Float8Linear
 from mixprec.workbench import GPT, GPTConfig
 from mixprec.workbench.compare import cpu_name
 from mixprec.workbench.data import load_corpus, sample_batch, val_batches

@@ -6,7 +6,7 @@ upcast, ``abs().amax()`` for the per-tensor amax), all in one process.
 
 The workbench GPT at the compare default size (as ``benchmarks/presets.py``); the two
 fp8 engines and fp32's are stepped in turn, the order rotating each round, so a busy
-host slows each alike. The torch-conversion steps swap ``mixprec.fp8.gemm.upcast`` and
+host slows each alike. The torch-conversion steps swap ``mixprec.formats.tensor_gemm.upcast`` and
 the per-tensor cast's ``abs_max`` for torch's calls around each of their steps; both
 fp8 engines compute the same bits. The table gives median and best step times and each
 one's ratio to fp32's. Nothing is asserted."""
@@ -22,8 +22,8 @@ import warnings
 import torch
 
 from mixprec import MixedPrecision
-from mixprec.fp8 import gemm
-from mixprec.fp8.formats import per_tensor
+from mixprec.formats import tensor_gemm as gemm
+from mixprec.formats.gemm import per_tensor
 from mixprec.optim import adamw_for
 from mixprec.workbench.compare import cpu_name
 from mixprec.workbench.model import GPT, SIZES

@@ -1,6 +1,6 @@
 """The dequant routes' per-element work on this CPU: torch's fp8 -> bf16/fp32 ``to``
-against ``mixprec.fp8.gemm.upcast``, and ``t.abs().amax()`` against
-``mixprec.fp8.scaling.abs_max``, on one operand of the compare GPT's Linears.
+against ``mixprec.formats.tensor_gemm.upcast``, and ``t.abs().amax()`` against
+``mixprec.formats.scaling.abs_max``, on one operand of the compare GPT's Linears.
 
     python benchmarks/fp8_upcast.py [--rounds 15] [--shape 1024x256] [--threads 1]
 
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from mixprec.fp8.gemm import upcast
-from mixprec.fp8.scaling import abs_max
+from mixprec.formats.scaling import abs_max
+from mixprec.formats.tensor_gemm import upcast
 from mixprec.workbench.compare import cpu_name
 
 

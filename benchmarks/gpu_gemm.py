@@ -28,7 +28,7 @@ import traceback
 
 import torch
 
-from mixprec.fp8 import quantizer_for
+from mixprec.recipe.linear_format import quantizer_for
 
 #: the formats, as recipes: per-tensor and rowwise first, block-scaled last
 FORMATS = ("fp8-current", "fp8-rowwise", "int8-rowwise", "fp8-block", "mxfp8", "nvfp4")

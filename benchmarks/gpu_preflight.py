@@ -12,9 +12,9 @@ reason) and keeps within ``--budget`` seconds, marking what it had to cut.
 - ``env``: capability, versions, and the fp32 matmul precision state (each knob read
   on its own: a legacy read raises once the new API set it);
 - ``fp8:{tensorwise,rowwise}:{bf16,fp32}:M=..``: ``torch._scaled_mm`` through
-  ``mixprec.fp8.gemm`` on odd shapes (K=200, N=136: both padded to 16);
+  ``mixprec.formats.tensor_gemm`` on odd shapes (K=200, N=136: both padded to 16);
 - ``{block,mx,nvfp4}:{fwd,dgrad,wgrad}:{bf16,fp32}:M=..``: each block-scaled pair on
-  ``mixprec.fp8.scaled_mm.block_scaled_mm`` (1x128 x 128x128 fp8; MX e8m0 1x32;
+  ``mixprec.formats.scaled_mm.block_scaled_mm`` (1x128 x 128x128 fp8; MX e8m0 1x32;
   NVFP4) at M tokens, against mixprec's dequantized operands multiplied in float64;
 - ``probe:{block,mx,nvfp4}``: the route ``fp8_gemm=auto`` takes (the probe) and its
   warnings; ``engine:{fp8-block,mxfp8,nvfp4}``: ``engine.kernels`` and the route each
@@ -141,7 +141,7 @@ def _fp8_pair(scaling: str, out: str, m: int, device: str) -> dict:
     the same fp8 operands dequantized and multiplied in float64."""
     import torch
 
-    from mixprec.fp8 import quantizer_for
+    from mixprec.recipe.linear_format import quantizer_for
 
     q = quantizer_for("fp8-current" if scaling == "tensorwise" else "fp8-rowwise")
     x, w, _ = _operands(m, device)
@@ -157,8 +157,8 @@ def _block_pair(kind: str, gemm: str, out: str, m: int, device: str) -> dict:
     wgrad gᵀ @ x over M tokens), against the dequantized operands in float64."""
     import torch
 
-    from mixprec.fp8 import quantizer_for
-    from mixprec.fp8.scaled_mm import block_scaled_mm
+    from mixprec.formats.scaled_mm import block_scaled_mm
+    from mixprec.recipe.linear_format import quantizer_for
 
     q = quantizer_for(BLOCK_RECIPES[kind])
     x, w, gy = _operands(m, device)
@@ -182,8 +182,8 @@ def _probe(kind: str, device: str) -> dict:
     why (their warnings)."""
     import torch
 
-    from mixprec.fp8 import quantizer_for
-    from mixprec.fp8.route import kernel_missing
+    from mixprec.formats.route import kernel_missing
+    from mixprec.recipe.linear_format import quantizer_for
 
     q = quantizer_for(BLOCK_RECIPES[kind])
     out = {"capability": (list(torch.cuda.get_device_capability())
@@ -196,7 +196,7 @@ def _probe(kind: str, device: str) -> dict:
     out["route"] = q.route(device, "auto")
     out["route_seconds"] = round(time.perf_counter() - t, 3)
     try:  # the probe's own verdict, also where the route did not ask it
-        from mixprec.fp8 import scaled_mm
+        from mixprec.formats import scaled_mm
 
         out["probe_accepts"] = scaled_mm._probe(device, q)
     except Exception as e:
@@ -210,7 +210,7 @@ def _engine(recipe: str, device: str) -> dict:
     import torch
 
     from mixprec import MixedPrecision
-    from mixprec.fp8.linear import fp8_modules
+    from mixprec.modules.linear import fp8_modules
     from mixprec.optim import adamw_for
     from mixprec.workbench import GPT, GPTConfig
 
@@ -241,7 +241,8 @@ def _tf32_legacy(how: str, device: str) -> dict:
     import torch
     from torch import nn
 
-    from mixprec.fp8 import Float8Linear, quantizer_for
+    from mixprec.modules.linear import Float8Linear
+    from mixprec.recipe.linear_format import quantizer_for
 
     if how == "allow_tf32":
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -4,7 +4,7 @@
     ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python benchmarks/int8_gemm.py
 
 1. per GEMM shape ``M×K×N``: ``torch._int_mm`` with the two rowwise int8 casts
-   (``mixprec.fp8.formats.int8.cast_int8_rowwise``) and the scales applied, against a
+   (``mixprec.formats.gemm.int8.cast_int8_rowwise``) and the scales applied, against a
    bf16 ``torch.mm`` of the same shape; also the exact dequantizing route's speed (the
    fp32 GEMMs over 1024-wide chunks), ``torch._int_mm`` alone and an fp32 ``mm``, each
    as a ratio to bf16's time;
@@ -35,8 +35,8 @@ from torch import nn
 
 from mixprec import Recipe
 from mixprec.engine import devices as kernels
-from mixprec.fp8 import Float8Linear
-from mixprec.fp8.formats.int8 import cast_int8_rowwise, int8_gemm
+from mixprec.formats.gemm.int8 import cast_int8_rowwise, int8_gemm
+from mixprec.modules.linear import Float8Linear
 from mixprec.workbench.compare import cpu_name
 
 #: GEMM shapes M×K×N: square ones, the two AMX shapes of the docs, odd ones

@@ -37,8 +37,8 @@ from helpers.moe_models import (  # noqa: E402
 )
 from mixprec import MixedPrecision  # noqa: E402
 from mixprec.experts import experts_formats  # noqa: E402
-from mixprec.fp8.quantizers import quantizer_for  # noqa: E402
 from mixprec.recipe import Recipe  # noqa: E402
+from mixprec.recipe.linear_format import quantizer_for  # noqa: E402
 
 RECIPES = ("fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4",
            "int8-rowwise")

@@ -29,7 +29,7 @@ def _type(hint) -> str:
 def recipes_page() -> str:
     """The recipe's configs and Linear formats (each field's string key, values, default,
     meaning) and the presets."""
-    from mixprec.fp8.formats import FORMATS
+    from mixprec.formats.gemm import FORMATS
     from mixprec.recipe import PRESETS, LossScale, OptimStates, Precision, Recipe
 
     lines = [HEADER, "# Recipe fields and presets\n",

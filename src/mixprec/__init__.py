@@ -5,9 +5,10 @@ precision each part of training uses), ``MixedPrecision`` (the training engine),
 ``LossScaler`` and ``precision_context``.
 """
 
+import importlib
 import sys
 
-from mixprec import _imports, formats, fp8
+from mixprec import _imports, formats, modules
 from mixprec.diagnostics import doctor
 from mixprec.engine.context import precision_context
 from mixprec.engine.facade import MixedPrecision, StepResult
@@ -17,7 +18,7 @@ from mixprec.parallel import distributed
 from mixprec.planner import Plan, plan
 from mixprec.recipe import PRESETS, Recipe
 
-__all__ = ["distributed", "formats", "fp8", "Recipe", "PRESETS", "MixedPrecision",
+__all__ = ["distributed", "formats", "modules", "Recipe", "PRESETS", "MixedPrecision",
            "StepResult", "SkipLimitError", "LossScaler", "precision_context", "doctor",
            "plan", "Plan",
            "__version__"]
@@ -25,3 +26,10 @@ __version__ = "0.2.0"
 _imports.install()
 # the user's entry keeps its short path, as a public name rather than a deprecated one
 sys.modules.setdefault("mixprec.distributed", distributed)
+
+
+def __getattr__(name: str):
+    """``mixprec.fp8``, the package whose modules moved, on first use (it warns)."""
+    if name == "fp8":
+        return importlib.import_module("mixprec.fp8")
+    raise AttributeError(f"module 'mixprec' has no attribute {name!r}")

@@ -26,7 +26,8 @@ MOVED = {
     "mixprec.emulate": "mixprec.engine.emulate",
     "mixprec.emulate_attention": "mixprec.engine.emulate_attention",
     "mixprec.attention": "mixprec.engine.attention",
-    "mixprec.fp32_precision": "mixprec.engine.fp32_precision",
+    "mixprec.engine.fp32_precision": "mixprec.formats.fp32_precision",
+    "mixprec.fp32_precision": "mixprec.formats.fp32_precision",
     "mixprec.kernels": "mixprec.engine.devices",
     "mixprec.gradnorm": "mixprec.engine.gradnorm",
     "mixprec.wgrad": "mixprec.engine.wgrad",
@@ -40,6 +41,34 @@ MOVED = {
     "mixprec.rng": "mixprec.checkpoint.rng",
     "mixprec.layer_rules": "mixprec.recipe.layer_rules",
     "mixprec.recipe_rules": "mixprec.recipe.rules",
+    "mixprec.fp8.formats": "mixprec.formats.gemm",
+    "mixprec.fp8.formats.base": "mixprec.formats.gemm.base",
+    "mixprec.fp8.formats.block": "mixprec.formats.gemm.block",
+    "mixprec.fp8.formats.current": "mixprec.formats.gemm.current",
+    "mixprec.fp8.formats.delayed": "mixprec.formats.gemm.delayed",
+    "mixprec.fp8.formats.int8": "mixprec.formats.gemm.int8",
+    "mixprec.fp8.formats.mx": "mixprec.formats.gemm.mx",
+    "mixprec.fp8.formats.nvfp4": "mixprec.formats.gemm.nvfp4",
+    "mixprec.fp8.formats.per_tensor": "mixprec.formats.gemm.per_tensor",
+    "mixprec.fp8.formats.rowwise": "mixprec.formats.gemm.rowwise",
+    "mixprec.fp8.formats.segments": "mixprec.formats.segments",
+    "mixprec.fp8.quantized": "mixprec.formats.quantized",
+    "mixprec.fp8.scaling": "mixprec.formats.scaling",
+    "mixprec.fp8.blocks": "mixprec.formats.blocks",
+    "mixprec.fp8.nvfp4": "mixprec.formats.fp4",
+    "mixprec.fp8.padding": "mixprec.formats.padding",
+    "mixprec.fp8.scaled_mm": "mixprec.formats.scaled_mm",
+    "mixprec.fp8.route": "mixprec.formats.route",
+    "mixprec.fp8.gemm": "mixprec.formats.tensor_gemm",
+    "mixprec.fp8.mm": "mixprec.formats.mm",
+    "mixprec.fp8.quantizers": "mixprec.recipe.linear_format",
+    "mixprec.fp8.tp_agree": "mixprec.parallel.tp_agree",
+    "mixprec.fp8.tensor_parallel": "mixprec.parallel.tensor_parallel",
+    "mixprec.fp8.tp_plans": "mixprec.parallel.tp_plans",
+    "mixprec.fp8.gather": "mixprec.parallel.gather",
+    "mixprec.fp8.gather_casts": "mixprec.parallel.gather_casts",
+    "mixprec.fp8.linear": "mixprec.modules.linear",
+    "mixprec.fp8.convert": "mixprec.engine.convert",
 }
 del MOVED["mixprec.engine_facade"]  # mixprec.engine is the package: it exports the same
 
@@ -70,19 +99,21 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
 def install() -> None:
     """Put the finder on ``sys.meta_path`` (once)."""
     if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
-        sys.meta_path.append(_MovedFinder())
+        sys.meta_path.insert(0, _MovedFinder())  # before the path finder: an old path under
+        # an aliased package (mixprec.fp8.formats.base) must not load its file a second time
 
 
-def lazy_exports(package: str, exports: dict[str, str]):
+def lazy_exports(package: str, exports: dict[str, str], absolute: bool = False):
     """A package's ``__getattr__`` and ``__dir__`` for its public names, each imported from
     its submodule (``exports``: name -> submodule) on first use: the package's own
     submodules are imported by rooms below the one that defines the names, which must not
-    pull it in with them."""
+    pull it in with them; ``absolute``: ``exports`` names whole module paths)."""
 
     def __getattr__(name: str):
         if name not in exports:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
+        where = exports[name] if absolute else f"{package}.{exports[name]}"
+        return getattr(importlib.import_module(where), name)
 
     def __dir__() -> list[str]:
         return sorted([*vars(sys.modules[package]), *exports])

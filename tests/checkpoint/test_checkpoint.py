@@ -90,7 +90,7 @@ def test_fp32_weights_take_the_masters_and_drop_fp8_state():
 
 
 def test_fp32_weights_leave_out_the_fp8_scaling_buffers():
-    from mixprec.fp8.convert import convert
+    from mixprec.engine.convert import convert
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.fp8.blocks import cast_blocks, cast_mx, cast_tiles
-from mixprec.fp8.linear import Float8Linear
-from mixprec.fp8.nvfp4 import cast_nvfp4
-from mixprec.fp8.scaling import cast_rowwise
+from mixprec.formats.blocks import cast_blocks, cast_mx, cast_tiles
+from mixprec.formats.fp4 import cast_nvfp4
+from mixprec.formats.scaling import cast_rowwise
+from mixprec.modules.linear import Float8Linear
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 #: the Float8Linear cases: every scaling and its settings

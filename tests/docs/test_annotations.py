@@ -23,6 +23,8 @@ def _public_functions() -> Iterator[tuple[str, Callable]]:
                 for k, v in vars(obj).items():
                     if k.startswith("_") and k != "__init__":
                         continue
+                    if k == "__init__" and getattr(obj, "_is_protocol", False):
+                        continue  # a Protocol's __init__ is typing's, not the module's
                     f = v.fget if isinstance(v, property) else getattr(v, "__func__", v)
                     if inspect.isfunction(f):
                         yield f"{m}.{n}.{k}", f

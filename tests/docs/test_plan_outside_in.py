@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-import mixprec.fp8
+import mixprec.engine.convert
 import mixprec.memory
 import mixprec.optim
 from mixprec.planner import NoPlanFits
@@ -244,7 +244,7 @@ def test_hand_written_rule_converts_only_the_named_linear_like_convert_alone():
     kinds = {n: type(m).__name__ for n, m in engine.model.named_modules() if n}
     assert kinds == {"inp": "Linear", "mid": "Float8Linear", "out": "Linear"}
 
-    mixprec.fp8.convert(alone, "mxfp8", filter=lambda module, fqn: True)
+    mixprec.engine.convert.convert(alone, "mxfp8", filter=lambda module, fqn: True)
     assert type(alone[0]).__name__ == "Float8Linear"
 
     h = torch.randn(48, 64)

@@ -17,8 +17,8 @@ from helpers.models import mlp, tiny_gpt
 from helpers.speeds import set_speeds
 from mixprec import MixedPrecision, Recipe
 from mixprec.diagnostics import doctor
-from mixprec.fp8.linear import Float8Linear
 from mixprec.memory import TransformerSpec, estimate
+from mixprec.modules.linear import Float8Linear
 
 pytestmark = pytest.mark.usefixtures("measured")  # what auto decides, not a pinned path
 

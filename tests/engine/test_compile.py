@@ -174,7 +174,7 @@ def test_compiled_exact_routes_warn_once_when_fp32_matmul_is_not_ieee(monkeypatc
     import warnings
 
     from mixprec.engine import fp32_precision
-    from mixprec.fp8.linear import Float8Linear
+    from mixprec.modules.linear import Float8Linear
 
     monkeypatch.setattr(fp32_precision, "_WARNED_COMPILE", [])
     lin = Float8Linear.from_linear(torch.nn.Linear(32, 32), "fp8-block")
@@ -250,7 +250,7 @@ def test_compiled_nvfp4_rounds_gradients_stochastically_in_the_graph(monkeypatch
     advances by one per backward in both, so a checkpoint resumes either way."""
     import torch._inductor.config as inductor
 
-    from mixprec.fp8.linear import Float8Linear
+    from mixprec.modules.linear import Float8Linear
 
     def rng():
         return [m.nvfp4_rng.tolist() for m in FRAMES["model"].modules()

@@ -8,8 +8,9 @@ import torch
 from helpers.models import pattern_losses
 from mixprec import MixedPrecision
 from mixprec.formats import elements as formats
-from mixprec.fp8 import Float8Linear, fp8_gemm
-from mixprec.fp8.scaling import cast_to_fp8
+from mixprec.formats.scaling import cast_to_fp8
+from mixprec.formats.tensor_gemm import fp8_gemm
+from mixprec.modules.linear import Float8Linear
 from mixprec.workbench import GPT, GPTConfig
 
 pytestmark = pytest.mark.cuda
@@ -64,7 +65,7 @@ def test_rowwise_float8linear_on_cuda_matches_the_cpu_dequant_path(dtype):
     format on each side (the CPU's bf16 route rounds twice)."""
     from torch import nn
 
-    from mixprec.fp8 import Float8Linear
+    from mixprec.modules.linear import Float8Linear
 
     torch.manual_seed(0)
     lin = nn.Linear(512, 384, bias=False)

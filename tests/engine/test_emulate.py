@@ -16,8 +16,8 @@ from helpers.speeds import require_cpu_scaled_mm
 from mixprec import MixedPrecision, precision_context
 from mixprec.engine.emulate import EmulationMode, mx_quantize, mx_scales
 from mixprec.formats import elements as formats
-from mixprec.fp8 import fp8_gemm
-from mixprec.fp8.scaling import cast_to_fp8
+from mixprec.formats.scaling import cast_to_fp8
+from mixprec.formats.tensor_gemm import fp8_gemm
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 compute on the CPU:UserWarning",
                                         "ignore:fp16 has no fast kernels:UserWarning")

@@ -12,7 +12,7 @@ from torch import nn
 
 from mixprec import MixedPrecision
 from mixprec.engine.devices import ieee_fp32_matmul
-from mixprec.fp8 import Float8Linear
+from mixprec.modules.linear import Float8Linear
 
 
 def _knobs():

@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import MixedPrecision, precision_context
-from mixprec.engine.fp32_precision import Fp32Precision, fp32_matmul_is_ieee, ieee_fp32_matmul
-from mixprec.fp8 import Float8Linear
+from mixprec.formats.fp32_precision import Fp32Precision, fp32_matmul_is_ieee, ieee_fp32_matmul
+from mixprec.modules.linear import Float8Linear
 
 pytestmark = pytest.mark.skipif(
     tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 9),

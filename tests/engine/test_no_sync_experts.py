@@ -25,7 +25,7 @@ from helpers.host_reads import MIXPREC, reads_replaced
 from mixprec.experts import ExpertsFormat, grouped_mm
 from mixprec.experts import grouped as gr
 from mixprec.experts.hook import convert_experts
-from mixprec.fp8 import gather_casts
+from mixprec.parallel import gather_casts
 
 _READS = ["item", "__bool__", "__float__", "__int__", "__index__", "tolist", "nonzero",
           "cpu", "numpy"]

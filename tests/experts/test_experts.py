@@ -13,7 +13,7 @@ import torch
 from helpers.paths import ROOT
 from mixprec.experts import ExpertsFormat, grouped_mm
 from mixprec.experts import scaled_grouped as sg
-from mixprec.fp8.linear import Float8Linear
+from mixprec.modules.linear import Float8Linear
 
 #: the linear formats, NVFP4 rounded to nearest (bitwise comparisons draw no random bits)
 FORMATS = ["fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8", "int8-rowwise",

@@ -14,9 +14,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from mixprec.experts import ExpertsFormat, grouped, grouped_mm
 from mixprec.experts.grouped import PerExpert
 from mixprec.experts.segments import segment_ids
-from mixprec.fp8.formats.segments import tile_aligned_rows
-from mixprec.fp8.mm import QuantizedGemm
-from mixprec.fp8.nvfp4 import counter_key, counter_uniform
+from mixprec.formats.fp4 import counter_key, counter_uniform
+from mixprec.formats.mm import QuantizedGemm
+from mixprec.formats.segments import tile_aligned_rows
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -151,7 +151,7 @@ def test_a_transformers_moe_model_compiles_as_one_graph(recipe, monkeypatch):
     compiled stream, the experts' own in both)."""
     transformers = pytest.importorskip("transformers")
     from mixprec import MixedPrecision
-    from mixprec.fp8.linear import Float8Linear
+    from mixprec.modules.linear import Float8Linear
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(

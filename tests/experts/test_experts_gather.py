@@ -79,8 +79,8 @@ def test_fp8_all_gather_sends_the_experts_weights_as_codes(one_rank_group, recip
     """A per-tensor format: the experts' weights cross as one byte per element (the
     forward's gather and the backward's), no fallback, no warning, and the step is bit
     for bit the step without ``fp8_all_gather``."""
-    from mixprec.fp8.gather import gathers_fp8
-    from mixprec.fp8.linear import fp8_modules
+    from mixprec.modules.linear import fp8_modules
+    from mixprec.parallel.gather import gathers_fp8
 
     m, engine, caught, sent, params = _one_step(recipe + ",fp8_all_gather=true")
     assert not engine.comm_stats.fallbacks
@@ -97,7 +97,7 @@ def _gathered_weight(fmt, w):
     """``w`` (E × N × K) as FSDP's gather of its per-expert casts hands it over: an
     ``Fp8Weight`` of the codes, each expert's scale and amax (a parameter, as FSDP's)."""
     from mixprec.experts import adapter
-    from mixprec.fp8.gather import Fp8Weight
+    from mixprec.parallel.gather import Fp8Weight
 
     amax = w.abs().amax(dim=(1, 2))
     scale = adapter.segment_scales(fmt, amax, "weight")
@@ -115,7 +115,7 @@ def test_grouped_gemm_takes_gathered_codes_as_its_casts(monkeypatch, route, reci
     same GEMM on the weight itself, bit for bit, without dequantizing the codes (an
     expert without tokens included; an in × out weight through its transpose)."""
     from mixprec.experts import ExpertsFormat, grouped_mm
-    from mixprec.fp8.gather import Fp8Weight
+    from mixprec.parallel.gather import Fp8Weight
 
     g = torch.Generator().manual_seed(0)
     shape = (4, 32, 16) if transposed else (4, 16, 32)  # K = 32, N = 16

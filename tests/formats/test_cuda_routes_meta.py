@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from helpers.meta_linear import meta_linear_step
-from mixprec.fp8 import Float8Linear
-from mixprec.fp8.gemm import fp8_gemm
+from mixprec.formats.tensor_gemm import fp8_gemm
+from mixprec.modules.linear import Float8Linear
 
 ROUTES = ["fp8,fp8_gemm=scaled_mm", "fp8-current,fp8_gemm=scaled_mm",
           "fp8-rowwise,fp8_gemm=scaled_mm", "fp8,fp8_format=e4m3,fp8_gemm=scaled_mm"]
@@ -95,7 +95,7 @@ def test_tile_scales_have_16_byte_aligned_rows_at_any_token_count(recipe, tokens
     fp32 values): M is padded to a multiple of 4. torch's meta kernel does not check
     this, so the test reads each call's scales itself (tokens of 1 and 30 are the
     forward's and dgrad's M)."""
-    import mixprec.fp8.scaled_mm as route
+    import mixprec.formats.scaled_mm as route
 
     seen = []
     real = route.F.scaled_mm
@@ -124,8 +124,8 @@ def test_the_probe_runs_a_token_count_that_is_not_a_multiple_of_4(recipe, monkey
     (``_reference_scaled_mm``) and a small timed GEMM: it accepts a kernel that agrees
     and is faster; a kernel that raises (as torch's do on a GPU without them) is
     refused with one warning naming the error."""
-    import mixprec.fp8.scaled_mm as route
-    from mixprec.fp8.quantizers import quantizer_for
+    import mixprec.formats.scaled_mm as route
+    from mixprec.recipe.linear_format import quantizer_for
 
     q = quantizer_for(recipe)
     ms = []
@@ -169,7 +169,7 @@ def test_the_swizzle_is_torchaos_blocked_layout_on_odd_shapes():
     """cuBLAS's 32_4_4 scale layout, against torchao's ``to_blocked`` (which its MX and
     NVFP4 GEMMs feed to the same kernels), on shapes that need padding."""
     utils = pytest.importorskip("torchao.prototype.mx_formats.utils")
-    from mixprec.fp8.scaled_mm import swizzle_32_4_4
+    from mixprec.formats.scaled_mm import swizzle_32_4_4
 
     g = torch.Generator().manual_seed(0)
     for rows, cols in [(1, 1), (30, 3), (128, 4), (200, 7), (257, 33)]:
@@ -181,7 +181,7 @@ def test_fp4_packing_is_torchaos_on_every_e2m1_value():
     """Every e2m1 value with both signs (−0 included) packed two per byte, the first in
     the low nibble, against torchao's ``f32_to_f4_unpacked`` + ``pack_uint4``."""
     kernels = pytest.importorskip("torchao.prototype.mx_formats.kernels")
-    from mixprec.fp8.scaled_mm import pack_e2m1
+    from mixprec.formats.scaled_mm import pack_e2m1
 
     mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
     vals = torch.cat([mags, -mags])
@@ -236,8 +236,8 @@ def test_block_scaled_route_computes_the_dequantizing_gemm(recipe, tokens, monke
     product as the exact dequantizing GEMM, for the three GEMMs of a Linear (forward,
     dgrad, wgrad over the tokens): checked through a CPU model of the kernels'
     documented layouts (``_reference_scaled_mm``)."""
-    import mixprec.fp8.scaled_mm as route
-    from mixprec.fp8.quantizers import quantizer_for
+    import mixprec.formats.scaled_mm as route
+    from mixprec.recipe.linear_format import quantizer_for
 
     q = quantizer_for(recipe)
     monkeypatch.setattr(route.F, "scaled_mm", _reference_scaled_mm)
@@ -261,8 +261,8 @@ def test_block_scaled_route_computes_the_dequantizing_gemm(recipe, tokens, monke
 def test_block_routes_by_device_and_choice():
     """CPU keeps the exact dequantizing GEMM under auto and refuses an explicit
     scaled_mm, naming why and the fix; meta tensors take the kernel when asked."""
-    from mixprec.fp8.quantizers import quantizer_for
-    from mixprec.fp8.route import gemm_route
+    from mixprec.formats.route import gemm_route
+    from mixprec.recipe.linear_format import quantizer_for
 
     for recipe in ("fp8-block", "mxfp8", "nvfp4"):
         q = quantizer_for(recipe)
@@ -285,9 +285,9 @@ def test_block_scaled_kernels_match_the_dequantizing_gemm_on_cuda(recipe):
     cores keep about 14 bits of the running sum between promotions (a few 2^-13 over
     K = 384) and the output is bf16 (2^-9); a wrong scale or layout is off by O(1)."""
     from mixprec.engine.devices import ieee_fp32_matmul
-    from mixprec.fp8.quantizers import quantizer_for
-    from mixprec.fp8.route import kernel_missing
-    from mixprec.fp8.scaled_mm import block_scaled_mm
+    from mixprec.formats.route import kernel_missing
+    from mixprec.formats.scaled_mm import block_scaled_mm
+    from mixprec.recipe.linear_format import quantizer_for
 
     q = quantizer_for(recipe)
     why = kernel_missing("cuda", q)
@@ -312,8 +312,8 @@ def test_the_probe_runs_outside_compiled_graphs(monkeypatch):
     traced)."""
     from torch._dynamo.utils import counters
 
-    import mixprec.fp8.scaled_mm as route
-    from mixprec.fp8.quantizers import quantizer_for
+    import mixprec.formats.scaled_mm as route
+    from mixprec.recipe.linear_format import quantizer_for
 
     calls = []
 

@@ -16,9 +16,11 @@ from torch import nn
 from helpers.models import TiedLM, tiny_gpt
 from helpers.speeds import require_cpu_scaled_mm
 from mixprec import MixedPrecision
+from mixprec.engine.convert import convert
 from mixprec.formats import elements as formats
-from mixprec.fp8 import Float8Linear, convert, fp8_gemm, update_delayed_scales
-from mixprec.fp8.scaling import cast_rowwise, cast_to_fp8
+from mixprec.formats.scaling import cast_rowwise, cast_to_fp8, update_delayed_scales
+from mixprec.formats.tensor_gemm import fp8_gemm
+from mixprec.modules.linear import Float8Linear
 
 E4M3, E5M2 = 448.0, 57344.0
 FP8_MAX_OF = {"fp8_e4m3": E4M3, "fp8_e5m2": E5M2}
@@ -621,9 +623,9 @@ def test_fp8_weight_is_its_codes_to_float8linear_and_its_value_to_anything_else(
     """``Fp8Weight`` (what FSDP2's fp8 all-gather hands a Float8Linear): views keep the
     codes and scale; any other op sees codes / scale; the Linear's cast takes the codes
     as they are and records the shard amax it carries."""
-    from mixprec.fp8.gather import Fp8Weight
-    from mixprec.fp8.linear import Float8Linear
-    from mixprec.fp8.scaling import cast_to_fp8
+    from mixprec.formats.scaling import cast_to_fp8
+    from mixprec.modules.linear import Float8Linear
+    from mixprec.parallel.gather import Fp8Weight
 
     torch.manual_seed(0)
     w = torch.randn(32, 16)

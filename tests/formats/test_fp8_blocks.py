@@ -14,8 +14,8 @@ from torch import nn
 from helpers.models import pattern_losses, tiny_gpt
 from mixprec import MixedPrecision, Recipe
 from mixprec.engine.emulate import mx_quantize
-from mixprec.fp8 import Float8Linear
-from mixprec.fp8.blocks import MX_ROUNDINGS, cast_blocks, cast_mx, cast_tiles
+from mixprec.formats.blocks import MX_ROUNDINGS, cast_blocks, cast_mx, cast_tiles
+from mixprec.modules.linear import Float8Linear
 
 E4M3 = torch.float8_e4m3fn
 
@@ -204,7 +204,7 @@ def test_an_inf_input_under_block_scaling_skips_the_step():
 
 
 def test_block_recipe_errors_and_warnings_name_the_fix():
-    from mixprec.fp8 import Float8Linear
+    from mixprec.modules.linear import Float8Linear
 
     lin = Float8Linear.from_linear(nn.Linear(128, 128), Recipe.parse(
         "fp8-block,fp8_gemm=scaled_mm"))  # torch's block-scaled kernels: CUDA only
@@ -231,7 +231,7 @@ def test_nvfp4_equals_torchaos_to_nvfp4_bit_for_bit():
             NVFP4Tensor,
             per_tensor_amax_to_scale,
         )
-    from mixprec.fp8.nvfp4 import cast_nvfp4
+    from mixprec.formats.fp4 import cast_nvfp4
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 256, generator=g) * torch.logspace(-3, 3, 64)[:, None]
@@ -253,7 +253,7 @@ def test_nvfp4_element_rounding_equals_formats_e2m1_on_every_binade():
     [0, 6] at a stride, the ties, ±0 and subnormals; and the stochastic path's
     probability is the distance to the lower neighbour, as the generic rounding's."""
     from mixprec.formats import elements as formats
-    from mixprec.fp8.nvfp4 import _round_e2m1
+    from mixprec.formats.fp4 import _round_e2m1
 
     bits = torch.arange(0, 0x40C00001, 97, dtype=torch.int64).to(torch.int32)  # 0 .. 6
     a = bits.view(torch.float32)
@@ -268,7 +268,7 @@ def test_nvfp4_element_rounding_equals_formats_e2m1_on_every_binade():
 
 
 def test_nvfp4_stochastic_rounding_is_unbiased_and_2d_blocks_serve_the_transpose():
-    from mixprec.fp8.nvfp4 import cast_nvfp4
+    from mixprec.formats.fp4 import cast_nvfp4
 
     x = torch.full((1, 16), 2.5)  # between e2m1's 2 and 3 at the block scale's grid
     x[0, 0] = 6.0 * 448 / 448  # sets the block amax: scale 1
@@ -295,7 +295,7 @@ def test_mx_exponents_match_exact_arithmetic_down_to_fp32_subnormals():
     import numpy as np
 
     from mixprec.formats import elements as formats
-    from mixprec.fp8.blocks import MX_ROUNDINGS, mx_exponents
+    from mixprec.formats.blocks import MX_ROUNDINGS, mx_exponents
 
     p2 = torch.exp2(torch.arange(-149, 128).float())
     g = torch.Generator().manual_seed(0)
@@ -339,7 +339,7 @@ def test_the_counter_stream_is_uniform_keyed_and_rounds_without_bias():
     uniforms whose 64-bin histogram over 2^20 draws is flat to 5 sigma, independent of
     the neighbouring key (correlation), repeatable, and unbiased through the e2m1
     rounding. Against a float64 reference: the mean of the rounded values."""
-    from mixprec.fp8.nvfp4 import _round_e2m1, counter_uniform
+    from mixprec.formats.fp4 import _round_e2m1, counter_uniform
 
     n = 1 << 20
     u = counter_uniform(torch.tensor(7), (n,))
@@ -360,7 +360,7 @@ def test_the_counter_stream_is_uniform_keyed_and_rounds_without_bias():
 
 
 def test_the_hadamard_transform_is_orthonormal_and_keeps_the_wgrad_product():
-    from mixprec.fp8.nvfp4 import apply_hadamard, hadamard_16
+    from mixprec.formats.fp4 import apply_hadamard, hadamard_16
 
     h = hadamard_16(0).double()
     assert torch.allclose(h @ h.t(), torch.eye(16, dtype=torch.float64), atol=1e-15)
@@ -371,7 +371,7 @@ def test_the_hadamard_transform_is_orthonormal_and_keeps_the_wgrad_product():
 
 
 def test_nvfp4_keeps_the_last_layers_in_bf16_and_each_part_switches():
-    from mixprec.fp8 import convert
+    from mixprec.engine.convert import convert
 
     model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(5)])
     report = convert(model, "nvfp4")  # the last 2 Linears stay, the head among them
@@ -392,7 +392,7 @@ def test_nvfp4_keeps_the_last_layers_in_bf16_and_each_part_switches():
 def test_bf16_last_fraction_keeps_that_share_of_the_linears_rounded_up():
     """15% of 20 Linears is 3 (the head among them); the larger of the two rules wins;
     the planner prices the same split; bad shares name the field and the valid range."""
-    from mixprec.fp8 import convert
+    from mixprec.engine.convert import convert
     from mixprec.memory import estimate
 
     def model():

@@ -11,7 +11,7 @@ import torch
 from helpers import make_gemm_golden as golden
 from helpers.speeds import set_speeds
 from mixprec.engine.devices import EMULATE_ENV
-from mixprec.fp8.formats.int8 import cpu_int_mm_exact
+from mixprec.formats.gemm.int8 import cpu_int_mm_exact
 
 STORED = torch.load(golden.PATH, weights_only=True)
 
@@ -73,7 +73,7 @@ def _quantized_nodes(y: torch.Tensor) -> set[type]:
 @pytest.mark.parametrize("route", ["loop", "grouped"])
 def test_one_autograd_function_serves_the_linear_and_the_experts(route, monkeypatch):
     from mixprec.experts import ExpertsFormat, grouped_mm
-    from mixprec.fp8.linear import Float8Linear
+    from mixprec.modules.linear import Float8Linear
 
     lin = Float8Linear(32, 16, bias=False, recipe="fp8-current")
     y_lin = lin(torch.randn(5, 32, requires_grad=True))

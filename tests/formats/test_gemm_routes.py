@@ -1,4 +1,4 @@
-"""The one fp8 GEMM-route decision (``mixprec.fp8.route``) on each GPU generation, run
+"""The one fp8 GEMM-route decision (``mixprec.formats.route``) on each GPU generation, run
 on a CPU: ``torch.cuda``'s compute capability is monkeypatched, and the block-scaled
 kernels' probe is a stand-in that records which scalings it was asked about and answers
 yes or no. What ``engine.kernels`` reports (``kernels.choices``, which the engine builds
@@ -16,9 +16,10 @@ from torch import nn
 
 from mixprec.engine import devices as kernels
 from mixprec.engine.build import _swap_fp8
-from mixprec.fp8 import Float8Linear, quantizer_for, route, scaled_mm
-from mixprec.fp8.linear import fp8_modules
+from mixprec.formats import route, scaled_mm
+from mixprec.modules.linear import Float8Linear, fp8_modules
 from mixprec.recipe import Recipe
+from mixprec.recipe.linear_format import quantizer_for
 
 PER_TENSOR = ["fp8", "fp8-current", "fp8-rowwise"]
 SCALING = {"fp8": "delayed", "fp8-current": "current", "fp8-rowwise": "rowwise",

@@ -17,19 +17,19 @@ import mixprec.planner.survey as survey_mod
 import mixprec.planner.timing as timing
 from mixprec import Recipe
 from mixprec.engine import devices as kernels
-from mixprec.fp8 import Float8Linear
-from mixprec.fp8.formats import int8 as int8_rowwise
-from mixprec.fp8.formats.int8 import (
+from mixprec.formats.gemm import int8 as int8_rowwise
+from mixprec.formats.gemm.int8 import (
     Int8Rowwise,
     cast_int8_rowwise,
     int8_gemm,
     int_mm_refusal,
     shape_class,
 )
-from mixprec.fp8.quantizers import quantizer_for
 from mixprec.memory import transient
+from mixprec.modules.linear import Float8Linear
 from mixprec.planner.choose import Baselines
 from mixprec.planner.timing import LayerCost
+from mixprec.recipe.linear_format import quantizer_for
 
 
 def _reference_cast(x: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -99,7 +99,7 @@ def test_both_routes_equal_the_int64_product_bit_for_bit(m, k, n):
 def exact_cpu_int_mm(monkeypatch):
     """This CPU's ``torch._int_mm`` taken as exact (a VNNI/AMX chip), for the tests of
     the route logic; a chip without is checked by the saturating-CPU test below."""
-    from mixprec.fp8.formats import int8 as fmt_int8
+    from mixprec.formats.gemm import int8 as fmt_int8
 
     monkeypatch.setattr(fmt_int8, "_CPU_EXACT", [True])
 
@@ -156,7 +156,7 @@ def test_auto_compiles_as_one_graph_and_equals_eager(monkeypatch, ratio, exact_c
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 32))
-    mixprec.fp8.convert(model, "int8-rowwise,bf16_last_layers=0")
+    mixprec.engine.convert.convert(model, "int8-rowwise,bf16_last_layers=0")
     x = torch.randn(40, 64)
     outs = []
     for run in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
@@ -215,8 +215,7 @@ def test_int8_linears_are_shown_as_int8_in_reprs_and_reports(tmp_path):
     which the engine and its tools test for) and say their gradient's cast is int8, the
     format's own dtype; the conversion report names their format, not fp8. A saved
     model loads back as the same class; fp8 Linears stay ``Float8Linear``."""
-    from mixprec.fp8 import Int8Linear
-    from mixprec.fp8.linear import fp8_modules
+    from mixprec.modules.linear import Int8Linear, fp8_modules
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 8))
@@ -356,7 +355,7 @@ def test_the_planner_chooses_int8_where_measured_faster_within_the_sqnr_floor(
 def test_a_cpu_whose_int_mm_saturates_takes_the_exact_route(monkeypatch):
     """Without VNNI/AMX, oneDNN sums int8 product pairs in saturating int16: there
     ``auto`` and a per-GEMM ``_int_mm`` take the exact route (probed, said once)."""
-    from mixprec.fp8.formats import int8 as fmt_int8
+    from mixprec.formats.gemm import int8 as fmt_int8
 
     monkeypatch.setattr(fmt_int8, "_CPU_EXACT", [False])
     monkeypatch.setattr(fmt_int8, "_SAID", set())
@@ -375,7 +374,7 @@ def test_a_cpu_whose_int_mm_saturates_takes_the_exact_route(monkeypatch):
 
 
 def test_the_probe_reads_this_cpus_kernel():
-    from mixprec.fp8.formats.int8 import cpu_int_mm_exact
+    from mixprec.formats.gemm.int8 import cpu_int_mm_exact
 
     a = torch.full((17, 64), 127, dtype=torch.int8)
     b = torch.full((64, 8), -127, dtype=torch.int8)

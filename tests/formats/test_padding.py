@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from mixprec import MixedPrecision
-from mixprec.fp8 import Float8Linear, convert
-from mixprec.fp8.linear import fp8_modules
-from mixprec.fp8.quantizers import quantizer_for
+from mixprec.engine.convert import convert
+from mixprec.modules.linear import Float8Linear, fp8_modules
+from mixprec.recipe.linear_format import quantizer_for
 
 RECIPES = ["fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4"]
 #: (in_features, out_features): none a multiple of 16
@@ -160,8 +160,8 @@ def test_odd_linears_pass_the_meta_kernels_padded(recipe, shape, tokens, monkeyp
     checked by torch's meta kernel (``torch._scaled_mm`` per tensor and rowwise,
     ``scaled_mm`` block-scaled / MX / NVFP4): every operand the kernel sees is padded
     to its multiples and the outputs are sliced back to the Linear's shapes."""
-    import mixprec.fp8.gemm as gemm
-    import mixprec.fp8.scaled_mm as route
+    import mixprec.formats.scaled_mm as route
+    import mixprec.formats.tensor_gemm as gemm
     from helpers.meta_linear import meta_linear_step
 
     seen = []
@@ -210,8 +210,8 @@ def test_a_refused_shape_falls_back_per_gemm_with_one_warning(monkeypatch):
     """A kernel that refuses one padded shape (K = 208): that GEMM runs the dequantizing
     route, bit for bit, with one warning naming the shape and route; the same shape
     again warns no more; another shape keeps the kernel."""
-    import mixprec.fp8.gemm as gemm
-    import mixprec.fp8.padding as padding
+    import mixprec.formats.padding as padding
+    import mixprec.formats.tensor_gemm as gemm
 
     monkeypatch.setattr(padding, "_REFUSED", {})
     calls = []
@@ -266,8 +266,8 @@ def test_the_memory_planner_counts_the_padding_of_a_200_dim_linear():
 def test_the_padding_bytes_are_what_the_route_allocates():
     """The padded operands ``torch._scaled_mm`` receives for the dgrad GEMM of a 200 ×
     200 Linear, counted from the tensors themselves, equal the planner's count."""
-    import mixprec.fp8.gemm as gemm
-    from mixprec.fp8.padding import padding_bytes
+    import mixprec.formats.tensor_gemm as gemm
+    from mixprec.formats.padding import padding_bytes
 
     t = 64
     g = torch.empty(t, 200, dtype=torch.float8_e4m3fn, device="meta")

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec.fp8 import FORMATS, QuantizedLinear, quantized_mm
-from mixprec.fp8.formats import DelayedScaling
+from mixprec.formats.gemm import FORMATS, DelayedScaling
+from mixprec.formats.mm import quantized_mm
+from mixprec.modules.linear import QuantizedLinear
 from mixprec.recipe import Precision, Recipe
 
 
@@ -55,7 +56,7 @@ def test_the_dequant_routes_upcast_is_torchs_conversion_bit_for_bit(code_dtype, 
     """``gemm.upcast`` (a table lookup for e4m3 to bf16, torch's ``to`` otherwise) gives every
     one of the 256 codes the bits torch's own ``to`` gives, NaNs included, in the same
     memory layout for row-major and transposed codes."""
-    from mixprec.fp8.gemm import upcast
+    from mixprec.formats.tensor_gemm import upcast
 
     codes = torch.arange(256, dtype=torch.uint8).repeat(3, 1).view(code_dtype)
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
@@ -70,7 +71,7 @@ def test_the_casts_amax_is_abs_amax_bit_for_bit(dtype):
     """``scaling.abs_max`` (aminmax, no |t| copy) against ``t.abs().amax()``: the same
     bits, with an infinity, and for an all-zero tensor holding -0.0; a NaN gives a
     NaN."""
-    from mixprec.fp8.scaling import abs_max
+    from mixprec.formats.scaling import abs_max
 
     t = torch.randn(9, 40, generator=torch.Generator().manual_seed(0)).to(dtype)
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32

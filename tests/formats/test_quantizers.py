@@ -13,12 +13,12 @@ from torch import nn
 
 import mixprec
 from helpers.paths import DATA
-from mixprec.fp8 import quantizers as Q
-from mixprec.fp8.blocks import cast_blocks, cast_mx, cast_tiles
-from mixprec.fp8.linear import Float8Linear
-from mixprec.fp8.nvfp4 import cast_nvfp4
-from mixprec.fp8.scaling import cast_rowwise
+from mixprec.formats.blocks import cast_blocks, cast_mx, cast_tiles
+from mixprec.formats.fp4 import cast_nvfp4
+from mixprec.formats.scaling import cast_rowwise
+from mixprec.modules.linear import Float8Linear
 from mixprec.recipe import Recipe
+from mixprec.recipe import linear_format as Q
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 PRESETS = ("fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4")
@@ -138,8 +138,8 @@ def test_state_exists_only_where_the_scaling_has_it():
 
 
 def test_ranks_all_reduce_amaxes_only_for_a_scaling_with_history(monkeypatch):
-    from mixprec.fp8.gather import agree_amaxes_
     from mixprec.parallel import comm
+    from mixprec.parallel.gather import agree_amaxes_
 
     calls = []
     monkeypatch.setattr(comm, "all_reduce_max_", lambda t: calls.append(t.numel()) or t)

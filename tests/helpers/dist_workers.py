@@ -714,8 +714,8 @@ def fp8_gather(rank, world, tmp, recipe, steps=6):
         _classify_steps(engine, rank, world, steps, g, 64, 64)
     finally:
         dist.all_gather_single, dist.all_reduce = real_gather, real_reduce
-    from mixprec.fp8.gather import gathers_fp8
-    from mixprec.fp8.linear import fp8_modules
+    from mixprec.modules.linear import fp8_modules
+    from mixprec.parallel.gather import gathers_fp8
 
     mods = list(fp8_modules(engine.module).values())
     state = engine.state_dict(full=True)
@@ -751,7 +751,7 @@ def gpt_fp8_gather(rank, world, tmp, recipe, steps=4):
         losses.append(loss.item())
         engine.backward(loss)
         engine.step()
-    from mixprec.fp8.gather import gathers_fp8
+    from mixprec.parallel.gather import gathers_fp8
 
     _save(tmp, "gptfp8", rank, {"losses": losses, "params": engine.fp32_state_dict(full=True),
                                 "fp8": len(engine.fp8_modules),
@@ -1009,9 +1009,9 @@ def cast_gather(rank, world, tmp, recipes, steps=3):
     engine's comm_stats (records, fallbacks) and the fallback warnings; the bytes
     all-gathered per step at torch.distributed's entry point; the trained weights of
     both runs."""
-    from mixprec.fp8.gather import gathers_fp8
-    from mixprec.fp8.gather_casts import CastWeight
-    from mixprec.fp8.linear import fp8_modules
+    from mixprec.modules.linear import fp8_modules
+    from mixprec.parallel.gather import gathers_fp8
+    from mixprec.parallel.gather_casts import CastWeight
 
     _init(rank, world, tmp)
     out = {}

@@ -24,8 +24,8 @@ import torch
 
 from helpers.cuda_grouped_model import stand_in
 from mixprec.experts import ExpertsFormat, grouped_mm
-from mixprec.fp8.formats import FORMATS
-from mixprec.fp8.linear import Float8Linear
+from mixprec.formats.gemm import FORMATS
+from mixprec.modules.linear import Float8Linear
 from mixprec.recipe import LINEAR_PRESETS, Recipe
 
 __all__ = ["cases", "RECIPES", "PATH", "pack", "digest"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mixprec.fp8 import Float8Linear
+from mixprec.modules.linear import Float8Linear
 
 __all__ = ["meta_linear_step"]
 

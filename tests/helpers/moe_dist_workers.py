@@ -82,8 +82,8 @@ def _gathered_run(kind: str, recipe: str, rank: int, world: int, tmp: str) -> di
     often a gathered fp8 weight was dequantized. Then the last step again from a
     checkpoint of FSDP's shards written before it, by an engine built from other
     weights: its loss and weights."""
-    from mixprec.fp8.gather import Fp8Weight, gathers_fp8
-    from mixprec.fp8.linear import fp8_modules
+    from mixprec.modules.linear import fp8_modules
+    from mixprec.parallel.gather import Fp8Weight, gathers_fp8
 
     def engine_of(seed):
         m = model(kind, seed=seed)  # ranks: rank 0's broadcast

@@ -149,9 +149,9 @@ def pair_bf16(recipe, mesh=None, split=False):
     output (this rank's tokens where ``split``: the rowwise Linear's output then
     reduce-scattered along the tokens), the input's gradient (both bf16), the rowwise
     Linear's bias gradient and the collectives the Linears recorded."""
-    from mixprec.fp8.linear import fp8_modules
-    from mixprec.fp8.tensor_parallel import attach_comm_stats
+    from mixprec.modules.linear import fp8_modules
     from mixprec.parallel.comm_stats import CommStats
+    from mixprec.parallel.tensor_parallel import attach_comm_stats
 
     down = RowwiseParallel(output_layouts=Shard(0)) if split and mesh is not None else None
     m, stats = _pair(recipe, mesh, down), CommStats()
@@ -197,7 +197,7 @@ class SeqMLP(nn.Module):
 
 
 def sp_plan(quantized: bool):
-    from mixprec.fp8.tp_plans import QuantizedColwiseParallel
+    from mixprec.parallel.tp_plans import QuantizedColwiseParallel
 
     colwise = QuantizedColwiseParallel if quantized else ColwiseParallel
     return {"norm": SequenceParallel(), "up": colwise(input_layouts=Shard(1)),
@@ -269,7 +269,7 @@ def _fsdp_tp_run(recipe, steps, path, mesh, mode):
         norms.append(float(engine.step().grad_norm))
         if mode == "save" and i == half - 1:
             engine.save(path, reshardable=True)
-    from mixprec.fp8.linear import fp8_modules
+    from mixprec.modules.linear import fp8_modules
 
     q = fp8_modules(engine.model).get("q")
     out = {"params": [full(p) for p in engine.master_params], "norms": norms,

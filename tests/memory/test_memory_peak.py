@@ -160,10 +160,10 @@ def test_the_sync_free_block_route_is_priced_with_its_padded_wgrad_buffer(kind, 
     from mixprec.engine.devices import EMULATE_ENV
 
     monkeypatch.setenv(EMULATE_ENV, emulate)
-    from mixprec.fp8.formats.segments import tile_aligned_rows
-    from mixprec.fp8.quantizers import quantizer_for
+    from mixprec.formats.segments import tile_aligned_rows
     from mixprec.memory.expert_casts import padded_rows
     from mixprec.recipe import Recipe
+    from mixprec.recipe.linear_format import quantizer_for
 
     q = quantizer_for(Recipe.coerce(recipe))
     offsets = torch.tensor([300, 301, 700, 1000])  # 4 experts, 24 rows past the last

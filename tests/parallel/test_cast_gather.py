@@ -1,5 +1,5 @@
 """FSDP2 all-gathers every Linear format's weights as codes and scales
-(``fp8_all_gather=true``; ``mixprec.fp8.gather_casts``): on 2 gloo ranks, each gathered
+(``fp8_all_gather=true``; ``mixprec.parallel.gather_casts``): on 2 gloo ranks, each gathered
 cast equals the format's cast of the whole fp32 weight bit for bit, training equals
 training without it bit for bit, a shard cut that splits a scale's rows falls back to
 the 16-bit gather with one warning per cause, and the bytes are counted."""
@@ -105,7 +105,7 @@ def _gather_in_process(fmt, weight, world):
     """What FSDP2's all-gather of ``weight`` over ``world`` ranks hands the Linear, made
     in one process: each rank's rows cast with the agreed amax, the inputs of the ranks
     concatenated."""
-    from mixprec.fp8.gather_casts import CastWeight, send_shard
+    from mixprec.parallel.gather_casts import CastWeight, send_shard
 
     rows = -(-weight.shape[0] // world)
     shards = [weight[r * rows:(r + 1) * rows] for r in range(world)]

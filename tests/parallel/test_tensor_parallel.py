@@ -299,9 +299,9 @@ def test_every_registered_format_is_listed_for_tp_or_refused_with_its_reason(mon
     kept in 16 bits with the reason."""
     from torch.distributed.tensor import Shard
 
-    from mixprec.fp8.formats import FORMATS
-    from mixprec.fp8.tensor_parallel import tp_refusal
+    from mixprec.formats.gemm import FORMATS
     from mixprec.parallel.layouts import tp_formats
+    from mixprec.parallel.tensor_parallel import tp_refusal
     from mixprec.recipe import Recipe
 
     def parts():  # the listed presets, and the block-scaled ones with their condition

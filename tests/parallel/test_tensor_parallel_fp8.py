@@ -1,5 +1,5 @@
 """The fp8 / fp4 Linear formats on torch's tensor-parallel plans (``parallelize_module``,
-``mixprec.fp8.tensor_parallel``): gloo ranks spawned by the tests, one group for every
+``mixprec.parallel.tensor_parallel``): gloo ranks spawned by the tests, one group for every
 two-rank check and one for the four-rank FSDP x TP one."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def two():
 @pytest.mark.parametrize("recipe", PAIRS)
 def test_a_colwise_and_a_rowwise_shard_compute_what_one_process_does(two, recipe):
     """torch's ColwiseParallel then RowwiseParallel on quantized Linears (the plan
-    applied first, then ``fp8.convert``), one forward and backward in fp32 with an
+    applied first, then ``engine.convert``), one forward and backward in fp32 with an
     outlier in one rank's shard of each weight and one token: every weight and bias
     gradient equals one process's bit for bit, the output and the input's gradient to
     fp32 rounding (the shards sum in another order; measured <= 1.4e-7). Casting with
@@ -274,9 +274,9 @@ def test_a_compiled_sharded_sr_cast_draws_the_whole_tensors_numbers_narrowed(dim
     to 32% of a half's codes differ (every half but a row cut's first, whose places
     are the whole's). A slice draws only its own numbers: ``counter_uniform`` of a
     16 x 32 block placed at (16, 32) in a 32 x 64 tensor is the whole draw's block."""
-    from mixprec.fp8.nvfp4 import cast_nvfp4, counter_uniform
-    from mixprec.fp8.tensor_parallel import TPLayout
-    from mixprec.fp8.tp_agree import Agreement
+    from mixprec.formats.fp4 import cast_nvfp4, counter_uniform
+    from mixprec.parallel.tensor_parallel import TPLayout
+    from mixprec.parallel.tp_agree import Agreement
 
     g = torch.Generator().manual_seed(4)
     t = torch.randn(32, 64, generator=g) * torch.rand(32, 1, generator=g) * 10

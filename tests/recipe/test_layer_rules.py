@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mixprec import PRESETS, Recipe
-from mixprec.fp8.formats import DelayedScaling
+from mixprec.formats.gemm import DelayedScaling
 from mixprec.recipe import Precision
 from mixprec.recipe.layer_rules import LAYER_FORMATS, LayerRule, parse_rule
 

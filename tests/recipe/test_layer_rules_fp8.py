@@ -17,7 +17,8 @@ from torch import nn
 from helpers.speeds import set_speeds
 from mixprec import MixedPrecision, Recipe
 from mixprec.diagnostics import fp8_ranges
-from mixprec.fp8 import Float8Linear, convert, layer_formats
+from mixprec.engine.convert import convert, layer_formats
+from mixprec.modules.linear import Float8Linear
 
 #: every format a rule can pick, one Linear each; ``inp`` follows the recipe's own
 RULES = ("fp8-current,layer:blocks.0.fc=fp8-block,layer:blocks.*.fc=mxfp8,"

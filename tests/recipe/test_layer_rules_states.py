@@ -338,7 +338,7 @@ def test_estimate_prices_each_parameter_at_its_format_as_measured(recipe):
 def test_the_activation_estimate_counts_each_linear_at_its_own_format():
     """An fp8 recipe whose layer: rules keep one block's Linears in bf16: activations
     and saved weight copies sit between the all-fp8 and the all-bf16 figures."""
-    pytest.importorskip("mixprec.fp8.convert").layer_formats  # noqa: B018
+    pytest.importorskip("mixprec.engine.convert").layer_formats  # noqa: B018
     model = tiny_gpt(0, d_model=64, vocab=128, n_layers=2)
     spec = TransformerSpec(layers=2, hidden=64, heads=2, seq_len=32, micro_batch=4,
                            vocab=128)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers.paths import DATA
-from mixprec.fp8.formats import FORMATS, CurrentScaling, MXScaling, NVFP4Scaling
+from mixprec.formats.gemm import FORMATS, CurrentScaling, MXScaling, NVFP4Scaling
 from mixprec.recipe import PRESETS, LossScale, Precision, Recipe
 
 #: recipe strings and the ``str()`` the flat Recipe (36 fields in one dataclass) gave them

@@ -13,7 +13,7 @@ import torch
 
 import mixprec.engine.devices as k
 from mixprec.engine.devices import EMULATE_ENV, KernelChoices
-from mixprec.fp8.quantizers import quantizer_for
+from mixprec.recipe.linear_format import quantizer_for
 from mixprec.workbench import peaks
 from mixprec.workbench.bench import bench, format_table
 from mixprec.workbench.model import SIZES

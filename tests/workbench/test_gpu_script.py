@@ -239,7 +239,7 @@ def _dequant_kernel(a, b, out_dtype, kind):
 def test_preflight_block_check_measures_the_kernel_against_float64(monkeypatch, name):
     """The block checks on this CPU with a stand-in kernel: the exact dequantizing
     GEMM reads ~0 error, one 1% off reads 1%, one that raises is an error line."""
-    import mixprec.fp8.scaled_mm as sm
+    import mixprec.formats.scaled_mm as sm
 
     pf = benchmark("gpu_preflight")
     monkeypatch.setattr(sm, "block_scaled_mm", _dequant_kernel)

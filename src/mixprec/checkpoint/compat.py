@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from mixprec.fp8.linear import legacy_scaling_keys
+from mixprec.modules.linear import legacy_scaling_keys
 
 __all__ = ["saved_layout", "stale_model_keys", "warn_no_random_streams"]
 

@@ -41,7 +41,7 @@ from mixprec.checkpoint import rng
 from mixprec.checkpoint.compat import saved_layout, stale_model_keys, warn_no_random_streams
 from mixprec.engine.param_state import ParamState
 from mixprec.experts import experts_formats
-from mixprec.fp8.linear import fp8_modules, scaling_buffers
+from mixprec.modules.linear import fp8_modules, scaling_buffers
 from mixprec.parallel.comm import gather_full
 from mixprec.parallel.layouts import has_dtensor_params
 from mixprec.recipe import Recipe

@@ -8,7 +8,7 @@ sets its own. e4m3 spans 2^17.8 from its smallest subnormal to its max (448 / 2^
 values more than ~2^17 (~2e5) below the amax are lost. e5m2 spans 2^31.8 (57344 / 2^-16).
 
 ``fp8_ranges(model, loss_fn, recipe)`` runs one fp32 forward and backward with hooks on
-the Linears that ``fp8.convert`` would convert. For each input (e4m3) and output
+the Linears that ``engine.convert`` would convert. For each input (e4m3) and output
 gradient (e5m2 under ``fp8_format=hybrid``, else e4m3) it gives the share of non-zero
 elements that flush to zero under per-tensor, rowwise and block scaling (one scale per
 tile of the last dim: 128 elements, 32 under ``fp8_scaling=mx``). The doctor turns a
@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 from mixprec.diagnostics.findings import Finding
+from mixprec.engine.convert import plan as convert_plan
 from mixprec.formats import elements as formats
-from mixprec.fp8.convert import plan as convert_plan
-from mixprec.fp8.formats import FORMATS
-from mixprec.fp8.linear import fp8_modules
+from mixprec.formats.gemm import FORMATS
+from mixprec.modules.linear import fp8_modules
 from mixprec.recipe import Recipe
 
 __all__ = ["Fp8Range", "fp8_ranges", "audit_fp8_ranges", "FLUSH_FLAG"]
@@ -82,7 +82,7 @@ def _flushed(t: torch.Tensor, fmt: str, tile: int = 128
 def fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor],
                recipe: Recipe | str = "fp8") -> list[Fp8Range]:
     """One fp32 forward and backward of ``loss_fn(model)`` with hooks on the Linears that
-    ``mixprec.fp8.convert`` would convert (and any Float8Linear already there); the
+    ``mixprec.engine.convert`` would convert (and any Float8Linear already there); the
     model's gradients are left as they were."""
     r = Recipe.coerce(recipe)
     seen: list[Fp8Range] = []
@@ -151,7 +151,7 @@ def audit_fp8_ranges(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tens
                   "a scale per row or per 128-element tile keeps the others")
     else:
         advice = (f"keep {', '.join(layers[:3])} out of fp8 (a recipe rule "
-                  f"'layer:{layers[0]}=bf16', mixprec.fp8.convert(model, recipe, "
+                  f"'layer:{layers[0]}=bf16', mixprec.engine.convert.convert(model, recipe, "
                   "filter=...), or MixedPrecision(..., fp8_filter=...)), or use bf16"
                   + ("" if r.linear.grad_dtype == torch.float8_e5m2
                      or worst.tensor != "grad_output"

@@ -27,14 +27,14 @@ from mixprec.engine.checks import (
     param_counts,
 )
 from mixprec.engine.context import fp32_island_modules, make_emulation_mode, wrap_fp32_modules
+from mixprec.engine.convert import convert as fp8_convert
 from mixprec.engine.coverage import coverage, low_precision
 from mixprec.engine.devices import KernelChoices, choices, has_fast_kernels
 from mixprec.engine.param_state import ParamState
 from mixprec.engine.scaler import LossScaler
 from mixprec.experts import experts_formats
 from mixprec.experts.hook import convert_experts, experts_modules, restore_experts
-from mixprec.fp8.convert import convert as fp8_convert
-from mixprec.fp8.linear import fp8_modules
+from mixprec.modules.linear import fp8_modules
 from mixprec.optim import recipe_settings
 from mixprec.optim.base import EngineBinding, LowPrecisionOptimizer
 from mixprec.optim.kinds import unfuse_over_dtensors

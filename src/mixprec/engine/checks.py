@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from mixprec.engine.context import check_wgrad, device_supports
+from mixprec.engine.convert import layer_formats
 from mixprec.engine.param_state import ParamState, updated_dtype
-from mixprec.fp8.convert import layer_formats
-from mixprec.fp8.linear import Float8Linear, fp8_modules
+from mixprec.modules.linear import Float8Linear, fp8_modules
 from mixprec.optim import recipe_settings
 from mixprec.optim.base import LowPrecisionOptimizer
 from mixprec.optim.kinds import fuses_over_dtensors

@@ -15,7 +15,7 @@
   and your own code that calls ``F.layer_norm``. Modules from other libraries that
   compute a norm by hand (a ``LlamaRMSNorm``, say) are matched by class name and run
   whole in fp32;
-- for ``tf32``: TF32 matmuls and cuDNN convolutions (``mixprec.engine.fp32_precision.tf32``:
+- for ``tf32``: TF32 matmuls and cuDNN convolutions (``mixprec.formats.fp32_precision.tf32``:
   torch's legacy and per-backend settings in step), the user's settings, set through
   either API, restored exactly on exit;
 - under emulation (``emulating(recipe, device)``): an ``EmulationMode`` that turns the
@@ -39,7 +39,6 @@ from torch.overrides import TorchFunctionMode
 from mixprec.engine import attention
 from mixprec.engine.devices import emulating, fp8_rest, has_fast_kernels
 from mixprec.engine.emulate import EmulationMode, leave_low_precision
-from mixprec.engine.fp32_precision import tf32
 from mixprec.engine.wgrad import (
     NOT_ROUTED,
     ROUTED_FUNCS,
@@ -48,6 +47,7 @@ from mixprec.engine.wgrad import (
     route,
     upcast_param,
 )
+from mixprec.formats.fp32_precision import tf32
 from mixprec.recipe import Recipe
 
 __all__ = ["precision_context", "recompute_context", "run_backward", "PrecisionMode",

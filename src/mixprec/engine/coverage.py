@@ -35,7 +35,7 @@ from torch import nn
 from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.hook import experts_modules
 from mixprec.formats import elements as formats
-from mixprec.fp8.linear import Float8Linear, is_conv1d
+from mixprec.modules.linear import Float8Linear, is_conv1d
 from mixprec.recipe import Recipe
 
 __all__ = ["Coverage", "CoverageRow", "coverage", "warn_low_coverage", "low_precision",
@@ -84,7 +84,7 @@ class Coverage:
     """The rows, and the share of parameters in each format (overall and per kind).
 
     >>> from torch import nn
-    >>> from mixprec.fp8 import convert
+    >>> from mixprec.engine.convert import convert
     >>> net = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 16))
     >>> report = convert(net, "fp8-current")
     >>> cov = coverage(net, "fp8-current", dict(report.skipped))

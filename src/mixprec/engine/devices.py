@@ -13,7 +13,7 @@ not as a ratio. From those readings this module decides, once per process:
   kernels is emulated exactly on fp32 kernels. CPUs either have units for a format
   (AVX-512 BF16, AMX, AVX512-FP16: ~1x fp32 or better) or run it in software (AVX2:
   ~0.01-0.02x), so the threshold ``FAST_ENOUGH`` sits far from both;
-- ``fp8_gemm=auto``: the GEMM route of each fp8 scaling, ``mixprec.fp8.route``'s one
+- ``fp8_gemm=auto``: the GEMM route of each fp8 scaling, ``mixprec.formats.route``'s one
   decision: ``scaled_mm`` (torch's scaled matmul: fp8 products, fp32 accumulation, one
   rounding to the output dtype), ``dequant`` (the codes widened to bf16, which holds
   every e4m3/e5m2 value exactly, a bf16 GEMM with fp32 accumulation whose output is
@@ -23,7 +23,7 @@ not as a ratio. From those readings this module decides, once per process:
   after a probe on the device). On a CPU ``dequant`` stands for bf16's GEMM where bf16
   is fast, ``dequant_fp32`` elsewhere, and ``scaled_mm`` wins only where
   ``route_reading`` finds it clearly faster than that;
-- the int8 format's GEMM route (``mixprec.fp8.formats.int8``): on a CPU, per GEMM shape
+- the int8 format's GEMM route (``mixprec.formats.gemm.int8``): on a CPU, per GEMM shape
   class, ``torch._int_mm`` where ``int8_reading`` finds it ``INT8_MARGIN`` faster than
   the exact route's fp32 GEMM (the two are bit-identical: speed only);
 - what the layers around an fp8 recipe's Linears run in (``fp8_rest``): bf16 autocast
@@ -56,12 +56,12 @@ from functools import cache
 
 import torch
 
-from mixprec.engine.fp32_precision import ieee_fp32_matmul  # the exact routes import it from here
+from mixprec.formats import route as _route
 from mixprec.formats.elements import get
-from mixprec.fp8 import route as _route
-from mixprec.fp8.formats import FORMATS
-from mixprec.fp8.formats import int8 as _int8
-from mixprec.fp8.route import gemm_route
+from mixprec.formats.fp32_precision import ieee_fp32_matmul  # the exact routes import it from here
+from mixprec.formats.gemm import FORMATS
+from mixprec.formats.gemm import int8 as _int8
+from mixprec.formats.route import gemm_route
 from mixprec.recipe import MX_COMPUTE, Recipe
 
 __all__ = ["matmul_gflops", "relative_speed", "FAST_ENOUGH", "has_fast_kernels",
@@ -321,13 +321,13 @@ def _int8_reading(dev: str, shape: tuple[int, int, int]) -> SpeedReading:
 
 
 def _measured_int8(dev: torch.device, shape: tuple[int, int, int]) -> bool:
-    """``mixprec.fp8.formats.int8``'s ``auto`` per GEMM shape class off CUDA."""
+    """``mixprec.formats.gemm.int8``'s ``auto`` per GEMM shape class off CUDA."""
     return int8_reading(dev, shape).ratio > INT8_MARGIN
 
 
 def fp8_gemm_route(device: torch.device | str, choice: str = "auto") -> str:
     """The route of the per-tensor and rowwise fp8 GEMMs on ``device`` for ``fp8_gemm``
-    ``choice``: ``mixprec.fp8.route.gemm_route``'s answer for those scalings, for
+    ``choice``: ``mixprec.formats.route.gemm_route``'s answer for those scalings, for
     callers without a quantizer (the memory planner, ``benchmarks/cpu_kernels.py``)."""
     per_tensor = next(f for f in FORMATS.values() if f.per_tensor)
     return gemm_route(device, per_tensor(), choice)
@@ -419,7 +419,7 @@ def _scaling_recipes(recipe: Recipe) -> dict[str, Recipe]:
 
 
 def _fp8_route(recipe: Recipe, dev: torch.device) -> str:
-    """The GEMM route of ``recipe``'s Linears (``mixprec.fp8.route``: one decision).
+    """The GEMM route of ``recipe``'s Linears (``mixprec.formats.route``: one decision).
     Emulation's ``auto`` takes the bf16 dequant route of the per-tensor scalings."""
     q = recipe.linear
     choice = q.fp8_gemm
@@ -429,7 +429,7 @@ def _fp8_route(recipe: Recipe, dev: torch.device) -> str:
 
 
 def _measured_tensor_route(dev: torch.device) -> str:
-    """``mixprec.fp8.route``'s ``auto`` for the per-tensor routes off CUDA (its
+    """``mixprec.formats.route``'s ``auto`` for the per-tensor routes off CUDA (its
     ``measured_route``): from this module's readings, which it cannot import."""
     dequant = "dequant" if has_fast_kernels(dev, "bf16") else "dequant_fp32"
     return "scaled_mm" if route_reading(dev, dequant).ratio > SCALED_MM_MARGIN else dequant

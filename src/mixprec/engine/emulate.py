@@ -47,11 +47,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from mixprec.engine import emulate_attention
-from mixprec.engine.fp32_precision import ieee_fp32_matmul
 from mixprec.formats import elements as formats
+from mixprec.formats.blocks import MX_TILE, cast_mx, mx_exponents
 from mixprec.formats.elements import Format
-from mixprec.fp8.blocks import MX_TILE, cast_mx, mx_exponents
-from mixprec.fp8.quantized import block_amax
+from mixprec.formats.fp32_precision import ieee_fp32_matmul
+from mixprec.formats.quantized import block_amax
 
 __all__ = ["EmulationMode", "mx_quantize", "mx_scales", "MX_BLOCK", "round_", "active_mode",
            "leave_low_precision", "unrounded"]
@@ -183,7 +183,7 @@ def _rows(x: torch.Tensor, dim: int, block: int) -> torch.Tensor:
 def mx_scales(x: torch.Tensor, fmt: str | Format, dim: int = -1,
               block: int = MX_BLOCK) -> torch.Tensor:
     """Per-block e8m0 scales of the OCP MX spec: ``2^(floor(log2(amax)) - emax_elem)``
-    (``mixprec.fp8.blocks.mx_exponents`` with ``floor``).
+    (``mixprec.formats.blocks.mx_exponents`` with ``floor``).
 
     A block of zeros gets the scale 2^-127 (the spec's choice is free there; any scale
     gives zeros). Shape: ``x`` with ``dim`` moved last and divided by ``block``.
@@ -197,7 +197,7 @@ def mx_scales(x: torch.Tensor, fmt: str | Format, dim: int = -1,
 
 def mx_quantize(x: torch.Tensor, fmt: str | Format, dim: int = -1,
                 block: int = MX_BLOCK) -> torch.Tensor:
-    """The values of ``x`` after MX conversion (``mixprec.fp8.blocks.cast_mx`` with the
+    """The values of ``x`` after MX conversion (``mixprec.formats.blocks.cast_mx`` with the
     spec's ``floor`` rule): scale per block, elements saturated and rounded to
     nearest-even in ``fmt``, then scaled back (fp32 result)."""
     f = formats.get(fmt)

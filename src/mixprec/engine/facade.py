@@ -101,7 +101,7 @@ class MixedPrecision:
             ``(MyBlock,)``), or a callable ``module -> bool``. Default: each element of
             every ``nn.ModuleList`` (a transformer's blocks).
         fp8_filter: fp8 recipes: ``filter(module, fqn) -> bool``, which eligible Linears
-            become Float8Linears (``mixprec.fp8.convert``'s ``filter``; default: all but
+            become Float8Linears (``mixprec.engine.convert``'s ``filter``; default: all but
             the output head). A model that already holds Float8Linears, converted by
             hand, is left as it is.
         loss_scaler: a ``mixprec.engine.scaler.LossScaler`` policy to use instead of the one the

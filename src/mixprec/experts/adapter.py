@@ -1,7 +1,7 @@
 """The one place the experts' GEMMs call into the quantizer interface.
 
 A grouped GEMM casts each expert's operands and multiplies them as a converted Linear
-does (``mixprec.fp8.linear``): ``cast`` a 2-D tensor for a role along the contracted
+does (``mixprec.modules.linear``): ``cast`` a 2-D tensor for a role along the contracted
 dim, ``mm`` two casts on the format's route, ``reuses`` (a forward cast serves the
 backward), the per-expert scales of a per-tensor format (``segment_scales``, as FSDP2's
 gather of the experts' codes takes them). Keeping these calls here means a reshaped
@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from mixprec.experts.format import ExpertsFormat
-from mixprec.fp8.gather_casts import CastWeight
-from mixprec.fp8.mm import _no_autocast
-from mixprec.fp8.quantized import Quantized
-from mixprec.fp8.scaling import cast_to_fp8
+from mixprec.formats.mm import _no_autocast
+from mixprec.formats.quantized import Quantized
+from mixprec.formats.scaling import cast_to_fp8
+from mixprec.parallel.gather_casts import CastWeight
 
 __all__ = ["cast", "mm", "reuses", "no_autocast", "segment_scales", "cast_scaled"]
 

@@ -8,14 +8,14 @@ scales factor out of the sum: the fp8 codes, widened to bf16 (exact: every e4m3 
 e5m2 value is a bf16 value), go to the kernel, which accumulates in fp32 and rounds
 once to bf16, and each output element is then multiplied in fp32 by its row's and
 column's inverse scales, as the ``dequant`` GEMM route does
-(``mixprec.fp8.gemm.fp8_gemm``). On ``scaled_grouped`` the forward's e4m3 codes and
+(``mixprec.formats.tensor_gemm.fp8_gemm``). On ``scaled_grouped`` the forward's e4m3 codes and
 their scales go to ``torch._scaled_grouped_mm`` instead (``mixprec.experts.scaled_grouped``).
 
 Every cast is taken on the device from the cumulative counts by the format
 (``LinearFormat.segment_cast``: each row's expert by ``searchsorted``, per-expert
 amaxes by segment reductions), bit for bit the per-expert casts; each GEMM is one
 launch for all the experts, and nothing reads a tensor's value on the host. ``Codes``
-is the layout ``mixprec.fp8.mm.QuantizedGemm`` runs it in.
+is the layout ``mixprec.formats.mm.QuantizedGemm`` runs it in.
 
 The layouts are the ones torch's CUDA kernel takes for any routing
 (``aten/src/ATen/native/cuda/GroupMMCommon.cuh``): forward and dgrad pass the tokens
@@ -38,9 +38,9 @@ from mixprec.experts import adapter
 from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.gather_casts import ExpertsCasts
 from mixprec.experts.scaled_grouped import scaled_grouped_forward
-from mixprec.fp8.formats.segments import Segments
-from mixprec.fp8.mm import GemmLayout
-from mixprec.fp8.quantized import Quantized
+from mixprec.formats.mm import GemmLayout
+from mixprec.formats.quantized import Quantized
+from mixprec.formats.segments import Segments
 
 __all__ = ["bf16_only", "codes_apply", "Codes"]
 
@@ -55,7 +55,7 @@ def bf16_only(device: torch.device) -> bool:
 
 def codes_apply(fmt: ExpertsFormat) -> bool:
     """Whether ``fmt``'s scales factor out of each GEMM (per-tensor and rowwise fp8)."""
-    kernel = fmt.quantizer.kernel  # a KernelSpec (mixprec.fp8.padding); int8: None
+    kernel = fmt.quantizer.kernel  # a KernelSpec (mixprec.formats.padding); int8: None
     return kernel is not None and kernel.scales == "tensor"
 
 

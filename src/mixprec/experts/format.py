@@ -3,7 +3,7 @@
 An experts module holds its weights as 3-D parameters (experts × out × in), one per
 projection (``gate_up_proj``, ``down_proj``). Each projection that runs in a
 low-precision format gets one ``ExpertsFormat`` child: the recipe's quantizer
-(``mixprec.fp8.quantizers``), its GEMM route and its buffers, as a ``Float8Linear``
+(``mixprec.recipe.linear_format``), its GEMM route and its buffers, as a ``Float8Linear``
 keeps them. Delayed scaling's amax history is one per projection of the experts module
 (its scale serves every expert's slice); the stateless formats scale each expert's
 slice on its own. The buffers are in the model's ``state_dict``, so a checkpoint
@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mixprec.fp8.linear import Float8Linear
-from mixprec.fp8.quantizers import quantizer_for
+from mixprec.modules.linear import Float8Linear
 from mixprec.recipe import Recipe
+from mixprec.recipe.linear_format import quantizer_for
 
 __all__ = ["ExpertsFormat", "experts_formats"]
 
@@ -68,7 +68,7 @@ class ExpertsFormat(nn.Module):
         return self.fp8_recipe.fp8_name or "fp8"
 
     def backend(self, device: torch.device | str) -> str:
-        """The GEMM route on ``device`` (``mixprec.fp8.route.gemm_route``)."""
+        """The GEMM route on ``device`` (``mixprec.formats.route.gemm_route``)."""
         return self.quantizer.route(device, self.gemm_choice)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

@@ -34,8 +34,8 @@ from torch import nn
 from mixprec.experts import adapter
 from mixprec.experts.gather_casts import cast_hooks
 from mixprec.experts.hook import _projections, experts_modules
-from mixprec.fp8.gather import Fp8Weight
-from mixprec.fp8.gather_casts import plain_gather_hooks
+from mixprec.formats.precast import Fp8Weight
+from mixprec.parallel.gather_casts import plain_gather_hooks
 
 __all__ = ["why_not_gathered", "install_experts_gather", "note_whole_gathers",
            "WHOLE_GATHER"]

@@ -4,7 +4,7 @@
 FSDP2 cuts an experts weight (E × N × K) along the experts, so every expert is whole
 on one rank, which casts it as the grouped GEMM casts it (each weight cast the step
 takes: ``weight_cast_dims``), nothing agreed with the other ranks. Each expert's casts
-go out as ``mixprec.fp8.gather_casts.send_shard`` sends a Linear's weight (codes,
+go out as ``mixprec.parallel.gather_casts.send_shard`` sends a Linear's weight (codes,
 NVFP4's two to a byte; block scales in the kernel's dtype), plus what that function
 leaves in its metadata because a Linear's ranks agree on it, and which here is each
 expert's own: rowwise dgrad's column scales and NVFP4's per-tensor descale, in fp32.
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from mixprec.fp8.gather_casts import CastWeight, parts_hooks, send_shard
+from mixprec.parallel.gather_casts import CastWeight, parts_hooks, send_shard
 
 __all__ = ["ExpertsCasts", "cast_hooks"]
 

@@ -4,7 +4,7 @@
 (out × in), ``offsets`` (E,) the cumulative token counts (``torch._grouped_mm``'s
 ``offs``); rows past ``offsets[-1]`` (tokens routed elsewhere, as expert parallelism
 leaves them) get zeros. Forward, dgrad and wgrad run in any linear format of the
-quantizer registry, exactly as a converted Linear runs them (``mixprec.fp8.linear``;
+quantizer registry, exactly as a converted Linear runs them (``mixprec.modules.linear``;
 a GEMM the format leaves out of its ``quantized_gemms``, ``int8-rowwise``'s wgrad,
 runs in the gradient's 16-bit dtype on the input as it came), per expert: each
 expert's slice of ``x``, ``W`` and the gradient is cast on its own (per-tensor
@@ -67,8 +67,8 @@ from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.gather_casts import ExpertsCasts
 from mixprec.experts.scaled_grouped import scaled_grouped_refusal
 from mixprec.experts.segments import Segmented, wgrad_product
-from mixprec.fp8.mm import GemmLayout, QuantizedGemm
-from mixprec.fp8.nvfp4 import NVFP4_BLOCK, counter_key
+from mixprec.formats.fp4 import NVFP4_BLOCK, counter_key
+from mixprec.formats.mm import GemmLayout, QuantizedGemm
 
 __all__ = ["grouped_mm", "ROUTES", "group_bounds"]
 

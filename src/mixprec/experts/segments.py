@@ -1,15 +1,15 @@
 """The experts' grouped route without a host read (``grouped`` on a CPU).
 
 Each operand is cast whole by the format (``LinearFormat.segment_cast``,
-``segment_weights``: ``mixprec.fp8.formats``), every expert's rows scaled, clamped and
+``segment_weights``: ``mixprec.formats.gemm``), every expert's rows scaled, clamped and
 rounded as the cast of that expert's slice gives them, so the casts are bit for bit
 the per-expert ones; each row's expert comes from the cumulative counts on the device
-(``mixprec.fp8.formats.segments.Segments``). The dequantized casts go to
+(``mixprec.formats.segments.Segments``). The dequantized casts go to
 ``torch._grouped_mm`` with the offsets as they are (``grouped_mm_fp32``): forward and
 dgrad on the rows (``rows_product``: the rows past the last expert zero), wgrad per
 expert over its rows (``wgrad_product``). Nothing reads a tensor's value on the host,
 so ``torch.compile`` traces it as one graph. ``Segmented`` is the layout
-``mixprec.fp8.mm.QuantizedGemm`` runs it in.
+``mixprec.formats.mm.QuantizedGemm`` runs it in.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from mixprec.fp8.formats.segments import Segments, segment_ids
-from mixprec.fp8.mm import GemmLayout
-from mixprec.fp8.nvfp4 import counter_key
+from mixprec.formats.fp4 import counter_key
+from mixprec.formats.mm import GemmLayout
+from mixprec.formats.segments import Segments, segment_ids
 
 __all__ = ["Segmented", "segment_ids", "grouped_mm_fp32", "expert_rows", "rows_product",
            "wgrad_product"]

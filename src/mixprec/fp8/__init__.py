@@ -1,27 +1,42 @@
-"""FP8 and FP4 Linears: the formats (``formats``: one object per scaling, and the
-registry), the casts (``scaling``, ``blocks``, ``nvfp4``), the GEMM routes (``route``,
-``gemm``, ``scaled_mm``), the quantized GEMM (``mm.quantized_mm``, which
-``QuantizedLinear``, grouped expert GEMMs and tensor-parallel shards call), the Linear
-(``linear``), the module swap (``convert``), FSDP2's fp8 all-gather (``gather``) and
-tensor-parallel shards (``tensor_parallel``; the sequence-parallel plan ``tp_plans``).
-"""
+"""The names ``mixprec.fp8`` exported before its modules moved (the formats and their
+casts and GEMMs to ``mixprec.formats``, the quantized Linear to ``mixprec.modules``, the
+module swap to ``mixprec.engine.convert``, FSDP gathers and tensor parallelism to
+``mixprec.parallel``). Importing this package warns once; it and its old submodule paths
+work until the release after 0.3."""
 
-from mixprec.fp8.convert import ConvertReport, convert, layer_formats
-from mixprec.fp8.formats import FORMATS, Int8Rowwise, LinearFormat
-from mixprec.fp8.gemm import fp8_gemm
-from mixprec.fp8.linear import Float8Linear, Int8Linear, QuantizedLinear
-from mixprec.fp8.mm import quantized_mm
-from mixprec.fp8.quantized import Quantized
-from mixprec.fp8.quantizers import QUANTIZERS, Quantizer, quantizer_for
-from mixprec.fp8.route import gemm_route
-from mixprec.fp8.scaling import (
-    amax_to_scale,
-    cast_rowwise,
-    cast_to_fp8,
-    update_delayed_scales,
-)
+import warnings
 
-__all__ = ["QuantizedLinear", "Float8Linear", "Int8Linear", "quantized_mm", "convert",
-           "ConvertReport", "layer_formats", "fp8_gemm", "gemm_route", "LinearFormat", "FORMATS",
-           "Quantizer", "Quantized", "QUANTIZERS", "quantizer_for", "Int8Rowwise",
-           "amax_to_scale", "cast_to_fp8", "cast_rowwise", "update_delayed_scales"]
+from mixprec._imports import lazy_exports
+
+warnings.warn("mixprec.fp8 moved: import the formats from mixprec.formats, QuantizedLinear "
+              "from mixprec.modules, convert from mixprec.engine.convert and the tensor-"
+              "parallel and FSDP pieces from mixprec.parallel; the old path works until the "
+              "release after 0.3", DeprecationWarning, stacklevel=2)
+
+#: public name -> the module that defines it now
+_EXPORTS = {
+    "QuantizedLinear": "mixprec.modules.linear",
+    "Float8Linear": "mixprec.modules.linear",
+    "Int8Linear": "mixprec.modules.linear",
+    "quantized_mm": "mixprec.formats.mm",
+    "convert": "mixprec.engine.convert",
+    "ConvertReport": "mixprec.engine.convert",
+    "layer_formats": "mixprec.engine.convert",
+    "fp8_gemm": "mixprec.formats.tensor_gemm",
+    "gemm_route": "mixprec.formats.route",
+    "LinearFormat": "mixprec.formats.gemm",
+    "FORMATS": "mixprec.formats.gemm",
+    "Int8Rowwise": "mixprec.formats.gemm",
+    "Quantizer": "mixprec.recipe.linear_format",
+    "QUANTIZERS": "mixprec.recipe.linear_format",
+    "quantizer_for": "mixprec.recipe.linear_format",
+    "Quantized": "mixprec.formats.quantized",
+    "amax_to_scale": "mixprec.formats.scaling",
+    "cast_to_fp8": "mixprec.formats.scaling",
+    "cast_rowwise": "mixprec.formats.scaling",
+    "update_delayed_scales": "mixprec.formats.scaling",
+}
+
+__all__ = list(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, absolute=True)

@@ -15,7 +15,7 @@ buffer).
 Its backward (``sync_free_backward``), per projection of ``I`` inputs and ``O`` outputs
 over ``R`` rows, holds beyond the arriving gradient, the input gradient ``dx`` and the
 fp32 weight gradient ``dw`` the largest of its stages' live tensors, read off the
-layouts of ``mixprec.fp8.mm.QuantizedGemm``: the gradient's dgrad cast (``9·R·O``: its
+layouts of ``mixprec.formats.mm.QuantizedGemm``: the gradient's dgrad cast (``9·R·O``: its
 fp32 copy and scaled values, then its codes, their fp32 copy and the dequantized
 values), the dgrad GEMM (the dequantized gradient ``4·R·O`` beside its codes (per
 tensor, rowwise), its fp32 product and the rows past the last expert zeroed, ``8·R·I``,

@@ -1,14 +1,14 @@
 """Each Linear's compute format, for the memory estimate: which Linears a recipe runs in fp8
 and with which quantizer, its ``layer:`` rules applied (the one rule is
-``mixprec.fp8.convert.layer_formats``; this module only reads it)."""
+``mixprec.engine.convert.layer_formats``; this module only reads it)."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from mixprec.fp8.convert import layer_formats
-from mixprec.fp8.linear import Float8Linear
+from mixprec.engine.convert import layer_formats
 from mixprec.memory.transient import linear_shapes
+from mixprec.modules.linear import Float8Linear
 from mixprec.recipe import Recipe
 
 __all__ = ["layer_recipes", "fp8_share"]
@@ -16,7 +16,7 @@ __all__ = ["layer_recipes", "fp8_share"]
 
 def layer_recipes(model: nn.Module, r: Recipe) -> dict[str, Recipe | None]:
     """Each Linear's fp8 recipe under recipe ``r`` (None: kept in high precision), as
-    ``mixprec.fp8.convert.layer_formats`` decides and ``Recipe.for_layer`` gives it: its
+    ``mixprec.engine.convert.layer_formats`` decides and ``Recipe.for_layer`` gives it: its
     ``layer:`` rule's preset, or ``r``'s own, or a hand-converted Float8Linear's."""
     out: dict[str, Recipe | None] = {}
     for fqn, fmt in layer_formats(model, r).items():

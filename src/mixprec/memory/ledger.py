@@ -15,8 +15,8 @@ from torch import nn
 
 from mixprec.engine.facade import MixedPrecision
 from mixprec.engine.wgrad import WEIGHT_CAST_TAG
-from mixprec.fp8.linear import fp8_modules, scaling_buffers
 from mixprec.memory.breakdown import ITEMS, Breakdown
+from mixprec.modules.linear import fp8_modules, scaling_buffers
 
 __all__ = ["measure", "high_water", "quiet_profiler"]
 

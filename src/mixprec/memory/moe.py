@@ -49,7 +49,6 @@ from typing import Any
 from torch import nn
 
 from mixprec.experts.hook import experts_modules
-from mixprec.fp8.quantizers import quantizer_for
 from mixprec.memory.attention import (
     PRICED_ATTENTION,
     attention_impl,
@@ -67,6 +66,7 @@ from mixprec.memory.expert_casts import (
 )
 from mixprec.memory.layers import layer_recipes
 from mixprec.memory.transient import linear_shapes
+from mixprec.recipe.linear_format import quantizer_for
 
 __all__ = ["moe_experts", "activation_saved", "moe_saved_bytes", "experts_forward",
            "experts_backward",

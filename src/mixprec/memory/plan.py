@@ -13,8 +13,6 @@ from torch import nn
 from mixprec.engine.devices import emulating, fp8_gemm_route, fp8_rest
 from mixprec.engine.param_state import grads_in_place, updated_dtype
 from mixprec.formats.elements import dtype_of
-from mixprec.fp8.linear import fp8_modules, scaling_buffers
-from mixprec.fp8.quantizers import quantizer_for
 from mixprec.memory.breakdown import Breakdown
 from mixprec.memory.fsdp import FSDP_NOTE, fsdp_gathered_bytes, fsdp_held_recipe, fsdp_sharded
 from mixprec.memory.layers import fp8_share, layer_recipes
@@ -29,10 +27,12 @@ from mixprec.memory.transient import (
     tp_local,
 )
 from mixprec.memory.units import parse_count, rank_local
+from mixprec.modules.linear import fp8_modules, scaling_buffers
 from mixprec.optim import pieces, recipe_settings
 from mixprec.optim.states import state_bytes
 from mixprec.optim.writes import write_bytes
 from mixprec.recipe import Recipe
+from mixprec.recipe.linear_format import quantizer_for
 
 __all__ = ["estimate"]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from mixprec.fp8.linear import is_conv1d
+from mixprec.modules.linear import is_conv1d
 
 __all__ = ["linear_shapes", "tp_local", "saved_weight_bytes", "backward_transient",
            "STEP_SCRATCH_PER_ELEMENT", "step_scratch"]
@@ -72,7 +72,7 @@ def backward_transient(tokens: int, shapes: Iterable[tuple[int, int, Any]],
     """The widest Linear's backward working set (see the module docstring), in bytes.
 
     ``shapes``: ``(in, out, route)`` per Linear, ``route`` a Linear format
-    (``mixprec.fp8.formats``) or, for a Linear without one, ``fp32``, ``weights16``
+    (``mixprec.formats.gemm``) or, for a Linear without one, ``fp32``, ``weights16``
     (16-bit weights, no cast), ``autocast16`` or ``autocast_emulated``; ``fp8_gemm``:
     the per-tensor and rowwise GEMM route."""
     t = tokens

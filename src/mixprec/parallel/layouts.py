@@ -46,10 +46,8 @@ from mixprec.engine.checks import check_fsdp_units, check_parallel_kwargs
 from mixprec.engine.devices import KernelChoices
 from mixprec.engine.gradnorm import fp32_norms
 from mixprec.experts.gather import install_experts_gather
-from mixprec.fp8.formats import FORMATS
-from mixprec.fp8.gather import agree_amaxes_, install_fp8_all_gather, refresh_gather_scales_
-from mixprec.fp8.linear import fp8_modules
-from mixprec.fp8.tensor_parallel import attach_comm_stats
+from mixprec.formats.gemm import FORMATS
+from mixprec.modules.linear import fp8_modules
 from mixprec.parallel.comm import (
     CommStats,
     agree_amax_,
@@ -65,6 +63,8 @@ from mixprec.parallel.comm import (
     sum_over_shards_,
     wrap_ddp,
 )
+from mixprec.parallel.gather import agree_amaxes_, install_fp8_all_gather, refresh_gather_scales_
+from mixprec.parallel.tensor_parallel import attach_comm_stats
 from mixprec.recipe import Recipe
 from mixprec.recipe.presets import LINEAR_PRESETS
 from mixprec.recipe.syntax import preset_flat
@@ -205,7 +205,7 @@ class FSDP(_Replicated):
     def shard(self, model: nn.Module, optimizers: list, emulate: bool) -> nn.Module:
         """``fully_shard`` the units, then the root; the optimizers follow the shards.
         With ``fp8_all_gather``, the Float8Linear weights get the gather hooks
-        (``mixprec.fp8.gather``), recorded in ``comm_stats``."""
+        (``mixprec.parallel.gather``), recorded in ``comm_stats``."""
         model = shard_fsdp(model, self.recipe, optimizers, self.units, emulate=emulate,
                            **self.kwargs)
         if self.recipe.linear is not None and self.recipe.linear.fp8_all_gather:
@@ -219,7 +219,7 @@ class FSDP(_Replicated):
 
     def agree_amax(self, fp8_modules: list) -> None:
         """The histories' all-reduce MAX, which also carries current scaling's fp8
-        gather amaxes (``mixprec.fp8.gather``): one collective per step."""
+        gather amaxes (``mixprec.parallel.gather``): one collective per step."""
         agree_amaxes_(fp8_modules, all_reduce_max_)
 
     def after_restore(self, fp8_modules: list) -> None:
@@ -262,7 +262,7 @@ class FSDP(_Replicated):
 
 def _attach_stats(model: nn.Module, stats: CommStats) -> None:
     """Tensor parallelism: the quantized Linears' amax all-reduces, and the collectives
-    of the modules mixprec's plans took (``fp8.tp_plans``), go to ``stats``."""
+    of the modules mixprec's plans took (``parallel.tp_plans``), go to ``stats``."""
     attach_comm_stats(fp8_modules(model), stats)
     for m in model.modules():
         if getattr(m, "tp_records_plan", False):

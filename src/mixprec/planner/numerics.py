@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.fp8.linear import Float8Linear, is_conv1d
+from mixprec.modules.linear import Float8Linear, is_conv1d
 from mixprec.planner.timing import BF16, recipe_for_format
 from mixprec.recipe import Recipe
 

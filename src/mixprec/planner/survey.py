@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.engine.convert import plan as convert_plan
 from mixprec.engine.coverage import coverage, step_flops
-from mixprec.fp8.convert import plan as convert_plan
 from mixprec.planner.choose import (
     Baselines,
     Config,

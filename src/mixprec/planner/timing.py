@@ -39,8 +39,8 @@ from torch import nn
 from mixprec.diagnostics.noise import NOISY_SPREAD, spread
 from mixprec.engine import devices as kernels
 from mixprec.engine.facade import MixedPrecision
-from mixprec.fp8.linear import fp8_modules
 from mixprec.memory.ledger import high_water
+from mixprec.modules.linear import fp8_modules
 from mixprec.optim import AdamW
 from mixprec.recipe import Recipe
 

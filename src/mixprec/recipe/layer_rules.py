@@ -25,7 +25,7 @@ its overrides::
   (``compute=fp8``): it is what runs the rest of the model under bf16.
   A rule overrides the default policy (the head and ``bf16_last_layers``), never a
   Linear subclass whose owner may read its weight directly; a Linear's dims never
-  keep it (the GEMM routes pad: ``mixprec.fp8.padding``).
+  keep it (the GEMM routes pad: ``mixprec.formats.padding``).
 - ``states:PATTERN=FORMAT`` matches the name of the module that owns a parameter and
   sets the format of that parameter's optimizer states (``fp32``, ``bf16``, ``fp8``,
   ``int8``, ``int4``; ``mixprec.optim``). A parameter that several modules share (an

@@ -21,7 +21,7 @@ PRESET_FIELDS: dict[str, dict[str, object]] = {
     "mxfp8": {"compute": "fp8", "fp8_scaling": "mx", "fp8_format": "e4m3"},
     # NVIDIA's NVFP4 pretraining recipe; the last two Linears stay in bf16
     "nvfp4": {"compute": "fp8", "fp8_scaling": "nvfp4", "bf16_last_layers": 2},
-    # int8 forward and dgrad GEMMs, rowwise scales, wgrad in bf16 (mixprec.fp8.formats.int8)
+    # int8 forward and dgrad GEMMs, rowwise scales, wgrad in bf16 (mixprec.formats.gemm.int8)
     "int8-rowwise": {"compute": "fp8", "fp8_scaling": "int8"},
     # bf16 weights without an fp32 master, kept accurate by the write rule
     "bf16-sr": {"compute": "bf16", "params": "bf16", "write": "stochastic"},

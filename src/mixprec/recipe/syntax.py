@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mixprec.fp8.formats import DEFAULT_FORMAT, FORMATS
+from mixprec.formats.gemm import DEFAULT_FORMAT, FORMATS
 from mixprec.recipe.configs import DEFAULT_KEEP_FP32
 from mixprec.recipe.layer_rules import LayerRule, parse_rule
 from mixprec.recipe.presets import PRESET_FIELDS, preset_names

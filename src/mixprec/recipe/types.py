@@ -1,7 +1,7 @@
 """Recipe: the precision of every part of a training step, composed of small configs.
 
 ``precision`` (``Precision``), ``loss`` (``LossScale``), ``linear`` (the Linears' fp8 /
-fp4 format, an object of ``mixprec.fp8.formats``, or None), ``optim`` (``OptimStates``)
+fp4 format, an object of ``mixprec.formats.gemm``, or None), ``optim`` (``OptimStates``)
 and ``layers`` (per-module rules, ``mixprec.recipe.layer_rules``). A field that cannot apply
 does not exist; combinations that cannot train raise. The string form and ``str()``
 are ``mixprec.recipe.syntax``'s.
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from mixprec.formats import elements as formats
-from mixprec.fp8.formats import FORMATS, LinearFormat, format_class
+from mixprec.formats.gemm import FORMATS, LinearFormat, format_class
 from mixprec.recipe.configs import (
     LINEAR_COMPUTE,
     MX_COMPUTE,
@@ -76,7 +76,7 @@ class Recipe:
                                  f"a {kind.__name__}; build one, e.g. {kind.__name__}()")
         if self.linear is not None and not isinstance(self.linear, LinearFormat):
             raise ValueError(f"recipe field 'linear': {self.linear!r} is not a Linear "
-                             f"format; use one of mixprec.fp8.formats ({', '.join(FORMATS)}"
+                             f"format; use one of mixprec.formats.gemm ({', '.join(FORMATS)}"
                              ") or None")
         if (self.precision.compute == LINEAR_COMPUTE) != (self.linear is not None):
             raise ValueError(

@@ -46,8 +46,8 @@ from torch import nn
 from mixprec.diagnostics.noise import agreement
 from mixprec.engine.context import autocast_dtype, make_emulation_mode
 from mixprec.engine.facade import MixedPrecision
-from mixprec.fp8.linear import fp8_modules
 from mixprec.memory import measure
+from mixprec.modules.linear import fp8_modules
 from mixprec.optim import adamw_for
 from mixprec.recipe import Recipe
 from mixprec.workbench.model import GPT, SIZES

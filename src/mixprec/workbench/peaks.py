@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from mixprec.engine.devices import KernelChoices, best_time, matmul_gflops
-from mixprec.engine.fp32_precision import ieee_fp32_matmul, tf32
 from mixprec.formats import elements as formats
-from mixprec.fp8.linear import fp8_modules
-from mixprec.fp8.quantizers import Quantizer, quantizer_for
+from mixprec.formats.fp32_precision import ieee_fp32_matmul, tf32
+from mixprec.modules.linear import fp8_modules
 from mixprec.recipe import Recipe
+from mixprec.recipe.linear_format import Quantizer, quantizer_for
 
 __all__ = ["peak_gflops", "peak_parts", "combined_peak", "dense_kind", "dense_gflops",
            "fp8_gflops"]

@@ -28,8 +28,8 @@ import math
 import torch
 
 from mixprec.formats import elements as formats
-from mixprec.fp8.quantized import Quantized, block_amax, expand_blocks
-from mixprec.fp8.tp_agree import Agreement, agreed_amax, draw_sliced, slice_of
+from mixprec.formats.quantized import Quantized, block_amax, expand_blocks
+from mixprec.formats.shard import Agreement, agreed_amax, draw_sliced, slice_of
 
 __all__ = ["NVFP4_BLOCK", "cast_nvfp4", "hadamard_16", "apply_hadamard", "counter_uniform",
            "counter_key"]

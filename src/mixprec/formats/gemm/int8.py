@@ -13,7 +13,7 @@ to ``[-127, 127]`` (the quotient is an fp32 division, rounded once, then rounded
 integer). A row of zeros keeps ``scale = 1`` (codes 0; as does an amax so small that
 ``amax / 127`` underflows to zero); a row holding an inf or NaN gets a NaN scale and
 codes 0 (int8 has no NaN), so the GEMM's output row is NaN and the step is skipped like
-any overflow, as the fp8 casts do (``mixprec.fp8.scaling.nan_if_not_finite``).
+any overflow, as the fp8 casts do (``mixprec.formats.scaling.nan_if_not_finite``).
 
 The GEMM multiplies the codes into an exact int32 sum, then applies the scales in fp32,
 rows first: ``(float(acc) · s_row) · s_col``. Two routes give that sum bit for bit:
@@ -42,13 +42,13 @@ from typing import ClassVar
 
 import torch
 
-from mixprec.engine.fp32_precision import ieee_fp32_matmul
-from mixprec.fp8.formats.base import LinearFormat
-from mixprec.fp8.formats.segments import Segments
-from mixprec.fp8.quantized import Quantized
-from mixprec.fp8.route import GEMM_CHOICES
-from mixprec.fp8.scaling import nan_if_not_finite
-from mixprec.fp8.tp_agree import Agreement, agreed_amax
+from mixprec.formats.fp32_precision import ieee_fp32_matmul
+from mixprec.formats.gemm.base import LinearFormat
+from mixprec.formats.quantized import Quantized
+from mixprec.formats.route import GEMM_CHOICES
+from mixprec.formats.scaling import nan_if_not_finite
+from mixprec.formats.segments import Segments
+from mixprec.formats.shard import Agreement, agreed_amax
 
 __all__ = ["Int8Rowwise", "cast_int8_rowwise", "int8_gemm", "int_mm_refusal",
            "shape_class", "register_measured_int8", "INT8_MAX", "EXACT_CHUNK",
@@ -167,7 +167,7 @@ def register_measured_int8(fn: Callable[[torch.device, tuple[int, int, int]], bo
 
 def _faster(dev: torch.device, m: int, k: int, n: int) -> bool:
     if measured_int8 is None:  # importing mixprec imports mixprec.engine.devices: it registers
-        raise RuntimeError("mixprec.fp8.formats.int8.measured_int8 is unset: "
+        raise RuntimeError("mixprec.formats.gemm.int8.measured_int8 is unset: "
                            "import mixprec")
     return measured_int8(dev, shape_class(m, k, n))
 

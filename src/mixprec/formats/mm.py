@@ -10,8 +10,8 @@ experts' ``PerExpert``, ``Segmented`` and ``Codes`` in ``mixprec.experts``), and
 format makes every cast.
 
     >>> import torch
-    >>> from mixprec.fp8 import quantized_mm
-    >>> from mixprec.fp8.formats import CurrentScaling
+    >>> from mixprec.formats.mm import quantized_mm
+    >>> from mixprec.formats.gemm import CurrentScaling
     >>> x = torch.randn(8, 32, requires_grad=True)
     >>> w = torch.randn(16, 32, requires_grad=True)
     >>> y = quantized_mm(x, w, CurrentScaling(fp8_gemm="dequant_fp32"))
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from mixprec.fp8.formats.base import LinearFormat
-from mixprec.fp8.quantized import Quantized
+from mixprec.formats.gemm.base import LinearFormat
+from mixprec.formats.quantized import Quantized
 
 __all__ = ["quantized_mm", "GemmSite", "QuantizedGemm", "GemmLayout", "Dense"]
 

@@ -2,25 +2,25 @@
 
 - ``scaled_mm``: ``torch._scaled_mm``, the hardware fp8 GEMM (CUDA sm89+). A CPU build
   has it too, as a reference kernel (~0.1 GFLOP/s on one chip, as fast as fp32 on
-  another), so ``auto`` measures it there (``mixprec.fp8.route`` decides). The
+  another), so ``auto`` measures it there (``mixprec.formats.route`` decides). The
   contraction dim and the output's columns are padded with zero codes to multiples of
   16, as the kernel requires: the weight gradient contracts over tokens, any number.
 - ``dequant``: the fp8 operands upcast exactly to bf16 (e4m3/e5m2 values are bf16
   values) and multiplied with fp32 accumulation; an fp32 output uses an fp32 GEMM;
 - ``dequant_fp32``: the same upcast, to fp32, and an fp32 GEMM for every output, with
-  full-precision fp32 matmul pinned (``mixprec.engine.fp32_precision.ieee_fp32_matmul``).
+  full-precision fp32 matmul pinned (``mixprec.formats.fp32_precision.ieee_fp32_matmul``).
 
 The block-scaled quantizers (block, MX, NVFP4) multiply their dequantized operands in
-fp32 (``mixprec.fp8.quantizers``).
+fp32 (``mixprec.recipe.linear_format``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from mixprec.engine.fp32_precision import ieee_fp32_matmul
-from mixprec.fp8.padding import TENSOR_KERNEL, run_or_fall_back
-from mixprec.fp8.quantized import pad_to
+from mixprec.formats.fp32_precision import ieee_fp32_matmul
+from mixprec.formats.padding import TENSOR_KERNEL, run_or_fall_back
+from mixprec.formats.quantized import pad_to
 
 __all__ = ["fp8_gemm", "SCALED_MM_MULTIPLE", "upcast"]
 

@@ -4,14 +4,14 @@ subclass and one entry here."""
 
 from __future__ import annotations
 
-from mixprec.fp8.formats.base import LinearFormat
-from mixprec.fp8.formats.block import BlockScaling
-from mixprec.fp8.formats.current import CurrentScaling
-from mixprec.fp8.formats.delayed import DelayedScaling
-from mixprec.fp8.formats.int8 import Int8Rowwise
-from mixprec.fp8.formats.mx import MXScaling
-from mixprec.fp8.formats.nvfp4 import NVFP4Scaling
-from mixprec.fp8.formats.rowwise import RowwiseScaling
+from mixprec.formats.gemm.base import LinearFormat
+from mixprec.formats.gemm.block import BlockScaling
+from mixprec.formats.gemm.current import CurrentScaling
+from mixprec.formats.gemm.delayed import DelayedScaling
+from mixprec.formats.gemm.int8 import Int8Rowwise
+from mixprec.formats.gemm.mx import MXScaling
+from mixprec.formats.gemm.nvfp4 import NVFP4Scaling
+from mixprec.formats.gemm.rowwise import RowwiseScaling
 
 __all__ = ["LinearFormat", "FORMATS", "DEFAULT_FORMAT", "format_class", "DelayedScaling",
            "CurrentScaling", "RowwiseScaling", "BlockScaling", "MXScaling", "NVFP4Scaling",

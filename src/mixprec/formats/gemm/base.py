@@ -19,14 +19,19 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from mixprec.engine.fp32_precision import ieee_fp32_matmul
-from mixprec.fp8.blocks import TILE
-from mixprec.fp8.formats.segments import Segments, spread
-from mixprec.fp8.padding import TENSOR_KERNEL, KernelSpec, backward_padding_bytes, run_or_fall_back
-from mixprec.fp8.quantized import Quantized
-from mixprec.fp8.route import GEMM_CHOICES, gemm_route
-from mixprec.fp8.scaled_mm import block_scaled_mm
-from mixprec.fp8.tp_agree import Agreement
+from mixprec.formats.blocks import TILE
+from mixprec.formats.fp32_precision import ieee_fp32_matmul
+from mixprec.formats.padding import (
+    TENSOR_KERNEL,
+    KernelSpec,
+    backward_padding_bytes,
+    run_or_fall_back,
+)
+from mixprec.formats.quantized import Quantized
+from mixprec.formats.route import GEMM_CHOICES, gemm_route
+from mixprec.formats.scaled_mm import block_scaled_mm
+from mixprec.formats.segments import Segments, spread
+from mixprec.formats.shard import Agreement
 
 __all__ = ["LinearFormat", "Fp8Elements", "Margined", "check_fields", "TileScaled"]
 
@@ -73,7 +78,7 @@ class LinearFormat:
     #: the GEMM route: ``auto`` (torch's scaled kernel where this device has it, else
     #: the dequantizing GEMM with a warning; measured on a CPU), ``scaled_mm`` (the
     #: kernel, refused where missing), ``dequant`` (exact upcast, bf16 GEMM) or
-    #: ``dequant_fp32`` (exact upcast, fp32 GEMM): ``mixprec.fp8.route``
+    #: ``dequant_fp32`` (exact upcast, fp32 GEMM): ``mixprec.formats.route``
     fp8_gemm: Literal["auto", "scaled_mm", "dequant", "dequant_fp32"] = "auto"
     #: the model's last N Linears stay in bf16 (the output head among them)
     bf16_last_layers: int = 0
@@ -81,7 +86,7 @@ class LinearFormat:
     #: this and ``bf16_last_layers`` keeps more)
     bf16_last_fraction: float = 0.0
     #: under ``parallel="fsdp"``, FSDP2 gathers the weights as the codes and scales of
-    #: their casts (``mixprec.fp8.gather``); a weight whose shards cannot be cast as
+    #: their casts (``mixprec.parallel.gather``); a weight whose shards cannot be cast as
     #: their rows of the whole weight is gathered in 16 bits, with a warning
     fp8_all_gather: bool = False
     #: under tensor parallelism, the dtype a Linear's partial sums are summed in across
@@ -89,18 +94,18 @@ class LinearFormat:
     #: (the GEMM's accumulator, rounded once after the sum, as one process rounds it;
     #: twice the bytes of a 16-bit output) or ``compute`` (each rank's sum rounded to
     #: the 16-bit output first, as torchao and Transformer Engine reduce):
-    #: ``mixprec.fp8.tensor_parallel``
+    #: ``mixprec.parallel.tensor_parallel``
     tp_reduce: Literal["fp32", "compute"] = "fp32"
 
     #: the name a recipe string gives it (``fp8_scaling=NAME``)
     name: ClassVar[str]
     #: the class name a Linear in this format shows in reprs and reports (the class is
-    #: ``mixprec.fp8.linear.Float8Linear`` or its subclass of this name)
+    #: ``mixprec.modules.linear.Float8Linear`` or its subclass of this name)
     linear_name: ClassVar[str] = "Float8Linear"
     #: the forward's casts serve the backward GEMMs (a per-tensor scale has no axis)
     reused_roles: ClassVar[tuple[str, ...]] = ()
     #: one scale per tensor: FSDP2's all-gather sends the weight's e4m3 codes with a
-    #: scale every rank holds (``mixprec.fp8.gather.Fp8Weight``)
+    #: scale every rank holds (``mixprec.formats.precast.Fp8Weight``)
     per_tensor: ClassVar[bool] = False
     #: FSDP2 may gather the weight as its casts (``fp8_all_gather``)
     gathers_casts: ClassVar[bool] = True
@@ -125,8 +130,8 @@ class LinearFormat:
     #: elements per scale along the contracted dim, as the diagnostics judge underflow
     tile: ClassVar[int] = TILE
     #: what torch's scaled-matmul kernel that multiplies its casts needs of them: the
-    #: GEMM's (M, K, N) multiples and the scales' layout (``mixprec.fp8.padding``;
-    #: ``mixprec.fp8.scaled_mm.block_scaled_mm`` takes it); None: no such kernel
+    #: GEMM's (M, K, N) multiples and the scales' layout (``mixprec.formats.padding``;
+    #: ``mixprec.formats.scaled_mm.block_scaled_mm`` takes it); None: no such kernel
     kernel: ClassVar[KernelSpec | None] = TENSOR_KERNEL
     #: the kernel, as an error message names it
     kernel_name: ClassVar[str] = "torch._scaled_mm"
@@ -183,7 +188,7 @@ class LinearFormat:
         """``t`` (2-D) cast for ``role`` with scales along ``dim``, the GEMM's contracted
         dim. ``state``: the module's buffers of ``buffers``; ``record``: this cast is
         part of a training step (delayed scaling records its amax); ``agree``: the
-        operand lies on a tensor-parallel shard (``mixprec.fp8.tp_agree``): its amaxes
+        operand lies on a tensor-parallel shard (``mixprec.parallel.tp_agree``): its amaxes
         and random draws are the whole tensor's."""
         raise NotImplementedError(type(self).__name__)
 
@@ -210,7 +215,7 @@ class LinearFormat:
 
     def gemm_context(self) -> contextlib.AbstractContextManager:
         """Around a Linear's casts and GEMMs: full-precision fp32 matmul for the
-        dequantizing formats (``mixprec.engine.fp32_precision.ieee_fp32_matmul``)."""
+        dequantizing formats (``mixprec.formats.fp32_precision.ieee_fp32_matmul``)."""
         return ieee_fp32_matmul() if self.exact_fp32 else contextlib.nullcontext()
 
     def kernel_refusal(self) -> str | None:
@@ -219,7 +224,7 @@ class LinearFormat:
 
     def route(self, device: torch.device | str, choice: str | None = None) -> str:
         """The GEMM route ``mm`` takes on ``device`` for ``choice`` (default: this
-        format's ``fp8_gemm``): ``mixprec.fp8.route.gemm_route``, the one decision."""
+        format's ``fp8_gemm``): ``mixprec.formats.route.gemm_route``, the one decision."""
         return gemm_route(device, self, self.fp8_gemm if choice is None else choice)
 
     def mm(self, a: Quantized, b: Quantized, out_dtype: torch.dtype, backend: str
@@ -295,7 +300,7 @@ class LinearFormat:
         gradient's codes and, where it arrives in 16 bits, its fp32 upcast; the
         operands' bf16 copies on ``dequant``, fp32 on ``dequant_fp32``, none on
         ``scaled_mm`` but the padding of a dim ``torch._scaled_mm`` needs a multiple of
-        16 (``mixprec.fp8.padding.backward_padding_bytes``)."""
+        16 (``mixprec.formats.padding.backward_padding_bytes``)."""
         copies = {"dequant": 2, "dequant_fp32": 4}.get(route, 0)
         need = (5 if act_bytes < 4 else 1) * t * o + copies * (t * o + i * o)
         if route == "scaled_mm":

@@ -2,7 +2,7 @@
 and the per-GEMM fallback where a kernel still refuses a shape.
 
 A Linear of any dims runs on every scaling. The casts need no alignment: a last
-partial tile or block is scaled by its own elements (``mixprec.fp8.quantized.block_amax``
+partial tile or block is scaled by its own elements (``mixprec.formats.quantized.block_amax``
 pads with zeros, which never raise an amax). The OCP MX v1.0 spec defines a block of
 ``k = 32`` whole elements and says nothing of a partial one; its reference emulation
 (microsoft/microxcaling, ``_reshape_to_blocks``) pads the axis with zeros to whole
@@ -38,7 +38,7 @@ __all__ = ["KernelSpec", "TENSOR_KERNEL", "padded", "padding_bytes",
 @dataclass(frozen=True, kw_only=True)
 class KernelSpec:
     """What one of torch's scaled-matmul kernels needs of a format's casts: the GEMM's
-    alignment and how its scales are laid out (``mixprec.fp8.scaled_mm``)."""
+    alignment and how its scales are laid out (``mixprec.formats.scaled_mm``)."""
 
     #: the multiples of the GEMM's (M, K, N) the kernel takes (the route pads to them)
     multiples: tuple[int, int, int]

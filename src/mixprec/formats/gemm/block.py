@@ -1,5 +1,5 @@
 """Block fp8 (DeepSeek-V3, Transformer Engine's ``Float8BlockScaling``): 1×128 tiles for
-activations and gradients, 128×128 blocks for weights (``mixprec.fp8.blocks``)."""
+activations and gradients, 128×128 blocks for weights (``mixprec.formats.blocks``)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import ClassVar, Literal
 
 import torch
 
-from mixprec.fp8.blocks import TILE, cast_blocks, cast_tiles
-from mixprec.fp8.formats.base import E4M3, Margined, TileScaled
-from mixprec.fp8.padding import KernelSpec
-from mixprec.fp8.quantized import Quantized
-from mixprec.fp8.tp_agree import Agreement
+from mixprec.formats.blocks import TILE, cast_blocks, cast_tiles
+from mixprec.formats.gemm.base import E4M3, Margined, TileScaled
+from mixprec.formats.padding import KernelSpec
+from mixprec.formats.quantized import Quantized
+from mixprec.formats.shard import Agreement
 
 __all__ = ["BlockScaling"]
 

@@ -1,5 +1,5 @@
 """Per-tensor delayed scaling: the scale from an amax history (Transformer Engine's
-``DelayedScaling``; ``mixprec.fp8.scaling``)."""
+``DelayedScaling``; ``mixprec.formats.scaling``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import ClassVar, Literal
 
 import torch
 
-from mixprec.fp8.formats.per_tensor import PerTensor
-from mixprec.fp8.scaling import FP8_MAX, ROLES, update_delayed_scales
+from mixprec.formats.gemm.per_tensor import PerTensor
+from mixprec.formats.scaling import FP8_MAX, ROLES, update_delayed_scales
 
 __all__ = ["DelayedScaling"]
 

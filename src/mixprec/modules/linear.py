@@ -1,9 +1,9 @@
 """QuantizedLinear (also importable as Float8Linear): a drop-in nn.Linear whose three
-GEMMs run on the casts of a Linear format (fp8 or fp4; ``mixprec.fp8.formats``).
+GEMMs run on the casts of a Linear format (fp8 or fp4; ``mixprec.formats.gemm``).
 
 The module holds the format, the format's state as buffers (checkpointed, so a resumed
 run continues bit-identically) and the GEMM route its format chose on this device; the
-GEMMs are ``mixprec.fp8.mm``'s. The bias is added in fp32; the output follows the
+GEMMs are ``mixprec.formats.mm``'s. The bias is added in fp32; the output follows the
 surrounding autocast dtype, else the input's.
 """
 
@@ -12,13 +12,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mixprec.fp8.gather_casts import CastWeight
-from mixprec.fp8.mm import _QuantizedMatmul
-from mixprec.fp8.quantized import Quantized
-from mixprec.fp8.quantizers import quantizer_for
-from mixprec.fp8.tensor_parallel import is_dtensor, read_layout, tp_linear, watch_sums
-from mixprec.fp8.tp_agree import STREAM_STRIDE, agreement, sr_stream
+from mixprec.formats.mm import _QuantizedMatmul
+from mixprec.formats.quantized import Quantized
+from mixprec.parallel.gather_casts import CastWeight
+from mixprec.parallel.tensor_parallel import is_dtensor, read_layout, tp_linear, watch_sums
+from mixprec.parallel.tp_agree import STREAM_STRIDE, agreement, sr_stream
 from mixprec.recipe import Recipe
+from mixprec.recipe.linear_format import quantizer_for
 
 
 def _coerce(recipe: Recipe | str) -> Recipe:
@@ -40,13 +40,13 @@ def is_conv1d(m: nn.Module) -> bool:
 
 class Float8Linear(nn.Linear):
     """nn.Linear whose three GEMMs run on fp8 (or fp4) operands cast by the recipe's
-    quantizer (``mixprec.fp8.quantizers``); build with ``from_linear``.
+    quantizer (``mixprec.recipe.linear_format``); build with ``from_linear``.
 
     Buffers are the quantizer's state only (in ``state_dict``, so a resumed run continues
     bit-identically): delayed scaling's ``fp8_amax_history`` (3 roles ×
     ``amax_history_len``: input, weight, grad_output) and ``fp8_scale`` (3,); NVFP4's
     ``nvfp4_rng``. Any dims: the GEMM routes pad where a kernel needs it
-    (``mixprec.fp8.padding``).
+    (``mixprec.formats.padding``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -106,7 +106,7 @@ class Float8Linear(nn.Linear):
         the step, and a checkpoint taken after it must resume like an uninterrupted run.
         A weight FSDP2 gathered as its casts (``CastWeight``) hands over its cast. On a
         tensor-parallel shard the cast's amaxes are the whole tensor's
-        (``mixprec.fp8.tensor_parallel``)."""
+        (``mixprec.parallel.tensor_parallel``)."""
         if isinstance(t, CastWeight):
             return t.cast(dim)
         if self._tp_layout is None:
@@ -220,7 +220,7 @@ class Float8Linear(nn.Linear):
 
     @property
     def backend(self) -> str:
-        """The GEMM route that runs (``mixprec.fp8.route.gemm_route`` for ``fp8_gemm``):
+        """The GEMM route that runs (``mixprec.formats.route.gemm_route`` for ``fp8_gemm``):
         ``"scaled_mm"`` (torch's scaled matmul: ``torch._scaled_mm`` per tensor and
         rowwise, the block-scaled kernels for block, MX and NVFP4), ``"dequant"`` (fp8
         values in bf16, whose products are exact, fp32 accumulation) or

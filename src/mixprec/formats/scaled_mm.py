@@ -2,7 +2,7 @@
 
 torch has hardware kernels for each of mixprec's block scalings, on CUDA only (a CPU
 build takes tensorwise and rowwise scales). Each block format declares its kernel's
-needs as a ``KernelSpec`` (``mixprec.fp8.padding``: the (M, K, N) multiples, the tile
+needs as a ``KernelSpec`` (``mixprec.formats.padding``: the (M, K, N) multiples, the tile
 along K, the scale layout and dtype), and ``block_scaled_mm`` lays the operands out by
 that spec alone:
 
@@ -25,7 +25,7 @@ No call here has run on a GPU yet. ``fp8_gemm=auto`` therefore takes the kernel 
 device only after one probe per scaling (``_kernel_ok``) agrees with the exact
 dequantizing route there (and is faster); otherwise it keeps the dequantizing route and
 says why once. Which devices have which kernel, and the decision itself, are
-``mixprec.fp8.route``'s. Every call's shapes, dtypes, strides and scale layouts are
+``mixprec.formats.route``'s. Every call's shapes, dtypes, strides and scale layouts are
 checked on any machine against torch's meta kernels (``device="meta"``).
 """
 
@@ -39,14 +39,14 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from mixprec.fp8.padding import KernelSpec
-from mixprec.fp8.quantized import Quantized, expand_blocks
+from mixprec.formats.padding import KernelSpec
+from mixprec.formats.quantized import Quantized, expand_blocks
 
 __all__ = ["block_scaled_mm", "swizzle_32_4_4", "pack_e2m1", "PROBE_TOKENS"]
 
 
 class _BlockQuantizer(Protocol):
-    """What the probe needs of a quantizer (``mixprec.fp8.quantizers``): its scaling's
+    """What the probe needs of a quantizer (``mixprec.recipe.linear_format``): its scaling's
     name, its kernel's ``KernelSpec`` and its cast."""
 
     name: str
@@ -128,7 +128,7 @@ def block_scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype,
     if not isinstance(kernel, KernelSpec) or kernel.scales == "tensor":
         raise ValueError(f"kernel={kernel!r}: block_scaled_mm takes a block format's "
                          "KernelSpec (its scales outer_major or swizzled); per-tensor "
-                         "and rowwise casts go through mixprec.fp8.gemm.fp8_gemm")
+                         "and rowwise casts go through mixprec.formats.tensor_gemm.fp8_gemm")
     m, n = a.codes.shape[0], b.codes.shape[1]
     st = F.ScalingType
     tile = kernel.tile

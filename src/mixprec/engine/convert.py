@@ -2,12 +2,12 @@
 
 Example::
 
-    report = mixprec.fp8.convert(model, "fp8")
+    report = mixprec.engine.convert.convert(model, "fp8")
     print(report)            # converted layers, and each one left alone with its reason
 
 Default policy: convert every plain ``nn.Linear`` (and GPT-2-style ``Conv1D``, as used by
 transformers' GPT-2 family), whatever its dims (the GEMM routes pad where a kernel needs
-it: ``mixprec.fp8.padding``), except the output head. The head is the last Linear, or
+it: ``mixprec.formats.padding``), except the output head. The head is the last Linear, or
 one whose weight is tied to an embedding: its logits feed the loss directly and fp8
 costs the most accuracy there. ``filter(module, fqn) -> bool`` replaces the policy. The
 swap reuses the same Parameter objects, so an optimizer already built over the model
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from mixprec.experts.hook import is_experts
-from mixprec.fp8.linear import Float8Linear, is_conv1d
-from mixprec.fp8.tensor_parallel import is_dtensor, tp_refusal
+from mixprec.modules.linear import Float8Linear, is_conv1d
+from mixprec.parallel.tensor_parallel import is_dtensor, tp_refusal
 from mixprec.recipe import Recipe
 from mixprec.recipe.layer_rules import LayerRule, first_match
 
@@ -136,7 +136,7 @@ def _decide(model: nn.Module, r: Recipe, filter) -> list[tuple[str, nn.Module, s
 
 def _sharding_reason(m: nn.Module, r: Recipe, fqn: str) -> str | None:
     """Why the Linear ``fqn``, whose weight a tensor-parallel plan sharded, cannot run
-    its format on the shards (``mixprec.fp8.tensor_parallel.tp_refusal``; None: it can,
+    its format on the shards (``mixprec.parallel.tensor_parallel.tp_refusal``; None: it can,
     or its weight is no DTensor)."""
     if not is_dtensor(m.weight):
         return None

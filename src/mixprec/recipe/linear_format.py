@@ -3,7 +3,7 @@ they were called quantizers (``Quantizer``, ``QUANTIZERS``)."""
 
 from __future__ import annotations
 
-from mixprec.fp8.formats import (
+from mixprec.formats.gemm import (
     FORMATS,
     BlockScaling,
     CurrentScaling,

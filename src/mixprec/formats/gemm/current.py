@@ -8,8 +8,8 @@ from typing import ClassVar
 
 import torch
 
-from mixprec.fp8.formats.per_tensor import PerTensor
-from mixprec.fp8.scaling import amax_to_scale, fp8_max_tensor
+from mixprec.formats.gemm.per_tensor import PerTensor
+from mixprec.formats.scaling import amax_to_scale, fp8_max_tensor
 
 __all__ = ["CurrentScaling"]
 

@@ -34,11 +34,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from mixprec.fp8.quantized import Quantized, expand_blocks
+from mixprec.formats.quantized import Quantized, expand_blocks
 from mixprec.parallel.comm_stats import CommStats
 
 if TYPE_CHECKING:
-    from mixprec.fp8.formats.base import LinearFormat  # fp8.formats imports this module
+    from mixprec.formats.gemm.base import LinearFormat  # fp8.formats imports this module
 
 __all__ = ["CastWeight", "install_cast_gather", "plain_gather_hooks", "why_not_gathered",
            "send_shard", "parts_hooks",
@@ -294,7 +294,7 @@ def plain_gather_hooks(param: torch.Tensor, stats: CommStats, sent: torch.dtype 
 def install_cast_gather(named: dict[str, nn.Module], stats: CommStats | None = None,
                         sent: torch.dtype | None = None) -> list[nn.Module]:
     """Set the hooks on each of ``named``'s sharded QuantizedLinears of a format with
-    casts to gather (not per tensor: ``mixprec.fp8.gather``'s); a weight that cannot be
+    casts to gather (not per tensor: ``mixprec.parallel.gather``'s); a weight that cannot be
     gathered so stays in 16 bits, noted in ``stats`` (``CommStats.fallback``) as
     ``sent`` (default: the weight's dtype), and each of its gathers recorded there.
     Returns the hooked modules (those gathered as casts). On a mesh of one rank, where

@@ -6,7 +6,7 @@ GEMM on the dequantized operands: exact up to summation order; the block formats
 dequantizing route). ``dequant*`` are taken as asked; ``scaled_mm`` raises where the
 format's kernel is missing on the device (its ``kernel_capability``, ``kernel_refusal``),
 naming why and the fix; ``auto`` takes the kernel where the device has it (block-scaled
-ones after ``mixprec.fp8.scaled_mm``'s probe agreed), else warns once and takes the
+ones after ``mixprec.formats.scaled_mm``'s probe agreed), else warns once and takes the
 dequantizing route; on a CPU it measures the per-tensor routes (``mixprec.engine.devices``).
 """
 
@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from mixprec.fp8 import scaled_mm
+from mixprec.formats import scaled_mm
 
 __all__ = ["gemm_route", "kernel_missing", "register_measured_route", "GEMM_CHOICES"]
 
@@ -26,7 +26,7 @@ __all__ = ["gemm_route", "kernel_missing", "register_measured_route", "GEMM_CHOI
 GEMM_CHOICES = ("auto", "scaled_mm", "dequant", "dequant_fp32")
 
 class _Quantizer(Protocol):
-    """What the route needs of a format (``mixprec.fp8.formats``): its name, whether it
+    """What the route needs of a format (``mixprec.formats.gemm``): its name, whether it
     scales per block, where its kernel runs and what operands the kernel refuses."""
 
     name: str
@@ -143,7 +143,7 @@ def register_measured_route(fn: Callable[[torch.device], str]) -> None:
 
 def _measured(dev: torch.device) -> str:
     if measured_route is None:  # importing mixprec imports mixprec.engine.devices: it registers
-        raise RuntimeError("mixprec.fp8.route.measured_route is unset: import mixprec")
+        raise RuntimeError("mixprec.formats.route.measured_route is unset: import mixprec")
     return measured_route(dev)
 
 

@@ -12,7 +12,7 @@ the local shards, with the scales one process would use:
   contracted K) is agreed the same way (one value per row); along the other dim a row is
   whole on every rank;
 - block, MX and NVFP4 blocks are local where every shard cut lies on a block boundary
-  (``tp_refusal`` says where not: ``fp8.convert`` then keeps that Linear in 16 bits and
+  (``tp_refusal`` says where not: ``engine.convert`` then keeps that Linear in 16 bits and
   warns); NVFP4's per-tensor amax is agreed, and its stochastic rounding draws the
   whole tensor's random numbers and keeps this rank's slice.
 
@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from mixprec.fp8.formats.base import LinearFormat
-from mixprec.fp8.mm import _QuantizedMatmul
-from mixprec.fp8.quantized import Quantized
-from mixprec.fp8.tp_agree import agreement
+from mixprec.formats.gemm.base import LinearFormat
+from mixprec.formats.mm import _QuantizedMatmul
+from mixprec.formats.quantized import Quantized
 from mixprec.parallel.comm_stats import CommStats
+from mixprec.parallel.tp_agree import agreement
 
 if TYPE_CHECKING:
     from torch import nn
@@ -229,7 +229,7 @@ def tp_linear(mod: nn.Module, x: torch.Tensor, w: torch.Tensor,
 def watch_sums(mod: nn.Module) -> None:
     """``mod`` (a quantized Linear on tensor-parallel shards) gets its rounding hook
     (``_round_sum``) once, after the hooks it has: the plan's output hook, and before
-    FSDP's, which ``fp8.convert`` (that calls this) precedes."""
+    FSDP's, which ``engine.convert`` (that calls this) precedes."""
     if _round_sum not in mod._forward_hooks.values():
         mod.register_forward_hook(_round_sum)
 

@@ -1,5 +1,5 @@
 """The per-tensor formats' shared cast: one scale per tensor, GEMMs on
-``torch._scaled_mm`` or the dequant routes of ``mixprec.fp8.gemm.fp8_gemm``.
+``torch._scaled_mm`` or the dequant routes of ``mixprec.formats.tensor_gemm.fp8_gemm``.
 
 The experts' grouped casts (``segment_cast``): each expert's per-tensor amax is a
 segment reduction over its rows (``scatter_reduce`` ``amax``), its scale the format's
@@ -16,13 +16,13 @@ from typing import ClassVar
 
 import torch
 
-from mixprec.fp8.formats.base import Margined
-from mixprec.fp8.formats.segments import Segments, segment_amax, stacked_values
-from mixprec.fp8.gather import Fp8Weight
-from mixprec.fp8.gemm import fp8_gemm
-from mixprec.fp8.quantized import Quantized
-from mixprec.fp8.scaling import ROLES, abs_max, cast_to_fp8, nan_if_not_finite
-from mixprec.fp8.tp_agree import Agreement, agreed_amax
+from mixprec.formats.gemm.base import Margined
+from mixprec.formats.precast import Fp8Weight
+from mixprec.formats.quantized import Quantized
+from mixprec.formats.scaling import ROLES, abs_max, cast_to_fp8, nan_if_not_finite
+from mixprec.formats.segments import Segments, segment_amax, stacked_values
+from mixprec.formats.shard import Agreement, agreed_amax
+from mixprec.formats.tensor_gemm import fp8_gemm
 
 __all__ = ["PerTensor"]
 

@@ -16,12 +16,12 @@ from typing import ClassVar
 
 import torch
 
-from mixprec.fp8.formats.base import Margined
-from mixprec.fp8.formats.segments import Segments, segment_amax, stacked_values
-from mixprec.fp8.gemm import fp8_gemm
-from mixprec.fp8.quantized import Quantized
-from mixprec.fp8.scaling import cast_rowwise, cast_to_fp8, rowwise_scale
-from mixprec.fp8.tp_agree import Agreement
+from mixprec.formats.gemm.base import Margined
+from mixprec.formats.quantized import Quantized
+from mixprec.formats.scaling import cast_rowwise, cast_to_fp8, rowwise_scale
+from mixprec.formats.segments import Segments, segment_amax, stacked_values
+from mixprec.formats.shard import Agreement
+from mixprec.formats.tensor_gemm import fp8_gemm
 
 __all__ = ["RowwiseScaling"]
 

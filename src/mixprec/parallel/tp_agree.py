@@ -4,22 +4,22 @@ take as their ``agree`` argument), the amaxes the cast takes become the whole te
 (``agreed_amax``: an all-reduce MAX over the group where the operand is sharded) and the
 random numbers it draws the whole tensor's slice (``draw_sliced``; ``slice_of`` says
 where the slice lies, for draws made by place). Without one both are the identity, so
-the casts call them always. The agreement is passed, not set aside in a global: a
-compiled backward, which may mutate no global, casts on shards in one graph.
+the casts call them always (through ``mixprec.formats.shard``, whose protocol this
+implements). A compiled backward casts on shards in one graph.
 ``sr_stream`` says which random stream a rank draws from: the ranks of one
-tensor-parallel group alike, data-parallel ranks apart. ``mixprec.fp8.tensor_parallel``
+tensor-parallel group alike, data-parallel ranks apart. ``mixprec.parallel.tensor_parallel``
 runs the quantized Linears on the shards."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from mixprec.formats.shard import agreed_amax, draw_sliced, slice_of
 from mixprec.parallel.comm_stats import CommStats
 
 __all__ = ["Agreement", "agreement", "agreed_amax", "draw_sliced", "slice_of",
@@ -28,14 +28,38 @@ __all__ = ["Agreement", "agreement", "agreed_amax", "draw_sliced", "slice_of",
 
 @dataclass(frozen=True)
 class Agreement:
-    """One cast of an operand on a tensor-parallel shard."""
+    """One cast of an operand on a tensor-parallel shard (``mixprec.formats.shard``'s
+    protocol, which the casts call)."""
 
-    #: the weight's ``mixprec.fp8.tensor_parallel.TPLayout``
+    #: the weight's ``mixprec.parallel.tensor_parallel.TPLayout``
     layout: Any
     #: the operand's sharded dim (None: the operand is whole on every rank)
     dim: int | None
     #: where the amax all-reduces are recorded (None: nowhere)
     stats: CommStats | None = None
+
+    def whole_amax(self, amax: torch.Tensor, along: int | None) -> torch.Tensor:
+        """``amax`` all-reduced (MAX) over the tensor-parallel group where the operand
+        is sharded, when ``along`` (the dim the amax was taken over; None: the whole
+        tensor's amax) spans the sharded dim. A NaN becomes an inf first, so every rank
+        sees it."""
+        if self.dim is None or (along is not None and along % 2 != self.dim):
+            return amax
+        out = torch.where(torch.isnan(amax), torch.full_like(amax, math.inf), amax)
+        out = out.float().contiguous()
+        if self.stats is not None:
+            self.stats.record(out, op="all_reduce", what="amax")
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.layout.group)
+        return out.to(amax.dtype)
+
+    def whole_slice(self, shape: tuple[int, ...]
+                    ) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """The whole tensor's shape and where this rank's slice starts in it."""
+        if self.dim is None:
+            return None
+        whole, at = list(shape), [0, 0]
+        whole[self.dim], at[self.dim] = self.layout.full, self.layout.offset
+        return tuple(whole), tuple(at)
 
 
 def agreement(layout: Any, role: str, stats: CommStats | None = None,
@@ -47,45 +71,6 @@ def agreement(layout: Any, role: str, stats: CommStats | None = None,
     if layout is None:
         return None
     return Agreement(layout, layout.dim_of(role) if dim == -1 else dim, stats)
-
-
-def agreed_amax(amax: torch.Tensor, along: int | None = None,
-                agree: Agreement | None = None) -> torch.Tensor:
-    """``amax`` of the operand being cast, made the whole tensor's under ``agree``:
-    all-reduced (MAX) over the tensor-parallel group where the operand is sharded along
-    ``along`` (the dim the amax was taken over; None: the whole tensor's amax). A NaN
-    becomes an inf first, so every rank sees it. Elsewhere ``amax`` itself."""
-    if agree is None or agree.dim is None or (along is not None and along % 2 != agree.dim):
-        return amax
-    out = torch.where(torch.isnan(amax), torch.full_like(amax, math.inf), amax)
-    out = out.float().contiguous()
-    if agree.stats is not None:
-        agree.stats.record(out, op="all_reduce", what="amax")
-    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=agree.layout.group)
-    return out.to(amax.dtype)
-
-
-def slice_of(shape: tuple[int, ...] | torch.Size, agree: Agreement | None = None
-             ) -> tuple[tuple[int, int], tuple[int, int]] | None:
-    """Under ``agree`` on a sharded 2-D operand of ``shape``: the whole tensor's shape
-    and where this rank's slice starts in it (row, column); else None."""
-    if agree is None or agree.dim is None or len(shape) != 2:
-        return None
-    whole, at = list(shape), [0, 0]
-    whole[agree.dim], at[agree.dim] = agree.layout.full, agree.layout.offset
-    return tuple(whole), tuple(at)
-
-
-def draw_sliced(shape: tuple[int, ...] | torch.Size,
-                draw: Callable[[tuple[int, ...]], torch.Tensor],
-                agree: Agreement | None = None) -> torch.Tensor:
-    """``draw(shape)`` (random numbers for a cast), or under ``agree`` on a sharded
-    operand: ``draw`` of the whole tensor's shape, narrowed to this rank's slice, so
-    that the ranks together draw what one process would."""
-    where = slice_of(shape, agree)
-    if where is None:
-        return draw(shape)
-    return draw(where[0]).narrow(agree.dim, agree.layout.offset, shape[agree.dim])
 
 
 #: an odd 32-bit multiplier: a module's stochastic-rounding key moves by

@@ -1,5 +1,5 @@
 """MXFP8 (OCP; Transformer Engine's ``MXFP8BlockScaling``): 1×32 tiles along every
-GEMM's contracted dim with e8m0 scales (``mixprec.fp8.blocks``)."""
+GEMM's contracted dim with e8m0 scales (``mixprec.formats.blocks``)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import ClassVar, Literal
 
 import torch
 
-from mixprec.fp8.blocks import MX_TILE, cast_mx
-from mixprec.fp8.formats.base import Fp8Elements, TileScaled
-from mixprec.fp8.padding import KernelSpec
-from mixprec.fp8.quantized import Quantized
-from mixprec.fp8.tp_agree import Agreement
+from mixprec.formats.blocks import MX_TILE, cast_mx
+from mixprec.formats.gemm.base import Fp8Elements, TileScaled
+from mixprec.formats.padding import KernelSpec
+from mixprec.formats.quantized import Quantized
+from mixprec.formats.shard import Agreement
 
 __all__ = ["MXScaling"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from mixprec.formats import elements as formats
-from mixprec.fp8.tp_agree import Agreement, agreed_amax
+from mixprec.formats.shard import Agreement, agreed_amax
 
 __all__ = ["ROLES", "amax_to_scale", "cast_to_fp8", "cast_rowwise", "rowwise_scale",
            "nan_if_not_finite", "update_delayed_scales", "FP8_MAX", "fp8_max_tensor",

@@ -1,6 +1,6 @@
 """A quantized 2-D tensor: codes, inverse scales and the block shape they cover.
 
-Every cast in ``mixprec.fp8`` (per tensor, rowwise, 1×128 / 128×128 block, MX, NVFP4)
+Every cast in ``mixprec.formats`` (per tensor, rowwise, 1×128 / 128×128 block, MX, NVFP4)
 returns a ``Quantized``. Its value is ``code × inverse scale``, where the inverse scale
 is one of:
 

@@ -1,6 +1,6 @@
 """NVFP4 (NVIDIA's pretraining recipe, Transformer Engine's ``NVFP4BlockScaling``):
 e2m1 elements in 1×16 (weights 16×16) blocks with e4m3 scales and an fp32 scale per
-tensor (the casts: ``mixprec.fp8.nvfp4``).
+tensor (the casts: ``mixprec.formats.fp4``).
 
 The experts' grouped casts (``segment_cast``): an expert's slice has one fp32 descale
 (from its amax) and e4m3 scales per 16 elements along the contracted dim. Along the
@@ -24,12 +24,12 @@ from typing import ClassVar
 
 import torch
 
-from mixprec.fp8.formats.base import LinearFormat
-from mixprec.fp8.formats.segments import Segments, segment_amax, spread
-from mixprec.fp8.nvfp4 import NVFP4_BLOCK, apply_hadamard, cast_nvfp4, hadamard_16
-from mixprec.fp8.padding import KernelSpec
-from mixprec.fp8.quantized import Quantized
-from mixprec.fp8.tp_agree import Agreement
+from mixprec.formats.fp4 import NVFP4_BLOCK, apply_hadamard, cast_nvfp4, hadamard_16
+from mixprec.formats.gemm.base import LinearFormat
+from mixprec.formats.padding import KernelSpec
+from mixprec.formats.quantized import Quantized
+from mixprec.formats.segments import Segments, segment_amax, spread
+from mixprec.formats.shard import Agreement
 
 __all__ = ["NVFP4Scaling"]
 

@@ -15,8 +15,8 @@ import torch
 
 from mixprec.formats import elements as formats
 from mixprec.formats.elements import _CONTAINERS, Format
-from mixprec.fp8.quantized import Quantized, block_amax, expand_blocks
-from mixprec.fp8.scaling import FP8_MAX, amax_to_scale, nan_if_not_finite
+from mixprec.formats.quantized import Quantized, block_amax, expand_blocks
+from mixprec.formats.scaling import FP8_MAX, amax_to_scale, nan_if_not_finite
 
 __all__ = ["TILE", "MX_TILE", "MX_ROUNDINGS", "cast_tiles", "cast_blocks", "cast_mx",
            "mx_exponents"]

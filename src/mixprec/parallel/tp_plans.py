@@ -51,8 +51,8 @@ def _record(mod: nn.Module, t: DTensor, dst, what: str) -> None:
 class QuantizedColwiseParallel(ColwiseParallel):
     """``ColwiseParallel`` whose input hook hands a quantized Linear its input as it
     came, sharded along the tokens: the Linear casts its rows and all-gathers the codes
-    (``mixprec.fp8.tensor_parallel``). The hooks read the module they run on, so they
-    keep working after ``mixprec.fp8.convert`` swapped the Linear."""
+    (``mixprec.parallel.tensor_parallel``). The hooks read the module they run on, so they
+    keep working after ``mixprec.engine.convert`` swapped the Linear."""
 
     def _keeps_shards(self, mod: nn.Module) -> bool:
         return (hasattr(mod, "quantizer") and self.input_layouts[0].is_shard()
