@@ -28,17 +28,14 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from mixprec.formats.gemm.base import LinearFormat
 from mixprec.formats.quantized import Quantized, expand_blocks
 from mixprec.parallel.comm_stats import CommStats
-
-if TYPE_CHECKING:
-    from mixprec.formats.gemm.base import LinearFormat  # fp8.formats imports this module
 
 __all__ = ["CastWeight", "install_cast_gather", "plain_gather_hooks", "why_not_gathered",
            "send_shard", "parts_hooks",
