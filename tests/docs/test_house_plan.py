@@ -8,7 +8,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import mixprec.formats.gemm as gemm
 from helpers.paths import SRC
+from mixprec.formats.gemm import base
 
 #: the rooms that sit on top: they may import anything, nothing in the core imports them
 TOP = ("mixprec.cli", "mixprec.workbench", "mixprec.integrations", "mixprec.__main__")
@@ -251,3 +253,53 @@ def test_the_assignment_check_sees_an_imported_modules_attribute():
                      "setattr(r, 'a', 1)\nclass C: pass\nC.a = 1\n")
     assert _assigned_elsewhere(tree) == ["r.measured_route (line 3)", "torch.x.y (line 5)",
                                          "r.? (line 6)"]
+
+
+def _format_classes() -> set[str]:
+    """The names of the GEMM format classes and the mixins they are built from."""
+    names = {c.__name__ for c in gemm.FORMATS.values()}
+    for c in gemm.FORMATS.values():
+        names |= {b.__name__ for b in c.__mro__ if b.__module__.startswith("mixprec.")}
+    return names | {n for n in base.__all__ if n[0].isupper()}
+
+
+def _branches_on(tree: ast.Module, classes: set[str]) -> list[str]:
+    """``isinstance`` / ``issubclass`` calls in ``tree`` naming one of ``classes``."""
+    out = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2):
+            named = {n.id if isinstance(n, ast.Name) else n.attr
+                     for n in ast.walk(node.args[1]) if isinstance(n, (ast.Name, ast.Attribute))}
+            if named & classes:
+                out.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_nothing_outside_the_formats_branches_on_a_format_class():
+    """A format answers for itself: no room outside ``mixprec.formats`` asks which class
+    a format is (but the recipe's check that its ``linear`` is a format at all)."""
+    classes = _format_classes() - {"LinearFormat"}
+    bad = {str(p.relative_to(SRC)): found for p in sorted(SRC.rglob("*.py"))
+           if p.relative_to(SRC).parts[0] != "formats"
+           and (found := _branches_on(ast.parse(p.read_text()), classes))}
+    assert not bad, bad
+
+
+def test_the_branch_check_sees_a_branch():
+    """The check would pass vacuously if it missed the pattern it forbids."""
+    tree = ast.parse("if isinstance(f, (gemm.MXScaling, int)): pass\n"
+                     "issubclass(type(f), Int8Rowwise)\nisinstance(f, str)\n")
+    assert len(_branches_on(tree, _format_classes())) == 2
+
+
+#: the GEMM formats' own names: a module named for one outside ``mixprec.formats`` would
+#: be a per-format copy of what the format owns
+_FORMAT_WORDS = ("delayed", "current", "rowwise", "block", "mx", "nvfp4", "int8", "fp4")
+
+
+def test_no_module_outside_the_formats_is_named_for_a_format():
+    per_format = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+                        if p.relative_to(SRC).parts[0] not in ("formats", "fp8")
+                        and any(w in p.stem.split("_") for w in _FORMAT_WORDS))
+    assert not per_format, per_format

@@ -71,23 +71,29 @@ class _Ledger:
     """Bytes by item, each storage counted once. The ledger holds every storage it has
     counted until it is dropped: a temporary counted early (a gradient view, a buffer
     made on access) freed before the forward would otherwise hand its address to a
-    later weight cast, which the pointer check would then skip."""
+    later weight cast, which the pointer check would then skip. A storage freed in place
+    (FSDP2 resizes a gathered weight's storage to 0 bytes after its forward) gives its
+    address away even so: a pointer counts as seen only while the storage counted there
+    still holds it."""
 
     def __init__(self) -> None:
-        self.seen: set[int] = set()
+        self.seen: dict[int, torch.UntypedStorage] = {}
         self.items: dict[str, float] = {}
-        self._held: list = []
 
     def add(self, item: str, tensors: Iterable[torch.Tensor | None]) -> None:
         for t in tensors:
             if t is None or not isinstance(t, torch.Tensor):
                 continue
             ptr, nbytes = _storage_key(t)
-            if ptr == 0 and nbytes == 0 or ptr in self.seen:
+            if ptr == 0 and nbytes == 0 or _live(self.seen.get(ptr), ptr):
                 continue
-            self.seen.add(ptr)
-            self._held.append(getattr(t, "_local_tensor", t).untyped_storage())
+            self.seen[ptr] = getattr(t, "_local_tensor", t).untyped_storage()
             self.items[item] = self.items.get(item, 0.0) + nbytes
+
+
+def _live(storage: torch.UntypedStorage | None, ptr: int) -> bool:
+    """Whether ``storage`` still holds its bytes at ``ptr``."""
+    return storage is not None and storage.nbytes() > 0 and storage.data_ptr() == ptr
 
 
 def measure(model: nn.Module,
@@ -272,11 +278,23 @@ def _measure_forward(model, engine, batch, loss_fn, led: _Ledger, params) -> Non
     # (in, out) weight is cast as (out, in))
     shapes = {(shape, dt) for p in params for shape in (tuple(p.shape), tuple(p.shape)[::-1])
               for dt in (torch.float8_e4m3fn, torch.float8_e5m2)}
-    state_ptrs = {_storage_key(t)[0] for t in [*params, *model.buffers()]}
     saved: list[tuple[str, torch.Tensor]] = []
 
+    def state_ptrs() -> set[int]:
+        # read as each tensor is saved, not before the forward: FSDP2 frees and gathers
+        # weights during it, and a cast may be made at an address a freed weight had
+        out = set()
+        for t in [*model.parameters(), *model.buffers()]:
+            try:
+                st = getattr(t, "_local_tensor", t).untyped_storage()
+                if st.nbytes():  # a freed weight's storage holds no address
+                    out.add(st.data_ptr())
+            except RuntimeError:  # a wrapper subclass (a weight gathered as fp8) has none
+                continue
+        return out
+
     def pack(t):
-        if isinstance(t, torch.Tensor) and _storage_key(t)[0] not in state_ptrs:
+        if isinstance(t, torch.Tensor) and _storage_key(t)[0] not in state_ptrs():
             kind = "weight_casts" if _is_weight_cast(t, param_ids, shapes) else "activations"
             saved.append((kind, t))
         return t
