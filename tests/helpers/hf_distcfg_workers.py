@@ -98,13 +98,8 @@ def train(rank: int, world: int, tmp: str, model_dir: str, layout: dict, recipe:
     cfg = transformers.DistributedConfig(**layout)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, distributed_config=cfg, dtype=torch.float32)
-    mesh = model._mesh_manager
-    dp_size = cfg.dp_size
-    if dp_size > 1:
-        group = mesh.get_mesh("fsdp").get_group()
-        dp_rank = dist.get_rank(group)
-    else:
-        group, dp_rank = None, 0
+    dp_size = cfg.dp_size  # 1 or every rank: 2 ranks
+    group, dp_rank = (dist.group.WORLD, rank) if dp_size > 1 else (None, 0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     refused = None
     if dp_size > 1:  # FSDP over FSDP2's shards: refused before the model is touched

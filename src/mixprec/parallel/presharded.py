@@ -22,7 +22,8 @@ import types
 
 from torch import nn
 
-__all__ = ["fsdp_sharded", "rebind_fsdp", "carry_forward", "forward_refusal"]
+__all__ = ["fsdp_sharded", "fsdp_whole_params", "rebind_fsdp", "carry_forward",
+           "forward_refusal"]
 
 
 def _fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -49,6 +50,15 @@ def _fsdp_param_records(model: nn.Module) -> list:
             groups = [state._fsdp_param_group]
         records += [fp for g in groups if g is not None for fp in g.fsdp_params]
     return records
+
+
+def fsdp_whole_params(model: nn.Module) -> frozenset[int]:
+    """The ids of ``model``'s parameters FSDP2 shards that were plain tensors before
+    (no tensor-parallel plan): the forward sees each whole, as one process does, so
+    their DTensor shards are no tensor-parallel layout."""
+    held = (getattr(fp._module_info.module, fp._module_info.param_name)  # the module's:
+            for fp in _fsdp_param_records(model) if not fp.is_dtensor)  # a load may
+    return frozenset(id(p) for p in held)  # have replaced FSDP's before its first forward
 
 
 def rebind_fsdp(model: nn.Module, swaps: dict[nn.Module, nn.Module]) -> int:
