@@ -51,9 +51,9 @@ def placed_like(grad: torch.Tensor, like: torch.Tensor, stats: Any = None) -> to
     returned as it is."""
     placements = getattr(grad, "placements", ())
     if not any(pl.is_partial() for pl in placements):
-        want = getattr(like, "placements", None)
-        if want is None or tuple(placements) == tuple(want):
-            return grad
+        want = tuple(getattr(like, "placements", ()))
+        if len(want) != len(placements) or tuple(placements) == want:
+            return grad  # placed alike, or not on one mesh: as it is
         return grad.redistribute(grad.device_mesh, want)
     if stats is not None:
         _record_sum(grad, like, stats)
