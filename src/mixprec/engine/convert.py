@@ -33,6 +33,7 @@ from torch import nn
 
 from mixprec.experts.hook import is_experts
 from mixprec.modules.linear import Float8Linear, is_conv1d
+from mixprec.parallel.presharded import forward_refusal, fsdp_whole_params, rebind_fsdp
 from mixprec.parallel.tensor_parallel import is_dtensor, tp_refusal
 from mixprec.recipe import Recipe
 from mixprec.recipe.layer_rules import LayerRule, first_match
@@ -128,17 +129,23 @@ def _decide(model: nn.Module, r: Recipe, filter) -> list[tuple[str, nn.Module, s
     """``plan`` under recipe ``r``, with each Linear's format (``layer_formats``)."""
     rows = plan(model, filter, r.linear.bf16_last_layers, r.linear.bf16_last_fraction,
                 rules=r.layer_rules)
-    rows = [(fqn, m, why if why is not None else _sharding_reason(m, r, fqn))
+    whole = fsdp_whole_params(model)  # FSDP2 gathers them whole: no shard to refuse
+    rows = [(fqn, m, why if why is not None else _sharding_reason(m, r, fqn, whole))
             for fqn, m, why in rows]
     return [(fqn, m, "bf16" if why is not None else r.layer_format(fqn), why)
             for fqn, m, why in rows]
 
 
-def _sharding_reason(m: nn.Module, r: Recipe, fqn: str) -> str | None:
+def _sharding_reason(m: nn.Module, r: Recipe, fqn: str,
+                     whole: frozenset[int] = frozenset()) -> str | None:
     """Why the Linear ``fqn``, whose weight a tensor-parallel plan sharded, cannot run
     its format on the shards (``mixprec.parallel.tensor_parallel.tp_refusal``; None: it can,
-    or its weight is no DTensor)."""
-    if not is_dtensor(m.weight):
+    or its weight is no DTensor, or one FSDP2 gathers whole for the forward: its id in
+    ``whole``), or why a forward a plan put on it cannot follow it
+    (``mixprec.parallel.presharded.forward_refusal``)."""
+    if (why := forward_refusal(m)) is not None:
+        return why
+    if not is_dtensor(m.weight) or id(m.weight) in whole:
         return None
     w = m.weight.t() if is_conv1d(m) else m.weight
     return tp_refusal(r.for_layer(fqn).linear, w)
@@ -201,7 +208,7 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
     r = _coerce(recipe or "fp8")
     rows = _decide(model, r, filter)
     _warn_unused_rules(model, r)
-    converted, skipped = [], []
+    converted, skipped, swaps = [], [], {}
     for fqn, m, _, why in rows:
         if why is not None:
             skipped.append((fqn, why))
@@ -212,9 +219,11 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         # NVFP4's stochastic rounding: each module's own stream, fixed by its name
-        setattr(parent, child, Float8Linear.from_linear(m, _layer_recipe(r, fqn, routes),
-                                                        seed=zlib.crc32(fqn.encode())))
+        swaps[m] = Float8Linear.from_linear(m, _layer_recipe(r, fqn, routes),
+                                            seed=zlib.crc32(fqn.encode()))
+        setattr(parent, child, swaps[m])
         converted.append(fqn)
+    rebind_fsdp(model, swaps)  # sharded before the swap: FSDP unshards into the new ones
     report = ConvertReport(tuple(converted), tuple(skipped),
                            {fqn: fmt for fqn, _, fmt, _ in rows})
     if not converted:

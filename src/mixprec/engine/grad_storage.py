@@ -46,10 +46,15 @@ def placed_like(grad: torch.Tensor, like: torch.Tensor, stats: Any = None) -> to
     gradient, which a replicated parameter gets where it met sharded activations
     (sequence parallelism's norms), is summed across its mesh (an all-reduce by
     DTensor, per partial mesh dim, each recorded in ``stats``, a ``CommStats``, where
-    given). Any other gradient is returned as it is."""
+    given). A replicated gradient of a sharded parameter (transformers' vocab-parallel
+    embedding) is cut to this rank's shard, with no collective. Any other gradient is
+    returned as it is."""
     placements = getattr(grad, "placements", ())
     if not any(pl.is_partial() for pl in placements):
-        return grad
+        want = tuple(getattr(like, "placements", ()))
+        if len(want) != len(placements) or tuple(placements) == want:
+            return grad  # placed alike, or not on one mesh: as it is
+        return grad.redistribute(grad.device_mesh, want)
     if stats is not None:
         _record_sum(grad, like, stats)
     return grad.redistribute(grad.device_mesh, like.placements)

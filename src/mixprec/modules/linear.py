@@ -15,6 +15,7 @@ from torch import nn
 from mixprec.formats.mm import _QuantizedMatmul
 from mixprec.formats.quantized import Quantized
 from mixprec.parallel.gather_casts import CastWeight
+from mixprec.parallel.presharded import carry_forward
 from mixprec.parallel.tensor_parallel import is_dtensor, read_layout, tp_linear, watch_sums
 from mixprec.parallel.tp_agree import STREAM_STRIDE, agreement, sr_stream
 from mixprec.recipe import Recipe
@@ -213,6 +214,7 @@ class Float8Linear(nn.Linear):
         new._configure(_coerce(recipe), seed)
         for hooks in _HOOK_DICTS:  # torch's tensor-parallel plans live in these hooks
             setattr(new, hooks, getattr(linear, hooks))
+        carry_forward(linear, new)  # transformers' plans replace forward instead
         if is_dtensor(new.weight):  # a plan's shards: rounds its sums after the plan
             watch_sums(new)
             read_layout(new)

@@ -64,6 +64,7 @@ from mixprec.parallel.comm import (
     wrap_ddp,
 )
 from mixprec.parallel.gather import agree_amaxes_, install_fp8_all_gather, refresh_gather_scales_
+from mixprec.parallel.presharded import fsdp_sharded
 from mixprec.parallel.tensor_parallel import attach_comm_stats
 from mixprec.recipe import Recipe
 from mixprec.recipe.presets import LINEAR_PRESETS
@@ -348,10 +349,18 @@ def has_dtensor_params(model: nn.Module) -> bool:
 
 def resolve_parallel(parallel: str | None, model: nn.Module) -> str | None:
     """The mode for ``MixedPrecision(parallel=...)``: a model whose parameters are
-    DTensors (``parallelize_module``) runs as ``"tp"`` when no mode is given; DDP over
-    such a model is refused."""
+    DTensors (``parallelize_module``, or transformers' ``DistributedConfig``: its
+    tensor-parallel plan, FSDP2, expert parallelism) runs as ``"tp"`` when no mode is
+    given (each DTensor's reductions are its own: FSDP2's in backward, DTensor's); DDP
+    over such a model is refused, and so is FSDP over one FSDP2 sharded already."""
     if not has_dtensor_params(model):
         return parallel
+    if parallel == "fsdp" and fsdp_sharded(model):
+        raise ValueError(
+            "parallel='fsdp' over a model FSDP2 sharded already (fully_shard, e.g. "
+            "transformers' from_pretrained(..., distributed_config=DistributedConfig("
+            "fsdp_size=...))): the engine would shard the shards again. Build the engine "
+            "without parallel=: it trains the model's own shards as they are.")
     if parallel is None:
         return "tp"
     if parallel == "ddp":

@@ -1,0 +1,134 @@
+"""Rank functions for tests/integrations/test_transformers_distributed.py: a tiny
+transformers causal LM saved to a folder, loaded on each gloo rank by
+``from_pretrained(dir, distributed_config=DistributedConfig(...))`` (transformers shards
+it: FSDP2, its tensor-parallel plan, expert parallelism), then trained by a
+``MixedPrecision`` engine built over the sharded model as the README says, with torch's
+AdamW. ``reference`` trains the same model on the same data in one process.
+
+Two families: ``qwen3_moe`` (tests/helpers/moe_models.py's tiny Qwen3-MoE: 2 layers,
+hidden 64, 4 experts) and ``llama`` (2 layers, hidden 64, 4 heads, 2 of them key/value).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+import transformers
+
+from helpers import moe_models
+from mixprec import MixedPrecision
+from mixprec.modules.linear import Float8Linear
+
+__all__ = ["KINDS", "save_model", "batches", "train", "reference", "LR"]
+
+warnings.simplefilter("ignore")
+
+KINDS = ("qwen3_moe", "llama")
+#: AdamW's learning rate: large enough that 6 steps move every weight
+LR = 1e-2
+#: sequences in a step's global batch (each data-parallel rank takes its share)
+GLOBAL_BATCH = 8
+
+
+def _config(kind: str):
+    if kind == "llama":
+        return transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=moe_models.VOCAB,
+            max_position_embeddings=64, head_dim=16)
+    return moe_models.config(kind)
+
+
+def save_model(kind: str, path: str) -> str:
+    """Family ``kind``'s tiny model (seed 0, float32) saved to ``path``; the path."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(kind), dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+def batches(steps: int) -> list[torch.Tensor]:
+    """The global batches (GLOBAL_BATCH sequences of 16 tokens of a Markov chain)."""
+    return moe_models.markov_batches(steps, batch=GLOBAL_BATCH, seq=16)
+
+
+def _run(model, engine, data, dp_rank: int, dp_size: int, group) -> dict:
+    """Train one step per batch, this rank on its share; the global losses, the grad
+    norms and the skips of every step."""
+    losses, norms, skipped = [], [], []
+    per = GLOBAL_BATCH // dp_size
+    for ids in data:
+        ids = ids[dp_rank * per:(dp_rank + 1) * per]
+        with engine.autocast():
+            loss = model(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        result = engine.step()
+        engine.zero_grad()
+        seen = loss.detach().float().clone()
+        if group is not None:  # every rank's tokens count alike: the mean of the means
+            dist.all_reduce(seen, group=group)
+            seen /= dp_size
+        losses.append(float(seen))
+        norms.append(float(result.grad_norm))
+        skipped.append(bool(result.skipped))
+    return {"losses": losses, "norms": norms, "skipped": skipped}
+
+
+def _quantized(model) -> list[str]:
+    """The names of the Linears the engine swapped for quantized ones."""
+    return sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear))
+
+
+def train(rank: int, world: int, tmp: str, model_dir: str, layout: dict, recipe: str,
+          steps: int) -> None:
+    """One rank: load ``model_dir`` sharded by ``DistributedConfig(**layout)``, build
+    the engine over it, train ``steps`` steps; writes ``tmp/hfdist_rank<r>.pt`` with
+    the record, or the build's/step's error as ``{"error": (type name, message),
+    "trace": traceback}``."""
+    torch.set_num_threads(1)
+    # what torchrun sets, which transformers reads to place the rank
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                            world_size=world)
+    cfg = transformers.DistributedConfig(**layout)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, distributed_config=cfg, dtype=torch.float32)
+    dp_size = cfg.dp_size  # 1 or every rank: 2 ranks
+    group, dp_rank = (dist.group.WORLD, rank) if dp_size > 1 else (None, 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    refused = None
+    if dp_size > 1:  # FSDP over FSDP2's shards: refused before the model is touched
+        try:
+            MixedPrecision(model, opt, recipe=recipe, parallel="fsdp")
+        except ValueError as e:
+            refused = str(e)
+    try:
+        engine = MixedPrecision(model, opt, recipe=recipe, max_grad_norm=1.0)
+        record = _run(model, engine, batches(steps), dp_rank, dp_size, group)
+        record["parallel"] = engine.parallelism.name
+        record["quantized"] = _quantized(model)
+        record["refused_fsdp"] = refused
+    except Exception as e:  # noqa: BLE001  the test reads what was raised
+        record = {"error": (type(e).__name__, str(e)), "trace": traceback.format_exc()}
+    torch.save(record, os.path.join(tmp, f"hfdist_rank{rank}.pt"))
+    del model, opt
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def reference(model_dir: str, recipe: str, steps: int) -> dict:
+    """The same model, recipe and data in one process (the whole batch each step)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    engine = MixedPrecision(model, opt, recipe=recipe, max_grad_norm=1.0)
+    record = _run(model, engine, batches(steps), 0, 1, None)
+    record["quantized"] = _quantized(model)
+    engine.close()
+    return record
