@@ -6,8 +6,7 @@ the quantized Linears cross the ranks, ``LayoutOptions``) and ``last_layers`` (t
 Linears kept in bf16, ``mixprec.recipe.layer_rules.LastLayers``), ``optim``
 (``OptimStates``) and ``layers`` (per-module rules, ``mixprec.recipe.layer_rules``). A
 field that cannot apply does not exist or keeps its default; combinations that cannot
-train raise. The string form and ``str()``
-are ``mixprec.recipe.syntax``'s.
+train raise. The string form and ``str()`` are ``mixprec.recipe.syntax``'s.
 """
 
 from __future__ import annotations
@@ -82,7 +81,8 @@ class Recipe:
 
     def __post_init__(self) -> None:
         if self.last_layers is None:
-            object.__setattr__(self, "last_layers", _preset_last_layers(self.linear))
+            fmt = self.linear if isinstance(self.linear, LinearFormat) else None
+            object.__setattr__(self, "last_layers", _preset_last_layers(fmt))
         for name, kind in (("precision", Precision), ("loss", LossScale),
                            ("optim", OptimStates), ("layout", LayoutOptions),
                            ("last_layers", LastLayers)):
