@@ -30,14 +30,24 @@ def recipes_page() -> str:
     """The recipe's configs and Linear formats (each field's string key, values, default,
     meaning) and the presets."""
     from mixprec.formats.gemm import FORMATS
-    from mixprec.recipe import PRESETS, LossScale, OptimStates, Precision, Recipe
+    from mixprec.recipe import (
+        PRESETS,
+        LastLayers,
+        LayoutOptions,
+        LossScale,
+        OptimStates,
+        Precision,
+        Recipe,
+    )
 
     lines = [HEADER, "# Recipe fields and presets\n",
              "A recipe is `Recipe.parse(\"preset,field=value,...\")`: a preset name, then "
              "fields that override it. In Python it is composed of small configs "
-             "(`r.precision`, `r.loss`, `r.optim`) and a Linear format object "
-             "(`r.linear`, or None); `str(r)` writes it back as the short string. Each "
-             "config field is also a read-only convenience on the recipe (`r.compute` is "
+             "(`r.precision`, `r.loss`, `r.optim`), a Linear format object "
+             "(`r.linear`, or None) and, beside a format, its layout and last-layers "
+             "options (`r.layout`, `r.last_layers`); `str(r)` writes it back as the short "
+             "string. Each field of `r.precision`, `r.loss` and `r.optim` is also a "
+             "read-only convenience on the recipe (`r.compute` is "
              "`r.precision.compute`, `r.loss_scale` is `r.loss.kind`), for users; "
              "mixprec's own code reads the composed path.\n"]
     for title, cls, key in (("Precision (`r.precision`)", Precision, {}),
@@ -49,6 +59,12 @@ def recipes_page() -> str:
               "(another format's is refused):\n"]
     for name, cls in FORMATS.items():
         lines += _field_table(f"### `{name}`: `{cls.__module__}.{cls.__name__}`", cls, {})
+    lines += ["## Layout and last layers (`r.layout`, `r.last_layers`, with `compute=fp8`)\n",
+              "Every Linear format takes them, and a `layer:` rule's format keeps the "
+              "recipe's. Without `last_layers` a `Recipe` built in Python takes its "
+              "format's preset's (`nvfp4`: the last two Linears).\n"]
+    lines += _field_table("### Layout: `mixprec.recipe.LayoutOptions`", LayoutOptions, {})
+    lines += _field_table("### Last layers: `mixprec.recipe.LastLayers`", LastLayers, {})
     base = Recipe().flat()
     lines += ["", "## Presets\n", "Each preset, as the fields it sets away from the defaults:\n",
               "| preset | fields |", "|---|---|"]

@@ -612,7 +612,7 @@ def test_fp8_all_gather_takes_every_format_but_int8():
 
     for scaling in ("delayed", "current", "rowwise", "block", "mx", "nvfp4"):
         r = Recipe.parse(f"fp8,fp8_scaling={scaling},fp8_all_gather=true")
-        assert r.linear.fp8_all_gather is True
+        assert r.layout.fp8_all_gather is True
     with pytest.raises(NotImplementedError, match="fp8_scaling=int8: this format's weight "
                                                   "casts cannot be gathered.*drop "
                                                   "fp8_all_gather"):

@@ -383,7 +383,8 @@ def test_nvfp4_keeps_the_last_layers_in_bf16_and_each_part_switches():
     assert report.converted == ("0",) and len(report.skipped) == 4
     r = Recipe.parse("nvfp4,nvfp4_2d=false,nvfp4_rht=off,nvfp4_sr=0,bf16_last_layers=0")
     q = r.linear
-    assert (q.nvfp4_2d, q.nvfp4_rht, q.nvfp4_sr, q.bf16_last_layers) == (False,) * 3 + (0,)
+    assert (q.nvfp4_2d, q.nvfp4_rht, q.nvfp4_sr, r.last_layers.bf16_last_layers) == \
+        (False,) * 3 + (0,)
     assert Recipe.parse(str(r)) == r
     with pytest.raises(ValueError, match="nvfp4_sr.*use true or false"):
         Recipe.parse("nvfp4,nvfp4_sr=maybe")

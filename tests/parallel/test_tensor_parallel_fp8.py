@@ -249,15 +249,15 @@ def test_fsdp_over_fp8_tp_on_a_2x2_mesh_and_a_resume_at_tp_1():
     assert not torch.equal(draws[0], draws[2])
 
 
-def test_tp_reduce_is_a_format_field_fp32_by_default():
-    """``tp_reduce`` is every Linear format's field: fp32 by default, ``compute`` by
-    name in a recipe string (written back by ``str``); another value is refused naming
-    it and the valid ones."""
+def test_tp_reduce_is_a_layout_option_fp32_by_default():
+    """``tp_reduce`` is a layout option of every recipe with a Linear format
+    (``recipe.layout``): fp32 by default, ``compute`` by name in a recipe string
+    (written back by ``str``); another value is refused naming it and the valid ones."""
     from mixprec.recipe import Recipe
 
-    assert Recipe.parse("mxfp8").linear.tp_reduce == "fp32"
+    assert Recipe.parse("mxfp8").layout.tp_reduce == "fp32"
     r = Recipe.parse("fp8-current,tp_reduce=compute")
-    assert r.linear.tp_reduce == "compute" and Recipe.parse(str(r)) == r
+    assert r.layout.tp_reduce == "compute" and Recipe.parse(str(r)) == r
     with pytest.raises(ValueError, match=r"'tp_reduce': unknown value 'bf16'; valid: fp32, "
                                          r"compute"):
         Recipe.parse("nvfp4,tp_reduce=bf16")

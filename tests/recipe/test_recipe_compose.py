@@ -12,7 +12,7 @@ import torch
 
 from helpers.paths import DATA
 from mixprec.formats.gemm import FORMATS, CurrentScaling, MXScaling, NVFP4Scaling
-from mixprec.recipe import PRESETS, LossScale, Precision, Recipe
+from mixprec.recipe import PRESETS, LastLayers, LayoutOptions, LossScale, Precision, Recipe
 
 #: recipe strings and the ``str()`` the flat Recipe (36 fields in one dataclass) gave them
 PINNED = [
@@ -169,3 +169,39 @@ def test_recipes_pickled_flat_by_mixprec_0_3_load_as_the_same_recipes():
     for text, r in saved.items():
         assert type(r) is Recipe and r == Recipe.parse(text) and str(r) == text
         assert r.linear is None or r.linear == Recipe.parse(text).linear
+
+
+def test_layout_and_last_layers_are_the_recipes_and_a_layer_rule_keeps_them():
+    """``fp8_all_gather``, ``tp_reduce`` and the last-layers rule are read into the
+    recipe's ``layout`` and ``last_layers`` (not its format); a ``layer:`` rule's recipe
+    keeps them, whatever format the rule names."""
+    r = Recipe.parse("fp8-current,fp8_all_gather=true,tp_reduce=compute,bf16_last_layers=3,"
+                     "bf16_last_fraction=0.25,layer:a=mxfp8,layer:b=nvfp4")
+    assert r.layout == LayoutOptions(fp8_all_gather=True, tp_reduce="compute")
+    assert r.last_layers == LastLayers(bf16_last_layers=3, bf16_last_fraction=0.25)
+    for name, fmt in (("a", MXScaling), ("b", NVFP4Scaling), ("c", CurrentScaling)):
+        own = r.for_layer(name)
+        assert type(own.linear) is fmt and own.layout == r.layout, name
+        assert own.last_layers == r.last_layers, name
+    assert PRESETS["nvfp4"].last_layers == LastLayers(bf16_last_layers=2)
+    assert PRESETS["bf16"].layout == LayoutOptions()
+
+
+def test_layout_and_last_layers_need_a_linear_format_in_python_too():
+    with pytest.raises(ValueError, match=r"fp8_all_gather, bf16_last_layers set with "
+                                         r"compute='bf16'.*Linear preset"):
+        Recipe(precision=Precision(compute="bf16"),
+               layout=LayoutOptions(fp8_all_gather=True),
+               last_layers=LastLayers(bf16_last_layers=1))
+    with pytest.raises(ValueError, match="'tp_reduce': unknown value 'bf16'; valid: fp32, "
+                                         "compute"):
+        LayoutOptions(tp_reduce="bf16")
+    with pytest.raises(ValueError, match="'fp8_all_gather': 1 is invalid; it must be true "
+                                         "or false"):
+        LayoutOptions(fp8_all_gather=1)
+    with pytest.raises(ValueError, match="'bf16_last_layers': True is invalid"):
+        LastLayers(bf16_last_layers=True)
+    with pytest.raises(NotImplementedError, match="fp8_scaling=int8: this format's weight "
+                                                  "casts cannot be gathered"):
+        Recipe(precision=Precision(compute="fp8"), linear=FORMATS["int8"](),
+               layout=LayoutOptions(fp8_all_gather=True))

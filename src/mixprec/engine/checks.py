@@ -264,7 +264,7 @@ def check_fp8_all_gather(recipe, model: nn.Module, fp8_filter=None) -> None:
     """``fp8_all_gather`` gathers the weight casts of every format but INT8's: an error
     where the recipe's ``layer:`` rules would convert a Linear of ``model`` to a format
     whose casts cannot be gathered."""
-    if recipe.linear is None or not recipe.linear.fp8_all_gather or not recipe.layer_rules:
+    if not recipe.layout.fp8_all_gather or not recipe.layer_rules:
         return
     if fp8_modules(model):
         return  # converted by hand: the engine converts nothing

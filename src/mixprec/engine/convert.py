@@ -127,8 +127,8 @@ def _by_rule(m: nn.Module, rule: LayerRule) -> str | None:
 def _decide(model: nn.Module, r: Recipe, filter) -> list[tuple[str, nn.Module, str,
                                                                 str | None]]:
     """``plan`` under recipe ``r``, with each Linear's format (``layer_formats``)."""
-    rows = plan(model, filter, r.linear.bf16_last_layers, r.linear.bf16_last_fraction,
-                rules=r.layer_rules)
+    rows = plan(model, filter, r.last_layers.bf16_last_layers,
+                r.last_layers.bf16_last_fraction, rules=r.layer_rules)
     whole = fsdp_whole_params(model)  # FSDP2 gathers them whole: no shard to refuse
     rows = [(fqn, m, why if why is not None else _sharding_reason(m, r, fqn, whole))
             for fqn, m, why in rows]

@@ -209,7 +209,7 @@ class FSDP(_Replicated):
         (``mixprec.parallel.gather``), recorded in ``comm_stats``."""
         model = shard_fsdp(model, self.recipe, optimizers, self.units, emulate=emulate,
                            **self.kwargs)
-        if self.recipe.linear is not None and self.recipe.linear.fp8_all_gather:
+        if self.recipe.layout.fp8_all_gather:
             sent = fsdp_policy(self.recipe, emulate).param_dtype  # None: the weight's
             mods = install_fp8_all_gather(fp8_modules(model), self.comm_stats, sent)
             mods += install_experts_gather(model, self.comm_stats, sent)
@@ -388,7 +388,7 @@ def check_parallel_recipe(parallel: str | None, recipe: Recipe,
             f"recipe {str(recipe)!r} with tensor parallelism: its Linear format "
             f"{recipe.linear.name!r} does not run on tensor-parallel shards: {why}. Pick "
             f"one that does ({tp_formats()}), or a 16-bit recipe.")
-    if tp and recipe.linear is not None and recipe.linear.fp8_all_gather:
+    if tp and recipe.layout.fp8_all_gather:
         raise NotImplementedError(
             f"recipe {str(recipe)!r} with tensor parallelism: fp8_all_gather (FSDP "
             "gathering the weights as their casts) is not built for tensor-parallel "

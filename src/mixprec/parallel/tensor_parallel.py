@@ -17,14 +17,15 @@ the local shards, with the scales one process would use:
   whole tensor's random numbers and keeps this rank's slice.
 
 A colwise Linear's output is ``Shard(-1)``; a rowwise one's is ``Partial``: each rank's
-sum over its share of K. Under the format's ``tp_reduce="fp32"`` (the default) those
-partial sums are the GEMM's fp32 accumulators, so the all-reduce (or reduce-scatter)
-torch's plan then runs carries fp32, and a forward hook after the plan's rounds the
-whole sum once to the output's dtype and adds the bias, as one process does;
+sum over its share of K. Under the recipe's ``tp_reduce="fp32"`` (the default; its
+``layout``, ``mixprec.recipe.configs.LayoutOptions``) those partial sums are the GEMM's
+fp32 accumulators, so the all-reduce (or reduce-scatter) torch's plan then runs carries
+fp32, and a forward hook after the plan's rounds the whole sum once to the output's
+dtype and adds the bias, as one process does;
 ``tp_reduce="compute"`` rounds each rank's partial sum to the output's 16 bits first,
 as torchao's ``Float8RowwiseParallel`` does (half the bytes, an ulp off one process's
 sum). The backward's partial sums, a colwise Linear's input gradient, follow the same
-field where the input is narrower than fp32 (an fp32 input's gradient is summed in
+option where the input is narrower than fp32 (an fp32 input's gradient is summed in
 fp32 anyway). These sums are recorded in the engine's ``CommStats`` (``what="outputs"``,
 ``"input_grads"``), as are the amax all-reduces (``op="all_reduce", what="amax"``),
 where the engine attached it (``attach_comm_stats``).
@@ -175,8 +176,8 @@ def _local(t):
 
 def _sums_fp32(mod: nn.Module, dtype: torch.dtype) -> bool:
     """Whether ``mod``'s partial sums, wanted in ``dtype``, cross the ranks in fp32
-    instead (``tp_reduce="fp32"`` and a ``dtype`` narrower than fp32)."""
-    return mod.quantizer.tp_reduce == "fp32" and dtype != torch.float32
+    instead (the recipe's ``tp_reduce="fp32"`` and a ``dtype`` narrower than fp32)."""
+    return mod.fp8_recipe.layout.tp_reduce == "fp32" and dtype != torch.float32
 
 
 def tp_linear(mod: nn.Module, x: torch.Tensor, w: torch.Tensor,

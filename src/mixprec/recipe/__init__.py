@@ -14,12 +14,15 @@ from mixprec.recipe.configs import (
     DEFAULT_KEEP_FP32,
     KEEP_FP32_CHOICES,
     MX_COMPUTE,
+    LayoutOptions,
     LossScale,
     OptimStates,
     Precision,
 )
+from mixprec.recipe.layer_rules import LastLayers
 from mixprec.recipe.presets import LINEAR_PRESETS, preset_names
 from mixprec.recipe.types import PRESETS, Recipe
 
-__all__ = ["Recipe", "Precision", "LossScale", "OptimStates", "PRESETS", "LINEAR_PRESETS",
+__all__ = ["Recipe", "Precision", "LossScale", "OptimStates", "LayoutOptions", "LastLayers",
+           "PRESETS", "LINEAR_PRESETS",
            "MX_COMPUTE", "KEEP_FP32_CHOICES", "DEFAULT_KEEP_FP32", "preset_names"]

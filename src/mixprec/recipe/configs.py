@@ -1,6 +1,7 @@
 """The small configs a Recipe is composed of: the precision of each part of a step, the
-loss scale, and the optimizer states with their write rule. Each is a keyword-only
-frozen dataclass validated at construction."""
+loss scale, the optimizer states with their write rule, and how the quantized Linears'
+weights and partial sums cross the ranks. Each is a keyword-only frozen dataclass
+validated at construction."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Literal, get_args, get_origin, get_type_hints
 from mixprec.recipe.layer_rules import STATE_RULE_FORMATS
 from mixprec.recipe.rules import check_loss_numbers
 
-__all__ = ["Precision", "LossScale", "OptimStates", "KEEP_FP32_CHOICES",
+__all__ = ["Precision", "LossScale", "OptimStates", "LayoutOptions", "KEEP_FP32_CHOICES",
            "DEFAULT_KEEP_FP32", "MX_COMPUTE", "LINEAR_COMPUTE"]
 
 ComputeDtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8",
@@ -147,3 +148,28 @@ class OptimStates:
         if self.states not in STATE_RULE_FORMATS:
             raise ValueError(f"recipe field 'states': unknown value {self.states!r}; "
                              f"valid: {', '.join(STATE_RULE_FORMATS)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutOptions:
+    """How the quantized Linears of a recipe with a Linear format (``compute='fp8'``)
+    cross the ranks: what ``mixprec.parallel`` reads (``recipe.layout``). Every Linear
+    format takes them; a ``layer:`` rule's format keeps the recipe's."""
+
+    #: under ``parallel="fsdp"``, FSDP2 gathers the weights as the codes and scales of
+    #: their casts (``mixprec.parallel.gather``); a weight whose shards cannot be cast as
+    #: their rows of the whole weight is gathered in 16 bits, with a warning
+    fp8_all_gather: bool = False
+    #: under tensor parallelism, the dtype a Linear's partial sums are summed in across
+    #: the ranks (a rowwise Linear's output, a colwise one's input gradient): ``fp32``
+    #: (the GEMM's accumulator, rounded once after the sum, as one process rounds it;
+    #: twice the bytes of a 16-bit output) or ``compute`` (each rank's sum rounded to
+    #: the 16-bit output first, as torchao and Transformer Engine reduce):
+    #: ``mixprec.parallel.tensor_parallel``
+    tp_reduce: Literal["fp32", "compute"] = "fp32"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fp8_all_gather, bool):
+            raise ValueError(f"recipe field 'fp8_all_gather': {self.fp8_all_gather!r} is "
+                             "invalid; it must be true or false")
+        _check_choices(self)

@@ -1,5 +1,6 @@
-"""Per-module rules in a recipe: which Linears run which fp8/fp4 format, and which
-parameters keep their optimizer states in how many bits.
+"""Per-module rules in a recipe: which Linears run which fp8/fp4 format, which of the
+model's last Linears stay in bf16 (``LastLayers``), and which parameters keep their
+optimizer states in how many bits.
 
 A rule is a ``key:PATTERN=VALUE`` fragment of a recipe string, after the preset and
 its overrides::
@@ -23,7 +24,7 @@ its overrides::
   has it. A rule matching a transformers experts module (``layer:*.experts=mxfp8``)
   sets its experts' format (``mixprec.experts.hook``). Layer rules need an fp8 recipe
   (``compute=fp8``): it is what runs the rest of the model under bf16.
-  A rule overrides the default policy (the head and ``bf16_last_layers``), never a
+  A rule overrides the default policy (the head and ``LastLayers``), never a
   Linear subclass whose owner may read its weight directly; a Linear's dims never
   keep it (the GEMM routes pad: ``mixprec.formats.padding``).
 - ``states:PATTERN=FORMAT`` matches the name of the module that owns a parameter and
@@ -39,6 +40,7 @@ and a module no rule matches takes the recipe's own setting.
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -46,7 +48,7 @@ from typing import Literal
 from mixprec.formats import state_formats
 from mixprec.recipe.presets import LINEAR_PRESETS
 
-__all__ = ["LayerRule", "STATE_RULE_FORMATS", "RULE_KINDS",
+__all__ = ["LayerRule", "LastLayers", "STATE_RULE_FORMATS", "RULE_KINDS",
            "parse_rule", "first_match", "owner_of", "layer_formats"]
 
 #: what a ``states:`` rule may set (``mixprec.formats.state_formats``' registry)
@@ -89,6 +91,31 @@ class LayerRule:
     def matches(self, name: str) -> bool:
         """Whether the module name ``name`` matches this rule's pattern."""
         return fnmatch.fnmatchcase(name, self.pattern)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LastLayers:
+    """The default policy's tail: the model's last Linears that stay in bf16 under a
+    recipe with a Linear format (``recipe.last_layers``; ``mixprec.engine.convert``
+    keeps them). A ``layer:`` rule that names one of them decides for it instead."""
+
+    #: the model's last N Linears stay in bf16 (the output head among them)
+    bf16_last_layers: int = 0
+    #: this share of the model's Linears, rounded up, stays in bf16 too (whichever of
+    #: this and ``bf16_last_layers`` keeps more)
+    bf16_last_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        n = self.bf16_last_layers
+        if not (isinstance(n, int) and not isinstance(n, bool) and n >= 0):
+            raise ValueError(f"recipe field 'bf16_last_layers': {n!r} is invalid; it must "
+                             "be an integer >= 0")
+        share = self.bf16_last_fraction
+        if not (isinstance(share, (int, float)) and not isinstance(share, bool)
+                and math.isfinite(share) and 0 <= share < 1):
+            raise ValueError(f"recipe field 'bf16_last_fraction': {share!r} is invalid; "
+                             "it must be a share in [0, 1) (0.15: the last 15% of the "
+                             "Linears)")
 
 
 def layer_formats() -> tuple[str, ...]:

@@ -16,8 +16,9 @@ from mixprec.recipe.presets import PRESET_FIELDS, preset_names
 __all__ = ["FLAT_DEFAULTS", "parse_text", "format_text", "preset_flat"]
 
 #: every key a recipe string may set, in the order ``str()`` writes them, with its
-#: default (the Linear format's keys apply to the format that has them; a format's key
-#: not listed here follows, from the registry: ``_format_keys``)
+#: default (the Linear format's keys apply to the format that has them, the last-layers
+#: and layout keys to any Linear format; a format's key not listed here follows, from
+#: the registry: ``_format_keys``)
 FLAT_DEFAULTS: dict[str, Any] = {
     "compute": "fp32", "params": "fp32", "master": "none", "states": "fp32",
     "write": "nearest", "grads": "fp32", "grad_accum": "plain", "wgrad": "compute",
@@ -29,6 +30,7 @@ FLAT_DEFAULTS: dict[str, Any] = {
     "amax_compute_algo": "max", "margin": 0, "fp8_gemm": "auto", "block_scales": "fp32",
     "mx_rounding": "rceil", "nvfp4_2d": True, "nvfp4_rht": True, "nvfp4_sr": True,
     "bf16_last_layers": 0, "bf16_last_fraction": 0.0, "fp8_all_gather": False,
+    "tp_reduce": "fp32",
 }
 
 

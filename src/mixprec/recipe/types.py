@@ -1,10 +1,12 @@
 """Recipe: the precision of every part of a training step, composed of small configs.
 
 ``precision`` (``Precision``), ``loss`` (``LossScale``), ``linear`` (the Linears' fp8 /
-fp4 format, an object of ``mixprec.formats.gemm``, or None), ``optim`` (``OptimStates``)
-and ``layers`` (per-module rules, ``mixprec.recipe.layer_rules``). A field that cannot apply
-does not exist; combinations that cannot train raise. The string form and ``str()``
-are ``mixprec.recipe.syntax``'s.
+fp4 format, an object of ``mixprec.formats.gemm``, or None), with it ``layout`` (how
+the quantized Linears cross the ranks, ``LayoutOptions``) and ``last_layers`` (the last
+Linears kept in bf16, ``mixprec.recipe.layer_rules.LastLayers``), ``optim``
+(``OptimStates``) and ``layers`` (per-module rules, ``mixprec.recipe.layer_rules``). A
+field that cannot apply does not exist or keeps its default; combinations that cannot
+train raise. The string form and ``str()`` are ``mixprec.recipe.syntax``'s.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from mixprec.formats.gemm import FORMATS, LinearFormat, format_class
 from mixprec.recipe.configs import (
     LINEAR_COMPUTE,
     MX_COMPUTE,
+    LayoutOptions,
     LossScale,
     OptimStates,
     Precision,
 )
-from mixprec.recipe.layer_rules import LayerRule, first_match, owner_of
+from mixprec.recipe.layer_rules import LastLayers, LayerRule, first_match, owner_of
 from mixprec.recipe.presets import LINEAR_PRESETS, PRESET_FIELDS
 from mixprec.recipe.rules import refuse_impossible, warn_useless
 from mixprec.recipe.syntax import FLAT_DEFAULTS, format_text, parse_text, preset_flat
@@ -34,6 +37,8 @@ __all__ = ["Recipe", "PRESETS", "from_string"]
 _PRECISION = tuple(f.name for f in fields(Precision))
 _LOSS = tuple(f.name for f in fields(LossScale) if f.name != "kind")
 _OPTIM = tuple(f.name for f in fields(OptimStates))
+_LAYOUT = tuple(f.name for f in fields(LayoutOptions))
+_LAST = tuple(f.name for f in fields(LastLayers))
 #: the computes whose own dtype autocast (or fp32) runs in; tf32 stores fp32, fp8 and
 #: fp4 run the rest of the model in bf16
 _OWN_DTYPE = ("fp32", "bf16", "fp16")
@@ -62,6 +67,12 @@ class Recipe:
     loss: LossScale = field(default_factory=LossScale)
     #: the Linears' fp8 / fp4 format (``compute='fp8'``), else None
     linear: LinearFormat | None = None
+    #: how the quantized Linears' weights and partial sums cross the ranks (with a
+    #: Linear format; its defaults without one)
+    layout: LayoutOptions = field(default_factory=LayoutOptions)
+    #: the model's last Linears kept in bf16 (with a Linear format; its defaults without
+    #: one); None: the format's preset's (``nvfp4`` keeps the last two)
+    last_layers: LastLayers | None = None
     #: the optimizer states' format and write rule
     optim: OptimStates = field(default_factory=OptimStates)
     #: per-module rules, ``layer:PATTERN=FORMAT`` and ``states:PATTERN=FORMAT``, first
@@ -69,8 +80,12 @@ class Recipe:
     layers: tuple[LayerRule, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.last_layers is None:
+            fmt = self.linear if isinstance(self.linear, LinearFormat) else None
+            object.__setattr__(self, "last_layers", _preset_last_layers(fmt))
         for name, kind in (("precision", Precision), ("loss", LossScale),
-                           ("optim", OptimStates)):
+                           ("optim", OptimStates), ("layout", LayoutOptions),
+                           ("last_layers", LastLayers)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"recipe field {name!r}: {getattr(self, name)!r} is not "
                                  f"a {kind.__name__}; build one, e.g. {kind.__name__}()")
@@ -83,6 +98,7 @@ class Recipe:
                 f"recipe: compute={self.precision.compute!r} with linear={self.linear!r}: a Linear "
                 "format runs under compute='fp8' and compute='fp8' needs one. Pass both "
                 "(Precision(compute='fp8'), linear=CurrentScaling()) or neither.")
+        _check_linear_options(self)
         _check_layers(self)
         refuse_impossible(self)
         warn_useless(self)
@@ -118,6 +134,8 @@ class Recipe:
             out["fp8_scaling"] = self.linear.name
             out.update({f.name: getattr(self.linear, f.name)
                         for f in fields(self.linear)})
+            out.update({k: getattr(self.layout, k) for k in _LAYOUT})
+            out.update({k: getattr(self.last_layers, k) for k in _LAST})
         return out
 
     def replace(self, **changes: Any) -> Recipe:
@@ -296,20 +314,24 @@ def _from_flat(flat: dict[str, Any], given: set[str], layers) -> Recipe:
     loss = LossScale(kind=flat["loss_scale"], **{k: flat[k] for k in _LOSS})
     optim = OptimStates(**{k: flat[k] for k in _OPTIM})
     linear, own = None, set()
+    layout, last = LayoutOptions(), LastLayers()
     if flat["compute"] == LINEAR_COMPUTE:
         cls = format_class(flat["fp8_scaling"])
-        own = {f.name for f in fields(cls)} | {"fp8_scaling"}
+        mine = {f.name for f in fields(cls)}
+        own = mine | {"fp8_scaling", *_LAYOUT, *_LAST}
         _refuse_foreign(given, own, flat)
-        linear = cls(**{k: flat[k] for k in own - {"fp8_scaling"}})
+        linear = cls(**{k: flat[k] for k in mine})
+        last = LastLayers(**{k: flat[k] for k in _LAST})
+        layout = LayoutOptions(**{k: flat[k] for k in _LAYOUT})
     else:
         _refuse_foreign(given, own, flat)
-    return Recipe(precision=precision, loss=loss, linear=linear, optim=optim,
-                  layers=layers)
+    return Recipe(precision=precision, loss=loss, linear=linear, layout=layout,
+                  last_layers=last, optim=optim, layers=layers)
 
 
 def _refuse_foreign(given: set[str], own: set[str], flat: dict[str, Any]) -> None:
     """Keys of a Linear format given to a recipe whose format does not have them."""
-    linear_keys = [k for k in FLAT_DEFAULTS if k == "fp8_scaling"
+    linear_keys = [k for k in FLAT_DEFAULTS if k in ("fp8_scaling", *_LAYOUT, *_LAST)
                    or any(k in {f.name for f in fields(c)} for c in FORMATS.values())]
     foreign = [k for k in linear_keys if k in given and k not in own]
     if not foreign:
@@ -326,6 +348,36 @@ def _refuse_foreign(given: set[str], own: set[str], flat: dict[str, Any]) -> Non
         f"recipe: {', '.join(foreign)} with fp8_scaling={flat['fp8_scaling']!r}: the "
         f"{flat['fp8_scaling']} format has no such field ({where}). Drop "
         f"{'it' if len(foreign) == 1 else 'them'}, or use a format that has it.")
+
+
+def _preset_last_layers(linear: LinearFormat | None) -> LastLayers:
+    """The last layers a recipe built without them keeps: those of its format's preset
+    (the first Linear preset of that ``fp8_scaling``); none without a format."""
+    name = None if linear is None else next(
+        (n for n in LINEAR_PRESETS if preset_flat(n)["fp8_scaling"] == linear.name), None)
+    if name is None:
+        return LastLayers()
+    flat = preset_flat(name)
+    return LastLayers(**{k: flat[k] for k in _LAST})
+
+
+def _check_linear_options(r: Recipe) -> None:
+    """The layout and last-layers options apply to a recipe with a Linear format; FSDP2
+    gathers the weight casts of a format that has gatherable ones."""
+    if r.linear is None:
+        set_ = [k for cfg, keys in ((r.layout, _LAYOUT), (r.last_layers, _LAST))
+                for k in keys if getattr(cfg, k) != FLAT_DEFAULTS[k]]
+        if set_:
+            raise ValueError(
+                f"recipe: {', '.join(set_)} set with compute={r.precision.compute!r}: "
+                "these apply to the Linears of a Linear format, which compute=fp8 has. "
+                "Drop them, or start from a Linear preset "
+                f"({', '.join(LINEAR_PRESETS)}).")
+    elif r.layout.fp8_all_gather and not r.linear.gathers_casts:
+        raise NotImplementedError(
+            f"recipe: fp8_all_gather with fp8_scaling={r.linear.name}: this format's "
+            "weight casts cannot be gathered as codes. Use another fp8_scaling "
+            "(delayed, current, rowwise, block, mx, nvfp4), or drop fp8_all_gather.")
 
 
 def _check_layers(r: Recipe) -> None:

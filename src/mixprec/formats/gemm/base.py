@@ -6,14 +6,14 @@ A format is frozen, keyword-only configuration validated at construction. It cas
 contracted dim and multiplies two of its casts on a GEMM route; what it keeps between
 steps it declares as ``buffers``, which the owning module registers and checkpoints.
 Everything else in mixprec asks a format object (route, bytes, gather, flush view)
-instead of branching on its name.
+instead of branching on its name. How the Linears cross the ranks and which of them
+stay in bf16 are the recipe's (``LayoutOptions``, ``LastLayers``), not a format's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -44,9 +44,8 @@ CHOICES: dict[str, tuple] = {
     "amax_compute_algo": ("max", "most_recent"),
     "block_scales": ("fp32", "pow2"),
     "mx_rounding": ("rceil", "floor", "ceil", "even"),
-    "tp_reduce": ("fp32", "compute"),
 }
-_INTS = {"bf16_last_layers": 0, "margin": 0, "amax_history_len": 1}
+_INTS = {"margin": 0, "amax_history_len": 1}
 
 
 def check_fields(obj: Any) -> None:
@@ -64,11 +63,6 @@ def check_fields(obj: Any) -> None:
         if f.type in (bool, "bool") and not isinstance(v, bool):
             raise ValueError(f"recipe field {f.name!r}: {v!r} is invalid; it must be "
                              "true or false")
-    share = obj.bf16_last_fraction
-    if not (isinstance(share, (int, float)) and not isinstance(share, bool)
-            and math.isfinite(share) and 0 <= share < 1):
-        raise ValueError(f"recipe field 'bf16_last_fraction': {share!r} is invalid; it "
-                         "must be a share in [0, 1) (0.15: the last 15% of the Linears)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,22 +74,6 @@ class LinearFormat:
     #: kernel, refused where missing), ``dequant`` (exact upcast, bf16 GEMM) or
     #: ``dequant_fp32`` (exact upcast, fp32 GEMM): ``mixprec.formats.route``
     fp8_gemm: Literal["auto", "scaled_mm", "dequant", "dequant_fp32"] = "auto"
-    #: the model's last N Linears stay in bf16 (the output head among them)
-    bf16_last_layers: int = 0
-    #: this share of the model's Linears, rounded up, stays in bf16 too (whichever of
-    #: this and ``bf16_last_layers`` keeps more)
-    bf16_last_fraction: float = 0.0
-    #: under ``parallel="fsdp"``, FSDP2 gathers the weights as the codes and scales of
-    #: their casts (``mixprec.parallel.gather``); a weight whose shards cannot be cast as
-    #: their rows of the whole weight is gathered in 16 bits, with a warning
-    fp8_all_gather: bool = False
-    #: under tensor parallelism, the dtype a Linear's partial sums are summed in across
-    #: the ranks (a rowwise Linear's output, a colwise one's input gradient): ``fp32``
-    #: (the GEMM's accumulator, rounded once after the sum, as one process rounds it;
-    #: twice the bytes of a 16-bit output) or ``compute`` (each rank's sum rounded to
-    #: the 16-bit output first, as torchao and Transformer Engine reduce):
-    #: ``mixprec.parallel.tensor_parallel``
-    tp_reduce: Literal["fp32", "compute"] = "fp32"
 
     #: the name a recipe string gives it (``fp8_scaling=NAME``)
     name: ClassVar[str]
@@ -149,11 +127,6 @@ class LinearFormat:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.fp8_all_gather and not self.gathers_casts:
-            raise NotImplementedError(
-                f"recipe: fp8_all_gather with fp8_scaling={self.name}: this format's "
-                "weight casts cannot be gathered as codes. Use another fp8_scaling "
-                "(delayed, current, rowwise, block, mx, nvfp4), or drop fp8_all_gather.")
 
     @property
     def grad_dtype(self) -> torch.dtype:

@@ -36,9 +36,9 @@ __all__ = ["NVFP4Scaling"]
 
 @dataclass(frozen=True, kw_only=True)
 class NVFP4Scaling(LinearFormat):
-    """The last two Linears stay in bf16 by default, as NVIDIA's recipe keeps them."""
+    """NVIDIA's NVFP4 format (its preset, ``nvfp4``, keeps the last two Linears in bf16,
+    as NVIDIA's recipe does: ``recipe.last_layers``)."""
 
-    bf16_last_layers: int = 2
     #: 16×16 weight blocks (which serve dgrad too); else 1×16 along each contracted dim
     nvfp4_2d: bool = True
     #: a random 16×16 Hadamard transform along the tokens of both wgrad operands
