@@ -53,7 +53,12 @@ from mixprec.recipe import Recipe
 from mixprec.workbench.model import GPT, SIZES
 from mixprec.workbench.peaks import combined_peak, peak_gflops, peak_parts
 
-__all__ = ["bench", "peak_gflops", "paired_overhead"]
+__all__ = ["bench", "peak_gflops", "paired_overhead", "TORCHAO_RECIPES"]
+
+#: torchao's float8 training recipe of the same scaling as a Linear format (by its
+#: ``fp8_scaling`` name), which the bench runs as a peer; a format absent has none
+TORCHAO_RECIPES: dict[str, str] = {"delayed": "tensorwise", "current": "tensorwise",
+                                   "rowwise": "rowwise"}
 
 
 def paired_overhead(times: list[float], base: list[float]) -> tuple[float, float, float]:
@@ -125,7 +130,7 @@ def _recipe_row(r: str, build, loss_of, dev: torch.device, tokens: int,
         twins[f"hand:{r}"] = _hand_loop(build(), rec, dev, loss_of, e.emulating)
     if compile:
         twins[f"compiled:{r}"] = _engine_loop(build, rec, loss_of, compiled=True)[2]
-        peer = rec.linear.torchao_recipe if rec.linear is not None else None
+        peer = TORCHAO_RECIPES.get(rec.linear.name) if rec.linear is not None else None
         if peer and _has_torchao():
             twins[f"torchao:{r}"] = _torchao_loop(build(), m, e, dev, loss_of, peer)
     failed: dict[str, str] = {}
