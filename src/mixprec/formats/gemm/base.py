@@ -59,9 +59,6 @@ class derived:
         self.fn = fn
         self.__doc__ = fn.__doc__
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         return self.fn(owner if owner is not None else type(obj))
 
@@ -167,12 +164,9 @@ class LinearFormat:
     @derived
     def flush_view(cls) -> str:
         """Which of the diagnostics' flush shares applies (``per-tensor``, ``rowwise``,
-        ``per block``; "" for none: they measure fp8 elements, and int8's and fp4's
-        flush by design)."""
-        if cls.elements != "fp8":
-            return ""
-        return {"tensor": "per-tensor", "row": "rowwise", "tile": "per block"}[
-            cls.scales.kind]
+        ``per block``; "" for none: they judge fp8 elements only)."""
+        views = {"tensor": "per-tensor", "row": "rowwise", "tile": "per block"}
+        return views[cls.scales.kind] if cls.elements == "fp8" else ""
 
     @derived
     def tile(cls) -> int:
