@@ -53,7 +53,9 @@ _INTS = {"bf16_last_layers": 0, "margin": 0, "amax_history_len": 1}
 
 class derived:
     """A fact a format derives from its declared capabilities, read alike on the class
-    (``FORMATS[name].block_scaled``) and on an instance; not a dataclass field."""
+    (``FORMATS[name].block_scaled``) and on an instance; not a dataclass field. Each
+    subclass of ``LinearFormat`` holds its facts as plain class attributes, computed
+    when the class is made (``torch.compile`` reads them as constants)."""
 
     def __init__(self, fn: Callable[[type], Any]) -> None:
         self.fn = fn
@@ -138,6 +140,12 @@ class LinearFormat:
     #: block-scaled one where every shard cut lies on a block boundary)
     tp_unsupported: ClassVar[str | None] = None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, fact in vars(LinearFormat).items():
+            if isinstance(fact, derived) and name not in vars(cls):
+                setattr(cls, name, fact.fn(cls))
+
     @derived
     def per_tensor(cls) -> bool:
         """One scale per tensor: FSDP2's all-gather sends the weight's e4m3 codes with a
@@ -172,7 +180,8 @@ class LinearFormat:
     def tile(cls) -> int:
         """Elements per scale along the contracted dim, as the diagnostics judge
         underflow: the tile of a format judged per block, else ``TILE``."""
-        return cls.scales.tile if cls.flush_view == "per block" else TILE
+        judged = cls.scales.kind == "tile" and cls.elements == "fp8"
+        return cls.scales.tile if judged else TILE
 
     @derived
     def segment_kind(cls) -> str:
@@ -222,7 +231,7 @@ class LinearFormat:
         """Whether the forward's cast of ``role`` serves its backward GEMM too: every
         role's under one scale per tensor (it has no axis), the weight's where it is
         cast in square blocks."""
-        return self.scales.per_tensor or (role == "weight" and self.scales.square_weight)
+        return self.per_tensor or (role == "weight" and self.scales.square_weight)
 
     def cast(self, t: torch.Tensor, role: str, dim: int, state: dict, record: bool = False,
              generator: torch.Generator | None = None, agree: Agreement | None = None

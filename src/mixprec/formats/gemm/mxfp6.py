@@ -49,6 +49,14 @@ class MXFP6Scaling(TileScaled, LinearFormat):
         """e4m3, every role: the byte each e3m2 code is kept in."""
         return E4M3
 
+    def backward_bytes(self, t: int, i: int, o: int, act_bytes: float, route: str
+                       ) -> float:
+        """The larger of MXFP8's stages (``TileScaled``) and the gradient's e3m2 cast,
+        whose rounding (``mixprec.formats.elements.quantize``) takes four fp32 passes
+        beyond MXFP8's cast (``21·T·O`` in all), beside the other cast's codes
+        (``T·O``)."""
+        return max(super().backward_bytes(t, i, o, act_bytes, route), 22 * t * o)
+
     def shard_rows(self, dim: int) -> int:
         """dgrad's tiles (``dim=0``) span 32 rows; the forward's, one."""
         return MX_TILE if dim == 0 else 1
