@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import ClassVar
 
 import mixprec.formats.gemm as gemm
 from helpers.paths import SRC
-from mixprec.formats.gemm import base
+from mixprec.formats.gemm import FORMATS, LinearFormat, base
 
 #: the rooms that sit on top: they may import anything, nothing in the core imports them
 TOP = ("mixprec.cli", "mixprec.workbench", "mixprec.integrations", "mixprec.__main__")
@@ -303,3 +304,42 @@ def test_no_module_outside_the_formats_is_named_for_a_format():
                         if p.relative_to(SRC).parts[0] not in ("formats", "fp8")
                         and any(w in p.stem.split("_") for w in _FORMAT_WORDS))
     assert not per_format, per_format
+#: the most capability attributes a Linear format declares (``LinearFormat``'s ClassVars
+#: besides its ``name``); every other fact about a format derives from them
+FORMAT_CAPABILITIES = 8
+
+
+def _class_vars(cls: type) -> set[str]:
+    """The names ``cls``'s own body annotates as ``ClassVar`` (annotations are strings
+    under ``from __future__ import annotations``, or typing objects)."""
+    return {n for n, a in vars(cls).get("__annotations__", {}).items()
+            if (a if isinstance(a, str) else repr(a)).split("[")[0].split(".")[-1]
+            == "ClassVar"}
+
+
+def test_a_linear_format_declares_at_most_eight_capabilities():
+    base = _class_vars(LinearFormat) - {"name"}
+    assert {"kernel", "scales"} <= base  # the count sees the declared ones: not vacuous
+    assert len(base) <= FORMAT_CAPABILITIES, sorted(base)
+    # a format (or a mixin it takes) sets the base's capabilities, and declares no other
+    seen = set()
+    for fmt in FORMATS.values():
+        for cls in fmt.__mro__:
+            if cls.__module__.startswith("mixprec."):
+                extra = _class_vars(cls) - base - {"name"}
+                assert not extra, (cls.__name__, sorted(extra))
+                seen.add(cls.__name__)
+    assert {"TileScaled", "PerTensor", "LinearFormat"} <= seen
+
+
+def test_the_capability_count_sees_a_new_class_var():
+    """The count would pass vacuously if it missed the annotations it counts."""
+    ns: dict = {}
+    exec("from __future__ import annotations\nfrom typing import ClassVar\n"
+         "class F:\n    name: ClassVar[str] = 'f'\n    tile: ClassVar[int] = 1\n"
+         "    field: int = 0\n", ns)
+    assert _class_vars(ns["F"]) == {"name", "tile"}
+
+    class G:
+        flag: ClassVar[bool] = True
+    assert _class_vars(G) == {"flag"}

@@ -17,7 +17,7 @@ from mixprec.modules.linear import Float8Linear
 
 #: the linear formats, NVFP4 rounded to nearest (bitwise comparisons draw no random bits)
 FORMATS = ["fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8", "int8-rowwise",
-           "nvfp4,nvfp4_sr=false"]
+           "nvfp4,nvfp4_sr=false", "mxfp6"]
 COUNTS = [5, 0, 9, 3]  # expert 1 receives no token; one row (17) is routed elsewhere
 T, K, N = 18, 64, 32
 
@@ -92,10 +92,11 @@ def test_grouped_route_keeps_every_row_past_a_whole_stride_of_expert_rows(recipe
 
 @pytest.mark.parametrize("recipe,lo,hi", [
     ("fp8", 24, 38), ("fp8-current", 24, 38), ("fp8-rowwise", 24, 38),
-    ("fp8-block", 24, 38), ("mxfp8", 24, 38), ("nvfp4", 12, 30)])
+    ("fp8-block", 24, 38), ("mxfp8", 24, 38), ("nvfp4", 12, 30), ("mxfp6", 18, 26)])
 def test_each_format_has_its_own_error(recipe, lo, hi):
-    """Against a float64 product: e4m3's ~3 significant bits give ~28 dB, e2m1's ~17
-    dB (more on a few rows); bf16 (~50 dB here) would fail the upper bound."""
+    """Against a float64 product: e4m3's ~3 significant bits give ~28 dB, e3m2's ~23,
+    e2m1's ~17 dB (more on a few rows); bf16 (~50 dB here) would fail the upper bound
+    (and e4m3 MXFP8's, 27 dB and more, MXFP6's)."""
     x, w, gy, offs = _operands(2)
     y, dx, dw = _grouped(recipe, "auto", x, w, gy, offs)
     xd, wd, gd = x.double(), w.double(), gy.double()

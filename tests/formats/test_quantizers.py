@@ -155,7 +155,7 @@ def test_ranks_all_reduce_amaxes_only_for_a_scaling_with_history(monkeypatch):
 
 def test_the_registry_holds_every_scaling_and_nothing_else_switches_on_it():
     assert tuple(Q.QUANTIZERS) == ("delayed", "current", "rowwise", "block", "mx", "nvfp4",
-                                   "int8")
+                                   "int8", "mxfp6")
     for name, cls in Q.QUANTIZERS.items():
         q = Q.quantizer_for(Recipe.parse(f"fp8,fp8_scaling={name}"))
         assert type(q) is cls and q.name == name

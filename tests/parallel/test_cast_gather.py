@@ -121,7 +121,8 @@ def _gather_in_process(fmt, weight, world):
 
 @pytest.mark.parametrize("recipe,shape,world", [
     ("fp8-rowwise", (37, 19), 3), ("fp8-block", (255, 200), 2),
-    ("mxfp8", (191, 70), 3), ("nvfp4", (47, 33), 3), ("nvfp4,nvfp4_2d=false", (47, 33), 3)])
+    ("mxfp8", (191, 70), 3), ("nvfp4", (47, 33), 3), ("nvfp4,nvfp4_2d=false", (47, 33), 3),
+    ("mxfp6", (191, 70), 3)])
 def test_padded_shards_and_odd_columns_gather_to_the_whole_weights_casts(recipe, shape,
                                                                          world):
     """Shards of ceil(rows / world) rows, the last padded (128 + 127; 13 + 13 + 11;

@@ -10,7 +10,8 @@ blocks before taking the shared exponent, which gives the same scale. NVFP4 and 
 1×128 / 128×128 tiles are cast the same way.
 
 The kernels do need alignment: each format's ``kernel`` (a ``KernelSpec``) declares
-the multiples of the GEMM's ``M``, ``K``, ``N`` its kernel takes, and the route pads to
+the multiples of the GEMM's ``M``, ``K``, ``N`` its kernel takes (and the kernel's name and
+the GPUs it runs on), and the route pads to
 them with zero codes under unit scales, so no sum changes, and keeps the output's first
 ``M × N``. ``torch._scaled_mm`` (per tensor, rowwise; ``TENSOR_KERNEL``) takes K and N
 in multiples of 16; the block formats' specs sit in their own files.
@@ -53,6 +54,10 @@ class KernelSpec:
     scale_dtype: torch.dtype = torch.float32
     #: e2m1 codes packed two per byte, and a per-tensor descale applied to the fp32 output
     fp4: bool = False
+    #: the kernel, as an error message names it
+    name: str = "torch._scaled_mm"
+    #: the NVIDIA compute capabilities it runs on: (lowest, highest major or None)
+    capability: tuple[tuple[int, int], int | None] = ((8, 9), None)
 
     def __post_init__(self) -> None:
         if len(self.multiples) != 3 or not all(isinstance(m, int) and m >= 1

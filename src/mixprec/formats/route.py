@@ -4,7 +4,8 @@ Routes: ``scaled_mm`` (torch's scaled kernel for the format), ``dequant`` (per t
 and rowwise: the codes in bf16, fp32 accumulation) and ``dequant_fp32`` (an IEEE fp32
 GEMM on the dequantized operands: exact up to summation order; the block formats' only
 dequantizing route). ``dequant*`` are taken as asked; ``scaled_mm`` raises where the
-format's kernel is missing on the device (its ``kernel_capability``, ``kernel_refusal``),
+format's kernel is missing on the device (its ``kernel``'s ``capability``, its
+``kernel_refusal``; a format without a kernel has none anywhere),
 naming why and the fix; ``auto`` takes the kernel where the device has it (block-scaled
 ones after ``mixprec.formats.scaled_mm``'s probe agreed), else warns once and takes the
 dequantizing route; on a CPU it measures the per-tensor routes (``mixprec.engine.devices``).
@@ -19,6 +20,7 @@ from typing import Protocol
 import torch
 
 from mixprec.formats import scaled_mm
+from mixprec.formats.padding import KernelSpec
 
 __all__ = ["gemm_route", "kernel_missing", "register_measured_route", "GEMM_CHOICES"]
 
@@ -27,13 +29,12 @@ GEMM_CHOICES = ("auto", "scaled_mm", "dequant", "dequant_fp32")
 
 class _Quantizer(Protocol):
     """What the route needs of a format (``mixprec.formats.gemm``): its name, whether it
-    scales per block, where its kernel runs and what operands the kernel refuses."""
+    scales per block, its kernel (None: none; else its name and where it runs) and what
+    operands the kernel refuses."""
 
     name: str
     block_scaled: bool
-    kernel_name: str
-    #: (lowest compute capability, highest major or None)
-    kernel_capability: tuple[tuple[int, int], int | None]
+    kernel: KernelSpec | None
 
     def kernel_refusal(self) -> str | None:
         """Why the kernel cannot take this format's operands, or None."""
@@ -49,6 +50,10 @@ def kernel_missing(device: torch.device | str, quantizer: _Quantizer) -> str | N
     ``device`` (a sentence), or None where it can (or may: a non-NVIDIA device's
     per-tensor kernel is left to torch). ``meta`` tensors have every kernel."""
     dev = torch.device(device)
+    kernel = quantizer.kernel
+    if kernel is None:
+        return (f"fp8_scaling={quantizer.name} has no torch scaled-matmul kernel (its "
+                "GEMMs run the exact dequantizing route)")
     refusal = quantizer.kernel_refusal()
     if refusal is not None:
         return refusal
@@ -60,10 +65,10 @@ def kernel_missing(device: torch.device | str, quantizer: _Quantizer) -> str | N
     if torch.version.hip is not None and block:
         return "mixprec wires torch's block-scaled kernels for NVIDIA GPUs only"
     cap = _capability(dev)
-    low, top = quantizer.kernel_capability
+    low, top = kernel.capability
     if cap < low or top is not None and cap[0] > top:
         need = f"{_sm(low)} only" if top == low[0] else f"{_sm(low)} or newer"
-        return f"{quantizer.kernel_name} needs {need}, this GPU is {_sm(cap)}"
+        return f"{kernel.name} needs {need}, this GPU is {_sm(cap)}"
     return None
 
 
@@ -102,12 +107,13 @@ def _route(device: str, quantizer: _Quantizer, choice: str) -> str:
     missing = kernel_missing(dev, quantizer)
     if choice == "scaled_mm":
         if missing is not None:
+            auto = ("the exact dequantizing GEMM" if quantizer.kernel is None else
+                    "the dequantizing GEMM where the kernel is missing, with a warning")
             raise ValueError(
                 f"fp8_gemm=scaled_mm with fp8_scaling={quantizer.name} on {device}: "
-                f"{missing}. Use fp8_gemm=auto (the dequantizing GEMM where the kernel "
-                f"is missing, with a warning) or fp8_gemm={exact}.")
+                f"{missing}. Use fp8_gemm=auto ({auto}) or fp8_gemm={exact}.")
         return "scaled_mm"
-    if dev.type == "meta":  # shapes only: nothing to measure or probe
+    if dev.type == "meta" or quantizer.kernel is None:  # shapes only, or no kernel
         return exact
     if dev.type != "cuda":
         return "dequant_fp32" if block else _measured(dev)

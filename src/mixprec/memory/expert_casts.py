@@ -1,10 +1,11 @@
 """What the experts' quantized grouped GEMM (``mixprec.experts.grouped``) keeps for its
 backward and holds while the backward runs, per route.
 
-A cast of a (rows, cols) operand costs a byte per code and an fp32 scale per tensor, row
-or tile (``cast_bytes``). On the ``loop`` route (a CPU's eager choice) each expert's
-slice is cast on its own. On the sync-free ``grouped`` route (a CPU's choice under
-``torch.compile``; ``sync_free_route`` names it) each operand is cast whole
+A cast of a (rows, cols) operand costs what its format says it holds (the format's
+``cast_bytes``: its codes and scales; ``code_bytes``: one code's carrier). On the
+``loop`` route (a CPU's eager choice) each expert's slice is cast on its own. On the
+sync-free ``grouped`` route (a CPU's choice under ``torch.compile``; ``sync_free_route``
+names it) each operand is cast whole
 (``mixprec.experts.segments``, the format's ``segment_cast``): per tensor, rowwise
 and INT8 rowwise keep the token-dim cast of all ``R`` rows (INT8's wgrad runs in 16
 bits on the rows' 16-bit copy), the tile formats (``fp8-block``, MX fp8, NVFP4) one
@@ -30,7 +31,6 @@ block formats: ``blocks_backward``).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 __all__ = ["ROUTES", "cast_bytes", "saved_cast", "token_casts", "sync_free_route", "padded_rows",
@@ -43,26 +43,9 @@ ROUTES = (TENSOR, ROWS, TILES, INT8, FP4)
 
 
 def cast_bytes(q: Any, rows: int, cols: int, role: str, dim: int) -> float:
-    """Bytes of one cast of a (rows, cols) tensor by quantizer ``q`` along ``dim``:
-    one byte per code (fp4 codes too) and an fp32 scale per tensor, row or tile."""
-    if rows == 0:
-        return 0.0
-    if q.per_tensor:
-        return float(rows * cols + 4)
-    kernel = q.kernel
-    tile = kernel.tile if kernel is not None else 0
-    if not tile:  # rowwise: one scale per row of the contracted dim
-        return float(rows * cols + 4 * (rows if dim == 1 else cols))
-    extra = q.global_scale_bytes
-    if dim == 0 and role != "weight":  # NVFP4's Hadamard blocks of 16 tokens
-        rows += (-rows) % q.token_multiple
-    if role == "weight" and q.reuses("weight"):  # square tiles serve both GEMMs
-        scales = math.ceil(rows / tile) * math.ceil(cols / tile)
-    elif dim == 1:
-        scales = rows * math.ceil(cols / tile)
-    else:
-        scales = math.ceil(rows / tile) * cols
-    return float(rows * cols + 4 * scales + extra)
+    """Bytes of one cast of a (rows, cols) tensor by quantizer ``q`` along ``dim``, as
+    its format answers them (``LinearFormat.cast_bytes``)."""
+    return q.cast_bytes(rows, cols, role, dim)
 
 
 def saved_cast(q: Any, rows: int, cols: int, role: str) -> float:
@@ -78,7 +61,8 @@ def saved_cast(q: Any, rows: int, cols: int, role: str) -> float:
 def sync_free_route(q: Any, experts_route: str, device: str) -> str | None:
     """The sync-free route experts in quantizer ``q``'s format run on (its
     ``segment_kind``: ``tensor``, ``rows``, ``tiles``, ``int8``, ``fp4``), as
-    ``grouped_mm`` picks it on a CPU's ``grouped`` route; None on the ``loop`` route,
+    ``grouped_mm`` picks it on a CPU's ``grouped`` route (the format's grain and
+    elements name it); None on the ``loop`` route,
     off a CPU, or for a format that takes the host-read path there (rowwise or tile
     fp8 with wgrad in 16 bits: ``segments_apply``)."""
     if experts_route != "grouped" or device != "cpu" or not q.segments_apply():
@@ -89,7 +73,7 @@ def sync_free_route(q: Any, experts_route: str, device: str) -> str | None:
 def padded_rows(q: Any, rows: int, experts: int) -> int:
     """The rows of a tile route's wgrad buffer: every expert (and the rows past the
     last one) starts on a whole tile, ``T + (E + 1)·(tile − 1)``."""
-    return rows + (experts + 1) * (q.kernel.tile - 1)
+    return rows + (experts + 1) * (q.scales.tile - 1)
 
 
 def token_casts(q: Any, counts: list[float], cols: int, act_bytes: float,
@@ -107,9 +91,9 @@ def token_casts(q: Any, counts: list[float], cols: int, act_bytes: float,
         p = padded_rows(q, int(rows), len(counts))
         return cast_bytes(q, p, cols, "input", 0) + 16 * rows
     if route == ROWS:  # one scale per (expert, column), the rows past included
-        return rows * cols + 4 * (len(counts) + 1) * cols + 8 * rows
+        return q.code_bytes("input") * rows * cols + 4 * (len(counts) + 1) * cols + 8 * rows
     if route == TENSOR:  # each row's inverse scale
-        return rows * cols + 12 * rows
+        return q.code_bytes("input") * rows * cols + 12 * rows
     return hp + 8 * rows
 
 
@@ -138,8 +122,9 @@ def sync_free_forward(route: str, q: Any, r: int, e: int, k: int, n: int, b: flo
     elif route in (TILES, FP4):
         p = padded_rows(q, r, e)
         if route == FP4:
-            p += (-p) % q.token_multiple
-        codes = rk + 4 * rk / q.kernel.tile  # the forward's token cast, still held
+            p += (-p) % q.scales.token_multiple
+        # the forward's token cast, still held: its codes and tile scales
+        codes = q.code_bytes("input") * rk + 4 * rk / q.scales.tile
         stages += [codes + wq + (28 if route == FP4 else 12) * p * k]
         stages += [20 * rk] if route == FP4 else []
     saved = token_casts(q, [r / e] * e, k, b, route) + e * saved_cast(q, n, k, "weight")
@@ -160,7 +145,7 @@ def blocks_backward(q: Any, r: int, e: int, i: int, o: int, b: float) -> float:
     the transposed gradient)."""
     p = padded_rows(q, r, e)
     cast = b + 8 + (4 if b < 4 else 0)
-    dgrad_cast = (1 + 4 / q.kernel.tile) * r * o
+    dgrad_cast = (q.code_bytes("grad_output") + 4 / q.scales.tile) * r * o
     return max(dgrad_cast + cast * p * o, 13 * p * o, p * o + 4 * r * o + 12 * p * i,
                5 * p * o + 8 * r * o + 4 * p * i + 4 * r * i)
 
@@ -187,7 +172,7 @@ def sync_free_backward(route: str, q: Any, r: int, e: int, i: int, o: int, b: fl
         stages += [4 * ro + dx + max(b * ro + b * w, 6 * w)]
     elif route == FP4:
         p = padded_rows(q, r, e)
-        p += (-p) % q.token_multiple  # the 16-row blocks of the Hadamard transform
+        p += (-p) % q.scales.token_multiple  # the Hadamard transform's 16-row blocks
         cast = 25 + (32 if getattr(q, "stochastic_grads", False) else 0)
         stages += [4 * ro + dx + cast * p * o, 4 * ro + dx + 9 * p * o + 4 * p * i + 4 * w]
         if not q.nvfp4_rht:  # the rows gathered back in place

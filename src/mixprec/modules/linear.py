@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mixprec.formats.gemm.int8 import Int8Rowwise
 from mixprec.formats.mm import _QuantizedMatmul
 from mixprec.formats.quantized import Quantized
 from mixprec.parallel.gather_casts import CastWeight
@@ -27,7 +28,7 @@ def _coerce(recipe: Recipe | str) -> Recipe:
     return Recipe.coerce(recipe)
 
 __all__ = ["Int8Linear", "QuantizedLinear", "Float8Linear", "fp8_modules", "scaling_buffers",
-           "legacy_scaling_keys"]
+           "legacy_scaling_keys", "linear_class"]
 
 
 def is_conv1d(m: nn.Module) -> bool:
@@ -59,8 +60,8 @@ class Float8Linear(nn.Linear):
     def _configure(self, r: Recipe, seed: int = 0) -> None:
         self.fp8_recipe = r
         self.quantizer = quantizer_for(r)
-        if type(self) in _NAMED.values():  # named for its format (a user's subclass stays)
-            self.__class__ = _NAMED.get(self.quantizer.linear_name, Float8Linear)
+        if type(self) in (Float8Linear, *_NAMED.values()):  # a user's subclass stays
+            self.__class__ = linear_class(self.quantizer)  # named for its format
         self.gemm_choice = self.quantizer.fp8_gemm
         state = self.quantizer.buffers(self.weight.device, seed)
         for name, (t, persistent) in state.items():
@@ -261,15 +262,20 @@ class Float8Linear(nn.Linear):
 
 
 class Int8Linear(Float8Linear):
-    """A ``Float8Linear`` whose format is int8 (its format's ``linear_name``): the same
+    """A ``Float8Linear`` whose format is int8 (``linear_class``): the same
     module, shown as what it computes in reprs and reports (``type(m).__name__``);
     ``isinstance(m, Float8Linear)`` holds. ``Float8Linear.from_linear`` and
     ``convert`` build it for an int8 recipe."""
 
 
-#: the Linear classes by the name a format gives them (``LinearFormat.linear_name``)
-_NAMED: dict[str, type[Float8Linear]] = {"Float8Linear": Float8Linear,
-                                         "Int8Linear": Int8Linear}
+#: the Linear class a format's Linears are shown as, by the format's class (its
+#: subclasses too); every other format's is ``Float8Linear``
+_NAMED: dict[type, type[Float8Linear]] = {Int8Rowwise: Int8Linear}
+
+
+def linear_class(fmt: object) -> type[Float8Linear]:
+    """The Linear class of format ``fmt``'s Linears: named for what it computes."""
+    return next((c for f, c in _NAMED.items() if isinstance(fmt, f)), Float8Linear)
 
 
 #: a module's hooks that ``from_linear`` carries over (``parallelize_module``'s input and

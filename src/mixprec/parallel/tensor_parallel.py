@@ -151,7 +151,7 @@ def tp_refusal(fmt: LinearFormat, weight: torch.Tensor) -> str | None:
     if why is not None:
         return f"tensor parallel: {why}"
     dim = weight.placements[0].dim % 2
-    unit = fmt.kernel.tile if fmt.block_scaled and fmt.kernel is not None else 1
+    unit = fmt.scales.tile if fmt.block_scaled else 1
     n, world = weight.shape[dim], weight.device_mesh.size()
     chunk = math.ceil(n / world)
     if unit > 1 and world > 1 and chunk % unit:

@@ -19,6 +19,8 @@ PRESET_FIELDS: dict[str, dict[str, object]] = {
     # block scales, e4m3 everywhere: DeepSeek-V3's recipe, and OCP MXFP8
     "fp8-block": {"compute": "fp8", "fp8_scaling": "block", "fp8_format": "e4m3"},
     "mxfp8": {"compute": "fp8", "fp8_scaling": "mx", "fp8_format": "e4m3"},
+    # OCP MXFP6: e3m2 elements, MX's 1x32 e8m0 scales; the exact dequantizing GEMM
+    "mxfp6": {"compute": "fp8", "fp8_scaling": "mxfp6"},
     # NVIDIA's NVFP4 pretraining recipe; the last two Linears stay in bf16
     "nvfp4": {"compute": "fp8", "fp8_scaling": "nvfp4", "bf16_last_layers": 2},
     # int8 forward and dgrad GEMMs, rowwise scales, wgrad in bf16 (mixprec.formats.gemm.int8)

@@ -46,6 +46,8 @@ from torch import nn
 from mixprec.diagnostics.noise import agreement
 from mixprec.engine.context import autocast_dtype, make_emulation_mode
 from mixprec.engine.facade import MixedPrecision
+from mixprec.formats.gemm.per_tensor import PerTensor
+from mixprec.formats.gemm.rowwise import RowwiseScaling
 from mixprec.memory import measure
 from mixprec.modules.linear import fp8_modules
 from mixprec.optim import adamw_for
@@ -53,7 +55,18 @@ from mixprec.recipe import Recipe
 from mixprec.workbench.model import GPT, SIZES
 from mixprec.workbench.peaks import combined_peak, peak_gflops, peak_parts
 
-__all__ = ["bench", "peak_gflops", "paired_overhead"]
+__all__ = ["bench", "peak_gflops", "paired_overhead", "TORCHAO_RECIPES", "torchao_recipe"]
+
+#: torchao's float8 training recipe of the same scaling as a Linear format (by the
+#: format's class, its subclasses too), which the bench runs as a peer; a format none
+#: of these is has no peer
+TORCHAO_RECIPES: dict[type, str] = {PerTensor: "tensorwise", RowwiseScaling: "rowwise"}
+
+
+def torchao_recipe(fmt: object) -> str | None:
+    """torchao's recipe of Linear format ``fmt``'s scaling (``TORCHAO_RECIPES``), or
+    None."""
+    return next((r for c, r in TORCHAO_RECIPES.items() if isinstance(fmt, c)), None)
 
 
 def paired_overhead(times: list[float], base: list[float]) -> tuple[float, float, float]:
@@ -125,7 +138,7 @@ def _recipe_row(r: str, build, loss_of, dev: torch.device, tokens: int,
         twins[f"hand:{r}"] = _hand_loop(build(), rec, dev, loss_of, e.emulating)
     if compile:
         twins[f"compiled:{r}"] = _engine_loop(build, rec, loss_of, compiled=True)[2]
-        peer = rec.linear.torchao_recipe if rec.linear is not None else None
+        peer = torchao_recipe(rec.linear)
         if peer and _has_torchao():
             twins[f"torchao:{r}"] = _torchao_loop(build(), m, e, dev, loss_of, peer)
     failed: dict[str, str] = {}

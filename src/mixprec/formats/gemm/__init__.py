@@ -10,12 +10,13 @@ from mixprec.formats.gemm.current import CurrentScaling
 from mixprec.formats.gemm.delayed import DelayedScaling
 from mixprec.formats.gemm.int8 import Int8Rowwise
 from mixprec.formats.gemm.mx import MXScaling
+from mixprec.formats.gemm.mxfp6 import MXFP6Scaling
 from mixprec.formats.gemm.nvfp4 import NVFP4Scaling
 from mixprec.formats.gemm.rowwise import RowwiseScaling
 
 __all__ = ["LinearFormat", "FORMATS", "DEFAULT_FORMAT", "format_class", "DelayedScaling",
            "CurrentScaling", "RowwiseScaling", "BlockScaling", "MXScaling", "NVFP4Scaling",
-           "Int8Rowwise"]
+           "Int8Rowwise", "MXFP6Scaling"]
 
 #: the format ``compute=fp8`` takes where ``fp8_scaling`` is not given
 DEFAULT_FORMAT = "delayed"
@@ -23,7 +24,7 @@ DEFAULT_FORMAT = "delayed"
 #: every Linear format by its name (a recipe's ``fp8_scaling``)
 FORMATS: dict[str, type[LinearFormat]] = {f.name: f for f in (
     DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXScaling, NVFP4Scaling,
-    Int8Rowwise)}
+    Int8Rowwise, MXFP6Scaling)}
 
 
 def format_class(name: str) -> type[LinearFormat]:

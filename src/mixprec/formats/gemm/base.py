@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -21,6 +23,7 @@ import torch
 
 from mixprec.formats.blocks import TILE
 from mixprec.formats.fp32_precision import ieee_fp32_matmul
+from mixprec.formats.grain import ScaleGrain
 from mixprec.formats.padding import (
     TENSOR_KERNEL,
     KernelSpec,
@@ -33,7 +36,7 @@ from mixprec.formats.scaled_mm import block_scaled_mm
 from mixprec.formats.segments import Segments, spread
 from mixprec.formats.shard import Agreement
 
-__all__ = ["LinearFormat", "Fp8Elements", "Margined", "check_fields", "TileScaled"]
+__all__ = ["LinearFormat", "Fp8Elements", "Margined", "check_fields", "TileScaled", "derived"]
 
 E4M3 = torch.float8_e4m3fn
 
@@ -46,6 +49,20 @@ CHOICES: dict[str, tuple] = {
     "mx_rounding": ("rceil", "floor", "ceil", "even"),
 }
 _INTS = {"margin": 0, "amax_history_len": 1}
+
+
+class derived:
+    """A fact a format derives from its declared capabilities, read alike on the class
+    (``FORMATS[name].block_scaled``) and on an instance; not a dataclass field. Each
+    subclass of ``LinearFormat`` holds its facts as plain class attributes, computed
+    when the class is made (``torch.compile`` reads them as constants)."""
+
+    def __init__(self, fn: Callable[[type], Any]) -> None:
+        self.fn = fn
+        self.__doc__ = fn.__doc__
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self.fn(owner if owner is not None else type(obj))
 
 
 def check_fields(obj: Any) -> None:
@@ -77,53 +94,86 @@ class LinearFormat:
 
     #: the name a recipe string gives it (``fp8_scaling=NAME``)
     name: ClassVar[str]
-    #: the class name a Linear in this format shows in reprs and reports (the class is
-    #: ``mixprec.modules.linear.Float8Linear`` or its subclass of this name)
-    linear_name: ClassVar[str] = "Float8Linear"
-    #: the forward's casts serve the backward GEMMs (a per-tensor scale has no axis)
-    reused_roles: ClassVar[tuple[str, ...]] = ()
-    #: one scale per tensor: FSDP2's all-gather sends the weight's e4m3 codes with a
-    #: scale every rank holds (``mixprec.formats.precast.Fp8Weight``)
-    per_tensor: ClassVar[bool] = False
-    #: FSDP2 may gather the weight as its casts (``fp8_all_gather``)
-    gathers_casts: ClassVar[bool] = True
-    #: a scale per block: the GEMMs take the block-scaled routes
-    block_scaled: ClassVar[bool] = False
-    #: bytes of a per-tensor scale a block-scaled cast carries beside its block scales
-    global_scale_bytes: ClassVar[int] = 0
-    #: an activation's or gradient's cast pads its tokens to a multiple of this
-    token_multiple: ClassVar[int] = 1
-    #: ``auto`` takes the per-tensor GEMM routes (``_scaled_mm`` or a measured dequant)
-    takes_tensor_route: ClassVar[bool] = True
+    # -- the capabilities a format declares; the rest derive from them (``derived``) --
+    #: where the casts' scales sit (``mixprec.formats.grain.ScaleGrain``): per tensor,
+    #: row or tile, from which ``per_tensor``, ``block_scaled``, ``flush_view``,
+    #: ``segment_kind`` and the casts' bytes (``cast_bytes``) follow
+    scales: ClassVar[ScaleGrain] = ScaleGrain(kind="row")
+    #: what the codes hold: ``fp8`` (e4m3 / e5m2 by the fields), ``int8``, or an element
+    #: format of ``mixprec.formats.elements`` kept in a wider carrier (``fp4_e2m1``,
+    #: ``fp6_e3m2``); the diagnostics judge the flushes of fp8 elements only
+    elements: ClassVar[str] = "fp8"
+    #: torch's scaled-matmul kernel that multiplies its casts (``mixprec.formats.padding``:
+    #: the GEMM's (M, K, N) multiples, the scales' layout, its name and the GPUs it runs
+    #: on; ``mixprec.formats.scaled_mm.block_scaled_mm`` takes it); None: no such kernel
+    #: (``fp8_gemm=scaled_mm`` is refused, the GEMMs run the exact dequantizing route)
+    kernel: ClassVar[KernelSpec | None] = TENSOR_KERNEL
     #: the GEMMs this format quantizes (``forward``, ``dgrad``, ``wgrad``); one left out
     #: runs in the gradient's 16-bit dtype on the saved high-precision input
     quantized_gemms: ClassVar[tuple[str, ...]] = ("forward", "dgrad", "wgrad")
     #: an amax history in ``fp8_amax_history`` that the ranks agree on every step
     has_history: ClassVar[bool] = False
+    #: FSDP2 may gather the weight as its casts (``fp8_all_gather``)
+    gathers_casts: ClassVar[bool] = True
     #: why this format cannot run on tensor-parallel shards (None: it can; a
     #: block-scaled one where every shard cut lies on a block boundary)
     tp_unsupported: ClassVar[str | None] = None
-    #: the GEMMs multiply dequantized fp32 operands (full fp32 precision pinned)
-    exact_fp32: ClassVar[bool] = False
-    #: elements per scale along the contracted dim, as the diagnostics judge underflow
-    tile: ClassVar[int] = TILE
-    #: what torch's scaled-matmul kernel that multiplies its casts needs of them: the
-    #: GEMM's (M, K, N) multiples and the scales' layout (``mixprec.formats.padding``;
-    #: ``mixprec.formats.scaled_mm.block_scaled_mm`` takes it); None: no such kernel
-    kernel: ClassVar[KernelSpec | None] = TENSOR_KERNEL
-    #: the kernel, as an error message names it
-    kernel_name: ClassVar[str] = "torch._scaled_mm"
-    #: the NVIDIA compute capabilities the kernel runs on: (lowest, highest major or None)
-    kernel_capability: ClassVar[tuple[tuple[int, int], int | None]] = ((8, 9), None)
-    #: which of the diagnostics' flush shares applies ("" for none: fp4 flushes by design)
-    flush_view: ClassVar[str] = "per-tensor"
-    #: torchao's float8 training recipe of the same scaling, if it has one (the bench
-    #: runs it as a peer)
-    torchao_recipe: ClassVar[str | None] = None
-    #: what the experts' whole-operand casts (``segment_cast``) keep and hold, as the
-    #: memory planner prices them (``mixprec.memory.expert_casts``): ``tensor``,
-    #: ``rows``, ``tiles``, ``int8`` or ``fp4``; None: no such casts
-    segment_kind: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, fact in vars(LinearFormat).items():
+            if isinstance(fact, derived) and name not in vars(cls):
+                setattr(cls, name, fact.fn(cls))
+
+    @derived
+    def per_tensor(cls) -> bool:
+        """One scale per tensor: FSDP2's all-gather sends the weight's e4m3 codes with a
+        scale every rank holds (``mixprec.formats.precast.Fp8Weight``)."""
+        return cls.scales.per_tensor
+
+    @derived
+    def block_scaled(cls) -> bool:
+        """A scale per block: the GEMMs take the block-scaled routes."""
+        return cls.scales.block_scaled
+
+    @derived
+    def exact_fp32(cls) -> bool:
+        """The GEMMs multiply dequantized fp32 operands (full fp32 precision pinned):
+        the block-scaled formats."""
+        return cls.scales.block_scaled
+
+    @derived
+    def takes_tensor_route(cls) -> bool:
+        """``auto`` takes the per-tensor GEMM routes (``_scaled_mm`` or a measured
+        dequant): a kernel whose scales factor out of the GEMM."""
+        return cls.kernel is not None and cls.kernel.scales == "tensor"
+
+    @derived
+    def flush_view(cls) -> str:
+        """Which of the diagnostics' flush shares applies (``per-tensor``, ``rowwise``,
+        ``per block``; "" for none: they judge fp8 elements only)."""
+        views = {"tensor": "per-tensor", "row": "rowwise", "tile": "per block"}
+        return views[cls.scales.kind] if cls.elements == "fp8" else ""
+
+    @derived
+    def tile(cls) -> int:
+        """Elements per scale along the contracted dim, as the diagnostics judge
+        underflow: the tile of a format judged per block, else ``TILE``."""
+        judged = cls.scales.kind == "tile" and cls.elements == "fp8"
+        return cls.scales.tile if judged else TILE
+
+    @derived
+    def segment_kind(cls) -> str:
+        """What the experts' whole-operand casts (``segment_cast``) keep and hold, as the
+        memory planner prices them (``mixprec.memory.expert_casts``): ``tensor``,
+        ``rows`` (``int8-rows`` for int8 codes), ``tiles`` (``fp4`` for NVFP4's fp4
+        codes under a per-tensor descale)."""
+        kind = cls.scales.kind
+        if kind == "tensor":
+            return "tensor"
+        if kind == "row":
+            return "int8-rows" if cls.elements == "int8" else "rows"
+        return "fp4" if cls.elements == "fp4_e2m1" else "tiles"
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -152,8 +202,10 @@ class LinearFormat:
         return {}
 
     def reuses(self, role: str) -> bool:
-        """Whether the forward's cast of ``role`` serves its backward GEMM too."""
-        return role in self.reused_roles
+        """Whether the forward's cast of ``role`` serves its backward GEMM too: every
+        role's under one scale per tensor (it has no axis), the weight's where it is
+        cast in square blocks."""
+        return self.per_tensor or (role == "weight" and self.scales.square_weight)
 
     def cast(self, t: torch.Tensor, role: str, dim: int, state: dict, record: bool = False,
              generator: torch.Generator | None = None, agree: Agreement | None = None
@@ -208,7 +260,7 @@ class LinearFormat:
         exact = lambda: (a.dequant() @ b.dequant()).to(out_dtype)  # noqa: E731
         if backend == "scaled_mm":  # a shape the kernel refuses: this GEMM runs exact
             return run_or_fall_back(lambda: block_scaled_mm(a, b, out_dtype, self.kernel),
-                                    exact, self.kernel_name,
+                                    exact, self.kernel.name,
                                     (a.codes.shape[0], a.codes.shape[1], b.codes.shape[1]),
                                     a.data.device)
         return exact()
@@ -261,6 +313,36 @@ class LinearFormat:
     def update(self, state: dict, found_inf: torch.Tensor | None = None) -> None:
         """Once per optimizer step (delayed scaling's history); nothing by default."""
 
+    def code_bytes(self, role: str) -> int:
+        """Bytes one code of ``role``'s cast is held in (its carrier dtype's: fp4 and
+        fp6 codes are kept as e4m3 bytes)."""
+        return self.dtype(role).itemsize
+
+    def cast_bytes(self, rows: float, cols: float, role: str, dim: int) -> float:
+        """Bytes one cast of a (rows, cols) ``role`` operand along ``dim`` holds: its
+        codes (``code_bytes`` each) and an fp32 scale per tensor, per slice along
+        ``dim`` or per tile of one (a square-block weight: per block), plus
+        ``scales.global_bytes``; an activation's or gradient's tokens (``dim=0``)
+        padded to ``scales.token_multiple``. The memory planner prices casts by it
+        (``mixprec.memory.expert_casts``)."""
+        if rows == 0:
+            return 0.0
+        g, code = self.scales, self.code_bytes(role)
+        if g.kind == "tensor":
+            return float(rows * cols * code + 4)
+        if g.kind == "row":
+            return float(rows * cols * code + 4 * (rows if dim == 1 else cols))
+        tile = g.tile
+        if dim == 0 and role != "weight":
+            rows += (-rows) % g.token_multiple
+        if role == "weight" and self.reuses("weight"):  # square tiles serve both GEMMs
+            n = math.ceil(rows / tile) * math.ceil(cols / tile)
+        elif dim == 1:
+            n = rows * math.ceil(cols / tile)
+        else:
+            n = math.ceil(rows / tile) * cols
+        return float(rows * cols * code + 4 * n + g.global_bytes)
+
     def saved_weight_bytes(self, i: int, o: int) -> float:
         """Bytes of the weight cast a Linear of ``i`` inputs and ``o`` outputs saves
         for backward: one byte per element (fp4 codes are kept as e4m3 bytes)."""
@@ -289,14 +371,8 @@ class LinearFormat:
 
 
 class TileScaled:
-    """Mixin of the fp8 formats with a scale per tile of the contracted dim (block, MX):
-    exact dequantizing GEMMs, block-scaled kernels, their backward's bytes."""
-
-    block_scaled: ClassVar[bool] = True
-    takes_tensor_route: ClassVar[bool] = False
-    exact_fp32: ClassVar[bool] = True
-    flush_view: ClassVar[str] = "per block"
-    segment_kind: ClassVar[str | None] = "tiles"
+    """Mixin of the formats with a scale per tile of the contracted dim (block, MX; their
+    ``scales`` a tile grain): their backward's bytes and grouped casts."""
 
     def backward_bytes(self, t: int, i: int, o: int, act_bytes: float, route: str
                        ) -> float:
@@ -323,13 +399,13 @@ class TileScaled:
         every expert starts on a whole tile (``Segments.aligned``, its tail padded with
         zeros as a cast of its slice pads it), which is cast."""
         if dim == 0:
-            t = spread(t, *seg.aligned(self.tile))
+            t = spread(t, *seg.aligned(self.scales.tile))
         return self.cast(t, role, dim, state, record, key)
 
     def segment_wgrad(self, g: Quantized, x: Quantized, seg: Segments
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The aligned casts dequantized and their rows gathered back in place."""
-        dest, _ = seg.aligned(self.tile)
+        dest, _ = seg.aligned(self.scales.tile)
         return g.dequant()[dest], x.dequant()[dest], seg.offs
 
 

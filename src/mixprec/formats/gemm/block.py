@@ -10,6 +10,7 @@ import torch
 
 from mixprec.formats.blocks import TILE, cast_blocks, cast_tiles
 from mixprec.formats.gemm.base import E4M3, Margined, TileScaled
+from mixprec.formats.grain import ScaleGrain
 from mixprec.formats.padding import KernelSpec
 from mixprec.formats.quantized import Quantized
 from mixprec.formats.shard import Agreement
@@ -27,11 +28,11 @@ class BlockScaling(TileScaled, Margined):
 
     name: ClassVar[str] = "block"
     #: K and N to 128; M to 4, so the tile scales' leading dimension is 16 bytes
-    kernel: ClassVar[KernelSpec] = KernelSpec(multiples=(4, 128, 128), tile=128,
-                                              scales="outer_major")
-    kernel_name: ClassVar[str] = "the 1x128/128x128 block kernel"
-    kernel_capability: ClassVar[tuple[tuple[int, int], int | None]] = ((9, 0), 9)
-    reused_roles: ClassVar[tuple[str, ...]] = ("weight",)
+    kernel: ClassVar[KernelSpec] = KernelSpec(
+        multiples=(4, 128, 128), tile=128, scales="outer_major",
+        name="the 1x128/128x128 block kernel", capability=((9, 0), 9))
+    #: 1×128 tiles; a weight's 128×128 blocks serve both of its GEMMs
+    scales: ClassVar[ScaleGrain] = ScaleGrain(kind="tile", tile=TILE, square_weight=True)
 
     @property
     def pow2(self) -> bool:

@@ -187,17 +187,14 @@ class Int8Rowwise(LinearFormat):
     element format, and its scale maps amax exactly onto 127)."""
 
     name: ClassVar[str] = "int8"
-    linear_name: ClassVar[str] = "Int8Linear"
     quantized_gemms: ClassVar[tuple[str, ...]] = ("forward", "dgrad")
-    takes_tensor_route: ClassVar[bool] = False
     #: not judged by the doctor's fp8 flush shares: 127 uniform levels flush whatever is
     #: below amax / 254 of its row by design (the planner's SQNR judges int8)
-    flush_view: ClassVar[str] = ""
+    elements: ClassVar[str] = "int8"
     #: its own GEMM (``int8_gemm``: ``torch._int_mm``), not a scaled-matmul kernel
     kernel: ClassVar[None] = None
     #: ``fp8_all_gather`` is refused: FSDP2 gathers its weights in 16 bits
     gathers_casts: ClassVar[bool] = False
-    segment_kind: ClassVar[str | None] = "int8-rows"
 
     def dtype(self, role: str) -> torch.dtype:
         """int8, every role."""

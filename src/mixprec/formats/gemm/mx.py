@@ -10,6 +10,7 @@ import torch
 
 from mixprec.formats.blocks import MX_TILE, cast_mx
 from mixprec.formats.gemm.base import Fp8Elements, TileScaled
+from mixprec.formats.grain import ScaleGrain
 from mixprec.formats.padding import KernelSpec
 from mixprec.formats.quantized import Quantized
 from mixprec.formats.shard import Agreement
@@ -30,10 +31,10 @@ class MXScaling(TileScaled, Fp8Elements):
     #: K to 32, N to 16; e8m0 scales swizzled (padded with unit scales to 128 × 4 tiles)
     kernel: ClassVar[KernelSpec] = KernelSpec(
         multiples=(1, MX_TILE, 16), tile=MX_TILE, scales="swizzled",
-        scale_dtype=torch.float8_e8m0fnu)
-    kernel_name: ClassVar[str] = "the MXFP8 block-scaled kernel"
-    kernel_capability: ClassVar[tuple[tuple[int, int], int | None]] = ((10, 0), None)
-    tile: ClassVar[int] = MX_TILE
+        scale_dtype=torch.float8_e8m0fnu, name="the MXFP8 block-scaled kernel",
+        capability=((10, 0), None))
+    #: 1×32 tiles along every contracted dim
+    scales: ClassVar[ScaleGrain] = ScaleGrain(kind="tile", tile=MX_TILE)
 
     @property
     def rounding(self) -> str:

@@ -26,6 +26,7 @@ import torch
 
 from mixprec.formats.fp4 import NVFP4_BLOCK, apply_hadamard, cast_nvfp4, hadamard_16
 from mixprec.formats.gemm.base import LinearFormat
+from mixprec.formats.grain import ScaleGrain
 from mixprec.formats.padding import KernelSpec
 from mixprec.formats.quantized import Quantized
 from mixprec.formats.segments import Segments, segment_amax, spread
@@ -50,16 +51,13 @@ class NVFP4Scaling(LinearFormat):
     #: K to 32 (two e2m1 codes per byte), N to 16; 1×16 e4m3 scales swizzled as MX's
     kernel: ClassVar[KernelSpec] = KernelSpec(
         multiples=(1, 32, 16), tile=16, scales="swizzled", scale_dtype=torch.float8_e4m3fn,
-        fp4=True)
-    kernel_name: ClassVar[str] = "the NVFP4 block-scaled kernel"
-    kernel_capability: ClassVar[tuple[tuple[int, int], int | None]] = ((10, 0), None)
-    exact_fp32: ClassVar[bool] = True
-    block_scaled: ClassVar[bool] = True
-    global_scale_bytes: ClassVar[int] = 4
-    token_multiple: ClassVar[int] = NVFP4_BLOCK  # the Hadamard transform's blocks
-    takes_tensor_route: ClassVar[bool] = False
-    flush_view: ClassVar[str] = ""
-    segment_kind: ClassVar[str | None] = "fp4"
+        fp4=True, name="the NVFP4 block-scaled kernel", capability=((10, 0), None))
+    #: 1×16 tiles (``reuses`` says when 16×16 weight blocks serve dgrad) under an fp32
+    #: per-tensor descale; the wgrad operands' tokens padded to the Hadamard transform's
+    #: 16-token blocks
+    scales: ClassVar[ScaleGrain] = ScaleGrain(kind="tile", tile=NVFP4_BLOCK, global_bytes=4,
+                                              token_multiple=NVFP4_BLOCK)
+    elements: ClassVar[str] = "fp4_e2m1"
 
     def backward_bytes(self, t: int, i: int, o: int, act_bytes: float, route: str
                        ) -> float:

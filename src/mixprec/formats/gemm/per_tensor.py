@@ -17,9 +17,10 @@ from typing import ClassVar
 import torch
 
 from mixprec.formats.gemm.base import Margined
+from mixprec.formats.grain import ScaleGrain
 from mixprec.formats.precast import Fp8Weight
 from mixprec.formats.quantized import Quantized
-from mixprec.formats.scaling import ROLES, abs_max, cast_to_fp8, nan_if_not_finite
+from mixprec.formats.scaling import abs_max, cast_to_fp8, nan_if_not_finite
 from mixprec.formats.segments import Segments, segment_amax, stacked_values
 from mixprec.formats.shard import Agreement, agreed_amax
 from mixprec.formats.tensor_gemm import fp8_gemm
@@ -31,10 +32,7 @@ __all__ = ["PerTensor"]
 class PerTensor(Margined):
     """One scale per tensor; subclasses say where the scale comes from (``_scale``)."""
 
-    reused_roles: ClassVar[tuple[str, ...]] = ROLES
-    per_tensor: ClassVar[bool] = True
-    torchao_recipe: ClassVar[str | None] = "tensorwise"
-    segment_kind: ClassVar[str | None] = "tensor"
+    scales: ClassVar[ScaleGrain] = ScaleGrain(kind="tensor")
 
     def mm(self, a: Quantized, b: Quantized, out_dtype: torch.dtype, backend: str
            ) -> torch.Tensor:

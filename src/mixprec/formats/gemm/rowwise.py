@@ -32,9 +32,6 @@ class RowwiseScaling(Margined):
     channel for weights."""
 
     name: ClassVar[str] = "rowwise"
-    flush_view: ClassVar[str] = "rowwise"
-    torchao_recipe: ClassVar[str | None] = "rowwise"
-    segment_kind: ClassVar[str | None] = "rows"
 
     @classmethod
     def flushed(cls, per_tensor: float, rowwise: float, blockwise: float) -> float:
