@@ -75,8 +75,16 @@ def _trainer_block(b: str) -> bool:
     return "mixprec.integrations" in b
 
 
+def _loads_sharded(block: str) -> bool:
+    """A block that loads a model transformers shards across ranks as it loads
+    (``distributed_config=``): tests/integrations/test_transformers_distributed.py runs
+    those calls on two ranks."""
+    return "distributed_config=" in block
+
+
 def _single_process_blocks() -> list[str]:
-    return [b for b in BLOCKS if "init_process_group" not in b and not _trainer_block(b)]
+    return [b for b in BLOCKS if "init_process_group" not in b and not _trainer_block(b)
+            and not _loads_sharded(b)]
 
 
 #: pages whose examples their own tests run (the MoE module of one's own in
@@ -92,8 +100,10 @@ def test_every_page_of_the_manual_is_read():
 
 def test_the_readme_has_python_examples():
     trainer = [b for b in BLOCKS if _trainer_block(b)]
-    assert len(BLOCKS) >= 5 and len(_single_process_blocks()) == len(BLOCKS) - 1 - len(trainer)
-    for b in trainer:
+    sharded = [b for b in BLOCKS if _loads_sharded(b)]
+    assert len(BLOCKS) >= 5 and len(_single_process_blocks()) == (
+        len(BLOCKS) - 1 - len(trainer) - len(sharded))
+    for b in trainer + sharded:
         compile(b, "README.md", "exec")  # at least valid Python
 
 
@@ -134,7 +144,7 @@ def test_readme_examples_run_and_their_comments_hold(tmp_path, monkeypatch):
 
 def test_readme_data_parallel_example_runs_in_a_process_group():
     """The torchrun fragment, in a one-rank gloo group in a child process."""
-    (block,) = [b for b in BLOCKS if "init_process_group" in b]
+    (block,) = [b for b in BLOCKS if "init_process_group" in b and not _loads_sharded(b)]
     script = textwrap.dedent("""
         import torch, torch.nn.functional as F
         import torch.distributed as dist
