@@ -135,7 +135,7 @@ def test_importing_mixprec_does_not_load_torch_dynamo():
 
 #: the floors of the picture in docs/development.md: a room imports its own floor or below
 FLOORS = {"_imports": 0, "formats": 0, "recipe": 1, "optim": 2, "parallel": 3, "modules": 4,
-          "experts": 5, "engine": 6, "checkpoint": 7, "memory": 9, "diagnostics": 9,
+          "experts": 5, "engine": 6, "checkpoint": 7, "export": 8, "memory": 9, "diagnostics": 9,
           "planner": 10, "integrations": 10, "workbench": 11, "cli": 11, "__main__": 11,
           "fp8": 11}
 #: rooms above their package's floor: the layouts and the step's rooms on the engine,

@@ -45,6 +45,7 @@ from mixprec.engine.coverage import Coverage, step_flops, warn_low_coverage
 from mixprec.engine.scaler import LossScaler
 from mixprec.engine.step import Step, StepResult, check_setup_unchanged
 from mixprec.engine.watch import SkipLimitError
+from mixprec.export import pretrained as export_pretrained
 from mixprec.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -342,6 +343,19 @@ class MixedPrecision:
             weights = {k: v.to(dtype) if v.is_floating_point() else v
                        for k, v in weights.items()}
         return weights
+
+    def save_pretrained(self, directory: str | os.PathLike[str], quantized: bool = True,
+                        dtype: torch.dtype = torch.bfloat16) -> Any:
+        """Write the trained transformers model to ``directory`` as a Hugging Face model
+        (``mixprec.export.save_pretrained``): with ``quantized`` (the default) in the
+        format it trained in (each quantized weight the codes and scales of its fp32
+        master's cast, exactly as the forward casts it; ``config.json`` with the
+        ``quantization_config`` transformers and vLLM read; the rest in ``dtype``), else
+        the fp32 masters. Under FSDP every rank calls it. Returns what was written
+        (``mixprec.export.Exported``; None for ``quantized=False`` and on ranks that do
+        not write). Any other module: ``mixprec.export.save``."""
+        return export_pretrained.save_pretrained(self, directory, quantized=quantized,
+                                                 dtype=dtype)
 
     def load_fp32_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load trained weights, as ``export_state_dict`` (or ``fp32_state_dict(full=True)``)
