@@ -15,9 +15,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from helpers import moe_models  # noqa: E402
-
 import mixprec  # noqa: E402
+from helpers import moe_models  # noqa: E402
 from mixprec.export.sites import quantized_sites  # noqa: E402
 
 RECIPES = ("fp8-current", "fp8-block", "mxfp8", "nvfp4")

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from mixprec.export.schema import Schema, on_grid
 
 __all__ = ["FineGrainedFP8"]
