@@ -26,22 +26,27 @@ class FineGrainedFP8(Schema):
     block: int = 128
 
     def encode(self, module, codes, scale_inv, outer):
+        """The codes and this schema's scales of the weight, on its grid (the trained scales,
+        checked to fit)."""
         s = on_grid(scale_inv, self.block, self.block, module)
         return {f"{module}.weight": codes.contiguous(),
                 f"{module}.weight_scale_inv": s.contiguous()}
 
     def loader_values(self, tensors, module):
+        """The loader's fp32 arithmetic on the written tensors."""
         s = tensors[f"{module}.weight_scale_inv"]
         s = s.repeat_interleave(self.block, 0).repeat_interleave(self.block, 1)
         w = tensors[f"{module}.weight"]
         return w.float() * s[:w.shape[0], :w.shape[1]]
 
     def quantization_config(self, ignore):
+        """The ``quantization_config`` this schema's loader reads, ``ignore`` its skip list."""
         return {"quant_method": "fp8", "activation_scheme": "dynamic",
                 "weight_block_size": [self.block, self.block],
                 "modules_to_not_convert": list(ignore) or None}
 
     def loader_warning(self, shape: tuple[int, ...]) -> str | None:
+        """Why transformers would read a weight of ``shape`` with the wrong block edge."""
         bad = [n for n in shape[-2:] if n > self.block and n % self.block]
         if not bad:
             return None
