@@ -402,3 +402,35 @@ def test_fsdp_settings_the_engine_does_not_do_are_refused_naming_them():
     model = _model()
     assert [type(m).__name__ for m in model.modules() if units["fsdp_units"](m)] == [
         "GPT2Block", "GPT2Block"]
+
+
+@pytest.mark.long
+def test_save_model_quantized_writes_the_format_trained_in(tmp_path):
+    """save_model(quantized=True) writes what engine.save_pretrained writes: a tiny Llama
+    trained under fp8-block loads in transformers with each projection its cast."""
+    from safetensors.torch import load_file
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=64, head_dim=16)
+    torch.manual_seed(0)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
+        learning_rate=3e-3, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+        disable_tqdm=True)
+    t = MixedPrecisionTrainer(model=transformers.LlamaForCausalLM(cfg), args=args,
+                              train_dataset=_data(8), recipe="fp8-block")
+    with pytest.raises(ValueError, match="before train"):
+        t.save_model(str(tmp_path / "early"), quantized=True)
+    t.train()
+    t.save_model(str(tmp_path / "q"), quantized=True)
+    q = load_file(tmp_path / "q" / "model.safetensors")
+    w = q["model.layers.0.mlp.down_proj.weight"]
+    assert w.dtype == torch.float8_e4m3fn and w.shape == (64, 128)
+    master = t.engine.export_state_dict()["model.layers.0.mlp.down_proj.weight"]
+    cast = t.engine.module.model.layers[0].mlp.down_proj.quantizer.cast(master, "weight", 1, {})
+    assert torch.equal(w, cast.data)
+    assert torch.equal(q["model.layers.0.mlp.down_proj.weight_scale_inv"], cast.scale_inv)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q",
+                                                               dtype=torch.float32)
+    assert torch.equal(loaded.model.layers[0].mlp.down_proj.weight, cast.dequant())

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mixprec.export.sites import quantized_sites
 from mixprec.export.tensors import Exported, export_tensors, trained_weights
 
 __all__ = ["save_pretrained", "WEIGHTS_NAME"]
@@ -68,6 +69,12 @@ def save_pretrained(model_or_engine: nn.Module | object, directory: str | os.Pat
         return None
     from transformers.core_model_loading import revert_weight_conversion
 
+    conv = sorted(p for p, site in quantized_sites(model).items() if site.transposed)
+    if conv:
+        raise NotImplementedError(
+            f"{conv[0]} is a Conv1D weight (stored in x out, as GPT-2's): the serving "
+            "schemas hold out x in Linear weights. Use save_pretrained(quantized=False), "
+            "or mixprec.export.save(model, path), which writes it out x in")
     exported = export_tensors(model, weights, dtype,
                               lambda d: revert_weight_conversion(model, dict(d)),
                               drop=_tied(model))

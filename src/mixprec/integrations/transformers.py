@@ -271,6 +271,20 @@ class MixedPrecisionTrainer(Trainer):
             save_fp32_config(self.accelerator.unwrap_model(self.model),
                              output_dir if output_dir is not None else self.args.output_dir)
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False,
+                   quantized: bool = False) -> None:
+        """Trainer's ``save_model`` (the fp32 masters); ``quantized=True`` writes the
+        model in the format it trained in instead (``engine.save_pretrained``:
+        docs/guides/serve.md). Every process calls it; the main one writes."""
+        if not quantized:
+            super().save_model(output_dir, _internal_call)
+            return
+        if self.engine is None:
+            raise ValueError("save_model(quantized=True) before train(): the engine that "
+                             "knows the trained format starts with training")
+        self.engine.save_pretrained(output_dir if output_dir is not None
+                                    else self.args.output_dir, quantized=True)
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         path = os.path.join(output_dir, ENGINE_FILE)
         if self.engine is not None and self.engine.parallel == "fsdp":
