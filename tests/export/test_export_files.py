@@ -20,7 +20,7 @@ from mixprec.export.schema import on_grid
 from mixprec.export.sites import quantized_sites
 from mixprec.formats.gemm import FORMATS
 
-RECIPES = ("fp8-current", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4", "int8-rowwise")
+RECIPES = ("fp8", "fp8-current", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4", "int8-rowwise")
 
 
 def _engine(recipe: str):

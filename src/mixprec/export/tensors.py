@@ -22,7 +22,7 @@ from torch import nn
 from mixprec.experts.format import experts_formats
 from mixprec.export.choice import schema_for
 from mixprec.export.schema import Schema, relative_error
-from mixprec.export.sites import kept_linears, quantized_sites, weight_cast
+from mixprec.export.sites import Site, kept_linears, quantized_sites, weight_cast
 from mixprec.modules.linear import fp8_modules, scaling_buffers
 
 __all__ = ["Exported", "export_tensors", "trained_weights", "unbind_experts"]
@@ -80,6 +80,22 @@ def unbind_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _pieces(site: Site, weight: torch.Tensor, rename: Rename
+            ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """The site's cast of ``weight`` as its on-disk pieces: name -> (codes, each
+    element's inverse scale, each element's outer factor or None). The codes go through
+    ``rename`` as fp32 values (exact) and come back in their own dtype."""
+    c = weight_cast(site, weight)
+    codes = rename({site.param: c.codes.float()})
+    scales = rename({site.param: c.scale_inv})
+    outers = {}
+    if c.outer is not None:
+        shape = c.outer.shape + (1,) * (c.codes.dim() - c.outer.dim())
+        full = c.outer.float().reshape(shape).expand(c.codes.shape).contiguous()
+        outers = rename({site.param: full})
+    return {k: (v.to(c.codes.dtype), scales[k], outers.get(k)) for k, v in codes.items()}
+
+
 def export_tensors(model: nn.Module, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                    rename: Rename, drop: set[str] = frozenset()) -> Exported:
     """``weights`` (keyed as ``model.state_dict()``) as the tensors of the quantized
@@ -96,33 +112,20 @@ def export_tensors(model: nn.Module, weights: dict[str, torch.Tensor], dtype: to
             f"({sorted({s.name for s in schemas.values()})}); the export writes one "
             "schema per model: export it with quantized=False")
     schema = next(iter(schemas.values()))
-    codes, scales, outers, dtypes, fmts = {}, {}, {}, {}, {}
-    for p, site in sites.items():
-        c = weight_cast(site, weights[p])
-        codes[p], scales[p], dtypes[p] = c.codes.float(), c.scale_inv, c.codes.dtype
-        fmts[p] = site.quantizer.name
-        if c.outer is not None:
-            shape = c.outer.shape + (1,) * (c.codes.dim() - c.outer.dim())
-            outers[p] = c.outer.float().reshape(shape).expand(c.codes.shape).contiguous()
-    # each parameter's on-disk pieces (renamed one parameter at a time: each piece
-    # knows where it came from)
-    pieces = {}
-    for p in sites:
-        c, s = rename({p: codes[p]}), rename({p: scales[p]})
-        o = rename({p: outers[p]}) if p in outers else {}
-        pieces.update({k: (p, c[k], s[k], o.get(k)) for k in c})
     tensors, quantized, error, notes = {}, {}, 0.0, []
-    for k in sorted(pieces):
-        if not k.endswith(".weight"):
-            raise ValueError(f"quantized weight {k!r} is not a module's 'weight'")
-        module, (p, code, scale, outer) = k.removesuffix(".weight"), pieces[k]
-        mine = schema.encode(module, code.to(dtypes[p]), scale, outer)
-        s = scale if outer is None else scale * outer
-        error = max(error, relative_error(schema.loader_values(mine, module), code * s))
-        if (why := schema.loader_warning(tuple(code.shape))) and why not in notes:
-            notes.append(why)
-        tensors.update({n: t.contiguous() for n, t in mine.items()})
-        quantized[module] = fmts[p]
+    for p, site in sites.items():  # one at a time: its spelled-out scales are transient
+        pieces, fmt = _pieces(site, weights[p], rename), site.quantizer.name
+        for k in sorted(pieces):
+            if not k.endswith(".weight"):
+                raise ValueError(f"quantized weight {k!r} is not a module's 'weight'")
+            module, (code, scale, outer) = k.removesuffix(".weight"), pieces[k]
+            mine = schema.encode(module, code, scale, outer)
+            trained = code.float() * (scale if outer is None else scale * outer)
+            error = max(error, relative_error(schema.loader_values(mine, module), trained))
+            if (why := schema.loader_warning(tuple(code.shape))) and why not in notes:
+                notes.append(why)
+            tensors.update({n: t.contiguous() for n, t in mine.items()})
+            quantized[module] = fmt
     plain = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in weights.items()
              if k not in sites and k not in drop}
     tensors.update({k: v.contiguous() for k, v in rename(plain).items()})
