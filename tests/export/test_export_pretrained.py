@@ -202,3 +202,34 @@ def test_quantized_false_writes_the_fp32_masters(tmp_path):
     masters = engine.export_state_dict()
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, masters[k]), k
+
+
+def test_engine_save_pretrained_loads_back_as_the_trained_casts(tmp_path):
+    """The default suite's case: a one-layer Llama, one step of fp8-current."""
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=64, head_dim=16)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    engine = mixprec.MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                    recipe="fp8-current")
+    ids = torch.randint(0, 64, (2, 8))
+    with engine.autocast():
+        loss = model(ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    exported = engine.save_pretrained(tmp_path)
+    assert exported.schema.name == "float-tensor" and exported.ignore == ["lm_head"]
+    assert exported.loader_error == 0.0 and not exported.notes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, dtype=torch.float32,
+            quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
+    masters = engine.export_state_dict()
+    sites = quantized_sites(engine.module)
+    assert len(sites) == 7
+    for name, site in sites.items():
+        assert torch.equal(loaded.get_parameter(name), _reference(site, masters[name]).float())
+    assert loaded.lm_head.weight.dtype == torch.float32
+    assert torch.equal(loaded.lm_head.weight, masters["lm_head.weight"].bfloat16().float())
