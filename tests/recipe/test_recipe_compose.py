@@ -148,7 +148,8 @@ def test_each_format_validates_its_own_fields():
         CurrentScaling(1)  # keyword-only
     with pytest.raises(ValueError, match="compute='fp8' needs one"):
         Recipe(precision=Precision(compute="fp8"))
-    assert set(FORMATS) == {"delayed", "current", "rowwise", "block", "mx", "nvfp4", "int8", "mxfp6"}
+    assert set(FORMATS) == {"delayed", "current", "rowwise", "block", "mx", "nvfp4", "int8",
+                            "mxfp6"}
 
 
 @pytest.mark.parametrize("text", [t for t, _ in PINNED])
