@@ -74,25 +74,11 @@ def wire(rank, world, tmp, recipes):
 STEPS, LR = 4, 5e-3
 
 
-def _dense_allreduce(engine, sharded: set[str], world: int) -> None:
-    """The data-parallel mean of every accumulated gradient but the experts' shards
-    (the engine's buffers, in place)."""
-    state = engine.param_state
-    names = state.names
-    for name, g in zip(names, state.grads, strict=True):
-        if g is not None and name not in sharded:
-            dist.all_reduce(g)
-            g.div_(world)
-
-
 def _train(kind: str, recipe: str, rank: int, world: int, ep: bool) -> dict:
     """``STEPS`` AdamW steps of a tiny ``kind`` model; expert-parallel on this rank's
     half of each batch, or one process on the whole batch."""
     m = model(kind, seed=0)
-    stats, sharded = None, set()
-    if ep:
-        shards = expert_parallel(m)
-        stats, sharded = shards.stats, set(shards.params)
+    shards = expert_parallel(m) if ep else None
     opt = torch.optim.AdamW(m.parameters(), lr=LR)
     engine = MixedPrecision(m, opt, recipe)
     losses = []
@@ -102,13 +88,14 @@ def _train(kind: str, recipe: str, rank: int, world: int, ep: bool) -> dict:
             loss = engine.model(input_ids=share, labels=share).loss
         engine.backward(loss)
         if ep:
-            _dense_allreduce(engine, sharded, world)
+            shards.average_grads(zip(engine.param_state.names, engine.param_state.grads))
         engine.step()
         detached = loss.detach()
         if ep:
             dist.all_reduce(detached)
             detached /= world
         losses.append(detached.item())
+    stats = shards.stats if ep else None
     return {"losses": losses, "totals": stats.totals() if stats else {},
             "fallbacks": [f.what for f in stats.fallbacks] if stats else []}
 

@@ -17,7 +17,7 @@ An expert's gradient sums what every rank's tokens send it; with ``average_grads
 parameters' gradients, so that the step is the one process's on the ranks' tokens
 together (with each rank's loss a mean). The sharded parameters are listed
 (``ExpertShards.params``): a data-parallel wrapper over the same ranks must leave them
-out of its gradient reduction.
+out of its gradient reduction; ``ExpertShards.average_grads`` averages the others.
 """
 
 from __future__ import annotations
@@ -66,6 +66,22 @@ class ExpertShards:
     params: tuple[str, ...] = ()
     #: the bytes every dispatch and combine sent
     stats: CommStats = field(default_factory=CommStats)
+    #: the EP process group (None: the default group)
+    group: object = None
+
+    def average_grads(self, named_grads) -> int:
+        """The mean over the group of every gradient in ``named_grads`` (``(name,
+        grad)`` pairs, e.g. ``zip(engine.param_state.names, engine.param_state.grads)``)
+        but the experts' shards', in place: data parallel for the rest of the model
+        over the EP ranks. Returns how many gradients were averaged."""
+        world, n = dist.get_world_size(self.group), 0
+        sharded = set(self.params)
+        for name, g in named_grads:
+            if g is not None and name not in sharded:
+                dist.all_reduce(g, group=self.group)
+                g.div_(world)
+                n += 1
+        return n
 
 
 def _group_of(group):
@@ -120,7 +136,7 @@ def expert_parallel(model: nn.Module, group=None, *, average_grads: bool = True,
                                     stats=stats, name=name)
         m.forward = types.MethodType(ep_experts_forward, m)
         shards[name] = m._mixprec_ep
-    return ExpertShards(modules=shards, params=tuple(params), stats=stats)
+    return ExpertShards(modules=shards, params=tuple(params), stats=stats, group=pg)
 
 
 def _projection(m: nn.Module, proj: str) -> torch.Tensor:

@@ -31,8 +31,8 @@ from mixprec.formats import elements as formats
 from mixprec.formats.quantized import Quantized, block_amax, expand_blocks
 from mixprec.formats.shard import Agreement, agreed_amax, draw_sliced, slice_of
 
-__all__ = ["NVFP4_BLOCK", "cast_nvfp4", "nvfp4_descale", "hadamard_16", "apply_hadamard", "counter_uniform",
-           "counter_key"]
+__all__ = ["NVFP4_BLOCK", "cast_nvfp4", "nvfp4_descale", "hadamard_16", "apply_hadamard",
+           "counter_uniform", "counter_key"]
 
 NVFP4_BLOCK = 16
 _E4M3 = formats.get("fp8_e4m3")
