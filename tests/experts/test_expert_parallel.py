@@ -2,13 +2,17 @@
 fp8-rowwise, fp8-block's 1×128 tiles, MXFP8 and NVFP4 is bit for bit the casts of the received
 tokens made in one process (codes and scales byte for byte, the experts' GEMM output),
 the code bytes match ml_dtypes, the bytes recorded are the hand count, a rank that
-receives (and sends) nothing works, and tiny Qwen3-MoE and Mixtral models train
-expert-parallel as one process does on the whole batch."""
+receives (and sends) nothing works, tiny Qwen3-MoE and Mixtral models train
+expert-parallel as one process does on the whole batch, and the guide's script runs
+under torchrun."""
 
 from __future__ import annotations
 
 import math
 import os
+import re
+import subprocess
+import sys
 import tempfile
 
 import ml_dtypes
@@ -18,6 +22,8 @@ import torch
 import torch.multiprocessing as mp
 
 from helpers import ep_workers as w
+from helpers.launch import free_port
+from helpers.paths import ROOT, SRC
 from mixprec.experts import ExpertsFormat, grouped_mm
 from mixprec.formats.fp4 import cast_nvfp4
 
@@ -207,3 +213,23 @@ def test_expert_parallel_trains_as_one_process(train_ranks, kind, recipe):
         assert ep["totals"][codes] > 0 and not ep["fallbacks"]
     else:
         assert codes not in ep["totals"]
+
+
+@pytest.mark.long
+def test_the_guide_script_runs_under_torchrun(tmp_path):
+    """docs/guides/expert-parallel.md's script, as written, on 2 gloo ranks."""
+    page = (ROOT / "docs/guides/expert-parallel.md").read_text()
+    script = re.findall(r"```python\n(.*?)```", page, re.S)[0]
+    assert script.startswith("# torchrun --nproc-per-node 2")
+    (tmp_path / "ep_train.py").write_text(script)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                          "2", "--master-port", str(free_port()), "ep_train.py"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "OMP_NUM_THREADS": "1",  # this checkout's
+                              "PYTHONPATH": os.pathsep.join(  # mixprec first
+                                  [str(SRC.parent), os.environ.get("PYTHONPATH", "")])})
+    assert run.returncode == 0, run.stderr[-3000:]
+    # each rank prints its line (the two may interleave)
+    for rank in range(2):
+        assert f"rank {rank}: loss" in run.stdout, run.stdout
+    assert run.stdout.count("'dispatch-codes': 32768") == 2, run.stdout
