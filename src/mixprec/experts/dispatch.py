@@ -7,18 +7,20 @@ sorts its (token, expert) pairs by expert, exchanges the per-expert row counts
 sizes ``all_to_all_single`` takes), and sends each row to the owner of its expert:
 
 - as the codes and scales of the format's forward input cast (``WIRE_FORMATS``:
-  ``fp8-rowwise``'s e4m3 row with one fp32 scale, ``fp8-block``'s 1×128 tiles with fp32
-  scales, MXFP8's 1×32 tiles with e8m0 scales, NVFP4's e2m1 codes two to a byte with
-  1×16 e4m3 scales). The sender casts with the very cast the receiver's grouped GEMM
-  would make (the format's ``cast``; NVFP4's ``cast_nvfp4`` with the expert's amax,
-  agreed first in an all-reduce MAX of ``E`` floats, from which the receiver also
-  computes the per-expert fp32 descale), and the receiver's GEMM takes the received
-  casts as its input casts (``Dispatched``): no cast again, bit for bit the casts of
-  the received tokens in one process. Its weight gradient casts the dispatched values
-  (the codes times their scales) along the tokens, as DeepSeek-V3 does;
-- in 16 bits otherwise (the per-tensor, delayed and int8 formats, a bf16 experts
-  module), the receiver casting as usual; a format that asked for low precision is
-  noted in ``CommStats.fallbacks``.
+  ``fp8-current``'s e4m3 codes under each expert's per-tensor scale, ``fp8-rowwise``'s
+  e4m3 row with one fp32 scale, ``fp8-block``'s 1×128 tiles with fp32 scales, MXFP8's
+  1×32 tiles with e8m0 scales, NVFP4's e2m1 codes two to a byte with 1×16 e4m3
+  scales). The sender casts with the very cast the receiver's grouped GEMM would make
+  (the format's ``cast``; for ``fp8-current`` and NVFP4, whose scale spans an expert's
+  rows, with the expert's amax, agreed first in an all-reduce MAX of ``E`` fp32, from
+  which every rank computes the expert's scale or NVFP4 descale), and the receiver's
+  GEMM takes the received casts as its input casts (``Dispatched``): no cast again,
+  bit for bit the casts of the received tokens in one process. Its weight gradient
+  takes the per-tensor casts as they are, and casts the dispatched values (the codes
+  times their scales) along the tokens in the other formats, as DeepSeek-V3 does;
+- in 16 bits otherwise (delayed scaling, whose scale is each rank's own history, INT8,
+  MXFP6, a bf16 experts module), the receiver casting as usual; a format that asked
+  for low precision is noted in ``CommStats.fallbacks``.
 
 The combine (the experts' outputs back to their tokens), the dispatch's backward (the
 input gradients back) and the combine's backward (the output gradients to the experts)
@@ -49,7 +51,7 @@ __all__ = ["WIRE_FORMATS", "Routing", "exchange", "dispatch", "combine", "Dispat
            "dispatched_mm", "wire_dtype"]
 
 #: the formats (``fp8_scaling``) whose dispatch crosses the wire as codes and scales
-WIRE_FORMATS = ("rowwise", "block", "mx", "nvfp4")
+WIRE_FORMATS = ("current", "rowwise", "block", "mx", "nvfp4")
 _U8 = torch.uint8
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -154,32 +156,43 @@ def _exchange_16(x: torch.Tensor, send, recv, group, stats, what: str, back: str
 @dataclass(frozen=True)
 class _Wire:
     """How received bytes rebuild a cast: the codes' dtype, the tile, the scales'
-    wire dtype and whether the codes are packed e2m1."""
+    wire dtype (None: per tensor, every rank holds them) and whether the codes are
+    packed e2m1."""
 
     codes: torch.dtype
     rows: int
     cols: int
-    scales: torch.dtype
+    scales: torch.dtype | None
     fp4: bool
 
-    def build(self, codes: torch.Tensor, scales: torch.Tensor, k: int,
-              outer: torch.Tensor | None) -> Quantized:
+    def build(self, codes: torch.Tensor, scales: torch.Tensor | None, k: int,
+              extra: torch.Tensor | None) -> Quantized:
+        """The received rows' cast; ``extra``: each row's NVFP4 descale, or its
+        per-tensor inverse scale (``scales`` None)."""
         if self.fp4:
             c = (unpack_fp4(codes, k) if codes.shape[0]
                  else codes.new_empty(0, k).view(self.codes))
         else:
             c = codes.view(self.codes)
+        if scales is None:
+            return Quantized(c, extra)
         inv = scales.view(self.scales).float()
         if self.fp4:  # a block holding an inf or NaN: its codes are NaN
             bad = expand_blocks(inv.isnan(), self.rows, self.cols, c.shape)
             c = torch.where(bad, c.new_full((), float("nan")), c)
-        return Quantized(c, inv, self.rows, self.cols, outer=outer)
+        return Quantized(c, inv, self.rows, self.cols, outer=extra)
 
 
-def _send_cast(fmt: ExpertsFormat, x: torch.Tensor, amax: torch.Tensor | None
-               ) -> tuple[Quantized, _Wire]:
-    """The rows' forward input cast, as the receiver's grouped GEMM would make it."""
+def _send_cast(fmt: ExpertsFormat, x: torch.Tensor, amax: torch.Tensor | None,
+               scale: torch.Tensor | None) -> tuple[Quantized, _Wire]:
+    """The rows' forward input cast, as the receiver's grouped GEMM would make it
+    (``amax``: each row's expert's, NVFP4's; ``scale``: each row's expert's per-tensor
+    scale)."""
     q = fmt.quantizer
+    if scale is not None:
+        c = Quantized(adapter.cast_scaled(fmt, x, scale.unsqueeze(1), "input"),
+                      torch.reciprocal(scale))
+        return c, _Wire(c.data.dtype, 0, 0, None, False)
     if q.name == "nvfp4":
         c = cast_nvfp4(x, 1, amax=amax.unsqueeze(1))
     else:
@@ -200,15 +213,17 @@ class _Dispatch(torch.autograd.Function):
     scales (source-major). The backward sends the values' gradients back."""
 
     @staticmethod
-    def forward(ctx, x, codes, scales, wire, k, outer_of, r, stats, grad_dtype):
+    def forward(ctx, x, codes, scales, wire, k, extra, r, stats, grad_dtype):
         send, recv, group = r.send_splits, r.recv_splits, r.group
         got_c = _a2a(codes, send, recv, group, stats, "dispatch-codes")
-        got_s = _a2a(scales, send, recv, group, stats, "dispatch-scales")
-        q = wire.build(got_c, got_s, k, outer_of)
+        got_s = (None if scales is None
+                 else _a2a(scales, send, recv, group, stats, "dispatch-scales"))
+        q = wire.build(got_c, got_s, k, extra)
         ctx.args = (r, stats, grad_dtype, x.dtype)
         values = q.dequant()
-        ctx.mark_non_differentiable(q.data, q.scale_inv)
-        return values, q.data, q.scale_inv
+        inv = q.scale_inv if got_s is not None else got_c.new_empty(0)
+        ctx.mark_non_differentiable(q.data, inv)
+        return values, q.data, inv
 
     @staticmethod
     def backward(ctx, g, *_):
@@ -229,39 +244,55 @@ def dispatch(x: torch.Tensor, ids: torch.Tensor, r: Routing, fmt: ExpertsFormat 
     if fmt is None or not _codes_dispatch(fmt):
         if fmt is not None:
             stats.fallback(f"dispatch:{what}", fmt.format_name, wire_dtype(x),
-                           f"{fmt.format_name}'s input cast is not per row "
-                           f"(codes dispatch: {', '.join(WIRE_FORMATS)} scalings)")
+                           f"{fmt.scaling} scaling has no codes dispatch (the scalings "
+                           f"that have: {', '.join(WIRE_FORMATS)})")
         got = _exchange_16(x, send, recv, group, stats, "dispatch", "dispatch-grad",
                            wire_dtype(x))
         return got[r.order], None
     k = x.shape[1]
-    amax, descale = None, None
-    if fmt.quantizer.name == "nvfp4":  # each expert's amax over every rank's rows
-        n = len(r.local_counts) * len(r.recv_counts)
-        row_amax = x.detach().float().abs().amax(dim=1) if x.shape[0] else x.new_zeros(0)
-        per = torch.zeros(n, device=x.device).scatter_reduce(
-            0, ids, row_amax.float(), "amax")
-        stats.record(per, "all_reduce", "dispatch-amax")
-        dist.all_reduce(per, dist.ReduceOp.MAX, group=group)
-        amax = per[ids]
-        descale = nvfp4_descale(per[r.first:r.first + len(r.local_counts)])
+    name, local = fmt.quantizer.name, slice(r.first, r.first + len(r.local_counts))
+    amax = descale = scale = inv = extra = None
+    if name in ("nvfp4", "current"):  # each expert's amax over every rank's rows
+        per = _agreed_amax(x, ids, len(r.local_counts) * len(r.recv_counts), group, stats)
+        if name == "nvfp4":
+            amax, descale = per[ids], nvfp4_descale(per[local])
+        else:  # the format's scale of each expert's amax (as its own cast makes it)
+            scales_e = adapter.segment_scales(fmt, per, "input")
+            scale, inv = scales_e[ids], torch.reciprocal(scales_e[local])
     with adapter.no_autocast(x):
-        c, wire = _send_cast(fmt, x.detach(), amax)
+        c, wire = _send_cast(fmt, x.detach(), amax, scale)
     codes = pack_fp4(c.data) if wire.fp4 else c.data.view(_U8)
-    scales = c.scale_inv.float().to(wire.scales).view(_U8)
-    src_ids = r.expert_ids.new_empty(0) if descale is None else _source_major_ids(r)
-    outer = None if descale is None else descale[src_ids].unsqueeze(1)
-    values, got_c, got_s = _Dispatch.apply(x, codes, scales, wire, k, outer, r, stats,
+    scales = None if wire.scales is None else c.scale_inv.float().to(wire.scales).view(_U8)
+    if descale is not None or inv is not None:  # each received row's, by its expert
+        extra = (descale if inv is None else inv)[_source_major_ids(r)].unsqueeze(1)
+    values, got_c, got_s = _Dispatch.apply(x, codes, scales, wire, k, extra, r, stats,
                                            wire_dtype(x))
     order = r.order
-    got_c, got_s = got_c[order], got_s[order]
+    got_c = got_c[order]
+    got_s = got_s[order] if scales is not None else None
     casts, start = [], 0
     for j, n in enumerate(r.local_counts):
-        o = None if descale is None else descale[j]
-        casts.append(None if n == 0 else Quantized(
-            got_c[start:start + n], got_s[start:start + n], wire.rows, wire.cols, outer=o))
+        if n == 0:
+            casts.append(None)
+        elif inv is not None:
+            casts.append(Quantized(got_c[start:start + n], inv[j]))
+        else:
+            casts.append(Quantized(got_c[start:start + n], got_s[start:start + n],
+                                   wire.rows, wire.cols,
+                                   outer=None if descale is None else descale[j]))
         start += n
     return values[order], casts
+
+
+def _agreed_amax(x: torch.Tensor, ids: torch.Tensor, experts: int, group,
+                 stats: CommStats) -> torch.Tensor:
+    """Each expert's amax over the rows every rank sends it (fp32, all-reduce MAX)."""
+    row_amax = x.detach().abs().amax(dim=1).float() if x.shape[0] else x.new_zeros(0)
+    per = torch.zeros(experts, device=x.device).scatter_reduce(0, ids, row_amax.float(),
+                                                                "amax")
+    stats.record(per, "all_reduce", "dispatch-amax")
+    dist.all_reduce(per, dist.ReduceOp.MAX, group=group)
+    return per
 
 
 def _source_major_ids(r: Routing) -> torch.Tensor:
