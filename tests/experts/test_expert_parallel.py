@@ -219,6 +219,14 @@ def test_expert_parallel_trains_as_one_process(train_ranks, kind, recipe):
 
 
 @pytest.mark.long
+def test_ddp_over_expert_shards_is_refused(train_ranks):
+    for r in train_ranks:
+        assert "parallel='ddp' over a model whose experts expert_parallel sharded " \
+               "(model.layers.0.mlp.experts, ...)" in r["refused"]
+        assert "ExpertShards.average_grads" in r["refused"]
+
+
+@pytest.mark.long
 def test_the_guide_script_runs_under_torchrun(tmp_path):
     """docs/guides/expert-parallel.md's script, as written, on 2 gloo ranks."""
     page = (ROOT / "docs/guides/expert-parallel.md").read_text()

@@ -106,6 +106,13 @@ def training(rank, world, tmp, cases):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
                             world_size=world)
     out = {case: _train(*case, rank, world, True) for case in cases}
+    m = model("mixtral")
+    expert_parallel(m)
+    try:  # DDP would average the ranks' different experts
+        MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), "mxfp8", parallel="ddp")
+        out["refused"] = None
+    except NotImplementedError as e:
+        out["refused"] = str(e)
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:

@@ -35,7 +35,8 @@ from mixprec.experts.grouped import grouped_mm
 from mixprec.experts.hook import experts_modules
 from mixprec.parallel.comm_stats import CommStats
 
-__all__ = ["ExpertShard", "ExpertShards", "expert_parallel", "ep_experts_forward"]
+__all__ = ["ExpertShard", "ExpertShards", "expert_parallel", "ep_experts_forward",
+           "expert_parallel_modules"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +138,11 @@ def expert_parallel(model: nn.Module, group=None, *, average_grads: bool = True,
         m.forward = types.MethodType(ep_experts_forward, m)
         shards[name] = m._mixprec_ep
     return ExpertShards(modules=shards, params=tuple(params), stats=stats, group=pg)
+
+
+def expert_parallel_modules(model: nn.Module) -> list[str]:
+    """The names of ``model``'s modules ``expert_parallel`` sharded."""
+    return [n for n, m in model.named_modules() if "_mixprec_ep" in m.__dict__]
 
 
 def _projection(m: nn.Module, proj: str) -> torch.Tensor:
