@@ -89,8 +89,10 @@ def _single_process_blocks() -> list[str]:
 
 
 #: pages whose examples their own tests run (the MoE module of one's own in
-#: tests/experts/test_experts.py) or that need several processes (the tensor-parallel script)
-OWN_TESTS = ["docs/guides/moe.md", "docs/guides/tensor-parallel.md"]
+#: tests/experts/test_experts.py) or that need several processes (the tensor-parallel
+#: script; the expert-parallel one, in tests/experts/test_expert_parallel.py)
+OWN_TESTS = ["docs/guides/moe.md", "docs/guides/tensor-parallel.md",
+             "docs/guides/expert-parallel.md"]
 
 
 def test_every_page_of_the_manual_is_read():

@@ -33,6 +33,7 @@ from mixprec.engine.devices import KernelChoices, choices, has_fast_kernels
 from mixprec.engine.param_state import ParamState
 from mixprec.engine.scaler import LossScaler
 from mixprec.experts import experts_formats
+from mixprec.experts.expert_parallel import expert_parallel_modules
 from mixprec.experts.hook import convert_experts, experts_modules, restore_experts
 from mixprec.modules.linear import fp8_modules
 from mixprec.optim import recipe_settings
@@ -213,12 +214,26 @@ def _set_state_formats(optimizers: list, state: ParamState) -> None:
         o.set_state_formats(formats)
 
 
+def check_expert_parallel(parallel: str | None, model: nn.Module) -> None:
+    """DDP and FSDP would reduce an expert-parallel model's expert shards, which hold
+    different experts on each rank, as replicas."""
+    sharded = expert_parallel_modules(model)
+    if sharded and parallel in ("ddp", "fsdp"):
+        raise NotImplementedError(
+            f"parallel={parallel!r} over a model whose experts expert_parallel sharded "
+            f"({sharded[0]}{', ...' if len(sharded) > 1 else ''}): it would average the "
+            "ranks' different experts as replicas. Build the engine without parallel= "
+            "and average the other gradients with ExpertShards.average_grads before "
+            "engine.step() (docs/guides/expert-parallel.md).")
+
+
 def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
           parallel_kwargs=None, fsdp_units=None, fp8_filter=None,
           loss_scaler: LossScaler | None = None) -> Parts:
     """Check everything, then build the parts, in the order the module docstring gives."""
     parallel = resolve_parallel(parallel, model)
     check_parallel_recipe(parallel, r, has_dtensor_params(model))
+    check_expert_parallel(parallel, model)
     check_fp8_filter(fp8_filter, r, model)
     check_fp8_all_gather(r, model, fp8_filter)
     par = make_parallel(parallel, r, model, parallel_kwargs, fsdp_units)

@@ -5,10 +5,14 @@
 ``codes_grouped`` (the GPU routes: bf16 codes, scales after, no host read),
 ``scaled_grouped`` (torch's fp8 grouped kernel), ``adapter`` (the calls into the
 quantizer interface), ``hook`` (transformers' experts modules run ``grouped_mm``
-through their own ``ExpertsInterface``).
+through their own ``ExpertsInterface``), ``dispatch`` (expert parallelism's token
+exchange, in the format), ``expert_parallel`` (transformers' experts modules cut over an
+EP group).
 """
 
+from mixprec.experts.expert_parallel import ExpertShards, expert_parallel
 from mixprec.experts.format import ExpertsFormat, experts_formats
 from mixprec.experts.grouped import ROUTES, group_bounds, grouped_mm
 
-__all__ = ["ExpertsFormat", "experts_formats", "grouped_mm", "group_bounds", "ROUTES"]
+__all__ = ["ExpertsFormat", "experts_formats", "grouped_mm", "group_bounds", "ROUTES",
+           "expert_parallel", "ExpertShards"]

@@ -31,8 +31,8 @@ from mixprec.formats import elements as formats
 from mixprec.formats.quantized import Quantized, block_amax, expand_blocks
 from mixprec.formats.shard import Agreement, agreed_amax, draw_sliced, slice_of
 
-__all__ = ["NVFP4_BLOCK", "cast_nvfp4", "hadamard_16", "apply_hadamard", "counter_uniform",
-           "counter_key"]
+__all__ = ["NVFP4_BLOCK", "cast_nvfp4", "nvfp4_descale", "hadamard_16", "apply_hadamard",
+           "counter_uniform", "counter_key"]
 
 NVFP4_BLOCK = 16
 _E4M3 = formats.get("fp8_e4m3")
@@ -119,6 +119,13 @@ def _round_e2m1(v: torch.Tensor, generator: torch.Generator | torch.Tensor | Non
     return q.copysign_(v)
 
 
+def nvfp4_descale(amax: torch.Tensor) -> torch.Tensor:
+    """The per-tensor descale ``G = amax / (448 · 6)`` of tensors with amax ``amax``
+    (elementwise, fp32; 1 where an amax is 0), as ``cast_nvfp4`` computes it."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / _DESCALE, torch.ones_like(amax))
+
+
 def cast_nvfp4(t: torch.Tensor, dim: int = 1, square: bool = False,
                generator: torch.Generator | torch.Tensor | None = None,
                amax: torch.Tensor | None = None, agree: Agreement | None = None
@@ -138,7 +145,7 @@ def cast_nvfp4(t: torch.Tensor, dim: int = 1, square: bool = False,
     amax_b = block_amax(x, rows, cols)
     amax_t = (agreed_amax(amax_b.amax(), agree=agree)  # the largest block's
               if amax is None else amax.float())
-    descale = torch.where(amax_t > 0, amax_t / _DESCALE, torch.ones_like(amax_t))
+    descale = nvfp4_descale(amax_t)
     s = ((amax_b / _E2M1_MAX) / descale).clamp_(_E4M3.min_normal, _E4M3.max)
     s = s.to(torch.float8_e4m3fn).float()
     bad = ~torch.isfinite(amax_b)
