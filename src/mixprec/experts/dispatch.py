@@ -90,7 +90,8 @@ def _a2a(x: torch.Tensor, send: list[int], recv: list[int], group, stats: CommSt
     return out
 
 
-def exchange(counts: torch.Tensor, group, stats: CommStats) -> Routing:
+def exchange(counts: torch.Tensor, group: dist.ProcessGroup | None, stats: CommStats
+             ) -> Routing:
     """The routing of one dispatch from this rank's rows per expert ``counts`` (E,
     every expert of the group): one ``all_to_all_single`` of the counts and one host
     read (the split sizes)."""
@@ -317,18 +318,21 @@ class Dispatched(PerExpert):
     one per expert, None without rows): the format casts everything else (the weights,
     wgrad's tokens from the dispatched values, the gradients)."""
 
-    def __init__(self, site, casts: list, route: str = "loop", bounds=None, shape=(),
-                 offs=None, device=None) -> None:
+    def __init__(self, site: ExpertsFormat, casts: list, route: str = "loop",
+                 bounds: list | None = None, shape: tuple = (),
+                 offs: torch.Tensor | None = None, device: torch.device | None = None
+                 ) -> None:
         super().__init__(site, route, bounds, shape, offs, device)
         self.casts = casts
 
-    def bind(self, x, w, offsets) -> Dispatched:
+    def bind(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> Dispatched:
         """As ``PerExpert.bind``, keeping the received casts."""
         b = super().bind(x, w, offsets)
         return Dispatched(self.site, self.casts, b.route, b.bounds, b.shape, b.offs,
                           b.device)
 
-    def cast_x(self, t, role, dim, record=False, key=None):
+    def cast_x(self, t: torch.Tensor, role: str, dim: int, record: bool = False,
+               key: object = None) -> object:
         """The forward's input casts are the received ones."""
         if role == "input" and dim == 1:
             return list(self.casts)

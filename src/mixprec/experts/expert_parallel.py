@@ -23,12 +23,14 @@ out of its gradient reduction; ``ExpertShards.average_grads`` averages the other
 from __future__ import annotations
 
 import types
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from mixprec.experts.dispatch import combine, dispatch, dispatched_mm, exchange, wire_dtype
 from mixprec.experts.grouped import grouped_mm
@@ -70,7 +72,7 @@ class ExpertShards:
     #: the EP process group (None: the default group)
     group: object = None
 
-    def average_grads(self, named_grads) -> int:
+    def average_grads(self, named_grads: Iterable[tuple[str, torch.Tensor | None]]) -> int:
         """The mean over the group of every gradient in ``named_grads`` (``(name,
         grad)`` pairs, e.g. ``zip(engine.param_state.names, engine.param_state.grads)``)
         but the experts' shards', in place: data parallel for the rest of the model
@@ -97,7 +99,9 @@ def _group_of(group):
     return group
 
 
-def expert_parallel(model: nn.Module, group=None, *, average_grads: bool = True,
+def expert_parallel(model: nn.Module,
+                    group: dist.ProcessGroup | DeviceMesh | None = None, *,
+                    average_grads: bool = True,
                     stats: CommStats | None = None) -> ExpertShards:
     """Each transformers experts module of ``model`` keeps this rank's experts of the
     EP ``group`` (a process group or a 1-D ``DeviceMesh``; default: every rank) and

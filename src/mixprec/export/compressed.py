@@ -57,17 +57,18 @@ class FloatTensor(Schema):
     name: str = "float-tensor"
     quant_method: str = "compressed-tensors"
 
-    def encode(self, module, codes, scale_inv, outer):
+    def encode(self, module: str, codes: torch.Tensor, scale_inv: torch.Tensor,
+               outer: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """The codes and this schema's scales of the weight, on its grid (the trained scales,
         checked to fit)."""
         s = on_grid(scale_inv, 0, 0, module).reshape(1)
         return {f"{module}.weight": codes.contiguous(), f"{module}.weight_scale": s}
 
-    def loader_values(self, tensors, module):
+    def loader_values(self, tensors: dict[str, torch.Tensor], module: str) -> torch.Tensor:
         """The loader's fp32 arithmetic on the written tensors."""
         return tensors[f"{module}.weight"].float() * tensors[f"{module}.weight_scale"]
 
-    def quantization_config(self, ignore):
+    def quantization_config(self, ignore: list[str]) -> dict:
         """The ``quantization_config`` this schema's loader reads, ``ignore`` its skip list."""
         return _config("float-quantized", _args(8, "float", "tensor", False),
                        _args(8, "float", "tensor", True), ignore)
@@ -84,17 +85,18 @@ class Channel(Schema):
     #: ``float`` (e4m3 codes) or ``int`` (int8 codes)
     kind: str = "float"
 
-    def encode(self, module, codes, scale_inv, outer):
+    def encode(self, module: str, codes: torch.Tensor, scale_inv: torch.Tensor,
+               outer: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """The codes and this schema's scales of the weight, on its grid (the trained scales,
         checked to fit)."""
         s = on_grid(scale_inv, 1, 0, module)
         return {f"{module}.weight": codes.contiguous(), f"{module}.weight_scale": s}
 
-    def loader_values(self, tensors, module):
+    def loader_values(self, tensors: dict[str, torch.Tensor], module: str) -> torch.Tensor:
         """The loader's fp32 arithmetic on the written tensors."""
         return tensors[f"{module}.weight"].float() * tensors[f"{module}.weight_scale"]
 
-    def quantization_config(self, ignore):
+    def quantization_config(self, ignore: list[str]) -> dict:
         """The ``quantization_config`` this schema's loader reads, ``ignore`` its skip list."""
         fmt = "float-quantized" if self.kind == "float" else "int-quantized"
         return _config(fmt, _args(8, self.kind, "channel", False),
@@ -110,7 +112,8 @@ class MXFP8(Schema):
     quant_method: str = "compressed-tensors"
     tile: int = 32
 
-    def encode(self, module, codes, scale_inv, outer):
+    def encode(self, module: str, codes: torch.Tensor, scale_inv: torch.Tensor,
+               outer: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """The codes and this schema's scales of the weight, on its grid (the trained scales,
         checked to fit)."""
         s = on_grid(scale_inv, 1, self.tile, module)
@@ -122,16 +125,16 @@ class MXFP8(Schema):
         return {f"{module}.weight": codes.contiguous(),
                 f"{module}.weight_scale": (exp + 127).to(torch.uint8)}
 
-    def loader_values(self, tensors, module):
+    def loader_values(self, tensors: dict[str, torch.Tensor], module: str) -> torch.Tensor:
         """The loader's fp32 arithmetic on the written tensors."""
         s = torch.exp2(tensors[f"{module}.weight_scale"].float() - 127)
         return tensors[f"{module}.weight"].float() * s.repeat_interleave(self.tile, 1)
 
-    def experts_warning(self):
+    def experts_warning(self) -> str:
         """How transformers misreads experts written in this schema."""
         return _EXPERTS.format("MXFP8", "multiplies the e8m0 exponent bytes as numbers")
 
-    def quantization_config(self, ignore):
+    def quantization_config(self, ignore: list[str]) -> dict:
         """The ``quantization_config`` this schema's loader reads, ``ignore`` its skip list."""
         mx = {"group_size": self.tile, "strategy": "group", "scale_dtype": "torch.uint8",
               "zp_dtype": "torch.uint8"}
@@ -166,7 +169,8 @@ class NVFP4(Schema):
     quant_method: str = "compressed-tensors"
     tile: int = 16
 
-    def encode(self, module, codes, scale_inv, outer):
+    def encode(self, module: str, codes: torch.Tensor, scale_inv: torch.Tensor,
+               outer: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """The codes and this schema's scales of the weight, on its grid (the trained scales,
         checked to fit)."""
         s = on_grid(scale_inv, 1, self.tile, module)
@@ -186,18 +190,18 @@ class NVFP4(Schema):
                 f"{module}.weight_scale": s.to(_E4M3),
                 f"{module}.weight_global_scale": best.float()}
 
-    def loader_values(self, tensors, module):
+    def loader_values(self, tensors: dict[str, torch.Tensor], module: str) -> torch.Tensor:
         """The loader's fp32 arithmetic on the written tensors."""
         codes = _unpack_fp4(tensors[f"{module}.weight_packed"])
         s = (tensors[f"{module}.weight_scale"].float()
              / tensors[f"{module}.weight_global_scale"])
         return codes * s.repeat_interleave(self.tile, 1)
 
-    def experts_warning(self):
+    def experts_warning(self) -> str:
         """How transformers misreads experts written in this schema."""
         return _EXPERTS.format("NVFP4", "leaves out their global scale")
 
-    def quantization_config(self, ignore):
+    def quantization_config(self, ignore: list[str]) -> dict:
         """The ``quantization_config`` this schema's loader reads, ``ignore`` its skip list."""
         w = {**_args(4, "float", "tensor_group", False), "group_size": self.tile,
              "scale_dtype": "torch.float8_e4m3fn", "zp_dtype": "torch.float8_e4m3fn"}

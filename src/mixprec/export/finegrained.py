@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from mixprec.export.schema import Schema, on_grid
 
 __all__ = ["FineGrainedFP8"]
@@ -25,21 +27,22 @@ class FineGrainedFP8(Schema):
     #: the block edge (the format's tile)
     block: int = 128
 
-    def encode(self, module, codes, scale_inv, outer):
+    def encode(self, module: str, codes: torch.Tensor, scale_inv: torch.Tensor,
+               outer: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """The codes and this schema's scales of the weight, on its grid (the trained scales,
         checked to fit)."""
         s = on_grid(scale_inv, self.block, self.block, module)
         return {f"{module}.weight": codes.contiguous(),
                 f"{module}.weight_scale_inv": s.contiguous()}
 
-    def loader_values(self, tensors, module):
+    def loader_values(self, tensors: dict[str, torch.Tensor], module: str) -> torch.Tensor:
         """The loader's fp32 arithmetic on the written tensors."""
         s = tensors[f"{module}.weight_scale_inv"]
         s = s.repeat_interleave(self.block, 0).repeat_interleave(self.block, 1)
         w = tensors[f"{module}.weight"]
         return w.float() * s[:w.shape[0], :w.shape[1]]
 
-    def quantization_config(self, ignore):
+    def quantization_config(self, ignore: list[str]) -> dict:
         """The ``quantization_config`` this schema's loader reads, ``ignore`` its skip list."""
         return {"quant_method": "fp8", "activation_scheme": "dynamic",
                 "weight_block_size": [self.block, self.block],
