@@ -174,3 +174,13 @@ def test_zero_1_trains_and_the_trainer_refuses_what_deepspeed_cannot_run(records
     err = records[2]["trainer:2:bf16-lean"]["error"]
     assert "recipe 'bf16-lean' under DeepSpeed (ZeRO-2, bf16)" in err
     assert "write='stochastic'" in err and "states=int8" in err
+
+
+def test_the_doctor_refuses_a_model_zero_3_partitioned_naming_the_fix():
+    from mixprec import doctor
+
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    net[0].weight.ds_id = 0  # what deepspeed.zero.Init leaves on a partitioned parameter
+    with pytest.raises(NotImplementedError, match=r"ZeRO-3 partitioned.*Pass a factory "
+                                                  r"that builds the model unpartitioned"):
+        doctor(net, lambda m, i: m(torch.ones(2, 8)).sum(), "fp8-current", steps=1)
