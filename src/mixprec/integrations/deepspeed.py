@@ -151,7 +151,8 @@ def _refusals(r: Recipe, dtype: str, optimizer, engine_kwargs: Mapping) -> list[
     return out
 
 
-def _handed_over(r: Recipe, dtype: str, stage: int, clip: float | None) -> list[str]:
+def _handed_over(r: Recipe, dtype: str, stage: int, clip: float | str | None
+                 ) -> list[str]:
     """What DeepSpeed runs of what the recipe asks, said against the recipe."""
     p = r.precision
     master = "fp32 masters" if dtype != "fp32" else "no masters"
@@ -167,7 +168,9 @@ def _handed_over(r: Recipe, dtype: str, stage: int, clip: float | None) -> list[
     scale = {"fp16": "its dynamic loss scale", "bf16": "no loss scaling",
              "fp32": "no loss scaling"}[dtype]
     said.append(f"{scale} (the recipe's loss_scale={r.loss.kind})")
-    said.append(f"gradient clipping to {clip:g}" if clip else "no gradient clipping")
+    said.append("gradient clipping as the launcher fills gradient_clipping='auto'"
+                if clip == "auto" else f"gradient clipping to {clip:g}" if clip
+                else "no gradient clipping")
     said.append(f"the gradients' reduction (the recipe's grads={p.grads}, comm={p.comm})")
     return said
 
@@ -195,8 +198,10 @@ def split(recipe: Recipe | str, config: Mapping, *, auto: str = "fp32",
     if refused:
         raise ValueError(f"{where}: DeepSpeed cannot run {len(refused)} of its settings: "
                          + "; ".join(refused))
-    clip = config.get("gradient_clipping", kwargs.get("max_grad_norm"))
-    clip = float(clip) if clip not in (None, "auto") else kwargs.get("max_grad_norm")
+    clip = kwargs.get("max_grad_norm")  # handed to gradient_clipping where it says auto
+    have = config.get("gradient_clipping")
+    if have is not None and (have != "auto" or clip is None):
+        clip = have if have == "auto" else float(have)
     mine = (f"the recipe's Linear format ({r.fp8_name}{', layer: rules' * bool(r.layer_rules)}) "
             "on the eligible Linears and the experts" if r.linear is not None
             else "nothing (the recipe has no Linear format)")
