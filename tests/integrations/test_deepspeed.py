@@ -22,7 +22,9 @@ from torch import nn
 
 from helpers.launch import free_port
 from helpers.paths import ROOT
+from mixprec import doctor
 from mixprec.integrations import deepspeed as ds
+from mixprec.optim import AdamW
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -55,8 +57,6 @@ def test_the_hand_over_is_one_message_naming_what_each_component_runs():
 
 
 def test_what_deepspeed_cannot_run_is_refused_at_once_naming_the_fix():
-    from mixprec.optim import AdamW
-
     opt = AdamW([nn.Parameter(torch.zeros(2))])
     with pytest.raises(ValueError) as err:
         ds.split("bf16-lean", BF16, optimizer=opt,
@@ -177,8 +177,6 @@ def test_zero_1_trains_and_the_trainer_refuses_what_deepspeed_cannot_run(records
 
 
 def test_the_doctor_refuses_a_model_zero_3_partitioned_naming_the_fix():
-    from mixprec import doctor
-
     net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     net[0].weight.ds_id = 0  # what deepspeed.zero.Init leaves on a partitioned parameter
     with pytest.raises(NotImplementedError, match=r"ZeRO-3 partitioned.*Pass a factory "
