@@ -187,3 +187,25 @@ def test_the_doctor_refuses_a_model_zero_3_partitioned_naming_the_fix():
     with pytest.raises(NotImplementedError, match=r"ZeRO-3 partitioned.*Pass a factory "
                                                   r"that builds the model unpartitioned"):
         doctor(net, lambda m, i: m(torch.ones(2, 8)).sum(), "fp8-current", steps=1)
+
+
+def test_the_swap_runs_the_experts_in_the_recipes_format_and_keeps_the_parameters():
+    """What DeepSpeed then wraps: a transformers MoE's experts and Linears in
+    fp8-current, the router and head kept, every Parameter the optimizer holds the same
+    object; a forward and backward run in bf16."""
+    from helpers import moe_models  # transformers' model code: only where this test runs
+
+    net = moe_models.model("qwen3_moe").to(torch.bfloat16)
+    before = [id(p) for p in net.parameters()]
+    with pytest.warns(UserWarning, match="ZeRO-3, bf16"):
+        formats = ds.swap(net, "fp8-current", {"bf16": {"enabled": True},
+                                               "zero_optimization": {"stage": 3}})
+    assert [id(p) for p in net.parameters()] == before
+    assert set(formats.experts.values()) == {"fp8-current"}
+    cov = ds.coverage(net)
+    kinds = {r.kind: r.format for r in cov.rows if r.kind in ("experts", "router", "head")}
+    assert kinds == {"experts": "fp8-current", "router": "bf16", "head": "bf16"}
+    ids = moe_models.markov_batches(1, batch=2, seq=8)[0]
+    net(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for n, p in net.named_parameters() if "experts" in n)
+    assert ds.swap(net, "fp8-current", {}) is formats  # a second call: as it was
