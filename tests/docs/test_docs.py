@@ -79,6 +79,8 @@ WORKING = {
     "torch.compile": ("docs/guides/your-loop.md", ()),
     "exact emulation": ("docs/guides/any-cpu.md", ()),
     "mixprec.plan": ("docs/guides/plan.md", ()),
+    "deepspeed": ("docs/guides/deepspeed.md", ("lightning", "strategy", "cannot",
+                                                 "doctor")),
 }
 #: a clause that says its subject is refused, missing or narrower than documented
 REFUSED = re.compile(r"\b(?:is|are) (?:refused|not supported|unsupported|not (?:yet )?"

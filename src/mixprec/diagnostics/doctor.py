@@ -106,6 +106,7 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
         recipe = plan.recipe
     r = Recipe.coerce(recipe)
     if isinstance(model_factory, nn.Module):
+        _refuse_deepspeed(model_factory)  # before a copy drops ZeRO-3's marks
         import copy
 
         template = model_factory
@@ -117,6 +118,7 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
                          "and 'sgd' (no momentum)")
     facts: dict = {"steps": steps}
     model = model_factory()
+    _refuse_deepspeed(model)
     if plan is not None:
         check_layers(plan, model)
     findings, kfacts = audit_kernel_speed(next(model.parameters()).device, r)
@@ -163,6 +165,21 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
     if plots:
         facts["plots"] = draw_plots(model_factory, batch_fn, r, scales, Path(plots))
     return report
+
+
+def _refuse_deepspeed(model: nn.Module) -> None:
+    """The doctor trains the recipe with mixprec's own engine on one process; a model
+    inside DeepSpeed's engine, or whose parameters ZeRO-3 partitioned at load
+    (``deepspeed.zero.Init``: they carry ``ds_id``), cannot be trained so."""
+    inside = type(model).__name__ == "DeepSpeedEngine"
+    if inside or any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise NotImplementedError(
+            f"doctor on {'DeepSpeed' if inside else 'ZeRO-3 partitioned'} model "
+            f"{type(model).__name__}: the doctor diagnoses a recipe on one process with "
+            "mixprec's own engine, not inside DeepSpeed. Pass a factory that builds the "
+            "model unpartitioned (before deepspeed.initialize and outside "
+            "TrainingArguments(deepspeed=...) / zero.Init): the recipe's formats are the "
+            "same under DeepSpeed")
 
 
 def _is_plan(recipe) -> bool:

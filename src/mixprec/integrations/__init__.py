@@ -8,7 +8,9 @@
 - ``mixprec.integrations.transformers``: ``MixedPrecisionTrainer``, a Hugging Face
   ``Trainer`` whose step, backward and forward go through the engine;
 - ``mixprec.integrations.accelerate``: ``prepare``, ``accelerator.prepare`` for an
-  Accelerate loop whose backward and step are the engine's.
+  Accelerate loop whose backward and step are the engine's;
+- ``mixprec.integrations.deepspeed``: the recipe's Linear formats inside DeepSpeed's
+  engine (ZeRO 1-3), which the two above take under a DeepSpeed config.
 
 Importing an integration prints nothing: where a framework's own import pulls in a peer
 that logs on every import (transformers' model code imports torchao when it is

@@ -48,8 +48,16 @@ changes. What ``prepare`` does:
 
 ``Accelerator(mixed_precision=...)`` must stay ``"no"``: the recipe is the precision,
 and Accelerate's autocast or GradScaler on top of it would cast and scale twice.
-DeepSpeed, Megatron-LM, XLA and Accelerate's own FSDP plugin are refused: use
-``parallel="fsdp"`` for sharding.
+Megatron-LM, XLA and Accelerate's own FSDP plugin are refused: use ``parallel="fsdp"``
+for sharding.
+
+**DeepSpeed** (``Accelerator(deepspeed_plugin=...)``, an ``accelerate launch`` DeepSpeed
+config; ZeRO 1, 2, 3): ``prepare`` swaps in the recipe's Linear formats and hands the
+rest to DeepSpeed (``mixprec.integrations.deepspeed``): the objects come back from
+``accelerator.prepare``, and ``accelerator.backward``, ``optimizer.step()`` and the
+clip are DeepSpeed's. ``mixed_precision`` is then DeepSpeed's dtype (``"bf16"``);
+``max_grad_norm`` becomes its ``gradient_clipping``; ``mixprec.integrations.deepspeed
+.coverage(model)`` says which Linears run in which format.
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from mixprec.engine.facade import MixedPrecision
+from mixprec.integrations import deepspeed as ds
 from mixprec.integrations._proxies import (
     EngineOptimizer,
     EngineScheduler,
@@ -210,8 +219,15 @@ def prepare(accelerator: Accelerator, *objects: Any, recipe: Recipe | str,
     Returns the module to call (the model, or its data-parallel wrapper under a
     multi-process launch), an ``EngineOptimizer`` (``.engine`` is the engine), an
     ``EngineScheduler`` per LR scheduler, and the rest from ``accelerator.prepare``.
+    Under DeepSpeed: the recipe's formats swapped in, then everything from
+    ``accelerator.prepare`` (``mixprec.integrations.deepspeed.prepare``).
     ``engine_kwargs`` go to ``MixedPrecision`` (``max_grad_norm``, ``fp8_filter``...).
     """
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        if parallel != "ddp":
+            raise ValueError(f"prepare(..., parallel={parallel!r}) under DeepSpeed: ZeRO "
+                             "shards; drop parallel= and set zero_optimization.stage")
+        return ds.prepare(accelerator, objects, recipe, engine_kwargs)
     _check(accelerator, parallel, engine_kwargs)
     _warn_single_cpu_launch(accelerator)
     mi, oi, scheds, rest = _split(objects)

@@ -44,7 +44,14 @@ engine shards (``parallel="fsdp"``, FSDP2 with the recipe's policy; the units ar
 element) in place of Accelerate's FSDP plugin, and Trainer drives. ``save_model`` and
 the checkpoints gather on every rank and the main process writes whole fp32 files
 (``mixprec_engine.pt`` holds the optimizer's state too). Accelerate's own FSDP
-(``accelerate launch --use_fsdp``) and DeepSpeed raise ``NotImplementedError``.
+(``accelerate launch --use_fsdp``) raises ``NotImplementedError``.
+
+DeepSpeed: ``TrainingArguments(deepspeed=config)`` (ZeRO 1, 2, 3). The recipe's Linear
+formats are swapped in at ``__init__`` and DeepSpeed's engine runs the rest
+(``mixprec.integrations.deepspeed``): Trainer's own DeepSpeed path trains, with no
+mixprec engine (``trainer.engine`` is None); ``bf16=True`` is DeepSpeed's dtype there,
+``max_grad_norm`` its ``gradient_clipping``; ``trainer.deepspeed_formats`` holds what
+was swapped and ``mixprec.integrations.deepspeed.coverage(trainer.model)`` the coverage.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec.engine.facade import MixedPrecision
+from mixprec.integrations import deepspeed as ds
 from mixprec.integrations import quiet_peer_import
 from mixprec.integrations._proxies import EngineOptimizer, save_fp32_config
 from mixprec.recipe import Recipe
@@ -152,10 +160,19 @@ class MixedPrecisionTrainer(Trainer):
                 "it (torchrun / accelerate launch: DDP; TrainingArguments(fsdp="
                 "'full_shard'): the engine's FSDP)")
         self.engine: MixedPrecision | None = None
-        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+        #: under DeepSpeed: the formats swapped in (DeepSpeed's engine runs the rest)
+        self.deepspeed_formats: ds.DeepSpeedFormats | None = None
+        if self.is_deepspeed_enabled:
+            self.deepspeed_formats = ds.swap(
+                self.model, self.recipe, self.args.hf_deepspeed_config.config,
+                auto="bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32",
+                optimizer=self.optimizer, engine_kwargs={
+                    **self.engine_kwargs, "max_grad_norm": self.args.max_grad_norm})
+            return
+        if self.is_fsdp_enabled:
             raise NotImplementedError(
                 "MixedPrecisionTrainer under Accelerate's own FSDP (accelerate launch "
-                "--use_fsdp, an FSDP accelerate config) or DeepSpeed: they shard the model "
+                "--use_fsdp, an FSDP accelerate config): it shards the model "
                 "before the engine can cast it. Pass TrainingArguments(fsdp='full_shard') "
                 "instead (the engine shards, FSDP2) and launch without Accelerate's FSDP, "
                 "or use plain data parallel")
@@ -193,6 +210,8 @@ class MixedPrecisionTrainer(Trainer):
         # a second train() on this Trainer: the engine and its optimizer (by then wrapped
         # by Accelerate) carry on; Trainer resets the optimizer to None where it
         # re-initialises the model (model_init), and a new engine is built then
+        if self.deepspeed_formats is not None:  # DeepSpeed steps Trainer's optimizer
+            return super().create_optimizer(model)
         if isinstance(self.optimizer, EngineOptimizer) or (
                 self.engine is not None and self.optimizer is not None):
             return self.optimizer
