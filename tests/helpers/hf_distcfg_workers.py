@@ -1,9 +1,11 @@
-"""Rank functions for tests/integrations/test_transformers_distributed.py: a tiny
-transformers causal LM saved to a folder, loaded on each gloo rank by
-``from_pretrained(dir, distributed_config=DistributedConfig(...))`` (transformers shards
-it: FSDP2, its tensor-parallel plan, expert parallelism), then trained by a
+"""Rank functions for the composition matrix's transformers cells (tests/parallel/
+test_matrix.py): a tiny transformers causal LM saved to a folder, loaded on each gloo
+rank by ``from_pretrained(dir, distributed_config=DistributedConfig(...))``
+(transformers shards it: FSDP2, its tensor-parallel plan, expert parallelism), then trained by a
 ``MixedPrecision`` engine built over the sharded model as the README says, with torch's
-AdamW. ``reference`` trains the same model on the same data in one process.
+AdamW, and resumed from its state after half the steps (``train_many``: one spawn
+trains several layouts and recipes in turn). ``reference`` trains the same model on
+the same data in one process.
 
 Two families: ``qwen3_moe`` (tests/helpers/moe_models.py's tiny Qwen3-MoE: 2 layers,
 hidden 64, 4 experts) and ``llama`` (2 layers, hidden 64, 4 heads, 2 of them key/value).
@@ -27,7 +29,7 @@ from helpers.matrix_workers import saved_state
 from mixprec import MixedPrecision
 from mixprec.modules.linear import Float8Linear
 
-__all__ = ["KINDS", "save_model", "batches", "train", "train_many", "reference", "LR"]
+__all__ = ["KINDS", "save_model", "batches", "train_many", "reference", "LR"]
 
 warnings.simplefilter("ignore")
 
@@ -85,44 +87,6 @@ def _run(model, engine, data, dp_rank: int, dp_size: int, group) -> dict:
 def _quantized(model) -> list[str]:
     """The names of the Linears the engine swapped for quantized ones."""
     return sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear))
-
-
-def train(rank: int, world: int, tmp: str, model_dir: str, layout: dict, recipe: str,
-          steps: int) -> None:
-    """One rank: load ``model_dir`` sharded by ``DistributedConfig(**layout)``, build
-    the engine over it, train ``steps`` steps; writes ``tmp/hfdist_rank<r>.pt`` with
-    the record, or the build's/step's error as ``{"error": (type name, message),
-    "trace": traceback}``."""
-    torch.set_num_threads(1)
-    # what torchrun sets, which transformers reads to place the rank
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
-                            world_size=world)
-    cfg = transformers.DistributedConfig(**layout)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, distributed_config=cfg, dtype=torch.float32)
-    dp_size = cfg.dp_size  # 1 or every rank: 2 ranks
-    group, dp_rank = (dist.group.WORLD, rank) if dp_size > 1 else (None, 0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    refused = None
-    if dp_size > 1:  # FSDP over FSDP2's shards: refused before the model is touched
-        try:
-            MixedPrecision(model, opt, recipe=recipe, parallel="fsdp")
-        except ValueError as e:
-            refused = str(e)
-    try:
-        engine = MixedPrecision(model, opt, recipe=recipe, max_grad_norm=1.0)
-        record = _run(model, engine, batches(steps), dp_rank, dp_size, group)
-        record["parallel"] = engine.parallelism.name
-        record["quantized"] = _quantized(model)
-        record["refused_fsdp"] = refused
-    except Exception as e:  # noqa: BLE001  the test reads what was raised
-        record = {"error": (type(e).__name__, str(e)), "trace": traceback.format_exc()}
-    torch.save(record, os.path.join(tmp, f"hfdist_rank{rank}.pt"))
-    del model, opt
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _data_parallel(cfg, rank: int, world: int):
@@ -194,7 +158,7 @@ def train_many(rank: int, world: int, tmp: str, runs: list[tuple[str, dict, str]
     # a rank whose run raised waits at the barrier while another may wait in a
     # collective: the timeout ends that spawn with an error rather than a hang
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=240))
+                            world_size=world, timeout=datetime.timedelta(seconds=1200))
     out = []
     for model_dir, layout, recipe in runs:
         try:

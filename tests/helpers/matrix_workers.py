@@ -202,7 +202,7 @@ def cells(rank: int, world: int, tmp: str, runs: list[tuple[str, str]],
     # a rank whose run raised waits at the barrier while another may wait in a
     # collective: the timeout ends that spawn with an error rather than a hang
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=240))
+                            world_size=world, timeout=datetime.timedelta(seconds=1200))
     mesh = (init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
             if world == 4 else init_device_mesh("cpu", (world,)))
     out = {}
