@@ -33,7 +33,11 @@ def _outcome(cell, reasons: dict[str, int]) -> str:
         return f"refuses ({n})"
     if cell.layout == "one":
         return "trains (the reference)"
-    return f"trains ≤ {cell.tol:g} ({cell.measured:.1e})"
+    out = f"trains ≤ {cell.tol:g} ({cell.measured:.1e})"
+    if cell.no_resume is not None:
+        n = reasons.setdefault(cell.no_resume, len(reasons) + 1)
+        out += f", no resume ({n})"
+    return out
 
 
 def page() -> str:
@@ -49,8 +53,9 @@ def page() -> str:
              "AMD EPYC in brackets), the ranks agreeing on every grad norm and skip, "
              "`engine.coverage` the one process's (the format on the Linears it "
              "swaps), and a resume (the engine's state after step 3 loaded by a fresh "
-             "engine) repeating steps 4 to 6 exactly. A cell that **refuses** raises at "
-             "build, with the reason below.\n",
+             "engine) repeating steps 4 to 6 exactly; **no resume** marks a cell where "
+             "saving that state fails, with the reason below. A cell that **refuses** "
+             "raises at build, with the reason below.\n",
              "Models: " + "; ".join(f"`{k}`: {v}" for k, v in m.MODELS.items()) + ".\n",
              "Layouts:\n"]
     lines += [f"- `{name}`: {lay.what}" for name, lay in m.LAYOUTS.items()]
@@ -72,7 +77,7 @@ def page() -> str:
                          + " | ".join(got.get(f, "") for f in fmts) + " |")
         lines.append("")
     if reasons:
-        lines += ["## Why a cell refuses\n"]
+        lines += ["## Why a cell refuses or does not resume\n"]
         lines += [f"{n}. {why}" for why, n in reasons.items()]
         lines.append("")
     waiting = [b.what for n, b in m.BUILDERS.items()

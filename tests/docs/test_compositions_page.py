@@ -30,3 +30,4 @@ def test_the_page_shows_every_cell_and_every_refusal():
     for c in CELLS:
         assert (c.refuses or f"trains ≤ {c.tol:g}" if c.layout != "one" else "trains"
                 ) in text, c.id
+        assert c.no_resume is None or c.no_resume in text, c.id

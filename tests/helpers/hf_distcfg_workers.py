@@ -139,6 +139,7 @@ def _train_resume(model_dir: str, layout: dict, recipe: str, steps: int, rank: i
     record = {k: head[k] + tail[k] for k in head}
     record.update(parallel=engine.parallelism.name, quantized=_quantized(model),
                   coverage=sorted((r.name, r.format) for r in engine.coverage.rows),
+                  kept=sorted({r.reason for r in engine.coverage.rows if r.reason}),
                   refused_fsdp=refused)
     engine.close()
     del engine, model, opt

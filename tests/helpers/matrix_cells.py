@@ -74,6 +74,9 @@ class Cell:
     measured: float | None = None
     #: refuses: a fragment of the error the build or the first step raises
     refuses: str | None = None
+    #: trains, but saving the engine's state for the resume fails: a fragment of the
+    #: error (the test expects it, so the cell is told when it starts working)
+    no_resume: str | None = None
     #: in the fast pass (else under ``long``)
     fast: bool = False
 
@@ -152,11 +155,13 @@ MODELS = {"mlp": _ENGINE, "qwen3_moe": "a tiny Qwen3-MoE (2 layers, hidden 64, 4
 
 
 def trains(layout: str, fmt: str, measured: float, *, model: str | None = None,
-           builder: str = "engine", tol: float | None = None, fast: bool = False) -> Cell:
+           builder: str = "engine", tol: float | None = None, fast: bool = False,
+           no_resume: str | None = None) -> Cell:
     """A cell that trains like one process within ``tol`` (the format's by default)."""
     model = model or ("mlp" if LAYOUTS[layout].family == "engine" else "qwen3_moe")
     return Cell(builder=builder, layout=layout, fmt=fmt, model=model,
-                tol=FORMATS[fmt].tol if tol is None else tol, measured=measured, fast=fast)
+                tol=FORMATS[fmt].tol if tol is None else tol, measured=measured, fast=fast,
+                no_resume=no_resume)
 
 
 def refuses(layout: str, fmt: str, reason: str, *, model: str | None = None,

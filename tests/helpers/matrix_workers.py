@@ -149,17 +149,18 @@ def _dp(layout: str, rank: int, world: int, mesh):
 
 
 def saved_state(engine) -> tuple[bytes | str, bool]:
-    """``torch.save(engine.state_dict())``'s bytes, or the error it raised, and whether
-    every rank saved (a collective: the ranks go on alike)."""
+    """``torch.save(engine.state_dict())``'s bytes and True, or the errors it raised on
+    the ranks where it did and False (a collective: the ranks go on alike)."""
     try:
         buf = io.BytesIO()
         torch.save(engine.state_dict(), buf)
         state = buf.getvalue()
     except Exception as e:  # noqa: BLE001  the test reads what was raised
         state = f"saving the engine's state: {type(e).__name__}: {e}"
-    ok = torch.tensor(float(isinstance(state, bytes)))
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return state, bool(ok)
+    said = [None] * dist.get_world_size()
+    dist.all_gather_object(said, None if isinstance(state, bytes) else state)
+    failed = [f"rank {r}: {s}" for r, s in enumerate(said) if s is not None]
+    return ("; ".join(failed), False) if failed else (state, True)
 
 
 def _save_alone(engine) -> bytes:
@@ -179,6 +180,7 @@ def train_resume(build, data, dp_rank: int, dp_size: int, group) -> dict:
     record = {k: head[k] + tail[k] for k in head}
     record["quantized"] = _quantized(engine.module)
     record["coverage"] = _coverage(engine)
+    record["kept"] = sorted({r.reason for r in engine.coverage.rows if r.reason})
     record["parallel"] = engine.parallelism.name
     del engine
     gc.collect()
