@@ -34,9 +34,10 @@ def _outcome(cell, reasons: dict[str, int]) -> str:
     if cell.layout == "one":
         return "trains (the reference)"
     out = f"trains ≤ {cell.tol:g} ({cell.measured:.1e})"
-    if cell.no_resume is not None:
-        n = reasons.setdefault(cell.no_resume, len(reasons) + 1)
-        out += f", no resume ({n})"
+    for what, why in (("no resume", cell.no_resume), ("some Linears in 16 bits", cell.kept),
+                      ("known defect", cell.defect)):
+        if why is not None:
+            out += f", {what} ({reasons.setdefault(why, len(reasons) + 1)})"
     return out
 
 
@@ -53,9 +54,11 @@ def page() -> str:
              "AMD EPYC in brackets), the ranks agreeing on every grad norm and skip, "
              "`engine.coverage` the one process's (the format on the Linears it "
              "swaps), and a resume (the engine's state after step 3 loaded by a fresh "
-             "engine) repeating steps 4 to 6 exactly; **no resume** marks a cell where "
-             "saving that state fails, with the reason below. A cell that **refuses** "
-             "raises at build, with the reason below.\n",
+             "engine) repeating steps 4 to 6 exactly. Marked: **no resume**, saving that "
+             "state fails; **some Linears in 16 bits**, a limit of the layout keeps them "
+             "so (the coverage says why); **known defect**, a check that fails today "
+             "(the test expects it to). A cell that **refuses** raises at build or keeps "
+             "every Linear in 16 bits. The reasons are listed below the tables.\n",
              "Models: " + "; ".join(f"`{k}`: {v}" for k, v in m.MODELS.items()) + ".\n",
              "Layouts:\n"]
     lines += [f"- `{name}`: {lay.what}" for name, lay in m.LAYOUTS.items()]
@@ -77,7 +80,7 @@ def page() -> str:
                          + " | ".join(got.get(f, "") for f in fmts) + " |")
         lines.append("")
     if reasons:
-        lines += ["## Why a cell refuses or does not resume\n"]
+        lines += ["## The reasons\n"]
         lines += [f"{n}. {why}" for why, n in reasons.items()]
         lines.append("")
     waiting = [b.what for n, b in m.BUILDERS.items()

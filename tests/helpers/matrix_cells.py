@@ -72,11 +72,19 @@ class Cell:
     tol: float | None = None
     #: the largest relative loss difference measured (AMD EPYC, 2 cores, gloo)
     measured: float | None = None
+    #: trains: the bound on the grad norms' relative difference (None: the format's)
+    norm_tol: float | None = None
     #: refuses: a fragment of the error the build or the first step raises
     refuses: str | None = None
     #: trains, but saving the engine's state for the resume fails: a fragment of the
     #: error (the test expects it, so the cell is told when it starts working)
     no_resume: str | None = None
+    #: trains, with some of the Linears one process quantizes kept in 16 bits for a
+    #: reason the coverage gives (a fragment of it): a limit of the layout
+    kept: str | None = None
+    #: trains, but a check fails for a known defect, said here: the test is an
+    #: expected failure (strict, so a fix shows) until the defect is fixed
+    defect: str | None = None
     #: in the fast pass (else under ``long``)
     fast: bool = False
 
@@ -100,8 +108,12 @@ FORMATS: dict[str, Format] = {
     "fp16-master": Format(recipe="fp16-master", tol=1e-2, norm_tol=0.1),
     "fp8-current": Format(recipe="fp8-current", tol=5e-2, norm_tol=0.25, quantized=True),
     "fp8-block": Format(recipe="fp8-block", tol=5e-2, norm_tol=0.25, quantized=True),
-    "mxfp8": Format(recipe="mxfp8", tol=5e-2, norm_tol=0.25, quantized=True),
-    "nvfp4": Format(recipe="nvfp4", tol=5e-2, norm_tol=0.25, quantized=True),
+    # mxfp8: measured up to 8.1e-3 (llama, transformers' TP), norms to 0.15 (0.41 where
+    # TP keeps Linears in 16 bits: that cell's own bound)
+    "mxfp8": Format(recipe="mxfp8", tol=2e-2, norm_tol=0.25, quantized=True),
+    # nvfp4 (stochastic rounding, each data-parallel rank its own draws): measured up to
+    # 2.2e-2 (llama, transformers' FSDP), norms to 0.37
+    "nvfp4": Format(recipe="nvfp4", tol=5e-2, norm_tol=0.4, quantized=True),
     "int8": Format(recipe="int8-rowwise", tol=5e-2, norm_tol=0.25, quantized=True),
 }
 
@@ -156,12 +168,13 @@ MODELS = {"mlp": _ENGINE, "qwen3_moe": "a tiny Qwen3-MoE (2 layers, hidden 64, 4
 
 def trains(layout: str, fmt: str, measured: float, *, model: str | None = None,
            builder: str = "engine", tol: float | None = None, fast: bool = False,
-           no_resume: str | None = None) -> Cell:
+           no_resume: str | None = None, kept: str | None = None,
+           defect: str | None = None, norm_tol: float | None = None) -> Cell:
     """A cell that trains like one process within ``tol`` (the format's by default)."""
     model = model or ("mlp" if LAYOUTS[layout].family == "engine" else "qwen3_moe")
     return Cell(builder=builder, layout=layout, fmt=fmt, model=model,
                 tol=FORMATS[fmt].tol if tol is None else tol, measured=measured, fast=fast,
-                no_resume=no_resume)
+                no_resume=no_resume, kept=kept, defect=defect, norm_tol=norm_tol)
 
 
 def refuses(layout: str, fmt: str, reason: str, *, model: str | None = None,
@@ -174,12 +187,23 @@ def refuses(layout: str, fmt: str, reason: str, *, model: str | None = None,
 
 _SWAP_REFUSED = "is a Linear subclass whose owner may use its weight directly"
 _DDP_OVER_TP = "DDP does not take DTensors"
+#: torch.save of the state of a model transformers sharded, after a step, on rank 1
+#: (also without mixprec: docs/not-there-yet.md); real bf16 working weights save
+_NO_SAVE = "invalid python storage"
+_BLOCK_CUT = "cut at multiples of"
+_TWO_D = "its weight is a DTensor on a 2-D mesh"
+_NO_EP_PLAN = "has no `ep_plan`"
+_SR_APART = ("the ranks' losses differ: a Linear transformers' TP plan leaves whole draws "
+             "nvfp4's stochastic rounding from each rank's own stream "
+             "(mixprec.parallel.tp_agree.sr_stream), though every rank sees the same batch")
+_EP_COVERAGE = ("engine.coverage lists no experts under expert parallelism "
+                "(the experts' rows one process shows are missing)")
 
 CELLS: list[Cell] = [
     # --- the engine's own layouts, on the MLP (the fast pass: each format once, each
     # layout once)
     trains("one", "fp32", 0.0, fast=True),
-    trains("one", "bf16", 0.0),
+    trains("one", "bf16", 0.0, fast=True),
     trains("one", "bf16-master", 0.0),
     trains("one", "fp16-master", 0.0),
     trains("one", "fp8-current", 0.0),
@@ -209,8 +233,8 @@ CELLS: list[Cell] = [
     trains("user-fsdp", "bf16", 3.9e-4),
     trains("user-fsdp", "bf16-master", 9.6e-4),
     trains("user-fsdp", "fp16-master", 1.3e-4),
-    trains("user-fsdp", "fp8-current", 5.4e-3, fast=True),
-    trains("user-fsdp", "fp8-block", 1.1e-2),
+    trains("user-fsdp", "fp8-current", 5.4e-3),
+    trains("user-fsdp", "fp8-block", 1.1e-2, fast=True),
     trains("user-fsdp", "mxfp8", 2.1e-3),
     trains("user-fsdp", "nvfp4", 4.9e-3),
     trains("user-fsdp", "int8", 9.5e-4),
@@ -235,21 +259,51 @@ CELLS: list[Cell] = [
     trains("fsdp-tp", "mxfp8", 2.1e-3),
     trains("fsdp-tp", "nvfp4", 1.2e-2),
     trains("fsdp-tp", "int8", 9.4e-4),
-    # --- transformers' DistributedConfig, the engine built over its shards
+    # --- transformers' DistributedConfig, the engine built over its shards (the new
+    # figures measured after the swap stopped giving FSDP2's whole weights a
+    # tensor-parallel layout; the older ones, marked *, before it)
     trains("hf-tp", "bf16-master", 3.6e-3, fast=True),
-    trains("hf-fsdp", "fp8-current", 4.8e-3, fast=True),
+    trains("hf-fsdp", "fp8-current", 1.0e-2, fast=True, no_resume=_NO_SAVE),
+    trains("hf-fsdp", "fp32", 2e-7, no_resume=_NO_SAVE),  # *
     trains("hf-fsdp", "bf16-master", 3.3e-4),
-    trains("hf-tp", "fp8-current", 1.5e-3),
-    trains("hf-ep-fsdp", "bf16-master", 1.0e-3),
-    trains("hf-ep-fsdp", "fp8-current", 3.1e-3),
-    trains("hf-ep-tp", "fp8-current", 8.6e-3),
-    trains("hf-hsdp", "bf16-master", 3.0e-4),
+    trains("hf-fsdp", "fp16-master", 6.8e-4, no_resume=_NO_SAVE),
     # 128 x 128 blocks: FSDP2 gathers the weights whole, so no shard cut refuses them
-    trains("hf-fsdp", "fp8-block", 2.2e-3),
-    trains("hf-tp", "fp32", 2e-7),
-    trains("hf-fsdp", "fp32", 2e-7),
-    trains("hf-fsdp", "bf16-master", 2.7e-4, model="llama"),
-    trains("hf-fsdp", "fp8-current", 4.9e-3, model="llama"),
+    trains("hf-fsdp", "fp8-block", 2.2e-3, no_resume=_NO_SAVE),  # *
+    trains("hf-fsdp", "mxfp8", 1.1e-3, no_resume=_NO_SAVE),
+    trains("hf-fsdp", "nvfp4", 9.1e-3, no_resume=_NO_SAVE),
+    trains("hf-tp", "fp32", 2e-7, no_resume=_NO_SAVE),  # *
+    trains("hf-tp", "fp16-master", 6.8e-4, no_resume=_NO_SAVE),
+    trains("hf-tp", "fp8-current", 1.5e-3, no_resume=_NO_SAVE),
+    trains("hf-tp", "mxfp8", 2.6e-3, no_resume=_NO_SAVE, kept=_BLOCK_CUT),
+    trains("hf-tp", "nvfp4", 1.8e-3, no_resume=_NO_SAVE, defect=_SR_APART),
+    trains("hf-ep-fsdp", "bf16-master", 1.0e-3, defect=_EP_COVERAGE),
+    trains("hf-ep-fsdp", "fp16-master", 6.8e-4, defect=_EP_COVERAGE),
+    trains("hf-ep-fsdp", "fp8-current", 7.9e-3, defect=_EP_COVERAGE),
+    trains("hf-ep-fsdp", "mxfp8", 1.6e-3, defect=_EP_COVERAGE),
+    trains("hf-ep-fsdp", "nvfp4", 1.3e-2, defect=_EP_COVERAGE),
+    trains("hf-ep-tp", "fp8-current", 8.6e-3, defect=_EP_COVERAGE),  # *
+    trains("hf-hsdp", "bf16-master", 3.0e-4),  # *
+    trains("hf-tp-fsdp", "bf16-master", 2.8e-3),
+    refuses("hf-tp-fsdp", "fp8-current", _TWO_D),
+    refuses("hf-tp-fsdp", "nvfp4", _TWO_D),
+    trains("hf-fsdp", "bf16-master", 2.8e-4, model="llama"),
+    trains("hf-fsdp", "fp16-master", 1.0e-3, model="llama", no_resume=_NO_SAVE),
+    trains("hf-fsdp", "fp8-current", 2.2e-2, model="llama", no_resume=_NO_SAVE,
+           norm_tol=0.4),  # norms measured to 0.35
+    trains("hf-fsdp", "mxfp8", 1.1e-3, model="llama", no_resume=_NO_SAVE),
+    trains("hf-fsdp", "nvfp4", 2.2e-2, model="llama", no_resume=_NO_SAVE),
     trains("hf-tp", "bf16-master", 2.1e-3, model="llama"),
-    trains("hf-tp", "fp8-current", 6.9e-3, model="llama"),
+    trains("hf-tp", "fp16-master", 4.8e-4, model="llama", no_resume=_NO_SAVE),
+    trains("hf-tp", "fp8-current", 6.9e-3, model="llama", no_resume=_NO_SAVE),
+    trains("hf-tp", "mxfp8", 8.1e-3, model="llama", no_resume=_NO_SAVE, kept=_BLOCK_CUT,
+           norm_tol=0.5),  # norms measured to 0.41
+    trains("hf-tp", "nvfp4", 5.6e-3, model="llama", no_resume=_NO_SAVE),
+    refuses("hf-ep-fsdp", "bf16-master", _NO_EP_PLAN, model="llama"),
+    refuses("hf-ep-fsdp", "fp16-master", _NO_EP_PLAN, model="llama"),
+    refuses("hf-ep-fsdp", "fp8-current", _NO_EP_PLAN, model="llama"),
+    refuses("hf-ep-fsdp", "mxfp8", _NO_EP_PLAN, model="llama"),
+    refuses("hf-ep-fsdp", "nvfp4", _NO_EP_PLAN, model="llama"),
+    trains("hf-tp-fsdp", "bf16-master", 3.1e-3, model="llama"),
+    refuses("hf-tp-fsdp", "fp8-current", _TWO_D, model="llama"),
+    refuses("hf-tp-fsdp", "mxfp8", _TWO_D, model="llama"),
 ]

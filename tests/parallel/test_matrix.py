@@ -72,7 +72,10 @@ def _records(cell: Cell) -> list[dict]:
 
 
 def _param(cell: Cell):
-    return pytest.param(cell, id=cell.id, marks=() if cell.fast else (pytest.mark.long,))
+    marks = [] if cell.fast else [pytest.mark.long]
+    if cell.defect is not None:
+        marks.append(pytest.mark.xfail(strict=True, reason=cell.defect))
+    return pytest.param(cell, id=cell.id, marks=marks)
 
 
 @pytest.mark.parametrize("cell", [_param(c) for c in RUNNABLE])
@@ -99,11 +102,16 @@ def test_a_cell_trains_like_one_process_or_is_refused_with_its_reason(cell):
     ref = _reference(cell.model, cell.recipe)
     for r in ranks:
         assert _rel(r["losses"], ref["losses"]) <= cell.tol, (r["losses"], ref["losses"])
-        assert _rel(r["norms"], ref["norms"]) <= fmt.norm_tol, (r["norms"], ref["norms"])
+        norm_tol = fmt.norm_tol if cell.norm_tol is None else cell.norm_tol
+        assert _rel(r["norms"], ref["norms"]) <= norm_tol, (r["norms"], ref["norms"])
         assert r["skipped"] == [False] * STEPS
-        assert r["quantized"] == ref["quantized"]
         assert bool(r["quantized"]) == fmt.quantized
-        assert r["coverage"] == ref["coverage"]
+        if cell.kept is None:
+            assert r["quantized"] == ref["quantized"]
+            assert r["coverage"] == ref["coverage"]
+        else:  # a limit of the layout keeps some in 16 bits, the coverage says why
+            assert set(r["quantized"]) < set(ref["quantized"])
+            assert any(cell.kept in k for k in r["kept"]), r["kept"]
         if cell.no_resume is not None:
             assert cell.no_resume in r["resumed"].get("error", ""), r["resumed"]
         else:
