@@ -209,6 +209,7 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
     rows = _decide(model, r, filter)
     _warn_unused_rules(model, r)
     converted, skipped, swaps = [], [], {}
+    whole = fsdp_whole_params(model)
     for fqn, m, _, why in rows:
         if why is not None:
             skipped.append((fqn, why))
@@ -221,6 +222,8 @@ def convert(model: nn.Module, recipe: Recipe | str | None = None, *,
         # NVFP4's stochastic rounding: each module's own stream, fixed by its name
         swaps[m] = Float8Linear.from_linear(m, _layer_recipe(r, fqn, routes),
                                             seed=zlib.crc32(fqn.encode()))
+        if id(m.weight) in whole:  # FSDP2's shard, gathered whole: no tensor-parallel
+            swaps[m]._tp_layout = None  # layout (its casts agree with no other rank)
         setattr(parent, child, swaps[m])
         converted.append(fqn)
     rebind_fsdp(model, swaps)  # sharded before the swap: FSDP unshards into the new ones
