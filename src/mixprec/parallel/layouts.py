@@ -119,6 +119,11 @@ class Parallel:
     def reduce(self, param_state) -> None:
         """A window ended early, after a ``forward(last=False)``: reduce it now."""
 
+    def backwards_run(self, micro: int, accum_steps: int) -> int:
+        """Micro-batches whose backward ran outside ``engine.backward`` since the last
+        call (a pipeline schedule's, ``mixprec.parallel.pipeline``): none here."""
+        return 0
+
     def local(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors this rank checks, unscales and clips (FSDP: local shards)."""
         return grads
