@@ -51,13 +51,17 @@ def _engine(module, recipe, clip, **kw):
                           fp8_filter=fp8_filter if "fp8" in recipe else None, **kw)
 
 
-def reference(recipe: str, steps: int, clip: float | None) -> dict:
+def reference(recipe: str, steps: int, clip: float | None, tie: bool = False) -> dict:
     """One process holding the whole model: the same micro-batches through
-    ``engine.backward``, on one thread as each rank runs."""
+    ``engine.backward``, on one thread as each rank runs. ``tie``: blocks 1 and 2 share
+    their Linear's weight."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = nn.Sequential(*make_blocks())
+        blocks = make_blocks()
+        if tie:
+            blocks[2][0].weight = blocks[1][0].weight
+        model = nn.Sequential(*blocks)
         engine = _engine(model, recipe, clip)
         losses, norms = [], []
         for x, y in make_data(steps):
@@ -110,15 +114,27 @@ def _state(engine) -> list[torch.Tensor]:
 
 def train_stages(rank: int, world: int, recipe: str, name: str, steps: int,
                  clip: float | None, scale_grads: bool = True,
-                 inject: int | None = None) -> dict:
+                 inject: int | None = None, tie: bool = False) -> dict:
     """Train this rank's stage(s) under ``name``; ``inject``: at that step a non-finite
-    gradient on rank 0's first parameter."""
+    gradient on rank 0's first parameter; ``tie``: blocks 1 and 2 (stages 0 and 1 of
+    two) share their Linear's weight, each stage holding a copy (``tied=``)."""
     ids, n_stages = _stage_ids(name, rank, world)
-    blocks = make_blocks()
+    blocks = make_blocks(seed=rank if tie else 0)  # tied copies start from rank 0's
     per = 4 // n_stages
     mods = [nn.Sequential(*blocks[i * per:(i + 1) * per]) for i in ids]
     module = mods[0] if len(mods) == 1 else nn.ModuleList(mods)
-    engine = _engine(module, recipe, clip, parallel="pp")
+    kw = {"parallel_kwargs": {"tied": ["1.0.weight" if rank == 0 else "0.0.weight"]}} \
+        if tie else {}
+    if tie:  # the untied weights as the reference's: only the tied copy differs
+        ref = make_blocks()
+        with torch.no_grad():
+            for m, i in zip(mods, ids):
+                for p, q in zip(m.parameters(), nn.Sequential(
+                        *ref[i * per:(i + 1) * per]).parameters()):
+                    p.copy_(q)
+            if rank == 1:
+                mods[0][0][0].weight.mul_(2.0)  # differs: the broadcast must undo it
+    engine = _engine(module, recipe, clip, parallel="pp", **kw)
     mb = BATCH // N_MICRO
     samples = [torch.zeros(mb, 16) if i == 0 else torch.zeros(mb, 32) for i in ids]
     args = stage_args(mods, samples, engine, stage_index=ids)
@@ -177,8 +193,8 @@ def pp_runs(rank: int, world: int, tmp: str, runs: list[dict]) -> None:
     refs = {}
     if rank == 0:
         for run in runs:
-            key = (run["recipe"], run["clip"], run["steps"])
+            key = (run["recipe"], run["clip"], run["steps"], run.get("tie", False))
             if key not in refs and run.get("inject") is None:
-                refs[key] = reference(run["recipe"], run["steps"], run["clip"])
+                refs[key] = reference(run["recipe"], run["steps"], run["clip"], key[3])
     torch.save({"runs": out, "refs": refs}, os.path.join(tmp, f"pp_rank{rank}.pt"))
     dist.destroy_process_group()
