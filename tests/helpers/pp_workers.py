@@ -114,7 +114,8 @@ def _state(engine) -> list[torch.Tensor]:
 
 def train_stages(rank: int, world: int, recipe: str, name: str, steps: int,
                  clip: float | None, scale_grads: bool = True,
-                 inject: int | None = None, tie: bool = False) -> dict:
+                 inject: int | None = None, tie: bool = False,
+                 ckpt: str | None = None) -> dict:
     """Train this rank's stage(s) under ``name``; ``inject``: at that step a non-finite
     gradient on rank 0's first parameter; ``tie``: blocks 1 and 2 (stages 0 and 1 of
     two) share their Linear's weight, each stage holding a copy (``tied=``)."""
@@ -172,11 +173,24 @@ def train_stages(rank: int, world: int, recipe: str, name: str, steps: int,
         norms.append(float(r.grad_norm))
         skipped.append(bool(r.skipped))
         scales.append(float(r.scale))
+    resumed = None
+    if ckpt is not None:  # each stage saves its own state and resumes it in a new engine
+        path = f"{ckpt}.rank{rank}"
+        engine.save(path)
+        again = nn.Sequential(*make_blocks(seed=5)[ids[0] * per:(ids[0] + 1) * per])
+        fresh = _engine(again, recipe, clip, parallel="pp")
+        fresh.load(path)
+        resumed = (all(torch.equal(a, b) for a, b in zip(_state(engine), _state(fresh)))
+                   and torch.equal(engine.scale, fresh.scale) and fresh.steps == engine.steps)
+        try:
+            engine.save(path + ".dcp", reshardable=True)
+        except NotImplementedError as e:
+            resumed = resumed and "another pipeline degree" in str(e)
     names = _whole_names(module, ids, n_stages)
     weights = {names[k]: v for k, v in engine.fp32_state_dict().items()} if error is None \
         else {}
     return {"losses": losses, "norms": norms, "skipped": skipped, "scales": scales,
-            "intact": intact, "weights": weights, "error": error,
+            "intact": intact, "weights": weights, "error": error, "resumed": resumed,
             "boundary": boundary}
 
 

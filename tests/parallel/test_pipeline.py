@@ -6,6 +6,9 @@ same steps, and the clip norm is the whole pipeline's."""
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -13,6 +16,8 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from helpers.launch import free_port
+from helpers.paths import ROOT
 from helpers.pp_workers import pp_runs
 from mixprec import MixedPrecision
 from mixprec.engine.scaler import LossScaler
@@ -90,14 +95,16 @@ def test_gpipe_and_1f1b_train_like_one_process_and_skip_together(recipe):
         assert s0["scales"][1] == s0["scales"][0] / 2  # the dynamic scale backed off
 
 
-@pytest.mark.long  # one spawn, four trainings and three references: ~4 s on two cores
-def test_interleaved_schedules_train_like_one_process_and_zero_bubble_is_refused():
+@pytest.mark.long  # one spawn, five trainings and three references: ~5 s on two cores
+def test_interleaved_schedules_train_like_one_process_and_zero_bubble_is_refused(tmp_path):
     runs = [{"recipe": "bf16-master", "name": "ScheduleInterleaved1F1B", "steps": 6,
              "clip": 0.1},
             {"recipe": "bf16-master", "name": "ScheduleLoopedBFS", "steps": 6, "clip": 0.1},
             {"recipe": "fp32", "name": "Schedule1F1B", "steps": 6, "clip": 0.1, "tie": True},
             {"recipe": "bf16-master", "name": "ScheduleInterleavedZeroBubble", "steps": 1,
-             "clip": 0.1}]
+             "clip": 0.1},
+            {"recipe": "fp16-master", "name": "Schedule1F1B", "steps": 2, "clip": 0.1,
+             "inject": 0, "ckpt": str(tmp_path / "stage.pt")}]
     ranks = _spawn(runs)
     for j in range(3):
         _check_like_one_process(runs[j], ranks, j)
@@ -106,6 +113,27 @@ def test_interleaved_schedules_train_like_one_process_and_zero_bubble_is_refused
     for r in ranks:
         assert "zero-bubble" in r["runs"][3]["error"]
         assert "Schedule1F1B" in r["runs"][3]["error"]
+        # each stage's own checkpoint resumes it bit for bit (a skipped step and the
+        # backed-off scale included); one for another degree is refused
+        assert r["runs"][4]["resumed"] is True
+
+
+@pytest.mark.long  # torchrun starts two interpreters: ~20 s on two cores
+def test_the_guides_pipeline_script_trains_under_torchrun(tmp_path):
+    text = (ROOT / "docs" / "guides" / "pipeline.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S)
+                if "# torchrun" in b]
+    script = tmp_path / "pipeline_train.py"
+    script.write_text(block)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                          "--nproc-per-node", "2", f"--master-port={free_port()}",
+                          str(script)], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    steps = re.findall(r"step (\d): loss ([\d.]+), norm ([\d.]+)", run.stdout)
+    assert [s[0] for s in steps] == ["0", "1", "2", "3", "4"]
+    assert all(0.5 < float(s[1]) < 3 and float(s[2]) > 0 for s in steps)
 
 
 def test_the_pipeline_loss_is_scaled_and_divided_as_backward_takes_it():

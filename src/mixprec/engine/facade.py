@@ -294,6 +294,7 @@ class MixedPrecision:
     def zero_grad(self) -> None:
         """Drop any accumulated gradients and start a fresh accumulation."""
         self._step.forget()
+        self.parallelism.drop_window()
         self.param_state.zero_grad()
         self.counters.clear()
 
@@ -414,6 +415,12 @@ class MixedPrecision:
         >>> engine.load(path)
         {'step': 100}
         """
+        if reshardable and self.parallel == "pp":
+            raise NotImplementedError(
+                "save(path, reshardable=True) under parallel='pp': a pipeline stage's "
+                "checkpoint for another pipeline degree is not built yet. Each stage "
+                "saves and resumes its own state at the same degree: save(path) with one "
+                "path per rank")
         if reshardable:
             checkpoint_resharding.save_resharding(self, path, extra, rng_state)
         else:

@@ -124,6 +124,9 @@ class Parallel:
         call (a pipeline schedule's, ``mixprec.parallel.pipeline``): none here."""
         return 0
 
+    def drop_window(self) -> None:
+        """The engine's ``zero_grad``: forget what the mode holds of the window."""
+
     def local(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors this rank checks, unscales and clips (FSDP: local shards)."""
         return grads

@@ -43,7 +43,7 @@ from torch import nn
 
 from mixprec.engine.gradnorm import fp32_norms
 from mixprec.parallel.comm import require_process_group
-from mixprec.parallel.layouts import _Replicated
+from mixprec.parallel.layouts import _Replicated, has_dtensor_params
 from mixprec.recipe import Recipe
 
 __all__ = ["PP", "PipelineLoss", "stage_args", "WORKING_SCHEDULES"]
@@ -130,6 +130,12 @@ class PP(_Replicated):
     def start(self, model: nn.Module) -> None:
         """Each stage keeps its own weights; ``tied`` ones start from the group's first
         rank's."""
+        if has_dtensor_params(model):
+            raise NotImplementedError(
+                "parallel='pp' over a model with DTensor parameters (a tensor-parallel "
+                "plan or FSDP2 shards): pipeline stages run with plain parameters only. "
+                "Drop parallelize_module / fully_shard on the stage, or train the model "
+                "with parallel='tp' or 'fsdp' without a pipeline")
         params = dict(model.named_parameters())
         missing = [n for n in self.tied if n not in params]
         if missing:
@@ -192,6 +198,11 @@ class PP(_Replicated):
                 "grad_accum_steps = n_microbatches x the schedule steps per update (the "
                 "loss is divided by it)")
         return n
+
+    def drop_window(self) -> None:
+        """``zero_grad``: the held gradients and the hooks' counts are dropped."""
+        self._counts = [0] * len(self._counts)
+        self._held = [None] * len(self._held)
 
     def local(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """The gradients as they are; ``tied`` ones summed over the group first."""
