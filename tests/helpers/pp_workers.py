@@ -45,13 +45,15 @@ def fp8_filter(module: nn.Module, fqn: str) -> bool:
     return module.out_features % 16 == 0
 
 
-def _engine(module, recipe, clip, **kw):
+def _engine(module, recipe, clip, windows=1, **kw):
     opt = torch.optim.AdamW(module.parameters(), lr=LR, fused=True)
-    return MixedPrecision(module, opt, recipe, grad_accum_steps=N_MICRO, max_grad_norm=clip,
+    return MixedPrecision(module, opt, recipe, grad_accum_steps=N_MICRO * windows,
+                          max_grad_norm=clip,
                           fp8_filter=fp8_filter if "fp8" in recipe else None, **kw)
 
 
-def reference(recipe: str, steps: int, clip: float | None, tie: bool = False) -> dict:
+def reference(recipe: str, steps: int, clip: float | None, tie: bool = False,
+              windows: int = 1) -> dict:
     """One process holding the whole model: the same micro-batches through
     ``engine.backward``, on one thread as each rank runs. ``tie``: blocks 1 and 2 share
     their Linear's weight."""
@@ -62,11 +64,11 @@ def reference(recipe: str, steps: int, clip: float | None, tie: bool = False) ->
         if tie:
             blocks[2][0].weight = blocks[1][0].weight
         model = nn.Sequential(*blocks)
-        engine = _engine(model, recipe, clip)
+        engine = _engine(model, recipe, clip, windows)
         losses, norms = [], []
         for x, y in make_data(steps):
             mine = []
-            for xm, ym in zip(x.chunk(N_MICRO), y.chunk(N_MICRO)):
+            for xm, ym in zip(x.chunk(N_MICRO * windows), y.chunk(N_MICRO * windows)):
                 with engine.autocast():
                     loss = F.cross_entropy(model(xm), ym)
                 mine.append(loss.detach().float())
@@ -115,7 +117,7 @@ def _state(engine) -> list[torch.Tensor]:
 def train_stages(rank: int, world: int, recipe: str, name: str, steps: int,
                  clip: float | None, scale_grads: bool = True,
                  inject: int | None = None, tie: bool = False,
-                 ckpt: str | None = None) -> dict:
+                 ckpt: str | None = None, windows: int = 1) -> dict:
     """Train this rank's stage(s) under ``name``; ``inject``: at that step a non-finite
     gradient on rank 0's first parameter; ``tie``: blocks 1 and 2 (stages 0 and 1 of
     two) share their Linear's weight, each stage holding a copy (``tied=``)."""
@@ -135,8 +137,8 @@ def train_stages(rank: int, world: int, recipe: str, name: str, steps: int,
                     p.copy_(q)
             if rank == 1:
                 mods[0][0][0].weight.mul_(2.0)  # differs: the broadcast must undo it
-    engine = _engine(module, recipe, clip, parallel="pp", **kw)
-    mb = BATCH // N_MICRO
+    engine = _engine(module, recipe, clip, windows, parallel="pp", **kw)
+    mb = BATCH // N_MICRO // windows
     samples = [torch.zeros(mb, 16) if i == 0 else torch.zeros(mb, 32) for i in ids]
     args = stage_args(mods, samples, engine, stage_index=ids)
     stages = [PipelineStage(m, i, n_stages, torch.device("cpu"), input_args=ins,
@@ -157,10 +159,11 @@ def train_stages(rank: int, world: int, recipe: str, name: str, steps: int,
             if rank == 0:
                 hook = engine.param_state.working[0].register_hook(lambda g: g * math.inf)
         try:
-            with engine.autocast():
-                schedule.step(*((x,) if first else ()),
-                              **({"target": y, "losses": []} if last else {}))
-            r = engine.step()
+            for xw, yw in zip(x.chunk(windows), y.chunk(windows)):
+                with engine.autocast():
+                    schedule.step(*((xw,) if first else ()),
+                                  **({"target": yw, "losses": []} if last else {}))
+                r = engine.step()
         except NotImplementedError as e:
             error = str(e)
             break
@@ -207,8 +210,10 @@ def pp_runs(rank: int, world: int, tmp: str, runs: list[dict]) -> None:
     refs = {}
     if rank == 0:
         for run in runs:
-            key = (run["recipe"], run["clip"], run["steps"], run.get("tie", False))
+            key = (run["recipe"], run["clip"], run["steps"], run.get("tie", False),
+                   run.get("windows", 1))
             if key not in refs and run.get("inject") is None:
-                refs[key] = reference(run["recipe"], run["steps"], run["clip"], key[3])
+                refs[key] = reference(run["recipe"], run["steps"], run["clip"], key[3],
+                                      key[4])
     torch.save({"runs": out, "refs": refs}, os.path.join(tmp, f"pp_rank{rank}.pt"))
     dist.destroy_process_group()

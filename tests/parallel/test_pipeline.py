@@ -43,7 +43,8 @@ def _check_like_one_process(run: dict, ranks: list[dict], j: int) -> dict:
     """Run ``j`` trained as one process does: the last stage's losses, both stages'
     clip norms (equal on both, the one process's), the weights."""
     r0, r1 = ranks[0]["runs"][j], ranks[1]["runs"][j]
-    key = (run["recipe"], run["clip"], run["steps"], run.get("tie", False))
+    key = (run["recipe"], run["clip"], run["steps"], run.get("tie", False),
+           run.get("windows", 1))
     ref = ranks[0]["refs"][key]
     assert r0["error"] is None and r1["error"] is None, (r0["error"], r1["error"])
     tol = TOL[run["recipe"]]
@@ -95,7 +96,7 @@ def test_gpipe_and_1f1b_train_like_one_process_and_skip_together(recipe):
         assert s0["scales"][1] == s0["scales"][0] / 2  # the dynamic scale backed off
 
 
-@pytest.mark.long  # one spawn, five trainings and three references: ~5 s on two cores
+@pytest.mark.long  # one spawn, six trainings and four references: ~15 s on two cores
 def test_interleaved_schedules_train_like_one_process_and_zero_bubble_is_refused(tmp_path):
     runs = [{"recipe": "bf16-master", "name": "ScheduleInterleaved1F1B", "steps": 6,
              "clip": 0.1},
@@ -104,9 +105,12 @@ def test_interleaved_schedules_train_like_one_process_and_zero_bubble_is_refused
             {"recipe": "bf16-master", "name": "ScheduleInterleavedZeroBubble", "steps": 1,
              "clip": 0.1},
             {"recipe": "fp16-master", "name": "Schedule1F1B", "steps": 2, "clip": 0.1,
-             "inject": 0, "ckpt": str(tmp_path / "stage.pt")}]
+             "inject": 0, "ckpt": str(tmp_path / "stage.pt")},
+            # two schedule steps per update, where .grad is the accumulator (fp8-current)
+            {"recipe": "fp8-current", "name": "Schedule1F1B", "steps": 4, "clip": 0.1,
+             "windows": 2}]
     ranks = _spawn(runs)
-    for j in range(3):
+    for j in (0, 1, 2, 5):
         _check_like_one_process(runs[j], ranks, j)
     # stage 0 ends in an fp32 LayerNorm island: its boundary is fp32, stage 1's bf16
     assert ranks[0]["runs"][0]["boundary"] == ["torch.float32", "torch.bfloat16"]

@@ -21,7 +21,8 @@ What the ``PP`` mode does at each moment of the step:
   ``.grad`` into the parameter state (the fp32 buffers of ``-master`` recipes; held aside
   and put back at ``step()`` where ``.grad`` is the accumulator), so 16-bit gradients add
   up in fp32, and torch's ``scale_grads`` (which divides ``.grad`` at the end of the
-  schedule's step) finds nothing to divide: the result does not depend on it;
+  schedule's step) finds nothing to divide: the result does not depend on it. A
+  parameter ``tied`` across stages must get a gradient on every stage that holds it;
 - ``step()``: the micro-batches the hooks saw join the window (``backwards_run``); the
   skip decision is the MAX over the pipeline group, the norm the square root of the SUM
   of squares over it (parameters tied across stages, ``tied=``, counted once);
@@ -187,7 +188,7 @@ class PP(_Replicated):
                 f"{', '.join(WORKING_SCHEDULES)}.")
         n = max(self._counts, default=0)
         self._counts = [0] * len(self._counts)
-        if state.direct:
+        if state.direct and micro + n >= accum_steps:  # the window is whole: in place
             for i, p in enumerate(state.working):
                 if self._held[i] is not None:
                     p.grad, self._held[i] = self._held[i], None
