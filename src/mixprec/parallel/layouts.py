@@ -30,6 +30,9 @@ once). FSDP over a tensor-parallel model (``parallel="fsdp"`` with
 
 ``sharded`` is True for FSDP: its fp32 shards are the masters (``ParamState(sharded=)``)
 and a checkpoint holds this rank's shards unless gathered.
+
+Pipeline stages (``"pp"``, torch's schedules running the backward) are the ``PP`` of
+``mixprec.parallel.pipeline``: ``backwards_run`` and ``drop_window`` are their moments.
 """
 
 from __future__ import annotations
