@@ -90,9 +90,10 @@ def _single_process_blocks() -> list[str]:
 
 #: pages whose examples their own tests run (the MoE module of one's own in
 #: tests/experts/test_experts.py) or that need several processes (the tensor-parallel
-#: script; the expert-parallel one, in tests/experts/test_expert_parallel.py)
+#: script; the expert-parallel one, in tests/experts/test_expert_parallel.py; the pipeline
+#: script, which tests/parallel/test_pipeline.py runs under torchrun)
 OWN_TESTS = ["docs/guides/moe.md", "docs/guides/tensor-parallel.md",
-             "docs/guides/expert-parallel.md"]
+             "docs/guides/expert-parallel.md", "docs/guides/pipeline.md"]
 
 
 def test_every_page_of_the_manual_is_read():

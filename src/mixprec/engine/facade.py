@@ -88,11 +88,13 @@ class MixedPrecision:
             ``step()`` (before its update), so read them through ``engine.schedulers``
             (or call ``engine.settle()``), not through your own references, to see the
             last step counted.
-        parallel: ``"ddp"``, ``"fsdp"`` or ``"tp"`` inside an initialised process group
-            (see ``mixprec.parallel.distributed``); call ``engine.model`` (the wrapped module)
-            then. A model split by torch's ``parallelize_module`` (DTensor parameters)
-            runs as ``"tp"`` when none is given; ``"fsdp"`` with
-            ``parallel_kwargs={"mesh": mesh["dp"]}`` shards it on a 2-D mesh.
+        parallel: ``"ddp"``, ``"fsdp"``, ``"tp"`` or ``"pp"`` inside an initialised
+            process group (see ``mixprec.parallel.distributed``); call ``engine.model``
+            (the wrapped module) then. A model split by torch's ``parallelize_module``
+            (DTensor parameters) runs as ``"tp"`` when none is given; ``"fsdp"`` with
+            ``parallel_kwargs={"mesh": mesh["dp"]}`` shards it on a 2-D mesh. ``"pp"``:
+            a stage of torch's pipelining, whose schedule runs the backward of
+            ``pipeline_loss`` (``mixprec.parallel.pipeline``).
         parallel_kwargs: passed on to ``DistributedDataParallel`` (e.g.
             ``find_unused_parameters=True`` for a model that leaves some parameters
             unused) or to ``fully_shard`` (e.g. ``reshard_after_forward=False``); what the
@@ -200,6 +202,11 @@ class MixedPrecision:
         generator loss reaching the discriminator) are dropped first: each engine
         accumulates only what its own ``backward`` calls make."""
         c, state = self.counters, self.param_state
+        if self.parallel == "pp":
+            raise RuntimeError(
+                "backward() under parallel='pp': torch's pipeline schedule runs the "
+                "backward. Give it loss_fn=engine.pipeline_loss(loss_fn), run "
+                "schedule.step(...) under engine.autocast(), then call engine.step()")
         check_backward(loss, c.micro, self.grad_accum_steps, state, c.closed, last)
         if not self._warned_loss:
             self._warned_loss = warn_low_precision_loss(loss, self.recipe)
@@ -225,6 +232,7 @@ class MixedPrecision:
     def step(self) -> StepResult:
         """Finish a micro-batch; update the weights once ``grad_accum_steps`` are in."""
         c = self.counters
+        self._count_schedule_backwards()
         if c.micro == c.seen:
             raise RuntimeError(
                 "step() called without backward() since the last step() (or twice for the "
@@ -259,6 +267,7 @@ class MixedPrecision:
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be > 0 or None, got {max_norm!r}")
         c = self.counters
+        self._count_schedule_backwards()
         if c.micro == 0 or (c.micro < self.grad_accum_steps and not c.closed):
             raise RuntimeError(
                 f"clip_grad_norm_ after {c.micro} of {self.grad_accum_steps} micro-batches: "
@@ -266,9 +275,27 @@ class MixedPrecision:
                 "window's last backward. Clip there, just before step().")
         return self._step.clip(max_norm)
 
+    def pipeline_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+        """The ``loss_fn`` for torch's pipeline schedule under ``parallel="pp"``: the
+        loss times the loss scale, divided by ``grad_accum_steps``, as ``backward``
+        takes it (``mixprec.parallel.pipeline.PipelineLoss``; its ``take()`` gives the
+        micro-batches' own losses)."""
+        if self.parallel != "pp":
+            raise ValueError(f"pipeline_loss with parallel={self.parallel!r}: it is the "
+                             "loss of torch's pipeline schedules; build the engine with "
+                             "parallel='pp', or call engine.backward(loss)")
+        return self.parallelism.loss(loss_fn, self.scaler, self.grad_accum_steps)
+
+    def _count_schedule_backwards(self) -> None:
+        """The micro-batches a pipeline schedule ran the backward of join the window."""
+        for _ in range(self.parallelism.backwards_run(self.counters.micro,
+                                                      self.grad_accum_steps)):
+            self.counters.backward(False, self.grad_accum_steps)
+
     def zero_grad(self) -> None:
         """Drop any accumulated gradients and start a fresh accumulation."""
         self._step.forget()
+        self.parallelism.drop_window()
         self.param_state.zero_grad()
         self.counters.clear()
 
@@ -402,6 +429,12 @@ class MixedPrecision:
         >>> engine.load(path)
         {'step': 100}
         """
+        if reshardable and self.parallel == "pp":
+            raise NotImplementedError(
+                "save(path, reshardable=True) under parallel='pp': a pipeline stage's "
+                "checkpoint for another pipeline degree is not built yet. Each stage "
+                "saves and resumes its own state at the same degree: save(path) with one "
+                "path per rank")
         if reshardable:
             checkpoint_resharding.save_resharding(self, path, extra, rng_state)
         else:

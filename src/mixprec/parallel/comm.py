@@ -74,9 +74,9 @@ __all__ = ["CommStats", "require_process_group", "ddp_comm_hook", "fsdp_policy",
 
 
 def require_process_group(parallel: str) -> None:
-    """Raise with the fix unless ``parallel`` is ddp/fsdp/tp and a process group is up."""
-    if parallel not in ("ddp", "fsdp", "tp"):
-        raise ValueError(f"parallel={parallel!r}; valid: 'ddp', 'fsdp', 'tp' or None")
+    """Raise with the fix unless ``parallel`` is ddp/fsdp/tp/pp and a process group is up."""
+    if parallel not in ("ddp", "fsdp", "tp", "pp"):
+        raise ValueError(f"parallel={parallel!r}; valid: 'pp', 'ddp', 'fsdp', 'tp' or None")
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             f"parallel={parallel!r} needs an initialised process group: launch with "

@@ -30,6 +30,9 @@ once). FSDP over a tensor-parallel model (``parallel="fsdp"`` with
 
 ``sharded`` is True for FSDP: its fp32 shards are the masters (``ParamState(sharded=)``)
 and a checkpoint holds this rank's shards unless gathered.
+
+Pipeline stages (``"pp"``, torch's schedules running the backward) are the ``PP`` of
+``mixprec.parallel.pipeline``: ``backwards_run`` and ``drop_window`` are their moments.
 """
 
 from __future__ import annotations
@@ -118,6 +121,14 @@ class Parallel:
 
     def reduce(self, param_state) -> None:
         """A window ended early, after a ``forward(last=False)``: reduce it now."""
+
+    def backwards_run(self, micro: int, accum_steps: int) -> int:
+        """Micro-batches whose backward ran outside ``engine.backward`` since the last
+        call (a pipeline schedule's, ``mixprec.parallel.pipeline``): none here."""
+        return 0
+
+    def drop_window(self) -> None:
+        """The engine's ``zero_grad``: forget what the mode holds of the window."""
 
     def local(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors this rank checks, unscales and clips (FSDP: local shards)."""
