@@ -43,6 +43,8 @@ import torch.distributed as dist
 from torch import nn
 
 from mixprec.engine.gradnorm import fp32_norms
+from mixprec.engine.param_state import ParamState
+from mixprec.engine.scaler import LossScaler
 from mixprec.parallel.comm import require_process_group
 from mixprec.parallel.layouts import _Replicated, has_dtensor_params
 from mixprec.recipe import Recipe
@@ -63,7 +65,8 @@ class PipelineLoss:
     (detached, unscaled, undivided) until ``take()``: the schedule's ``losses`` list
     holds the scaled ones."""
 
-    def __init__(self, loss_fn: Callable[..., torch.Tensor], scaler, divide_by: int) -> None:
+    def __init__(self, loss_fn: Callable[..., torch.Tensor], scaler: LossScaler,
+                 divide_by: int) -> None:
         if not callable(loss_fn):
             raise TypeError(f"pipeline_loss takes the loss function (output, target) -> "
                             f"loss, got {type(loss_fn).__name__}")
@@ -94,7 +97,8 @@ class PP(_Replicated):
 
     name = "pp"
 
-    def __init__(self, recipe: Recipe, kwargs: dict | None = None, units=None) -> None:
+    def __init__(self, recipe: Recipe, kwargs: dict | None = None,
+                 units: Any = None) -> None:
         kwargs = dict(kwargs or {})
         bad = sorted(set(kwargs) - set(_KWARGS))
         if bad:
@@ -147,7 +151,7 @@ class PP(_Replicated):
             for n in self.tied:
                 dist.broadcast(params[n].data, src, group=self.group)
 
-    def wrap(self, model: nn.Module, param_state) -> nn.Module:
+    def wrap(self, model: nn.Module, param_state: ParamState) -> nn.Module:
         """The hooks that take each micro-batch's gradient into ``param_state``."""
         self._state = state = param_state
         n = len(state.working)
@@ -236,7 +240,7 @@ class PP(_Replicated):
     def agree_amax(self, fp8_modules: list) -> None:
         """Nothing: each stage's Linears are its own."""
 
-    def loss(self, loss_fn: Callable[..., torch.Tensor], scaler,
+    def loss(self, loss_fn: Callable[..., torch.Tensor], scaler: LossScaler,
              accum_steps: int) -> PipelineLoss:
         """The schedule's ``loss_fn`` (``PipelineLoss``)."""
         return PipelineLoss(loss_fn, scaler, accum_steps)
@@ -251,7 +255,7 @@ def _empty_like(t: Any, grad: bool) -> Any:
     return out.requires_grad_(grad and t.is_floating_point())
 
 
-def stage_args(module: nn.Module | Sequence[nn.Module], sample: Any, engine, *,
+def stage_args(module: nn.Module | Sequence[nn.Module], sample: Any, engine: Any, *,
                stage_index: int | Sequence[int]) -> Any:
     """``(input_args, output_args)`` for torch's ``PipelineStage``: one micro-batch's
     input and the stage's output under ``engine.autocast()``, as empty tensors of their
