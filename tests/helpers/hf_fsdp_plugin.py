@@ -65,7 +65,8 @@ def _reset():
     GradientState._reset_state()
 
 
-def accelerate_loop(model_dir: str, recipe: str, world: int) -> dict:
+def accelerate_loop(model_dir: str, recipe: str, world: int, out: str | None = None
+                    ) -> dict:
     """Accelerate's documented loop under the FSDP2 plugin (``world`` 2) or plain
     (``world`` 1, the reference), each rank on its share of every global batch, in
     ``ACCUM`` micro-batches (``Accelerator(gradient_accumulation_steps=ACCUM)``)."""
@@ -109,6 +110,19 @@ def accelerate_loop(model_dir: str, recipe: str, world: int) -> dict:
            "fsdp_units": sorted({type(m).__name__ for m in model.modules()
                                  if type(m).__name__.startswith("FSDP")}),
            "weights": acc.get_state_dict(model)}
+    if out is not None:  # save_state, one more step, load_state: back where it saved
+        acc.save_state(out)
+        ids = w.batches(1)[0][rank * per:(rank + 1) * per]
+        for part in ids.chunk(ACCUM):
+            with acc.accumulate(model):
+                acc.backward(model(input_ids=part, labels=part).loss)
+                opt.step()
+        moved = acc.get_state_dict(model)
+        acc.load_state(out)
+        back = acc.get_state_dict(model)
+        rec["resumed"] = (any(not torch.equal(moved[k], v) for k, v in back.items())
+                          and all(torch.equal(rec["weights"][k], v)
+                                  for k, v in back.items()))
     engine.close()
     _reset()
     return rec
@@ -167,7 +181,8 @@ def main(out: str, model_dir: str, *recipes: str) -> None:
     os.environ["ACCELERATE_USE_CPU"] = "1"
     records = {}
     for recipe in recipes:
-        records[("accelerate", recipe)] = accelerate_loop(model_dir, recipe, 2)
+        records[("accelerate", recipe)] = accelerate_loop(
+            model_dir, recipe, 2, os.path.join(out, f"state-{recipe}"))
         records[("trainer", recipe)] = trainer_run(model_dir, recipe,
                                                    os.path.join(out, f"tr-{recipe}"))
     records[("trainer-env", recipes[0])] = trainer_run(
