@@ -32,6 +32,7 @@ from helpers import hf_distcfg_workers as w
 from mixprec.integrations.accelerate import prepare
 from mixprec.integrations.transformers import MixedPrecisionTrainer
 from mixprec.modules.linear import Float8Linear
+from mixprec.parallel.presharded import _fsdp_param_records, _fsdp_units
 
 __all__ = ["accelerate_loop", "trainer_run", "STEPS", "ACCUM"]
 
@@ -65,6 +66,23 @@ def _reset():
     GradientState._reset_state()
 
 
+def _same_parameters(model, opt, engine) -> bool:
+    """Whether the optimizer, the engine and FSDP point at the same parameters: the
+    engine's working copy is the model's parameters, the optimizer steps the engine's
+    fp32 masters, and each FSDP2 record holds the parameter its module (the quantized
+    Linear after the swap) holds."""
+    state = engine.param_state
+    records = _fsdp_param_records(model) if _fsdp_units(model) else []
+    fsdp_ok = all(getattr(fp._module_info.module, fp._module_info.param_name)
+                  is fp.sharded_param for fp in records)
+    swapped = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    rebound = sum(isinstance(fp._module_info.module, Float8Linear) for fp in records)
+    opt_params = [p for g in opt.param_groups for p in g["params"]]
+    return (fsdp_ok and rebound == (len(swapped) if records else 0)
+            and [id(p) for p in state.working] == [id(p) for p in model.parameters()]
+            and [id(p) for p in opt_params] == [id(p) for p in state.opt_params])
+
+
 def accelerate_loop(model_dir: str, recipe: str, world: int, out: str | None = None
                     ) -> dict:
     """Accelerate's documented loop under the FSDP2 plugin (``world`` 2) or plain
@@ -84,6 +102,7 @@ def accelerate_loop(model_dir: str, recipe: str, world: int, out: str | None = N
     opt = torch.optim.AdamW(model.parameters(), lr=w.LR)
     model, opt = prepare(acc, model, opt, recipe=recipe)
     engine, rank = opt.engine, acc.process_index
+    same = _same_parameters(model, opt, engine)
     per = w.GLOBAL_BATCH // world
     losses, norms, skipped = [], [], []
     for batch in w.batches(STEPS):
@@ -109,7 +128,7 @@ def accelerate_loop(model_dir: str, recipe: str, world: int, out: str | None = N
            "coverage": engine.coverage.shares(), "lines": lines.lines,
            "fsdp_units": sorted({type(m).__name__ for m in model.modules()
                                  if type(m).__name__.startswith("FSDP")}),
-           "weights": acc.get_state_dict(model)}
+           "weights": acc.get_state_dict(model), "same_parameters": same}
     if out is not None:  # save_state, one more step, load_state: back where it saved
         acc.save_state(out)
         ids = w.batches(1)[0][rank * per:(rank + 1) * per]
