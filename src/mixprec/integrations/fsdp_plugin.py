@@ -38,7 +38,7 @@ __all__ = ["LOG", "check_accelerate_plugin", "shard_with_accelerate",
 
 LOG = logging.getLogger("mixprec.integrations")
 
-#: settings of Accelerate's plugin that mixprec runs over, as they must be
+#: the plugin's settings mixprec does not run over -> (the value that works, the fix)
 _FIXES = {
     "cpu_offload": ("False", "the engine keeps its fp32 masters and optimizer state on "
                     "the training device; drop cpu_offload (--fsdp_offload_params false)"),
