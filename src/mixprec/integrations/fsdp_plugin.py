@@ -30,6 +30,7 @@ import contextlib
 import logging
 
 import torch
+from accelerate import Accelerator
 from accelerate.utils import FullyShardedDataParallelPlugin
 from torch import nn
 
@@ -69,7 +70,7 @@ def _conflicting_policy(policy) -> str | None:
     return ", ".join(bad) or None
 
 
-def check_accelerate_plugin(plugin, where: str) -> None:
+def check_accelerate_plugin(plugin: FullyShardedDataParallelPlugin, where: str) -> None:
     """Refuse what mixprec cannot honour of Accelerate's FSDP ``plugin``
     (``accelerator.state.fsdp_plugin``), naming the setting, the valid values and the
     fix; ``where`` names the caller in the message."""
@@ -127,7 +128,8 @@ def plugin_args_from_env() -> dict:
     return args
 
 
-def shard_with_accelerate(accelerator, model: nn.Module, optimizer: torch.optim.Optimizer
+def shard_with_accelerate(accelerator: Accelerator, model: nn.Module,
+                          optimizer: torch.optim.Optimizer
                           ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``accelerator.prepare(model, optimizer)`` under Accelerate's FSDP2 plugin (the
     order the module docstring gives): the model ``fully_shard`` sharded and the
