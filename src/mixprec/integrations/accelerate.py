@@ -48,8 +48,12 @@ changes. What ``prepare`` does:
 
 ``Accelerator(mixed_precision=...)`` must stay ``"no"``: the recipe is the precision,
 and Accelerate's autocast or GradScaler on top of it would cast and scale twice.
-Megatron-LM, XLA and Accelerate's own FSDP plugin are refused: use ``parallel="fsdp"``
-for sharding.
+Accelerate's FSDP plugin (``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(
+fsdp_version=2))``, ``accelerate launch --use_fsdp --fsdp_version 2``): mixprec works
+over Accelerate's sharding (``mixprec.integrations.fsdp_plugin``): ``prepare`` hands the
+model and optimizer to ``accelerator.prepare`` first, which applies ``fully_shard``,
+then builds the engine over the shards (``parallel=`` is not used); FSDP version 1 and
+the settings it cannot honour are refused, naming them.
 
 **DeepSpeed** (``Accelerator(deepspeed_plugin=...)``, an ``accelerate launch`` DeepSpeed
 config; ZeRO 1, 2, 3): ``prepare`` swaps in the recipe's Linear formats and hands the
@@ -58,6 +62,8 @@ rest to DeepSpeed (``mixprec.integrations.deepspeed``): the objects come back fr
 clip are DeepSpeed's. ``mixed_precision`` is then DeepSpeed's dtype (``"bf16"``);
 ``max_grad_norm`` becomes its ``gradient_clipping``; ``mixprec.integrations.deepspeed
 .coverage(model)`` says which Linears run in which format.
+
+Megatron-LM and XLA are refused: use ``parallel="fsdp"`` or the FSDP2 plugin for sharding.
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ from mixprec.integrations._proxies import (
     autocast_forward,
     save_fp32_config,
 )
+from mixprec.integrations.fsdp_plugin import check_accelerate_plugin, shard_with_accelerate
 from mixprec.recipe import Recipe
 
 __all__ = ["prepare", "EngineCheckpoint"]
@@ -125,7 +132,8 @@ def _check(accelerator: Accelerator, parallel: str, engine_kwargs: dict) -> None
             f"Accelerator(mixed_precision={accelerator.mixed_precision!r}) would add "
             "Accelerate's autocast (and GradScaler) on top of the recipe; build it with "
             "mixed_precision='no' and let the recipe set the precision")
-    if accelerator.distributed_type not in _PLAIN:
+    if accelerator.distributed_type not in _PLAIN \
+            and accelerator.distributed_type != DistributedType.FSDP:  # FSDP2: checked
         raise NotImplementedError(
             f"Accelerate's {accelerator.distributed_type.value} is not supported under a "
             "mixprec recipe: launch plain data parallel (accelerate launch "
@@ -228,18 +236,26 @@ def prepare(accelerator: Accelerator, *objects: Any, recipe: Recipe | str,
             raise ValueError(f"prepare(..., parallel={parallel!r}) under DeepSpeed: ZeRO "
                              "shards; drop parallel= and set zero_optimization.stage")
         return ds.prepare(accelerator, objects, recipe, engine_kwargs)
+    # Accelerate's FSDP2 plugin: refused settings first, then Accelerate shards
+    fsdp2 = accelerator.distributed_type == DistributedType.FSDP
+    if fsdp2:
+        check_accelerate_plugin(accelerator.state.fsdp_plugin,
+                                "mixprec.integrations.accelerate.prepare")
     _check(accelerator, parallel, engine_kwargs)
     _warn_single_cpu_launch(accelerator)
     mi, oi, scheds, rest = _split(objects)
     model, inner = objects[mi], objects[oi]
     model.to(accelerator.device)
+    if fsdp2:
+        model, inner = shard_with_accelerate(accelerator, model, inner)
     # Accelerator(step_scheduler_with_optimizer=False): the loop steps its schedulers
     # itself (per epoch, say), so the engine leaves them alone
     by_engine = scheds if accelerator.step_scheduler_with_optimizer else []
     engine = MixedPrecision(
         model, inner, recipe, grad_accum_steps=accelerator.gradient_accumulation_steps,
         scheduler=[objects[i] for i in by_engine] or None,
-        parallel=parallel if accelerator.num_processes > 1 else None, **engine_kwargs)
+        parallel=parallel if accelerator.num_processes > 1 and not fsdp2 else None,
+        **engine_kwargs)
     net = engine.model
     autocast_forward(net, engine)
 

@@ -43,8 +43,11 @@ engine shards (``parallel="fsdp"``, FSDP2 with the recipe's policy; the units ar
 ``fsdp_config``'s ``transformer_layer_cls_to_wrap``, by default each ``ModuleList``
 element) in place of Accelerate's FSDP plugin, and Trainer drives. ``save_model`` and
 the checkpoints gather on every rank and the main process writes whole fp32 files
-(``mixprec_engine.pt`` holds the optimizer's state too). Accelerate's own FSDP
-(``accelerate launch --use_fsdp``) raises ``NotImplementedError``.
+(``mixprec_engine.pt`` holds the optimizer's state too). ``accelerate launch
+--use_fsdp --fsdp_version 2`` (Accelerate's FSDP plugin from the environment) is taken
+over the same way, from its ``FSDP_*`` settings; mixprec says so in one log line
+(``mixprec.integrations.fsdp_plugin``). FSDP version 1 raises
+``NotImplementedError``.
 
 DeepSpeed: ``TrainingArguments(deepspeed=config)`` (ZeRO 1, 2, 3). The recipe's Linear
 formats are swapped in at ``__init__`` and DeepSpeed's engine runs the rest
@@ -66,6 +69,7 @@ from mixprec.engine.facade import MixedPrecision
 from mixprec.integrations import deepspeed as ds
 from mixprec.integrations import quiet_peer_import
 from mixprec.integrations._proxies import EngineOptimizer, save_fp32_config
+from mixprec.integrations.fsdp_plugin import plugin_args_from_env, say
 from mixprec.recipe import Recipe
 
 with quiet_peer_import():  # transformers' model code imports torchao where installed
@@ -89,8 +93,10 @@ def _engine_fsdp(plugin: dict) -> dict:
     does not do is refused, naming the setting."""
     if int(plugin.get("fsdp_version", 2)) != 2:
         raise NotImplementedError(
-            "MixedPrecisionTrainer with fsdp_config={'version': 1}: the engine shards "
-            "with FSDP2 only; drop 'version' (2 is the default)")
+            f"MixedPrecisionTrainer with fsdp_config={{'version': "
+            f"{plugin.get('fsdp_version')}}}: the engine shards with FSDP2 only (valid: "
+            "2); set fsdp_config={'fsdp_version': 2} or drop it (2 is the default), "
+            "or launch with accelerate launch --use_fsdp --fsdp_version 2")
     refused = [k for k in ("cpu_offload", "activation_checkpointing",
                            "cpu_ram_efficient_loading") if plugin.get(k)]
     policy = str(plugin.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP"))
@@ -101,8 +107,12 @@ def _engine_fsdp(plugin: dict) -> dict:
     if refused:
         raise NotImplementedError(
             f"MixedPrecisionTrainer with fsdp_config {', '.join(refused)}: the engine's "
-            "FSDP does not do it (its checkpoints are whole fp32 files; the units are "
-            "transformer_layer_cls_to_wrap's classes). Remove it from fsdp_config")
+            "FSDP does not do it (valid: cpu_offload, activation_checkpointing and "
+            "cpu_ram_efficient_loading false; auto_wrap_policy TRANSFORMER_BASED_WRAP "
+            "or NO_WRAP; state_dict_type FULL_STATE_DICT: its checkpoints are whole fp32 "
+            "files, its units transformer_layer_cls_to_wrap's classes). Remove it from "
+            "fsdp_config (under accelerate launch --use_fsdp: the --fsdp_* flag that set "
+            "it, e.g. --fsdp_state_dict_type FULL_STATE_DICT, --fsdp_offload_params false)")
     out: dict = {"parallel_kwargs": {
         "reshard_after_forward": bool(plugin.get("reshard_after_forward", True))}}
     names = plugin.get("transformer_cls_names_to_wrap")
@@ -169,13 +179,12 @@ class MixedPrecisionTrainer(Trainer):
                 optimizer=self.optimizer, engine_kwargs={
                     **self.engine_kwargs, "max_grad_norm": self.args.max_grad_norm})
             return
-        if self.is_fsdp_enabled:
+        if self.is_fsdp_enabled:  # a plugin create_accelerator_and_postprocess missed
             raise NotImplementedError(
-                "MixedPrecisionTrainer under Accelerate's own FSDP (accelerate launch "
-                "--use_fsdp, an FSDP accelerate config): it shards the model "
-                "before the engine can cast it. Pass TrainingArguments(fsdp='full_shard') "
-                "instead (the engine shards, FSDP2) and launch without Accelerate's FSDP, "
-                "or use plain data parallel")
+                "MixedPrecisionTrainer under an Accelerator that carries Accelerate's FSDP "
+                "plugin: the engine takes the plugin over (it shards, FSDP2) only from "
+                "TrainingArguments(fsdp=..., fsdp_config=...) or accelerate launch "
+                "--use_fsdp. Pass the FSDP settings there")
         if self.args.bf16 or self.args.fp16:
             raise ValueError(
                 "MixedPrecisionTrainer: TrainingArguments(bf16=True / fp16=True) would "
@@ -192,16 +201,30 @@ class MixedPrecisionTrainer(Trainer):
         """Trainer's Accelerator, without Accelerate's FSDP plugin where
         ``TrainingArguments(fsdp=...)`` asks for sharding: the engine shards instead
         (``parallel="fsdp"``, FSDP2 with the recipe's policy), after casting, and
-        Accelerate wraps only the optimizer and the data loaders."""
+        Accelerate wraps only the optimizer and the data loaders. ``accelerate launch
+        --use_fsdp`` (the plugin in the environment) is taken over alike."""
         plugin = self.args.fsdp_plugin_args
+        from_env = plugin is None and os.environ.get(
+            "ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
+        if from_env:
+            plugin = plugin_args_from_env()
         if plugin is None:
             return super().create_accelerator_and_postprocess()
         self._fsdp = _engine_fsdp(plugin)
+        say("mixprec takes over Accelerate's FSDP2 plugin"
+            f"{' (accelerate launch --use_fsdp)' if from_env else ''}: the engine shards "
+            "(parallel='fsdp', FSDP2 with the recipe's policy, reshard_after_forward="
+            f"{self._fsdp['parallel_kwargs']['reshard_after_forward']}); Accelerate "
+            "prepares only the optimizer and the data loaders")
         self.args.fsdp_plugin_args = None
+        if from_env:
+            os.environ["ACCELERATE_USE_FSDP"] = "false"
         try:
             super().create_accelerator_and_postprocess()
         finally:
-            self.args.fsdp_plugin_args = plugin
+            self.args.fsdp_plugin_args = None if from_env else plugin
+            if from_env:
+                os.environ["ACCELERATE_USE_FSDP"] = "true"
 
     def create_optimizer(self, model: torch.nn.Module | None = None
                          ) -> torch.optim.Optimizer:
