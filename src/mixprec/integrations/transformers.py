@@ -215,13 +215,15 @@ class MixedPrecisionTrainer(Trainer):
         self.optimizer = EngineOptimizer(self.engine, inner, self._record_skip)
         return self.optimizer
 
-    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
-        """Trainer's, then the run's length for a schedule whose phases start at
-        fractions of it (before a resumed checkpoint is loaded)."""
-        super().create_optimizer_and_scheduler(num_training_steps)
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """Trainer's LR scheduler; and the run's length (``max_steps``) for a precision
+        schedule whose phases start at fractions of it, before a resumed checkpoint is
+        loaded."""
+        out = super().create_scheduler(num_training_steps, optimizer)
         if self.engine is not None and self.engine.schedule is not None \
                 and self.engine.schedule.fractional:
             self.engine.set_total_steps(num_training_steps)
+        return out
 
     def _record_skip(self, skipped: bool) -> None:
         # Trainer asks Accelerate whether the step was skipped before the scheduler step
