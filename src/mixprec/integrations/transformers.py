@@ -215,7 +215,9 @@ class MixedPrecisionTrainer(Trainer):
         self.optimizer = EngineOptimizer(self.engine, inner, self._record_skip)
         return self.optimizer
 
-    def create_scheduler(self, num_training_steps: int, optimizer=None):
+    def create_scheduler(self, num_training_steps: int,
+                         optimizer: torch.optim.Optimizer | None = None
+                         ) -> torch.optim.lr_scheduler.LRScheduler:
         """Trainer's LR scheduler; and the run's length (``max_steps``) for a precision
         schedule whose phases start at fractions of it, before a resumed checkpoint is
         loaded."""
