@@ -199,3 +199,19 @@ def test_two_schedules_and_parallel_switches_are_refused():
     with pytest.raises(NotImplementedError, match="write rule"):
         engine.set_recipe("bf16-sr")
     assert str(engine.recipe) == "bf16-master"
+
+
+def test_a_recipe_that_refuses_the_model_leaves_the_engine_as_it_was():
+    """``fp8,bf16_last_layers=4`` keeps every Linear of this model in bf16, so fp8
+    converts none and raises: the engine trains on in its recipe, from the same values."""
+    model, opt, engine = _engine("bf16-master")
+    _train(engine, model, 0, 2)
+    values = [p.detach().clone() for p in engine.master_params]
+    states = _state_of(opt, engine.master_params)
+    with pytest.raises(ValueError, match="converts no Linear"):
+        engine.set_recipe("fp8,bf16_last_layers=4")
+    assert str(engine.recipe) == "bf16-master" and not fp8_modules(model)
+    assert all(torch.equal(a, b) for a, b in zip(values, engine.master_params))
+    for s, p in zip(states, engine.master_params):
+        assert all(torch.equal(s[k], opt.state[p][k]) for k in s)
+    _train(engine, model, 2, 3)

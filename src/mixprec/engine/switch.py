@@ -178,6 +178,15 @@ def _scaler_for(engine: Any, recipe: Recipe) -> LossScaler:
     return new
 
 
+def _build_quietly(engine: Any, r: Recipe, scaler: LossScaler):
+    """``build`` over the engine's model and optimizers; a schedule's recipes said
+    their warnings when the engine was built."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build(engine.module, engine.optimizers, r, fp8_filter=engine._fp8_filter,
+                     loss_scaler=scaler)
+
+
 def switch(engine: Any, recipe: Recipe | str, fp8_state: str = "keep") -> None:
     """Move ``engine`` to ``recipe`` at this step boundary (see the module docstring)."""
     r = Recipe.coerce(recipe)
@@ -188,19 +197,29 @@ def switch(engine: Any, recipe: Recipe | str, fp8_state: str = "keep") -> None:
     scaler = _scaler_for(engine, r)
     old_step = engine._step
     states = _unbuild(engine)
-    with warnings.catch_warnings():
-        # a schedule's recipes said their warnings when the engine was built
-        warnings.simplefilter("ignore")
-        parts = build(engine.module, engine.optimizers, r, fp8_filter=engine._fp8_filter,
-                      loss_scaler=scaler)
+    try:
+        parts = _build_quietly(engine, r, scaler)
+    except Exception:
+        # the new recipe refused the model (it would convert no Linear, say): the
+        # engine goes back to its recipe, from the same fp32 values, and raises
+        parts = _build_quietly(engine, engine.recipe, engine.scaler)
+        _carry_fp8_state(parts.module, states, "keep")
+        _take(engine, parts, old_step)
+        raise
     _carry_fp8_state(parts.module, states, fp8_state)
+    _take(engine, parts, old_step)
+    warn_low_coverage(engine.coverage, r, stacklevel=4)
+
+
+def _take(engine: Any, parts, old_step: Step) -> None:
+    """The engine holds ``parts`` and a step over them that carries on the old step's
+    counters, skip watch and schedulers."""
     engine._adopt(parts)
     step = Step(engine.optimizers, engine.param_state, engine.scaler, engine.parallelism,
                 engine.fp8_modules, old_step.schedulers, engine.max_grad_norm,
-                engine.device, r)
+                engine.device, parts.recipe)
     step.counters, step.skips = old_step.counters, old_step.skips
     engine._step = step
-    warn_low_coverage(engine.coverage, r, stacklevel=4)
 
 
 class Phases:
