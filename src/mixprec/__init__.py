@@ -2,7 +2,7 @@
 
 Public API: ``formats`` (number formats and exact rounding), ``Recipe`` (which
 precision each part of training uses), ``MixedPrecision`` (the training engine),
-``LossScaler`` and ``precision_context``.
+``PrecisionSchedule`` (recipes by step), ``LossScaler`` and ``precision_context``.
 """
 
 import importlib
@@ -16,9 +16,10 @@ from mixprec.engine.scaler import LossScaler
 from mixprec.engine.watch import SkipLimitError
 from mixprec.parallel import distributed
 from mixprec.planner import Plan, plan
-from mixprec.recipe import PRESETS, Recipe
+from mixprec.recipe import PRESETS, PrecisionSchedule, Recipe
 
-__all__ = ["distributed", "formats", "modules", "Recipe", "PRESETS", "MixedPrecision",
+__all__ = ["distributed", "formats", "modules", "Recipe", "PrecisionSchedule", "PRESETS",
+           "MixedPrecision",
            "StepResult", "SkipLimitError", "LossScaler", "precision_context", "doctor",
            "plan", "Plan",
            "__version__"]

@@ -14,7 +14,7 @@ pytest.importorskip("accelerate")  # transformers.Trainer needs it
 
 from helpers import hf_sharded  # noqa: E402  (the model and data its torchrun run trains)
 from helpers.paths import HELPERS  # noqa: E402
-from mixprec import MixedPrecision  # noqa: E402
+from mixprec import MixedPrecision, PrecisionSchedule  # noqa: E402
 from mixprec.integrations.transformers import MixedPrecisionTrainer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -434,3 +434,29 @@ def test_save_model_quantized_writes_the_format_trained_in(tmp_path):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q",
                                                                dtype=torch.float32)
     assert torch.equal(loaded.model.layers[0].mlp.down_proj.weight, cast.dequant())
+
+
+SCHEDULE = "nvfp4>bf16-master@0.8"
+
+
+def test_a_precision_schedule_trains_in_trainer_as_in_your_own_loop(tmp_path):
+    """NVFP4, then bf16 with fp32 masters for the last 20% of ``max_steps`` (the
+    fractions are Trainer's steps): the engine switches after step 4 of 5, and every
+    micro-batch's loss equals mixprec's own loop under the same schedule."""
+    t = _train(SCHEDULE, 5, 1, tmp_path)
+    assert t.engine.phase == 1 and str(t.engine.recipe) == "bf16-master"
+    assert t.engine.schedule.starts() == (0, 4)
+    decay = set(t.get_decay_parameter_names(t.model))
+    schedule = PrecisionSchedule.parse(SCHEDULE, total_steps=5)
+    assert t.losses == _own_loop(schedule, 5, 1, decay=decay)
+
+
+@pytest.mark.long
+def test_a_scheduled_trainer_resumes_mid_phase_bit_for_bit(tmp_path):
+    full = _train(SCHEDULE, 5, 1, tmp_path / "full")
+    _train(SCHEDULE, 5, 1, tmp_path / "part", save_steps=2)
+    resumed = _train(SCHEDULE, 5, 1, tmp_path / "part",
+                     resume=str(tmp_path / "part" / "checkpoint-2"))
+    assert resumed.engine.phase == 1
+    got, want = resumed.engine.fp32_state_dict(), full.engine.fp32_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -12,7 +12,7 @@ import torch
 pl = pytest.importorskip("lightning.pytorch")
 
 from helpers.paths import HELPERS  # noqa: E402
-from mixprec import MixedPrecision  # noqa: E402
+from mixprec import MixedPrecision, PrecisionSchedule  # noqa: E402
 from mixprec.integrations.lightning import MixedPrecisionPlugin  # noqa: E402
 from mixprec.workbench import GPT, GPTConfig  # noqa: E402
 
@@ -647,3 +647,50 @@ def test_fabric_save_of_the_model_writes_the_masters_and_fabric_load_sets_them(t
     assert optimizer2.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
     fabric2.backward(model2(data[3][:, :-1], data[3][:, 1:]))
     assert not optimizer2.step() and fresh.steps == 1  # the weights' writer is the engine
+
+
+SCHEDULE = "nvfp4>bf16-master@0.8"
+
+
+def test_a_precision_schedule_fits_as_your_own_loop_trains_it():
+    """NVFP4, then bf16 with fp32 masters for the last 20% of the fit's optimizer steps
+    (``estimated_stepping_batches``): the plugin's engine switches after step 4 of 5,
+    and every loss equals mixprec's own loop under the same schedule."""
+    batches = _batches(5)
+    module, trainer = _fit(SCHEDULE, batches, 5)
+    engine = trainer.precision_plugin.engine
+    assert engine.phase == 1 and str(engine.recipe) == "bf16-master" and engine.steps == 5
+    assert engine.schedule.starts() == (0, 4)
+    # the own loop trains a LitGPT too: NVFP4's rounding streams are seeded by the
+    # Linears' names, which carry the module's "gpt." prefix
+    lit = LitGPT()
+    opt = torch.optim.AdamW(lit.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    own = MixedPrecision(lit, opt, PrecisionSchedule.parse(SCHEDULE, total_steps=5))
+    want = []
+    for b in batches:
+        with own.autocast():
+            loss = lit.gpt(b[:, :-1], b[:, 1:])
+        want.append(loss.item())
+        own.backward(loss)
+        if not own.step().skipped:
+            sched.step()
+    assert module.losses == want and own.phase == 1
+
+
+@pytest.mark.long
+def test_a_scheduled_fit_resumes_mid_phase_bit_for_bit(tmp_path):
+    """Saved at step 2 (in the NVFP4 phase): the resumed fit switches at step 4 as the
+    fit in one go does, with the same losses and fp32 weights. The schedule's length is
+    given (the first fit stops early, so its own would be 2 steps)."""
+    schedule = PrecisionSchedule.parse(SCHEDULE, total_steps=5)
+    data = _batches(5)
+    full, t_full = _fit(schedule, data, 5, module=LitGPT(by_step=data))
+    part, trainer = _fit(schedule, data, 2, module=LitGPT(by_step=data))
+    trainer.save_checkpoint(tmp_path / "ck.ckpt")
+    resumed, t_res = _fit(schedule, data, 5, module=LitGPT(by_step=data),
+                          ckpt=str(tmp_path / "ck.ckpt"))
+    assert part.losses + resumed.losses == full.losses
+    got = t_res.precision_plugin.engine.fp32_state_dict()
+    want = t_full.precision_plugin.engine.fp32_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)

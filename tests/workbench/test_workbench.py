@@ -20,7 +20,7 @@ from helpers import children
 from mixprec.cli import main
 from mixprec.workbench.compare import compare
 from mixprec.workbench.data import load_corpus, sample_batch
-from mixprec.workbench.train import CheckpointError, TrainConfig, train
+from mixprec.workbench.train import CheckpointError, TrainConfig, _build, train
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -398,3 +398,23 @@ def test_compare_and_doctor_report_the_engines_coverage(tmp_path):
         warnings.simplefilter("ignore")
         found = doctor(factory, batch_fn, "fp8-current", steps=1, reference_steps=0)
     assert found.facts["matmul_weights_low_precision"] == cov.low_precision_share
+
+
+def test_a_precision_schedule_is_a_workbench_recipe():
+    """``mixprec compare`` and ``mixprec train`` take a schedule's string form: the
+    engine follows it over the run's steps; a malformed one fails before training."""
+    cfg = TrainConfig(recipe="fp8>bf16-master@0.5", **{**TINY, "steps": 4})
+    _, _, engine = _build(cfg, None, torch.device("cpu"))
+    assert engine.schedule.starts() == (0, 2) and str(engine.recipe) == "fp8"
+    with pytest.raises(ValueError, match="no @START"):
+        TrainConfig(recipe="fp8>bf16-master", **TINY)
+
+
+@pytest.mark.long
+def test_a_scheduled_workbench_run_resumes_across_the_switch(tmp_path):
+    cfg = TrainConfig(recipe="fp8>bf16-master@0.5", **TINY)  # switches after step 6
+    full = train(cfg, tmp_path / "full", progress=False)
+    part = tmp_path / "part"
+    train(cfg, part, progress=False, stop_after=5)  # checkpoint at 3, in the fp8 phase
+    train(cfg, part, resume=True, progress=False)
+    assert losses(part) == [s["loss"] for s in full.steps]

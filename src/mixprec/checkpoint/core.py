@@ -40,6 +40,7 @@ from torch import nn
 from mixprec.checkpoint import rng
 from mixprec.checkpoint.compat import saved_layout, stale_model_keys, warn_no_random_streams
 from mixprec.engine.param_state import ParamState
+from mixprec.engine.switch import enter_saved_phase, phase_entry
 from mixprec.experts import experts_formats
 from mixprec.modules.linear import fp8_modules, scaling_buffers
 from mixprec.parallel.comm import gather_full
@@ -269,6 +270,8 @@ def engine_state(engine: Any, full: bool) -> dict:
         "scaler": engine.scaler.state_dict(),
         "steps": engine.steps,
         "schedulers": [s.state_dict() for s in engine.schedulers],
+        # the precision schedule and its phase (mixprec.engine.switch), where there is one
+        "phase": phase_entry(engine),
     }
     return engine.parallelism.gather(state) if full else state
 
@@ -352,7 +355,9 @@ def load_engine(engine: Any, path: str | os.PathLike[str], rng_state: bool = Tru
 def restore_engine(engine: Any, state: dict) -> None:
     """``MixedPrecision.load_state_dict``: check, then load. Masters cross layouts:
     under FSDP the fp32 shards are the masters; a ``-master`` recipe elsewhere keeps
-    them beside its low-precision working copy."""
+    them beside its low-precision working copy. A scheduled engine first enters the
+    phase the checkpoint was saved in."""
+    enter_saved_phase(engine, state)
     check_engine_state(state, engine.recipe, engine.emulating, engine.world_size,
                        engine.parallel, engine.optimizers, engine.module)
     ps = engine.param_state

@@ -75,6 +75,7 @@ from mixprec.engine.facade import MixedPrecision
 from mixprec.formats import elements as formats
 from mixprec.planner.check import as_plan, audit_plan, check_layers
 from mixprec.recipe import Recipe
+from mixprec.recipe.schedule import PrecisionSchedule, is_schedule_text
 
 __all__ = ["doctor", "COSINE_FLAG", "RATIO_FLAG"]
 
@@ -101,6 +102,12 @@ def doctor(model_factory: Callable[[], nn.Module] | nn.Module,
         print(report)             # findings: severity, evidence, advice
     """
     plan = None
+    if isinstance(recipe, PrecisionSchedule) or is_schedule_text(recipe):
+        phases = PrecisionSchedule.coerce(recipe).recipes
+        raise ValueError(
+            f"doctor(recipe={str(recipe)!r}): a precision schedule; the doctor diagnoses "
+            f"one recipe at a time. Diagnose each phase: "
+            f"{', '.join(repr(str(r)) for r in phases)} (schedule.recipes)")
     if _is_plan(recipe):  # the planner sits above the diagnostics: imported only here
         plan = as_plan(recipe)
         recipe = plan.recipe

@@ -44,9 +44,11 @@ from mixprec.engine.context import precision_context, recompute_context, run_bac
 from mixprec.engine.coverage import Coverage, step_flops, warn_low_coverage
 from mixprec.engine.scaler import LossScaler
 from mixprec.engine.step import Step, StepResult, check_setup_unchanged
+from mixprec.engine.switch import Phases, resolve
 from mixprec.engine.watch import SkipLimitError
 from mixprec.export import pretrained as export_pretrained
 from mixprec.recipe import Recipe
+from mixprec.recipe.schedule import PrecisionSchedule
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
@@ -79,7 +81,9 @@ class MixedPrecision:
             at the fp32 masters, so optimizer states are fp32; state they already hold
             (Adagrad's, or earlier fp32 steps') moves to the masters. Frozen parameters
             may be in them; unfreezing one later makes ``step()`` raise.
-        recipe: a ``Recipe`` or a recipe string (``"bf16"``, ``"fp16,init_scale=1024"``).
+        recipe: a ``Recipe`` or a recipe string (``"bf16"``, ``"fp16,init_scale=1024"``),
+            or a ``PrecisionSchedule`` (or its string form, ``"nvfp4>bf16-master@0.8"``):
+            recipes by step, switched at step boundaries (``mixprec.engine.switch``).
         grad_accum_steps: micro-batches per optimizer step; ``backward`` divides the
             loss by it.
         max_grad_norm: clip the global L2 norm of the unscaled gradients to this.
@@ -110,6 +114,7 @@ class MixedPrecision:
         loss_scaler: a ``mixprec.engine.scaler.LossScaler`` policy to use instead of the one the
             recipe names (its own subclass, say: a scale on a schedule). It must live on
             the model's device; checkpoints hold its state under its ``kind``.
+        schedule: a ``PrecisionSchedule`` (or its string form), in place of ``recipe``.
 
     The parts, for diagnostics and tools: ``param_state``
     (``mixprec.engine.param_state.ParamState``: names, working copy, masters, buffers,
@@ -121,7 +126,7 @@ class MixedPrecision:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
-        recipe: Recipe | str = "bf16",
+        recipe: Recipe | str | PrecisionSchedule = "bf16",
         *,
         grad_accum_steps: int = 1,
         max_grad_norm: float | None = None,
@@ -132,8 +137,9 @@ class MixedPrecision:
         | Callable[[nn.Module], bool] | None = None,
         fp8_filter: Callable[[nn.Module, str], bool] | None = None,
         loss_scaler: LossScaler | None = None,
+        schedule: PrecisionSchedule | str | None = None,
     ) -> None:
-        r = Recipe.coerce(recipe)
+        schedule, r = resolve(recipe, schedule)
         check_loop_args(model, grad_accum_steps, max_grad_norm, loss_scaler)
         self.optimizers = as_optimizers(optimizer)
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
@@ -142,8 +148,23 @@ class MixedPrecision:
         parts = build(model, self.optimizers, r, parallel=parallel,
                       parallel_kwargs=parallel_kwargs, fsdp_units=fsdp_units,
                       fp8_filter=fp8_filter, loss_scaler=loss_scaler)
-        self.recipe, self.module, self.model, self.device = r, parts.module, parts.model, \
-            parts.device
+        self._fp8_filter, self._given_scaler = fp8_filter, loss_scaler is not None
+        self._adopt(parts)
+        warn_low_coverage(self._coverage, r)
+        self._step = Step(self.optimizers, self.param_state, self.scaler, self.parallelism,
+                          self.fp8_modules, schedulers, max_grad_norm, self.device, r)
+        #: ``micro`` / ``seen`` / ``steps`` (``mixprec.engine.step.Counters``)
+        self.counters = self._step.counters
+        #: the precision schedule and the phase the engine trains in
+        self._phases = Phases(self, schedule)
+        self._warned_loss = False
+        self._unsynced = False  # the last forward ran under no_sync() (DDP)
+        warn_kernel_choices(r, self.kernels, self.device)
+
+    def _adopt(self, parts) -> None:
+        """Hold the parts ``build`` made (at construction, and at a recipe switch)."""
+        self.recipe, self.module, self.model, self.device = parts.recipe, parts.module, \
+            parts.model, parts.device
         #: every hardware-dependent choice for this recipe here, and the measured rates
         self.kernels = parts.kernels
         self.emulating = parts.kernels.emulate
@@ -155,18 +176,34 @@ class MixedPrecision:
         self.param_state, self.scaler = parts.param_state, parts.scaler
         self.fp8_report, self.fp8_modules = parts.fp8_report, parts.fp8_modules
         self._coverage = parts.coverage
-        warn_low_coverage(self._coverage, r)
         self._frozen, self._param_counts = parts.frozen, parts.param_counts
-        self._step = Step(self.optimizers, self.param_state, self.scaler, self.parallelism,
-                          self.fp8_modules, schedulers, max_grad_norm, self.device, r)
-        #: ``micro`` / ``seen`` / ``steps`` (``mixprec.engine.step.Counters``)
-        self.counters = self._step.counters
         # the patched forwards belong to this engine: undone by close() or when the
         # engine is collected (the finalizer holds the undo function, not the engine)
         self._undo_islands = weakref.finalize(self, parts.undo_islands)
-        self._warned_loss = False
-        self._unsynced = False  # the last forward ran under no_sync() (DDP)
-        warn_kernel_choices(r, self.kernels, self.device)
+
+    # --- precision schedules ----------------------------------------------------------
+
+    def set_recipe(self, recipe: Recipe | str) -> None:
+        """Train in ``recipe`` from the next step on: fp32 masters, optimizer state and
+        loss scale carry over exactly (``mixprec.engine.switch``). Only at a step
+        boundary (after ``step()``, before the next ``backward``). A schedule switches
+        again at its next phase's start."""
+        self._phases.set_recipe(recipe)
+
+    @property
+    def schedule(self) -> PrecisionSchedule | None:
+        """The precision schedule the engine follows (None: one recipe)."""
+        return self._phases.schedule
+
+    @property
+    def phase(self) -> int | None:
+        """The index of the schedule's phase the engine trains in (None: no schedule)."""
+        return self._phases.index
+
+    def set_total_steps(self, total_steps: int) -> None:
+        """The run's optimizer steps, for a schedule whose phases start at fractions of
+        it (the Trainer and Lightning integrations call it from ``max_steps``)."""
+        self._phases.set_total_steps(total_steps)
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -244,7 +281,9 @@ class MixedPrecision:
         check_setup_unchanged(self.optimizers, self._param_counts, self.param_state,
                               self._frozen)
         found_inf, norm = self._step()
-        return StepResult(False, found_inf > 0, self.scaler.scale, norm)
+        result = StepResult(False, found_inf > 0, self.scaler.scale, norm)
+        self._phases.after_step()  # a schedule's next phase starts at a step boundary
+        return result
 
     def clip_grad_norm_(self, max_norm: float | None = None,
                         norm_type: float = 2.0) -> torch.Tensor:

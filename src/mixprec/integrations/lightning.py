@@ -46,6 +46,11 @@ it; DeepSpeed shards it too; tensor parallelism is not sharded by mixprec. All t
 refused, naming ``ModelParallelStrategy`` as the route. Manual optimization
 (``automatic_optimization = False``) is refused too.
 
+A precision schedule (``MixedPrecisionPlugin("nvfp4>bf16-master@0.8")`` or a
+``PrecisionSchedule``) switches at step boundaries inside the engine's step; phases given
+as fractions are shares of ``trainer.estimated_stepping_batches`` (the optimizer steps
+of the fit), and checkpoints resume in their phase.
+
 Fabric: ``mixprec.integrations.fabric.setup_fabric``, importable from here too.
 """
 
@@ -60,8 +65,10 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
 from mixprec.engine.facade import MixedPrecision
+from mixprec.engine.switch import resolve as resolve_schedule
 from mixprec.integrations.fabric import setup_fabric
 from mixprec.recipe import Recipe
+from mixprec.recipe.schedule import PrecisionSchedule
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -72,15 +79,17 @@ __all__ = ["MixedPrecisionPlugin", "setup_fabric"]
 
 
 class MixedPrecisionPlugin(Precision):
-    """Lightning ``Precision`` plugin for a mixprec ``recipe`` (a name or a ``Recipe``).
+    """Lightning ``Precision`` plugin for a mixprec ``recipe`` (a name or a ``Recipe``,
+    or a ``PrecisionSchedule`` or its string form).
     ``engine_kwargs`` go to ``MixedPrecision`` (``fp8_filter``, ``loss_scaler``...);
     clipping and accumulation come from the Trainer's own arguments."""
 
     precision = "32-true"  # what Lightning sees: the module and its inputs stay fp32
 
-    def __init__(self, recipe: Recipe | str, **engine_kwargs: Any) -> None:
+    def __init__(self, recipe: Recipe | str | PrecisionSchedule, **engine_kwargs: Any) -> None:
         super().__init__()
-        self.recipe = Recipe.coerce(recipe)
+        #: the precision schedule (None: one recipe) and the recipe the fit starts in
+        self.schedule, self.recipe = resolve_schedule(recipe, None)
         for k in ("grad_accum_steps", "max_grad_norm", "parallel"):
             if k in engine_kwargs:
                 raise ValueError(
@@ -141,9 +150,12 @@ class MixedPrecisionPlugin(Precision):
             parallel = {"parallel": "fsdp", "fsdp_units": _lightning_units(model)}
             self._gather = True
         kwargs = {**parallel, **self.engine_kwargs}  # a user's own fsdp_units win
-        self.engine = MixedPrecision(model, optimizers, self.recipe,
+        self.engine = MixedPrecision(model, optimizers, self.schedule or self.recipe,
                                      grad_accum_steps=trainer.accumulate_grad_batches,
                                      **kwargs)
+        if self.schedule is not None and self.schedule.fractional \
+                and self.schedule.total_steps is None:
+            self.engine.set_total_steps(_fit_steps(trainer))
         if self._pending is not None:
             self.engine.load_state_dict(self._pending)
             self._pending = None
@@ -267,7 +279,18 @@ class MixedPrecisionPlugin(Precision):
         return self._skipped
 
     def __repr__(self) -> str:
-        return f"MixedPrecisionPlugin({str(self.recipe)!r})"
+        return f"MixedPrecisionPlugin({str(self.schedule or self.recipe)!r})"
+
+
+def _fit_steps(trainer) -> int:
+    """The optimizer steps of the fit, for a schedule's fractional phases."""
+    steps = trainer.estimated_stepping_batches
+    if not isinstance(steps, int) and not (isinstance(steps, float) and steps.is_integer()):
+        raise ValueError(
+            f"a precision schedule with phases at fractions of the run under a fit of "
+            f"{steps} optimizer steps: set Trainer(max_steps=...) or max_epochs, or give "
+            "the phases' starts in steps")
+    return int(steps)
 
 
 def _sharded_by_engine(trainer) -> bool:

@@ -31,6 +31,9 @@ points:
   leaves them out. With
   ``load_best_model_at_end`` the best checkpoint's engine state is restored at the end
   (a ``TrainerCallback``), so ``save_model`` writes the best masters.
+- a precision schedule (``recipe="nvfp4>bf16-master@0.8"`` or a ``PrecisionSchedule``)
+  switches at step boundaries inside the engine's step; phases given as fractions are
+  shares of Trainer's ``max_steps``, and checkpoints resume in their phase.
 
 Data parallel: under a multi-process launch (``torchrun``, ``accelerate launch``) the
 engine is built with ``parallel="ddp"`` and Trainer runs the engine's own
@@ -66,11 +69,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec.engine.facade import MixedPrecision
+from mixprec.engine.switch import resolve as resolve_schedule
 from mixprec.integrations import deepspeed as ds
 from mixprec.integrations import quiet_peer_import
 from mixprec.integrations._proxies import EngineOptimizer, save_fp32_config
 from mixprec.integrations.fsdp_plugin import plugin_args_from_env, say
 from mixprec.recipe import Recipe
+from mixprec.recipe.schedule import PrecisionSchedule
 
 with quiet_peer_import():  # transformers' model code imports torchao where installed
     from transformers import Trainer, TrainerCallback
@@ -156,13 +161,15 @@ class _BestMasters(TrainerCallback):
 
 class MixedPrecisionTrainer(Trainer):
     """``transformers.Trainer`` with ``recipe`` (a name or ``Recipe``) run by mixprec's
-    engine; ``engine_kwargs`` go to ``MixedPrecision`` (``fp8_filter``...)."""
+    engine, or a ``PrecisionSchedule`` (or its string form); ``engine_kwargs`` go to
+    ``MixedPrecision`` (``fp8_filter``...)."""
 
-    def __init__(self, *args: Any, recipe: Recipe | str, engine_kwargs: dict | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, *args: Any, recipe: Recipe | str | PrecisionSchedule,
+                 engine_kwargs: dict | None = None, **kwargs: Any) -> None:
         self._fsdp: dict | None = None  # TrainingArguments(fsdp=...): the engine's FSDP
         super().__init__(*args, **kwargs)
-        self.recipe = Recipe.coerce(recipe)
+        #: the precision schedule (None: one recipe) and the recipe the run starts in
+        self.schedule, self.recipe = resolve_schedule(recipe, None)
         self.engine_kwargs = dict(engine_kwargs or {})
         if "parallel" in self.engine_kwargs:
             raise ValueError(
@@ -173,6 +180,12 @@ class MixedPrecisionTrainer(Trainer):
         #: under DeepSpeed: the formats swapped in (DeepSpeed's engine runs the rest)
         self.deepspeed_formats: ds.DeepSpeedFormats | None = None
         if self.is_deepspeed_enabled:
+            if self.schedule is not None:
+                raise NotImplementedError(
+                    f"MixedPrecisionTrainer(recipe={str(self.schedule)!r}) under DeepSpeed: "
+                    "DeepSpeed's engine owns the weights, so a precision schedule cannot "
+                    "switch them; pass one recipe (e.g. "
+                    f"{str(self.schedule.recipes[0])!r}), or drop deepspeed= to schedule")
             self.deepspeed_formats = ds.swap(
                 self.model, self.recipe, self.args.hf_deepspeed_config.config,
                 auto="bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32",
@@ -243,12 +256,24 @@ class MixedPrecisionTrainer(Trainer):
         if self._fsdp is not None:
             parallel = {"parallel": "fsdp", **self._fsdp}
         self.engine = MixedPrecision(
-            self.model, inner, self.recipe,
+            self.model, inner, self.schedule or self.recipe,
             grad_accum_steps=self.args.gradient_accumulation_steps,
             # Trainer's max_grad_norm comes by its own clip call
             **{**parallel, **self.engine_kwargs})
         self.optimizer = EngineOptimizer(self.engine, inner, self._record_skip)
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int,
+                         optimizer: torch.optim.Optimizer | None = None
+                         ) -> torch.optim.lr_scheduler.LRScheduler:
+        """Trainer's LR scheduler; and the run's length (``max_steps``) for a precision
+        schedule whose phases start at fractions of it, before a resumed checkpoint is
+        loaded."""
+        out = super().create_scheduler(num_training_steps, optimizer)
+        if self.engine is not None and self.engine.schedule is not None \
+                and self.engine.schedule.fractional:
+            self.engine.set_total_steps(num_training_steps)
+        return out
 
     def _record_skip(self, skipped: bool) -> None:
         # Trainer asks Accelerate whether the step was skipped before the scheduler step

@@ -212,6 +212,8 @@ class Float8Linear(nn.Linear):
             new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight
         new.bias = linear.bias
+        # the module it replaces, kept outside the module tree, for ``to_linear``
+        new.__dict__["_source"] = linear
         new._configure(_coerce(recipe), seed)
         for hooks in _HOOK_DICTS:  # torch's tensor-parallel plans live in these hooks
             setattr(new, hooks, getattr(linear, hooks))
@@ -220,6 +222,23 @@ class Float8Linear(nn.Linear):
             watch_sums(new)
             read_layout(new)
         return new
+
+    def to_linear(self) -> nn.Module:
+        """The module ``from_linear`` replaced (an ``nn.Linear``, a ``Conv1D``), holding
+        this module's weight and bias Parameters (the same objects, so an optimizer
+        still holds them), to put back in its place; a plain ``nn.Linear`` over them for
+        a module built otherwise. The format's scaling state stays here."""
+        old = self.__dict__.get("_source")
+        if old is None and self.transposed:
+            raise ValueError(f"{type(self).__name__} with a (in, out) weight was not built "
+                             "by from_linear: the module to put back is unknown")
+        if old is None:
+            old = nn.Linear.__new__(nn.Linear)
+            nn.Module.__init__(old)
+            old.in_features, old.out_features = self.in_features, self.out_features
+        old.weight = self.weight
+        old.bias = self.bias
+        return old
 
     @property
     def backend(self) -> str:

@@ -21,8 +21,10 @@ from mixprec.recipe.configs import (
 )
 from mixprec.recipe.layer_rules import LastLayers
 from mixprec.recipe.presets import LINEAR_PRESETS, preset_names
+from mixprec.recipe.schedule import PrecisionSchedule
 from mixprec.recipe.types import PRESETS, Recipe
 
-__all__ = ["Recipe", "Precision", "LossScale", "OptimStates", "LayoutOptions", "LastLayers",
+__all__ = ["Recipe", "PrecisionSchedule", "Precision", "LossScale", "OptimStates",
+           "LayoutOptions", "LastLayers",
            "PRESETS", "LINEAR_PRESETS",
            "MX_COMPUTE", "KEEP_FP32_CHOICES", "DEFAULT_KEEP_FP32", "preset_names"]

@@ -33,12 +33,11 @@ import torch
 
 from mixprec.diagnostics import doctor
 from mixprec.diagnostics.findings import Finding
-from mixprec.recipe import Recipe
 from mixprec.workbench.data import load_corpus, sample_batch
 from mixprec.workbench.model import GPT, SIZES
 from mixprec.workbench.planning import resolve_entry
 from mixprec.workbench.report import write_report
-from mixprec.workbench.train import TrainConfig, TrainResult, train
+from mixprec.workbench.train import TrainConfig, TrainResult, first_recipe, train
 
 __all__ = ["compare", "CompareInterrupted", "DEFAULT_RECIPES", "SCENARIOS", "write_report",
            "slow_step_findings", "cpu_name"]
@@ -144,7 +143,7 @@ def _entries(recipes: list[str], size, batch, seq, seed) -> dict:
     out: dict = {}
     for entry in recipes:
         label, r, p = resolve_entry(entry, size=size, batch=batch, seq=seq, seed=seed)
-        Recipe.coerce(r)  # fail before any training
+        first_recipe(r)  # fail before any training
         if label in out and label != entry:  # plan.json beside plan: the path labels it
             label = entry
         out[label] = (r, p)
@@ -174,7 +173,8 @@ def _doctor(label: str, results: dict, steps: int, plan=None) -> list[dict]:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        rep = doctor(factory, batch_fn, plan if plan is not None else cfg.recipe,
+        # a precision schedule: the doctor reads its first phase
+        rep = doctor(factory, batch_fn, plan if plan is not None else first_recipe(cfg.recipe),
                      steps=steps, reference_steps=0)
     found = list(rep.findings) + slow_step_findings(label, results, rep.facts)
     return [dataclasses.asdict(f) for f in found]

@@ -39,10 +39,11 @@ from mixprec.engine.facade import MixedPrecision
 from mixprec.memory import measure
 from mixprec.optim import adamw_for
 from mixprec.recipe import Recipe
+from mixprec.recipe.schedule import PrecisionSchedule, is_schedule_text
 from mixprec.workbench.data import load_corpus, sample_batch, val_batches
 from mixprec.workbench.model import GPT, SIZES
 
-__all__ = ["TrainConfig", "TrainResult", "train", "train_device", "CheckpointError",
+__all__ = ["TrainConfig", "TrainResult", "train", "train_device", "first_recipe", "CheckpointError",
            "save_atomic"]
 
 
@@ -68,7 +69,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.size not in SIZES:
             raise ValueError(f"size {self.size!r}; valid: {', '.join(SIZES)}")
-        Recipe.coerce(self.recipe)  # raises ValueError naming the bad field
+        first_recipe(self.recipe)  # raises ValueError naming the bad field
         for name in ("steps", "batch", "eval_every", "ckpt_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -284,6 +285,21 @@ def _checkpoint_path(out: Path | None, parallel: str | None, resume: bool):
     return rank, ckpt, parallel == "fsdp" or rank == 0
 
 
+def first_recipe(text: str) -> Recipe:
+    """The recipe a run starts in: ``text``'s, or its first phase's where ``text`` is a
+    precision schedule (``"nvfp4>bf16-master@0.8"``)."""
+    if is_schedule_text(text):
+        return PrecisionSchedule.parse(text).recipes[0]
+    return Recipe.coerce(text)
+
+
+def _engine_recipe(cfg: TrainConfig) -> Recipe | PrecisionSchedule:
+    """What the engine trains under: the recipe, or the schedule over ``cfg.steps``."""
+    if is_schedule_text(cfg.recipe):
+        return PrecisionSchedule.parse(cfg.recipe, total_steps=cfg.steps)
+    return Recipe.coerce(cfg.recipe)
+
+
 def _build(cfg: TrainConfig, parallel: str | None, device: torch.device):
     """The seeded GPT on ``device`` (built on the CPU: the same weights anywhere), its
     fused AdamW and the engine under ``cfg.recipe``."""
@@ -291,12 +307,13 @@ def _build(cfg: TrainConfig, parallel: str | None, device: torch.device):
     torch.manual_seed(cfg.seed)
     model = GPT(mcfg).to(device)
     # a recipe's states: rules pick each parameter's state format by its name
-    named = Recipe.coerce(cfg.recipe).state_rules
-    opt = adamw_for(cfg.recipe, model.named_parameters() if named else model.parameters(),
+    first = first_recipe(cfg.recipe)
+    named = first.state_rules
+    opt = adamw_for(first, model.named_parameters() if named else model.parameters(),
                     lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = MixedPrecision(model, opt, Recipe.coerce(cfg.recipe),
+        engine = MixedPrecision(model, opt, _engine_recipe(cfg),
                                 max_grad_norm=cfg.max_grad_norm, parallel=parallel)
     return model, opt, engine
 
