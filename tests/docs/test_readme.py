@@ -33,7 +33,8 @@ PAGES = ["README.md", "docs/index.md", "docs/getting-started.md", "docs/concepts
          "docs/guides/plan.md",
          "docs/guides/workbench.md", "docs/benchmarks.md", "docs/guides/trainers.md",
          "docs/guides/lightning.md", "docs/guides/hf-trainer.md", "docs/guides/accelerate.md",
-         "docs/guides/serve.md", "docs/guides/deepspeed.md", "docs/troubleshooting.md",
+         "docs/guides/serve.md", "docs/guides/deepspeed.md", "docs/guides/compositions.md",
+         "docs/troubleshooting.md",
          "docs/not-there-yet.md", "docs/development.md",
          "docs/reference/recipes.md", "docs/reference/formats.md", "docs/reference/cli.md",
          "docs/reference/api.md", "docs/changelog.md"]
