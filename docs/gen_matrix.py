@@ -47,15 +47,18 @@ def page() -> str:
     m = _cells()
     lines = [HEADER, "# Compositions: formats, layouts and builders\n",
              "Which number format trains on which parallel layout, by which builder. Every "
-             "cell is a test (`tests/parallel/test_matrix.py`, the list in "
-             "`tests/helpers/matrix_cells.py`): a cell that **trains** ran 6 AdamW steps "
-             "on gloo CPU ranks with every step's loss within the bound shown of one "
+             "cell is a test (`tests/parallel/test_matrix.py`, or the module a builder's "
+             "section names; the list in `tests/helpers/matrix_cells.py`): a cell that "
+             "**trains** ran 6 AdamW steps on gloo CPU ranks with every step's loss "
+             "within the bound shown of one "
              "process's on the same data (the largest relative difference measured on an "
              "AMD EPYC in brackets), the ranks agreeing on every grad norm and skip, "
              "`engine.coverage` the one process's (the format on the Linears it "
              "swaps), and a resume (the engine's state after step 3 loaded by a fresh "
-             "engine) repeating steps 4 to 6 exactly. Marked: **no resume**, saving that "
-             "state fails; **some Linears in 16 bits**, a limit of the layout keeps them "
+             "engine) repeating steps 4 to 6 exactly (a builder's own module checks what "
+             "its docstrings say instead of the coverage and the resume). Marked: "
+             "**no resume**, saving that state fails; **some Linears in 16 bits**, a "
+             "limit of the layout keeps them "
              "so (the coverage says why); **known defect**, a check that fails today "
              "(the test expects it to). A cell that **refuses** raises at build or keeps "
              "every Linear in 16 bits. The reasons are listed below the tables.\n",
@@ -69,8 +72,10 @@ def page() -> str:
         cells = [c for c in m.CELLS if c.builder == bname]
         if not cells:
             continue
-        lines += [f"## {builder.what}\n",
-                  "| layout | model | " + " | ".join(f"`{f}`" for f in fmts) + " |",
+        lines.append(f"## {builder.what}\n")
+        if builder.tested_in is not None:
+            lines.append(f"Its cells run in `{builder.tested_in}`.\n")
+        lines += ["| layout | model | " + " | ".join(f"`{f}`" for f in fmts) + " |",
                   "|---|---|" + "---|" * len(fmts)]
         rows = list(dict.fromkeys((c.layout, c.model) for c in cells))
         for layout, model in rows:

@@ -7,7 +7,10 @@ A cell is one line: ``trains(layout, format, measured)`` (6 AdamW steps within t
 format's tolerance of one process, the ranks agreeing on skips and grad norms, the
 coverage one process has, and a resume from step 3 repeating steps 4 to 6 exactly) or
 ``refuses(layout, format, "fragment of the error")``. A builder with ``runner=None`` is
-declared for its cells to come: its engineers add the runner and its cells' lines.
+declared for its cells to come: its engineers add the runner and its cells' lines. A
+builder with ``tested_in`` has its cells run by that test module, which takes its
+parametrization from ``cells_of(its module)`` (tests/parallel/test_matrix.py checks that
+every such cell is parametrized there).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 __all__ = ["Format", "Layout", "Builder", "Cell", "FORMATS", "LAYOUTS", "BUILDERS",
-           "CELLS", "trains", "refuses"]
+           "CELLS", "trains", "refuses", "cells_of"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,7 +45,8 @@ class Layout:
     world: int
     #: who lays the model out: ``engine`` (tests/helpers/matrix_workers.py), or
     #: ``transformers`` (``from_pretrained(distributed_config=...)``,
-    #: tests/helpers/hf_distcfg_workers.py)
+    #: tests/helpers/hf_distcfg_workers.py), ``deepspeed`` (tests/integrations/
+    #: test_deepspeed.py), ``fsdp-plugin`` (tests/integrations/test_fsdp_plugin.py)
     family: str
     #: what the docs table says it is
     what: str
@@ -56,8 +60,12 @@ class Builder:
 
     #: what the docs table says it is
     what: str
-    #: the test's runner for its cells (None: declared, its cells still to come)
+    #: the test's runner for its cells (None: declared, its cells still to come, or run
+    #: by the module ``tested_in`` names)
     runner: str | None
+    #: the test module that runs its cells (its path from the repository root), taking
+    #: them from ``cells_of``; None: tests/parallel/test_matrix.py runs them
+    tested_in: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,16 +157,39 @@ LAYOUTS: dict[str, Layout] = {
     "hf-tp-fsdp": Layout(world=4, family="transformers",
                          config={"tp_size": 2, "fsdp_size": 2},
                          what="`DistributedConfig(tp_size=2, fsdp_size=2)`, 4 ranks"),
+    "ds-accelerate": Layout(world=2, family="deepspeed",
+                            what="Accelerate's loop with `Accelerator(deepspeed_plugin=...)` "
+                                 "and mixprec's `prepare`, bf16, 2 ranks"),
+    "ds-trainer": Layout(world=2, family="deepspeed",
+                         what="`MixedPrecisionTrainer` with `TrainingArguments(deepspeed="
+                              "{...})`, bf16, 2 ranks"),
+    "fsdp2-plugin": Layout(world=2, family="fsdp-plugin",
+                           what="Accelerate's `FullyShardedDataParallelPlugin(fsdp_version=2)`"
+                                " (the Trainer's `fsdp_config={\"fsdp_version\": 2}`), "
+                                "2 ranks"),
+    "fsdp2-plugin-env": Layout(world=2, family="fsdp-plugin",
+                               what="the FSDP2 plugin from `accelerate launch --use_fsdp "
+                                    "--fsdp_version 2`'s environment, 2 ranks"),
+    "fsdp1-plugin": Layout(world=2, family="fsdp-plugin",
+                           what="FSDP version 1 (`fsdp_version=1`, or `FSDP_VERSION=1` in "
+                                "the environment)"),
 }
 
+_DEEPSPEED = "tests/integrations/test_deepspeed.py"
+_FSDP_PLUGIN = "tests/integrations/test_fsdp_plugin.py"
 BUILDERS: dict[str, Builder] = {
     "engine": Builder(what="`mixprec.MixedPrecision(model, opt, recipe=...)`",
                       runner="engine"),
-    "hf-trainer": Builder(what="Hugging Face `Trainer` with its FSDP2 plugin", runner=None),
-    "accelerate-fsdp2": Builder(what="Accelerate's FSDP2 plugin", runner=None),
-    "deepspeed-zero1": Builder(what="DeepSpeed ZeRO stage 1", runner=None),
-    "deepspeed-zero2": Builder(what="DeepSpeed ZeRO stage 2", runner=None),
-    "deepspeed-zero3": Builder(what="DeepSpeed ZeRO stage 3", runner=None),
+    "hf-trainer": Builder(what="Hugging Face `Trainer` with its FSDP2 plugin", runner=None,
+                          tested_in=_FSDP_PLUGIN),
+    "accelerate-fsdp2": Builder(what="Accelerate's FSDP2 plugin", runner=None,
+                                tested_in=_FSDP_PLUGIN),
+    "deepspeed-zero1": Builder(what="DeepSpeed ZeRO stage 1", runner=None,
+                               tested_in=_DEEPSPEED),
+    "deepspeed-zero2": Builder(what="DeepSpeed ZeRO stage 2", runner=None,
+                               tested_in=_DEEPSPEED),
+    "deepspeed-zero3": Builder(what="DeepSpeed ZeRO stage 3", runner=None,
+                               tested_in=_DEEPSPEED),
 }
 
 #: the models: the engine layouts' MLP, transformers' tiny Qwen3-MoE and Llama
@@ -196,6 +227,9 @@ _NO_EP_PLAN = "has no `ep_plan`"
 _SR_APART = ("the ranks' losses differ: a Linear transformers' TP plan leaves whole draws "
              "nvfp4's stochastic rounding from each rank's own stream "
              "(mixprec.parallel.tp_agree.sr_stream), though every rank sees the same batch")
+_DS_FP16 = "compute='fp16'"
+_FSDP1_PREPARE = "fsdp_version=1"
+_FSDP1_TRAINER = "FSDP2 only (valid: 2)"
 _EP_COVERAGE = ("engine.coverage lists no experts under expert parallelism "
                 "(the experts' rows one process shows are missing)")
 
@@ -306,4 +340,38 @@ CELLS: list[Cell] = [
     trains("hf-tp-fsdp", "bf16-master", 3.1e-3, model="llama"),
     refuses("hf-tp-fsdp", "fp8-current", _TWO_D, model="llama"),
     refuses("hf-tp-fsdp", "mxfp8", _TWO_D, model="llama"),
+    # --- DeepSpeed ZeRO (tests/integrations/test_deepspeed.py): bf16 with the
+    # fp8-current Linears, the global loss against one process; fp16 compute refused
+    trains("ds-accelerate", "fp8-current", 6.76e-3, model="llama", builder="deepspeed-zero1"),
+    refuses("ds-accelerate", "fp16-master", _DS_FP16, model="llama",
+            builder="deepspeed-zero1", fast=True),
+    trains("ds-accelerate", "fp8-current", 6.76e-3, model="llama", builder="deepspeed-zero2"),
+    refuses("ds-accelerate", "fp16-master", _DS_FP16, model="llama",
+            builder="deepspeed-zero2", fast=True),
+    trains("ds-accelerate", "fp8-current", 6.76e-3, model="llama", builder="deepspeed-zero3"),
+    refuses("ds-accelerate", "fp16-master", _DS_FP16, model="llama",
+            builder="deepspeed-zero3", fast=True),
+    trains("ds-trainer", "fp8-current", 6.94e-3, model="llama", builder="deepspeed-zero2"),
+    refuses("ds-trainer", "fp16-master", _DS_FP16, model="llama",
+            builder="deepspeed-zero2", fast=True),
+    trains("ds-trainer", "fp8-current", 6.94e-3, model="llama", builder="deepspeed-zero3"),
+    refuses("ds-trainer", "fp16-master", _DS_FP16, model="llama",
+            builder="deepspeed-zero3", fast=True),
+    # --- Accelerate's FSDP2 plugin (tests/integrations/test_fsdp_plugin.py): Accelerate's
+    # loop over the sharding it applies; the Trainer takes the plugin over
+    trains("fsdp2-plugin", "bf16-master", 1.8e-3, model="llama", builder="accelerate-fsdp2"),
+    trains("fsdp2-plugin", "fp8-current", 8.8e-3, model="llama", builder="accelerate-fsdp2"),
+    refuses("fsdp1-plugin", "bf16-master", _FSDP1_PREPARE, model="llama",
+            builder="accelerate-fsdp2", fast=True),
+    trains("fsdp2-plugin", "bf16-master", 1.2e-3, model="llama", builder="hf-trainer"),
+    trains("fsdp2-plugin", "fp8-current", 1.6e-2, model="llama", builder="hf-trainer"),
+    trains("fsdp2-plugin-env", "bf16-master", 1.2e-3, model="llama", builder="hf-trainer"),
+    refuses("fsdp1-plugin", "bf16-master", _FSDP1_TRAINER, model="llama",
+            builder="hf-trainer", fast=True),
 ]
+
+
+def cells_of(module: str) -> list[Cell]:
+    """The cells whose builder's ``tested_in`` is ``module`` (a path from the
+    repository root), in the list's order."""
+    return [c for c in CELLS if BUILDERS[c.builder].tested_in == module]

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from helpers.launch import free_port
+from helpers.matrix_cells import Cell, cells_of
 from helpers.paths import ROOT
 from mixprec import doctor
 from mixprec.integrations import deepspeed as ds
@@ -29,14 +30,34 @@ from mixprec.optim import AdamW
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 BF16 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
-#: the fp8 tolerance on each step's global loss against one process
-#: (tests/integrations/test_transformers_distributed.py's for fp8-current)
-TOL = 5e-2
-CELLS = ["accelerate:2", "accelerate:3", "trainer:2", "trainer:3"]
+#: this module's cells of the composition matrix (tests/helpers/matrix_cells.py): each
+#: carries its tolerance on each step's global loss against one process (the fp8 one)
+MATRIX = cells_of("tests/integrations/test_deepspeed.py")
+_FRONTEND = {"ds-accelerate": "accelerate", "ds-trainer": "trainer"}
+
+
+def _stage(cell: Cell) -> int:
+    return int(cell.builder.removeprefix("deepspeed-zero"))
+
+
+def _scenario(cell: Cell) -> str:
+    """tests/helpers/ds_workers.py's scenario for a cell: ``frontend:stage``."""
+    return f"{_FRONTEND[cell.layout]}:{_stage(cell)}"
+
+
+def _param(cell: Cell):
+    return pytest.param(cell, id=_scenario(cell))
+
+
+TRAINS = [c for c in MATRIX if c.refuses is None]
+REFUSES = [c for c in MATRIX if c.refuses is not None]
+#: ZeRO 2 and 3 on each frontend; ZeRO-1 (Accelerate's loop) has its own test
+CELLS = [c for c in TRAINS if _stage(c) != 1]
+ZERO_1 = [c for c in TRAINS if _stage(c) == 1]
 #: the one-process launch: each frontend once (on one process ZeRO's stages compute
 #: alike), a bf16 run (no swap), the DeepSpeed-free run
 ONE = ["accelerate:2", "trainer:2", "accelerate:2:bf16", "mixprec"]
-TWO = [*CELLS, "accelerate:1", "trainer:2:bf16-lean"]
+TWO = [*(_scenario(c) for c in CELLS + ZERO_1), "trainer:2:bf16-lean"]
 
 
 def test_the_hand_over_is_one_message_naming_what_each_component_runs():
@@ -149,17 +170,18 @@ def _rel(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("cell", [_param(c) for c in CELLS])
 def test_zero_on_two_ranks_trains_as_one_process_with_the_linears_in_fp8(records, cell):
-    two, one = records[2][cell], records[1][cell.split(":")[0] + ":2"]
+    key = _scenario(cell)
+    two, one = records[2][key], records[1][key.split(":")[0] + ":2"]
     assert records[2]["world"] == 2 and records[1]["world"] == 1
     assert two["engine"] == "DeepSpeedEngine" and not two.get("mixprec_engine")
     alone = records[1]["mixprec"]["losses"]
-    print(f"{cell}: {_rel(two['losses'], one['losses']):.2e} against one process, "
+    print(f"{key}: {_rel(two['losses'], one['losses']):.2e} against one process, "
           f"{_rel(two['losses'], alone):.2e} against mixprec's engine without DeepSpeed")
-    assert _rel(two["losses"], one["losses"]) <= TOL
+    assert _rel(two["losses"], one["losses"]) <= cell.tol
     # against the same training without DeepSpeed (mixprec's engine, bf16 + fp32 masters)
-    assert _rel(two["losses"], alone) <= TOL
+    assert _rel(two["losses"], alone) <= cell.tol
     formats = two["formats"]
     linears = {n: f for n, f in formats.items() if n.endswith("_proj")}
     assert len(linears) == 14 and set(linears.values()) == {"fp8-current"}
@@ -170,15 +192,31 @@ def test_zero_on_two_ranks_trains_as_one_process_with_the_linears_in_fp8(records
 
 
 @pytest.mark.long
-def test_zero_1_trains_and_the_trainer_refuses_what_deepspeed_cannot_run(records):
+@pytest.mark.parametrize("cell", [_param(c) for c in ZERO_1])
+def test_zero_1_trains_and_the_trainer_refuses_what_deepspeed_cannot_run(records, cell):
+    assert _scenario(cell) == "accelerate:1"
     two, one = records[2]["accelerate:1"], records[1]["accelerate:2"]
     print(f"accelerate:1: {_rel(two['losses'], one['losses']):.2e} against one process")
-    assert _rel(two["losses"], one["losses"]) <= TOL
+    assert _rel(two["losses"], one["losses"]) <= cell.tol
     assert two["losses"][-1] < two["losses"][0]
     assert set(two["formats"].values()) == {"fp8-current", "bf16"}
     err = records[2]["trainer:2:bf16-lean"]["error"]
     assert "recipe 'bf16-lean' under DeepSpeed (ZeRO-2, bf16)" in err
     assert "write='stochastic'" in err and "states=int8" in err
+
+
+@pytest.mark.parametrize("cell", [pytest.param(c, id=_scenario(c) + ":" + c.fmt)
+                                  for c in REFUSES])
+def test_a_matrix_cell_deepspeed_cannot_run_is_refused_before_the_swap(cell):
+    """The refusing cells of the composition matrix: the recipe under the stage's bf16
+    config is refused by the hand-over both frontends run first (``swap`` calls
+    ``split``), the model left as it was."""
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": _stage(cell)}}
+    with pytest.raises(ValueError) as err:
+        ds.swap(net, cell.recipe, config)
+    assert cell.refuses in str(err.value), str(err.value)
+    assert type(net[0]) is nn.Linear
 
 
 def test_the_doctor_refuses_a_model_zero_3_partitioned_naming_the_fix():

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy  # noq
 
 from helpers import hf_distcfg_workers as w  # noqa: E402
 from helpers.launch import free_port  # noqa: E402
+from helpers.matrix_cells import Cell, cells_of  # noqa: E402
 from helpers.paths import ROOT  # noqa: E402
 from mixprec.integrations.accelerate import prepare  # noqa: E402
 from mixprec.integrations.fsdp_plugin import (  # noqa: E402
@@ -36,10 +37,21 @@ from mixprec.integrations.transformers import _engine_fsdp  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-RECIPES = ("bf16-master", "fp8-current")
-#: the loss of every step against one process: the distributed tolerances of
-#: tests/integrations/test_transformers_distributed.py
-TOL = {"bf16-master": 1e-2, "fp8-current": 5e-2}
+#: this module's cells of the composition matrix (tests/helpers/matrix_cells.py): each
+#: carries its tolerance on the loss of every step against one process (the
+#: distributed tolerances of tests/integrations/test_transformers_distributed.py)
+MATRIX = cells_of("tests/integrations/test_fsdp_plugin.py")
+#: tests/helpers/hf_fsdp_plugin.py's scenario for a trains cell's builder and layout
+_KIND = {("accelerate-fsdp2", "fsdp2-plugin"): "accelerate",
+         ("hf-trainer", "fsdp2-plugin"): "trainer",
+         ("hf-trainer", "fsdp2-plugin-env"): "trainer-env"}
+TRAINS = [c for c in MATRIX if c.refuses is None]
+REFUSES = [c for c in MATRIX if c.refuses is not None]
+RECIPES = tuple(dict.fromkeys(c.recipe for c in TRAINS))
+
+
+def _param(cell: Cell):
+    return pytest.param(cell, id=f"{_KIND[cell.builder, cell.layout]}-{cell.recipe}")
 #: the first step's gradient norm (the same weights on both sides: only the order of
 #: the sums differs). Later norms follow each run's own weights, which AdamW at lr 1e-2
 #: moves apart as a 16-bit or fp8 rounding flips small updates' signs (measured up to
@@ -118,6 +130,27 @@ def test_plugin_settings_mixprec_cannot_honour_are_refused_naming_them():
             "reshard_after_forward": False}
 
 
+@pytest.mark.parametrize("cell", [pytest.param(c, id=f"{c.builder}-{c.recipe}")
+                                  for c in REFUSES])
+def test_a_matrix_cell_on_fsdp_version_1_is_refused_naming_the_version(cell):
+    """The refusing cells of the composition matrix: Accelerate's ``prepare`` under a
+    version-1 plugin, and the Trainer's takeover of ``FSDP_VERSION=1`` from the
+    environment, raise naming the version, the model left as it was."""
+    assert cell.layout == "fsdp1-plugin", cell.id
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    with pytest.raises(NotImplementedError) as err:
+        if cell.builder == "accelerate-fsdp2":
+            acc = _plugin_accelerator(fsdp_version=1)
+            prepare(acc, model, torch.optim.AdamW(model.parameters()), recipe=cell.recipe)
+        else:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("ACCELERATE_USE_FSDP", "true")
+                mp.setenv("FSDP_VERSION", "1")
+                _engine_fsdp(plugin_args_from_env())
+    assert cell.refuses in str(err.value), str(err.value)
+    assert type(model[0]) is torch.nn.Linear
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """tests/helpers/hf_fsdp_plugin.py under ``torchrun --nproc-per-node 2`` (gloo):
@@ -149,11 +182,12 @@ def _rel(a, b):
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
-def _check_against_one_process(records, kind, recipe, model_dir, out):
+def _check_against_one_process(records, cell, model_dir, out):
+    kind, recipe = _KIND[cell.builder, cell.layout], cell.recipe
     two = [r[(kind, recipe)] for r in records]
     one = _one_process("trainer" if kind == "trainer-env" else kind, recipe, model_dir,
                        str(out))
-    assert _rel(two[0]["losses"], one["losses"]) <= TOL[recipe], (
+    assert _rel(two[0]["losses"], one["losses"]) <= cell.tol, (
         two[0]["losses"], one["losses"])
     assert abs(two[0]["norms"][0] - one["norms"][0]) <= NORM0_TOL[recipe] * one["norms"][0]
     assert two[0]["norms"] == two[1]["norms"] and two[0]["losses"] == two[1]["losses"]
@@ -168,8 +202,9 @@ def _check_against_one_process(records, kind, recipe, model_dir, out):
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_accelerate_loop_over_the_fsdp2_plugin_trains_as_one_process(two_ranks, recipe):
+@pytest.mark.parametrize("cell", [_param(c) for c in TRAINS
+                                  if c.builder == "accelerate-fsdp2"])
+def test_accelerate_loop_over_the_fsdp2_plugin_trains_as_one_process(two_ranks, cell):
     """``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, ...))``
     with 2 micro-batches a step: Accelerate shards each decoder layer, the embedding,
     the tail and the model (``fully_shard``), the engine swaps the Linears on those
@@ -182,7 +217,7 @@ def test_accelerate_loop_over_the_fsdp2_plugin_trains_as_one_process(two_ranks, 
     masters under the plain model's names; ``load_state`` of a ``save_state`` brings
     back the weights it saved after a step moved them."""
     records, model_dir, out = two_ranks
-    two, _ = _check_against_one_process(records, "accelerate", recipe, model_dir, out)
+    two, _ = _check_against_one_process(records, cell, model_dir, out)
     assert {"FSDPLlamaDecoderLayer", "FSDPLlamaForCausalLM"} <= set(two["fsdp_units"])
     assert len(two["lines"]) == 1 and two["lines"][0].startswith(
         "mixprec works over Accelerate's FSDP2 plugin")
@@ -193,11 +228,8 @@ def test_accelerate_loop_over_the_fsdp2_plugin_trains_as_one_process(two_ranks, 
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("kind,recipe", [("trainer", "bf16-master"),
-                                         ("trainer", "fp8-current"),
-                                         ("trainer-env", "bf16-master")])
-def test_trainer_takes_the_fsdp2_plugin_over_and_trains_as_one_process(two_ranks, kind,
-                                                                        recipe):
+@pytest.mark.parametrize("cell", [_param(c) for c in TRAINS if c.builder == "hf-trainer"])
+def test_trainer_takes_the_fsdp2_plugin_over_and_trains_as_one_process(two_ranks, cell):
     """``TrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2})`` and
     ``accelerate launch --use_fsdp --fsdp_version 2``'s environment: the engine shards
     (``parallel="fsdp"``) and ``Trainer.train()`` drives. The logged loss of every step
@@ -207,7 +239,8 @@ def test_trainer_takes_the_fsdp2_plugin_over_and_trains_as_one_process(two_ranks
     ranks alike; the log line says mixprec takes the plugin over; ``save_model``
     writes the fp32 masters, which load into the plain model bit for bit."""
     records, model_dir, out = two_ranks
-    two, _ = _check_against_one_process(records, kind, recipe, model_dir, out)
+    kind = _KIND[cell.builder, cell.layout]
+    two, _ = _check_against_one_process(records, cell, model_dir, out)
     assert two["parallel"] == "fsdp" and two["skipped"] == 0
     assert len(two["lines"]) == 1 and two["lines"][0].startswith(
         "mixprec takes over Accelerate's FSDP2 plugin")

@@ -10,6 +10,7 @@ Llama models)."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import tempfile
 
 import pytest
@@ -17,7 +18,8 @@ import torch
 
 from helpers import hf_distcfg_workers as hf
 from helpers import matrix_workers as mw
-from helpers.matrix_cells import BUILDERS, CELLS, FORMATS, LAYOUTS, Cell
+from helpers.matrix_cells import BUILDERS, CELLS, FORMATS, LAYOUTS, Cell, cells_of
+from helpers.paths import ROOT
 from helpers.ranks import spawn_tp
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -142,3 +144,31 @@ def test_the_matrix_covers_every_format_layout_and_builder():
         assert (c.tol is None) != (c.refuses is None), c.id
         assert c.tol is None or c.measured is not None, c.id
         assert c.measured is None or c.measured <= c.tol, c.id
+
+
+def _parametrized_cells(module) -> list[Cell]:
+    """Every Cell a test function of ``module`` is parametrized with."""
+    got = []
+    for obj in vars(module).values():
+        for mark in getattr(obj, "pytestmark", ()):
+            if mark.name != "parametrize":
+                continue
+            for value in mark.args[1]:
+                values = value.values if hasattr(value, "values") else (value,)
+                got += [v for v in values if isinstance(v, Cell)]
+    return got
+
+
+@pytest.mark.parametrize("module", sorted({b.tested_in for b in BUILDERS.values()
+                                           if b.tested_in}))
+def test_a_builder_tested_elsewhere_has_each_cell_parametrized_there_once(module):
+    """A builder whose cells another module runs: that module's tests are parametrized
+    with each of its cells once, and with no other cell, so the page lists what runs."""
+    assert (ROOT / module).is_file(), module
+    assert all(BUILDERS[c.builder].runner is None for c in cells_of(module))
+    spec = importlib.util.spec_from_file_location(
+        "matrix_tested_in_" + module.replace("/", "_").removesuffix(".py"), ROOT / module)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    got = _parametrized_cells(loaded)
+    assert sorted(c.id for c in got) == sorted(c.id for c in cells_of(module))
