@@ -130,9 +130,22 @@ def _bytes(state: dict) -> int:
     return sum(v.numel() * v.element_size() for v in state.values())
 
 
+#: the served logits against the engine's forward: NVFP4's trained forward casts every
+#: activation to e2m1 as well, the weights-only checkpoint's server multiplies them in 16
+#: bits, and on the tiny Llama that activation error alone is over the 10% bound
+#: (measured 0.1227 relative L2; Qwen3-MoE 0.0931). The weights themselves load exactly.
+LOGITS_OVER = {("nvfp4", "llama"): "the trained forward's e2m1 activation casts: 12.3%"}
+
+
+def _cells():
+    return [pytest.param(r, k, marks=[pytest.mark.xfail(strict=True, raises=AssertionError,
+                                                   reason=LOGITS_OVER[r, k])]
+                         if (r, k) in LOGITS_OVER else [])
+            for r in RECIPES for k in KINDS]
+
+
 @pytest.mark.long
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe,kind", _cells())
 def test_a_trained_model_loads_in_transformers_as_it_was_trained(tmp_path, recipe, kind):
     from safetensors.torch import load_file
 
@@ -189,9 +202,7 @@ def test_a_trained_model_loads_in_transformers_as_it_was_trained(tmp_path, recip
         served = loaded(ids).logits.double()
     rel = float((served - trained).norm() / trained.norm())
     print(f"{recipe} {kind}: bytes {ratio:.3f} of bf16, logits rel L2 {rel:.4f}")
-    # NVFP4's trained forward casts every activation to e2m1 too; the weights-only
-    # export's server multiplies them in 16 bits
-    assert rel < (0.15 if recipe == "nvfp4" else 0.10), rel
+    assert rel < 0.10, rel  # over it: LOGITS_OVER
 
 
 @pytest.mark.long
