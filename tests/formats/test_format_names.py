@@ -20,6 +20,10 @@ NAMES = {"delayed", "current", "rowwise", "block", "mx", "nvfp4", "int8", "mxfp8
 STATE_FORMAT_MODULES = {"optim/states.py", "formats/state_formats.py", "optim/compat.py",
                         "recipe/layer_rules.py", "cli/plan.py", "planner/choose.py",
                         "planner/planning.py"}
+#: the export's schemas carry the serving formats' own names (compressed-tensors'
+#: ``mxfp8``/``nvfp4`` schemes, transformers' ``fp8-block`` label) and its chooser reads the
+#: element kind ``int8``: names of the files written, not of mixprec's formats
+EXPORT_MODULES = {"export/compressed.py", "export/finegrained.py", "export/choice.py"}
 #: ``"rowwise"`` is also one of torchao's float8 recipes, which the bench's peer table
 #: (keyed by format class) names
 TORCHAO_MODULES = {"workbench/bench.py"}
@@ -63,7 +67,9 @@ def test_no_module_outside_the_formats_and_presets_names_a_format():
     for p in sorted(SRC.rglob("*.py")):
         rel = p.relative_to(SRC).as_posix()
         other = frozenset({"int8"} if rel in STATE_FORMAT_MODULES else
-                          {"rowwise"} if rel in TORCHAO_MODULES else ())
+                          {"rowwise"} if rel in TORCHAO_MODULES else
+                          {"mxfp8", "nvfp4", "fp8-block", "int8"} if rel in EXPORT_MODULES
+                          else ())
         if rel not in ALLOWED:
             found += [f"{rel}:{line}: {what}" for line, what in offences(p.read_text(), other)]
     assert found == []

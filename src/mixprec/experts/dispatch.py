@@ -6,7 +6,7 @@ sorts its (token, expert) pairs by expert, exchanges the per-expert row counts
 (``exchange``: one ``all_to_all_single`` of ``E`` int64s, then one host read: the split
 sizes ``all_to_all_single`` takes), and sends each row to the owner of its expert:
 
-- as the codes and scales of the format's forward input cast (``WIRE_FORMATS``:
+- as the codes and scales of the format's forward input cast (``codes_dispatch``:
   ``fp8-current``'s e4m3 codes under each expert's per-tensor scale, ``fp8-rowwise``'s
   e4m3 row with one fp32 scale, ``fp8-block``'s 1×128 tiles with fp32 scales, MXFP8's
   1×32 tiles with e8m0 scales, NVFP4's e2m1 codes two to a byte with 1×16 e4m3
@@ -47,11 +47,13 @@ from mixprec.formats.quantized import Quantized, expand_blocks
 from mixprec.parallel.comm_stats import CommStats
 from mixprec.parallel.gather_casts import pack_fp4, unpack_fp4
 
-__all__ = ["WIRE_FORMATS", "Routing", "exchange", "dispatch", "combine", "Dispatched",
+__all__ = ["codes_dispatch", "Routing", "exchange", "dispatch", "combine", "Dispatched",
            "dispatched_mm", "wire_dtype"]
 
-#: the formats (``fp8_scaling``) whose dispatch crosses the wire as codes and scales
-WIRE_FORMATS = ("current", "rowwise", "block", "mx", "nvfp4")
+#: the element kinds whose codes cross the wire (fp8 bytes, e2m1 two to a byte)
+_WIRE_ELEMENTS = ("fp8", "fp4_e2m1")
+#: the scalings that dispatch codes, as the messages name them
+_WIRE_NAMES = "per-tensor current scaling, rowwise, 128-element blocks, MXFP8 and NVFP4"
 _U8 = torch.uint8
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -194,18 +196,27 @@ def _send_cast(fmt: ExpertsFormat, x: torch.Tensor, amax: torch.Tensor | None,
         c = Quantized(adapter.cast_scaled(fmt, x, scale.unsqueeze(1), "input"),
                       torch.reciprocal(scale))
         return c, _Wire(c.data.dtype, 0, 0, None, False)
-    if q.name == "nvfp4":
+    if _global_scale(q):
         c = cast_nvfp4(x, 1, amax=amax.unsqueeze(1))
     else:
         c = adapter.cast(fmt, x, "input", 1)
     kernel = q.kernel
     sdt = kernel.scale_dtype if kernel is not None and q.block_scaled else torch.float32
-    return c, _Wire(c.data.dtype, c.rows, c.cols, sdt, q.name == "nvfp4")
+    return c, _Wire(c.data.dtype, c.rows, c.cols, sdt, _global_scale(q))
 
 
-def _codes_dispatch(fmt: ExpertsFormat) -> bool:
+def _global_scale(q: object) -> bool:
+    """The format carries a per-tensor scale beside its block scales (NVFP4's)."""
+    return q.scales.global_bytes > 0
+
+
+def codes_dispatch(fmt: ExpertsFormat) -> bool:
+    """Whether ``fmt``'s dispatch sends its forward input cast's codes and scales: a
+    scaling without an amax history whose elements are fp8 or e2m1 (the others send
+    their 16-bit rows, recorded in ``CommStats.fallbacks``)."""
     q = fmt.quantizer
-    return q.name in WIRE_FORMATS and q.dtype("input") in _FP8
+    return (not q.has_history and q.elements in _WIRE_ELEMENTS
+            and q.dtype("input") in _FP8)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -242,20 +253,22 @@ def dispatch(x: torch.Tensor, ids: torch.Tensor, r: Routing, fmt: ExpertsFormat 
     where ``fmt`` dispatches codes, their values in fp32) and, where it does, each
     local expert's received input cast (None for an expert without rows), else None."""
     send, recv, group = r.send_splits, r.recv_splits, r.group
-    if fmt is None or not _codes_dispatch(fmt):
+    if fmt is None or not codes_dispatch(fmt):
         if fmt is not None:
             stats.fallback(f"dispatch:{what}", fmt.format_name, wire_dtype(x),
                            f"{fmt.scaling} scaling has no codes dispatch (the scalings "
-                           f"that have: {', '.join(WIRE_FORMATS)})")
+                           f"that have: {_WIRE_NAMES})")
         got = _exchange_16(x, send, recv, group, stats, "dispatch", "dispatch-grad",
                            wire_dtype(x))
         return got[r.order], None
     k = x.shape[1]
-    name, local = fmt.quantizer.name, slice(r.first, r.first + len(r.local_counts))
+    q, local = fmt.quantizer, slice(r.first, r.first + len(r.local_counts))
     amax = descale = scale = inv = extra = None
-    if name in ("nvfp4", "current"):  # each expert's amax over every rank's rows
+    # a scale spanning an expert's rows (per tensor, or NVFP4's global one): each
+    # expert's amax over every rank's rows
+    if _global_scale(q) or q.scales.kind == "tensor":
         per = _agreed_amax(x, ids, len(r.local_counts) * len(r.recv_counts), group, stats)
-        if name == "nvfp4":
+        if _global_scale(q):
             amax, descale = per[ids], nvfp4_descale(per[local])
         else:  # the format's scale of each expert's amax (as its own cast makes it)
             scales_e = adapter.segment_scales(fmt, per, "input")
