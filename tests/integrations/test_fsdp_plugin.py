@@ -162,7 +162,10 @@ def two_ranks(tmp_path_factory):
          "--master-port", str(free_port()), str(ROOT / "tests" / "helpers" /
                                                 "hf_fsdp_plugin.py"),
          str(out), model_dir, *RECIPES],
-        cwd=out, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+        cwd=out, env={**os.environ, "OMP_NUM_THREADS": "1",  # the script imports helpers
+                      "PYTHONPATH": os.pathsep.join(filter(None, [
+                          str(ROOT / "tests"), str(ROOT / "src"),
+                          os.environ.get("PYTHONPATH")]))}, capture_output=True,
         text=True, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     return [torch.load(out / f"records_rank{r}.pt", weights_only=False)
