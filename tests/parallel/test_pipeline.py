@@ -20,11 +20,20 @@ from helpers.launch import free_port
 from helpers.paths import ROOT
 from helpers.pp_workers import pp_runs
 from mixprec import MixedPrecision
+from mixprec.engine.devices import emulating
 from mixprec.engine.scaler import LossScaler
 from mixprec.parallel.pipeline import PipelineLoss
+from mixprec.recipe import Recipe
 
 #: the loss tolerance against one process, per recipe (the brief of the feature)
 TOL = {"bf16-master": 0.02, "fp16-master": 0.02, "fp8-current": 0.05, "fp32": 1e-5}
+#: what a bf16 stage sends: bf16, or fp32 tensors where this CPU's 16-bit path is emulated
+BF16 = "torch.float32" if emulating(Recipe.coerce("bf16-master"), "cpu") else "torch.bfloat16"
+#: the clip norm against one process's: fp32 sums of each stage's squares (measured 1e-7
+#: on real 16-bit kernels; 2.7e-4 for bf16-master where the 16-bit path is emulated, whose
+#: 16-bit rounding falls elsewhere); a norm missing a stage's
+#: squares is off by tens of percent
+NORM_TOL = {"bf16-master": 1e-3, "fp16-master": 1e-3, "fp8-current": 1e-3, "fp32": 1e-4}
 
 
 def _spawn(runs: list[dict]) -> list[dict]:
@@ -50,7 +59,7 @@ def _check_like_one_process(run: dict, ranks: list[dict], j: int) -> dict:
     tol = TOL[run["recipe"]]
     assert _rel(r1["losses"], ref["losses"]) <= tol
     assert r0["norms"] == r1["norms"]  # one all-reduce: the same bits on every stage
-    assert _rel(r0["norms"], ref["norms"]) <= 1e-4
+    assert _rel(r0["norms"], ref["norms"]) <= NORM_TOL[run["recipe"]]
     assert max(ref["norms"]) > run["clip"]  # the clip acted
     weights = {**r0["weights"], **r1["weights"]}
     assert weights.keys() == ref["weights"].keys()
@@ -66,7 +75,7 @@ def test_two_1f1b_stages_under_bf16_master_train_like_one_process():
     run = {"recipe": "bf16-master", "name": "Schedule1F1B", "steps": 6, "clip": 0.1}
     ranks = _spawn([run])
     _check_like_one_process(run, ranks, 0)
-    assert ranks[0]["runs"][0]["boundary"] == ["torch.bfloat16"]
+    assert ranks[0]["runs"][0]["boundary"] == [BF16]
 
 
 @pytest.mark.long  # one spawn, four trainings and two references: 6-18 s on two cores
@@ -113,7 +122,7 @@ def test_interleaved_schedules_train_like_one_process_and_zero_bubble_is_refused
     for j in (0, 1, 2, 5):
         _check_like_one_process(runs[j], ranks, j)
     # stage 0 ends in an fp32 LayerNorm island: its boundary is fp32, stage 1's bf16
-    assert ranks[0]["runs"][0]["boundary"] == ["torch.float32", "torch.bfloat16"]
+    assert ranks[0]["runs"][0]["boundary"] == ["torch.float32", BF16]
     for r in ranks:
         assert "zero-bubble" in r["runs"][3]["error"]
         assert "Schedule1F1B" in r["runs"][3]["error"]
