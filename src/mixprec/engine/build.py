@@ -40,6 +40,7 @@ from mixprec.optim import recipe_settings
 from mixprec.optim.base import EngineBinding, LowPrecisionOptimizer
 from mixprec.optim.kinds import unfuse_over_dtensors
 from mixprec.parallel.comm import shard_like
+from mixprec.parallel.ep_layout import EP, expert_shard_of
 from mixprec.parallel.layouts import (
     Parallel,
     check_parallel_recipe,
@@ -225,7 +226,17 @@ def check_expert_parallel(parallel: str | None, model: nn.Module) -> None:
             f"({sharded[0]}{', ...' if len(sharded) > 1 else ''}): it would average the "
             "ranks' different experts as replicas. Build the engine without parallel= "
             "and average the other gradients with ExpertShards.average_grads before "
-            "engine.step() (docs/guides/expert-parallel.md).")
+            "engine.step() (docs/guides/expert-parallel.md); for data parallelism beside "
+            "EP pass a 2-D mesh: expert_parallel(model, mesh) with dims ('dp', 'ep').")
+    if sharded and has_dtensor_params(model):
+        raise NotImplementedError(
+            f"a model whose experts expert_parallel sharded ({sharded[0]}"
+            f"{', ...' if len(sharded) > 1 else ''}) with DTensor parameters (FSDP2's "
+            "fully_shard or a tensor-parallel plan): FSDP2 over the expert-data-parallel "
+            "dim and tensor parallelism beside EP are not built. Pass a 2-D mesh to "
+            "expert_parallel(model, mesh) on the plain model (the experts replicated over "
+            "its 'dp' dim, ExpertShards.average_grads averaging them there) and build the "
+            "engine without parallel= (docs/guides/expert-parallel.md).")
 
 
 def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
@@ -233,11 +244,13 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
           loss_scaler: LossScaler | None = None) -> Parts:
     """Check everything, then build the parts, in the order the module docstring gives."""
     parallel = resolve_parallel(parallel, model)
-    check_parallel_recipe(parallel, r, has_dtensor_params(model))
     check_expert_parallel(parallel, model)
+    check_parallel_recipe(parallel, r, has_dtensor_params(model))
     check_fp8_filter(fp8_filter, r, model)
     check_fp8_all_gather(r, model, fp8_filter)
+    ep = expert_shard_of(model) if parallel is None else None
     par = (PP(r, parallel_kwargs, fsdp_units) if parallel == "pp"  # torch's pipelining
+           else EP(r, ep) if ep is not None  # expert parallel: the skip and norm agreed
            else make_parallel(parallel, r, model, parallel_kwargs, fsdp_units))
     params, frozen = check_model(model)
     names = [n for n, p in model.named_parameters() if p.requires_grad]

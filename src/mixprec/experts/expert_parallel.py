@@ -18,6 +18,14 @@ parameters' gradients, so that the step is the one process's on the ranks' token
 together (with each rank's loss a mean). The sharded parameters are listed
 (``ExpertShards.params``): a data-parallel wrapper over the same ranks must leave them
 out of its gradient reduction; ``ExpertShards.average_grads`` averages the others.
+
+On a 2-D ``DeviceMesh`` (``ep`` and an expert-data-parallel dim, e.g. ``("dp",
+"ep")``) the experts are cut over ``ep`` and replicated over the other dim, whose ranks
+hold the same experts: ``average_grads`` averages the experts' gradients over it, and
+the rest of the model's over the whole mesh (every rank its own tokens). The engine
+agrees the skip and sums the clip norm's squares across the mesh (each expert counted
+once: summed over ``ep``, not over the replicas; ``mixprec.parallel.ep_layout``).
+FSDP2 over the expert-data-parallel dim (sharding the experts' replicas) is not built.
 """
 
 from __future__ import annotations
@@ -57,6 +65,11 @@ class ExpertShard:
     stats: CommStats
     #: the module's name (in fallbacks and errors)
     name: str = ""
+    #: the expert-data-parallel group (a 2-D mesh's other dim; None: none)
+    dp_group: object = None
+    #: the group the rest of the model is data-parallel over (the EP group on a 1-D
+    #: group; the whole mesh on a 2-D one)
+    data_group: object = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,47 +84,76 @@ class ExpertShards:
     stats: CommStats = field(default_factory=CommStats)
     #: the EP process group (None: the default group)
     group: object = None
+    #: the expert-data-parallel group (a 2-D mesh's other dim; None: none)
+    dp_group: object = None
+    #: the group the rest of the model is data-parallel over (None: ``group``)
+    data_group: object = None
 
     def average_grads(self, named_grads: Iterable[tuple[str, torch.Tensor | None]]) -> int:
-        """The mean over the group of every gradient in ``named_grads`` (``(name,
-        grad)`` pairs, e.g. ``zip(engine.param_state.names, engine.param_state.grads)``)
-        but the experts' shards', in place: data parallel for the rest of the model
-        over the EP ranks. Returns how many gradients were averaged."""
-        world, n = dist.get_world_size(self.group), 0
+        """In place, the mean of every gradient in ``named_grads`` (``(name, grad)``
+        pairs, e.g. ``zip(engine.param_state.names, engine.param_state.grads)``): the
+        experts' shards' over the expert-data-parallel group (none on a 1-D group),
+        the others' over ``data_group`` (the EP group, or the whole 2-D mesh). Returns
+        how many gradients were averaged."""
+        data = self.data_group if self.data_group is not None else self.group
+        world, n = dist.get_world_size(data), 0
+        replicas = None if self.dp_group is None else dist.get_world_size(self.dp_group)
         sharded = set(self.params)
         for name, g in named_grads:
-            if g is not None and name not in sharded:
-                dist.all_reduce(g, group=self.group)
-                g.div_(world)
-                n += 1
+            if g is None or (name in sharded and replicas is None):
+                continue
+            group, size = (self.dp_group, replicas) if name in sharded else (data, world)
+            dist.all_reduce(g, group=group)
+            g.div_(size)
+            n += 1
         return n
 
 
-def _group_of(group):
-    """A process group from a group, a 1-D DeviceMesh, or None (the default group)."""
+def _groups_of(group, ep_dim: str):
+    """``(EP group, expert-data-parallel group or None, data-parallel group)`` from a
+    process group, a 1-D or 2-D DeviceMesh, or None (the default group)."""
     if group is None:
-        return dist.group.WORLD
-    if hasattr(group, "get_group"):  # a DeviceMesh (1-D, or the EP dim sliced out)
-        if group.ndim != 1:
-            raise ValueError(f"expert_parallel takes a 1-D mesh, got {group.ndim} dims "
-                             f"{group.mesh_dim_names}; pass mesh['ep'] (its EP dimension)")
-        return group.get_group()
-    return group
+        return dist.group.WORLD, None, dist.group.WORLD
+    if not hasattr(group, "get_group"):  # a process group
+        return group, None, group
+    if group.ndim == 1:  # a 1-D mesh, or the EP dim sliced out
+        pg = group.get_group()
+        return pg, None, pg
+    names = group.mesh_dim_names or ()
+    if group.ndim != 2 or ep_dim not in names:
+        raise ValueError(f"expert_parallel takes a 1-D mesh or a 2-D one with an "
+                         f"{ep_dim!r} dim, got {group.ndim} dims {names}; pass "
+                         f"mesh[('dp', {ep_dim!r})] (expert-data-parallel x EP) or "
+                         f"mesh[{ep_dim!r}]")
+    dp_dim = next(n for n in names if n != ep_dim)
+    whole = (dist.group.WORLD if group.size() == dist.get_world_size()
+             else group._flatten().get_group())
+    return group.get_group(ep_dim), group.get_group(dp_dim), whole
 
 
 def expert_parallel(model: nn.Module,
                     group: dist.ProcessGroup | DeviceMesh | None = None, *,
                     average_grads: bool = True,
-                    stats: CommStats | None = None) -> ExpertShards:
+                    stats: CommStats | None = None, ep_dim: str = "ep") -> ExpertShards:
     """Each transformers experts module of ``model`` keeps this rank's experts of the
     EP ``group`` (a process group or a 1-D ``DeviceMesh``; default: every rank) and
-    exchanges its tokens with the group's ranks. Call it before building the optimizer
-    and the engine (the engine's format then serves the local experts). ``stats``:
-    where the exchanges are recorded (default: a new ``CommStats``, returned)."""
+    exchanges its tokens with the group's ranks. A 2-D ``DeviceMesh``: the experts are
+    cut over its ``ep_dim`` and replicated over the other (expert data parallel; the
+    module doc). Call it before building the optimizer and the engine (the engine's
+    format then serves the local experts). ``stats``: where the exchanges are recorded
+    (default: a new ``CommStats``, returned)."""
     if not dist.is_initialized():
         raise RuntimeError("expert_parallel needs an initialized process group; call "
                            "torch.distributed.init_process_group first")
-    pg = _group_of(group)
+    if any(hasattr(p, "to_local") for p in model.parameters()):
+        raise NotImplementedError(
+            f"expert_parallel over a model with DTensor parameters ({type(model).__name__}"
+            ": FSDP2's fully_shard or a tensor-parallel plan ran first). FSDP2 over the "
+            "expert-data-parallel dim is not built: pass the 2-D mesh to "
+            "expert_parallel(model, mesh) on the plain model, which replicates each "
+            "expert over the mesh's other dim and averages its gradients there "
+            "(ExpertShards.average_grads; docs/guides/expert-parallel.md)")
+    pg, dp, data = _groups_of(group, ep_dim)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     stats = stats if stats is not None else CommStats()
     found = experts_modules(model)
@@ -135,13 +177,15 @@ def expert_parallel(model: nn.Module,
                                    requires_grad=p.requires_grad)
                 if average_grads and cut.requires_grad:
                     cut.register_hook(lambda g, n=world: g / n)
+                cut._mixprec_expert_shard = True  # the engine's norm sums it over EP
                 setattr(m, pname, cut)
                 params.append(f"{name}.{pname}" if name else pname)
         m._mixprec_ep = ExpertShard(group=pg, num_experts=e, first=first, count=per,
-                                    stats=stats, name=name)
+                                    stats=stats, name=name, dp_group=dp, data_group=data)
         m.forward = types.MethodType(ep_experts_forward, m)
         shards[name] = m._mixprec_ep
-    return ExpertShards(modules=shards, params=tuple(params), stats=stats, group=pg)
+    return ExpertShards(modules=shards, params=tuple(params), stats=stats, group=pg,
+                        dp_group=dp, data_group=data)
 
 
 def expert_parallel_modules(model: nn.Module) -> list[str]:
