@@ -33,6 +33,7 @@ from torch import nn
 
 from mixprec.engine.devices import KernelChoices
 from mixprec.engine.gradnorm import fp32_norms
+from mixprec.engine.param_state import ParamState
 from mixprec.experts.expert_parallel import ExpertShard
 from mixprec.parallel.layouts import Parallel
 from mixprec.recipe import Recipe
@@ -73,7 +74,7 @@ class EP(Parallel):
         super().__init__(recipe)
         self.group, self.dp_group = shard.group, shard.dp_group
         self.data_group = shard.data_group if shard.data_group is not None else shard.group
-        self._state = None
+        self._state: ParamState | None = None
         #: which gradients ``local`` returned last are expert shards
         self._flags: list[bool] = []
 
@@ -98,7 +99,7 @@ class EP(Parallel):
                 elif self.dp_group is not None:
                     dist.broadcast(t.data, _first(self.dp_group), group=self.dp_group)
 
-    def wrap(self, model: nn.Module, param_state) -> nn.Module:
+    def wrap(self, model: nn.Module, param_state: ParamState) -> nn.Module:
         """Nothing wraps the model; the parameter state is kept for the norm."""
         self._state = param_state
         return model
