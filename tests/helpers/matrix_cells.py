@@ -46,7 +46,8 @@ class Layout:
     #: who lays the model out: ``engine`` (tests/helpers/matrix_workers.py), or
     #: ``transformers`` (``from_pretrained(distributed_config=...)``,
     #: tests/helpers/hf_distcfg_workers.py), ``deepspeed`` (tests/integrations/
-    #: test_deepspeed.py), ``fsdp-plugin`` (tests/integrations/test_fsdp_plugin.py)
+    #: test_deepspeed.py), ``fsdp-plugin`` (tests/integrations/test_fsdp_plugin.py),
+    #: ``lightning`` (Lightning's strategies, tests/integrations/test_lightning_matrix.py)
     family: str
     #: what the docs table says it is
     what: str
@@ -173,10 +174,29 @@ LAYOUTS: dict[str, Layout] = {
     "fsdp1-plugin": Layout(world=2, family="fsdp-plugin",
                            what="FSDP version 1 (`fsdp_version=1`, or `FSDP_VERSION=1` in "
                                 "the environment)"),
+    # Lightning's strategies (tests/integrations/test_lightning_matrix.py)
+    "lit-ddp": Layout(world=2, family="lightning",
+                      what="Lightning's `Trainer(strategy=\"ddp\")`, 2 ranks"),
+    "lit-fsdp": Layout(world=2, family="lightning",
+                       what="Lightning's `ModelParallelStrategy(data_parallel_size=2)` "
+                            "(the engine shards, FSDP2), its distributed checkpoint, "
+                            "2 ranks"),
+    "lit-fsdp-file": Layout(world=2, family="lightning",
+                            what="`ModelParallelStrategy(data_parallel_size=2, "
+                                 "save_distributed_checkpoint=False)`: one checkpoint "
+                                 "file, 2 ranks"),
+    "lit-user-fsdp": Layout(world=2, family="lightning",
+                            what="`ModelParallelStrategy` with a `configure_model` that "
+                                 "calls `fully_shard` itself, 2 ranks"),
+    "lit-tp": Layout(world=2, family="lightning",
+                     what="`ModelParallelStrategy(tensor_parallel_size=2)`, 2 ranks"),
+    "lit-fsdp1": Layout(world=2, family="lightning",
+                        what="Lightning's `FSDPStrategy` (FSDP1; it builds on a GPU only)"),
 }
 
 _DEEPSPEED = "tests/integrations/test_deepspeed.py"
 _FSDP_PLUGIN = "tests/integrations/test_fsdp_plugin.py"
+_LIGHTNING = "tests/integrations/test_lightning_matrix.py"
 BUILDERS: dict[str, Builder] = {
     "engine": Builder(what="`mixprec.MixedPrecision(model, opt, recipe=...)`",
                       runner="engine"),
@@ -190,6 +210,8 @@ BUILDERS: dict[str, Builder] = {
                                tested_in=_DEEPSPEED),
     "deepspeed-zero3": Builder(what="DeepSpeed ZeRO stage 3", runner=None,
                                tested_in=_DEEPSPEED),
+    "lightning": Builder(what="Lightning's `Trainer` with `MixedPrecisionPlugin`",
+                         runner=None, tested_in=_LIGHTNING),
 }
 
 #: the models: the engine layouts' MLP, transformers' tiny Qwen3-MoE and Llama
@@ -230,6 +252,14 @@ _SR_APART = ("the ranks' losses differ: a Linear transformers' TP plan leaves wh
 _DS_FP16 = "compute='fp16'"
 _FSDP1_PREPARE = "fsdp_version=1"
 _FSDP1_TRAINER = "FSDP2 only (valid: 2)"
+_LIT_TP = "mixprec shards data parallel only"
+_LIT_SELF_SHARDED = "Remove the fully_shard calls"
+#: Lightning's own refusal: its FSDPStrategy takes only its FSDPPrecision
+_LIT_FSDP1 = "can only work with the `FSDPPrecision` plugin"
+_LIT_FILE_BUFFERS = ("resuming from ModelParallelStrategy's one checkpoint file fails where "
+                     "the swapped Linears hold buffers (nvfp4's stochastic rounding "
+                     "stream): the file's weights are the plain model's, which Lightning "
+                     "loads strictly into the swapped module")
 _EP_COVERAGE = ("engine.coverage lists no experts under expert parallelism "
                 "(the experts' rows one process shows are missing)")
 
@@ -368,6 +398,29 @@ CELLS: list[Cell] = [
     trains("fsdp2-plugin-env", "bf16-master", 1.2e-3, model="llama", builder="hf-trainer"),
     refuses("fsdp1-plugin", "bf16-master", _FSDP1_TRAINER, model="llama",
             builder="hf-trainer", fast=True),
+    # --- Lightning's Trainer with mixprec's plugin (tests/integrations/
+    # test_lightning_matrix.py): Lightning's strategy, gradient_clip_val, ModelCheckpoint
+    # and fit(ckpt_path=...) on the MLP; the larger of the figures measured natively and
+    # on the emulated 16-bit path (ONEDNN_MAX_CPU_ISA=AVX2)
+    trains("lit-ddp", "fp32", 1.7e-7, model="mlp", builder="lightning"),
+    trains("lit-ddp", "bf16-master", 1.7e-3, model="mlp", builder="lightning"),
+    trains("lit-ddp", "fp16-master", 1.2e-4, model="mlp", builder="lightning"),
+    trains("lit-ddp", "fp8-current", 5.4e-3, model="mlp", builder="lightning"),
+    trains("lit-ddp", "mxfp8", 2.1e-3, model="mlp", builder="lightning"),
+    trains("lit-ddp", "nvfp4", 8.5e-3, model="mlp", builder="lightning"),
+    trains("lit-fsdp", "fp32", 1.7e-7, model="mlp", builder="lightning"),
+    trains("lit-fsdp", "bf16-master", 1.6e-3, model="mlp", builder="lightning"),
+    trains("lit-fsdp", "fp16-master", 1.6e-4, model="mlp", builder="lightning"),
+    trains("lit-fsdp", "fp8-current", 5.4e-3, model="mlp", builder="lightning"),
+    trains("lit-fsdp", "mxfp8", 2.1e-3, model="mlp", builder="lightning"),
+    trains("lit-fsdp", "nvfp4", 8.5e-3, model="mlp", builder="lightning"),
+    trains("lit-fsdp-file", "nvfp4", 8.5e-3, model="mlp", builder="lightning",
+           defect=_LIT_FILE_BUFFERS),
+    refuses("lit-user-fsdp", "bf16-master", _LIT_SELF_SHARDED, model="mlp",
+            builder="lightning"),
+    refuses("lit-tp", "bf16-master", _LIT_TP, model="mlp", builder="lightning"),
+    refuses("lit-fsdp1", "bf16-master", _LIT_FSDP1, model="mlp", builder="lightning",
+            fast=True),
 ]
 
 

@@ -38,7 +38,8 @@ Lightning has set them up (``Precision.connect``), and from then on:
   element and each child of the LightningModule is a unit) and Lightning drives. Its
   checkpoints (one file, or ``save_distributed_checkpoint=True``'s one shard file per
   rank) hold the gathered fp32 weights and the engine's gathered state, and resume bit
-  for bit.
+  for bit (one file: not yet where the swapped Linears hold buffers, NVFP4's rounding
+  stream; docs/not-there-yet.md).
 
 What it does not do: Lightning's ``FSDPStrategy`` (FSDP1) accepts only its own
 ``FSDPPrecision`` plugin and wraps the module in flat parameters before any plugin sees
@@ -269,9 +270,19 @@ class MixedPrecisionPlugin(Precision):
             self.engine.load_state_dict(state_dict)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The checkpoint's weights become the fp32 ones, keyed as the module's own."""
-        if self.engine is not None:
-            checkpoint["state_dict"] = self.engine.fp32_state_dict(full=self._gather)
+        """The checkpoint's weights become the fp32 ones, keyed as the module's own. A
+        distributed checkpoint (``ModelParallelStrategy``'s default) also keeps the
+        swapped Linears' buffers (fp8 scaling state, stochastic rounding's stream):
+        Lightning's load asks for every entry of the module's ``state_dict``."""
+        if self.engine is None:
+            return
+        weights = self.engine.fp32_state_dict(full=self._gather)
+        module = self.engine.module
+        if self._gather and getattr(module.trainer.strategy,
+                                    "_save_distributed_checkpoint", False):
+            weights.update({k: v for k, v in module.state_dict().items()
+                            if k not in weights})
+        checkpoint["state_dict"] = weights
 
     @property
     def skipped_last_step(self) -> bool:
@@ -321,7 +332,8 @@ def _sharded_by_engine(trainer) -> bool:
 
 def _lightning_units(module):
     """FSDP units for a LightningModule: each ``ModuleList`` element (a transformer's
-    blocks) and each direct child that holds parameters. Lightning calls
+    blocks) and each direct child that holds parameters (a direct ``ModuleList`` or
+    ``ModuleDict`` child, which has no forward: its elements instead). Lightning calls
     ``training_step``, not the LightningModule's ``forward``, so a unit's weights are
     gathered only where a submodule's forward runs: the LightningModule itself must hold
     no parameters of its own."""
@@ -335,8 +347,23 @@ def _lightning_units(module):
             "the module's forward, so FSDP would never gather them. Move them into a "
             "submodule (an nn.Module attribute whose forward uses them).")
     chosen = {id(b) for m in module.modules() if isinstance(m, nn.ModuleList) for b in m}
-    chosen |= {id(c) for c in module.children() if any(True for _ in c.parameters())}
+    for child in module.children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if _container(child):  # FSDP2 refuses a unit without a forward: its elements
+            chosen |= {id(c) for c in child.children()}
+        else:
+            chosen.add(id(child))
     return lambda m: id(m) in chosen
+
+
+def _container(module) -> bool:
+    """A ``ModuleList`` or ``ModuleDict`` without a forward of its own (what
+    ``fully_shard`` refuses as a unit)."""
+    import torch.nn as nn
+
+    return (isinstance(module, (nn.ModuleList, nn.ModuleDict))
+            and type(module).forward is nn.Module.forward)
 
 
 def _interval(trainer, scheduler) -> str:
