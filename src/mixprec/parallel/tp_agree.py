@@ -24,7 +24,7 @@ from torch import nn
 
 from mixprec.formats.shard import agreed_amax, draw_sliced, slice_of
 from mixprec.parallel.comm_stats import CommStats
-from mixprec.parallel.presharded import fsdp_whole_params
+from mixprec.parallel.presharded import fsdp_tp_specs, fsdp_whole_params
 
 __all__ = ["Agreement", "agreement", "agreed_amax", "draw_sliced", "slice_of",
            "sr_stream", "data_group", "share_streams", "STREAM_STRIDE"]
@@ -113,20 +113,24 @@ def data_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The process group of the ranks that see the same batch as this one: its
     tensor-parallel group, which is transformers' ``tp`` mesh dim under
     ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=...))``, else
-    the 1-D mesh of a Linear weight torch's ``parallelize_module`` sharded (FSDP2's
-    shards of whole weights are no such mesh); None where no tensor-parallel plan
+    the 1-D mesh of a Linear weight torch's ``parallelize_module`` sharded (FSDP2 over
+    it: the mesh of the plan's shard the forward sees; FSDP2's shards of whole weights
+    are no such mesh); None where no tensor-parallel plan
     shares this rank's data (one process, DDP, FSDP, expert parallelism alone)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     laid_out, group = _transformers_tp_group(model)
     if laid_out:
         return group
-    whole = fsdp_whole_params(model)
+    whole, specs = fsdp_whole_params(model), fsdp_tp_specs(model)
     for m in model.modules():
         w = getattr(m, "weight", None) if isinstance(m, nn.Linear) else None
-        if (type(w).__name__ == "DTensor" and id(w) not in whole
-                and w.device_mesh.ndim == 1 and w.placements[0].is_shard()):
-            return w.device_mesh.get_group(0)
+        if type(w).__name__ != "DTensor" or id(w) in whole:
+            continue
+        mesh, placements = ((specs[id(w)].mesh, specs[id(w)].placements) if id(w) in specs
+                            else (w.device_mesh, w.placements))  # (FSDP2 over the plan)
+        if mesh.ndim == 1 and placements[0].is_shard():
+            return mesh.get_group(0)
     return None
 
 
