@@ -244,11 +244,7 @@ _DDP_OVER_TP = "DDP does not take DTensors"
 #: (also without mixprec: docs/not-there-yet.md); real bf16 working weights save
 _NO_SAVE = "invalid python storage"
 _BLOCK_CUT = "cut at multiples of"
-_TWO_D = "its weight is a DTensor on a 2-D mesh"
 _NO_EP_PLAN = "has no `ep_plan`"
-_SR_APART = ("the ranks' losses differ: a Linear transformers' TP plan leaves whole draws "
-             "nvfp4's stochastic rounding from each rank's own stream "
-             "(mixprec.parallel.tp_agree.sr_stream), though every rank sees the same batch")
 _DS_FP16 = "compute='fp16'"
 _FSDP1_PREPARE = "fsdp_version=1"
 _FSDP1_TRAINER = "FSDP2 only (valid: 2)"
@@ -339,7 +335,7 @@ CELLS: list[Cell] = [
     trains("hf-tp", "fp16-master", 6.8e-4, no_resume=_NO_SAVE),
     trains("hf-tp", "fp8-current", 1.5e-3, no_resume=_NO_SAVE),
     trains("hf-tp", "mxfp8", 2.6e-3, no_resume=_NO_SAVE, kept=_BLOCK_CUT),
-    trains("hf-tp", "nvfp4", 1.8e-3, no_resume=_NO_SAVE, defect=_SR_APART),
+    trains("hf-tp", "nvfp4", 4.8e-3, no_resume=_NO_SAVE),
     trains("hf-ep-fsdp", "bf16-master", 1.0e-3, defect=_EP_COVERAGE),
     trains("hf-ep-fsdp", "fp16-master", 6.8e-4, defect=_EP_COVERAGE),
     trains("hf-ep-fsdp", "fp8-current", 7.9e-3, defect=_EP_COVERAGE),
@@ -348,8 +344,10 @@ CELLS: list[Cell] = [
     trains("hf-ep-tp", "fp8-current", 8.6e-3, defect=_EP_COVERAGE),  # *
     trains("hf-hsdp", "bf16-master", 3.0e-4),  # *
     trains("hf-tp-fsdp", "bf16-master", 2.8e-3),
-    refuses("hf-tp-fsdp", "fp8-current", _TWO_D),
-    refuses("hf-tp-fsdp", "nvfp4", _TWO_D),
+    # FSDP2 over transformers' plan: each Linear judged by the plan's shard its forward
+    # sees (FSDP2 gathers the fsdp dim), the ranks of a TP group drawing alike
+    trains("hf-tp-fsdp", "fp8-current", 6.9e-3, no_resume=_NO_SAVE),
+    trains("hf-tp-fsdp", "nvfp4", 1.2e-2, no_resume=_NO_SAVE),
     trains("hf-fsdp", "bf16-master", 2.8e-4, model="llama"),
     trains("hf-fsdp", "fp16-master", 1.0e-3, model="llama", no_resume=_NO_SAVE),
     trains("hf-fsdp", "fp8-current", 2.2e-2, model="llama", no_resume=_NO_SAVE,
@@ -368,8 +366,10 @@ CELLS: list[Cell] = [
     refuses("hf-ep-fsdp", "mxfp8", _NO_EP_PLAN, model="llama"),
     refuses("hf-ep-fsdp", "nvfp4", _NO_EP_PLAN, model="llama"),
     trains("hf-tp-fsdp", "bf16-master", 3.1e-3, model="llama"),
-    refuses("hf-tp-fsdp", "fp8-current", _TWO_D, model="llama"),
-    refuses("hf-tp-fsdp", "mxfp8", _TWO_D, model="llama"),
+    trains("hf-tp-fsdp", "fp8-current", 6.6e-3, model="llama", no_resume=_NO_SAVE,
+           norm_tol=0.4),  # norms measured to 0.28
+    trains("hf-tp-fsdp", "mxfp8", 8.0e-3, model="llama", no_resume=_NO_SAVE,
+           kept=_BLOCK_CUT, norm_tol=0.5),  # norms measured to 0.41
     # --- DeepSpeed ZeRO (tests/integrations/test_deepspeed.py): bf16 with the
     # fp8-current Linears, the global loss against one process; fp16 compute refused
     trains("ds-accelerate", "fp8-current", 6.76e-3, model="llama", builder="deepspeed-zero1"),

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -95,7 +95,9 @@ def tp_fp8(rank, world, tmp, pairs, bf16_pairs, runs, sp_runs, steps):
                                                                        True)),
            "runs": _tp_runs(mesh, rank, runs, steps),
            "sp": _sp_runs(mesh, rank, world, sp_runs, steps),
-           "draws": {"tp": sr_draws(_pair(NV, mesh)), "dp": sr_draws(_pair(NV))}}
+           "draws": {"tp": sr_draws(_pair(NV, mesh)), "dp": sr_draws(_pair(NV))},
+           "whole": {"tp": whole_sr(mesh), "dp": whole_sr(parallel="ddp"),
+                     "one": whole_sr()}}
     _save(tmp, "tp8", rank, out)
     gc.collect()
     dist.destroy_process_group()
@@ -181,6 +183,27 @@ def sr_draws(pair):
     x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(3))
     pair(x).float().sum().backward()
     return torch.rand(16, generator=pair.down._sr_generator("cpu"))
+
+
+def whole_sr(mesh=None, parallel=None):
+    """``Pair`` in NVFP4 under an engine, its first Linear colwise on ``mesh`` with the
+    output gathered and its second left whole by the plan (None: no plan; the engine's
+    ``parallel``), one backward of the same batch on every rank: the whole Linear's
+    weight gradient and what its stochastic rounding draws next."""
+    torch.manual_seed(0)
+    m = Pair()
+    if mesh is not None:
+        m = parallelize_module(m, mesh, {"up": ColwiseParallel(output_layouts=Replicate())})
+    engine = MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), NV,
+                            parallel=parallel, fp8_filter=lambda mod, name: True)
+    x = torch.randn(8, DIM, generator=torch.Generator().manual_seed(3))
+    with engine.autocast():
+        loss = engine.model(x).float().square().mean()
+    engine.backward(loss)
+    out = {"grad": m.down.weight.grad.clone(),
+           "draws": torch.rand(16, generator=m.down._sr_generator("cpu"))}
+    engine.close()
+    return out
 
 
 class SeqMLP(nn.Module):

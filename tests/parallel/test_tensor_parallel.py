@@ -403,3 +403,33 @@ def test_fsdp_over_tp_ranks_hold_what_the_planner_predicts():
             bound = 0.05 if recipe == "fp32" else 0.07
             assert abs(predicted / got - 1) <= bound, (recipe, predicted / 2**20,
                                                        got / 2**20)
+
+
+def test_fsdp_over_a_plan_is_judged_by_the_shard_the_forward_sees():
+    """FSDP2 over a tensor-parallel plan stores each weight on a 2-D mesh but gathers
+    the FSDP dim for the forward, which sees the plan's 1-D shard (FSDP2's spec of it):
+    the swap judges that spec, so a colwise fp8 weight runs where the stored one is
+    refused; a block format whose blocks the plan's cut splits is kept in 16 bits, and a
+    ``Conv1D``'s (in, out) spec is read transposed (its cut splits the input features)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Shard
+
+    from mixprec.parallel.tensor_parallel import spec_refusal, tp_refusal
+    from mixprec.recipe import Recipe
+
+    def mesh(ndim):
+        return SimpleNamespace(ndim=ndim, size=lambda: 2)
+
+    fp8, mx = Recipe.coerce("fp8-current").linear, Recipe.coerce("mxfp8").linear
+    stored = type("DTensor", (), {"placements": (Shard(0), Shard(0)), "device_mesh": mesh(2),
+                                  "shape": (64, 64)})()
+    assert "a 2-D mesh" in tp_refusal(fp8, stored)
+    seen = SimpleNamespace(mesh=mesh(1), placements=(Shard(0),), shape=(64, 64))
+    assert spec_refusal(fp8, seen) is None
+    assert spec_refusal(mx, seen) is None  # 32 rows a rank: whole 32-element blocks
+    conv = SimpleNamespace(mesh=mesh(1), placements=(Shard(0),), shape=(48, 64))
+    assert "its 48 output features" in spec_refusal(mx, conv)
+    why = spec_refusal(mx, conv, transposed=True)
+    assert "its 48 input features split over 2 ranks cut at multiples of 24" in why, why
+    assert spec_refusal(fp8, conv, transposed=True) is None

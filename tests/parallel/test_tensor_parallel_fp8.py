@@ -162,6 +162,23 @@ def test_stochastic_rounding_draws_alike_on_tp_ranks_and_apart_on_dp_ranks(two):
     assert not torch.equal(dp[0], dp[1])
 
 
+def test_a_linear_the_plan_leaves_whole_rounds_alike_on_tp_ranks_and_apart_on_dp_ranks(two):
+    """NVFP4's stochastic rounding of a Linear the tensor-parallel plan leaves whole
+    (after a colwise one whose output is gathered), under the engine: the two ranks see
+    the same batch, so they draw the same numbers and its weight gradient is the same
+    on both, bit for bit that of one process (rank 0 alone, which draws as one process
+    does); the same Linear on two DDP ranks draws apart."""
+    tp = [rank["whole"]["tp"] for rank in two]
+    dp = [rank["whole"]["dp"] for rank in two]
+    one = two[0]["whole"]["one"]
+    for got in tp:
+        assert torch.equal(got["draws"], one["draws"])
+        assert torch.equal(got["grad"], one["grad"])
+    assert torch.equal(dp[0]["draws"], one["draws"])
+    assert not torch.equal(dp[0]["draws"], dp[1]["draws"])
+    assert not torch.equal(two[1]["whole"]["one"]["draws"], one["draws"])  # rank 1's own
+
+
 def test_an_inf_on_one_tp_rank_skips_the_fp8_step_on_every_rank(two):
     """Delayed fp8 with an inf in rank 1's shard of one gradient at step 1: both ranks
     skip it with a non-finite norm, and train on like one process that skipped it."""

@@ -49,6 +49,7 @@ from mixprec.parallel.layouts import (
     resolve_parallel,
 )
 from mixprec.parallel.pipeline import PP
+from mixprec.parallel.tp_agree import data_group, share_streams
 from mixprec.recipe import Recipe
 from mixprec.recipe.layer_rules import owner_of
 
@@ -267,6 +268,9 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
     if low_precision(r):  # transformers' experts modules: their projections too
         convert_experts(model, r.replace(fp8_gemm=kernels.fp8_gemm),
                         routes=kernels.fp8_gemm_routes or None)
+    # stochastic rounding: the ranks that see the same data draw alike, whole or sharded
+    share_streams([*fp8_modules(model).values(), *experts_formats(model).values()],
+                  data_group(model))
     cov = coverage(model, r, dict(fp8_report.skipped) if fp8_report else None)
     # write=remainder starts from the exact fp32 weights, before a cast drops bits (FSDP
     # may store 16-bit shards): taken whole here, placed like the parameters below

@@ -33,8 +33,13 @@ from torch import nn
 
 from mixprec.experts.hook import is_experts
 from mixprec.modules.linear import Float8Linear, is_conv1d
-from mixprec.parallel.presharded import forward_refusal, fsdp_whole_params, rebind_fsdp
-from mixprec.parallel.tensor_parallel import is_dtensor, tp_refusal
+from mixprec.parallel.presharded import (
+    forward_refusal,
+    fsdp_tp_specs,
+    fsdp_whole_params,
+    rebind_fsdp,
+)
+from mixprec.parallel.tensor_parallel import is_dtensor, spec_refusal, tp_refusal
 from mixprec.recipe import Recipe
 from mixprec.recipe.layer_rules import LayerRule, first_match
 
@@ -130,25 +135,30 @@ def _decide(model: nn.Module, r: Recipe, filter) -> list[tuple[str, nn.Module, s
     rows = plan(model, filter, r.last_layers.bf16_last_layers,
                 r.last_layers.bf16_last_fraction, rules=r.layer_rules)
     whole = fsdp_whole_params(model)  # FSDP2 gathers them whole: no shard to refuse
-    rows = [(fqn, m, why if why is not None else _sharding_reason(m, r, fqn, whole))
+    specs = fsdp_tp_specs(model)  # FSDP2 over a plan: the forward sees the plan's shard
+    rows = [(fqn, m, why if why is not None else _sharding_reason(m, r, fqn, whole, specs))
             for fqn, m, why in rows]
     return [(fqn, m, "bf16" if why is not None else r.layer_format(fqn), why)
             for fqn, m, why in rows]
 
 
 def _sharding_reason(m: nn.Module, r: Recipe, fqn: str,
-                     whole: frozenset[int] = frozenset()) -> str | None:
+                     whole: frozenset[int] = frozenset(),
+                     specs: Mapping[int, object] | None = None) -> str | None:
     """Why the Linear ``fqn``, whose weight a tensor-parallel plan sharded, cannot run
     its format on the shards (``mixprec.parallel.tensor_parallel.tp_refusal``; None: it can,
     or its weight is no DTensor, or one FSDP2 gathers whole for the forward: its id in
-    ``whole``), or why a forward a plan put on it cannot follow it
+    ``whole``; where FSDP2 shards the plan's DTensor further, the forward's, its spec in
+    ``specs``, is judged), or why a forward a plan put on it cannot follow it
     (``mixprec.parallel.presharded.forward_refusal``)."""
     if (why := forward_refusal(m)) is not None:
         return why
     if not is_dtensor(m.weight) or id(m.weight) in whole:
         return None
-    w = m.weight.t() if is_conv1d(m) else m.weight
-    return tp_refusal(r.for_layer(fqn).linear, w)
+    fmt = r.for_layer(fqn).linear
+    if id(m.weight) in (specs or {}):
+        return spec_refusal(fmt, specs[id(m.weight)], transposed=is_conv1d(m))
+    return tp_refusal(fmt, m.weight.t() if is_conv1d(m) else m.weight)
 
 
 def layer_formats(model: nn.Module, recipe: Recipe | str,

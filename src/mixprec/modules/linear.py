@@ -139,10 +139,11 @@ class Float8Linear(nn.Linear):
         advances on the device, inside the graph. Under data parallelism the key moves
         by this rank's stream (``tp_agree.sr_stream``): each data-parallel rank rounds
         its own gradients with its own numbers, the ranks of one tensor-parallel group
-        with the same. Compiled and eager runs draw different
-        random bits, each reproducible and resumable from the same buffer (a module that
-        switches between the two within one run continues its eager count from its
-        last eager backward; a checkpoint or ``load_state_dict`` re-reads it)."""
+        (which see the same data) with the same, on sharded and whole weights alike.
+        Compiled and eager runs draw different random bits, each reproducible and
+        resumable from the same buffer (a module that switches between the two within
+        one run continues its eager count from its last eager backward; a checkpoint
+        or ``load_state_dict`` re-reads it)."""
         if not self.quantizer.stochastic_grads or torch.device(device).type == "meta":
             return None  # (meta tensors: shapes only, rounded to nearest)
         shift = self._sr_stream_shift()
@@ -156,15 +157,19 @@ class Float8Linear(nn.Linear):
         return torch.Generator(device).manual_seed(seed * 1_000_003 + calls + shift)
 
     def _sr_stream_shift(self) -> int:
-        """``sr_stream · STREAM_STRIDE``: data-parallel ranks draw apart."""
+        """``sr_stream · STREAM_STRIDE``: data-parallel ranks draw apart. The engine
+        fixes it by the ranks that share this rank's data (``tp_agree.share_streams``);
+        a module it did not build takes its weight's tensor-parallel group, if any."""
         shift = getattr(self, "_sr_shift", None)
         if shift is None:
-            shift = sr_stream(getattr(self, "_tp_layout", None)) * STREAM_STRIDE
+            layout = getattr(self, "_tp_layout", None)
+            shift = sr_stream(None if layout is None else layout.group) * STREAM_STRIDE
             if not torch.compiler.is_compiling():  # (a graph keeps no side effect)
                 self._sr_shift = shift
         return shift
 
-    #: ``sr_stream · STREAM_STRIDE``, fixed by this rank at the first backward
+    #: ``sr_stream · STREAM_STRIDE``, fixed by the engine at its build (else by this
+    #: rank at the first backward)
     _sr_shift: int | None = None
 
     def _sr_key(self, device) -> torch.Tensor | None:

@@ -22,7 +22,7 @@ import types
 
 from torch import nn
 
-__all__ = ["fsdp_sharded", "fsdp_whole_params", "rebind_fsdp", "carry_forward",
+__all__ = ["fsdp_sharded", "fsdp_whole_params", "fsdp_tp_specs", "rebind_fsdp", "carry_forward",
            "forward_refusal"]
 
 
@@ -59,6 +59,21 @@ def fsdp_whole_params(model: nn.Module) -> frozenset[int]:
     held = (getattr(fp._module_info.module, fp._module_info.param_name)  # the module's:
             for fp in _fsdp_param_records(model) if not fp.is_dtensor)  # a load may
     return frozenset(id(p) for p in held)  # have replaced FSDP's before its first forward
+
+
+def fsdp_tp_specs(model: nn.Module) -> dict[int, object]:
+    """The ids of ``model``'s parameters FSDP2 shards that a tensor-parallel plan made
+    DTensors before -> the ``DTensorSpec`` of the parameter the forward sees: FSDP2
+    gathers the FSDP dim only, so the forward holds the plan's DTensor (on its 1-D
+    mesh) while the stored shard lies on a 2-D mesh."""
+    out = {}
+    for fp in _fsdp_param_records(model):
+        spec = (getattr(fp, "_unsharded_dtensor_spec", None)  # (older torch names
+                or getattr(fp, "_tp_spec", None))  # it _tp_spec)
+        if fp.is_dtensor and spec is not None:
+            held = getattr(fp._module_info.module, fp._module_info.param_name)
+            out[id(held)] = spec
+    return out
 
 
 def rebind_fsdp(model: nn.Module, swaps: dict[nn.Module, nn.Module]) -> int:

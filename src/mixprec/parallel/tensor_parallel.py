@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = ["TPLayout", "tp_layout", "layout_of", "read_layout",
-           "tp_refusal", "tp_linear", "attach_comm_stats",
+           "tp_refusal", "spec_refusal", "tp_linear", "attach_comm_stats",
            "is_dtensor", "watch_sums"]
 
 
@@ -96,10 +96,14 @@ class TPLayout:
 
 
 def _placement_error(w) -> str | None:
-    if w.device_mesh.ndim != 1:
-        return (f"its weight is a DTensor on a {w.device_mesh.ndim}-D mesh; quantized "
+    return _lie_error(w.device_mesh, w.placements)
+
+
+def _lie_error(mesh, placements) -> str | None:
+    if mesh.ndim != 1:
+        return (f"its weight is a DTensor on a {mesh.ndim}-D mesh; quantized "
                 "Linears take a 1-D tensor-parallel mesh (FSDP over TP gathers to one)")
-    p = w.placements[0]
+    p = placements[0]
     if not p.is_shard() or p.dim not in (0, 1, -1, -2):
         return (f"its weight is placed {p} on the mesh; quantized Linears take torch's "
                 "ColwiseParallel (Shard(0)) and RowwiseParallel (Shard(1)) weights")
@@ -144,15 +148,38 @@ def tp_refusal(fmt: LinearFormat, weight: torch.Tensor) -> str | None:
     splits."""
     if not is_dtensor(weight):
         return None
-    if fmt.tp_unsupported is not None:
-        return (f"tensor parallel: the {fmt.name} format does not run on shards: "
-                f"{fmt.tp_unsupported}; it runs in 16 bits")
-    why = _placement_error(weight)
+    return _format_refusal(fmt) or _refusal(fmt, weight.device_mesh, weight.placements,
+                                            weight.shape)
+
+
+def spec_refusal(fmt: LinearFormat, spec: Any, transposed: bool = False) -> str | None:
+    """``tp_refusal`` of the DTensor weight a forward will see, given by its ``spec``
+    (a ``DTensorSpec``: FSDP2's unsharded parameter over a tensor-parallel plan, on the
+    plan's mesh while the stored shard lies on FSDP's and the plan's);
+    ``transposed``: the weight is stored (in, out), as GPT-2's ``Conv1D`` holds it."""
+    from torch.distributed.tensor import Shard
+
+    placements, shape = tuple(spec.placements), tuple(spec.shape)
+    if transposed:
+        placements = tuple(Shard(1 - p.dim % 2) if p.is_shard() else p for p in placements)
+        shape = shape[::-1]
+    return _format_refusal(fmt) or _refusal(fmt, spec.mesh, placements, shape)
+
+
+def _format_refusal(fmt: LinearFormat) -> str | None:
+    if fmt.tp_unsupported is None:
+        return None
+    return (f"tensor parallel: the {fmt.name} format does not run on shards: "
+            f"{fmt.tp_unsupported}; it runs in 16 bits")
+
+
+def _refusal(fmt: LinearFormat, mesh, placements, shape) -> str | None:
+    why = _lie_error(mesh, placements)
     if why is not None:
         return f"tensor parallel: {why}"
-    dim = weight.placements[0].dim % 2
+    dim = placements[0].dim % 2
     unit = fmt.scales.tile if fmt.block_scaled else 1
-    n, world = weight.shape[dim], weight.device_mesh.size()
+    n, world = shape[dim], mesh.size()
     chunk = math.ceil(n / world)
     if unit > 1 and world > 1 and chunk % unit:
         what = ("output features" if dim == 0 else "input features")

@@ -6,24 +6,28 @@ random numbers it draws the whole tensor's slice (``draw_sliced``; ``slice_of`` 
 where the slice lies, for draws made by place). Without one both are the identity, so
 the casts call them always (through ``mixprec.formats.shard``, whose protocol this
 implements). A compiled backward casts on shards in one graph.
-``sr_stream`` says which random stream a rank draws from: the ranks of one
-tensor-parallel group alike, data-parallel ranks apart. ``mixprec.parallel.tensor_parallel``
-runs the quantized Linears on the shards."""
+``sr_stream`` says which random stream a rank draws from: the ranks that see the same
+data (one tensor-parallel group, ``data_group``) alike, data-parallel ranks apart; the
+engine fixes every quantized module's stream by it (``share_streams``), sharded or
+whole. ``mixprec.parallel.tensor_parallel`` runs the quantized Linears on the shards."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from mixprec.formats.shard import agreed_amax, draw_sliced, slice_of
 from mixprec.parallel.comm_stats import CommStats
+from mixprec.parallel.presharded import fsdp_tp_specs, fsdp_whole_params
 
 __all__ = ["Agreement", "agreement", "agreed_amax", "draw_sliced", "slice_of",
-           "sr_stream", "STREAM_STRIDE"]
+           "sr_stream", "data_group", "share_streams", "STREAM_STRIDE"]
 
 
 @dataclass(frozen=True)
@@ -78,14 +82,62 @@ def agreement(layout: Any, role: str, stats: CommStats | None = None,
 STREAM_STRIDE = 0x9E3779B1
 
 
-def sr_stream(layout: Any = None) -> int:
+def sr_stream(group: dist.ProcessGroup | None = None) -> int:
     """The random stream this rank's stochastic rounding draws from: the global rank of
-    the first rank of its tensor-parallel group (``layout``: the Linear's ``TPLayout``,
-    None off a tensor-parallel shard: this rank), so that the ranks of one group, which
-    draw one tensor and keep their slices, draw alike, and data-parallel ranks, which
-    round different gradients, draw apart; 0 in one process and on global rank 0."""
+    the first rank of ``group``, the ranks that see this rank's data (``data_group``;
+    None: this rank alone), so that the ranks of one tensor-parallel group, which round
+    the same gradients (or slices of one tensor they draw whole), draw alike, and
+    data-parallel ranks, which round different gradients, draw apart; 0 in one process
+    and on global rank 0."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0
-    if layout is None:
+    if group is None:
         return dist.get_rank()
-    return dist.get_global_rank(layout.group, 0)
+    return dist.get_global_rank(group, 0)
+
+
+def _transformers_tp_group(model: nn.Module) -> tuple[bool, dist.ProcessGroup | None]:
+    """(whether transformers' ``DistributedConfig`` laid ``model`` out, the group of its
+    ``tp`` mesh dim where that has more than one rank)."""
+    for m in model.modules():
+        manager = getattr(m, "_mesh_manager", None)
+        if manager is None or not hasattr(manager, "get_mesh"):
+            continue
+        if (getattr(m, "_tp_size", None) or 1) <= 1:
+            return True, None
+        return True, manager.get_mesh("tp").get_group()
+    return False, None
+
+
+def data_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The process group of the ranks that see the same batch as this one: its
+    tensor-parallel group, which is transformers' ``tp`` mesh dim under
+    ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=...))``, else
+    the 1-D mesh of a Linear weight torch's ``parallelize_module`` sharded (FSDP2 over
+    it: the mesh of the plan's shard the forward sees; FSDP2's shards of whole weights
+    are no such mesh); None where no tensor-parallel plan
+    shares this rank's data (one process, DDP, FSDP, expert parallelism alone)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    laid_out, group = _transformers_tp_group(model)
+    if laid_out:
+        return group
+    whole, specs = fsdp_whole_params(model), fsdp_tp_specs(model)
+    for m in model.modules():
+        w = getattr(m, "weight", None) if isinstance(m, nn.Linear) else None
+        if type(w).__name__ != "DTensor" or id(w) in whole:
+            continue
+        mesh, placements = ((specs[id(w)].mesh, specs[id(w)].placements) if id(w) in specs
+                            else (w.device_mesh, w.placements))  # (FSDP2 over the plan)
+        if mesh.ndim == 1 and placements[0].is_shard():
+            return mesh.get_group(0)
+    return None
+
+
+def share_streams(modules: Iterable[nn.Module], group: dist.ProcessGroup | None) -> None:
+    """Each of ``modules`` (quantized Linears, experts formats) draws its stochastic
+    rounding from the stream of ``group`` (``data_group``: the ranks that see this
+    rank's data), whether its weight is sharded or whole on this rank."""
+    shift = sr_stream(group) * STREAM_STRIDE
+    for m in modules:
+        m._sr_shift = shift
