@@ -1,0 +1,164 @@
+"""Pipeline checkpoints across pipeline degrees: the four-block model of
+``pp_workers`` cut into stages that keep their names in the whole model
+(``stage_module``), saved through ``torch.distributed.checkpoint`` by two stages and
+resumed by two stages or by one process holding the whole model, and the other way
+round; each resumed run beside the run that never stopped."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+from helpers.pp_workers import BATCH, N_MICRO, _engine, make_blocks, make_data
+from mixprec.checkpoint.pipeline import stage_module
+from mixprec.parallel.pipeline import stage_args
+
+STEPS, CUT, CLIP = 6, 3, 0.1
+
+
+def _whole(seed: int = 0) -> nn.Sequential:
+    return nn.Sequential(*make_blocks(seed))
+
+
+def _snapshot(engine) -> dict:
+    """Every tensor a resume must carry, by name in the whole model: the model's
+    entries, the masters and the optimizer's states."""
+    ps = engine.param_state
+    out = {f"model.{k}": v.detach().clone() for k, v in engine.module.state_dict().items()}
+    if ps.has_master:
+        out.update({f"master.{n}": m.detach().clone() for n, m in zip(ps.names, ps.masters)})
+    name_of = {id(q): n for n, q in zip(ps.names, ps.opt_params)}
+    for p, st in engine.optimizers[0].state.items():
+        out.update({f"optim.{name_of[id(p)]}.{k}": v.detach().clone().float()
+                    for k, v in st.items() if isinstance(v, torch.Tensor)})
+    out["scale"] = engine.scale.detach().clone()
+    return out
+
+
+class Stages:
+    """This rank's stage of two, its engine and schedule (fresh weights from ``seed``)."""
+
+    def __init__(self, rank: int, recipe: str, seed: int = 0, renumbered: bool = False):
+        mine = [2 * rank, 2 * rank + 1]
+        if renumbered:  # a fresh nn.Sequential of the blocks: names from 0 on each stage
+            blocks = make_blocks(seed)
+            self.module = nn.Sequential(*blocks[2 * rank:2 * rank + 2])
+        else:
+            self.module = stage_module(_whole(seed), [str(i) for i in range(4) if i not in mine],
+                                       copy=False)
+        self.engine = _engine(self.module, recipe, CLIP, parallel="pp")
+        mb = BATCH // N_MICRO
+        ins, outs = stage_args(self.module, torch.zeros(mb, 16 if rank == 0 else 32),
+                               self.engine, stage_index=rank)
+        self.stage = PipelineStage(self.module, rank, 2, torch.device("cpu"),
+                                   input_args=ins, output_args=outs)
+        self.loss = self.engine.pipeline_loss(F.cross_entropy)
+        self.schedule = ScheduleGPipe(self.stage, n_microbatches=N_MICRO, loss_fn=self.loss)
+
+    def train(self, data: list) -> list[float]:
+        losses = []
+        for x, y in data:
+            with self.engine.autocast():
+                if self.stage.is_first:
+                    self.schedule.step(x)
+                else:
+                    self.schedule.step(target=y, losses=[])
+            self.engine.step()
+            if self.stage.is_last:
+                losses.append(torch.stack(self.loss.take()).float().mean().item())
+        return losses
+
+
+def _one_process(recipe: str, seed: int = 0):
+    model = _whole(seed)
+    return model, _engine(model, recipe, CLIP)
+
+
+def _train_one(model, engine, data: list) -> list[float]:
+    """The same micro-batches through ``engine.backward``, as ``pp_workers.reference``."""
+    losses = []
+    for x, y in data:
+        mine = []
+        for xm, ym in zip(x.chunk(N_MICRO), y.chunk(N_MICRO)):
+            with engine.autocast():
+                loss = F.cross_entropy(model(xm), ym)
+            mine.append(loss.detach().float())
+            engine.backward(loss)
+            engine.step()
+        losses.append(torch.stack(mine).mean().item())
+    return losses
+
+
+def _fp32(engine) -> dict:
+    return {k: v.clone() for k, v in engine.fp32_state_dict().items()}
+
+
+def pp_ckpt_runs(rank: int, world: int, tmp: str, recipe: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                            world_size=world)
+    data = make_data(STEPS)
+    out: dict = {}
+    # the run that never stops, at two stages
+    s = Stages(rank, recipe)
+    out["pp2_losses"] = s.train(data)
+    out["pp2_weights"] = _fp32(s.engine)
+    # two stages: three steps, saved (twice: the second replaces the first) ...
+    s = Stages(rank, recipe)
+    s.train(data[:CUT])
+    pp2_dir = os.path.join(tmp, "pp2")
+    s.engine.save(pp2_dir, reshardable=True, step=CUT)
+    s.engine.save(pp2_dir, reshardable=True, step=CUT)
+    out["pp2_saved"] = _snapshot(s.engine)
+    out["listing"] = sorted(os.listdir(tmp))
+    # ... resumed by two fresh stages of other weights
+    s = Stages(rank, recipe, seed=5)
+    out["pp2_extra"] = s.engine.load(pp2_dir)
+    out["pp2_loaded"] = _snapshot(s.engine)
+    out["pp2_steps"] = s.engine.steps
+    out["pp2_resumed"] = s.train(data[CUT:])
+    out["pp2_resumed_weights"] = _fp32(s.engine)
+    # ... and by one process holding the whole model
+    if rank == 0:
+        model, e = _one_process(recipe, seed=5)
+        out["pp1_extra"] = e.load(pp2_dir)
+        out["pp1_loaded"] = _snapshot(e)
+        out["pp1_resumed"] = _train_one(model, e, data[CUT:])
+        out["pp1_resumed_weights"] = _fp32(e)
+        # one process, straight and saved at the cut, for two stages to resume
+        model, e = _one_process(recipe)
+        out["one_losses"] = _train_one(model, e, data)
+        out["one_weights"] = _fp32(e)
+        model, e = _one_process(recipe)
+        _train_one(model, e, data[:CUT])
+        e.save(os.path.join(tmp, "pp1"), reshardable=True)
+        out["pp1_saved"] = _snapshot(e)
+    dist.barrier()
+    s = Stages(rank, recipe, seed=5)
+    s.engine.load(os.path.join(tmp, "pp1"))
+    out["from_pp1_loaded"] = _snapshot(s.engine)
+    out["from_pp1_resumed"] = s.train(data[CUT:])
+    out["from_pp1_weights"] = _fp32(s.engine)
+    # stages that renumber the blocks: the save refuses, the load names the entries
+    bad = Stages(rank, recipe, seed=5, renumbered=True)
+    before = _snapshot(bad.engine)
+    for what, call in (("save", lambda: bad.engine.save(os.path.join(tmp, "bad"),
+                                                        reshardable=True)),
+                       ("load", lambda: bad.engine.load(pp2_dir))):
+        try:
+            call()
+            out[f"bad_{what}"] = None
+        except ValueError as e:
+            out[f"bad_{what}"] = str(e)
+    after = _snapshot(bad.engine)
+    out["bad_unchanged"] = before.keys() == after.keys() and all(
+        torch.equal(before[k], after[k]) for k in before)
+    out["no_bad_dir"] = not os.path.exists(os.path.join(tmp, "bad"))
+    torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
