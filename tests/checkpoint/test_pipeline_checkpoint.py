@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from helpers.pp_ckpt_workers import CUT, pp_ckpt_runs
+from helpers.pp_ckpt_workers import CUT, pp4_runs, pp_ckpt_runs
 from mixprec import MixedPrecision
 from mixprec.checkpoint.pipeline import stage_module
 
@@ -172,3 +172,22 @@ def test_stages_resume_at_another_pipeline_degree(recipe):
         assert "stage on rank 1: 3 entries of another shape, e.g. '0.0.weight': saved " \
                "(32, 16), here (32, 32)" in r["bad_load"]
         assert "Nothing was loaded" in r["bad_load"] and r["bad_unchanged"]
+
+
+@pytest.mark.long  # two spawns, of four ranks and of two: ~60 s on two loaded cores
+def test_four_stages_resume_as_two():
+    tmp = tempfile.mkdtemp(prefix="mixprec-pp4-")
+    got = {}
+    for world in (4, 2):
+        mp.start_processes(pp4_runs, args=(world, tmp, "bf16-master"), nprocs=world,
+                           join=True, start_method="forkserver")
+        got[world] = [torch.load(os.path.join(tmp, f"pp{world}_rank{r}.pt"),
+                                 weights_only=False) for r in range(world)]
+    saved = {k: v for r in got[4] for k, v in r["saved"].items() if k != "scale"}
+    loaded = {k: v for r in got[2] for k, v in r["loaded"].items() if k != "scale"}
+    assert _equal(saved, loaded)  # each of two stages read its two blocks' entries
+    straight = got[4][3]["losses"]
+    assert _rel(got[2][1]["losses"], straight[CUT:]) <= TOL["bf16-master"]
+    assert _close({k: v for r in got[2] for k, v in r["weights"].items()},
+                  {k: v for r in got[4] for k, v in r["weights"].items()},
+                  5 * TOL["bf16-master"])

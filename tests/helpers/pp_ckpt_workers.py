@@ -41,13 +41,14 @@ def _snapshot(engine) -> dict:
 
 
 class Stages:
-    """This rank's stage of two, its engine and schedule (fresh weights from ``seed``)."""
+    """This rank's stage of ``n``, its engine and schedule (fresh weights from ``seed``)."""
 
-    def __init__(self, rank: int, recipe: str, seed: int = 0, renumbered: bool = False):
-        mine = [2 * rank, 2 * rank + 1]
+    def __init__(self, rank: int, recipe: str, seed: int = 0, renumbered: bool = False,
+                 n: int = 2):
+        per = 4 // n
+        mine = range(per * rank, per * (rank + 1))
         if renumbered:  # a fresh nn.Sequential of the blocks: names from 0 on each stage
-            blocks = make_blocks(seed)
-            self.module = nn.Sequential(*blocks[2 * rank:2 * rank + 2])
+            self.module = nn.Sequential(*make_blocks(seed)[mine.start:mine.stop])
         else:
             self.module = stage_module(_whole(seed), [str(i) for i in range(4) if i not in mine],
                                        copy=False)
@@ -55,7 +56,7 @@ class Stages:
         mb = BATCH // N_MICRO
         ins, outs = stage_args(self.module, torch.zeros(mb, 16 if rank == 0 else 32),
                                self.engine, stage_index=rank)
-        self.stage = PipelineStage(self.module, rank, 2, torch.device("cpu"),
+        self.stage = PipelineStage(self.module, rank, n, torch.device("cpu"),
                                    input_args=ins, output_args=outs)
         self.loss = self.engine.pipeline_loss(F.cross_entropy)
         self.schedule = ScheduleGPipe(self.stage, n_microbatches=N_MICRO, loss_fn=self.loss)
@@ -160,5 +161,32 @@ def pp_ckpt_runs(rank: int, world: int, tmp: str, recipe: str) -> None:
         torch.equal(before[k], after[k]) for k in before)
     out["no_bad_dir"] = not os.path.exists(os.path.join(tmp, "bad"))
     torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def pp4_runs(rank: int, world: int, tmp: str, recipe: str) -> None:
+    """On four ranks: four stages straight, and three steps saved to ``tmp/pp4``; on
+    two (a second spawn, ``tmp/pp4`` there): two stages resume it."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store{world}", rank=rank,
+                            world_size=world)
+    data = make_data(STEPS)
+    out: dict = {}
+    if world == 4:
+        s = Stages(rank, recipe, n=4)
+        out["losses"] = s.train(data)
+        out["weights"] = _fp32(s.engine)
+        s = Stages(rank, recipe, n=4)
+        s.train(data[:CUT])
+        s.engine.save(os.path.join(tmp, "pp4"), reshardable=True)
+        out["saved"] = _snapshot(s.engine)
+    else:
+        s = Stages(rank, recipe, seed=5, n=2)
+        s.engine.load(os.path.join(tmp, "pp4"))
+        out["loaded"] = _snapshot(s.engine)
+        out["losses"] = s.train(data[CUT:])
+        out["weights"] = _fp32(s.engine)
+    torch.save(out, os.path.join(tmp, f"pp{world}_rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
