@@ -174,8 +174,8 @@ def test_stages_resume_at_another_pipeline_degree(recipe):
         assert "Nothing was loaded" in r["bad_load"] and r["bad_unchanged"]
 
 
-@pytest.mark.long  # two spawns, of four ranks and of two: ~60 s on two loaded cores
-def test_four_stages_resume_as_two():
+@pytest.mark.long  # two spawns, of four ranks and of two: ~2 min on two loaded cores
+def test_four_stages_resume_as_two_and_as_two_interleaved():
     tmp = tempfile.mkdtemp(prefix="mixprec-pp4-")
     got = {}
     for world in (4, 2):
@@ -191,3 +191,15 @@ def test_four_stages_resume_as_two():
     assert _close({k: v for r in got[2] for k, v in r["weights"].items()},
                   {k: v for r in got[4] for k, v in r["weights"].items()},
                   5 * TOL["bf16-master"])
+    # the same four stages two per rank (interleaved): the same entries, exactly; the
+    # rest of the run as the four ranks' (the norm's sum over two ranks, not four)
+    loaded = {k: v for r in got[2] for k, v in r["iv_loaded"].items() if k != "scale"}
+    assert _equal(saved, loaded)
+    assert _rel(got[2][1]["iv_losses"], straight[CUT:]) <= TOL["bf16-master"]
+    assert _close({k: v for r in got[2] for k, v in r["iv_weights"].items()},
+                  {k: v for r in got[4] for k, v in r["weights"].items()},
+                  5 * TOL["bf16-master"])
+    # their save, under the whole model's names, read by one process exactly
+    saved = {k: v for r in got[2] for k, v in r["iv_saved"].items() if k != "scale"}
+    assert _equal(saved, {k: v for k, v in got[2][0]["iv_one_loaded"].items()
+                          if k != "scale"})

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from helpers.pp_workers import BATCH, N_MICRO, _engine, make_blocks, make_data
 from mixprec.checkpoint.pipeline import stage_module
@@ -25,14 +25,21 @@ def _whole(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(*make_blocks(seed))
 
 
+def _name(engine, name: str) -> str:
+    """A name in the whole model (past the index of a rank's ModuleList of stages)."""
+    return name.split(".", 1)[1] if isinstance(engine.module, nn.ModuleList) else name
+
+
 def _snapshot(engine) -> dict:
     """Every tensor a resume must carry, by name in the whole model: the model's
     entries, the masters and the optimizer's states."""
     ps = engine.param_state
-    out = {f"model.{k}": v.detach().clone() for k, v in engine.module.state_dict().items()}
+    out = {f"model.{_name(engine, k)}": v.detach().clone()
+           for k, v in engine.module.state_dict().items()}
     if ps.has_master:
-        out.update({f"master.{n}": m.detach().clone() for n, m in zip(ps.names, ps.masters)})
-    name_of = {id(q): n for n, q in zip(ps.names, ps.opt_params)}
+        out.update({f"master.{_name(engine, n)}": m.detach().clone()
+                    for n, m in zip(ps.names, ps.masters)})
+    name_of = {id(q): _name(engine, n) for n, q in zip(ps.names, ps.opt_params)}
     for p, st in engine.optimizers[0].state.items():
         out.update({f"optim.{name_of[id(p)]}.{k}": v.detach().clone().float()
                     for k, v in st.items() if isinstance(v, torch.Tensor)})
@@ -60,19 +67,39 @@ class Stages:
                                    input_args=ins, output_args=outs)
         self.loss = self.engine.pipeline_loss(F.cross_entropy)
         self.schedule = ScheduleGPipe(self.stage, n_microbatches=N_MICRO, loss_fn=self.loss)
+        self.first, self.last = self.stage.is_first, self.stage.is_last
 
     def train(self, data: list) -> list[float]:
         losses = []
         for x, y in data:
             with self.engine.autocast():
-                if self.stage.is_first:
-                    self.schedule.step(x)
-                else:
-                    self.schedule.step(target=y, losses=[])
+                self.schedule.step(*((x,) if self.first else ()),
+                                   **({"target": y, "losses": []} if self.last else {}))
             self.engine.step()
-            if self.stage.is_last:
+            if self.last:
                 losses.append(torch.stack(self.loss.take()).float().mean().item())
         return losses
+
+
+class Interleaved(Stages):
+    """This rank's two stages of four (blocks ``rank`` and ``rank + 2``) in one
+    ``nn.ModuleList``, under ``ScheduleInterleaved1F1B``."""
+
+    def __init__(self, rank: int, recipe: str, seed: int = 0):
+        ids = [rank, rank + 2]
+        mods = [stage_module(_whole(seed), [str(j) for j in range(4) if j != i]) for i in ids]
+        self.module = nn.ModuleList(mods)
+        self.engine = _engine(self.module, recipe, CLIP, parallel="pp")
+        mb = BATCH // N_MICRO
+        args = stage_args(mods, [torch.zeros(mb, 16 if i == 0 else 32) for i in ids],
+                          self.engine, stage_index=ids)
+        stages = [PipelineStage(m, i, 4, torch.device("cpu"), input_args=a, output_args=o)
+                  for m, i, (a, o) in zip(mods, ids, args)]
+        self.loss = self.engine.pipeline_loss(F.cross_entropy)
+        self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=N_MICRO,
+                                                loss_fn=self.loss)
+        self.first = any(s.is_first for s in stages)
+        self.last = any(s.is_last for s in stages)
 
 
 def _one_process(recipe: str, seed: int = 0):
@@ -96,7 +123,7 @@ def _train_one(model, engine, data: list) -> list[float]:
 
 
 def _fp32(engine) -> dict:
-    return {k: v.clone() for k, v in engine.fp32_state_dict().items()}
+    return {_name(engine, k): v.clone() for k, v in engine.fp32_state_dict().items()}
 
 
 def pp_ckpt_runs(rank: int, world: int, tmp: str, recipe: str) -> None:
@@ -167,7 +194,8 @@ def pp_ckpt_runs(rank: int, world: int, tmp: str, recipe: str) -> None:
 
 def pp4_runs(rank: int, world: int, tmp: str, recipe: str) -> None:
     """On four ranks: four stages straight, and three steps saved to ``tmp/pp4``; on
-    two (a second spawn, ``tmp/pp4`` there): two stages resume it."""
+    two (a second spawn): two stages resume it, and so do the four stages two per rank
+    (interleaved), whose save one process resumes."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store{world}", rank=rank,
                             world_size=world)
@@ -187,6 +215,18 @@ def pp4_runs(rank: int, world: int, tmp: str, recipe: str) -> None:
         out["loaded"] = _snapshot(s.engine)
         out["losses"] = s.train(data[CUT:])
         out["weights"] = _fp32(s.engine)
+        # the four stages two per rank (interleaved): read back, trained on, saved ...
+        s = Interleaved(rank, recipe, seed=5)
+        s.engine.load(os.path.join(tmp, "pp4"))
+        out["iv_loaded"] = _snapshot(s.engine)
+        out["iv_losses"] = s.train(data[CUT:])
+        out["iv_weights"] = _fp32(s.engine)
+        s.engine.save(os.path.join(tmp, "iv"), reshardable=True)
+        out["iv_saved"] = _snapshot(s.engine)
+        if rank == 0:  # ... and resumed by one process holding the whole model
+            _, e = _one_process(recipe, seed=5)
+            e.load(os.path.join(tmp, "iv"))
+            out["iv_one_loaded"] = _snapshot(e)
     torch.save(out, os.path.join(tmp, f"pp{world}_rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -6,7 +6,9 @@ entries its parameters are named by.
 
 The names are the stage module's own: a stage made the way torchtitan makes them, a
 copy of the whole model with the other stages' layers deleted (``stage_module``),
-keeps every parameter's name in the whole model. A stage built as a fresh
+keeps every parameter's name in the whole model. A rank holding several stages (the
+interleaved schedules) gives the engine an ``nn.ModuleList`` of them: its entries are
+its stages' own names, past the list's index. A stage built as a fresh
 ``nn.Sequential`` of some blocks renumbers them ("2.0.weight" becomes "0.0.weight"):
 the save refuses names that two stages both hold, and the load names the entries a
 stage needs that the directory lacks, or that no stage claimed.
@@ -59,6 +61,25 @@ def stage_module(model: nn.Module, drop: Iterable[str], copy: bool = True) -> nn
     return out
 
 
+def _stages(module: nn.Module) -> list[nn.Module]:
+    """The stage modules of a rank: the ``nn.ModuleList`` of its stages (interleaved
+    schedules; a ModuleList has no forward, so it is nothing else), or its one stage."""
+    return list(module) if isinstance(module, nn.ModuleList) else [module]
+
+
+def _entries(engine: Any) -> dict[str, torch.Tensor]:
+    """The model entries of this rank's stage(s), by their names in the whole model."""
+    out: dict[str, torch.Tensor] = {}
+    for m in _stages(engine.module):
+        out.update(m.state_dict())
+    return out
+
+
+def _whole(engine: Any, name: str) -> str:
+    """A trained parameter's name in the whole model (past a ModuleList's index)."""
+    return name.split(".", 1)[1] if isinstance(engine.module, nn.ModuleList) else name
+
+
 def _group(engine: Any) -> Any:
     return getattr(engine.parallelism, "group", None) if engine.parallel else None
 
@@ -82,8 +103,9 @@ def check_pp_savable(engine: Any) -> None:
             "save(path, reshardable=True) of pipeline stages takes torch's optimizers; "
             "mixprec.optim's states are not split by parameter name yet. Use save(path), "
             "one path per rank, which resumes at the same pipeline degree")
-    tied = set(getattr(engine.parallelism, "tied", ()))
-    every = _gather(engine, [k for k in engine.module.state_dict() if k not in tied])
+    tied = {_whole(engine, n) for n in getattr(engine.parallelism, "tied", ())}
+    every = _gather(engine, [k for m in _stages(engine.module) for k in m.state_dict()
+                             if k not in tied])
     seen: dict[str, int] = {}
     twice = []
     for stage, names in enumerate(every):
@@ -105,8 +127,14 @@ def check_pp_savable(engine: Any) -> None:
 def _named(engine: Any) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
     """The optimized tensor of each trained parameter by name, and the names by id."""
     ps = engine.param_state
-    opt_params = dict(zip(ps.names, ps.opt_params))
+    opt_params = {_whole(engine, n): q for n, q in zip(ps.names, ps.opt_params)}
     return opt_params, {id(q): n for n, q in opt_params.items()}
+
+
+def _masters(engine: Any) -> dict[str, torch.Tensor]:
+    ps = engine.param_state
+    return ({_whole(engine, n): m for n, m in zip(ps.names, ps.masters)}
+            if ps.has_master else {})
 
 
 def _tensors(st: dict) -> dict:
@@ -116,10 +144,8 @@ def _tensors(st: dict) -> dict:
 def pp_state(engine: Any) -> dict:
     """What ``dcp.save`` writes for this stage: its model entries, its masters and its
     optimizers' tensor states, all keyed by name."""
-    ps = engine.param_state
     _, name_of = _named(engine)
-    return {"model": engine.module.state_dict(),
-            "masters": dict(zip(ps.names, ps.masters)) if ps.has_master else {},
+    return {"model": _entries(engine), "masters": _masters(engine),
             "optim": {str(k): {name_of[id(p)]: _tensors(st) for p, st in o.state.items()}
                       for k, o in enumerate(engine.optimizers)}}
 
@@ -142,7 +168,7 @@ def pp_layout(engine: Any) -> dict:
                        for p, st in o.state.items()})
         groups.append({name_of[id(p)]: _settings(g) for g in o.param_groups
                        for p in g["params"] if id(p) in name_of})
-    mine = {"names": list(engine.module.state_dict()), "states": states, "groups": groups}
+    mine = {"names": list(_entries(engine)), "states": states, "groups": groups}
     stages = _gather(engine, mine)
     return {"degree": len(stages), "stages": stages}
 
@@ -156,7 +182,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def _check(engine: Any, md: dict, layout: dict) -> str | None:
     """What keeps this stage from loading the directory (None: nothing)."""
-    have = engine.module.state_dict()
+    have = _entries(engine)
     missing = [k for k in have if f"model.{k}" not in md]
     if missing:
         return (f"{len(missing)} model entries of this stage are in none of the "
@@ -204,7 +230,7 @@ def load_pp_state(engine: Any, path: str, layout: dict) -> None:
 
     md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     error = _check(engine, md, layout)
-    every = _gather(engine, {"names": list(engine.module.state_dict()), "error": error})
+    every = _gather(engine, {"names": list(_entries(engine)), "error": error})
     errors = [f"stage on rank {r}: {e['error']}" for r, e in enumerate(every) if e["error"]]
     claimed = {n for e in every for n in e["names"]}
     unclaimed = sorted({n for s in layout["stages"] for n in s["names"]} - claimed)
@@ -218,7 +244,6 @@ def load_pp_state(engine: Any, path: str, layout: dict) -> None:
             "the whole model: build each stage as a copy of the whole model with the other "
             "stages' layers deleted (mixprec.checkpoint.pipeline.stage_module), the same "
             "model and optimizer as the run that saved it. Nothing was loaded")
-    ps = engine.param_state
     opt_params, name_of = _named(engine)
     made, values = [], []
     for k in range(len(engine.optimizers)):
@@ -230,11 +255,11 @@ def load_pp_state(engine: Any, path: str, layout: dict) -> None:
                      for n in opt_params if n in saved})
         values.append({n: {x: sd[1] for x, sd in saved[n].items() if sd[0] == "value"}
                        for n in opt_params if n in saved})
-    state = {"model": engine.module.state_dict(),
-             "masters": dict(zip(ps.names, ps.masters)) if ps.has_master else {},
+    state = {"model": _entries(engine), "masters": _masters(engine),
              "optim": {str(k): s for k, s in enumerate(made)}}
     dcp.load(state, checkpoint_id=path, no_dist=engine.parallel is None)
-    engine.module.load_state_dict(state["model"])
+    for m in _stages(engine.module):
+        m.load_state_dict({k: state["model"][k] for k in m.state_dict()})
     for k, o in enumerate(engine.optimizers):
         groups = {}
         for s in layout["stages"]:
