@@ -111,6 +111,38 @@ def test_one_process_directory_resumes_bit_for_bit_and_refuses_uncovered_models(
         MixedPrecision(m, torch.optim.AdamW(m.parameters()), "fp32").load(path)
 
 
+def test_a_failed_or_cut_short_save_leaves_the_previous_directory(tmp_path, monkeypatch):
+    """A write that fails leaves the previous directory whole (it still resumes); a
+    crash between the swap's renames leaves it at ``PATH.old``, which ``load`` reads."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _model(0)
+    engine = MixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                            "bf16-master")
+    _train(model, engine, 2)
+    path = tmp_path / "ckpt"
+    engine.save(path, reshardable=True, step=2)
+    want = {k: v.clone() for k, v in engine.fp32_state_dict().items()}
+    _train(model, engine, 1)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dcp, "save", full_disk)
+    with pytest.raises(OSError):
+        engine.save(path, reshardable=True, step=3)
+    monkeypatch.undo()
+    for cut_short in (False, True):
+        if cut_short:  # the previous directory moved aside, the new one not yet in place
+            os.replace(path, tmp_path / "ckpt.old")
+        fresh = _model(7)
+        again = MixedPrecision(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2),
+                               "bf16-master")
+        assert again.load(path) == {"step": 2}
+        got = again.fp32_state_dict()
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
 def _spawn(recipe: str) -> list[dict]:
     tmp = tempfile.mkdtemp(prefix="mixprec-ppckpt-")
     mp.start_processes(pp_ckpt_runs, args=(2, tmp, recipe), nprocs=2, join=True,

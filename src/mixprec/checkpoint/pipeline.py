@@ -246,15 +246,16 @@ def load_pp_state(engine: Any, path: str, layout: dict) -> None:
             "model and optimizer as the run that saved it. Nothing was loaded")
     opt_params, name_of = _named(engine)
     made, values = [], []
-    for k in range(len(engine.optimizers)):
+    for k, o in enumerate(engine.optimizers):
         saved = {}
         for s in layout["stages"]:
             saved.update(s["states"][k])
+        mine = [name_of[id(p)] for g in o.param_groups for p in g["params"]
+                if id(p) in name_of and name_of[id(p)] in saved]
         made.append({n: {x: _like(opt_params[n], *sd) for x, sd in saved[n].items()
-                         if sd[0] != "value"}
-                     for n in opt_params if n in saved})
+                         if sd[0] != "value"} for n in mine})
         values.append({n: {x: sd[1] for x, sd in saved[n].items() if sd[0] == "value"}
-                       for n in opt_params if n in saved})
+                       for n in mine})
     state = {"model": _entries(engine), "masters": _masters(engine),
              "optim": {str(k): s for k, s in enumerate(made)}}
     dcp.load(state, checkpoint_id=path, no_dist=engine.parallel is None)
