@@ -20,7 +20,8 @@ from mixprec.engine.devices import EMULATE_ENV
 multiprocessing.set_forkserver_preload(
     ["torch", "torch._dynamo", "torch.distributed.fsdp", "mixprec", "mixprec.workbench.train",
      "helpers.dist_workers", "helpers.tp_workers", "helpers.tp_fp8_workers",
-     "helpers.tp_loop_workers", "helpers.pp_workers", "helpers.children"])
+     "helpers.tp_loop_workers", "helpers.pp_workers", "helpers.pp_ckpt_workers",
+     "helpers.children"])
 
 
 def pytest_addoption(parser):

@@ -204,14 +204,6 @@ def test_reshardable_fsdp_checkpoint_resumes_on_1_and_2_ranks(recipe, tol, tmp_p
             assert err == 0.0 if world == 2 else err <= tol, (world, err)
 
 
-def test_reshardable_needs_fsdp():
-    m = w.make_mlp()
-    e = MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), "bf16")
-    with pytest.raises(ValueError, match="reshardable=True.* is for parallel='fsdp'.*"
-                                         "parallel=None"):
-        e.save("unused", reshardable=True)
-
-
 def test_fsdp_shards_from_another_world_size_are_refused_and_whole_states_load():
     m = w.make_mlp()
     e = MixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), "bf16")

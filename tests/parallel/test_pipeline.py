@@ -127,7 +127,8 @@ def test_interleaved_schedules_train_like_one_process_and_zero_bubble_is_refused
         assert "zero-bubble" in r["runs"][3]["error"]
         assert "Schedule1F1B" in r["runs"][3]["error"]
         # each stage's own checkpoint resumes it bit for bit (a skipped step and the
-        # backed-off scale included); one for another degree is refused
+        # backed-off scale included); a reshardable one of stages that renumber the
+        # blocks (no names in the whole model) is refused
         assert r["runs"][4]["resumed"] is True
 
 
@@ -147,6 +148,12 @@ def test_the_guides_pipeline_script_trains_under_torchrun(tmp_path):
     steps = re.findall(r"step (\d): loss ([\d.]+), norm ([\d.]+)", run.stdout)
     assert [s[0] for s in steps] == ["0", "1", "2", "3", "4"]
     assert all(0.5 < float(s[1]) < 3 and float(s[2]) > 0 for s in steps)
+    # the stages' checkpoint holds the whole model's entries under the whole model's names
+    import torch.distributed.checkpoint as dcp
+
+    md = dcp.FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata
+    assert {k for k in md if k.startswith("model.")} == {
+        f"model.{i}.{w}" for i in ("0.0", "1.0", "2.0", "3") for w in ("weight", "bias")}
 
 
 def test_the_pipeline_loss_is_scaled_and_divided_as_backward_takes_it():

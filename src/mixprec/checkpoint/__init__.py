@@ -1,5 +1,6 @@
 """Atomic, reshardable checkpoints of an engine's parts (``core``), with the RNG states
-(``rng``), tensor-parallel shards (``tensor_parallel``), resharding across world sizes
+(``rng``), tensor-parallel shards (``tensor_parallel``), pipeline stages keyed by their
+names in the whole model (``pipeline``), resharding across world sizes and degrees
 (``resharding``) and the older layouts that still load (``compat``)."""
 
 from mixprec._imports import lazy_exports
@@ -18,6 +19,7 @@ _EXPORTS = {
     "gather_full": "core",
     "shard_full_state": "core",
     "rng_entry": "core",
+    "stage_module": "pipeline",
 }
 
 __all__ = list(_EXPORTS)

@@ -1,5 +1,8 @@
 """Reshardable checkpoints for FSDP: a ``torch.distributed.checkpoint`` directory that
 FSDP resumes on any number of ranks, each rank writing and reading only its pieces.
+A tensor-parallel engine's directory resumes at any degree
+(``mixprec.checkpoint.tensor_parallel``), pipeline stages' at any pipeline degree or in
+one process (``mixprec.checkpoint.pipeline``).
 
 ``save_resharding`` (``MixedPrecision.save(path, reshardable=True)``) assembles the
 directory in ``PATH.partial`` and renames it over ``PATH``, keeping a previous one at
@@ -27,17 +30,26 @@ from mixprec.checkpoint.core import (
     rng_entry,
     save_atomic,
 )
+from mixprec.checkpoint.pipeline import check_pp_savable, load_pp_state, pp_layout, pp_state
 from mixprec.checkpoint.tensor_parallel import check_tp_savable, load_tp_state, tp_layout, tp_state
 
 __all__ = ["save_resharding", "restore_resharding", "is_resharding"]
 
 
-def _require_fsdp(engine, what: str) -> None:
-    if not (engine.parallelism.sharded or _tensor_parallel(engine)):
+def _require_fsdp(engine, what: str, pipeline: bool = True) -> None:
+    if not (engine.parallelism.sharded or _tensor_parallel(engine)
+            or (pipeline and _pipeline(engine))):
         raise ValueError(
-            f"{what} is for parallel='fsdp' or a tensor-parallel model; this engine runs "
+            f"{what} is for parallel='fsdp', a tensor-parallel model, pipeline stages "
+            f"(parallel='pp') or one process (parallel=None); this engine runs "
             f"parallel={engine.parallel!r}. Use save(path) / load(path): without "
             "sharding a checkpoint is whole and loads at any world size already")
+
+
+def _pipeline(engine) -> bool:
+    """Pipeline stages, or one process holding the whole model (``mixprec.checkpoint.
+    pipeline`` makes their state)."""
+    return engine.parallel in ("pp", None)
 
 
 def _tensor_parallel(engine) -> bool:
@@ -66,10 +78,14 @@ def save_resharding(engine: Any, path: str | os.PathLike[str], extra: dict,
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     _require_fsdp(engine, "save(path, reshardable=True)")
+    pp = _pipeline(engine)
     if _tensor_parallel(engine):
         check_tp_savable(engine)
+    if pp:
+        check_pp_savable(engine)
     _not_mid_accumulation(engine)
-    if any(not o.state for o in engine.optimizers):
+    engine.settle()  # the schedulers count the last step
+    if not pp and any(not o.state for o in engine.optimizers):
         raise ValueError("save(path, reshardable=True) before the first step: the "
                          "optimizer has no state yet (torch's get_state_dict would create "
                          "it with a zero-learning-rate step); save after a step, or use "
@@ -77,13 +93,16 @@ def save_resharding(engine: Any, path: str | os.PathLike[str], extra: dict,
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     old = path.with_name(path.name + ".old")
-    rank0 = dist.get_rank() == 0
-    if rank0:
+    single = engine.parallel is None
+    if single or dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
-    dist.barrier()
-    streams = rng_entry(engine, gather=True) if rng_state else None
+    if not single:
+        dist.barrier()
+    streams = rng_entry(engine, gather=not single) if rng_state else None
     tp = _tensor_parallel(engine)
-    if tp:
+    if pp:
+        dcp.save(pp_state(engine), checkpoint_id=str(partial), no_dist=single)
+    elif tp:
         dcp.save(tp_state(engine), checkpoint_id=str(partial))
     else:
         model_sd, optim_sd = get_state_dict(engine.module, engine.optimizers)
@@ -96,7 +115,8 @@ def save_resharding(engine: Any, path: str | os.PathLike[str], extra: dict,
             # what dcp's optimizer state dict drops (mixprec.optim's stream counter)
             "optim_extra": [o.extra_state() if hasattr(o, "extra_state") else None
                             for o in engine.optimizers],
-            "tp_layout": tp_layout(engine) if tp else None}
+            "tp_layout": tp_layout(engine) if tp else None,
+            "pp_layout": pp_layout(engine) if pp else None}
 
     def finish():
         save_atomic({"engine": meta, "extra": extra, "rng": streams},
@@ -107,7 +127,10 @@ def save_resharding(engine: Any, path: str | os.PathLike[str], extra: dict,
         os.replace(partial, path)
         shutil.rmtree(old, ignore_errors=True)
 
-    _on_rank0(finish, path)
+    if single:
+        finish()
+    else:
+        _on_rank0(finish, path)
 
 
 def restore_resharding(engine: Any, path: str | os.PathLike[str],
@@ -126,6 +149,8 @@ def restore_resharding(engine: Any, path: str | os.PathLike[str],
     saved = load_checkpoint(path / "engine.pt")
     meta = saved["engine"]
     _run_settings(meta, engine.recipe, engine.emulating)
+    if meta.get("pp_layout") is not None or engine.parallel == "pp":
+        return _restore_pp(engine, path, saved, rng_state)
     layout = meta.get("tp_layout")
     if layout is not None and not engine.parallelism.sharded:
         return _restore_tp(engine, path, saved, rng_state)
@@ -135,7 +160,7 @@ def restore_resharding(engine: Any, path: str | os.PathLike[str],
                      else ("an FSDP engine", "under parallel='fsdp'"))
         raise ValueError(f"{str(path)!r} was saved by {by}: load it {where} (at any "
                          f"degree); this engine runs parallel={engine.parallel!r}")
-    _require_fsdp(engine, "a reshardable checkpoint")
+    _require_fsdp(engine, "a reshardable checkpoint", pipeline=False)
     md = _same_model_as(engine, path)
     trained = [n for n, p in engine.module.named_parameters() if p.requires_grad]
     missing = [n for n in trained if not any(k.startswith(f"optim.state.{n}.") for k in md)]
@@ -174,6 +199,45 @@ def _restore_tp(engine: Any, path: Path, saved: dict, rng_state: bool) -> dict:
     if rng_state:
         _restore_rng(engine, saved, path)
     return dict(saved.get("extra", {}))
+
+
+def _restore_pp(engine: Any, path: Path, saved: dict, rng_state: bool) -> dict:
+    """The load of a directory pipeline stages (or one process) wrote, by stages at
+    any pipeline degree or by one process holding the whole model."""
+    meta = saved["engine"]
+    layout = meta.get("pp_layout")
+    if layout is None or not _pipeline(engine):
+        by = ("pipeline stages or one process" if layout is not None
+              else f"an engine under parallel={meta.get('parallel')!r}")
+        where = ("under parallel='pp' (any degree) or in one process" if layout is not None
+                 else "under the layout that saved it (FSDP or tensor parallelism)")
+        raise ValueError(f"{str(path)!r} was saved by {by}: load it {where}; this engine "
+                         f"runs parallel={engine.parallel!r}")
+    load_pp_state(engine, str(path), layout)
+    _restore_counters(engine, meta)
+    if rng_state:
+        _restore_pp_rng(engine, saved, path)
+    return dict(saved.get("extra", {}))
+
+
+def _restore_pp_rng(engine: Any, saved: dict, path: Path) -> None:
+    """This rank's streams, where the saving run had this rank; else (a deeper
+    pipeline than the one that saved) one warning, and the streams stay."""
+    import warnings
+
+    import torch.distributed as dist
+
+    streams = saved.get("rng")
+    if streams is None:
+        return
+    rank = dist.get_rank() if engine.parallel is not None else 0
+    if rank in streams["ranks"]:
+        _restore_rng(engine, saved, path)
+        return
+    warnings.warn(
+        f"{str(path)!r} holds the random streams of {len(streams['ranks'])} rank(s), "
+        f"not of rank {rank}: this rank keeps its current streams (dropout draws other "
+        "masks than a run at the saved pipeline degree would)", stacklevel=4)
 
 
 def _same_model_as(engine: Any, path: Path) -> dict:

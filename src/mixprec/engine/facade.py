@@ -458,7 +458,8 @@ class MixedPrecision:
         writes its shards (one path per rank); ``full=True`` gathers them;
         ``reshardable=True`` writes a ``torch.distributed.checkpoint`` directory that
         FSDP resumes at any world size (a tensor-parallel engine's: at any degree, or
-        in one process).
+        in one process; pipeline stages' (every rank calls it) or one process's: by
+        stages at any pipeline degree, or one process, ``mixprec.checkpoint.pipeline``).
 
         >>> import torch, tempfile, os
         >>> model = torch.nn.Linear(4, 2)
@@ -468,12 +469,6 @@ class MixedPrecision:
         >>> engine.load(path)
         {'step': 100}
         """
-        if reshardable and self.parallel == "pp":
-            raise NotImplementedError(
-                "save(path, reshardable=True) under parallel='pp': a pipeline stage's "
-                "checkpoint for another pipeline degree is not built yet. Each stage "
-                "saves and resumes its own state at the same degree: save(path) with one "
-                "path per rank")
         if reshardable:
             checkpoint_resharding.save_resharding(self, path, extra, rng_state)
         else:
@@ -484,7 +479,9 @@ class MixedPrecision:
         ``rng_state=False``), and return its ``extra``. An unreadable file, or one this
         engine cannot resume (another recipe; FSDP shards of another world size), raises
         before anything changes. A directory is a ``reshardable`` save, for FSDP at any
-        world size, or (saved under tensor parallelism) any degree or one process."""
+        world size, or (saved under tensor parallelism) any degree or one process, or
+        (saved by pipeline stages or one process) stages at any pipeline degree or one
+        process."""
         if checkpoint_resharding.is_resharding(path):
             return checkpoint_resharding.restore_resharding(self, path, rng_state)
         return checkpoint.load_engine(self, path, rng_state)
