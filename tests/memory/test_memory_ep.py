@@ -91,3 +91,25 @@ def test_bad_expert_parallel_settings_are_refused_with_the_fix():
 
     with pytest.raises(ValueError, match="call mixprec.experts.expert_parallel"):
         estimate(model("mixtral"), "mxfp8", activations=spec, expert_parallel=2)
+
+
+def test_the_guides_mixtral_by_hand():
+    """docs/guides/memory.md, "Expert parallelism": Mixtral-8x7B over 8 ranks."""
+    from mixprec.memory import TransformerSpec
+
+    spec = TransformerSpec(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336,
+                           gated=True, experts=8, top_k=2, vocab=32000,
+                           tied_embeddings=False, norm="rms", seq_len=4096,
+                           attention="flash", dropout=False, qkv_linears=3)
+    plan = dispatch_traffic(spec, "mxfp8", 8)
+    assert (plan["dispatch-codes"], plan["dispatch-scales"], plan["combine"]) == (
+        33_554_432, 1_048_576, 67_108_864)
+    b = estimate(spec, "mxfp8", expert_parallel=8)
+    assert b["ep_buffers"] == 203_423_744
+    four = dispatch_traffic(spec, "nvfp4", 8)
+    assert (four["dispatch-codes"], four["dispatch-scales"]) == (16_777_216, 2_097_152)
+    assert round(estimate(spec, "nvfp4", expert_parallel=8)["ep_buffers"] / 1e9, 3) == 0.172
+    assert round(estimate(spec, "bf16-master", expert_parallel=8)["ep_buffers"] / 1e9,
+                 3) == 0.268
+    assert (param_count(spec), expert_params(spec)) == (46_702_792_704, 45_097_156_608)
+    assert b["params"] == 4 * 7_242_780_672

@@ -198,3 +198,64 @@ def test_the_command_prices_the_worst_stage(capsys):
     assert "micro-batches in flight 5.5, 4.5, 3.5, 2.5" in capsys.readouterr().out
     assert main(["memory", "--params", "7B", "--pp", "2"]) != 0
     assert "pass the spec as params" in capsys.readouterr().err
+
+
+def test_the_guides_llama_3_8b_stages_by_hand():
+    """docs/guides/memory.md, "By hand: Llama-3-8B over 4 stages, 8 micro-batches"."""
+    spec = TransformerSpec(layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336,
+                           gated=True, vocab=128256, tied_embeddings=False, norm="rms",
+                           seq_len=4096, attention="flash", dropout=False, qkv_linears=3)
+    sched = _sched(4, 8)
+    assert [stage_params(spec, sched, i) for i in range(4)] == [
+        8 * 218_112_000 + 525_336_576, 8 * 218_112_000, 8 * 218_112_000,
+        8 * 218_112_000 + 4_096 + 525_336_576]
+    stages = stage_estimates(spec, "bf16-master", sched)
+    gb = [{k: round(v / 1e9, 3) for k, v in b.items.items()} for b in stages]
+    assert [(g["params"], g["grads"], g["master"], g["optimizer"]) for g in gb] == [
+        (4.540, 9.081, 9.081, 18.162), (3.490, 6.980, 6.980, 13.959),
+        (3.490, 6.980, 6.980, 13.959), (4.540, 9.081, 9.081, 18.162)]
+    assert [g["activations"] for g in gb] == [31.693, 23.770, 15.847, 10.192]
+    one = 4096 * 4096 * 2
+    assert [b["pp_buffers"] for b in stages] == [12 * one, 19 * one, 18 * one, 8 * one]
+    assert [round(b.peak / 1e9, 1) for b in (stages[0], stages[3])] == [73.3, 54.5]
+    assert round(estimate(spec, "bf16-master", pipeline=_sched(4, 8, "gpipe")).peak / 1e9,
+                 1) == 125.9
+    assert round(estimate(spec, "bf16-master",
+                          pipeline=_sched(4, 8, "interleaved-1f1b", 2)).peak / 1e9, 1) == 86.0
+
+
+@pytest.mark.long  # one spawn of 2 ranks, three schedules: ~15-30 s on two loaded cores
+def test_torchs_schedules_hold_the_planned_micro_batches_and_receive_buffers():
+    """Two gloo ranks run the four-block model of the pipeline tests under torch's
+    schedules: the micro-batches each rank holds at once, counted as they run (a
+    forward's start in, the backward reaching the stage's first weight out), and the
+    bytes of the receive buffers its ``PipelineStage`` allocated (fp32: every boundary
+    4 bytes a value; under bf16-master the first block's LayerNorm sends fp32, the rest
+    bf16)."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from helpers import pp_memory_workers as w
+    from helpers.pp_workers import BATCH, N_MICRO
+    from mixprec.memory.pipeline import recv_buffer_bytes
+
+    names = {"ScheduleGPipe": ("gpipe", 1), "Schedule1F1B": ("1f1b", 1),
+             "ScheduleInterleaved1F1B": ("interleaved-1f1b", 2)}
+    tmp = tempfile.mkdtemp(prefix="mixprec-pp-held-")
+    mp.start_processes(w.held, args=(2, tmp, list(names)), nprocs=2, join=True,
+                       start_method="forkserver")
+    ranks = [torch.load(os.path.join(tmp, f"held{r}.pt"), weights_only=False)
+             for r in range(2)]
+    # a boundary: the micro-batch's rows of 32 values (s·b·h with s = 1, b = 4, h = 32)
+    boundary = TransformerSpec(layers=4, hidden=32, heads=1, seq_len=1,
+                               micro_batch=BATCH // N_MICRO)
+    for name, (schedule, v) in names.items():
+        sched = _sched(2, N_MICRO, schedule, v)
+        for rank in range(2):
+            got = ranks[rank][name]
+            assert got["held"] / v == in_flight(sched, rank), (name, rank)
+            width = got["dtype"].itemsize
+            assert got["buffers"] == recv_buffer_bytes(boundary, sched, rank, width), (
+                name, rank)

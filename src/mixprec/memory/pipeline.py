@@ -36,7 +36,8 @@ from mixprec.memory.shapes import param_count, spec_linears
 from mixprec.memory.spec import TransformerSpec
 
 __all__ = ["PipelineSchedule", "SCHEDULES", "in_flight", "stage_layers", "stage_params",
-           "stage_tensors", "stage_spec", "boundary_bytes", "worst_stage"]
+           "stage_tensors", "stage_spec", "recv_buffer_bytes", "boundary_bytes",
+           "worst_stage"]
 
 #: the schedules priced (torch's ``ScheduleGPipe``, ``Schedule1F1B``,
 #: ``ScheduleInterleaved1F1B``)
@@ -156,21 +157,29 @@ def stage_tensors(spec: TransformerSpec, sched: PipelineSchedule, stage: int) ->
     return count
 
 
-def boundary_bytes(spec: TransformerSpec, sched: PipelineSchedule, stage: int,
-                   act_bytes: float) -> float:
-    """``pp_buffers`` of rank ``stage`` (module doc): per virtual stage it holds, a
-    receive buffer per micro-batch for its input (not the pipeline's first stage) and
-    one for its output's gradient, and its outputs held for the micro-batches in flight
-    (not the last), each ``s·b·h`` values of ``act_bytes``."""
+def recv_buffer_bytes(spec: TransformerSpec, sched: PipelineSchedule, stage: int,
+                      act_bytes: float) -> float:
+    """The receive buffers torch's ``PipelineStage`` allocates for rank ``stage``: per
+    virtual stage it holds, one per micro-batch for its input (not the pipeline's first
+    stage) and one for its output's gradient (not the last), ``s·b·h`` values of
+    ``act_bytes`` each."""
     p, v, m = sched.stages, sched.virtual, sched.microbatches
     one = spec.seq_len * spec.micro_batch * spec.hidden * act_bytes
-    total = 0.0
-    for j in range(v):
-        index = j * p + stage
-        total += m * one * ((index > 0) + (index < p * v - 1))
+    return sum(m * one * ((j * p + stage > 0) + (j * p + stage < p * v - 1))
+               for j in range(v))
+
+
+def boundary_bytes(spec: TransformerSpec, sched: PipelineSchedule, stage: int,
+                   act_bytes: float) -> float:
+    """``pp_buffers`` of rank ``stage`` (module doc): its receive buffers
+    (``recv_buffer_bytes``) and its outputs held for the micro-batches in flight (not
+    on the pipeline's last stage), ``s·b·h`` values of ``act_bytes`` each."""
+    p, v = sched.stages, sched.virtual
+    one = spec.seq_len * spec.micro_batch * spec.hidden * act_bytes
     # each virtual micro-batch in flight holds its output, but on the last stage
     chunks = v if stage < p - 1 else v - 1
-    return total + one * in_flight(sched, stage) * chunks
+    return (recv_buffer_bytes(spec, sched, stage, act_bytes)
+            + one * in_flight(sched, stage) * chunks)
 
 
 def worst_stage(stages: list[Breakdown]) -> int:

@@ -182,6 +182,8 @@ def estimate(
                                                 share)
         act_bytes = 4.0 if act_fp32 or r.precision.compute in ("fp32", "tf32") else 2.0
         shapes, expert_shapes = _linear_routes(params, activations, r, emulated, act_fp32)
+        if ep_spec is not None and not on_model:  # this rank's experts only
+            expert_shapes = expert_shapes[:len(expert_shapes) // expert_parallel]
         items["weight_casts"] = _held_casts(activations, shapes, expert_shapes, on_model)
         if zero_stage == 3 and items["weight_casts"]:
             notes.append("weight_casts under ZeRO-3: each rank keeps the cast of every "
@@ -206,7 +208,10 @@ def estimate(
         # gradients that autograd makes afresh each backward (no accumulation buffers)
         # are not yet there when the backward peaks
         fresh = items["grads"] if grads_in_place(held, emulated) else 0.0
-        routed = -(-tokens * activations.top_k // max(activations.experts, 1))
+        # rows per expert; under expert parallelism each of a rank's experts gets its
+        # share of every rank's tokens
+        routed = -(-tokens * activations.top_k * expert_parallel
+                   // max(activations.experts, 1))
         backward = (sum(items.values()) - fresh
                     + max(work, backward_transient(tokens, shapes, act_bytes, route),
                           backward_transient(routed, expert_shapes, act_bytes, route)))
