@@ -135,6 +135,13 @@ def test_each_stages_weights_and_states_are_its_modules_to_the_byte(tied, p, lay
     model = transformers.LlamaForCausalLM(cfg)
     spec = spec_from_config(cfg, seq_len=16)
     sched = _sched(p, 4)
+    # a CPU without bf16 units emulates the 16-bit path (fp32 working copies): a bare
+    # spec is priced as emulated only where the recipe says so
+    from mixprec.engine.devices import emulating
+    from mixprec.recipe import Recipe
+
+    if emulating(Recipe.coerce(recipe), torch.device("cpu")):
+        recipe = f"{recipe},emulate=true"
     planned = stage_estimates(spec, recipe, sched)
     for i, stage in enumerate(_cut(model, spec, sched)):
         own = sum(q.numel() for q in stage.parameters())
