@@ -8,6 +8,7 @@ from pathlib import Path
 from mixprec.memory import GB, ITEMS, Breakdown, TransformerSpec, estimate
 from mixprec.memory import parse_bytes as parse
 from mixprec.memory.hf_config import spec_from_config
+from mixprec.memory.pipeline import SCHEDULES, PipelineSchedule, in_flight
 from mixprec.memory.shapes import param_count
 
 __all__ = ["add_arguments", "run", "plot_breakdowns", "parse_bytes"]
@@ -61,8 +62,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "input and normalized values saved")
     p.add_argument("--attention", choices=["materialized", "flash"], default="flash")
     p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages: price each stage's layers, micro-batches in "
+                        "flight and boundary buffers, and report the worst (needs the "
+                        "shapes: --config or --layers/--hidden/--heads/--seq)")
+    p.add_argument("--microbatches", type=int,
+                   help="micro-batches per step under --pp (default: --pp)")
+    p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
+                   help="the pipeline schedule under --pp (torch's ScheduleGPipe, "
+                        "Schedule1F1B, ScheduleInterleaved1F1B)")
+    p.add_argument("--virtual-stages", type=int, default=1,
+                   help="stages per rank under --schedule interleaved-1f1b")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks: the routed experts' weights and states "
+                        "divided over them, plus the dispatch and combine buffers")
     p.add_argument("--device-memory", help="capacity per device, e.g. 80GB: says what fits")
     p.add_argument("--plot", help="write a stacked bar chart comparing the recipes (.png/.svg)")
+
+
+def _pipeline(args: argparse.Namespace) -> PipelineSchedule | None:
+    """The ``--pp`` options' schedule (None: no pipeline)."""
+    if args.pp == 1 and args.virtual_stages == 1 and args.microbatches is None:
+        return None
+    return PipelineSchedule(stages=args.pp, microbatches=args.microbatches or args.pp,
+                            schedule=args.schedule, virtual=args.virtual_stages)
 
 
 def _recipes(text: str) -> list[str]:
@@ -83,13 +106,26 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("mixprec memory needs --params (e.g. 70B), --config with --seq, "
                          "or the shape options --layers, --hidden, --heads, --seq")
     params = args.params or param_count(spec)
+    pipe = _pipeline(args)
+    if pipe is not None:
+        if spec is None or args.params:
+            raise ValueError("--pp prices the stages of a model's shapes: pass the spec as "
+                             "params, i.e. --config with --seq or --layers, --hidden, "
+                             "--heads, --seq (without --params)")
+        params = spec
     results = {r: estimate(params, r, optimizer=args.optimizer, zero_stage=args.zero,
-                           world_size=args.gpus, activations=spec)
+                           world_size=args.gpus, activations=spec, pipeline=pipe,
+                           expert_parallel=args.ep)
                for r in _recipes(args.recipe)}
     cap = parse_bytes(args.device_memory) if args.device_memory else None
-    shown = args.params or f"{params / 1e9:.2f}B (counted from the shapes)"
+    shown = args.params or f"{param_count(spec) / 1e9:.2f}B (counted from the shapes)"
     title = (f"{shown} parameters, {args.optimizer}, ZeRO-{args.zero} over "
              f"{args.gpus} rank(s): GB (1e9 bytes) per rank")
+    if pipe is not None:
+        title += (f", the worst of {pipe.stages} pipeline stages ({pipe.schedule}, "
+                  f"{pipe.microbatches} micro-batches)")
+    if args.ep > 1:
+        title += f", experts over {args.ep} ranks"
     t = Table(title=title)
     t.add_column("item")
     for r in results:
@@ -111,6 +147,16 @@ def run(args: argparse.Namespace) -> int:
     con.print(t)
     for n in dict.fromkeys(n for b in results.values() for n in b.notes):  # each once
         con.print(f"note: {n}")
+    if pipe is not None:
+        from mixprec.memory import stage_estimates
+
+        for r in results:
+            each = stage_estimates(spec, r, pipe, optimizer=args.optimizer,
+                                   zero_stage=args.zero, world_size=args.gpus,
+                                   expert_parallel=args.ep)
+            con.print(f"stages ({r}): peak GB " + ", ".join(
+                f"{b.peak / GB:,.3f}" for b in each) + "; micro-batches in flight "
+                + ", ".join(f"{in_flight(pipe, i):g}" for i in range(pipe.stages)))
     if args.plot:
         out = plot_breakdowns(results, args.plot, title=title, capacity=cap)
         con.print(f"plot written to {out}")

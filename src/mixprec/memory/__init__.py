@@ -43,17 +43,27 @@ bytes saved for backward in one forward pass, through
 ``torch.autograd.graph.saved_tensors_hooks``, split into activations and low-precision
 weight copies made by autocast or fp8 casts.
 
+A pipeline-parallel stage (``estimate(spec, recipe, pipeline=PipelineSchedule(stages=p,
+microbatches=m, schedule="1f1b"))``) holds its share of the layers and their states,
+one micro-batch's activations times the micro-batches its schedule keeps in flight, and
+the boundary buffers (``mixprec.memory.pipeline``); ``estimate`` returns the worst
+stage, ``stage_estimates`` every one. ``expert_parallel=e`` divides the routed experts'
+weights and states over ``e`` ranks and adds the dispatch and combine buffers
+(``mixprec.memory.expert_dispatch``).
+
 Units: ``GB`` means 10^9 bytes, as published memory tables and the ZeRO paper use.
 """
 
 from mixprec.memory.breakdown import GB, ITEMS, Breakdown
 from mixprec.memory.hf_config import spec_from_config
 from mixprec.memory.ledger import high_water, measure
+from mixprec.memory.pipeline import PipelineSchedule
 from mixprec.memory.plan import estimate
 from mixprec.memory.shapes import param_count
 from mixprec.memory.spec import TransformerSpec, activation_bytes
+from mixprec.memory.stages import stage_estimates
 from mixprec.memory.units import parse_bytes, parse_count
 
 __all__ = ["Breakdown", "TransformerSpec", "estimate", "measure", "high_water",
            "parse_count", "parse_bytes", "param_count", "spec_from_config",
-           "activation_bytes", "ITEMS", "GB"]
+           "activation_bytes", "ITEMS", "GB", "PipelineSchedule", "stage_estimates"]

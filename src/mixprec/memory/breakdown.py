@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 __all__ = ["Breakdown", "ITEMS", "GB"]
 
 ITEMS = ("params", "grads", "master", "optimizer", "fp8", "buffers", "activations",
-         "weight_casts")
+         "weight_casts", "pp_buffers", "ep_buffers")
 GB = 1e9
 
 

@@ -14,9 +14,11 @@ from mixprec.engine.devices import emulating, fp8_gemm_route, fp8_rest
 from mixprec.engine.param_state import grads_in_place, updated_dtype
 from mixprec.formats.elements import dtype_of
 from mixprec.memory.breakdown import Breakdown
+from mixprec.memory.expert_dispatch import ep_buffer_bytes, expert_params
 from mixprec.memory.fsdp import FSDP_NOTE, fsdp_gathered_bytes, fsdp_held_recipe, fsdp_sharded
 from mixprec.memory.layers import fp8_share, layer_recipes
 from mixprec.memory.moe import moe_experts, moe_notes, moe_terms, routed_rows
+from mixprec.memory.pipeline import PipelineSchedule
 from mixprec.memory.shapes import param_count, spec_linears
 from mixprec.memory.spec import TransformerSpec, activation_bytes
 from mixprec.memory.transient import (
@@ -56,6 +58,8 @@ def estimate(
     world_size: int = 1,
     activations: TransformerSpec | float | None = None,
     sample_batch: Any = None,
+    pipeline: PipelineSchedule | None = None,
+    expert_parallel: int = 1,
 ) -> Breakdown:
     """Bytes per rank of each item for ``params`` trained with ``recipe``.
 
@@ -90,7 +94,23 @@ def estimate(
     ``measure`` takes them) is run once without grad to read how many rows each expert
     gets (``mixprec.memory.moe.routed_rows``): the busiest expert's scratch is priced
     at its rows, not the average.
+
+    ``pipeline`` (a ``PipelineSchedule``: stages, micro-batches, schedule) prices each
+    stage of a pipeline of the ``TransformerSpec`` (its share of the layers and states,
+    its micro-batches in flight, its boundary buffers: ``mixprec.memory.pipeline``) and
+    returns the worst (``mixprec.memory.stages.stage_estimates`` returns every one).
+    ``expert_parallel=e`` divides the routed experts' parameters and states over ``e``
+    ranks and adds one MoE layer's dispatch and combine buffers, ``ep_buffers``
+    (``mixprec.memory.expert_dispatch``); a module is counted as it is (after
+    ``mixprec.experts.expert_parallel`` cut it, its experts are this rank's).
     """
+    if pipeline is not None:
+        from mixprec.memory.stages import stage_estimates, worst
+
+        return worst(stage_estimates(params, recipe, pipeline, optimizer=optimizer,
+                                     zero_stage=zero_stage, world_size=world_size,
+                                     activations=activations,
+                                     expert_parallel=expert_parallel))
     r = Recipe.coerce(recipe)
     opt = optimizer.lower().replace("-", "_")
     if opt not in _STATES:
@@ -104,6 +124,11 @@ def estimate(
         params = param_count(params)
     n = parse_count(params)
     notes = []
+    ep_spec = _ep_spec(params, activations, expert_parallel)
+    if ep_spec is not None and not isinstance(params, nn.Module):
+        n -= expert_params(ep_spec) - expert_params(ep_spec) // expert_parallel
+        notes.append(f"expert_parallel={expert_parallel}: the routed experts' weights and "
+                     "states divided over the group, the rest whole on each rank")
     dev = torch.device("cpu")
     if isinstance(params, nn.Module):
         dev = next(params.parameters()).device
@@ -144,6 +169,11 @@ def estimate(
         "fp8": fp8_bytes,
         "buffers": buffers,
     }
+    if ep_spec is not None:
+        width = 4.0 if act_fp32 or r.precision.compute in ("fp32", "tf32") else 2.0
+        items["ep_buffers"] = ep_buffer_bytes(ep_spec, r, expert_parallel, width)
+        notes.append("ep_buffers: one MoE layer's dispatch and combine send and receive "
+                     "buffers, a balanced routing (mixprec.memory.expert_dispatch)")
     peak = None
     if isinstance(activations, TransformerSpec):
         share = (fp8_share(params, r) if on_model and r.layer_rules
@@ -152,6 +182,8 @@ def estimate(
                                                 share)
         act_bytes = 4.0 if act_fp32 or r.precision.compute in ("fp32", "tf32") else 2.0
         shapes, expert_shapes = _linear_routes(params, activations, r, emulated, act_fp32)
+        if ep_spec is not None and not on_model:  # this rank's experts only
+            expert_shapes = expert_shapes[:len(expert_shapes) // expert_parallel]
         items["weight_casts"] = _held_casts(activations, shapes, expert_shapes, on_model)
         if zero_stage == 3 and items["weight_casts"]:
             notes.append("weight_casts under ZeRO-3: each rank keeps the cast of every "
@@ -171,11 +203,15 @@ def estimate(
                          "from its own modules (mixprec.memory.moe)")
             notes += moe_notes(params)
         steady = sum(v for k, v in items.items() if k not in ("activations",
-                                                                "weight_casts"))
+                                                                "weight_casts",
+                                                                "ep_buffers"))
         # gradients that autograd makes afresh each backward (no accumulation buffers)
         # are not yet there when the backward peaks
         fresh = items["grads"] if grads_in_place(held, emulated) else 0.0
-        routed = -(-tokens * activations.top_k // max(activations.experts, 1))
+        # rows per expert; under expert parallelism each of a rank's experts gets its
+        # share of every rank's tokens
+        routed = -(-tokens * activations.top_k * expert_parallel
+                   // max(activations.experts, 1))
         backward = (sum(items.values()) - fresh
                     + max(work, backward_transient(tokens, shapes, act_bytes, route),
                           backward_transient(routed, expert_shapes, act_bytes, route)))
@@ -192,6 +228,33 @@ def estimate(
     elif activations is not None:
         items["activations"] = float(activations)
     return Breakdown(items, str(r), tuple(notes), peak=peak)
+
+
+def _ep_spec(params: Any, activations: Any, ep: int) -> TransformerSpec | None:
+    """The spec expert parallelism is priced on (None: ``ep`` is 1); raises where
+    there is none, or the module is not expert-parallel."""
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"expert_parallel={ep!r}: the expert-parallel group's size, an "
+                         "integer >= 1")
+    if ep == 1:
+        return None
+    if not isinstance(activations, TransformerSpec) or not activations.experts:
+        raise ValueError(f"expert_parallel={ep} needs a TransformerSpec with experts "
+                         "(activations=, or the spec as params; spec_from_config reads "
+                         "one off a transformers config): its tokens, top_k and hidden "
+                         "size the dispatch buffers")
+    if isinstance(params, nn.Module):
+        from mixprec.experts.expert_parallel import expert_parallel_modules
+
+        if not expert_parallel_modules(params):
+            raise ValueError(f"expert_parallel={ep} for a module that is not "
+                             "expert-parallel: call mixprec.experts.expert_parallel(model, "
+                             "group) first (its counts are then this rank's), or price "
+                             "the spec")
+    if activations.experts % ep:
+        raise ValueError(f"expert_parallel={ep}: does not divide experts="
+                         f"{activations.experts}; use a group size that divides it")
+    return activations
 
 
 def _linear_routes(params, spec: TransformerSpec, r: Recipe, emulated: bool,

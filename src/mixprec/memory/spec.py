@@ -73,8 +73,8 @@ class TransformerSpec:
     #: split over them (Korthikanti et al. §4.2.2: ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``);
     #: the norms, the Linears' replicated inputs and the head stay whole
     tensor_parallel: int = 1
-    #: pipeline stages: not priced yet (a stage's micro-batches in flight under each
-    #: schedule); only 1 is taken
+    #: pipeline stages: the spec describes the whole model, only 1 is taken; a stage
+    #: is priced by ``estimate(spec, recipe, pipeline=PipelineSchedule(...))``
     pipeline_parallel: int = 1
     #: Linears that read the attention's input: 1 (a fused QKV) or 3 (separate q, k, v);
     #: each casts and saves its own copy where the input is cast (16 bits, fp8)
@@ -112,12 +112,12 @@ class TransformerSpec:
 
     def __post_init__(self) -> None:
         if self.pipeline_parallel != 1:
-            raise NotImplementedError(
-                f"TransformerSpec pipeline_parallel={self.pipeline_parallel!r}: the planner "
-                "does not price a pipeline stage yet (its micro-batches in flight depend "
-                "on the schedule). Estimate the stage's module for its parameters, grads, "
-                "masters and optimizer states, and measure its activations "
-                "(mixprec.memory.measure) under the schedule")
+            raise ValueError(
+                f"TransformerSpec pipeline_parallel={self.pipeline_parallel!r}: the spec "
+                "describes the whole model. Price its stages with estimate(spec, recipe, "
+                "pipeline=mixprec.memory.PipelineSchedule(stages=p, microbatches=m, "
+                "schedule='1f1b')), which splits the layers and counts each stage's "
+                "micro-batches in flight")
         for name in ("layers", "hidden", "heads", "seq_len", "micro_batch", "top_k"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
