@@ -58,6 +58,9 @@ formats are swapped in at ``__init__`` and DeepSpeed's engine runs the rest
 mixprec engine (``trainer.engine`` is None); ``bf16=True`` is DeepSpeed's dtype there,
 ``max_grad_norm`` its ``gradient_clipping``; ``trainer.deepspeed_formats`` holds what
 was swapped and ``mixprec.integrations.deepspeed.coverage(trainer.model)`` the coverage.
+``save_steps`` checkpoints add mixprec's record and each rank's fp8 scaling state to
+DeepSpeed's (``mixprec.integrations.deepspeed.save_state``), which
+``resume_from_checkpoint`` checks and restores.
 """
 
 from __future__ import annotations
@@ -363,6 +366,9 @@ class MixedPrecisionTrainer(Trainer):
                            os.path.join(output_dir, SCHEDULER_FILE))
             return
         super()._save_optimizer_and_scheduler(output_dir)
+        if self.deepspeed_formats is not None:  # every rank: its own scaling state
+            ds.save_state(self.model, output_dir, rank=self.args.process_index,
+                          main=self.args.should_save, step=self.state.global_step)
         if self.engine is not None and self.args.should_save:  # the main process
             self.engine.save(path, rng_state=False)
 
@@ -375,5 +381,7 @@ class MixedPrecisionTrainer(Trainer):
                     os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
             return
         super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint and self.deepspeed_formats is not None:  # after DeepSpeed's load
+            ds.load_state(self.model, checkpoint, rank=self.args.process_index)
         if path and os.path.exists(path) and self.engine is not None:
             self.engine.load(path, rng_state=False)
