@@ -35,6 +35,11 @@ fix. ``coverage(model)`` reads the formats off the model at any time (ZeRO-3's
 partitioned parameters counted whole). Neither DeepSpeed nor Accelerate is imported
 here: the integrations that call this module hold them.
 
+Scaling state: mixprec's engine moves delayed scaling's history and scales once per
+optimizer step; under DeepSpeed ``step_scales`` does it after each step DeepSpeed's
+engine takes (the ranks' amaxes agreed by an all-reduce MAX first, as one process records
+the whole batch's; a step DeepSpeed skipped for an overflow drops its amaxes).
+
 Checkpoints: DeepSpeed's checkpoint holds the weights, masters, optimizer, scheduler and
 loss scale, and the module's buffers as rank 0 has them. ``save_state`` adds mixprec's
 part beside it: ``mixprec_deepspeed.json`` (the recipe, DeepSpeed's dtype and stage, the
@@ -64,11 +69,13 @@ from mixprec.engine.coverage import coverage as read_coverage
 from mixprec.experts.format import experts_formats
 from mixprec.experts.hook import convert_experts
 from mixprec.modules.linear import fp8_modules, scaling_buffers
+from mixprec.parallel.comm import agree_amax_
 from mixprec.optim.base import LowPrecisionOptimizer
 from mixprec.recipe import Recipe
 
 __all__ = ["DeepSpeedFormats", "ds_dtype", "ds_stage", "split", "swap", "coverage",
-           "prepare", "save_state", "load_state", "ACCEPTED_KWARGS", "RECORD_FILE",
+           "prepare", "save_state", "load_state", "step_scales", "ACCEPTED_KWARGS",
+           "RECORD_FILE",
            "SCALING_FILE"]
 
 #: what the integrations' ``engine_kwargs`` may hold under DeepSpeed (the rest is
@@ -284,6 +291,34 @@ def _scaling(m: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def step_scales(engine: Any, model: nn.Module) -> bool:
+    """Wrap DeepSpeed ``engine``'s ``step`` (once) so that after each optimizer step it
+    takes, the scaling state of ``model``'s quantized Linears and experts moves as
+    mixprec's engine moves it: the amaxes agreed over the ranks, then each module's
+    ``update_scales`` (skipped step: its amaxes dropped). A model whose formats keep no
+    state (fp8-current) is left alone. Returns whether the step was wrapped."""
+    mods = [x for x in (*fp8_modules(model).values(), *experts_formats(model).values())
+            if x.scaling_state()]
+    if not mods or vars(engine).get("_mixprec_scales"):
+        return False
+    inner = engine.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        boundary = engine.is_gradient_accumulation_boundary()
+        out = inner(*args, **kwargs)
+        if boundary:  # DeepSpeed stepped (or skipped) the optimizer here
+            if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+                agree_amax_(mods)
+            found = torch.tensor(0.0 if engine.was_step_applied() else 1.0)
+            for x in mods:
+                x.update_scales(found)
+        return out
+
+    engine.step = step
+    engine._mixprec_scales = True
+    return True
+
+
 def save_state(model: nn.Module, directory: str, *, rank: int = 0, main: bool = True,
                step: int | None = None) -> None:
     """mixprec's part of a DeepSpeed checkpoint in ``directory`` (module docstring):
@@ -393,8 +428,10 @@ def prepare(accelerator: Any, objects: tuple, recipe: Recipe | str,
         config["gradient_clipping"] = clip
     out = accelerator.prepare(*objects)
     out = out if isinstance(out, tuple) else (out,)
-    _checkpoint_hooks(accelerator, modules[0], next(
-        (o for o in out if hasattr(o, "global_steps")), None))
+    engine = next((o for o in out if hasattr(o, "global_steps")), None)
+    if engine is not None:
+        step_scales(engine, modules[0])
+    _checkpoint_hooks(accelerator, modules[0], engine)
     return out
 
 
