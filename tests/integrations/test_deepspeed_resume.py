@@ -105,7 +105,7 @@ def test_delayed_scaling_moves_after_each_deepspeed_step_and_a_skip_drops_its_am
     assert torch.equal(lin.fp8_amax_history[:, 1], hist[:, 0])
     assert not bool(lin.fp8_amax_history[:, 0].any())
     scale = lin.fp8_scale.clone()
-    net((x * 1e3)).sum().backward()
+    net(x * 1e3).sum().backward()
     applied[0] = False  # DeepSpeed skipped the step (an overflow)
     engine.step()
     assert torch.equal(lin.fp8_scale, scale)

@@ -44,10 +44,9 @@ Checkpoints: DeepSpeed's checkpoint holds the weights, masters, optimizer, sched
 loss scale, and the module's buffers as rank 0 has them. ``save_state`` adds mixprec's
 part beside it: ``mixprec_deepspeed.json`` (the recipe, DeepSpeed's dtype and stage, the
 step, each Linear's format) and each rank's fp8 scaling state (delayed scaling's amax
-history and scales, recorded from each rank's own inputs) in
-``mixprec_scaling_rank{R}.pt``; ``load_state`` checks the recipe and restores each
-rank's. The HF Trainer's checkpoints and ``accelerator.save_state`` / ``load_state``
-(hooks ``prepare`` registers) call them.
+history and scales) in ``mixprec_scaling_rank{R}.pt``; ``load_state`` checks the recipe
+and restores each rank's. The HF Trainer's checkpoints and ``accelerator.save_state``
+/ ``load_state`` (hooks ``prepare`` registers) call them.
 """
 
 from __future__ import annotations
@@ -69,14 +68,13 @@ from mixprec.engine.coverage import coverage as read_coverage
 from mixprec.experts.format import experts_formats
 from mixprec.experts.hook import convert_experts
 from mixprec.modules.linear import fp8_modules, scaling_buffers
-from mixprec.parallel.comm import agree_amax_
 from mixprec.optim.base import LowPrecisionOptimizer
+from mixprec.parallel.comm import agree_amax_
 from mixprec.recipe import Recipe
 
 __all__ = ["DeepSpeedFormats", "ds_dtype", "ds_stage", "split", "swap", "coverage",
            "prepare", "save_state", "load_state", "step_scales", "ACCEPTED_KWARGS",
-           "RECORD_FILE",
-           "SCALING_FILE"]
+           "RECORD_FILE", "SCALING_FILE"]
 
 #: what the integrations' ``engine_kwargs`` may hold under DeepSpeed (the rest is
 #: DeepSpeed's: ``split`` names where each goes)
