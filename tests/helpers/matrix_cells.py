@@ -227,6 +227,9 @@ _NO_EP_PLAN = "has no `ep_plan`"
 _SR_APART = ("the ranks' losses differ: a Linear transformers' TP plan leaves whole draws "
              "nvfp4's stochastic rounding from each rank's own stream "
              "(mixprec.parallel.tp_agree.sr_stream), though every rank sees the same batch")
+#: the DeepSpeed cells' bf16 config computes in bf16: a recipe computing in fp16 is
+#: refused, the error naming DeepSpeed's fp16 config, which trains it (tests/integrations/
+#: test_deepspeed_resume.py)
 _DS_FP16 = "compute='fp16'"
 _FSDP1_PREPARE = "fsdp_version=1"
 _FSDP1_TRAINER = "FSDP2 only (valid: 2)"

@@ -36,8 +36,11 @@ TOL = 5e-2
 RESUMES = ["trainer:2:fp8-current", "trainer:3:fp8-current", "trainer:2:fp8",
            "accelerate:3:fp8"]
 INF_AT = 2  # the step whose loss is multiplied by inf (on rank 1 of 2)
-TWO = [*RESUMES, f"fp16:2:fp8-current:{INF_AT}:1"]
-ONE = [f"fp16:2:fp8-current:{INF_AT}:0", "trainer:2:fp8"]
+#: under DeepSpeed's fp16: a recipe's quantized Linears, and the recipe the matrix's
+#: bf16 cells refuse (compute='fp16'), which this config runs
+FP16_RECIPES = ["fp8-current", "fp16-master"]
+TWO = [*RESUMES, *(f"fp16:2:{r}:{INF_AT}:1" for r in FP16_RECIPES)]
+ONE = [*(f"fp16:2:{r}:{INF_AT}:0" for r in FP16_RECIPES), "trainer:2:fp8"]
 
 
 def _net() -> nn.Module:
@@ -214,12 +217,14 @@ def test_delayed_scaling_on_two_ranks_trains_as_one_process(records):
 
 
 @pytest.mark.long
-def test_fp16_skips_an_injected_inf_on_both_ranks_and_trains_as_one_process(records):
-    two = records[2][f"fp16:2:fp8-current:{INF_AT}:1"]
-    one = records[1][f"fp16:2:fp8-current:{INF_AT}:0"]
+@pytest.mark.parametrize("recipe", FP16_RECIPES)
+def test_fp16_skips_an_injected_inf_on_both_ranks_and_trains_as_one_process(records,
+                                                                            recipe):
+    two = records[2][f"fp16:2:{recipe}:{INF_AT}:1"]
+    one = records[1][f"fp16:2:{recipe}:{INF_AT}:0"]
     assert two["dtype"] == "torch.float16"
-    assert set(f for n, f in two["formats"].items() if n.endswith("_proj")) == \
-        {"fp8-current"}
+    projs = {f for n, f in two["formats"].items() if n.endswith("_proj")}
+    assert projs == ({"fp8-current"} if recipe == "fp8-current" else {"fp16"})
     want = [i == INF_AT for i in range(6)]
     for rank in two["ranks"] + one["ranks"]:
         assert rank["skipped"] == want
@@ -227,7 +232,7 @@ def test_fp16_skips_an_injected_inf_on_both_ranks_and_trains_as_one_process(reco
         assert rank["scales"] == [256.0] * INF_AT + [128.0] * (6 - INF_AT)
     assert two["skipped_steps"] == one["skipped_steps"] == 1
     rel = max(abs(a - b) / abs(b) for a, b in zip(two["losses"], one["losses"]))
-    print(f"fp16 ZeRO-2, 2 ranks against one process: {rel:.2e}")
+    print(f"fp16 ZeRO-2 {recipe}, 2 ranks against one process: {rel:.2e}")
     assert rel <= TOL
     assert two["losses"][-1] < two["losses"][0]
 
