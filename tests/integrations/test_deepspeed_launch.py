@@ -50,7 +50,7 @@ def test_accelerate_launch_of_a_deepspeed_yaml_trains_the_linears_in_fp8(tmp_pat
          str(ROOT / "tests" / "helpers" / "ds_launch.py"),
          str(ROOT / "examples" / "accelerate_train.py"), "--recipe", "fp8-current",
          "--steps", "6", "--out", str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     r0, r1 = (json.loads(Path(p).read_text()) for p in (out, f"{out}.rank1"))
     assert (r0["rank"], r1["rank"]) == (0, 1) and r0["world"] == r1["world"] == 2
