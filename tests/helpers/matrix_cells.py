@@ -245,6 +245,9 @@ _DDP_OVER_TP = "DDP does not take DTensors"
 _NO_SAVE = "invalid python storage"
 _BLOCK_CUT = "cut at multiples of"
 _NO_EP_PLAN = "has no `ep_plan`"
+#: the DeepSpeed cells' bf16 config computes in bf16: a recipe computing in fp16 is
+#: refused, the error naming DeepSpeed's fp16 config, which trains it (tests/integrations/
+#: test_deepspeed_resume.py)
 _DS_FP16 = "compute='fp16'"
 _FSDP1_PREPARE = "fsdp_version=1"
 _FSDP1_TRAINER = "FSDP2 only (valid: 2)"

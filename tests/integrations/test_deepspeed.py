@@ -104,8 +104,10 @@ def _accelerator(config, mixed="bf16"):
     plugin = SimpleNamespace(deepspeed_config=config)
     calls = []
     acc = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin),
-                          mixed_precision=mixed,
-                          prepare=lambda *objs: calls.append(objs) or objs)
+                          mixed_precision=mixed, process_index=0, is_main_process=True,
+                          prepare=lambda *objs: calls.append(objs) or objs,
+                          register_save_state_pre_hook=calls.append,
+                          register_load_state_pre_hook=calls.append)
     return acc, calls
 
 
@@ -118,7 +120,8 @@ def test_prepare_swaps_first_hands_the_clip_to_deepspeed_and_coverage_reads_it()
     acc, calls = _accelerator(config)
     with pytest.warns(UserWarning, match="ZeRO-3, bf16"):
         out = ds.prepare(acc, (net, opt), "fp8-current", {"max_grad_norm": 2.0})
-    assert out == (net, opt) and calls == [(net, opt)]
+    assert out == (net, opt) and calls[0] == (net, opt)
+    assert len(calls) == 3  # accelerator.save_state / load_state carry mixprec's part
     assert config["gradient_clipping"] == 2.0
     # ZeRO-3 partitions the weights in place: coverage counts them whole
     net[0].weight.ds_numel = net[0].weight.numel()

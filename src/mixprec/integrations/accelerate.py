@@ -61,7 +61,10 @@ rest to DeepSpeed (``mixprec.integrations.deepspeed``): the objects come back fr
 ``accelerator.prepare``, and ``accelerator.backward``, ``optimizer.step()`` and the
 clip are DeepSpeed's. ``mixed_precision`` is then DeepSpeed's dtype (``"bf16"``);
 ``max_grad_norm`` becomes its ``gradient_clipping``; ``mixprec.integrations.deepspeed
-.coverage(model)`` says which Linears run in which format.
+.coverage(model)`` says which Linears run in which format. On a machine without GPUs
+(DeepSpeed's CPU accelerator) Accelerate's state has no backend and counts one process on
+every rank of the launch; ``prepare`` gives it DeepSpeed's process group's rank and size
+first (said in one warning), so its data loaders shard and its main process is rank 0.
 
 Megatron-LM and XLA are refused: use ``parallel="fsdp"`` or the FSDP2 plugin for sharding.
 """
@@ -74,6 +77,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import PartialState
 from accelerate.utils import DistributedType
 from torch import nn
 
@@ -92,6 +96,29 @@ __all__ = ["prepare", "EngineCheckpoint"]
 
 _PLAIN = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
 _PARALLEL = ("ddp", "fsdp")
+
+
+def _deepspeed_processes(accelerator: Accelerator) -> None:
+    """Accelerate's state under DeepSpeed without GPUs: no backend, one process counted
+    on every rank (its loaders would give each rank every batch, every rank would be the
+    main one). DeepSpeed's process group has them all: the state takes its rank and size."""
+    dist = torch.distributed
+    if not dist.is_initialized() or accelerator.state.backend is not None:
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if accelerator.num_processes == world and accelerator.process_index == rank:
+        return
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    fix = {"num_processes": world, "process_index": rank, "local_process_index": local,
+           "backend": dist.get_backend()}
+    PartialState._shared_state.update(fix)
+    accelerator.state.__dict__.update(fix)
+    if rank == 0:
+        warnings.warn(
+            f"mixprec: Accelerate counted 1 process under DeepSpeed on a machine without "
+            f"GPUs (its state has no backend there); DeepSpeed's {fix['backend']} group "
+            f"has {world}: Accelerate's state now counts {world}, rank 0 the main "
+            "process, so its data loaders shard", stacklevel=3)
 
 
 class EngineCheckpoint:
@@ -235,6 +262,7 @@ def prepare(accelerator: Accelerator, *objects: Any, recipe: Recipe | str,
         if parallel != "ddp":
             raise ValueError(f"prepare(..., parallel={parallel!r}) under DeepSpeed: ZeRO "
                              "shards; drop parallel= and set zero_optimization.stage")
+        _deepspeed_processes(accelerator)
         return ds.prepare(accelerator, objects, recipe, engine_kwargs)
     # Accelerate's FSDP2 plugin: refused settings first, then Accelerate shards
     fsdp2 = accelerator.distributed_type == DistributedType.FSDP

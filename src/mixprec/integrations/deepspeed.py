@@ -34,27 +34,47 @@ refused, all of it in one ``ValueError`` naming each bad value, the valid ones a
 fix. ``coverage(model)`` reads the formats off the model at any time (ZeRO-3's
 partitioned parameters counted whole). Neither DeepSpeed nor Accelerate is imported
 here: the integrations that call this module hold them.
+
+Scaling state: mixprec's engine moves delayed scaling's history and scales once per
+optimizer step; under DeepSpeed ``step_scales`` does it after each step DeepSpeed's
+engine takes (the ranks' amaxes agreed by an all-reduce MAX first, as one process records
+the whole batch's; a step DeepSpeed skipped for an overflow drops its amaxes).
+
+Checkpoints: DeepSpeed's checkpoint holds the weights, masters, optimizer, scheduler and
+loss scale, and the module's buffers as rank 0 has them. ``save_state`` adds mixprec's
+part beside it: ``mixprec_deepspeed.json`` (the recipe, DeepSpeed's dtype and stage, the
+step, each Linear's format) and each rank's fp8 scaling state (delayed scaling's amax
+history and scales) in ``mixprec_scaling_rank{R}.pt``; ``load_state`` checks the recipe
+and restores each rank's. The HF Trainer's checkpoints and ``accelerator.save_state``
+/ ``load_state`` (hooks ``prepare`` registers) call them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from mixprec.engine.convert import ConvertReport, convert
 from mixprec.engine.coverage import Coverage
 from mixprec.engine.coverage import coverage as read_coverage
+from mixprec.experts.format import experts_formats
 from mixprec.experts.hook import convert_experts
+from mixprec.modules.linear import fp8_modules, scaling_buffers
 from mixprec.optim.base import LowPrecisionOptimizer
+from mixprec.parallel.comm import agree_amax_
 from mixprec.recipe import Recipe
 
 __all__ = ["DeepSpeedFormats", "ds_dtype", "ds_stage", "split", "swap", "coverage",
-           "prepare", "ACCEPTED_KWARGS"]
+           "prepare", "save_state", "load_state", "step_scales", "ACCEPTED_KWARGS",
+           "RECORD_FILE", "SCALING_FILE"]
 
 #: what the integrations' ``engine_kwargs`` may hold under DeepSpeed (the rest is
 #: DeepSpeed's: ``split`` names where each goes)
@@ -72,6 +92,11 @@ _DS_OWNS = {
 }
 
 _ATTR = "_mixprec_deepspeed"  # where the swap leaves its record on the module
+
+#: mixprec's record beside DeepSpeed's checkpoint (the main process writes it)
+RECORD_FILE = "mixprec_deepspeed.json"
+#: each rank's fp8 scaling state beside DeepSpeed's checkpoint (``.format(rank=R)``)
+SCALING_FILE = "mixprec_scaling_rank{rank}.pt"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,18 +268,123 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return m
 
 
+def _formats(model: nn.Module, what: str) -> tuple[nn.Module, DeepSpeedFormats]:
+    m = _unwrap(model)
+    formats = vars(m).get(_ATTR)
+    if formats is None:
+        raise ValueError(
+            f"{type(model).__name__} carries no mixprec formats: {what} reads a model "
+            "prepared by mixprec.integrations.accelerate.prepare or trained by "
+            "MixedPrecisionTrainer under DeepSpeed. Prepare it through them")
+    return m, formats
+
+
+def _scaling(m: nn.Module) -> dict[str, torch.Tensor]:
+    """Every quantized Linear's and experts projection's scaling state by
+    ``module.buffer`` (empty for scalings without history, such as fp8-current)."""
+    out = {f"{name}.{b}": t for name, mod in fp8_modules(m).items()
+           for b, t in scaling_buffers(mod).items()}
+    out.update({f"{name}.{b}": t for name, mod in experts_formats(m).items()
+                for b, t in mod.scaling_state().items()})
+    return out
+
+
+def step_scales(engine: Any, model: nn.Module) -> bool:
+    """Wrap DeepSpeed ``engine``'s ``step`` (once) so that after each optimizer step it
+    takes, the scaling state of ``model``'s quantized Linears and experts moves as
+    mixprec's engine moves it: the amaxes agreed over the ranks, then each module's
+    ``update_scales`` (skipped step: its amaxes dropped). A model whose formats keep no
+    state (fp8-current) is left alone. Returns whether the step was wrapped."""
+    mods = [x for x in (*fp8_modules(model).values(), *experts_formats(model).values())
+            if x.scaling_state()]
+    if not mods or vars(engine).get("_mixprec_scales"):
+        return False
+    inner = engine.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        boundary = engine.is_gradient_accumulation_boundary()
+        out = inner(*args, **kwargs)
+        if boundary:  # DeepSpeed stepped (or skipped) the optimizer here
+            if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+                agree_amax_(mods)
+            found = torch.tensor(0.0 if engine.was_step_applied() else 1.0)
+            for x in mods:
+                x.update_scales(found)
+        return out
+
+    engine.step = step
+    engine._mixprec_scales = True
+    return True
+
+
+def save_state(model: nn.Module, directory: str, *, rank: int = 0, main: bool = True,
+               step: int | None = None) -> None:
+    """mixprec's part of a DeepSpeed checkpoint in ``directory`` (module docstring):
+    the record (written where ``main``) and this ``rank``'s scaling state. Every rank
+    calls it after DeepSpeed's ``save_checkpoint``."""
+    m, formats = _formats(model, "save_state")
+    os.makedirs(directory, exist_ok=True)
+    state = _scaling(m)
+    if state:
+        torch.save({k: v.detach().clone() for k, v in state.items()},
+                   os.path.join(directory, SCALING_FILE.format(rank=rank)))
+    if main:
+        record = {"recipe": str(formats.recipe), "dtype": formats.dtype,
+                  "stage": formats.stage, "step": step, "scaling_state": bool(state),
+                  "formats": {r.name: r.format for r in coverage(m).rows}}
+        with open(os.path.join(directory, RECORD_FILE), "w") as f:
+            json.dump(record, f, indent=1)
+
+
+def load_state(model: nn.Module, directory: str, *, rank: int = 0) -> dict | None:
+    """Restore mixprec's part of the DeepSpeed checkpoint in ``directory`` into
+    ``model`` after DeepSpeed's ``load_checkpoint``: the recipe must be the one saved
+    (else ``ValueError`` naming both and the fix), and this ``rank``'s scaling state is
+    copied back (DeepSpeed restored rank 0's on every rank). Returns the record; a
+    checkpoint without one (saved without mixprec) returns None, with a warning."""
+    m, formats = _formats(model, "load_state")
+    path = os.path.join(directory, RECORD_FILE)
+    if not os.path.exists(path):
+        warnings.warn(f"mixprec: {directory} holds no {RECORD_FILE} (a DeepSpeed "
+                      "checkpoint saved without mixprec): the fp8 scaling state is as "
+                      "DeepSpeed restored it", stacklevel=2)
+        return None
+    with open(path) as f:
+        record = json.load(f)
+    now = str(formats.recipe)
+    if record["recipe"] != now:
+        raise ValueError(
+            f"the DeepSpeed checkpoint {directory} was saved under recipe "
+            f"{record['recipe']!r}, this run's is {now!r}: its scaling state and formats "
+            f"are the saved recipe's; valid: {record['recipe']!r}. Fix: resume with "
+            f"recipe={record['recipe']!r}, or load the weights alone (from_pretrained) "
+            "to train them under another recipe")
+    state = _scaling(m)
+    mine = os.path.join(directory, SCALING_FILE.format(rank=rank))
+    if state and os.path.exists(mine):
+        saved = torch.load(mine, weights_only=True)
+        missing = sorted(set(state) ^ set(saved))
+        if missing:
+            raise ValueError(
+                f"{mine}: the scaling state of {', '.join(missing[:4])} is not both saved "
+                "and in the model (a different fp8_filter or model); valid: the saved "
+                "modules. Fix: resume with the model and fp8_filter of the saved run")
+        with torch.no_grad():
+            for k, t in state.items():
+                t.copy_(saved[k])
+    elif state:
+        warnings.warn(f"mixprec: {mine} is missing (saved on fewer ranks): rank {rank} "
+                      "keeps the scaling state DeepSpeed restored (rank 0's)",
+                      stacklevel=2)
+    return record
+
+
 def coverage(model: nn.Module) -> Coverage:
     """Which share of ``model``'s matmul weights runs in which format
     (``mixprec.engine.coverage``), read off the model as it trains under DeepSpeed
     (the engine DeepSpeed returned, or the module inside it). ZeRO-3's partitioned
     parameters count whole (``ds_numel``). A model ``swap`` never saw raises."""
-    m = _unwrap(model)
-    formats = vars(m).get(_ATTR)
-    if formats is None:
-        raise ValueError(
-            f"{type(model).__name__} carries no mixprec formats: coverage reads a model "
-            "prepared by mixprec.integrations.accelerate.prepare or trained by "
-            "MixedPrecisionTrainer under DeepSpeed. Prepare it through them")
+    m, formats = _formats(model, "coverage")
     cov = read_coverage(m, formats.recipe, dict(formats.report.skipped))
     named = dict(m.named_modules())
     rows = []
@@ -295,4 +425,24 @@ def prepare(accelerator: Any, objects: tuple, recipe: Recipe | str,
     if clip is not None:
         config["gradient_clipping"] = clip
     out = accelerator.prepare(*objects)
-    return out if isinstance(out, tuple) else (out,)
+    out = out if isinstance(out, tuple) else (out,)
+    engine = next((o for o in out if hasattr(o, "global_steps")), None)
+    if engine is not None:
+        step_scales(engine, modules[0])
+    _checkpoint_hooks(accelerator, modules[0], engine)
+    return out
+
+
+def _checkpoint_hooks(accelerator: Any, module: nn.Module, engine: Any) -> None:
+    """``accelerator.save_state`` / ``load_state`` carry mixprec's part of the
+    checkpoint (both hooks run after DeepSpeed's own save and load)."""
+    def save(models, weights, output_dir):
+        save_state(module, output_dir, rank=accelerator.process_index,
+                   main=accelerator.process_index == 0,
+                   step=getattr(engine, "global_steps", None))
+
+    def load(models, input_dir):
+        load_state(module, input_dir, rank=accelerator.process_index)
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)

@@ -58,6 +58,11 @@ formats are swapped in at ``__init__`` and DeepSpeed's engine runs the rest
 mixprec engine (``trainer.engine`` is None); ``bf16=True`` is DeepSpeed's dtype there,
 ``max_grad_norm`` its ``gradient_clipping``; ``trainer.deepspeed_formats`` holds what
 was swapped and ``mixprec.integrations.deepspeed.coverage(trainer.model)`` the coverage.
+Delayed scaling's history moves after each of DeepSpeed's steps
+(``mixprec.integrations.deepspeed.step_scales``, at ``on_train_begin``).
+``save_steps`` checkpoints add mixprec's record and each rank's fp8 scaling state to
+DeepSpeed's (``mixprec.integrations.deepspeed.save_state``), which
+``resume_from_checkpoint`` checks and restores.
 """
 
 from __future__ import annotations
@@ -141,6 +146,17 @@ class _Sharded(torch.nn.Module):
         return self.module(*args, **kwargs)
 
 
+class _DeepSpeedScales(TrainerCallback):
+    """Under DeepSpeed: once its engine is built, delayed scaling's state moves after
+    each of its steps (``mixprec.integrations.deepspeed.step_scales``)."""
+
+    def __init__(self, trainer: MixedPrecisionTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        ds.step_scales(self.trainer.model_wrapped, self.trainer.model)
+
+
 class _BestMasters(TrainerCallback):
     """``load_best_model_at_end``: Trainer has loaded the best checkpoint's model files
     into the working copy; the engine then restores that checkpoint's own state
@@ -191,6 +207,7 @@ class MixedPrecisionTrainer(Trainer):
                 auto="bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32",
                 optimizer=self.optimizer, engine_kwargs={
                     **self.engine_kwargs, "max_grad_norm": self.args.max_grad_norm})
+            self.add_callback(_DeepSpeedScales(self))
             return
         if self.is_fsdp_enabled:  # a plugin create_accelerator_and_postprocess missed
             raise NotImplementedError(
@@ -363,6 +380,9 @@ class MixedPrecisionTrainer(Trainer):
                            os.path.join(output_dir, SCHEDULER_FILE))
             return
         super()._save_optimizer_and_scheduler(output_dir)
+        if self.deepspeed_formats is not None:  # every rank: its own scaling state
+            ds.save_state(self.model, output_dir, rank=self.args.process_index,
+                          main=self.args.should_save, step=self.state.global_step)
         if self.engine is not None and self.args.should_save:  # the main process
             self.engine.save(path, rng_state=False)
 
@@ -375,5 +395,7 @@ class MixedPrecisionTrainer(Trainer):
                     os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
             return
         super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint and self.deepspeed_formats is not None:  # after DeepSpeed's load
+            ds.load_state(self.model, checkpoint, rank=self.args.process_index)
         if path and os.path.exists(path) and self.engine is not None:
             self.engine.load(path, rng_state=False)
