@@ -125,6 +125,7 @@ class EP(Parallel):
         return (torch.where(flags, 0, squares).sum() + experts[0]).sqrt()
 
     def agree_max_(self, t: torch.Tensor) -> torch.Tensor:
+        """In place: the elementwise max of ``t`` over the data-parallel ranks."""
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.data_group)
         return t
 
