@@ -312,7 +312,8 @@ CELLS: list[Cell] = [
     # figures measured since FSDP2's wrapping stopped hiding them)
     trains("hf-ep-fsdp", "bf16-master", 1.0e-3),
     trains("hf-ep-fsdp", "fp16-master", 6.8e-4, no_resume=_NO_SAVE),
-    trains("hf-ep-fsdp", "fp8-current", 1.6e-2, no_resume=_NO_SAVE),
+    trains("hf-ep-fsdp", "fp8-current", 1.6e-2, no_resume=_NO_SAVE,
+           norm_tol=0.4),  # norms measured to 0.19 (0.29 on an emulated 16-bit path)
     trains("hf-ep-fsdp", "mxfp8", 2.7e-3, no_resume=_NO_SAVE),
     trains("hf-ep-fsdp", "nvfp4", 6.9e-3, no_resume=_NO_SAVE),
     trains("hf-ep-tp", "fp8-current", 8.6e-3, no_resume=_NO_SAVE),
