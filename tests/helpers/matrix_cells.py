@@ -259,8 +259,6 @@ _LIT_FILE_BUFFERS = ("resuming from ModelParallelStrategy's one checkpoint file 
                      "the swapped Linears hold buffers (nvfp4's stochastic rounding "
                      "stream): the file's weights are the plain model's, which Lightning "
                      "loads strictly into the swapped module")
-_EP_COVERAGE = ("engine.coverage lists no experts under expert parallelism "
-                "(the experts' rows one process shows are missing)")
 
 CELLS: list[Cell] = [
     # --- the engine's own layouts, on the MLP (the fast pass: each format once, each
@@ -339,12 +337,15 @@ CELLS: list[Cell] = [
     trains("hf-tp", "fp8-current", 1.5e-3, no_resume=_NO_SAVE),
     trains("hf-tp", "mxfp8", 2.6e-3, no_resume=_NO_SAVE, kept=_BLOCK_CUT),
     trains("hf-tp", "nvfp4", 4.8e-3, no_resume=_NO_SAVE),
-    trains("hf-ep-fsdp", "bf16-master", 1.0e-3, defect=_EP_COVERAGE),
-    trains("hf-ep-fsdp", "fp16-master", 6.8e-4, defect=_EP_COVERAGE),
-    trains("hf-ep-fsdp", "fp8-current", 7.9e-3, defect=_EP_COVERAGE),
-    trains("hf-ep-fsdp", "mxfp8", 1.6e-3, defect=_EP_COVERAGE),
-    trains("hf-ep-fsdp", "nvfp4", 1.3e-2, defect=_EP_COVERAGE),
-    trains("hf-ep-tp", "fp8-current", 8.6e-3, defect=_EP_COVERAGE),  # *
+    # (the experts in the recipe's format under transformers' expert parallelism: the
+    # figures measured since FSDP2's wrapping stopped hiding them)
+    trains("hf-ep-fsdp", "bf16-master", 1.0e-3),
+    trains("hf-ep-fsdp", "fp16-master", 6.8e-4, no_resume=_NO_SAVE),
+    trains("hf-ep-fsdp", "fp8-current", 1.6e-2, no_resume=_NO_SAVE,
+           norm_tol=0.4),  # norms measured to 0.19 (0.29 on an emulated 16-bit path)
+    trains("hf-ep-fsdp", "mxfp8", 2.7e-3, no_resume=_NO_SAVE),
+    trains("hf-ep-fsdp", "nvfp4", 6.9e-3, no_resume=_NO_SAVE),
+    trains("hf-ep-tp", "fp8-current", 8.6e-3, no_resume=_NO_SAVE),
     trains("hf-hsdp", "bf16-master", 3.0e-4),  # *
     trains("hf-tp-fsdp", "bf16-master", 2.8e-3),
     # FSDP2 over transformers' plan: each Linear judged by the plan's shard its forward

@@ -39,7 +39,7 @@ from mixprec.modules.linear import Float8Linear, is_conv1d
 from mixprec.recipe import Recipe
 
 __all__ = ["Coverage", "CoverageRow", "coverage", "warn_low_coverage", "low_precision",
-           "step_flops", "element_bits"]
+           "step_flops", "element_bits", "model_experts"]
 
 #: the share of matmul weights below which a low-precision recipe warns
 WARN_BELOW = 0.5
@@ -221,16 +221,27 @@ def coverage(model: nn.Module, recipe: Recipe | str,
             if w is None or w.dim() != 3:
                 continue
             fmt = getattr(m, f"{proj}_fp8", None)
+            params = w.numel() // w.shape[0] * model_experts(m, w)
             if isinstance(fmt, ExpertsFormat):
-                rows.append(CoverageRow(f"{name}.{proj}", "experts", w.numel(),
+                rows.append(CoverageRow(f"{name}.{proj}", "experts", params,
                                         fmt.format_name))
             else:
                 why = None if not lp else (
                     "its layer: rule keeps it" if r.layer_format(name) == "bf16"
                     else "not converted")
-                rows.append(CoverageRow(f"{name}.{proj}", "experts", w.numel(), high, why))
+                rows.append(CoverageRow(f"{name}.{proj}", "experts", params, high, why))
     rows += _own_experts(model, set(experts_modules(model)))
     return Coverage(tuple(rows), high)
+
+
+def model_experts(m: nn.Module, w: torch.Tensor) -> int:
+    """How many experts experts module ``m``'s 3-D weight ``w`` has in the model: its
+    first dim (a DTensor's is the model's where transformers' expert parallelism
+    shards it), or the group's where ``expert_parallel`` cut it to this rank's. A
+    sharded weight counts whole, as a sharded Linear's DTensor does, so the shares are
+    the model's on every layout."""
+    ep = m.__dict__.get("_mixprec_ep")
+    return ep.num_experts if ep is not None else w.shape[0]
 
 
 def _own_experts(model: nn.Module, done: set[str]) -> list[CoverageRow]:
@@ -286,13 +297,16 @@ def step_flops(model: nn.Module, cov: Coverage, run: Callable[[], Any]) -> dict[
         def routed(mod, args, out, name=name):
             if len(args) < 2:  # not called as (hidden, top_k_index, top_k_weights)
                 return
-            e = mod.num_experts
-            pairs = int((args[1] < e).sum())
+            # expert parallelism (transformers' or expert_parallel's) calls the module
+            # with the model's expert ids of this rank's tokens: their FLOPs, as a
+            # data-parallel Linear's row counts its rank's tokens
             for proj in ("gate_up_proj", "up_proj", "down_proj"):
                 w = getattr(mod, proj, None)
                 if isinstance(w, torch.Tensor) and w.dim() == 3:
+                    pairs = int((args[1] < model_experts(mod, w)).sum())
                     key = f"{name}.{proj}"
-                    flops[key] = flops.get(key, 0) + 2 * pairs * (w.numel() // e)
+                    flops[key] = (flops.get(key, 0)
+                                  + 2 * pairs * (w.numel() // w.shape[0]))
         handles.append(m.register_forward_hook(routed))
     try:
         run()

@@ -28,17 +28,25 @@ from mixprec.experts.format import ExpertsFormat
 from mixprec.experts.grouped import grouped_mm
 from mixprec.recipe import Recipe
 
-__all__ = ["IMPLEMENTATION", "is_experts", "experts_modules", "convert_experts",
-           "restore_experts", "experts_forward"]
+__all__ = ["IMPLEMENTATION", "from_transformers", "is_experts", "experts_modules",
+           "convert_experts", "restore_experts", "experts_forward"]
 
 #: the name mixprec's forward is registered under in transformers' ExpertsInterface
 IMPLEMENTATION = "mixprec"
 
 
+def from_transformers(m: nn.Module) -> bool:
+    """Whether ``m``'s class is transformers' or a wrapper's subclass of one (FSDP2's
+    ``fully_shard`` makes ``FSDP<Class>`` in torch's own module: transformers' expert
+    parallelism shards each experts module so, on its expert-data-parallel mesh)."""
+    return any(c.__module__.startswith("transformers.") for c in type(m).__mro__)
+
+
 def is_experts(m: nn.Module) -> bool:
     """A transformers experts module: decorated by ``use_experts_implementation`` (its
-    layout flags set) with 3-D expert weights."""
-    if not type(m).__module__.startswith("transformers."):
+    layout flags set) with 3-D expert weights (DTensors where transformers' expert
+    parallelism shards them)."""
+    if not from_transformers(m):
         return False
     up = getattr(m, "gate_up_proj" if getattr(m, "has_gate", True) else "up_proj", None)
     down = getattr(m, "down_proj", None)

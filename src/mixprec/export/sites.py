@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from mixprec.experts.format import experts_formats
+from mixprec.experts.hook import from_transformers
 from mixprec.formats.gemm import LinearFormat
 from mixprec.formats.quantized import Quantized, expand_blocks
 from mixprec.modules.linear import fp8_modules
@@ -99,7 +100,7 @@ def kept_linears(module: nn.Module) -> list[str]:
         if (w is not None and w.dim() == 2 and not isinstance(m, nn.Embedding)
                 and f"{n}.weight" not in sites):
             kept.append(f"{n}.weight" if n else "weight")
-        if type(m).__module__.startswith("transformers.") and hasattr(m, "is_transposed"):
+        if from_transformers(m) and hasattr(m, "is_transposed"):
             for proj in ("gate_up_proj", "up_proj", "down_proj"):
                 w = getattr(m, proj, None)
                 if isinstance(w, torch.Tensor) and w.dim() == 3 and f"{n}.{proj}" not in sites:
