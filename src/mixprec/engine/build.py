@@ -47,7 +47,6 @@ from mixprec.parallel.layouts import (
     make_parallel,
     resolve_parallel,
 )
-from mixprec.parallel.pipeline import PP
 from mixprec.recipe import Recipe
 from mixprec.recipe.layer_rules import owner_of
 
@@ -237,8 +236,7 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
     check_expert_parallel(parallel, model)
     check_fp8_filter(fp8_filter, r, model)
     check_fp8_all_gather(r, model, fp8_filter)
-    par = (PP(r, parallel_kwargs, fsdp_units) if parallel == "pp"  # torch's pipelining
-           else make_parallel(parallel, r, model, parallel_kwargs, fsdp_units))
+    par = make_parallel(parallel, r, model, parallel_kwargs, fsdp_units)
     params, frozen = check_model(model)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     device = params[0].device

@@ -33,6 +33,8 @@ and a checkpoint holds this rank's shards unless gathered.
 
 Pipeline stages (``"pp"``, torch's schedules running the backward) are the ``PP`` of
 ``mixprec.parallel.pipeline``: ``backwards_run`` and ``drop_window`` are their moments.
+On a 3-D mesh a stage is itself tensor-parallel and data-parallel
+(``mixprec.parallel.pipeline_mesh``): ``local`` and the norm's sums are the ones above.
 """
 
 from __future__ import annotations
@@ -427,4 +429,8 @@ def make_parallel(parallel: str | None, recipe: Recipe, model: nn.Module,
                          "parallel_kwargs={'mesh': mesh['dp']} for a 2-D mesh")
     if parallel == "fsdp" and has_dtensor_params(model):
         return FSDP(recipe, kwargs, units, two_d=True)
+    if parallel == "pp":  # torch's pipelining (its module builds on this one's)
+        from mixprec.parallel.pipeline import PP
+
+        return PP(recipe, kwargs, units)
     return _MODES[parallel](recipe, kwargs, units)
