@@ -141,7 +141,7 @@ FLOORS = {"_imports": 0, "formats": 0, "recipe": 1, "optim": 2, "parallel": 3, "
 #: rooms above their package's floor: the layouts and the step's rooms on the engine,
 #: the facades over checkpoints, the doctor over the planner's advice
 ROOM_FLOORS = {"mixprec.parallel.layouts": 6, "mixprec.parallel.comm": 6,
-               "mixprec.parallel.pipeline": 6,
+               "mixprec.parallel.pipeline": 6, "mixprec.parallel.pipeline_mesh": 6,
                "mixprec.engine.build": 6.5, "mixprec.engine.step": 6.5,
                "mixprec.engine.facade": 8, "mixprec.parallel.distributed": 8,
                "mixprec.diagnostics.doctor": 10.5}

@@ -80,3 +80,50 @@ def test_pp_x_dp_x_tp_on_eight_ranks_trains_like_one_process_and_skips_together(
         assert norm <= tol, figures
         assert weights <= 5 * tol, figures
     print("pp x dp x tp against one process:", figures)
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A one-rank gloo world and its (pp, dp, tp) mesh of ones."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+    dist.destroy_process_group()
+
+
+def test_a_stage_fsdp_sharded_or_on_another_mesh_is_refused_naming_what_runs(
+        one_rank_mesh):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from helpers.pp3d_workers import Block
+    from mixprec import MixedPrecision
+
+    mesh = one_rank_mesh
+
+    def engine(module, **kw):
+        return MixedPrecision(module, torch.optim.SGD(module.parameters(), lr=0.1),
+                              "bf16-master", parallel="pp", **kw)
+
+    # a tensor-parallel stage with the pipeline's mesh alone: no mesh['tp'] to check
+    tp_stage = parallelize_module(Block(), mesh["tp"], {"up": ColwiseParallel()})
+    with pytest.raises(NotImplementedError, match=r"parallel_kwargs=\{'mesh': mesh\}"):
+        engine(tp_stage, parallel_kwargs={"mesh": mesh["pp"]})
+    # FSDP2 inside a stage: not built, the working layout named
+    fsdp_stage = fully_shard(Block(), mesh=mesh["dp"])
+    with pytest.raises(NotImplementedError, match="FSDP inside a pipeline stage"):
+        engine(fsdp_stage, parallel_kwargs={"mesh": mesh})
+    # dims the pipeline does not know, or a group and a mesh at once
+    from torch.distributed.device_mesh import init_device_mesh
+
+    odd = init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "cp"))
+    with pytest.raises(ValueError, match=r"'cp'|\('pp', 'cp'\)"):
+        engine(Block(), parallel_kwargs={"mesh": odd})
+    with pytest.raises(ValueError, match="both group and mesh"):
+        engine(Block(), parallel_kwargs={"mesh": mesh, "group": mesh["pp"].get_group()})
+    # the whole mesh of ones trains the tensor-parallel stage (a plan over one rank)
+    e = engine(parallelize_module(Block(), mesh["tp"], {"up": ColwiseParallel()}),
+               parallel_kwargs={"mesh": mesh})
+    assert e.parallelism.mesh.tp is None and e.parallelism.mesh.tp_mesh is not None

@@ -268,7 +268,7 @@ class PP(_Replicated):
         on a 1-D mesh: each stage's Linears are its own."""
         self.mesh.agree_amax(fp8_modules)
 
-    def gather(self, obj):
+    def gather(self, obj: Any) -> Any:
         """Every DTensor in ``obj`` (a tensor-parallel stage's) gathered whole over
         ``tp`` (every rank of the stage calls it)."""
         return gather_full(obj)

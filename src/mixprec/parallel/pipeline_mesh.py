@@ -23,6 +23,8 @@ dim raises, naming what runs.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -30,6 +32,11 @@ from torch import nn
 from mixprec.parallel.comm import agree_amax_, reduce_grads_
 from mixprec.parallel.comm_stats import CommStats
 from mixprec.parallel.presharded import fsdp_sharded
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from mixprec.engine.param_state import ParamState
 
 __all__ = ["StageMesh", "MESH_DIMS"]
 
@@ -41,7 +48,8 @@ class StageMesh:
     """The pipeline group and, on a 3-D mesh, the stage's ``dp`` and ``tp`` groups
     (None where the mesh has no such dim, or it has one rank)."""
 
-    def __init__(self, group=None, mesh=None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None,
+                 mesh: DeviceMesh | None = None) -> None:
         if group is not None and mesh is not None:
             raise ValueError("parallel_kwargs gives both group and mesh for parallel='pp': "
                              "give one (mesh['pp'], its get_group(), or a mesh with dims "
@@ -114,7 +122,7 @@ class StageMesh:
                     local = t.to_local() if isinstance(t, DTensor) else t.data
                     dist.broadcast(local, src, group=self.dp)
 
-    def average(self, param_state, comm_dtype: torch.dtype, stats: CommStats) -> None:
+    def average(self, param_state: ParamState, comm_dtype: torch.dtype, stats: CommStats) -> None:
         """The window's gradients averaged over the ``dp`` replicas (nothing without)."""
         if self.dp is not None:
             reduce_grads_(param_state, comm_dtype, stats, group=self.dp)
