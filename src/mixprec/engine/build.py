@@ -39,6 +39,7 @@ from mixprec.modules.linear import fp8_modules
 from mixprec.optim import recipe_settings
 from mixprec.optim.base import EngineBinding, LowPrecisionOptimizer
 from mixprec.optim.kinds import unfuse_over_dtensors
+from mixprec.parallel import pipeline  # noqa: F401 - registers parallel="pp" (make_parallel)
 from mixprec.parallel.comm import shard_like
 from mixprec.parallel.layouts import (
     Parallel,

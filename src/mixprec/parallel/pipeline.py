@@ -58,7 +58,7 @@ from mixprec.parallel.comm import (
     sum_over_shards_,
 )
 from mixprec.parallel.comm_stats import CommStats
-from mixprec.parallel.layouts import _attach_stats, _Replicated
+from mixprec.parallel.layouts import _attach_stats, _Replicated, register_mode
 from mixprec.parallel.pipeline_mesh import StageMesh
 from mixprec.recipe import Recipe
 
@@ -344,3 +344,6 @@ def _floating(t: Any) -> bool:
 def _flat(out: Any) -> tuple:
     """A stage's output as the tuple torch's stage sends."""
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+register_mode("pp", PP)  # make_parallel builds it for parallel="pp"

@@ -23,20 +23,15 @@ dim raises, naming what runs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from mixprec.engine.param_state import ParamState
 from mixprec.parallel.comm import agree_amax_, reduce_grads_
 from mixprec.parallel.comm_stats import CommStats
 from mixprec.parallel.presharded import fsdp_sharded
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from mixprec.engine.param_state import ParamState
 
 __all__ = ["StageMesh", "MESH_DIMS"]
 
