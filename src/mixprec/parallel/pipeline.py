@@ -231,7 +231,7 @@ class PP(_Replicated):
         norm); ``tied`` ones summed over the group first."""
         if self._tied_idx:
             aligned = self._state.grads
-            tied = [aligned[i] for i in self._tied_idx if aligned[i] is not None]
+            tied = [_local(aligned[i]) for i in self._tied_idx if aligned[i] is not None]
             if tied:
                 flat = torch.cat([g.reshape(-1).float() for g in tied])
                 dist.all_reduce(flat, group=self.group)
@@ -240,7 +240,7 @@ class PP(_Replicated):
             self._uncounted = {id(aligned[i]) for i in self._tied_idx if not self._counted[i]}
         self._keep = [id(g) not in self._uncounted for g in grads]
         self._spreads = [spread_of(g) for g in grads]
-        return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        return [_local(g) for g in grads]
 
     def norm_of(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         """The whole pipeline's norm: this stage's squares (summed over the ``tp``
@@ -335,6 +335,11 @@ def stage_args(module: nn.Module | Sequence[nn.Module], sample: Any, engine: Any
         out.append((tuple(_empty_like(t, i > 0) for t in a),
                     tuple(_empty_like(t, True) for t in outs)))
     return out if many else out[0]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view that writes through), or ``t`` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _floating(t: Any) -> bool:
