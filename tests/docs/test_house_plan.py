@@ -142,6 +142,7 @@ FLOORS = {"_imports": 0, "formats": 0, "recipe": 1, "optim": 2, "parallel": 3, "
 #: the facades over checkpoints, the doctor over the planner's advice
 ROOM_FLOORS = {"mixprec.parallel.layouts": 6, "mixprec.parallel.comm": 6,
                "mixprec.parallel.pipeline": 6, "mixprec.parallel.ep_layout": 6,
+               "mixprec.parallel.pipeline_mesh": 6,
                "mixprec.engine.build": 6.5, "mixprec.engine.step": 6.5,
                "mixprec.engine.facade": 8, "mixprec.parallel.distributed": 8,
                "mixprec.diagnostics.doctor": 10.5}

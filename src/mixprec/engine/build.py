@@ -39,6 +39,7 @@ from mixprec.modules.linear import fp8_modules
 from mixprec.optim import recipe_settings
 from mixprec.optim.base import EngineBinding, LowPrecisionOptimizer
 from mixprec.optim.kinds import unfuse_over_dtensors
+from mixprec.parallel import pipeline  # noqa: F401 - registers parallel="pp" (make_parallel)
 from mixprec.parallel.comm import shard_like
 from mixprec.parallel.ep_layout import EP, expert_shard_of
 from mixprec.parallel.layouts import (
@@ -48,7 +49,6 @@ from mixprec.parallel.layouts import (
     make_parallel,
     resolve_parallel,
 )
-from mixprec.parallel.pipeline import PP
 from mixprec.parallel.tp_agree import data_group, share_streams
 from mixprec.recipe import Recipe
 from mixprec.recipe.layer_rules import owner_of
@@ -250,8 +250,7 @@ def build(model: nn.Module, optimizers: list, r: Recipe, *, parallel=None,
     check_fp8_filter(fp8_filter, r, model)
     check_fp8_all_gather(r, model, fp8_filter)
     ep = expert_shard_of(model) if parallel is None else None
-    par = (PP(r, parallel_kwargs, fsdp_units) if parallel == "pp"  # torch's pipelining
-           else EP(r, ep) if ep is not None  # expert parallel: the skip and norm agreed
+    par = (EP(r, ep) if ep is not None  # expert parallel: the skip and norm agreed
            else make_parallel(parallel, r, model, parallel_kwargs, fsdp_units))
     params, frozen = check_model(model)
     names = [n for n, p in model.named_parameters() if p.requires_grad]

@@ -194,7 +194,7 @@ class DirectGrads(GradStorage):
         for p in self.working:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in self.working]
+        grads = [local_shard(p.grad) for p in self.working]  # DTensors: the local shards
         out = mean(torch.cat([g.flatten() for g in grads]))
         torch._foreach_copy_(grads, [r.view_as(g) for r, g in
                                      zip(out.split([g.numel() for g in grads]), grads)])
@@ -321,7 +321,7 @@ class BufferGrads(GradStorage):
     def reduce(self, state: Any, mean: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """The buffers' mean back through the door; the working ``.grad`` are empty,
         so the harvest after it only closes the reduction's account."""
-        bufs = list(self.buffers)
+        bufs = [local_shard(b) for b in self.buffers]  # DTensors: the local shards
         out = mean(torch.cat([b.flatten() for b in bufs]))
         parts = [r.view_as(b) for r, b in zip(out.split([b.numel() for b in bufs]), bufs)]
         state.receive(list(range(len(bufs))), parts, replace=True)

@@ -175,18 +175,20 @@ _HANDED = _Handed()
 ddp_comm_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
-def reduce_grads_(param_state, comm_dtype: torch.dtype, stats: CommStats) -> None:
+def reduce_grads_(param_state, comm_dtype: torch.dtype, stats: CommStats,
+                  group=None) -> None:
     """All-reduce this rank's accumulated gradients outside DDP's reducer, as the hook
     does (comm dtype, pre-divided), and let the parameter state put the mean back
     (``ParamState.reduce``): for a window that ended earlier than its forward
-    expected."""
-    world = dist.get_world_size()
+    expected, or over a pipeline stage's data-parallel ``group`` (default: the
+    world; DTensor gradients send their local shards)."""
+    world = dist.get_world_size(group)
 
     def mean(flat: torch.Tensor) -> torch.Tensor:
         send = flat.to(comm_dtype)
         send.div_(world)
         stats.record(send)
-        dist.all_reduce(send)
+        dist.all_reduce(send, group=group)
         return send
 
     param_state.reduce(mean)
@@ -312,14 +314,14 @@ def sum_over_shards_(squares: list[torch.Tensor], spreads: list,
     return total
 
 
-def agree_amax_(fp8_modules) -> None:
-    """This step's fp8 amaxes become the max over ranks (one all-reduce; none where no
-    module's scaling keeps a history)."""
+def agree_amax_(fp8_modules, max_=all_reduce_max_) -> None:
+    """This step's fp8 amaxes become the max over ranks (one all-reduce, ``max_``: over
+    the world by default; none where no module's scaling keeps a history)."""
     mods = [m for m in fp8_modules if m.quantizer.has_history]
     if not mods:
         return
     cur = torch.stack([m.fp8_amax_history[:, 0] for m in mods])
-    all_reduce_max_(cur)
+    max_(cur)
     for m, row in zip(mods, cur):
         m.fp8_amax_history[:, 0] = row
 

@@ -33,6 +33,8 @@ and a checkpoint holds this rank's shards unless gathered.
 
 Pipeline stages (``"pp"``, torch's schedules running the backward) are the ``PP`` of
 ``mixprec.parallel.pipeline``: ``backwards_run`` and ``drop_window`` are their moments.
+On a 3-D mesh a stage is itself tensor-parallel and data-parallel
+(``mixprec.parallel.pipeline_mesh``): ``local`` and the norm's sums are the ones above.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ from mixprec.recipe.presets import LINEAR_PRESETS
 from mixprec.recipe.syntax import preset_flat
 
 __all__ = ["Parallel", "SingleProcess", "DDP", "FSDP", "TP", "make_parallel",
-           "check_parallel_recipe", "resolve_parallel", "has_dtensor_params", "tp_formats"]
+           "check_parallel_recipe", "resolve_parallel", "has_dtensor_params", "tp_formats",
+           "register_mode"]
 
 
 class Parallel:
@@ -329,6 +332,13 @@ class TP(_Replicated):
 
 _MODES = {None: SingleProcess, "ddp": DDP, "fsdp": FSDP, "tp": TP}
 
+
+def register_mode(name: str, cls: type[Parallel]) -> None:
+    """``make_parallel`` builds ``cls`` for ``parallel=name``: for a mode whose module
+    builds on this one (``"pp"``, ``mixprec.parallel.pipeline``)."""
+    _MODES[name] = cls
+
+
 #: compute formats tensor parallelism runs besides the Linear formats
 _TP_COMPUTE = ("fp32", "tf32", "bf16", "fp16")
 
@@ -427,4 +437,7 @@ def make_parallel(parallel: str | None, recipe: Recipe, model: nn.Module,
                          "parallel_kwargs={'mesh': mesh['dp']} for a 2-D mesh")
     if parallel == "fsdp" and has_dtensor_params(model):
         return FSDP(recipe, kwargs, units, two_d=True)
+    if parallel not in _MODES:  # "pp": its module registers it on import
+        raise RuntimeError(f"parallel={parallel!r} is not registered: import "
+                           "mixprec.parallel.pipeline first (mixprec's engine does)")
     return _MODES[parallel](recipe, kwargs, units)

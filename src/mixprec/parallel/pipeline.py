@@ -28,6 +28,12 @@ What the ``PP`` mode does at each moment of the step:
   of squares over it (parameters tied across stages, ``tied=``, counted once);
 - the fp8 scales and the start are each stage's own (no weight is broadcast).
 
+On a 3-D ``DeviceMesh`` (``parallel_kwargs={"mesh": mesh}``, dims named ``pp``, ``dp``,
+``tp`` as torchtitan builds them) a stage is itself split by a tensor-parallel plan over
+``mesh["tp"]`` and replicated over ``mesh["dp"]``: its replicas' gradients are averaged
+at the window's end, the skip is the MAX over the whole world, the norm also sums over
+the ``tp`` shards (``mixprec.parallel.pipeline_mesh``).
+
 Zero-bubble schedules (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
 ``ScheduleDualPipeV``) write the weight gradients' ``.grad`` themselves, past autograd's
 accumulation: ``step()`` finds them there and refuses, naming the schedules that work.
@@ -45,8 +51,15 @@ from torch import nn
 from mixprec.engine.gradnorm import fp32_norms
 from mixprec.engine.param_state import ParamState
 from mixprec.engine.scaler import LossScaler
-from mixprec.parallel.comm import require_process_group
-from mixprec.parallel.layouts import _Replicated, has_dtensor_params
+from mixprec.parallel.comm import (
+    gather_full,
+    require_process_group,
+    spread_of,
+    sum_over_shards_,
+)
+from mixprec.parallel.comm_stats import CommStats
+from mixprec.parallel.layouts import _attach_stats, _Replicated, register_mode
+from mixprec.parallel.pipeline_mesh import StageMesh
 from mixprec.recipe import Recipe
 
 __all__ = ["PP", "PipelineLoss", "stage_args", "WORKING_SCHEDULES"]
@@ -89,7 +102,8 @@ class PP(_Replicated):
     """Pipeline parallelism over torch's ``PipelineStage`` (see the module docstring).
 
     ``parallel_kwargs``: ``group`` (the pipeline's process group; default: the world),
-    or ``mesh`` (a 1-D ``DeviceMesh``, e.g. ``mesh["pp"]``), and ``tied``: names of this
+    or ``mesh`` (a 1-D ``DeviceMesh``, e.g. ``mesh["pp"]``, or the whole mesh with dims
+    named ``pp``, ``dp``, ``tp``: ``pipeline_mesh.StageMesh``), and ``tied``: names of this
     stage's parameters that are copies of a parameter another stage holds (a tied
     embedding and head), the same number, shapes and order on every rank of the group:
     they start from the group's first rank, their gradients are summed over the group
@@ -108,19 +122,16 @@ class PP(_Replicated):
             raise ValueError("fsdp_units given with parallel='pp'; it chooses FSDP's "
                              "units: drop it")
         require_process_group("pp")
-        group, mesh = kwargs.get("group"), kwargs.get("mesh")
-        if group is not None and mesh is not None:
-            raise ValueError("parallel_kwargs gives both group and mesh for parallel='pp': "
-                             "give one (mesh['pp'] or its get_group())")
-        if mesh is not None:
-            if mesh.ndim != 1:
-                raise ValueError(f"parallel='pp' takes a 1-D mesh (mesh['pp']), got "
-                                 f"{mesh.ndim} dims {mesh.mesh_dim_names}")
-            group = mesh.get_group()
         super().__init__(recipe, None, None)
-        #: the pipeline's process group: the skip and the norm are agreed over it
-        self.group = group if group is not None else dist.group.WORLD
+        #: the pipeline's group and, on a 3-D mesh, the stage's ``dp`` and ``tp`` groups
+        self.mesh = StageMesh(kwargs.get("group"), kwargs.get("mesh"))
+        #: the pipeline's process group: the norm is summed over it
+        self.group = self.mesh.pp
         self.world_size = dist.get_world_size(self.group)
+        #: the stage's replicas' averaging and its shards' norm sums (3-D meshes)
+        self.comm_stats = CommStats() if self.mesh.inner else None
+        self._spreads: list = []
+        self._keep: list[bool] = []
         self.tied = tuple(kwargs.get("tied", ()))
         self._state = None
         self._hooks: list = []
@@ -134,13 +145,9 @@ class PP(_Replicated):
 
     def start(self, model: nn.Module) -> None:
         """Each stage keeps its own weights; ``tied`` ones start from the group's first
-        rank's."""
-        if has_dtensor_params(model):
-            raise NotImplementedError(
-                "parallel='pp' over a model with DTensor parameters (a tensor-parallel "
-                "plan or FSDP2 shards): pipeline stages run with plain parameters only. "
-                "Drop parallelize_module / fully_shard on the stage, or train the model "
-                "with parallel='tp' or 'fsdp' without a pipeline")
+        rank's; a stage's ``tp`` and ``dp`` ranks start from the same
+        (``StageMesh.start``)."""
+        self.mesh.check_model(model)
         params = dict(model.named_parameters())
         missing = [n for n in self.tied if n not in params]
         if missing:
@@ -150,6 +157,14 @@ class PP(_Replicated):
         with torch.no_grad():
             for n in self.tied:
                 dist.broadcast(params[n].data, src, group=self.group)
+        self.mesh.start(model)
+
+    def shard(self, model: nn.Module, optimizers: list, emulate: bool) -> nn.Module:
+        """Nothing is sharded (a tensor-parallel plan did it): the quantized Linears of
+        such a stage record their amax all-reduces in ``comm_stats``."""
+        if self.mesh.tp is not None:
+            _attach_stats(model, self.comm_stats)
+        return model
 
     def wrap(self, model: nn.Module, param_state: ParamState) -> nn.Module:
         """The hooks that take each micro-batch's gradient into ``param_state``."""
@@ -202,6 +217,8 @@ class PP(_Replicated):
                 f"than grad_accum_steps={accum_steps}: build the engine with "
                 "grad_accum_steps = n_microbatches x the schedule steps per update (the "
                 "loss is divided by it)")
+        if n and micro + n == accum_steps:  # the window is whole: the replicas' mean
+            self.mesh.average(state, self.recipe.comm_dtype, self.comm_stats)
         return n
 
     def drop_window(self) -> None:
@@ -210,35 +227,51 @@ class PP(_Replicated):
         self._held = [None] * len(self._held)
 
     def local(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The gradients as they are; ``tied`` ones summed over the group first."""
+        """The gradients (DTensors': their local shards, the spreads kept for the
+        norm); ``tied`` ones summed over the group first."""
         if self._tied_idx:
             aligned = self._state.grads
-            tied = [aligned[i] for i in self._tied_idx if aligned[i] is not None]
+            tied = [_local(aligned[i]) for i in self._tied_idx if aligned[i] is not None]
             if tied:
                 flat = torch.cat([g.reshape(-1).float() for g in tied])
                 dist.all_reduce(flat, group=self.group)
                 for g, v in zip(tied, flat.split([g.numel() for g in tied])):
                     g.copy_(v.view_as(g))
             self._uncounted = {id(aligned[i]) for i in self._tied_idx if not self._counted[i]}
-        return grads
+        self._keep = [id(g) not in self._uncounted for g in grads]
+        self._spreads = [spread_of(g) for g in grads]
+        return [_local(g) for g in grads]
 
     def norm_of(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """The whole pipeline's norm: this stage's squares summed over the group, a
-        tied parameter's counted on the group's first rank only."""
-        skip = self._uncounted
-        mine = [g for g in grads if id(g) not in skip]
-        sq = (torch.stack(fp32_norms(mine)).square().sum() if mine
-              else torch.zeros((), device=device))
+        """The whole pipeline's norm: this stage's squares (summed over the ``tp``
+        dims each gradient is sharded on, as ``parallel="tp"`` sums them) summed over
+        the group, a tied parameter's counted on the group's first rank only; ``dp``
+        replicas hold the same averaged gradients."""
+        if len(self._keep) != len(grads):
+            raise RuntimeError(f"{len(grads)} gradients for {len(self._keep)} read by "
+                               "local(): the norm must read the gradients it returned")
+        mine = [(g, s) for g, s, k in zip(grads, self._spreads, self._keep) if k]
+        sq = (sum_over_shards_(list(torch.stack(fp32_norms([g for g, _ in mine]))
+                                    .square().unbind()), [s for _, s in mine],
+                               self.comm_stats)
+              if mine else torch.zeros((), device=device))
         dist.all_reduce(sq, group=self.group)
         return sq.sqrt()
 
     def agree_max_(self, t: torch.Tensor) -> torch.Tensor:
-        """The MAX over the pipeline group: every stage skips the same steps."""
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return t
+        """The MAX over the pipeline group and the stage's own groups (the whole
+        mesh): every rank skips the same steps."""
+        return self.mesh.agree_max_(t)
 
     def agree_amax(self, fp8_modules: list) -> None:
-        """Nothing: each stage's Linears are its own."""
+        """The MAX over the stage's ``dp`` and ``tp`` ranks (amax histories); nothing
+        on a 1-D mesh: each stage's Linears are its own."""
+        self.mesh.agree_amax(fp8_modules)
+
+    def gather(self, obj: Any) -> Any:
+        """Every DTensor in ``obj`` (a tensor-parallel stage's) gathered whole over
+        ``tp`` (every rank of the stage calls it)."""
+        return gather_full(obj)
 
     def loss(self, loss_fn: Callable[..., torch.Tensor], scaler: LossScaler,
              accum_steps: int) -> PipelineLoss:
@@ -304,6 +337,11 @@ def stage_args(module: nn.Module | Sequence[nn.Module], sample: Any, engine: Any
     return out if many else out[0]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view that writes through), or ``t`` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _floating(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
 
@@ -311,3 +349,6 @@ def _floating(t: Any) -> bool:
 def _flat(out: Any) -> tuple:
     """A stage's output as the tuple torch's stage sends."""
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+register_mode("pp", PP)  # make_parallel builds it for parallel="pp"
