@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mixprec.memory import GB, ITEMS, Breakdown, TransformerSpec, estimate
+from mixprec.memory import GB, ITEMS, Breakdown, TransformerSpec, estimate, stage_estimates
 from mixprec.memory import parse_bytes as parse
 from mixprec.memory.hf_config import spec_from_config
 from mixprec.memory.pipeline import SCHEDULES, PipelineSchedule, in_flight
@@ -148,8 +148,6 @@ def run(args: argparse.Namespace) -> int:
     for n in dict.fromkeys(n for b in results.values() for n in b.notes):  # each once
         con.print(f"note: {n}")
     if pipe is not None:
-        from mixprec.memory import stage_estimates
-
         for r in results:
             each = stage_estimates(spec, r, pipe, optimizer=args.optimizer,
                                    zero_stage=args.zero, world_size=args.gpus,

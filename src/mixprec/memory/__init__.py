@@ -58,10 +58,9 @@ from mixprec.memory.breakdown import GB, ITEMS, Breakdown
 from mixprec.memory.hf_config import spec_from_config
 from mixprec.memory.ledger import high_water, measure
 from mixprec.memory.pipeline import PipelineSchedule
-from mixprec.memory.plan import estimate
+from mixprec.memory.plan import estimate, stage_estimates
 from mixprec.memory.shapes import param_count
 from mixprec.memory.spec import TransformerSpec, activation_bytes
-from mixprec.memory.stages import stage_estimates
 from mixprec.memory.units import parse_bytes, parse_count
 
 __all__ = ["Breakdown", "TransformerSpec", "estimate", "measure", "high_water",

@@ -28,6 +28,9 @@ from __future__ import annotations
 
 import math
 
+from mixprec.experts.dispatch import codes_dispatch
+from mixprec.experts.format import ExpertsFormat
+from mixprec.formats.elements import get, names
 from mixprec.memory.spec import TransformerSpec
 from mixprec.recipe import Recipe
 
@@ -46,10 +49,6 @@ def _row_layout(recipe: Recipe, h: int) -> tuple[float, float, bool] | None:
     dispatches as codes, asked of the format (its element bits and ``ScaleGrain``, the
     block kernel's scale dtype, as the dispatch sends them); None where it sends 16
     bits."""
-    from mixprec.experts.dispatch import codes_dispatch
-    from mixprec.experts.format import ExpertsFormat
-    from mixprec.formats.elements import get, names
-
     if recipe.linear is None:
         return None
     fmt = ExpertsFormat(recipe)

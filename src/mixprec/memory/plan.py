@@ -12,6 +12,7 @@ from torch import nn
 
 from mixprec.engine.devices import emulating, fp8_gemm_route, fp8_rest
 from mixprec.engine.param_state import grads_in_place, updated_dtype
+from mixprec.experts.expert_parallel import expert_parallel_modules
 from mixprec.formats.elements import dtype_of
 from mixprec.memory.breakdown import Breakdown
 from mixprec.memory.expert_dispatch import ep_buffer_bytes, expert_params
@@ -21,6 +22,7 @@ from mixprec.memory.moe import moe_experts, moe_notes, moe_terms, routed_rows
 from mixprec.memory.pipeline import PipelineSchedule
 from mixprec.memory.shapes import param_count, spec_linears
 from mixprec.memory.spec import TransformerSpec, activation_bytes
+from mixprec.memory.stages import stage_breakdowns, worst
 from mixprec.memory.transient import (
     backward_transient,
     linear_shapes,
@@ -36,7 +38,7 @@ from mixprec.optim.writes import write_bytes
 from mixprec.recipe import Recipe
 from mixprec.recipe.linear_format import quantizer_for
 
-__all__ = ["estimate"]
+__all__ = ["estimate", "stage_estimates"]
 
 # torch optimizer -> (parameter-sized states, 0-dim fp32 tensors per parameter such as
 # the step count), for torch's defaults (no amsgrad, no RMSprop momentum/centering)
@@ -105,8 +107,6 @@ def estimate(
     ``mixprec.experts.expert_parallel`` cut it, its experts are this rank's).
     """
     if pipeline is not None:
-        from mixprec.memory.stages import stage_estimates, worst
-
         return worst(stage_estimates(params, recipe, pipeline, optimizer=optimizer,
                                      zero_stage=zero_stage, world_size=world_size,
                                      activations=activations,
@@ -244,8 +244,6 @@ def _ep_spec(params: Any, activations: Any, ep: int) -> TransformerSpec | None:
                          "one off a transformers config): its tokens, top_k and hidden "
                          "size the dispatch buffers")
     if isinstance(params, nn.Module):
-        from mixprec.experts.expert_parallel import expert_parallel_modules
-
         if not expert_parallel_modules(params):
             raise ValueError(f"expert_parallel={ep} for a module that is not "
                              "expert-parallel: call mixprec.experts.expert_parallel(model, "
@@ -399,3 +397,19 @@ def _fp8_state_bytes(model: nn.Module, r: Recipe) -> tuple[float, set[int]]:
                          for t, _ in quantizer_for(own).buffers("meta").values())
     return float(total), ids
 
+
+def stage_estimates(params: TransformerSpec, recipe: Recipe | str,
+                    pipeline: PipelineSchedule, *, optimizer: str = "adamw",
+                    zero_stage: int = 0, world_size: int = 1,
+                    activations: TransformerSpec | None = None,
+                    expert_parallel: int = 1) -> list[Breakdown]:
+    """Each stage's (rank's) bytes under ``pipeline``: its parameters, gradients,
+    masters and optimizer states (a step count per tensor included), one micro-batch's
+    activations times its micro-batches in flight, its boundary buffers
+    (``pp_buffers``), and the peak of its step (``mixprec.memory.stages``).
+    ``zero_stage`` and ``world_size`` describe each stage's data-parallel dimension,
+    ``expert_parallel`` its experts' (``estimate``)."""
+    return stage_breakdowns(params, recipe, pipeline, estimate=estimate, states=_STATES,
+                            optimizer=optimizer, zero_stage=zero_stage,
+                            world_size=world_size, activations=activations,
+                            expert_parallel=expert_parallel)

@@ -5,6 +5,7 @@ is ``mixprec.memory.pipeline``'s."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from mixprec.memory.breakdown import Breakdown
 from mixprec.memory.pipeline import (
@@ -19,22 +20,22 @@ from mixprec.memory.pipeline import (
 from mixprec.memory.spec import TransformerSpec
 from mixprec.recipe import Recipe
 
-__all__ = ["stage_estimates", "worst"]
+__all__ = ["stage_breakdowns", "worst"]
 
 
-def stage_estimates(params: TransformerSpec, recipe: Recipe | str,
-                    pipeline: PipelineSchedule, *, optimizer: str = "adamw",
-                    zero_stage: int = 0, world_size: int = 1,
-                    activations: TransformerSpec | None = None,
-                    expert_parallel: int = 1) -> list[Breakdown]:
-    """Each stage's (rank's) bytes under ``pipeline``: its parameters, gradients,
+def stage_breakdowns(params: TransformerSpec, recipe: Recipe | str,
+                     pipeline: PipelineSchedule, *, estimate: Callable[..., Breakdown],
+                     states: dict, optimizer: str = "adamw", zero_stage: int = 0,
+                     world_size: int = 1, activations: TransformerSpec | None = None,
+                     expert_parallel: int = 1) -> list[Breakdown]:
+    """``mixprec.memory.plan.stage_estimates`` given the planner's ``estimate`` and its
+    optimizers' ``states`` table (passed in: the planner imports this module).
+    Each stage's (rank's) bytes under ``pipeline``: its parameters, gradients,
     masters and optimizer states (a step count per tensor included), one micro-batch's
     activations times its micro-batches in flight, its boundary buffers
     (``pp_buffers``), and the peak of its step (``mixprec.memory.pipeline``).
     ``zero_stage`` and ``world_size`` describe each stage's data-parallel dimension,
     ``expert_parallel`` its experts' (``estimate``)."""
-    from mixprec.memory.plan import _STATES, estimate
-
     if not isinstance(pipeline, PipelineSchedule):
         raise TypeError(f"pipeline={pipeline!r}: a mixprec.memory.PipelineSchedule("
                         "stages=, microbatches=, schedule=)")
@@ -47,7 +48,7 @@ def stage_estimates(params: TransformerSpec, recipe: Recipe | str,
                          "and measure its activations")
     r = Recipe.coerce(recipe)
     width = 4.0 if r.precision.emulate or r.precision.compute in ("fp32", "tf32") else 2.0
-    steps = _STATES.get(optimizer.lower().replace("-", "_"), (0, 0))[1]
+    steps = states.get(optimizer.lower().replace("-", "_"), (0, 0))[1]
     shard = world_size if zero_stage >= 1 else 1
     out = []
     for i in range(pipeline.stages):
