@@ -314,14 +314,15 @@ def sum_over_shards_(squares: list[torch.Tensor], spreads: list,
     return total
 
 
-def agree_amax_(fp8_modules, max_=all_reduce_max_) -> None:
+def agree_amax_(fp8_modules, max_=None) -> None:
     """This step's fp8 amaxes become the max over ranks (one all-reduce, ``max_``: over
-    the world by default; none where no module's scaling keeps a history)."""
+    the world by default, ``all_reduce_max_`` looked up at the call; none where no
+    module's scaling keeps a history)."""
     mods = [m for m in fp8_modules if m.quantizer.has_history]
     if not mods:
         return
     cur = torch.stack([m.fp8_amax_history[:, 0] for m in mods])
-    max_(cur)
+    (max_ or all_reduce_max_)(cur)
     for m, row in zip(mods, cur):
         m.fp8_amax_history[:, 0] = row
 
