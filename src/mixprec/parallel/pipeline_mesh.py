@@ -68,6 +68,8 @@ class StageMesh:
                 self.tp = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
         #: the pipeline's process group (the world where none is given)
         self.pp = group if group is not None else dist.group.WORLD
+        #: a mesh over the whole world: its skip flags agree in one all-reduce
+        self.spans_world = mesh is not None and mesh.size() == dist.get_world_size()
 
     @property
     def inner(self) -> list:
@@ -124,7 +126,7 @@ class StageMesh:
 
     def agree_max_(self, t: torch.Tensor) -> torch.Tensor:
         """In place: the MAX over the pipeline and the stage's groups (the world)."""
-        for g in (self.pp, *self.inner):
+        for g in ((dist.group.WORLD,) if self.spans_world else (self.pp, *self.inner)):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
         return t
 
